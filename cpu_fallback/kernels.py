@@ -1,0 +1,184 @@
+"""NumPy twins of every kernel in kernels/*.cu: same name, same arguments, same result to the byte.
+
+Where a kernel takes a table of device addresses (``new_ptrs``, ``out_ptrs``, ...), its twin takes the list of
+arrays those addresses point to (``None`` for a null address). Scalars and small tables are the same NumPy
+arrays the GPU wrapper (gpu_codec/_kernel_ops.py) uploads. Outputs are written into the arrays passed in, as
+the kernels do. These twins are what the emulated and GPU backends are tested against; the NumPy backend itself
+runs the faster composition in :mod:`cpu_fallback.select`, which gives the same bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .elementwise import DT_F64, decoded, delta, load_f32, nonfinite, score_key, scores_f32, \
+    store_from_f32
+
+BLOCK = 256
+ITEMS = 16
+CHUNK = BLOCK * ITEMS
+U64_MAX = np.uint64(0xFFFFFFFFFFFFFFFF)
+
+
+def _chunk_ids(numel: int) -> np.ndarray:
+    return np.arange(numel, dtype=np.int64) // CHUNK
+
+
+def score_keys(nt, chunk_start, elem_off, numel, dtypes, new_ptrs, base_ptrs, res_ptrs, score_ptrs,
+               score_dtypes, crit, keys, err):
+    for t in range(int(nt)):
+        n = int(numel[t])
+        if n == 0:
+            continue
+        dt = int(dtypes[t])
+        d = delta(new_ptrs[t], base_ptrs[t], res_ptrs[t], dt)
+        s = scores_f32(int(crit), new_ptrs[t], base_ptrs[t], d, dt, score_ptrs[t], int(score_dtypes[t]))
+        off = int(elem_off[t])
+        keys[off:off + n] = score_key(s)
+        if nonfinite(d) or nonfinite(s):
+            err[0] = min(int(err[0]), t)
+
+
+def radix_hist(nt, chunk_start, elem_off, numel, seg_of, keys, state, shift, hist):
+    shift = int(shift)
+    for t in range(int(nt)):
+        n = int(numel[t])
+        s = int(seg_of[t])
+        if n == 0 or int(state[2 * s + 1]) == 0:
+            continue
+        k = keys[int(elem_off[t]):int(elem_off[t]) + n]
+        if shift != 24:
+            prefix = np.uint32(int(state[2 * s]))
+            k = k[(k >> np.uint32(shift + 8)) == (prefix >> np.uint32(shift + 8))]
+        digits = (k >> np.uint32(shift)) & np.uint32(255)
+        hist[256 * s:256 * (s + 1)] += np.bincount(digits, minlength=256).astype(np.uint64)
+
+
+def radix_pick(nseg, shift, hist, state):
+    for s in range(int(nseg)):
+        h = hist[256 * s:256 * (s + 1)]
+        k_rem = int(state[2 * s + 1])
+        if k_rem != 0:
+            prefix = int(state[2 * s])
+            for b in range(255, -1, -1):
+                c = int(h[b])
+                if k_rem <= c:
+                    prefix |= b << int(shift)
+                    break
+                k_rem -= c
+            state[2 * s] = prefix
+            state[2 * s + 1] = k_rem
+        h[:] = 0
+
+
+def chunk_count(nt, chunk_start, elem_off, numel, seg_of, keys, state, cnt):
+    for t in range(int(nt)):
+        n = int(numel[t])
+        if n == 0:
+            continue
+        T = np.uint32(int(state[2 * int(seg_of[t])]))
+        k = keys[int(elem_off[t]):int(elem_off[t]) + n]
+        ids = _chunk_ids(n)
+        nch = int(chunk_start[t + 1] - chunk_start[t])
+        c0 = int(chunk_start[t])
+        cnt[2 * c0:2 * (c0 + nch):2] = np.bincount(ids[k > T], minlength=nch)[:nch]
+        cnt[2 * c0 + 1:2 * (c0 + nch):2] = np.bincount(ids[k == T], minlength=nch)[:nch]
+
+
+def _tensor_of_chunk(chunk_start: np.ndarray, nt: int, nchunks: int) -> np.ndarray:
+    return np.searchsorted(np.asarray(chunk_start[:nt]), np.arange(nchunks), side="right") - 1
+
+
+def chunk_scan(nt, nchunks, chunk_start, seg_of, seg_first_chunk, state, cnt, eq_base, out_base, tensor_counts):
+    nt, nchunks = int(nt), int(nchunks)
+    gt = cnt[0:2 * nchunks:2].astype(np.uint64)
+    eq = cnt[1:2 * nchunks:2].astype(np.uint64)
+    E = np.concatenate([[0], np.cumsum(eq, dtype=np.uint64)]).astype(np.uint64)[:nchunks]
+    seg = np.asarray(seg_of)[_tensor_of_chunk(chunk_start, nt, nchunks)] if nchunks else np.zeros(0, np.int64)
+    eqb = E - E[np.asarray(seg_first_chunk)[seg]] if nchunks else E
+    eq_base[:nchunks] = eqb
+    take = np.asarray(state)[1::2][seg] if nchunks else np.zeros(0, np.uint64)
+    rest = np.where(take > eqb, take - eqb, 0).astype(np.uint64)
+    sel = gt + np.minimum(rest, eq)
+    ob = np.concatenate([[0], np.cumsum(sel, dtype=np.uint64)]).astype(np.uint64)
+    out_base[:nchunks + 1] = ob
+    cs = np.asarray(chunk_start, dtype=np.int64)
+    tensor_counts[:nt] = ob[cs[1:nt + 1]] - ob[cs[:nt]]
+
+
+def _chunk_write(nt, chunk_start, elem_off, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, res_out_ptrs,
+                 qmode, keys, state, eq_base, out_base, out_idx, vals32, vals64):
+    for t in range(int(nt)):
+        n = int(numel[t])
+        if n == 0:
+            continue
+        s = int(seg_of[t])
+        T = np.uint32(int(state[2 * s]))
+        take = int(state[2 * s + 1])
+        k = keys[int(elem_off[t]):int(elem_off[t]) + n]
+        ids = _chunk_ids(n)
+        c0 = int(chunk_start[t])
+        gt = k > T
+        eq = k == T
+        # rank of each equal key among the equal keys of its segment
+        eq_cum = np.cumsum(eq, dtype=np.int64) - eq
+        chunk_first = np.arange(0, n, CHUNK)
+        eq_in_chunk_before = eq_cum - eq_cum[chunk_first][ids]
+        eq_rank = np.asarray(eq_base, dtype=np.int64)[c0 + ids] + eq_in_chunk_before
+        sel = gt | (eq & (eq_rank < take))
+        sel_cum = np.cumsum(sel, dtype=np.int64) - sel
+        pos = np.asarray(out_base, dtype=np.int64)[c0 + ids] + (sel_cum - sel_cum[chunk_first][ids])
+        where = np.flatnonzero(sel)
+        dt = int(dtypes[t])
+        d = delta(new_ptrs[t], base_ptrs[t], res_ptrs[t], dt)
+        slots = pos[where]
+        out_idx[slots] = where.astype(out_idx.dtype)
+        if dt == DT_F64:
+            vals64[slots] = d[where]
+        else:
+            vals32[slots] = d[where]
+        ro = res_out_ptrs[t]
+        if ro is not None:
+            r = d.copy()
+            r[where] = d[where] - decoded(d[where], int(qmode))
+            ro[:] = r
+
+
+def chunk_write_u32(*args):
+    _chunk_write(*args)
+
+
+def chunk_write_u64(*args):
+    _chunk_write(*args)
+
+
+def _scatter(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, vals64, mode, err):
+    nt, total = int(nt), int(total)
+    es = np.asarray(ent_start, dtype=np.uint64)
+    for t in range(nt):
+        a, b = int(es[t]), int(es[t + 1])
+        if b <= a:
+            continue
+        i = np.asarray(idx[a:b]).astype(np.uint64)
+        bad = i >= np.uint64(int(numel[t]))
+        bad[1:] |= i[1:] <= i[:-1]
+        if bad.any():
+            err[0] = min(int(err[0]), a + int(np.flatnonzero(bad)[0]))
+        ok = np.flatnonzero(~bad)
+        ii = i[ok].astype(np.int64)
+        dt = int(out_dtypes[t])
+        out = out_ptrs[t]
+        if dt == DT_F64:
+            v = vals64[a:b][ok]
+            out[ii] = out[ii] + v if int(mode) == 1 else v
+        else:
+            v = vals32[a:b][ok]
+            out[ii] = store_from_f32(load_f32(out[ii], dt) + v if int(mode) == 1 else v, dt)
+
+
+def scatter_u32(*args):
+    _scatter(*args)
+
+
+def scatter_u64(*args):
+    _scatter(*args)

@@ -1,0 +1,143 @@
+"""Array interchange: NumPy, CuPy and torch (CPU or CUDA) in, the same kind on the same device out.
+
+Arrays are handled internally as :class:`Tensor`: a flat, C-contiguous backend array (NumPy on the host, CuPy on
+the device) plus the logical dtype and shape. torch <-> CuPy goes through DLPack with no copy. bfloat16, which
+neither NumPy nor CuPy has, travels as its uint16 bit pattern.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import InvalidInputError
+
+_NP_TO_LOGICAL = {
+    np.dtype("float32"): "float32",
+    np.dtype("float16"): "float16",
+    np.dtype("float64"): "float64",
+}
+_TORCH_LOGICAL = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
+                  "torch.float64": "float64"}
+
+
+@dataclass
+class Tensor:
+    """A flat backend array with its logical dtype, shape and origin kind ('numpy', 'cupy' or 'torch')."""
+
+    data: Any  # 1-D, C-contiguous numpy.ndarray or cupy.ndarray (uint16 for bfloat16)
+    dtype: str  # logical dtype name, or a non-float NumPy dtype name for inputs that are rejected later
+    shape: tuple[int, ...]
+    kind: str
+    device: Any = None  # torch.device for torch inputs, CUDA device id for CuPy
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def on_gpu(self) -> bool:
+        return type(self.data).__module__.startswith("cupy")
+
+
+def _is_torch(x: Any) -> bool:
+    if not type(x).__module__.startswith("torch"):
+        return False
+    import torch
+
+    return isinstance(x, torch.Tensor)
+
+
+def _is_cupy(x: Any) -> bool:
+    return type(x).__module__.startswith("cupy")
+
+
+def array_kind(x: Any) -> str:
+    if isinstance(x, np.ndarray) or np.isscalar(x):
+        return "numpy"
+    if _is_cupy(x):
+        return "cupy"
+    if _is_torch(x):
+        return "torch"
+    raise InvalidInputError(f"expected a NumPy array, CuPy array or torch tensor, got {type(x).__name__}")
+
+
+def to_tensor(x: Any, name: str) -> Tensor:
+    """Wrap an input array without copying it where its memory is already contiguous."""
+    kind = array_kind(x)
+    if kind == "torch":
+        import torch
+
+        logical = _TORCH_LOGICAL.get(str(x.dtype), str(x.dtype).replace("torch.", ""))
+        shape = tuple(int(s) for s in x.shape)
+        t = x.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        if logical == "bfloat16":
+            t = t.view(torch.int16)
+        flat = t.reshape(-1)
+        if flat.is_cuda:
+            import cupy
+
+            data = cupy.from_dlpack(flat)
+        else:
+            data = flat.numpy()
+        if logical == "bfloat16":
+            data = data.view(np.uint16)
+        return Tensor(data, logical, shape, "torch", x.device)
+    if kind == "cupy":
+        import cupy
+
+        dt = np.dtype(x.dtype)
+        logical = _NP_TO_LOGICAL.get(dt, dt.name)
+        data = cupy.ascontiguousarray(x).reshape(-1)
+        return Tensor(data, logical, tuple(x.shape), "cupy", x.device.id)
+    arr = np.asarray(x)
+    dt = arr.dtype
+    if dt.name == "bfloat16":  # ml_dtypes
+        logical = "bfloat16"
+        arr = arr.view(np.uint16)
+    else:
+        logical = _NP_TO_LOGICAL.get(dt, dt.name)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    data = np.ascontiguousarray(arr).reshape(-1)
+    return Tensor(data, logical, tuple(arr.shape), "numpy", None)
+
+
+def from_backend(data: Any, logical: str, shape: tuple[int, ...], kind: str, device: Any = None) -> Any:
+    """Turn a flat backend array into the caller's kind (no copy where the memory can be shared)."""
+    on_gpu = _is_cupy(data)
+    if kind == "torch":
+        import torch
+
+        if logical == "bfloat16":
+            data = data.view(np.int16)
+        t = torch.from_dlpack(data) if on_gpu else torch.from_numpy(data)
+        if logical == "bfloat16":
+            t = t.view(torch.bfloat16)
+        t = t.reshape(shape)
+        if device is not None and t.device != device:
+            t = t.to(device)
+        return t
+    if kind == "cupy":
+        import cupy
+
+        arr = data if on_gpu else cupy.asarray(data)
+        return _np_logical_view(arr, logical).reshape(shape)
+    arr = data.get() if on_gpu else data
+    return _np_logical_view(arr, logical).reshape(shape)
+
+
+def _np_logical_view(arr: Any, logical: str) -> Any:
+    if logical == "bfloat16":
+        try:
+            import ml_dtypes
+
+            return arr.view(ml_dtypes.bfloat16) if isinstance(arr, np.ndarray) else arr
+        except ImportError:
+            return arr  # uint16 bit pattern
+    return arr

@@ -1,0 +1,329 @@
+"""The engine: exact top-k sparse compression of a model update, and its inverse.
+
+>>> import numpy as np, gpu_codec
+>>> base = {"w": np.zeros(8, np.float32)}
+>>> new = {"w": np.array([0, 3, 0, -5, 0, 1, 0, 0], np.float32)}
+>>> payload = gpu_codec.compress(new, base=base, fraction=0.25)     # keep ceil(0.25 * 8) = 2 entries
+>>> payload.tensors[0].buffers["indices"].tolist(), payload.tensors[0].buffers["values"].tolist()
+([1, 3], [3.0, -5.0])
+>>> gpu_codec.decompress(payload.to_bytes(), base=base)["w"].tolist()
+[0.0, 3.0, 0.0, -5.0, 0.0, 0.0, 0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+
+from . import _dtypes
+from ._arrays import Tensor, array_kind, from_backend, to_tensor
+from .backend import get_backend
+from .errors import InvalidInputError, PayloadIndexError, PayloadLayoutError, PayloadLimitError
+from .format import TensorRecord, pack, packed_size, unpack
+
+SCOPES = ("global", "per_tensor")
+DEFAULT_MAX_ELEMENTS = 1 << 31
+
+ScoreFn = Callable[[Mapping[str, Any], Mapping[str, Any] | None], Mapping[str, Any]]
+
+
+def kept_count(fraction: float, n: int) -> int:
+    """k = ceil(fraction x n), computed on the decimal value the user wrote (0.01 x 100 is 1, not 2).
+
+    >>> kept_count(0.01, 100), kept_count(0.01, 101), kept_count(1.0, 7), kept_count(0.5, 0)
+    (1, 2, 7, 0)
+    """
+    return min(n, math.ceil(Fraction(repr(float(fraction))) * n))
+
+
+def _check_fraction(fraction: Any) -> float:
+    if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.floating, np.integer)):
+        raise InvalidInputError(f"fraction must be a number in (0, 1], got {type(fraction).__name__}")
+    f = float(fraction)
+    if not (0.0 < f <= 1.0):
+        raise InvalidInputError(f"fraction must be in (0, 1] (the share of entries kept), got {fraction!r}")
+    return f
+
+
+def _as_mapping(x: Any, what: str) -> Mapping[str, Any]:
+    if not isinstance(x, Mapping):
+        raise InvalidInputError(f"{what} must be a mapping of name -> array, got {type(x).__name__}")
+    return x
+
+
+def _check_tensors(update: Mapping[str, Any], base: Mapping[str, Any] | None) -> tuple[list[str], list[Tensor],
+                                                                                       list[Tensor | None]]:
+    names = list(update.keys())
+    if not names:
+        raise InvalidInputError("the update is empty: nothing to compress")
+    for n in names:
+        if not isinstance(n, str) or not n:
+            raise InvalidInputError(f"tensor names must be non-empty strings, got {n!r}")
+    if base is not None:
+        missing = [n for n in names if n not in base]
+        extra = [n for n in base if n not in update]
+        if missing or extra:
+            raise InvalidInputError(f"update and base name different tensors: missing from base {missing[:5]}, "
+                                    f"missing from update {extra[:5]}")
+    news, bases = [], []
+    for n in names:
+        t = to_tensor(update[n], n)
+        if t.dtype not in _dtypes.FLOAT_DTYPES:
+            raise InvalidInputError(f"tensor {n!r}: dtype {t.dtype} is not a float dtype (float32, float16, "
+                                    "bfloat16, float64); a delta makes no sense for it")
+        b = None
+        if base is not None:
+            b = to_tensor(base[n], n)
+            if b.shape != t.shape:
+                raise InvalidInputError(f"tensor {n!r}: update shape {t.shape} differs from base shape {b.shape}")
+            if b.dtype != t.dtype:
+                raise InvalidInputError(f"tensor {n!r}: update dtype {t.dtype} differs from base dtype {b.dtype}")
+        news.append(t)
+        bases.append(b)
+    return names, news, bases
+
+
+class Payload:
+    """A compressed update: tensor records whose buffers stay where they were computed (the GPU on the GPU path)
+    until :meth:`to_bytes`.
+
+    Attributes: ``tensors`` (list of :class:`~gpu_codec.format.TensorRecord`), ``pipeline`` (codec configs, as
+    stored in the header), ``metadata`` (str -> JSON value), ``backend`` (the backend that made it, not stored).
+    """
+
+    def __init__(self, tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None = None,
+                 backend: str = "cpu"):
+        self.tensors = tensors
+        self.pipeline = pipeline
+        self.metadata = dict(metadata or {})
+        self.backend = backend
+
+    def to_bytes(self) -> bytes:
+        """Serialize (wire format v1). On the GPU path this is the one device-to-host copy."""
+        return pack(self.tensors, pipeline=self.pipeline, metadata=self.metadata)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes | bytearray | memoryview) -> "Payload":
+        """Parse and validate a payload (hostile input is rejected with a PayloadError)."""
+        header, records = unpack(blob)
+        return cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
+
+    @property
+    def nbytes(self) -> int:
+        """Exact serialized size, computed without copying anything off the device."""
+        return packed_size(self.tensors, self.pipeline, self.metadata)
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Size of the dense update in its original dtypes."""
+        return sum(r.numel * _dtypes.storage_dtype(r.dtype).itemsize for r in self.tensors)
+
+    @property
+    def ratio(self) -> float:
+        """Dense size over compressed size."""
+        return self.dense_nbytes / max(1, self.nbytes)
+
+    @property
+    def nnz(self) -> int:
+        return sum(r.nnz for r in self.tensors)
+
+    def __repr__(self) -> str:
+        return (f"Payload({len(self.tensors)} tensors, {self.nnz} kept entries, {self.nbytes} bytes, "
+                f"ratio {self.ratio:.1f}x, backend={self.backend!r})")
+
+
+def _segments(numels: list[int], fraction: float, scope: str) -> tuple[list[list[int]], list[int]]:
+    if scope == "global":
+        return [list(range(len(numels)))], [kept_count(fraction, sum(numels))]
+    return [[t] for t in range(len(numels))], [kept_count(fraction, n) for n in numels]
+
+
+def _external_scores(score: ScoreFn, update, base, names, news, backend) -> tuple[list, list[int]]:
+    try:
+        out = score(update, base)
+    except Exception as e:
+        raise InvalidInputError(f"the score function raised {type(e).__name__}: {e}") from e
+    if not isinstance(out, Mapping):
+        raise InvalidInputError(f"the score function must return a mapping name -> scores, got {type(out).__name__}")
+    arrays, codes = [], []
+    for n, t in zip(names, news):
+        if n not in out:
+            raise InvalidInputError(f"tensor {n!r}: the score function returned no scores for it")
+        s = to_tensor(out[n], n)
+        if s.shape != t.shape:
+            raise InvalidInputError(f"tensor {n!r}: scores have shape {s.shape}, the tensor has {t.shape}")
+        if s.dtype not in _dtypes.FLOAT_DTYPES:
+            raise InvalidInputError(f"tensor {n!r}: scores must be floats, got {s.dtype}")
+        arrays.append(backend.asarray(s.data))
+        codes.append(_dtypes.code(s.dtype))
+    return arrays, codes
+
+
+def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *, fraction: float = 0.01,
+             scope: str = "global", score: str | ScoreFn = "magnitude", residual: Any = None,
+             metadata: Mapping[str, Any] | None = None) -> Payload:
+    """Compress ``update - base`` to its exact top-k entries as sparse COO.
+
+    Parameters
+    ----------
+    update, base
+        Mappings of name -> array (NumPy, CuPy or torch, CPU or CUDA; fp32, fp16, bf16 or fp64). ``base``
+        defaults to zeros (``update`` is then the delta itself). Names, shapes and dtypes must agree.
+    fraction
+        Share of entries kept, in (0, 1]: k = ceil(fraction x N), as fl4health's ``sparsity_level``.
+    scope
+        ``"global"`` (one threshold across all tensors, ties broken by tensor order then index) or
+        ``"per_tensor"`` (k per tensor).
+    score
+        ``"magnitude"`` (|delta|, the default), one of fl4health's six criteria (``largest_final_magnitude``,
+        ``smallest_final_magnitude``, ``largest_magnitude_change``, ``smallest_magnitude_change``,
+        ``largest_increase_in_magnitude``, ``smallest_increase_in_magnitude``), or a callable
+        ``score(update, base) -> {name: scores}`` returning arrays on the same backend.
+    residual
+        An error-feedback state (:class:`gpu_codec.ErrorFeedback`) or None.
+    metadata
+        JSON-serializable values stored in the header.
+
+    Returns
+    -------
+    Payload
+        Kept entries per tensor: ``indices`` (flat, ascending, uint32 where the tensor allows) and ``values``
+        (the delta in fp32, fp64 for fp64 tensors). A kept value of exactly 0.0 is kept.
+
+    >>> import numpy as np
+    >>> p = compress({"a": np.array([1., -4., 2.], np.float32), "b": np.array([4., 0.5], np.float32)},
+    ...              fraction=0.4)                        # k = ceil(0.4 x 5) = 2, tie at 4.0: "a" comes first
+    >>> [(r.name, r.buffers["indices"].tolist()) for r in p.tensors]
+    [('a', [1]), ('b', [0])]
+    """
+    update = _as_mapping(update, "update")
+    if base is not None:
+        base = _as_mapping(base, "base")
+    fraction = _check_fraction(fraction)
+    if scope not in SCOPES:
+        raise InvalidInputError(f"scope must be one of {SCOPES}, got {scope!r}")
+    if callable(score):
+        crit, score_name = _dtypes.CRIT_EXTERNAL, "custom"
+    elif isinstance(score, str) and score in _dtypes.CRITERIA:
+        crit, score_name = _dtypes.CRITERIA[score], score
+    else:
+        raise InvalidInputError(f"score must be a callable or one of {sorted(_dtypes.CRITERIA)}, got {score!r}")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise InvalidInputError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    names, news, bases = _check_tensors(update, base)
+    backend = get_backend()
+    nt = len(news)
+    dtypes = [_dtypes.code(t.dtype) for t in news]
+    with backend.stream(news + bases):
+        new_arrays = [backend.asarray(t.data) for t in news]
+        base_arrays = [backend.asarray(b.data) if b is not None else None for b in bases]
+        if crit == _dtypes.CRIT_EXTERNAL:
+            ext, ext_dt = _external_scores(score, update, base, names, news, backend)
+        else:
+            ext, ext_dt = [None] * nt, [0] * nt
+        res_in, res_out, qmode = [None] * nt, [None] * nt, 0
+        if residual is not None:
+            res_in, res_out, qmode = residual._bind(names, news, backend)
+        segments, ks = _segments([t.numel for t in news], fraction, scope)
+        indices, values, bad = backend.topk_select(new_arrays, base_arrays, res_in, res_out, dtypes, ext, ext_dt,
+                                                   crit, segments, ks, qmode)
+        if bad is not None:
+            raise InvalidInputError(f"tensor {names[bad]!r}: the update, its delta against base or its score holds "
+                                    "a non-finite value (inf or NaN)")
+        if residual is not None:
+            residual._commit(res_out)
+    records = []
+    for n, t, idx, val in zip(names, news, indices, values):
+        records.append(TensorRecord(n, t.dtype, t.shape, "coo", int(idx.size), {"indices": idx, "values": val}))
+    pipeline = [{"id": "topk", "fraction": fraction, "scope": scope, "score": score_name}]
+    return Payload(records, pipeline, dict(metadata or {}), backend=backend.name)
+
+
+def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[str, Any]:
+    if base_tensors:
+        return base_tensors[0].kind, base_tensors[0].device
+    if like is None:
+        return "numpy", None
+    if like not in ("numpy", "cupy", "torch"):
+        raise InvalidInputError(f"like must be 'numpy', 'cupy' or 'torch', got {like!r}")
+    return like, None
+
+
+def decompress(payload: Payload | bytes | bytearray | memoryview, base: Mapping[str, Any] | None = None, *,
+               like: str | None = None, max_elements: int = DEFAULT_MAX_ELEMENTS) -> dict[str, Any]:
+    """Rebuild dense tensors from a payload (bytes or :class:`Payload`).
+
+    With ``base``: ``base + delta`` per tensor, rounded to the base's dtype, returned as the base's kind on its
+    device. Without: the dense delta (fp32, fp64 for fp64 tensors) as NumPy, or as ``like`` ('numpy', 'cupy',
+    'torch'). ``max_elements`` caps the dense elements a payload may ask for when there is no base to check it
+    against. Indices are checked on the device (or by the NumPy twin) before use; a bad payload raises a
+    :class:`~gpu_codec.errors.PayloadError` and returns nothing.
+    """
+    if not isinstance(payload, Payload):
+        payload = Payload.from_bytes(payload)
+    records = payload.tensors
+    names = [r.name for r in records]
+    backend = get_backend()
+    base_tensors = None
+    if base is not None:
+        base = _as_mapping(base, "base")
+        missing = [n for n in names if n not in base]
+        extra = [n for n in base if n not in set(names)]
+        if missing or extra:
+            raise InvalidInputError(f"payload and base name different tensors: missing from base {missing[:5]}, "
+                                    f"not in payload {extra[:5]}")
+        base_tensors = []
+        for r in records:
+            b = to_tensor(base[r.name], r.name)
+            if b.shape != tuple(r.shape) or b.dtype != r.dtype:
+                raise InvalidInputError(f"tensor {r.name!r}: base is {b.dtype}{list(b.shape)}, the payload holds "
+                                        f"{r.dtype}{list(r.shape)}")
+            base_tensors.append(b)
+    else:
+        total = sum(r.numel for r in records)
+        if total > max_elements:
+            raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
+    kind, device = _output_kind(like, base_tensors)
+    outs, out_dtypes, idx_list, val_list = [], [], [], []
+    with backend.stream(base_tensors or []):
+        for i, r in enumerate(records):
+            if r.encoding not in ("coo", "dense"):
+                raise PayloadLayoutError(f"tensor {r.name!r}: encoding {r.encoding!r} cannot be decoded by the engine")
+            if base_tensors is not None:
+                out = backend.asarray(base_tensors[i].data).copy()
+                out_dtypes.append(_dtypes.code(r.dtype))
+            else:
+                vd = _dtypes.value_dtype(r.dtype)
+                out = backend.xp.zeros(r.numel, dtype=np.dtype(vd))
+                out_dtypes.append(_dtypes.code(vd))
+            outs.append(out)
+            vals = backend.asarray(r.buffers["values"])
+            if r.encoding == "dense":
+                idx = backend.xp.arange(r.numel, dtype=np.uint32 if r.numel <= 1 << 32 else np.uint64)
+            else:
+                idx = backend.asarray(r.buffers["indices"])
+            idx_list.append(idx)
+            val_list.append(vals)
+        mode = 1 if base_tensors is not None else 0
+        bad = backend.scatter(outs, out_dtypes, [r.numel for r in records], idx_list, val_list, mode)
+    if bad is not None:
+        a = 0
+        for r, idx in zip(records, idx_list):
+            if bad < a + int(idx.size):
+                raise PayloadIndexError(f"tensor {r.name!r}: sparse index at entry {bad - a} is out of range, "
+                                        "repeated or not increasing; nothing was decoded")
+            a += int(idx.size)
+        raise PayloadIndexError("a sparse index is out of range, repeated or not increasing")
+    result = {}
+    for i, (r, out) in enumerate(zip(records, outs)):
+        logical = r.dtype if base_tensors is not None else _dtypes.value_dtype(r.dtype)
+        dev = base_tensors[i].device if base_tensors is not None else device
+        result[r.name] = from_backend(out, logical, tuple(r.shape), kind, dev)
+    return result
+
+
+__all__ = ["Payload", "compress", "decompress", "kept_count", "array_kind"]

@@ -1,0 +1,47 @@
+// Dense reconstruction from sparse COO entries, for a whole list of tensors in one launch.
+//
+// Entries are concatenated across tensors: tensor t owns entries [ent_start[t], ent_start[t + 1]). Every index
+// is checked on the device before it is used: out of range, equal to or below its predecessor records the
+// lowest offending entry in *err (initialised to ~0) and that entry writes nothing. The caller discards the
+// output if *err was set, so a hostile payload never writes outside a tensor and never yields a result.
+// NumPy twins: cpu_fallback/kernels.py.
+#include "common.cuh"
+
+#define SCATTER_ZEROS 0  // out[idx] = v (out was zero-filled by the caller)
+#define SCATTER_ADD 1    // out[idx] = round(out[idx] + v)  (out holds a copy of base)
+
+template <typename IDX>
+__device__ __forceinline__ void scatter_impl(
+    int nt, u64 total, const u64* ent_start, const i64* numel, const int* out_dtypes, const u64* out_ptrs,
+    const IDX* idx, const float* vals32, const double* vals64, int mode, u64* err)
+{
+    const u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= total) return;
+    const int t = tensor_of_entry(ent_start, nt, j);
+    const u64 i = (u64)idx[j];
+    const bool bad = i >= (u64)numel[t] || (j > ent_start[t] && i <= (u64)idx[j - 1]);
+    if (bad) { atomicMin(err, j); return; }
+    const int dt = out_dtypes[t];
+    void* out = (void*)out_ptrs[t];
+    if (dt == DT_F64) {
+        double* o = (double*)out;
+        o[i] = mode == SCATTER_ADD ? o[i] + vals64[j] : vals64[j];
+    } else {
+        const float v = vals32[j];
+        store_f32(out, dt, (i64)i, mode == SCATTER_ADD ? load_f32(out, dt, (i64)i) + v : v);
+    }
+}
+
+extern "C" __global__ void scatter_u32(
+    int nt, u64 total, const u64* ent_start, const i64* numel, const int* out_dtypes, const u64* out_ptrs,
+    const u32* idx, const float* vals32, const double* vals64, int mode, u64* err)
+{
+    scatter_impl<u32>(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, vals64, mode, err);
+}
+
+extern "C" __global__ void scatter_u64(
+    int nt, u64 total, const u64* ent_start, const i64* numel, const int* out_dtypes, const u64* out_ptrs,
+    const u64* idx, const float* vals32, const double* vals64, int mode, u64* err)
+{
+    scatter_impl<u64>(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, vals64, mode, err);
+}

@@ -1,0 +1,369 @@
+// Exact top-k selection of a model update, for a whole list of tensors in one launch per pass.
+//
+// Work is split into chunks of CHUNK elements that never straddle a tensor; chunk_start[t] is the first chunk
+// of tensor t (nt + 1 entries), so blockIdx.x -> (tensor, offset) is a binary search. Tensors are passed as
+// tables of device addresses (u64) with a logical dtype code per tensor (common.cuh). A "segment" is the set of
+// tensors that share one threshold: all of them for global scope, one tensor each for per-tensor scope.
+//
+// Passes: score_keys -> 4 x (radix_hist, radix_pick) -> chunk_count -> chunk_scan -> chunk_write_{u32,u64}.
+// Each has a NumPy twin with the same name and arguments in cpu_fallback/kernels.py.
+#include "common.cuh"
+
+// Score criteria, shared with gpu_codec/_dtypes.py.
+#define CRIT_MAGNITUDE 0       // |w - w0 (+ residual)|
+#define CRIT_LARGEST_FINAL 1   // |w|
+#define CRIT_SMALLEST_FINAL 2  // -|w|
+#define CRIT_LARGEST_CHANGE 3  // |w - w0|
+#define CRIT_SMALLEST_CHANGE 4 // -|w - w0|
+#define CRIT_LARGEST_INCREASE 5  // |w| - |w0|
+#define CRIT_SMALLEST_INCREASE 6 // -(|w| - |w0|)
+#define CRIT_EXTERNAL 7        // a user score array per tensor
+
+// Residual rounding modes for error feedback: what the receiver will decode for a kept value.
+#define QMODE_EXACT 0
+#define QMODE_F16 1
+#define QMODE_BF16 2
+
+// The delta of element i (a null base reads as zeros, a null residual as none), in fp32 (fp32/fp16/bf16 tensors) or fp64 (fp64 tensors): (new - base) + residual.
+__device__ __forceinline__ double delta_f64(const void* nw, const void* bs, const void* rs, i64 i) {
+    double d = ((const double*)nw)[i] - (bs ? ((const double*)bs)[i] : 0.0);
+    if (rs) d = d + ((const double*)rs)[i];
+    return d;
+}
+__device__ __forceinline__ float delta_f32(const void* nw, const void* bs, const void* rs, int dt, i64 i) {
+    float d = load_f32(nw, dt, i) - (bs ? load_f32(bs, dt, i) : 0.0f);
+    if (rs) d = d + ((const float*)rs)[i];
+    return d;
+}
+
+__device__ __forceinline__ float criterion_f32(int crit, float w, float w0, float d) {
+    switch (crit) {
+        case CRIT_LARGEST_FINAL: return fabsf(w);
+        case CRIT_SMALLEST_FINAL: return -fabsf(w);
+        case CRIT_SMALLEST_CHANGE: return -fabsf(d);
+        case CRIT_LARGEST_INCREASE: return fabsf(w) - fabsf(w0);
+        case CRIT_SMALLEST_INCREASE: return fabsf(w0) - fabsf(w);
+        default: return fabsf(d);
+    }
+}
+__device__ __forceinline__ double criterion_f64(int crit, double w, double w0, double d) {
+    switch (crit) {
+        case CRIT_LARGEST_FINAL: return fabs(w);
+        case CRIT_SMALLEST_FINAL: return -fabs(w);
+        case CRIT_SMALLEST_CHANGE: return -fabs(d);
+        case CRIT_LARGEST_INCREASE: return fabs(w) - fabs(w0);
+        case CRIT_SMALLEST_INCREASE: return fabs(w0) - fabs(w);
+        default: return fabs(d);
+    }
+}
+
+// keys[elem_off[t] + i] = key(score of element i of tensor t). A non-finite delta or score records the lowest
+// offending tensor index in *err (initialised to ~0 by the caller).
+extern "C" __global__ void score_keys(
+    int nt, const i64* chunk_start, const i64* elem_off, const i64* numel, const int* dtypes,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, u32* keys, u64* err)
+{
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const i64 n = numel[t];
+    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+    const int dt = dtypes[t];
+    const void* nw = (const void*)new_ptrs[t];
+    const void* bs = (const void*)base_ptrs[t];
+    const void* rs = (const void*)res_ptrs[t];
+    const void* sc = (const void*)score_ptrs[t];
+    const int sdt = score_dtypes[t];
+    u32* out = keys + elem_off[t];
+    bool bad = false;
+    for (int j = 0; j < ITEMS; ++j) {
+        const i64 i = e0 + (i64)j * BLOCK + threadIdx.x;
+        if (i >= n) break;
+        float s;
+        if (dt == DT_F64) {
+            const double d = delta_f64(nw, bs, rs, i);
+            bad |= !finite_f64(d);
+            if (crit == CRIT_EXTERNAL) {
+                s = load_f32(sc, sdt, i);
+            } else {
+                const double w = ((const double*)nw)[i], w0 = bs ? ((const double*)bs)[i] : 0.0;
+                s = (float)criterion_f64(crit, w, w0, d);
+            }
+        } else {
+            const float d = delta_f32(nw, bs, rs, dt, i);
+            bad |= !finite_f32(d);
+            if (crit == CRIT_EXTERNAL) {
+                s = load_f32(sc, sdt, i);
+            } else {
+                s = criterion_f32(crit, load_f32(nw, dt, i), bs ? load_f32(bs, dt, i) : 0.0f, d);
+            }
+        }
+        bad |= !finite_f32(s);
+        out[i] = score_key(s);
+    }
+    if (bad) atomicMin(err, (u64)t);
+}
+
+// One radix digit (8 bits at `shift`) of the keys that still match their segment's prefix.
+// state holds 2 u64 per segment: [prefix, k_remaining]; hist holds 256 u64 per segment.
+extern "C" __global__ void radix_hist(
+    int nt, const i64* chunk_start, const i64* elem_off, const i64* numel, const int* seg_of,
+    const u32* keys, const u64* state, int shift, u64* hist)
+{
+    __shared__ u32 local[256];
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const int s = seg_of[t];
+    for (int b = threadIdx.x; b < 256; b += BLOCK) local[b] = 0;
+    __syncthreads();
+    const u64 k_rem = state[2 * s + 1];
+    if (k_rem != 0) {
+        const u32 prefix = (u32)state[2 * s];
+        const i64 n = numel[t];
+        const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+        const u32* in = keys + elem_off[t];
+        for (int j = 0; j < ITEMS; ++j) {
+            const i64 i = e0 + (i64)j * BLOCK + threadIdx.x;
+            if (i >= n) break;
+            const u32 key = in[i];
+            if (shift == 24 || (key >> (shift + 8)) == (prefix >> (shift + 8)))
+                atomicAdd(&local[(key >> shift) & 255u], 1u);
+        }
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += BLOCK)
+        if (local[b]) atomicAdd(&hist[256 * (i64)s + b], (u64)local[b]);
+}
+
+// Choose the digit that holds the k-th largest key of each segment, then clear that segment's histogram.
+extern "C" __global__ void radix_pick(int nseg, int shift, u64* hist, u64* state)
+{
+    const int s = blockIdx.x * blockDim.x + threadIdx.x;
+    if (s >= nseg) return;
+    u64 k_rem = state[2 * s + 1];
+    u64* h = hist + 256 * (i64)s;
+    if (k_rem != 0) {
+        u32 prefix = (u32)state[2 * s];
+        for (int b = 255; b >= 0; --b) {
+            const u64 cnt = h[b];
+            if (k_rem <= cnt) { prefix |= ((u32)b) << shift; break; }
+            k_rem -= cnt;
+        }
+        state[2 * s] = prefix;
+        state[2 * s + 1] = k_rem;
+    }
+    for (int b = 0; b < 256; ++b) h[b] = 0;
+}
+
+// Per chunk: how many keys are above the segment's threshold, and how many equal it.
+// After the radix passes state = [T, take_eq] per segment; a segment with k = 0 has take_eq = 0 and T = ~0.
+extern "C" __global__ void chunk_count(
+    int nt, const i64* chunk_start, const i64* elem_off, const i64* numel, const int* seg_of,
+    const u32* keys, const u64* state, u32* cnt)
+{
+    __shared__ u32 sg[WARPS], se[WARPS];
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const int s = seg_of[t];
+    const u32 T = (u32)state[2 * s];
+    const i64 n = numel[t];
+    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+    const u32* in = keys + elem_off[t];
+    u32 g = 0, e = 0;
+    for (int j = 0; j < ITEMS; ++j) {
+        const i64 i = e0 + (i64)j * BLOCK + threadIdx.x;
+        if (i >= n) break;
+        const u32 key = in[i];
+        g += key > T;
+        e += key == T;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        g += __shfl_down_sync(0xFFFFFFFFu, g, o);
+        e += __shfl_down_sync(0xFFFFFFFFu, e, o);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { sg[warp] = g; se[warp] = e; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 G = 0, E = 0;
+        for (int w = 0; w < WARPS; ++w) { G += sg[w]; E += se[w]; }
+        cnt[2 * c] = G;
+        cnt[2 * c + 1] = E;
+    }
+}
+
+#define SCAN_THREADS 1024
+
+// Exclusive scan of v over SCAN_THREADS threads of one block (Hillis-Steele in shared memory).
+__device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64* sh)
+{
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (int o = 1; o < SCAN_THREADS; o <<= 1) {
+        const u64 add = threadIdx.x >= (unsigned)o ? sh[threadIdx.x - o] : 0ull;
+        __syncthreads();
+        sh[threadIdx.x] += add;
+        __syncthreads();
+    }
+    const u64 r = sh[threadIdx.x] - v;
+    __syncthreads();
+    return r;
+}
+
+__device__ __forceinline__ u64 chunk_take(const u32* cnt, const u64* eq_base, const u64* state, int s, i64 c)
+{
+    const u64 take = state[2 * s + 1];
+    const u64 before = eq_base[c];
+    const u64 eq = cnt[2 * c + 1];
+    const u64 rest = take > before ? take - before : 0ull;
+    return (u64)cnt[2 * c] + (rest < eq ? rest : eq);
+}
+
+// One block of SCAN_THREADS threads. eq_base[c]: equal keys of c's segment in earlier chunks; out_base[c]:
+// output position of chunk c's first kept entry (nchunks + 1 entries, the last is the total);
+// tensor_counts[t]: entries kept in tensor t.
+extern "C" __global__ void chunk_scan(
+    int nt, i64 nchunks, const i64* chunk_start, const int* seg_of, const i64* seg_first_chunk,
+    const u64* state, const u32* cnt, u64* eq_base, u64* out_base, u64* tensor_counts)
+{
+    __shared__ u64 sh[SCAN_THREADS];
+    const i64 per = (nchunks + SCAN_THREADS - 1) / SCAN_THREADS;
+    const i64 lo = (i64)threadIdx.x * per;
+    const i64 hi = lo + per < nchunks ? lo + per : nchunks;
+    // 1) unsegmented exclusive scan of the equal counts
+    u64 sum = 0;
+    for (i64 c = lo; c < hi; ++c) sum += cnt[2 * c + 1];
+    u64 run = block_exclusive_scan(sum, sh);
+    for (i64 c = lo; c < hi; ++c) { eq_base[c] = run; run += cnt[2 * c + 1]; }
+    __syncthreads();
+    // 2) rebase onto each chunk's segment start; out_base is scratch here so that every thread reads the
+    //    segment starts before any is overwritten.
+    for (i64 c = lo; c < hi; ++c) {
+        const int t = tensor_of_chunk(chunk_start, nt, c);
+        out_base[c] = eq_base[c] - eq_base[seg_first_chunk[seg_of[t]]];
+    }
+    __syncthreads();
+    for (i64 c = lo; c < hi; ++c) eq_base[c] = out_base[c];
+    __syncthreads();
+    // 3) exclusive scan of the kept counts
+    u64 total_sel = 0;
+    for (i64 c = lo; c < hi; ++c) {
+        const int t = tensor_of_chunk(chunk_start, nt, c);
+        total_sel += chunk_take(cnt, eq_base, state, seg_of[t], c);
+    }
+    run = block_exclusive_scan(total_sel, sh);
+    for (i64 c = lo; c < hi; ++c) {
+        const int t = tensor_of_chunk(chunk_start, nt, c);
+        out_base[c] = run;
+        run += chunk_take(cnt, eq_base, state, seg_of[t], c);
+    }
+    if (threadIdx.x == SCAN_THREADS - 1) out_base[nchunks] = run;
+    __syncthreads();
+    for (int t = threadIdx.x; t < nt; t += SCAN_THREADS)
+        tensor_counts[t] = out_base[chunk_start[t + 1]] - out_base[chunk_start[t]];
+}
+
+// Round-trip a kept value through what the receiver decodes, for the error-feedback residual.
+__device__ __forceinline__ float decoded_f32(float d, int qmode) {
+    if (qmode == QMODE_F16) return f16_bits_to_float(float_to_f16_bits(d));
+    if (qmode == QMODE_BF16) return bf16_bits_to_float(float_to_bf16_bits(d));
+    return d;
+}
+__device__ __forceinline__ double decoded_f64(double d, int qmode) {
+    if (qmode == QMODE_EXACT) return d;
+    return (double)decoded_f32((float)d, qmode);
+}
+
+// Ordered compaction: writes the kept entries of every chunk at out_base[c] onwards, flat index ascending,
+// ties at T taken lowest index first. Values go to vals32 (fp32/fp16/bf16 tensors) or vals64 (fp64 tensors)
+// at the same slot. If res_out_ptrs[t] is non-zero, the residual of every element of t is rewritten there:
+// d - decoded(d) where kept, d elsewhere (it may alias res_ptrs[t]).
+template <typename IDX>
+__device__ __forceinline__ void chunk_write_impl(
+    int nt, const i64* chunk_start, const i64* elem_off, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* res_out_ptrs, int qmode,
+    const u32* keys, const u64* state, const u64* eq_base, const u64* out_base,
+    IDX* out_idx, float* vals32, double* vals64)
+{
+    __shared__ u32 wsel[WARPS], weq[WARPS];
+    __shared__ u32 tot[2];
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const int s = seg_of[t];
+    const u32 T = (u32)state[2 * s];
+    const u64 take = state[2 * s + 1];
+    const i64 n = numel[t];
+    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+    const int dt = dtypes[t];
+    const void* nw = (const void*)new_ptrs[t];
+    const void* bs = (const void*)base_ptrs[t];
+    const void* rs = (const void*)res_ptrs[t];
+    void* ro = (void*)res_out_ptrs[t];
+    const u32* in = keys + elem_off[t];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lt_mask = (1u << lane) - 1u;
+    u64 eq_seen = eq_base[c];
+    u64 pos = out_base[c];
+    for (int j = 0; j < ITEMS; ++j) {
+        const i64 i0 = e0 + (i64)j * BLOCK;
+        if (i0 >= n) break;  // uniform across the block
+        const i64 i = i0 + threadIdx.x;
+        const bool valid = i < n;
+        const u32 key = valid ? in[i] : 0u;
+        const bool gt = valid && key > T;
+        const bool eq = valid && key == T;
+        const u32 beq = __ballot_sync(0xFFFFFFFFu, eq);
+        if (lane == 0) weq[warp] = __popc(beq);
+        __syncthreads();
+        u32 eq_before = __popc(beq & lt_mask);
+        for (int w = 0; w < warp; ++w) eq_before += weq[w];
+        const bool sel = gt || (eq && eq_seen + eq_before < take);
+        const u32 bsel = __ballot_sync(0xFFFFFFFFu, sel);
+        if (lane == 0) wsel[warp] = __popc(bsel);
+        __syncthreads();
+        u32 sel_before = __popc(bsel & lt_mask);
+        for (int w = 0; w < warp; ++w) sel_before += wsel[w];
+        if (valid && (sel || ro)) {
+            const u64 slot = pos + sel_before;
+            if (dt == DT_F64) {
+                const double d = delta_f64(nw, bs, rs, i);
+                if (sel) { out_idx[slot] = (IDX)i; vals64[slot] = d; }
+                if (ro) ((double*)ro)[i] = sel ? d - decoded_f64(d, qmode) : d;
+            } else {
+                const float d = delta_f32(nw, bs, rs, dt, i);
+                if (sel) { out_idx[slot] = (IDX)i; vals32[slot] = d; }
+                if (ro) ((float*)ro)[i] = sel ? d - decoded_f32(d, qmode) : d;
+            }
+        }
+        if (threadIdx.x == 0) {
+            u32 a = 0, b = 0;
+            for (int w = 0; w < WARPS; ++w) { a += wsel[w]; b += weq[w]; }
+            tot[0] = a;
+            tot[1] = b;
+        }
+        __syncthreads();
+        pos += tot[0];
+        eq_seen += tot[1];
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void chunk_write_u32(
+    int nt, const i64* chunk_start, const i64* elem_off, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* res_out_ptrs, int qmode,
+    const u32* keys, const u64* state, const u64* eq_base, const u64* out_base,
+    u32* out_idx, float* vals32, double* vals64)
+{
+    chunk_write_impl<u32>(nt, chunk_start, elem_off, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs,
+                          res_out_ptrs, qmode, keys, state, eq_base, out_base, out_idx, vals32, vals64);
+}
+
+extern "C" __global__ void chunk_write_u64(
+    int nt, const i64* chunk_start, const i64* elem_off, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* res_out_ptrs, int qmode,
+    const u32* keys, const u64* state, const u64* eq_base, const u64* out_base,
+    u64* out_idx, float* vals32, double* vals64)
+{
+    chunk_write_impl<u64>(nt, chunk_start, elem_off, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs,
+                          res_out_ptrs, qmode, keys, state, eq_base, out_base, out_idx, vals32, vals64);
+}
