@@ -68,13 +68,14 @@ def store_from_f32(v: np.ndarray, dt: int) -> np.ndarray:
 
 def delta(new: np.ndarray, base: np.ndarray | None, res: np.ndarray | None, dt: int) -> np.ndarray:
     """(new - base) + residual in fp32 (fp64 for fp64 tensors); a missing base reads as zeros."""
-    if dt == DT_F64:
-        d = new - (base if base is not None else 0.0)
-    else:
-        d = load_f32(new, dt) - (load_f32(base, dt) if base is not None else np.float32(0.0))
-    d = np.asarray(d)
-    if res is not None:
-        d = d + res
+    with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported by the caller
+        if dt == DT_F64:
+            d = new - (base if base is not None else 0.0)
+        else:
+            d = load_f32(new, dt) - (load_f32(base, dt) if base is not None else np.float32(0.0))
+        d = np.asarray(d)
+        if res is not None:
+            d = d + res
     return d
 
 
@@ -82,6 +83,11 @@ def criterion(crit: int, w: np.ndarray, w0: np.ndarray | None, d: np.ndarray) ->
     """A score criterion in the delta's precision (kernels/topk.cu ``criterion_f32``/``criterion_f64``)."""
     if w0 is None:
         w0 = np.zeros((), dtype=d.dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _criterion(crit, w, w0, d)
+
+
+def _criterion(crit, w, w0, d):
     if crit == 1:
         return np.abs(w)
     if crit == 2:

@@ -56,7 +56,7 @@ def _is_cupy(x: Any) -> bool:
 
 
 def array_kind(x: Any) -> str:
-    if isinstance(x, np.ndarray) or np.isscalar(x):
+    if isinstance(x, (np.ndarray, list, tuple, float, int, np.generic)):
         return "numpy"
     if _is_cupy(x):
         return "cupy"
@@ -67,7 +67,10 @@ def array_kind(x: Any) -> str:
 
 def to_tensor(x: Any, name: str) -> Tensor:
     """Wrap an input array without copying it where its memory is already contiguous."""
-    kind = array_kind(x)
+    try:
+        kind = array_kind(x)
+    except InvalidInputError as e:
+        raise InvalidInputError(f"tensor {name!r}: {e}") from None
     if kind == "torch":
         import torch
 

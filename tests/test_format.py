@@ -1,0 +1,158 @@
+"""Wire format v1: golden payloads, and a hostile reader that rejects every malformed payload with our errors."""
+
+from __future__ import annotations
+
+import copy
+import os
+import pathlib
+
+import numpy as np
+import pytest
+
+import gpu_codec
+from gpu_codec import errors as E
+from gpu_codec.format import MAX_HEADER_BYTES, unpack
+from tests.common import build_payload, split_payload
+
+GOLDEN = pathlib.Path(__file__).parent / "golden"
+REGEN = os.environ.get("GPU_CODEC_REGEN_GOLDEN") == "1"
+
+
+def golden_inputs():
+    rng = np.random.default_rng(20261121)
+    base = {"conv.weight": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
+            "fc.weight": rng.standard_normal((10, 32)).astype(np.float32),
+            "fc.bias": rng.standard_normal(10).astype(np.float64),
+            "scale": np.asarray(np.float32(1.5))}
+    new = {k: (v + rng.standard_normal(v.shape).astype(v.dtype)).astype(v.dtype) for k, v in base.items()}
+    return new, base
+
+
+GOLDEN_CASES = {
+    "topk_global_v1": dict(fraction=0.05, scope="global"),
+    "topk_per_tensor_v1": dict(fraction=0.1, scope="per_tensor", metadata={"round": 3, "client": "site-1"}),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
+def test_golden_payloads(case):
+    """Today's writer reproduces the checked-in bytes, and the reader decodes them: a format change that breaks
+    old payloads fails here. Regenerate only deliberately, with GPU_CODEC_REGEN_GOLDEN=1."""
+    new, base = golden_inputs()
+    blob = gpu_codec.compress(new, base, **GOLDEN_CASES[case]).to_bytes()
+    path = GOLDEN / f"{case}.bin"
+    if REGEN:
+        GOLDEN.mkdir(exist_ok=True)
+        path.write_bytes(blob)
+    assert path.exists(), f"missing golden payload {path}; regenerate deliberately with GPU_CODEC_REGEN_GOLDEN=1"
+    stored = path.read_bytes()
+    assert blob == stored
+    out = gpu_codec.decompress(stored, base=base)
+    for k in base:
+        assert out[k].dtype == base[k].dtype and out[k].shape == base[k].shape
+        changed = out[k].reshape(-1) != base[k].reshape(-1)
+        assert np.array_equal(out[k].reshape(-1)[changed], new[k].reshape(-1)[changed])
+
+
+def valid_blob():
+    new, base = golden_inputs()
+    return gpu_codec.compress(new, base, fraction=0.05).to_bytes()
+
+
+def mutate(fn):
+    header, data = split_payload(valid_blob())
+    header = copy.deepcopy(header)
+    data = bytearray(data)
+    out = fn(header, data)
+    return build_payload(header, bytes(data)) if out is None else out
+
+
+def _buf(h, t=0, b=0):
+    return h["tensors"][t]["buffers"][b]
+
+
+HOSTILE = {
+    "empty": (lambda h, d: b"", E.PayloadHeaderError, "shorter"),
+    "bad magic": (lambda h, d: b"NOTCODEC" + valid_blob()[8:], E.PayloadHeaderError, "magic"),
+    "version 2": (lambda h, d: build_payload(h, bytes(d), version=2), E.UnsupportedVersionError, "version 2"),
+    "bad checksum": (lambda h, d: build_payload(h, bytes(d), fix_crc=False), E.PayloadChecksumError, "checksum"),
+    "truncated": (lambda h, d: valid_blob()[:-9], E.PayloadError, None),
+    "huge header length": (lambda h, d: valid_blob()[:12] + (MAX_HEADER_BYTES + 8).to_bytes(4, "little")
+                           + valid_blob()[16:], E.PayloadHeaderError, "header length"),
+    "header not json": (lambda h, d: b"GPUCODEC" + (1).to_bytes(4, "little") + (8).to_bytes(4, "little")
+                        + b"{{{{{{{{", E.PayloadError, None),
+    "data length lies": (lambda h, d: h.update(data_length=h["data_length"] + 8), E.PayloadLayoutError, "length"),
+    "dtype int64 tensor": (lambda h, d: h["tensors"][0].update(dtype="int64"), E.PayloadDtypeError, "dtype"),
+    "object dtype buffer": (lambda h, d: _buf(h).update(dtype="object"), E.PayloadDtypeError, "not allowed"),
+    "values as int8": (lambda h, d: _buf(h, 0, 1).update(dtype="int8"), E.PayloadDtypeError, "allows"),
+    "negative shape": (lambda h, d: h["tensors"][0].update(shape=[-1, 3]), E.PayloadLimitError, "shape"),
+    "too many dims": (lambda h, d: h["tensors"][0].update(shape=[1] * 9), E.PayloadLimitError, "shape"),
+    "too many elements": (lambda h, d: h["tensors"][0].update(shape=[1 << 30, 1 << 30]), E.PayloadLimitError,
+                          "limit"),
+    "nnz above numel": (lambda h, d: h["tensors"][3].update(nnz=5), E.PayloadLayoutError, "nnz"),
+    "nnz disagrees with buffers": (lambda h, d: h["tensors"][0].update(nnz=h["tensors"][0]["nnz"] + 1),
+                                   E.PayloadLayoutError, "implies"),
+    "overlapping buffers": (lambda h, d: _buf(h, 0, 1).update(offset=0), E.PayloadLayoutError, "contiguous"),
+    "gap between buffers": (lambda h, d: _buf(h, 0, 1).update(offset=_buf(h, 0, 1)["offset"] + 8),
+                            E.PayloadLayoutError, None),
+    "wrong buffer length": (lambda h, d: _buf(h, 0, 0).update(nbytes=_buf(h, 0, 0)["nbytes"] - 4),
+                            E.PayloadLayoutError, None),
+    "missing buffer": (lambda h, d: h["tensors"][0]["buffers"].pop() and None, E.PayloadLayoutError,
+                       "needs"),
+    "duplicate name": (lambda h, d: h["tensors"][1].update(name=h["tensors"][0]["name"]), E.PayloadHeaderError,
+                       "twice"),
+    "unknown encoding": (lambda h, d: h["tensors"][0].update(encoding="pickle"), E.PayloadHeaderError, "encoding"),
+    "name not string": (lambda h, d: h["tensors"][0].update(name=7), E.PayloadHeaderError, "name"),
+    "tensors not list": (lambda h, d: h.update(tensors={}), E.PayloadHeaderError, "tensors"),
+    "NaN constant": (lambda h, d: build_payload(h, bytes(d)).replace(b'"nnz":', b'"nnz":NaN,"x":', 1),
+                     E.PayloadError, None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(HOSTILE))
+def test_hostile_payloads(case):
+    fn, exc, msg = HOSTILE[case]
+    blob = mutate(fn)
+    with pytest.raises(exc, match=msg):
+        unpack(blob)
+    with pytest.raises(exc):
+        gpu_codec.decompress(blob)
+
+
+def _set_index(h, d, value):
+    b = _buf(h, 0, 0)
+    d[b["offset"]:b["offset"] + 4] = int(value).to_bytes(4, "little")
+
+
+@pytest.mark.parametrize("how", ["out_of_range", "descending", "duplicate"])
+def test_hostile_indices_are_caught_before_any_write(how):
+    def fn(h, d):
+        b = _buf(h, 0, 0)
+        idx = np.frombuffer(bytes(d[b["offset"]:b["offset"] + b["nbytes"]]), np.uint32).copy()
+        if how == "out_of_range":
+            idx[-1] = 10**6
+        elif how == "descending":
+            idx[0], idx[1] = idx[1], idx[0]
+        else:
+            idx[1] = idx[0]
+        d[b["offset"]:b["offset"] + b["nbytes"]] = idx.tobytes()
+
+    blob = mutate(fn)
+    unpack(blob)  # structurally valid: indices are checked where they are used
+    new, base = golden_inputs()
+    before = {k: v.copy() for k, v in base.items()}
+    with pytest.raises(E.PayloadIndexError, match="conv.weight"):
+        gpu_codec.decompress(blob, base=base)
+    for k in base:  # nothing already stored is lost
+        assert np.array_equal(base[k], before[k])
+
+
+def test_every_error_is_a_value_error_of_ours():
+    for _, exc, _ in HOSTILE.values():
+        assert issubclass(exc, E.PayloadError) and issubclass(exc, ValueError)
+
+
+def test_max_elements_guards_allocation():
+    blob = gpu_codec.compress({"w": np.ones(1000, np.float32)}, fraction=0.01).to_bytes()
+    with pytest.raises(E.PayloadLimitError, match="max_elements"):
+        gpu_codec.decompress(blob, max_elements=999)
