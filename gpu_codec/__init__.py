@@ -15,8 +15,16 @@ from .engine import Payload, compress, decompress, kept_count
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .format import TensorRecord
+# --- codecs (issue 4) ---
+from .codecs import (Int8Blockwise, Nvcomp, Pipeline, Quantize, RiceIndices, Ternary, TopK, Zstd, get_codec,
+                     register_codec)
+from .error_feedback import ErrorFeedback
+# --- end codecs ---
 
 __version__ = "0.1.0"
 
 __all__ = ["Payload", "TensorRecord", "backend_info", "compress", "decompress", "get_backend", "kept_count",
-           "reset_backend", *_errors_all]
+           "reset_backend", *_errors_all,
+           # codecs (issue 4)
+           "ErrorFeedback", "Int8Blockwise", "Nvcomp", "Pipeline", "Quantize", "RiceIndices", "Ternary", "TopK",
+           "Zstd", "get_codec", "register_codec"]

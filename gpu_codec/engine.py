@@ -163,9 +163,9 @@ def _external_scores(score: ScoreFn, update, base, names, news, backend) -> tupl
     return arrays, codes
 
 
-def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *, fraction: float = 0.01,
+def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *, fraction: float | None = 0.01,
              scope: str = "global", score: str | ScoreFn = "magnitude", residual: Any = None,
-             metadata: Mapping[str, Any] | None = None) -> Payload:
+             metadata: Mapping[str, Any] | None = None, pipeline: Any = None) -> Payload:
     """Compress ``update - base`` to its exact top-k entries as sparse COO.
 
     Parameters
@@ -174,7 +174,8 @@ def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *
         Mappings of name -> array (NumPy, CuPy or torch, CPU or CUDA; fp32, fp16, bf16 or fp64). ``base``
         defaults to zeros (``update`` is then the delta itself). Names, shapes and dtypes must agree.
     fraction
-        Share of entries kept, in (0, 1]: k = ceil(fraction x N), as fl4health's ``sparsity_level``.
+        Share of entries kept, in (0, 1]: k = ceil(fraction x N), as fl4health's ``sparsity_level``. ``None``:
+        dense, no sparsification (every tensor is encoded ``dense``; value codecs still apply).
     scope
         ``"global"`` (one threshold across all tensors, ties broken by tensor order then index) or
         ``"per_tensor"`` (k per tensor).
@@ -187,6 +188,10 @@ def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *
         An error-feedback state (:class:`gpu_codec.ErrorFeedback`) or None.
     metadata
         JSON-serializable values stored in the header.
+    pipeline
+        The stages after top-k (:mod:`gpu_codec.codecs`): None, a :class:`~gpu_codec.Pipeline`, or a list of
+        codecs or codec configs, e.g. ``[Quantize("float16"), RiceIndices(), Zstd()]``. A ``topk`` stage in it
+        replaces ``fraction``, ``scope`` and ``score``.
 
     Returns
     -------
@@ -203,7 +208,17 @@ def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *
     update = _as_mapping(update, "update")
     if base is not None:
         base = _as_mapping(base, "base")
-    fraction = _check_fraction(fraction)
+    # --- codecs (issue 4): the stages after top-k; a topk stage in the pipeline sets the selection ---
+    from .codecs.pipeline import as_pipeline
+
+    pipe = as_pipeline(pipeline)
+    if pipe.topk is not None:
+        fraction, scope = pipe.topk.fraction, pipe.topk.scope
+        if pipe.topk.score != "custom":  # "custom" names a callable, which only the caller can pass
+            score = pipe.topk.score
+    dense = fraction is None
+    fraction = None if dense else _check_fraction(fraction)
+    # --- end codecs ---
     if scope not in SCOPES:
         raise InvalidInputError(f"scope must be one of {SCOPES}, got {scope!r}")
     if callable(score):
@@ -228,7 +243,10 @@ def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *
         res_in, res_out, qmode = [None] * nt, [None] * nt, 0
         if residual is not None:
             res_in, res_out, qmode = residual._bind(names, news, backend)
-        segments, ks = _segments([t.numel for t in news], fraction, scope)
+        if dense:  # codecs (issue 4): keep every entry of every tensor
+            segments, ks = [[t] for t in range(nt)], [t.numel for t in news]
+        else:
+            segments, ks = _segments([t.numel for t in news], fraction, scope)
         indices, values, bad = backend.topk_select(new_arrays, base_arrays, res_in, res_out, dtypes, ext, ext_dt,
                                                    crit, segments, ks, qmode)
         if bad is not None:
@@ -238,9 +256,17 @@ def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *
             residual._commit(res_out)
     records = []
     for n, t, idx, val in zip(names, news, indices, values):
+        if dense:  # codecs (issue 4)
+            records.append(TensorRecord(n, t.dtype, t.shape, "dense", t.numel, {"values": val}))
+            continue
         records.append(TensorRecord(n, t.dtype, t.shape, "coo", int(idx.size), {"indices": idx, "values": val}))
-    pipeline = [{"id": "topk", "fraction": fraction, "scope": scope, "score": score_name}]
-    return Payload(records, pipeline, dict(metadata or {}), backend=backend.name)
+    pipeline_cfg = [] if dense else [{"id": "topk", "fraction": fraction, "scope": scope, "score": score_name}]
+    # --- codecs (issue 4): value, index and lossless stages, on the backend; they fix the kept residuals ---
+    with backend.stream(news + bases):
+        records = pipe.encode(records, backend, res_out if residual is not None else None)
+    pipeline_cfg += pipe.after_topk()
+    # --- end codecs ---
+    return Payload(records, pipeline_cfg, dict(metadata or {}), backend=backend.name)
 
 
 def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[str, Any]:
@@ -287,6 +313,11 @@ def decompress(payload: Payload | bytes | bytearray | memoryview, base: Mapping[
         total = sum(r.numel for r in records)
         if total > max_elements:
             raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
+    # --- codecs (issue 4): decode quantized values, coded indices and lossless stages per the header ---
+    from .codecs.pipeline import decode_records
+
+    records = decode_records(payload.pipeline, records, backend)
+    # --- end codecs ---
     kind, device = _output_kind(like, base_tensors)
     outs, out_dtypes, idx_list, val_list = [], [], [], []
     with backend.stream(base_tensors or []):

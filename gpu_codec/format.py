@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import (PayloadChecksumError, PayloadDtypeError, PayloadHeaderError, PayloadLayoutError,
+from .errors import (PayloadChecksumError, PayloadDtypeError, PayloadError, PayloadHeaderError, PayloadLayoutError,
                      PayloadLimitError, UnsupportedVersionError)
 
 MAGIC = b"GPUCODEC"
@@ -272,6 +272,8 @@ def unpack(blob: bytes | bytearray | memoryview) -> tuple[dict, list[TensorRecor
         names.add(rec.name)
         try:
             layout = LAYOUTS[rec.encoding](rec)
+        except PayloadError:
+            raise
         except (KeyError, TypeError, ValueError) as ex:
             raise PayloadHeaderError(f"{where}: codec parameters do not fit encoding {rec.encoding!r}: {ex}") \
                 from None

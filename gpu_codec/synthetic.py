@@ -5,7 +5,7 @@ and a client update whose deltas are heavy-tailed, as trained deltas are.
 
 >>> base = synthetic_model(100_000, seed=0)
 >>> sorted(base)[:3], sum(v.size for v in base.values()) >= 100_000
-(['block0.conv.weight', 'block0.norm.bias', 'block0.norm.weight'], True)
+(['block0.conv.bias', 'block0.conv.weight', 'block0.norm.bias'], True)
 >>> new = synthetic_update(base, seed=1)
 >>> all(new[k].shape == base[k].shape and new[k].dtype == base[k].dtype for k in base)
 True

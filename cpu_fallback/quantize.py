@@ -1,0 +1,124 @@
+"""NumPy twins of kernels/quantize.cu: the value codecs, byte for byte.
+
+Each encoder takes the kept values of one tensor (fp32, or fp64 for fp64 tensors) and returns what the kernels
+write for it; each decoder takes those buffers back to fp32. Decoders take ``xp`` (NumPy or CuPy): they are plain
+array expressions, exact in both.
+
+>>> v = np.array([0.5, -70000.0, 1e-9], np.float32)
+>>> decode_f16(cast_f16(v)).tolist()                  # clamped to the largest finite fp16, like NVFlare's
+[0.5, -65504.0, 0.0]
+>>> q, s = int8_absmax(np.array([1.0, -2.0, 0.0, 0.0], np.float32), block=2)
+>>> q.tolist(), s.tolist(), int8_decode(q, s, 2).tolist()       # an all-zero block has scale 0
+([64, -127, 0, 0], [0.015748031437397003, 0.0], [1.0078740119934082, -2.0, 0.0, 0.0])
+>>> float(ternary_mu(np.array([1.0, -2.0, 4.0], np.float32)))   # mean |kept value|, fp64 pairwise sum
+2.3333332538604736
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .elementwise import bf16_bits_to_f32, f32_to_bf16_bits, f64_to_f32
+
+FP16_MAX = np.float32(65504.0)
+BF16_MAX = np.array([0x7F7F0000], dtype=np.uint32).view(np.float32)[0]
+_MAGIC = np.float32(12582912.0)  # 1.5 * 2^23
+
+
+def as_f32(v: np.ndarray) -> np.ndarray:
+    """Kept values in fp32, as the kernels load them (fp64 rounds to nearest even)."""
+    v = np.asarray(v)
+    return f64_to_f32(v) if v.dtype == np.float64 else v.astype(np.float32, copy=False)
+
+
+def cast_f16(v: np.ndarray) -> np.ndarray:
+    """fp16 bit patterns (uint16) of the values, clamped to +-65504 first."""
+    with np.errstate(over="ignore"):
+        return np.clip(as_f32(v), -FP16_MAX, FP16_MAX).astype(np.float16).view(np.uint16)
+
+
+def cast_bf16(v: np.ndarray) -> np.ndarray:
+    """bf16 bit patterns (uint16) of the values, clamped to the largest finite bf16 first."""
+    return f32_to_bf16_bits(np.clip(as_f32(v), -BF16_MAX, BF16_MAX))
+
+
+def decode_f16(bits: Any, xp: Any = np) -> Any:
+    return bits.view(xp.float16).astype(xp.float32)
+
+
+def decode_bf16(bits: Any, xp: Any = np) -> Any:
+    if xp is np:
+        return bf16_bits_to_f32(bits)
+    return (bits.astype(xp.uint32) << 16).view(xp.float32)
+
+
+def _round_even_small(x: np.ndarray) -> np.ndarray:
+    return (x + _MAGIC) - _MAGIC  # as round_even_small in quantize.cu (|x| <= 127 here)
+
+
+def int8_absmax(v: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blockwise absmax int8: ``scale = absmax / 127`` per block of ``block`` entries, ``q = round(v / scale)``."""
+    x = as_f32(v)
+    n = x.size
+    nb = -(-n // block)
+    pad = np.zeros(nb * block, np.float32)
+    pad[:n] = x
+    amax = np.abs(pad).reshape(nb, block).max(axis=1) if nb else np.zeros(0, np.float32)
+    scales = (amax / np.float32(127.0)).astype(np.float32)
+    s = np.repeat(scales, block)[:n]
+    q = np.zeros(n, np.float32)
+    nz = s > 0
+    q[nz] = np.clip(_round_even_small(x[nz] / s[nz]), -127.0, 127.0)
+    return q.astype(np.int8), scales
+
+
+def int8_decode(q: Any, scales: Any, block: int, xp: Any = np) -> Any:
+    return q.astype(xp.float32) * xp.repeat(scales, block)[:q.size]
+
+
+def pairwise_sum(a: np.ndarray) -> float:
+    """Sum of fp64 values as a pairwise tree over adjacent entries, padded with zeros to a power of two.
+
+    This is the order ``ternary_partial`` and ``ternary_mu`` add in, so both give the same bits.
+    """
+    n = a.size
+    if n == 0:
+        return 0.0
+    m = 1 << (n - 1).bit_length()
+    x = np.zeros(m, np.float64)
+    x[:n] = a
+    while x.size > 1:
+        x = x[0::2] + x[1::2]
+    return float(x[0])
+
+
+def ternary_mu(v: np.ndarray) -> np.float32:
+    """mu = mean of |kept value| (sum in fp64, pairwise), rounded to fp32; 0 for no values."""
+    v = np.asarray(v)
+    if v.size == 0:
+        return np.float32(0.0)
+    a = np.abs(v).astype(np.float64) if v.dtype == np.float64 else np.abs(v.astype(np.float32)).astype(np.float64)
+    return np.float32(np.float64(pairwise_sum(a)) / np.float64(v.size))
+
+
+def ternary_signs(v: np.ndarray) -> np.ndarray:
+    """Sign bits (1 = negative), 8 per byte, least significant bit first."""
+    return np.packbits(np.asarray(v) < 0, bitorder="little")
+
+
+def ternary_decode(signs: Any, mu: float, n: int, xp: Any = np) -> Any:
+    bits = (signs[:, None] >> xp.arange(8, dtype=xp.uint8)) & 1
+    neg = bits.reshape(-1)[:n].astype(bool)
+    m = xp.float32(mu)
+    return xp.where(neg, -m, m).astype(xp.float32)
+
+
+def fix_residual(res: np.ndarray | None, idx: np.ndarray | None, v: np.ndarray, dec32: np.ndarray) -> None:
+    """residual[idx] = v - decoded (fp64 for fp64 tensors); ``idx`` None means entry l is element l."""
+    if res is None:
+        return
+    d = dec32.astype(np.float64) if v.dtype == np.float64 else dec32
+    where = slice(0, v.size) if idx is None else idx
+    res[where] = v - d

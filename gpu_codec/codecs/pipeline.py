@@ -1,0 +1,223 @@
+"""A pipeline of codecs: top-k, then a value codec, an index codec and a lossless stage, each optional.
+
+Its config (a list of codec configs) travels in the payload header, so a receiver rebuilds the decoder from
+the payload alone; every tensor record also says how it is encoded, and the two must agree.
+
+>>> import numpy as np, gpu_codec
+>>> pipe = gpu_codec.Pipeline([{"id": "quantize", "dtype": "float16"}, gpu_codec.RiceIndices(), gpu_codec.Zstd()])
+>>> pipe.get_config()
+[{'id': 'quantize', 'dtype': 'float16'}, {'id': 'rice'}, {'id': 'zstd', 'level': 3}]
+>>> pipe.is_lossy(), Pipeline.from_config(pipe.get_config()) == pipe
+(True, True)
+>>> u = {"w": np.arange(100, dtype=np.float32)}
+>>> blob = gpu_codec.compress(u, fraction=0.02, pipeline=pipe).to_bytes()
+>>> gpu_codec.Payload.from_bytes(blob).pipeline[0]
+{'id': 'topk', 'fraction': 0.02, 'scope': 'global', 'score': 'magnitude'}
+>>> np.flatnonzero(gpu_codec.decompress(blob)["w"]).tolist()
+[98, 99]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+
+from .._dtypes import value_dtype
+from ..cpu_fallback.select import index_dtype
+from ..errors import (
+    CodecConfigError,
+    InvalidInputError,
+    PayloadError,
+    PayloadHeaderError,
+    PayloadLayoutError,
+    UnknownCodecError,
+)
+from ..format import TensorRecord
+from ._wire import ENCODINGS, INDEX_FORMS, VALUE_FORMS, WRAPPERS, where
+from .base import STAGES, Codec
+from .quantize import Quantize
+from .registry import get_codec
+from .rice import RawIndices
+from .zstd import BytesCodec
+
+
+class Pipeline:
+    """An ordered list of codecs (objects or config dicts): at most one of each stage, in the order
+    sparsify (``topk``), values (``quantize``, ``int8``, ``ternary``), indices (``rice``), bytes (``zstd``,
+    ``nvcomp``)."""
+
+    def __init__(self, stages: Iterable[Codec | Mapping[str, Any]] = ()):
+        if isinstance(stages, (str, bytes, Mapping)) or not isinstance(stages, Iterable):
+            raise CodecConfigError(f"a pipeline takes a list of codecs or codec configs, got {type(stages).__name__}")
+        built: list[Codec] = []
+        for s in stages:
+            if isinstance(s, Codec):
+                built.append(s)
+            elif isinstance(s, Mapping):
+                built.append(get_codec(s))
+            else:
+                raise CodecConfigError(f"a pipeline stage must be a codec or a config dict, got {type(s).__name__}")
+        order = [STAGES.index(c.stage) for c in built]
+        if any(a >= b for a, b in pairwise(order)):
+            raise CodecConfigError("pipeline stages must come in the order " + " -> ".join(STAGES) +
+                                   ", at most one of each; got " + " -> ".join(c.codec_id for c in built))
+        self.stages: tuple[Codec, ...] = tuple(built)
+        by = {c.stage: c for c in built}
+        self.topk = by.get("sparsify")
+        self.values = by.get("values")
+        self.indices = by.get("indices")
+        self.bytes = by.get("bytes")
+
+    def get_config(self) -> list[dict[str, Any]]:
+        """The list of codec configs (JSON), as stored in a payload header."""
+        return [s.get_config() for s in self.stages]
+
+    @classmethod
+    def from_config(cls, config: Iterable[Mapping[str, Any]]) -> Pipeline:
+        return cls(config)
+
+    def is_lossy(self) -> bool:
+        """True if any stage is lossy (OpenFL's ``TransformationPipeline.is_lossy``)."""
+        return any(not s.lossless for s in self.stages)
+
+    def __len__(self) -> int:
+        return len(self.stages)
+
+    def __iter__(self):
+        return iter(self.stages)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Pipeline) and other.stages == self.stages
+
+    def __hash__(self) -> int:
+        return hash(self.stages)
+
+    def __repr__(self) -> str:
+        return f"Pipeline([{', '.join(map(repr, self.stages))}])"
+
+    # --- engine hooks -------------------------------------------------------------------------------------------
+
+    def after_topk(self) -> list[dict[str, Any]]:
+        """Configs of the stages after top-k (the engine writes the top-k config itself)."""
+        return [s.get_config() for s in self.stages if s.stage != "sparsify"]
+
+    def _coded(self) -> bool:
+        return self.values is not None or self.indices is not None
+
+    def encode(self, records: list[TensorRecord], backend: Any, residual: list[Any] | None) -> list[TensorRecord]:
+        """Turn the engine's ``coo`` (or ``dense``) records into this pipeline's encodings, on the backend.
+
+        ``residual`` (lists over tensors, or None) receives ``value - decoded`` at every kept entry.
+        """
+        if not records:
+            return records
+        dense = records[0].encoding == "dense"
+        if dense and self.indices is not None:
+            raise InvalidInputError(f"the {self.indices.codec_id!r} index stage needs a sparse (top-k) update; "
+                                    "fraction=None encodes every tensor densely, with no indices")
+        if self._coded():
+            vals = [r.buffers["values"] for r in records]
+            idxs = [None if dense else r.buffers["indices"] for r in records]
+            res = residual if residual is not None else [None] * len(records)
+            vc = self.values if self.values is not None else Quantize("float32")
+            vparts = vc.encode_values(vals, idxs, res, backend)
+            if dense:
+                iparts = [({}, {}, {})] * len(records)
+            else:
+                ic = self.indices if self.indices is not None else RawIndices()
+                iparts = ic.encode_indices(idxs, [r.numel for r in records], backend)
+            out = []
+            for r, (vf, vb, vd), (inf, ib, idt) in zip(records, vparts, iparts):
+                codec = {"v": vc.tag, **vf}
+                if not dense:
+                    codec.update({"i": self.indices.tag if self.indices is not None else "raw", **inf})
+                out.append(TensorRecord(r.name, r.dtype, r.shape, "dense_q" if dense else "sparse", r.nnz,
+                                        {**ib, **vb}, codec, {**idt, **vd}))
+            records = out
+        if self.bytes is not None:
+            records = self.bytes.encode_records(records, backend)
+        return records
+
+    def _expect(self, rec: TensorRecord) -> None:
+        enc = rec.encoding
+        if enc in WRAPPERS:
+            if self.bytes is None or self.bytes.encoding != enc:
+                raise PayloadLayoutError(f"{where(rec)} is encoded {enc!r}, but the payload's pipeline has no "
+                                         f"{enc!r} stage")
+            enc = rec.codec.get("inner")
+        elif self.bytes is not None:
+            raise PayloadLayoutError(f"{where(rec)} is encoded {enc!r}, but the payload's pipeline ends with "
+                                     f"{self.bytes.codec_id!r}")
+        dense = enc in ("dense", "dense_q")
+        want = ("dense_q" if dense else "sparse") if self._coded() else ("dense" if dense else "coo")
+        if enc != want:
+            raise PayloadLayoutError(f"{where(rec)} is encoded {enc!r}; the payload's pipeline produces {want!r}")
+
+    def _check_forms(self, rec: TensorRecord) -> None:
+        vt = self.values.tag if self.values is not None else "f32"
+        it = self.indices.tag if self.indices is not None else "raw"
+        if rec.codec.get("v") != vt or (rec.encoding == "sparse" and rec.codec.get("i") != it):
+            raise PayloadLayoutError(f"{where(rec)} holds values {rec.codec.get('v')!r} / indices "
+                                     f"{rec.codec.get('i')!r}; the payload's pipeline says {vt!r} / {it!r}")
+        if self.values is not None and "block" in rec.codec and rec.codec["block"] != getattr(
+                self.values, "block_size", None):
+            raise PayloadLayoutError(f"{where(rec)}: int8 block {rec.codec['block']} differs from the pipeline's")
+
+    def decode(self, records: list[TensorRecord], backend: Any) -> list[TensorRecord]:
+        """Turn this pipeline's encodings back into ``coo``/``dense`` records with backend buffers."""
+        xp = backend.xp
+        out = []
+        for rec in records:
+            if rec.encoding not in ENCODINGS:
+                out.append(rec)
+                continue
+            self._expect(rec)
+            try:
+                if rec.encoding in WRAPPERS:
+                    rec = BytesCodec.decode_record(rec)
+                if rec.encoding in ("sparse", "dense_q"):
+                    self._check_forms(rec)
+                    rec = _decode_forms(rec, xp, backend)
+            except PayloadError as e:
+                msg = str(e)
+                raise type(e)(msg if msg.startswith(where(rec)) else f"{where(rec)}: {msg}") from None
+            out.append(rec)
+        return out
+
+
+def _decode_forms(rec: TensorRecord, xp: Any, backend: Any) -> TensorRecord:
+    bufs = {role: backend.asarray(a) for role, a in rec.buffers.items()}
+    vd = np.dtype(value_dtype(rec.dtype))
+    if rec.encoding == "dense_q":
+        vals = VALUE_FORMS[rec.codec["v"]].decode(rec, bufs, rec.numel, xp).astype(vd, copy=False)
+        return TensorRecord(rec.name, rec.dtype, rec.shape, "dense", rec.numel, {"values": vals})
+    idx = INDEX_FORMS[rec.codec["i"]].decode(rec, bufs, rec.nnz, xp)
+    idx = idx.astype(index_dtype(rec.numel), copy=False)
+    vals = VALUE_FORMS[rec.codec["v"]].decode(rec, bufs, rec.nnz, xp).astype(vd, copy=False)
+    return TensorRecord(rec.name, rec.dtype, rec.shape, "coo", rec.nnz, {"indices": idx, "values": vals})
+
+
+def as_pipeline(pipeline: Any) -> Pipeline:
+    """None, a :class:`Pipeline`, or a list of codecs / configs, as a Pipeline (errors as InvalidInputError)."""
+    if pipeline is None:
+        return Pipeline(())
+    if isinstance(pipeline, Pipeline):
+        return pipeline
+    try:
+        return Pipeline(pipeline)
+    except (UnknownCodecError, CodecConfigError) as e:
+        raise type(e)(f"pipeline: {e}") from None
+
+
+def decode_records(pipeline_config: Any, records: list[TensorRecord], backend: Any) -> list[TensorRecord]:
+    """The engine's decode hook: records of the codec encodings decoded per the header's pipeline."""
+    if not any(r.encoding in ENCODINGS for r in records):
+        return records
+    try:
+        pipe = Pipeline.from_config(pipeline_config)
+    except (UnknownCodecError, CodecConfigError) as e:
+        raise PayloadHeaderError(f"the payload's pipeline cannot be rebuilt: {e}") from None
+    return pipe.decode(records, backend)

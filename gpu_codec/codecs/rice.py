@@ -1,0 +1,101 @@
+"""Index codecs: ``raw`` (the engine's uint32/uint64 flat indices) and Rice coding of the index gaps.
+
+The Rice parameter k comes from each tensor's density (``k = floor(log2(ln2 x mean gap))``, the optimal
+power-of-two Golomb parameter for geometric gaps): about 8.1 bits per index at 1% density on uniformly random
+positions, and never more than ``k + 1 + (numel - nnz) / (nnz 2^k)`` bits per index whatever the positions.
+Encoding is parallel on the GPU (kernels/rice.cu: per-chunk counts, one scan, then each entry writes its bits
+with atomicOr); cpu_fallback/rice.py gives the same bytes with vectorized NumPy. Decoding is vectorized array
+code that validates the stream completely (PayloadError on any inconsistency, work bounded by its length).
+
+>>> import numpy as np, gpu_codec
+>>> u = {"w": np.arange(1000, dtype=np.float32)}
+>>> p = gpu_codec.compress(u, fraction=0.01, pipeline=[RiceIndices()])
+>>> p.tensors[0].codec
+{'v': 'f32', 'i': 'rice', 'k': 6, 'bits': 85}
+>>> np.flatnonzero(gpu_codec.decompress(p.to_bytes())["w"]).tolist()
+[990, 991, 992, 993, 994, 995, 996, 997, 998, 999]
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..cpu_fallback import rice as _rice
+from ..errors import PayloadHeaderError
+from . import _ops
+from ._wire import INDEX_FORMS, Form, is_int, where
+from .base import Codec
+from .registry import register_codec
+
+
+class IndexCodec(Codec):
+    """An ``indices`` stage: encodes every tensor's ascending flat indices in one batch."""
+
+    stage = "indices"
+    tag = ""
+
+    def encode_indices(self, indices: list[Any], numels: list[int], backend: Any) -> list[tuple[dict, dict, dict]]:
+        raise NotImplementedError
+
+
+class RawIndices(IndexCodec):
+    """The engine's own indices (not registered: it is what a pipeline without an index stage stores)."""
+
+    codec_id = "raw"
+    tag = "raw"
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    def encode_indices(self, indices, numels, backend):
+        return [({}, {"indices": i}, {}) for i in indices]
+
+
+@register_codec
+class RiceIndices(IndexCodec):
+    """Rice (Golomb power-of-two) coded index gaps, parameter chosen per tensor from its density."""
+
+    codec_id = "rice"
+    tag = "rice"
+
+    def __init__(self) -> None:
+        pass
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    def encode_indices(self, indices, numels, backend):
+        ks = [_rice.rice_param(int(i.size), n) for i, n in zip(indices, numels)]
+        streams, bits = _ops.rice(backend, indices, ks)
+        return [({"k": k, "bits": b}, {"indices": s}, {}) for k, b, s in zip(ks, bits, streams)]
+
+
+def _raw_layout(rec, n):
+    return {"indices": (("uint32", "uint64"), n)}
+
+
+def _raw_decode(rec, bufs, n, xp):
+    return bufs["indices"]
+
+
+def _rice_layout(rec, n):
+    k, bits = rec.codec.get("k"), rec.codec.get("bits")
+    want = _rice.rice_param(n, rec.numel)
+    if not is_int(k) or k != want:
+        raise PayloadHeaderError(f"{where(rec)}: Rice parameter {k!r} is not the {want} that nnz {n} of "
+                                 f"{rec.numel} implies")
+    hi = _rice.max_bits(n, rec.numel, k)
+    if not is_int(bits) or not n * (k + 1) <= bits <= hi:
+        raise PayloadHeaderError(f"{where(rec)}: Rice bit count {bits!r} is outside [{n * (k + 1)}, {hi}] for "
+                                 f"nnz {n} of {rec.numel} with k={k}")
+    return {"indices": (("uint8",), -(-bits // 8))}
+
+
+def _rice_decode(rec, bufs, n, xp):
+    return _rice.rice_decode(bufs["indices"], rec.codec["bits"], rec.codec["k"], n, rec.numel, xp)
+
+
+INDEX_FORMS["raw"] = Form("raw", (), _raw_layout, _raw_decode)
+INDEX_FORMS["rice"] = Form("rice", ("k", "bits"), _rice_layout, _rice_decode)

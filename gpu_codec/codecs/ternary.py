@@ -1,0 +1,55 @@
+"""Ternary values as in STC (Sattler et al.): each kept value becomes +mu or -mu, with
+mu = mean |kept value| of its tensor, so a tensor's values cost one sign bit each plus one float.
+
+mu is the mean over the *kept* entries, as the STC paper defines it (OpenFL's STCPipeline divides by the dense
+element count instead, which shrinks every value by the density). The sum is taken in fp64 as a pairwise tree
+in a fixed order, so the GPU kernels (kernels/quantize.cu) and the NumPy twin give the same mu to the bit.
+A kept value of exactly 0 is sent as +mu (one bit cannot say 0; error feedback carries the difference).
+
+>>> import numpy as np, gpu_codec
+>>> u = {"w": np.array([0.5, -3.0, 0.1, 1.0], np.float32)}
+>>> p = gpu_codec.compress(u, fraction=0.5, pipeline=[Ternary()])
+>>> p.tensors[0].codec
+{'v': 'ternary', 'mu': 2.0, 'i': 'raw'}
+>>> gpu_codec.decompress(p.to_bytes())["w"].tolist()
+[0.0, -2.0, 0.0, 2.0]
+"""
+
+from __future__ import annotations
+
+from ..cpu_fallback import quantize as _q
+from . import _ops
+from ._wire import VALUE_FORMS, Form, check_mu, n_blocks
+from .quantize import ValueCodec
+from .registry import register_codec
+
+
+@register_codec
+class Ternary(ValueCodec):
+    """Sign bits plus one fp32 magnitude per tensor (``"mu"`` in the tensor's codec dict)."""
+
+    codec_id = "ternary"
+    tag = "ternary"
+
+    def __init__(self) -> None:
+        pass
+
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def encode_values(self, values, indices, res, backend):
+        signs, mus = _ops.ternary(backend, values, indices, res)
+        return [({"mu": float(mu)}, {"signs": s}, {}) for s, mu in zip(signs, mus)]
+
+
+def _layout(rec, n):
+    check_mu(rec)
+    return {"signs": (("uint8",), n_blocks(n, 8))}
+
+
+def _decode(rec, bufs, n, xp):
+    return _q.ternary_decode(bufs["signs"], rec.codec["mu"], n, xp)
+
+
+VALUE_FORMS["ternary"] = Form("ternary", ("mu",), _layout, _decode)

@@ -1,0 +1,122 @@
+"""Error feedback: the residual carries exactly what was not sent (top-k drop and quantization error), on sparse
+and dense updates, and survives a save/restore round trip in gpu_codec's own format."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpu_codec
+from gpu_codec import (
+    ErrorFeedback,
+    Int8Blockwise,
+    InvalidInputError,
+    PayloadChecksumError,
+    PayloadLayoutError,
+    Quantize,
+    RiceIndices,
+    Ternary,
+    Zstd,
+)
+
+from .common import use_backend
+
+VALUE_STAGES = [None, Quantize("float16"), Quantize("bfloat16"), Int8Blockwise(8), Ternary()]
+
+
+@pytest.fixture(autouse=True)
+def cpu_backend():
+    with use_backend("cpu"):
+        yield
+
+
+def update(seed, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return {"a": (rng.standard_normal(600) * 3).astype(dtype), "b": rng.standard_t(3, size=(20, 15)).astype(dtype)}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("fraction", [0.1, None], ids=["topk", "dense"])
+@pytest.mark.parametrize("values", VALUE_STAGES, ids=repr)
+def test_residual_is_what_was_not_sent(values, fraction, dtype):
+    ef = ErrorFeedback()
+    stages = [values] if values is not None else []
+    prev = {n: np.zeros(a.size, dtype) for n, a in update(0, dtype).items()}
+    for rnd in range(3):
+        u = update(rnd, dtype)
+        p = gpu_codec.compress(u, fraction=fraction, pipeline=stages, residual=ef)
+        sent = gpu_codec.decompress(p.to_bytes())
+        for n, a in u.items():
+            d = a.reshape(-1) + prev[n]  # what was to be sent this round (delta + carried residual)
+            s = sent[n].reshape(-1)
+            r = ef.residual(n).reshape(-1)
+            kept = s != 0
+            assert r.dtype == d.dtype
+            np.testing.assert_array_equal(r[~kept], d[~kept])  # dropped entries carry the whole delta
+            np.testing.assert_array_equal(r[kept], d[kept] - s[kept])  # kept ones: what decoding lost
+            prev[n] = r
+
+
+def test_residual_added_before_selection():
+    ef = ErrorFeedback()
+    u = {"w": np.array([1.0, 0.6, 0.0, 0.0], np.float32)}
+    p1 = gpu_codec.compress(u, fraction=0.25, residual=ef)
+    assert p1.tensors[0].buffers["indices"].tolist() == [0]
+    p2 = gpu_codec.compress(u, fraction=0.25, residual=ef)  # 0.6 + 0.6 = 1.2 > 1.0
+    assert p2.tensors[0].buffers["indices"].tolist() == [1]
+    assert p2.tensors[0].buffers["values"].tolist() == [np.float32(0.6) + np.float32(0.6)]
+
+
+def test_save_restore_round_trip(tmp_path):
+    stages = [Ternary(), RiceIndices(), Zstd()]
+    ef = ErrorFeedback()
+    gpu_codec.compress(update(0), fraction=0.1, pipeline=stages, residual=ef)
+    blob = ef.to_bytes()
+    assert blob[:8] == b"GPUCODEC" and b"pickle" not in blob
+    ef.save(tmp_path / "ef.bin")
+    restored = [ErrorFeedback.from_bytes(blob), ErrorFeedback.load(tmp_path / "ef.bin")]
+    for r in restored:
+        assert r.names() == ef.names() and len(r) == 2 and "a" in r
+        for n in ef.names():
+            assert r.residual(n).tobytes() == ef.residual(n).tobytes() and r.residual(n).shape == update(0)[n].shape
+    nxt = gpu_codec.compress(update(1), fraction=0.1, pipeline=stages, residual=ef).to_bytes()
+    for r in restored:
+        assert gpu_codec.compress(update(1), fraction=0.1, pipeline=stages, residual=r).to_bytes() == nxt
+
+
+def test_restore_rejects_other_payloads_and_corruption():
+    ef = ErrorFeedback()
+    gpu_codec.compress(update(0), fraction=0.1, residual=ef)
+    blob = ef.to_bytes()
+    with pytest.raises(PayloadChecksumError):
+        ErrorFeedback.from_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
+    with pytest.raises(PayloadLayoutError, match="not a saved ErrorFeedback"):
+        ErrorFeedback.from_bytes(gpu_codec.compress(update(0), fraction=0.1).to_bytes())
+
+
+def test_shape_change_and_reset():
+    ef = ErrorFeedback()
+    gpu_codec.compress(update(0), fraction=0.1, residual=ef)
+    bad = {"a": np.zeros(601, np.float32), "b": np.zeros((20, 15), np.float32)}
+    with pytest.raises(InvalidInputError, match="reset"):
+        gpu_codec.compress(bad, fraction=0.1, residual=ef)
+    with pytest.raises(InvalidInputError):
+        gpu_codec.compress(update(0, np.float64), fraction=0.1, residual=ef)
+    ef.reset()
+    assert len(ef) == 0
+    gpu_codec.compress(bad, fraction=0.1, residual=ef)
+    assert ef.residual("a").shape == (601,)
+    with pytest.raises(KeyError):
+        ef.residual("nope")
+    assert repr(ef) == "ErrorFeedback(2 tensors)"
+
+
+def test_bf16_tensors_keep_fp32_residual():
+    torch = pytest.importorskip("torch")
+    u = {"w": torch.randn(300, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)}
+    ef = ErrorFeedback()
+    p = gpu_codec.compress(u, fraction=0.1, pipeline=[Int8Blockwise(4)], residual=ef)
+    d = u["w"].float().numpy()
+    s = gpu_codec.decompress(p.to_bytes())["w"]
+    np.testing.assert_array_equal(ef.residual("w"), d - s)
+    assert ef.residual("w").dtype == np.float32
