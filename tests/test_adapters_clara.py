@@ -1,0 +1,295 @@
+"""Clara adapter: processor chains with compression and AES-GCM encryption, tampering, abort, readers/writers."""
+
+from __future__ import annotations
+
+import base64
+
+import numpy as np
+import pytest
+
+import gpu_codec
+from gpu_codec import clara as C
+from gpu_codec.errors import GpuCodecError, InvalidInputError
+from tests.common import HAS_GPU, use_backend
+
+pytest.importorskip("cryptography")
+
+ADAPTER_BACKENDS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]),
+]
+KEY = bytes(range(32))
+
+
+def ref_topk_delta(new: dict, base: dict, fraction: float) -> dict:
+    names = list(new)
+    d = np.concatenate([(new[n].astype(np.float32) - base[n].astype(np.float32)).reshape(-1) for n in names])
+    k = gpu_codec.kept_count(fraction, d.size)
+    keep = np.lexsort((np.arange(d.size), -np.abs(d)))[:k]
+    kept = np.zeros_like(d)
+    kept[keep] = d[keep]
+    out, a = {}, 0
+    for n in names:
+        size = new[n].size
+        out[n] = (base[n].astype(np.float32).reshape(-1) + kept[a:a + size]).reshape(new[n].shape).astype(new[n].dtype)
+        a += size
+    return out
+
+
+def models(seed=0):
+    rng = np.random.default_rng(seed)
+    glob = {"conv.w": rng.standard_normal((4, 3, 3)).astype(np.float32), "fc.b": rng.standard_normal(7).astype(np.float32)}
+    local = {k: (v + rng.standard_normal(v.shape)).astype(np.float32) for k, v in glob.items()}
+    return glob, local
+
+
+@pytest.fixture
+def key_file(tmp_path):
+    p = tmp_path / "fl.key"
+    p.write_bytes(KEY.hex().encode() + b"\n")
+    return str(p)
+
+
+def make_chain(key_file, fraction=0.1):
+    return C.ProcessorChain.from_config({
+        "pre_processors": [
+            {"name": "IteratorNumberGenerator", "args": {"field": "n_iter"}},
+            {"name": "BestMetricGenerator", "args": {"field": "best_validation_metric"}},
+            {"name": "DataCompressor", "args": {"fraction": fraction}},
+            {"name": "ModelEncryptor", "args": {"key_file": key_file}},
+        ],
+        "post_processors": [
+            {"name": "DataDeCompressor", "args": {}},
+            {"name": "ModelDecryptor", "args": {"key_file": key_file}},
+        ],
+    })
+
+
+def test_chain_compresses_encrypts_and_back(key_file):
+    glob, local = models()
+    chain = make_chain(key_file)
+    ctx = C.DataContext(model=dict(local))
+    app = C.AppContext(round_number=3, global_model=glob, n_iter=250, best_metric=0.75)
+    chain.process_outgoing(ctx, app)
+    assert ctx.get_metadata("n_iter") == 250 and ctx.get_metadata("best_validation_metric") == 0.75
+    blob = C.serialize(ctx)
+    assert blob[:8] == b"GCAESGCM" and b"conv.w" not in blob  # names and header are inside the ciphertext
+
+    server = C.deserialize(blob)
+    chain.process_incoming(server, C.AppContext(round_number=3, global_model=glob))
+    want = ref_topk_delta(local, glob, 0.1)
+    got = server.get_model()
+    assert set(got) == set(want)
+    for n in want:
+        np.testing.assert_array_equal(got[n], want[n])
+    assert server.get_metadata("n_iter") == 250 and server.get_metadata("best_validation_metric") == 0.75
+
+
+def test_key_from_environment_and_base64(monkeypatch):
+    monkeypatch.setenv("GPU_CODEC_TEST_KEY", base64.b64encode(KEY).decode())
+    enc = C.ModelEncryptor(key_env="GPU_CODEC_TEST_KEY")
+    dec = C.ModelDecryptor(key=KEY)
+    ctx = C.DataContext(model={"w": np.arange(5, dtype=np.float16)})
+    enc.process(ctx, C.AppContext())
+    dec.process(ctx, C.AppContext())
+    C.DataDeCompressor().process(ctx, C.AppContext())
+    out = ctx.get_model()["w"]
+    assert out.dtype == np.float16 and out.tolist() == [0, 1, 2, 3, 4]  # a lone encryptor is lossless
+    assert enc.get_config() == {"key_file": None, "key_env": "GPU_CODEC_TEST_KEY"}
+
+
+@pytest.mark.parametrize("where", ["ciphertext", "tag", "nonce", "key_id", "magic", "truncated"])
+def test_tampered_payload_is_rejected_and_not_decoded(key_file, where):
+    glob, local = models(1)
+    chain = make_chain(key_file)
+    ctx = C.DataContext(model=local)
+    app = C.AppContext(global_model=glob)
+    blob = bytearray(C.serialize(chain.process_outgoing(ctx, app)))
+    pos = {"ciphertext": 60, "tag": len(blob) - 1, "nonce": 20, "key_id": 10, "magic": 0}.get(where)
+    if where == "truncated":
+        blob = blob[:-5]
+    else:
+        blob[pos] ^= 0x01
+    server = C.DataContext(model=bytes(blob))
+    with pytest.raises(C.DecryptionError):
+        chain.process_incoming(server, app)
+    assert server.get_model() == bytes(blob)  # untouched: nothing decoded
+
+
+def test_wrong_key_is_rejected(key_file):
+    glob, local = models(2)
+    ctx = C.DataContext(model=local)
+    blob = C.serialize(make_chain(key_file).process_outgoing(ctx, C.AppContext(global_model=glob)))
+    other = C.ModelDecryptor(key=bytes(32))
+    with pytest.raises(C.DecryptionError, match="different key"):
+        other.process(C.DataContext(model=blob), C.AppContext())
+    assert issubclass(C.DecryptionError, GpuCodecError) and issubclass(C.DecryptionError, ValueError)
+
+
+@pytest.mark.parametrize("args, match", [
+    ({}, "exactly one"), ({"key": b"short"}, "32 bytes"), ({"key_env": "GPU_CODEC_NO_SUCH_VAR"}, "not set"),
+    ({"key_file": "/nonexistent/key"}, "cannot read"), ({"key": KEY, "key_env": "X"}, "exactly one"),
+])
+def test_key_errors(args, match):
+    with pytest.raises(C.EncryptionKeyError, match=match):
+        C.ModelEncryptor(**args)
+
+
+def test_abort_stops_the_chain_and_restores_the_context(key_file):
+    glob, local = models(3)
+    chain = make_chain(key_file)
+    ctx = C.DataContext(model=local, metadata={"site": "a"})
+    app = C.AppContext(global_model=glob, n_iter=9)
+
+    chain.abort(app)  # before the run: the next run stops
+    with pytest.raises(C.ProcessingAbortedError):
+        chain.process_outgoing(ctx, app)
+    assert ctx.get_model() is local and ctx.get_all_metadata() == {"site": "a"}
+
+    class Aborter(C.DataProcessor):  # aborts the chain from inside, after the generators ran
+        def process(self, data_ctx, app_ctx):
+            chain.abort(app_ctx)
+
+    chain.pre_processors.insert(2, Aborter())
+    with pytest.raises(C.ProcessingAbortedError):
+        chain.process_outgoing(ctx, app)
+    assert ctx.get_model() is local and ctx.get_all_metadata() == {"site": "a"}
+
+    del chain.pre_processors[2]  # and the chain runs again afterwards
+    chain.process_outgoing(ctx, app)
+    assert ctx.get_model()[:8] == b"GCAESGCM" and ctx.get_metadata("n_iter") == 9
+
+
+def test_processor_order_errors(key_file):
+    glob, local = models(4)
+    wrong = C.ProcessorChain([C.ModelEncryptor(key_file=key_file), C.DataCompressor(fraction=0.5)])
+    ctx = C.DataContext(model=local)
+    with pytest.raises(C.ProcessorOrderError, match="before ModelEncryptor"):
+        wrong.process_outgoing(ctx, C.AppContext())
+    assert ctx.get_model() is local
+    enc_ctx = C.DataContext(model=local)
+    C.ProcessorChain([C.DataCompressor(fraction=0.5), C.ModelEncryptor(key_file=key_file)]).process_outgoing(
+        enc_ctx, C.AppContext(global_model=glob))
+    with pytest.raises(C.ProcessorOrderError, match="ModelDecryptor must run"):
+        C.DataDeCompressor().process(enc_ctx, C.AppContext(global_model=glob))
+    with pytest.raises(C.ProcessorOrderError, match="not compressed or encrypted|neither"):
+        C.serialize(C.DataContext(model=local))
+    delta_payload = gpu_codec.compress(local, glob, fraction=0.5, metadata={C.CLARA_KEY: {"delta": True}})
+    with pytest.raises(InvalidInputError, match="no global model"):
+        C.DataDeCompressor().process(C.DataContext(model=delta_payload), C.AppContext())
+
+
+def test_default_post_processors_are_the_inverses(key_file):
+    glob, local = models(5)
+    chain = C.ProcessorChain([C.DataCompressor(fraction=0.2), C.ModelEncryptor(key_file=key_file)])
+    assert [type(p).__name__ for p in chain.post_processors] == ["DataDeCompressor", "ModelDecryptor"]
+    ctx = C.DataContext(model=local)
+    app = C.AppContext(global_model=glob)
+    server = C.deserialize(C.serialize(chain.process_outgoing(ctx, app)))
+    chain.process_incoming(server, app)
+    for n, v in ref_topk_delta(local, glob, 0.2).items():
+        np.testing.assert_array_equal(server.get_model()[n], v)
+
+
+def test_codec_stages_in_the_compressor_config(key_file):
+    if not hasattr(gpu_codec, "get_codec"):
+        pytest.skip("gpu_codec.codecs is not present")
+    glob, local = models(7)
+    chain = C.ProcessorChain.from_config({"pre_processors": [
+        {"name": "DataCompressor", "args": {"fraction": 0.2, "pipeline": [
+            {"id": "quantize", "dtype": "float16"}, {"id": "rice"}, {"id": "zstd", "level": 3}]}},
+        {"name": "ModelEncryptor", "args": {"key_file": key_file}}]})
+    app = C.AppContext(global_model=glob)
+    server = C.deserialize(C.serialize(chain.process_outgoing(C.DataContext(model=local), app)))
+    chain.process_incoming(server, app)
+    d = {n: local[n] - glob[n] for n in local}
+    kept = ref_topk_delta(d, {n: np.zeros_like(v) for n, v in d.items()}, 0.2)
+    for n in local:
+        np.testing.assert_array_equal(server.get_model()[n], glob[n] + kept[n].astype(np.float16).astype(np.float32))
+
+
+def test_config_errors_and_byoc_path():
+    with pytest.raises(InvalidInputError, match="unknown processor"):
+        C.build_processor({"name": "NoSuchProcessor"})
+    with pytest.raises(InvalidInputError, match="bad args"):
+        C.build_processor({"name": "DataCompressor", "args": {"nope": 1}})
+    p = C.build_processor({"path": "gpu_codec.clara.IteratorNumberGenerator", "args": {"field": "iters"}})
+    assert isinstance(p, C.IteratorNumberGenerator) and p.field == "iters"
+    assert C.build_processor({"name": "DataCompressor", "args": {"fraction": 0.05}}).get_config()["fraction"] == 0.05
+
+
+def test_metadata_generators():
+    ctx = C.DataContext(model={})
+    app = C.AppContext(n_iter=12, best_metric=0.8, initial_metric=0.6)
+    for g in (C.IteratorNumberGenerator(), C.BestMetricGenerator(), C.InitialValidationMetricGenerator()):
+        g.process(ctx, app)
+    assert ctx.get_all_metadata() == {"n_iter": 12, "best_validation_metric": 0.8, "initial_validation_metric": 0.6}
+    ctx2 = C.DataContext(model={})
+    C.BestMetricGenerator().process(ctx2, C.AppContext())  # nothing to attach
+    assert ctx2.get_all_metadata() == {}
+
+
+def test_metric_manager():
+    mm = C.MetricManager({"validation": ["val_acc", "val_dice"], "train": ["loss"]})
+    enc = mm.encode_metrics({"val_dice": np.float32(0.5), "loss": 1, "val_acc": 0.25})
+    assert enc == {"train": {"loss": 1.0}, "validation": {"val_acc": 0.25, "val_dice": 0.5}}
+    assert mm.decode_metrics(enc) == {"loss": 1.0, "val_acc": 0.25, "val_dice": 0.5}
+    for bad in ({"val_acc": float("nan")}, {"unknown": 1.0}, {"loss": "high"}, {"loss": np.ones(3)}):
+        with pytest.raises(C.MetricsError):
+            mm.validate_metrics(bad)
+    with pytest.raises(C.MetricsError, match="belongs to"):
+        mm.decode_metrics({"train": {"val_acc": 0.1}})
+    assert C.MetricManager().encode_metrics({"x": 2}) == {"default": {"x": 2.0}}
+
+
+def test_dict_model_reader_writer_with_payloads():
+    glob, local = models(6)
+    rw = C.DictModelReaderWriter(exclude_vars="^fc\\.")
+    rw.initialize(glob)
+    assert list(rw.get_local_models()) == ["conv.w"]
+    payload = gpu_codec.compress({"conv.w": local["conv.w"]}, {"conv.w": glob["conv.w"]}, fraction=0.3,
+                                 metadata={C.CLARA_KEY: {"delta": True}})
+    assert rw.apply_model(payload.to_bytes()) is True
+    want = ref_topk_delta({"conv.w": local["conv.w"]}, {"conv.w": glob["conv.w"]}, 0.3)["conv.w"]
+    np.testing.assert_array_equal(rw.extract_model(["conv.w", "missing"])["conv.w"], want)
+    assert rw.apply_model({"fc.b": np.zeros(7, np.float32)}) is False  # excluded
+
+
+@pytest.mark.parametrize("backend", ADAPTER_BACKENDS)
+def test_pt_model_reader_writer_through_the_chain(backend, key_file):
+    torch = pytest.importorskip("torch")
+    device = "cuda" if backend == "gpu" else "cpu"
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)).to(device)
+    rw = C.PTModelReaderWriter()
+    rw.initialize(net)
+    glob = {k: v.clone() for k, v in rw.get_local_models().items()}
+    weight = net[0].weight
+    with torch.no_grad():
+        for p in net.parameters():
+            p.add_(torch.randn_like(p))
+    local = rw.get_local_models()
+    assert local["0.weight"].data_ptr() == weight.data_ptr()  # no copies
+    with use_backend(backend):
+        chain = C.ProcessorChain([C.DataCompressor(fraction=0.25), C.ModelEncryptor(key_file=key_file)])
+        ctx = C.DataContext(model=local)
+        app = C.AppContext(global_model=glob)
+        chain.pre_processors[0].process(ctx, app)
+        if backend == "gpu":
+            assert type(ctx.get_model().tensors[0].buffers["values"]).__module__.startswith("cupy")
+        chain.pre_processors[1].process(ctx, app)
+        server = C.deserialize(C.serialize(ctx))
+        chain.process_incoming(server, app)
+        got = server.get_model()
+        assert all(v.device.type == device for v in got.values())
+        np_local = {k: v.cpu().numpy() for k, v in local.items()}
+        want = ref_topk_delta(np_local, {k: v.cpu().numpy() for k, v in glob.items()}, 0.25)
+        for n in want:
+            np.testing.assert_array_equal(got[n].cpu().numpy(), want[n])
+        receiver = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2)).to(device)
+        rrw = C.PTModelReaderWriter()
+        rrw.initialize(receiver)
+        w_ptr = receiver[0].weight.data_ptr()
+        assert rrw.apply_model(got) is True
+    assert receiver[0].weight.data_ptr() == w_ptr  # written in place
+    np.testing.assert_array_equal(receiver[0].weight.detach().cpu().numpy(), want["0.weight"])

@@ -1,0 +1,175 @@
+"""Flower adapter: Array and ParametersRecord as flwr's, a gpu_codec payload inside, round trips via real flwr."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import gpu_codec
+from gpu_codec.errors import PayloadError
+from gpu_codec.flower import STYPE_GPU_CODEC, Array, ArrayRecord, ParametersRecord
+from tests.common import HAS_GPU, use_backend
+
+ADAPTER_BACKENDS = [
+    pytest.param("cpu", id="cpu"),
+    pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]),
+]
+
+
+def ref_topk(update: dict, fraction: float) -> dict:
+    names = list(update)
+    d = np.concatenate([update[n].astype(np.float32).reshape(-1) for n in names])
+    k = gpu_codec.kept_count(fraction, d.size)
+    keep = np.lexsort((np.arange(d.size), -np.abs(d)))[:k]
+    kept = np.zeros_like(d)
+    kept[keep] = d[keep]
+    out, a = {}, 0
+    for n in names:
+        out[n] = kept[a:a + update[n].size].reshape(update[n].shape)
+        a += update[n].size
+    return out
+
+
+def update_and_base(seed=0):
+    rng = np.random.default_rng(seed)
+    base = {"enc.w": rng.standard_normal((16, 8)).astype(np.float32), "enc.b": rng.standard_normal(8).astype(np.float32)}
+    new = {k: v + rng.standard_normal(v.shape).astype(np.float32) for k, v in base.items()}
+    return new, base
+
+
+def test_array_from_numpy_is_flwrs_npy_encoding():
+    x = np.arange(12, dtype=np.float64).reshape(3, 4)
+    a = Array.from_numpy_ndarray(x)
+    assert (a.dtype, a.shape, a.stype) == ("float64", (3, 4), "numpy.ndarray")
+    np.testing.assert_array_equal(a.numpy(), x)
+    assert Array("float64", (3, 4), "numpy.ndarray", a.data) == a
+    with pytest.raises(TypeError):
+        Array("float64", (3, 4), "numpy.ndarray", "not bytes")
+    with pytest.raises(TypeError, match="Unsupported serialization type"):
+        Array.from_payload(gpu_codec.compress({"w": x.astype(np.float32)}, fraction=0.5)).numpy()
+    with pytest.raises(TypeError, match="holds no gpu_codec payload"):
+        a.payload()
+
+
+def test_torch_arrays_and_bfloat16():
+    torch = pytest.importorskip("torch")
+    t = torch.linspace(-2, 2, 6, dtype=torch.bfloat16).reshape(2, 3)
+    a = Array.from_torch_tensor(t)
+    assert a.dtype == "bfloat16" and a.numpy().dtype == np.uint16
+    assert torch.equal(a.to_torch(), t)
+    f = torch.ones(3)
+    assert Array.from_array(f) == Array.from_numpy_ndarray(f.numpy())
+
+
+def test_record_keep_input_and_count_bytes():
+    arrays = {"a": Array.from_numpy_ndarray(np.ones(3, np.float32)), "b": Array.from_numpy_ndarray(np.zeros(2))}
+    rec = ParametersRecord(arrays, keep_input=False)
+    assert arrays == {} and list(rec) == ["a", "b"]
+    assert rec.count_bytes() == sum(len(v.data) + len(k) for k, v in rec.items())
+    lst = [np.ones(2, np.float32), np.zeros(3, np.int32)]
+    rec = ParametersRecord(lst, keep_input=False)
+    assert lst == [] and list(rec) == ["0", "1"]
+    kept = [np.ones(2, np.float32)]
+    ParametersRecord(kept)
+    assert len(kept) == 1
+    with pytest.raises(TypeError, match="Key must be"):
+        rec[1] = arrays.get("a")
+    with pytest.raises(TypeError, match="Value must be"):
+        rec["x"] = np.ones(2)
+    assert ArrayRecord is ParametersRecord
+
+
+def test_payload_array_is_lazy_and_counted_exactly():
+    new, base = update_and_base(1)
+    payload = gpu_codec.compress(new, base, fraction=0.1)
+    arr = Array.from_payload(payload)
+    assert arr._data is None and arr.nbytes == payload.nbytes and arr.shape == (payload.nbytes,)
+    rec = ParametersRecord({"gpu_codec": arr})
+    assert rec.count_bytes() == payload.nbytes + len("gpu_codec") and arr._data is None
+    assert arr.data == payload.to_bytes() and arr.payload() is payload
+    with pytest.raises(PayloadError):
+        Array.from_payload(payload.to_bytes()[:-1])
+
+
+@pytest.mark.parametrize("backend", ADAPTER_BACKENDS)
+def test_compressed_record_round_trip(backend):
+    new, base = update_and_base(2)
+    with use_backend(backend):
+        rec = ParametersRecord.compressed(new, base, fraction=0.05)
+        if backend == "gpu":
+            assert type(rec["gpu_codec"].payload().tensors[0].buffers["values"]).__module__.startswith("cupy")
+        wire = ParametersRecord({"gpu_codec": Array(**{f: getattr(rec["gpu_codec"], f)
+                                                       for f in ("dtype", "shape", "stype", "data")})})
+        delta = wire.decompress()
+        full = wire.decompress(base=base)
+    want = ref_topk({k: new[k] - base[k] for k in new}, 0.05)
+    for n in new:
+        np.testing.assert_array_equal(delta[n], want[n])
+        np.testing.assert_array_equal(full[n], base[n] + want[n])
+
+
+@pytest.mark.parametrize("backend", ADAPTER_BACKENDS)
+def test_torch_state_dicts_on_their_device(backend):
+    torch = pytest.importorskip("torch")
+    device = "cuda" if backend == "gpu" else "cpu"
+    torch.manual_seed(0)
+    base = {k: v.to(device) for k, v in torch.nn.Linear(10, 4).state_dict().items()}
+    new = {k: v + torch.randn_like(v) for k, v in base.items()}
+    with use_backend(backend):
+        rec = ParametersRecord.compressed(new, base, fraction=0.2)
+        rec["extra"] = Array.from_array(torch.arange(3.0, device=device))
+        out = rec.decompress(base={**base, "extra": torch.zeros(3, device=device)})
+    assert all(v.device.type == device for v in out.values())
+    want = ref_topk({k: (new[k] - base[k]).cpu().numpy() for k in new}, 0.2)
+    for n in new:
+        np.testing.assert_array_equal(out[n].cpu().numpy(), (base[n].cpu().numpy() + want[n]))
+    assert out["extra"].tolist() == [0.0, 1.0, 2.0]
+    plain = ParametersRecord.from_torch_state_dict({k: v for k, v in base.items()})
+    sd = plain.to_torch_state_dict(device=device)
+    assert all(torch.equal(sd[k], base[k]) for k in base)
+
+
+def test_codec_stages_in_a_record():
+    if not hasattr(gpu_codec, "get_codec"):
+        pytest.skip("gpu_codec.codecs is not present")
+    new, base = update_and_base(4)
+    rec = ParametersRecord.compressed(new, base, fraction=0.1, pipeline=[{"id": "quantize", "dtype": "bfloat16"},
+                                                                         {"id": "zstd", "level": 1}])
+    assert [s["id"] for s in rec["gpu_codec"].payload().pipeline] == ["topk", "quantize", "zstd"]
+    want = ref_topk({k: new[k] - base[k] for k in new}, 0.1)
+    got = rec.decompress()
+    for n in new:
+        np.testing.assert_allclose(got[n], want[n], rtol=2 ** -8)
+        assert ((got[n] != 0) == (want[n] != 0)).all()
+
+
+def test_real_flwr_round_trip():
+    fc = pytest.importorskip("flwr.common")
+    from flwr.common import serde
+
+    new, base = update_and_base(3)
+    rec = ParametersRecord.compressed(new, base, fraction=0.1)
+    rec["dense.w"] = Array.from_numpy_ndarray(np.arange(4, dtype=np.float32))
+    flwr_rec = rec.to_flwr()
+    assert isinstance(flwr_rec, fc.ArrayRecord)
+    assert flwr_rec["gpu_codec"].stype == STYPE_GPU_CODEC
+    assert flwr_rec.count_bytes() == rec.count_bytes()
+    # our numpy Arrays are byte-identical to flwr's own
+    assert flwr_rec["dense.w"].data == fc.Array(np.arange(4, dtype=np.float32)).data
+    assert np.array_equal(flwr_rec["dense.w"].numpy(), np.arange(4, dtype=np.float32))
+
+    # through flwr's wire format (protobuf) and back
+    wire = serde.recorddict_to_proto(fc.RecordDict({"update": flwr_rec})).SerializeToString()
+    proto = type(serde.recorddict_to_proto(fc.RecordDict({})))()
+    proto.ParseFromString(wire)
+    received = ParametersRecord.from_flwr(serde.recorddict_from_proto(proto)["update"])
+    assert list(received) == ["gpu_codec", "dense.w"]
+    out = received.decompress(base=base)
+    want = ref_topk({k: new[k] - base[k] for k in new}, 0.1)
+    for n in new:
+        np.testing.assert_array_equal(out[n], base[n] + want[n])
+    assert out["dense.w"].tolist() == [0.0, 1.0, 2.0, 3.0]
+
+    # and a record flwr built from NumPy arrays reads back as ours
+    ours = ParametersRecord.from_flwr(fc.ArrayRecord([np.ones(2, np.float32)]))
+    assert ours["0"].numpy().tolist() == [1.0, 1.0]
