@@ -1,0 +1,444 @@
+#!/usr/bin/env python3
+"""The GPU suite: every check that needs a real GPU, in one command, with a JSON summary.
+
+    pip install --no-deps -e . && python3 benchmarks/gpu_suite.py --out OUTDIR
+
+Steps, in order (each recorded in OUTDIR/summary.json as pass / fail / skip, with seconds and details):
+  env        the device, driver, CUDA runtime, CuPy and NVRTC versions
+  pytest     python -m pytest -m gpu: the test suite's GPU-marked tests                     -> pytest_gpu.log
+  parity     KernelOps(CupyRunner()) against the NumPy backend (cpu_fallback.select.topk_select and the
+             scatter twin) to the byte, on large random inputs (up to --max-n elements)
+  cases      the emulated test cases (benchmarks/kernel_cases.py) on the device: every kernel against its twin,
+             buffer by buffer, exactly as tests/test_emulated_kernels.py runs them on the CPU emulator
+  sanitizer  compute-sanitizer memcheck, racecheck and synccheck over --workload, a short run that launches
+             every kernel at least once and checks its output                            -> sanitizer_<tool>.log
+  resources  registers, shared memory and spills from ptxas (benchmarks/kernel_resources.py) -> resources.txt
+A human-readable log goes to OUTDIR/suite.log. The exit status is 1 if any step failed. Steps stop being started
+once --budget-s seconds have passed (the device tool gives a command 10 minutes).
+
+--runner emulated runs the steps that do not need a GPU (cases, parity on small inputs, the workload) on the CPU
+emulator instead: CPU CI tests the suite itself that way (tests/test_emulated_kernels.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+STEPS = ("env", "pytest", "parity", "cases", "sanitizer", "resources")
+SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
+_EXTRA_PYTHONPATH: list[str] = []
+
+
+def _ensure_importable() -> None:
+    """Make ``gpu_codec`` importable from this checkout even where ``pip install -e .`` could not run (the
+    package maps kernels/ and cpu_fallback/ into it, so a plain sys.path entry is not enough)."""
+    try:
+        import gpu_codec.kernels
+
+        import gpu_codec._kernel_ops  # noqa: F401
+        return
+    except ImportError:
+        pass
+    tmp = Path(tempfile.mkdtemp(prefix="gpu_codec_src_"))
+    pkg = tmp / "gpu_codec"
+    pkg.mkdir()
+    for f in (ROOT / "gpu_codec").iterdir():
+        if f.name != "__pycache__":
+            (pkg / f.name).symlink_to(f)
+    (pkg / "kernels").symlink_to(ROOT / "kernels")
+    (pkg / "cpu_fallback").symlink_to(ROOT / "cpu_fallback")
+    sys.path.insert(0, str(tmp))
+    _EXTRA_PYTHONPATH.append(str(tmp))
+    for m in [m for m in sys.modules if m == "gpu_codec" or m.startswith("gpu_codec.")]:
+        del sys.modules[m]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    if _EXTRA_PYTHONPATH:
+        env["PYTHONPATH"] = os.pathsep.join(_EXTRA_PYTHONPATH + [env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.setdefault("PYTHONUNBUFFERED", "1")
+    return env
+
+
+def _cases_module():
+    sys.path.insert(0, str(HERE))
+    import kernel_cases
+
+    return kernel_cases
+
+
+class CountingRunner:
+    """A runner that forwards to another and counts the launches per kernel."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.xp = inner.xp
+        self.counts: dict[str, int] = {}
+
+    def launch(self, name, grid, block, args):
+        self.counts[name] = self.counts.get(name, 0) + 1
+        self.inner.launch(name, grid, block, args)
+
+    def ptr(self, a):
+        return self.inner.ptr(a)
+
+    def to_host(self, a):
+        return self.inner.to_host(a)
+
+
+def make_runner(kind: str):
+    if kind == "emulated":
+        from gpu_codec._emulator import EmulatorRunner
+
+        return EmulatorRunner()
+    from gpu_codec._cupy_runtime import CupyRunner
+
+    return CupyRunner()
+
+
+def _sync(runner) -> None:
+    xp = runner.xp
+    if xp.__name__ == "cupy":
+        xp.cuda.Device().synchronize()
+
+
+# ------------------------------------------------------------------------------------------------- the steps
+
+class Suite:
+    def __init__(self, args):
+        self.args = args
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.t0 = time.monotonic()
+        self.summary: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "runner": args.runner, "steps": {}}
+        self.log_f = open(self.out / "suite.log", "w")
+
+    def log(self, msg: str) -> None:
+        print(msg, flush=True)
+        self.log_f.write(msg + "\n")
+        self.log_f.flush()
+
+    def left(self) -> float:
+        return self.args.budget_s - (time.monotonic() - self.t0)
+
+    def save(self) -> None:
+        self.summary["seconds"] = round(time.monotonic() - self.t0, 1)
+        (self.out / "summary.json").write_text(json.dumps(self.summary, indent=1, default=str))
+
+    def record(self, step: str, status: str, t: float, **details) -> None:
+        self.summary["steps"][step] = {"status": status, "seconds": round(time.monotonic() - t, 1), **details}
+        self.log(f"== {step}: {status.upper()} ({self.summary['steps'][step]['seconds']} s)")
+        self.save()
+
+    def run_step(self, step: str) -> None:
+        if step in self.args.skip:
+            self.summary["steps"][step] = {"status": "skip", "reason": "--skip"}
+            self.save()
+            return
+        if self.left() <= 0:
+            self.summary["steps"][step] = {"status": "skip", "reason": f"budget of {self.args.budget_s} s spent"}
+            self.log(f"== {step}: SKIP (budget spent)")
+            self.save()
+            return
+        self.log(f"== {step} ...")
+        t = time.monotonic()
+        try:
+            getattr(self, "step_" + step)(t)
+        except Exception as e:  # noqa: BLE001 - a broken step is a failed step, the others still run
+            self.log(traceback.format_exc())
+            self.record(step, "fail", t, error=f"{type(e).__name__}: {e}")
+
+    # -- env
+    def step_env(self, t):
+        info = {"python": sys.version.split()[0], "platform": platform.platform(), "runner": self.args.runner}
+        try:
+            import numpy
+
+            info["numpy"] = numpy.__version__
+        except ImportError:
+            pass
+        try:
+            import cupy
+
+            info["cupy"] = cupy.__version__
+            try:
+                info["cuda_runtime"] = cupy.cuda.runtime.runtimeGetVersion()
+                info["cuda_driver"] = cupy.cuda.runtime.driverGetVersion()
+                n = cupy.cuda.runtime.getDeviceCount()
+                info["devices"] = [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode() for i in range(n)]
+                cc = cupy.cuda.Device(0).compute_capability
+                info["compute_capability"] = cc
+            except Exception as e:  # noqa: BLE001
+                info["cuda_error"] = f"{type(e).__name__}: {e}"
+            try:
+                from cupy.cuda import nvrtc
+
+                info["nvrtc"] = ".".join(map(str, nvrtc.getVersion()))
+            except Exception as e:  # noqa: BLE001
+                info["nvrtc_error"] = str(e)
+        except ImportError as e:
+            info["cupy_error"] = str(e)
+        if shutil.which("nvidia-smi"):
+            r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+            info["nvidia_smi"] = r.stdout.strip()
+        info["compute_sanitizer"] = self.sanitizer_path()
+        info["nvcc"] = shutil.which("nvcc")
+        self.summary["env"] = info
+        self.log(json.dumps(info, indent=1, default=str))
+        if self.args.runner == "cupy" and not info.get("devices"):
+            self.record("env", "fail", t, error="no CUDA device visible to CuPy")
+        else:
+            self.record("env", "pass", t)
+
+    # -- pytest
+    def pytest_command(self) -> list[str]:
+        return [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
+                *self.args.pytest_args]
+
+    def step_pytest(self, t):
+        if self.args.runner != "cupy":
+            return self.record("pytest", "skip", t, reason="needs a GPU (--runner cupy)")
+        try:
+            import pytest  # noqa: F401
+        except ImportError:
+            return self.record("pytest", "skip", t, reason="pytest is not installed here")
+        timeout = max(30.0, min(self.args.pytest_timeout, self.left()))
+        logp = self.out / "pytest_gpu.log"
+        with open(logp, "w") as f:
+            try:
+                r = subprocess.run(self.pytest_command(), cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT,
+                                   timeout=timeout)
+                rc = r.returncode
+            except subprocess.TimeoutExpired:
+                rc = None
+        tail = logp.read_text(errors="replace").strip().splitlines()[-1:] or [""]
+        if rc is None:
+            return self.record("pytest", "fail", t, error=f"timed out after {timeout:.0f} s", log=logp.name)
+        status = {0: "pass", 5: "skip"}.get(rc, "fail")
+        self.record("pytest", status, t, returncode=rc, last_line=tail[0], log=logp.name,
+                    **({"reason": "no test is marked gpu"} if rc == 5 else {}))
+
+    # -- parity on large inputs
+    def step_parity(self, t):
+        kc = _cases_module()
+        runner = make_runner(self.args.runner)
+        max_n = int(self.args.max_n if self.args.max_n else (1e8 if self.args.runner == "cupy" else 2e4))
+        results, failed = [], False
+        cases = [("topk", c) for c in kc.large_topk_cases(max_n)] + \
+                [("scatter", c) for c in kc.large_scatter_cases(max_n)]
+        for kind, case in cases:
+            if self.left() <= 0:
+                results.append({"case": case.name, "status": "skip", "reason": "budget"})
+                continue
+            t1 = time.monotonic()
+            m = kc.topk_vs_reference(runner, case) if kind == "topk" else kc.scatter_vs_reference(runner, case)
+            _sync(runner)
+            results.append({"case": case.name, "elements": int(sum(case.sizes)), "status": "fail" if m else "pass",
+                            "seconds": round(time.monotonic() - t1, 1), "mismatches": m[:10]})
+            self.log(f"   {case.name}: {'FAIL ' + m[0] if m else 'equal to the byte'} ({results[-1]['seconds']} s)")
+            failed |= bool(m)
+        self.record("parity", "fail" if failed else "pass", t, max_n=max_n, cases=results)
+
+    # -- the emulated cases on the device
+    def step_cases(self, t):
+        kc = _cases_module()
+        runner = make_runner(self.args.runner)
+        groups = [("topk", kc.topk_cases(), kc.topk_vs_reference), ("topk_stepwise", kc.topk_cases(), kc.topk_stepwise),
+                  ("topk_stepwise_u64", kc.topk_cases()[::4], lambda r, c: kc.topk_stepwise(r, c, wide=True)),
+                  ("scatter", kc.scatter_cases(), kc.scatter_vs_reference),
+                  ("scatter_stepwise", kc.scatter_cases(), kc.scatter_stepwise),
+                  ("quantize", kc.quant_cases(), kc.quant_stepwise), ("rice", kc.rice_cases(), kc.rice_stepwise)]
+        failures, n = [], 0
+        for gname, cases, fn in groups:
+            if self.args.quick:
+                cases = cases[::7]
+            for case in cases:
+                n += 1
+                try:
+                    m = fn(runner, case)
+                except Exception as e:  # noqa: BLE001
+                    m = [f"{type(e).__name__}: {e}"]
+                if m:
+                    failures.append({"group": gname, "case": case.name, "mismatches": m[:10]})
+                    self.log(f"   {gname}/{case.name}: FAIL {m[0]}")
+        self.log(f"   {n - len(failures)} of {n} cases equal to the byte")
+        self.record("cases", "fail" if failures else "pass", t, cases=n, failures=failures)
+
+    # -- compute-sanitizer
+    def sanitizer_path(self) -> str | None:
+        if self.args.sanitizer:
+            return self.args.sanitizer
+        found = shutil.which("compute-sanitizer")
+        if found:
+            return found
+        for p in ("/usr/local/cuda/bin/compute-sanitizer", "/usr/local/cuda/compute-sanitizer/compute-sanitizer"):
+            if os.path.exists(p):
+                return p
+        return None
+
+    def sanitizer_command(self, tool: str) -> list[str]:
+        cs = self.sanitizer_path() or "compute-sanitizer"
+        extra = {"memcheck": ["--leak-check", "no"], "racecheck": ["--racecheck-report", "all"]}.get(tool, [])
+        return [cs, "--tool", tool, "--error-exitcode", "86", "--print-limit", "100", *extra,
+                sys.executable, str(Path(__file__).resolve()), "--workload", "--runner", "cupy", "--out",
+                str(self.out)]
+
+    def step_sanitizer(self, t):
+        if self.args.runner != "cupy":
+            return self.record("sanitizer", "skip", t, reason="needs a GPU (--runner cupy)")
+        if not self.sanitizer_path():
+            return self.record("sanitizer", "fail", t, error="compute-sanitizer not found (give --sanitizer PATH)")
+        results, failed = {}, False
+        for tool in self.args.sanitizer_tools:
+            if self.left() <= 0:
+                results[tool] = {"status": "skip", "reason": "budget"}
+                continue
+            logp = self.out / f"sanitizer_{tool}.log"
+            t1 = time.monotonic()
+            timeout = max(30.0, min(300.0, self.left()))
+            try:
+                r = subprocess.run(self.sanitizer_command(tool), cwd=ROOT, env=_env(), capture_output=True, text=True,
+                                   timeout=timeout)
+                text, rc = r.stdout + r.stderr, r.returncode
+            except subprocess.TimeoutExpired as e:
+                text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout:.0f} s", None
+            if isinstance(text, bytes):
+                text = text.decode(errors="replace")
+            logp.write_text(text)
+            res = parse_sanitizer(text)
+            ok = rc == 0 and res["summary_found"] and res["errors"] == 0 and "workload: ok" in text
+            results[tool] = {"status": "pass" if ok else "fail", "returncode": rc, **res,
+                             "seconds": round(time.monotonic() - t1, 1), "log": logp.name}
+            self.log(f"   {tool}: {'clean' if ok else 'FAILED'} (rc {rc}, {res})")
+            failed |= not ok
+        self.record("sanitizer", "fail" if failed else "pass", t, tools=results)
+
+    # -- resources
+    def step_resources(self, t):
+        sys.path.insert(0, str(HERE))
+        import kernel_resources as kr
+
+        have, why = kr.nvrtc_available()
+        tools = (["nvrtc"] if have else []) + (["nvcc"] if shutil.which("nvcc") else [])
+        if not tools:
+            return self.record("resources", "skip", t, reason=f"neither NVRTC ({why}) nor nvcc")
+        archs = tuple(self.args.arch)
+        rep = kr.collect(archs, tuple(tools))
+        table = kr.format_table(rep.rows)
+        (self.out / "resources.txt").write_text(table + "\n\n" + "\n".join(rep.problems) + "\n")
+        self.log(table)
+        self.record("resources", "fail" if rep.problems else "pass", t, tools=tools, archs=list(archs),
+                    problems=rep.problems, log="resources.txt")
+
+
+def parse_sanitizer(text: str) -> dict:
+    """Error counts from a compute-sanitizer log.
+
+    >>> parse_sanitizer("========= ERROR SUMMARY: 0 errors")
+    {'errors': 0, 'hazards': 0, 'summary_found': True}
+    >>> parse_sanitizer("========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)")
+    {'errors': 1, 'hazards': 3, 'summary_found': True}
+    """
+    errors, hazards, found = 0, 0, False
+    for m in re.finditer(r"ERROR SUMMARY: (\d+) errors?", text):
+        errors += int(m.group(1))
+        found = True
+    for m in re.finditer(r"RACECHECK SUMMARY: (\d+) hazards? displayed \((\d+) errors?, (\d+) warnings?\)", text):
+        hazards += int(m.group(1))
+        errors += int(m.group(2))
+        found = True
+    return {"errors": errors, "hazards": hazards, "summary_found": found}
+
+
+# ------------------------------------------------------------------------------------------- the workload
+
+def workload(runner_kind: str) -> int:
+    """Launch every kernel at least once on small inputs and check the results (run under compute-sanitizer)."""
+    kc = _cases_module()
+    inner = make_runner(runner_kind)
+    if runner_kind == "cupy":
+        import cupy
+
+        cupy.cuda.set_allocator(None)  # one cudaMalloc per array: memcheck sees each buffer's real bounds
+    r = CountingRunner(inner)
+    topk = kc.TopkCase("workload", (3000, 5000, 300, 0), ("f32", "bf16", "f64", "f16"), res=True, res_out="new",
+                       qmode=1, k=0.1)
+    m = []
+    m += kc.topk_stepwise(r, topk)
+    m += kc.topk_stepwise(r, topk.with_(name="workload_u64", scope="tensor", res_out="alias"), wide=True)
+    m += kc.topk_vs_reference(r, topk.with_(name="workload_ops", pattern="ties"))
+    m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter", (3000, 700), ("f16", "f64"), mode=1))
+    m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter_u64_bad", (3000, 700), ("bf16", "f32"), wide=True,
+                                               bad="dup", bad_tensor=1, bad_at=5))
+    m += kc.quant_stepwise(r, kc.QuantCase("workload_quant", (3000, 700, 0), ("f32", "f64", "f32"),
+                                           ("u32", "u64", "dense")))
+    m += kc.rice_stepwise(r, kc.RiceCase("workload_rice", (300, 5000, 0), (30000, 9000, 10)))
+    m += kc.rice_stepwise(r, kc.RiceCase("workload_rice_u64", (300, 5000), (1 << 36, 9000), wide=True))
+    _sync(inner)
+    from gpu_codec._sources import kernel_signatures
+
+    missing = sorted(set(kernel_signatures()) - set(r.counts))
+    print("launches:", json.dumps(dict(sorted(r.counts.items()))))
+    for x in m:
+        print("MISMATCH", x)
+    if missing:
+        print("kernels not launched:", ", ".join(missing))
+    if m or missing:
+        print("workload: FAILED")
+        return 1
+    print("workload: ok")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", help="output folder for summary.json and the logs (required unless --workload)")
+    ap.add_argument("--runner", choices=("cupy", "emulated"), default="cupy",
+                    help="cupy: the GPU (default); emulated: the CPU emulator (no GPU steps)")
+    ap.add_argument("--max-n", type=float, default=None,
+                    help="elements of the largest parity case (default 1e8 on a GPU, 2e4 emulated)")
+    ap.add_argument("--skip", action="append", default=[], choices=STEPS, help="skip a step (repeatable)")
+    ap.add_argument("--quick", action="store_true", help="a subset of the cases (about one in seven)")
+    ap.add_argument("--budget-s", type=float, default=540.0, help="start no step after this many seconds (540)")
+    ap.add_argument("--pytest-timeout", type=float, default=240.0, help="seconds for pytest -m gpu (240)")
+    ap.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[],
+                    help="further arguments for pytest (must come last)")
+    ap.add_argument("--sanitizer", help="path of compute-sanitizer (default: on PATH or /usr/local/cuda/bin)")
+    ap.add_argument("--sanitizer-tools", nargs="+", default=list(SANITIZER_TOOLS), choices=SANITIZER_TOOLS)
+    ap.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], help="architectures for the resources step")
+    ap.add_argument("--workload", action="store_true",
+                    help="internal: launch every kernel once and check it (what compute-sanitizer runs)")
+    args = ap.parse_args(argv)
+    _ensure_importable()
+    if args.workload:
+        return workload(args.runner)
+    if not args.out:
+        ap.error("--out is required")
+    suite = Suite(args)
+    suite.log(f"gpu_suite: runner {args.runner}, out {suite.out}, budget {args.budget_s:.0f} s")
+    for step in STEPS:
+        suite.run_step(step)
+    failed = [s for s, v in suite.summary["steps"].items() if v["status"] == "fail"]
+    suite.summary["result"] = "fail" if failed else "pass"
+    suite.save()
+    suite.log(f"gpu_suite: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed or skipped'} "
+              f"({suite.summary['seconds']} s); summary in {suite.out / 'summary.json'}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,706 @@
+"""The CUDA kernels of kernels/*.cu executed on the CPU (gpu_codec._emulator), compared to the byte with their
+NumPy twins (cpu_fallback/), plus tests of the emulator itself: barrier and warp-lockstep semantics, shared
+memory, atomics, the errors it reports, and planted bugs it must catch.
+
+What the emulator cannot catch (races inside one barrier interval, out-of-bounds accesses, FMA contraction,
+NaN bit patterns) is listed in kernels/host/README.md; benchmarks/gpu_suite.py covers those on a real GPU.
+
+The case-based tests also run on a GPU with the CuPy runner (``pytest -m gpu``); CPU CI runs the emulated ones.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from gpu_codec import _emulator as emu
+from gpu_codec._sources import kernel_files, kernel_signatures
+from gpu_codec.backend import _gpu_probe
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load_cases():
+    name = "gpu_codec_bench_kernel_cases"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "kernel_cases.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+kc = _load_cases()
+
+
+def _has_compiler() -> bool:
+    try:
+        emu._compiler()
+    except emu.EmulatorUnavailableError:
+        return False
+    return True
+
+
+HAS_CXX = _has_compiler()
+
+
+@pytest.fixture(autouse=True)
+def _needs_compiler(request):
+    """Everything here needs the emulator's C++ compiler, except the case tests run with the GPU runner."""
+    if HAS_CXX:
+        return
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("runner") == "gpu":
+        return
+    pytest.skip("no C++20 compiler (g++/clang++) for the emulator")
+
+
+HAS_GPU = _gpu_probe()[0]
+RUNNERS = [
+    pytest.param("emulated", id="emulated"),
+    pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]),
+]
+
+
+@pytest.fixture(scope="module", params=RUNNERS)
+def runner(request):
+    if request.param == "gpu":
+        from gpu_codec._cupy_runtime import CupyRunner
+
+        return CupyRunner()
+    if not HAS_CXX:
+        pytest.skip("no C++20 compiler (g++/clang++) for the emulator")
+    return emu.EmulatorRunner()
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    if not HAS_CXX:
+        pytest.skip("no C++20 compiler (g++/clang++) for the emulator")
+    return emu.EmulatorRunner()
+
+
+TOPK = kc.topk_cases()
+SCATTER = kc.scatter_cases()
+
+
+# ------------------------------------------------------------------------------- kernels against their twins
+
+@pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
+def test_topk_select_matches_cpu_backend(runner, case):
+    """KernelOps(runner).topk_select == cpu_fallback.select.topk_select: indices, values, residuals, errors."""
+    assert kc.topk_vs_reference(runner, case) == []
+
+
+@pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
+def test_topk_kernels_match_twins_stepwise(runner, case):
+    """Each top-k kernel on its own against its twin, every intermediate buffer compared after every launch."""
+    assert kc.topk_stepwise(runner, case) == []
+
+
+WIDE = [c for c in TOPK if c.name in ("mixed_global", "odd_sizes_tensor", "residual_q1", "pattern_ties",
+                                      "k_all_global", "empty_tensors")]
+
+
+@pytest.mark.parametrize("case", WIDE, ids=[c.name for c in WIDE])
+def test_chunk_write_u64_matches_twin(runner, case):
+    """The 64-bit index variant (used for tensors over 2^32 elements) on small tensors."""
+    assert kc.topk_stepwise(runner, case, wide=True) == []
+
+
+@pytest.mark.parametrize("schedule", ["reverse", "shuffle"])
+@pytest.mark.parametrize("case", TOPK[::3], ids=[c.name for c in TOPK[::3]])
+def test_topk_independent_of_schedule(schedule, case):
+    """Blocks, and threads between barriers, in another order: a race would change the bytes."""
+    r = emu.EmulatorRunner(schedule=schedule, seed=7)
+    assert kc.topk_stepwise(r, case) == []
+    assert kc.topk_vs_reference(r, case) == []
+
+
+@pytest.mark.parametrize("case", SCATTER, ids=[c.name for c in SCATTER])
+def test_scatter_matches_cpu_backend(runner, case):
+    """KernelOps(runner).scatter == the NumPy backend's scatter, bad entries (lowest one) included."""
+    assert kc.scatter_vs_reference(runner, case) == []
+
+
+@pytest.mark.parametrize("case", SCATTER, ids=[c.name for c in SCATTER])
+def test_scatter_kernels_match_twins(runner, case):
+    assert kc.scatter_stepwise(runner, case) == []
+
+
+QUANT = kc.quant_cases()
+RICE = kc.rice_cases()
+
+
+@pytest.mark.parametrize("case", QUANT, ids=[c.name for c in QUANT])
+def test_value_codec_kernels_match_twins(runner, case):
+    """quantize_cast (fp16/bf16), quantize_int8, ternary_partial/mu/fixup against cpu_fallback/quantize.py.
+
+    Not modelled here: quantize_int8's residual ``v - q * scale`` rounds twice on the host (as the twin does); a
+    GPU's ptxas may fuse it into one FMA (tests/test_nvrtc.py KNOWN_CONTRACTION_HAZARDS), so only the GPU run of
+    this test (``pytest -m gpu``, benchmarks/gpu_suite.py) can tell whether the device matches.
+    """
+    assert kc.quant_stepwise(runner, case) == []
+
+
+@pytest.mark.parametrize("case", RICE, ids=[c.name for c in RICE])
+def test_rice_kernels_match_twin(runner, case):
+    """rice_count, rice_scan (per-chunk intermediates too) and rice_write against cpu_fallback/rice.py."""
+    assert kc.rice_stepwise(runner, case) == []
+
+
+@pytest.mark.parametrize("schedule", ["reverse", "shuffle"])
+def test_codecs_independent_of_schedule(schedule):
+    r = emu.EmulatorRunner(schedule=schedule, seed=11)
+    for case in QUANT[:4]:
+        assert kc.quant_stepwise(r, case) == []
+    for case in RICE[:4]:
+        assert kc.rice_stepwise(r, case) == []
+
+
+def test_scatter_reports_lowest_bad_entry(emulated):
+    """The planted bad entries are found, and the lowest one wins over a later one in the last tensor."""
+    from gpu_codec._kernel_ops import KernelOps
+
+    for case in SCATTER:
+        if case.bad == "none":
+            continue
+        inp = kc.make_scatter_inputs(case)
+        bad = KernelOps(emulated).scatter([o.copy() for o in inp["outs"]], inp["dtypes"], list(case.sizes),
+                                          inp["idx"], inp["vals"], case.mode)
+        first = sum(int(i.size) for i in inp["idx"][:case.bad_tensor])  # entries of the tensors before
+        assert bad is not None and first <= bad < first + inp["idx"][case.bad_tensor].size, case.name
+
+
+def test_every_kernel_is_exercised():
+    """The cases above launch every kernel of kernels/*.cu (a new kernel needs cases here)."""
+    r = emu.EmulatorRunner()
+    kc.topk_stepwise(r, TOPK[0])
+    kc.topk_stepwise(r, TOPK[0], wide=True)
+    kc.scatter_stepwise(r, SCATTER[0])
+    kc.scatter_stepwise(r, SCATTER[1])
+    kc.quant_stepwise(r, QUANT[0])
+    kc.rice_stepwise(r, RICE[0])
+    kc.rice_stepwise(r, RICE[1])
+    missing = set(kernel_signatures()) - set(r.launch_counts)
+    assert not missing, f"kernels without emulated test cases: {sorted(missing)}"
+
+
+def test_emulated_backend_is_selectable(monkeypatch):
+    from gpu_codec import backend
+
+    monkeypatch.setenv(backend.ENV, "emulated")
+    backend.reset_backend()
+    try:
+        b = backend.get_backend()
+        assert b.name == "emulated" and isinstance(b.runner, emu.EmulatorRunner)
+        inp = kc.make_topk_inputs(TOPK[0])
+        idx, _vals, bad = b.topk_select(inp["new"], inp["base"], inp["res"], [None] * 4, inp["dtypes"],
+                                        inp["ext"], inp["ext_dtypes"], 0, inp["segments"], inp["ks"], 0)
+        assert bad is None and sum(i.size for i in idx) == inp["ks"][0]
+    finally:
+        backend.reset_backend()
+
+
+# --------------------------------------------------------------------------------------- the emulator itself
+
+def test_signatures_parse_like_sources():
+    """The launch glue is generated from the same signatures the CuPy runner resolves."""
+    want = kernel_signatures()
+    got = {}
+    for f in kernel_files():
+        for name, args in emu.parse_signatures(emu.expand_source(f)).items():
+            got[name] = (f, args)
+    assert got == want
+
+
+def test_library_is_cached_and_keyed_by_source():
+    a, _ = emu.build_library()
+    b, _ = emu.build_library()
+    assert a == b and a.exists()
+    src = (ROOT / "kernels" / "scatter.cu").read_text() + "\n// a comment changes the key\n"
+    c, _ = emu.build_library({"scatter.cu": src}, package=False)
+    assert c != a
+
+
+PROBE = r"""
+typedef unsigned int u32;
+typedef unsigned long long u64;
+
+extern "C" __global__ void probe_barrier(u32* out, int use_barrier) {
+    __shared__ u32 sh[1024];
+    const u32 n = blockDim.x, t = threadIdx.x;
+    sh[t] = t * 7u + blockIdx.x;
+    if (use_barrier) __syncthreads();
+    out[blockIdx.x * n + t] = sh[(t + 1) % n];
+}
+
+extern "C" __global__ void probe_scan(u64* out) {  // Hillis-Steele over the whole block, as chunk_scan does
+    __shared__ u64 sh[1024];
+    sh[threadIdx.x] = threadIdx.x + 1;
+    __syncthreads();
+    for (u32 o = 1; o < blockDim.x; o <<= 1) {
+        const u64 add = threadIdx.x >= o ? sh[threadIdx.x - o] : 0ull;
+        __syncthreads();
+        sh[threadIdx.x] += add;
+        __syncthreads();
+    }
+    out[threadIdx.x] = sh[threadIdx.x];
+}
+
+extern "C" __global__ void probe_warp(const u32* in, u32* out, int d) {
+    const u32 t = threadIdx.x + blockIdx.x * blockDim.x;
+    const u32 v = in[t];
+    out[8 * t + 0] = __shfl_down_sync(0xFFFFFFFFu, v, d);
+    out[8 * t + 1] = __shfl_up_sync(0xFFFFFFFFu, v, d);
+    out[8 * t + 2] = __shfl_xor_sync(0xFFFFFFFFu, v, d);
+    out[8 * t + 3] = __shfl_sync(0xFFFFFFFFu, v, d);
+    out[8 * t + 4] = __ballot_sync(0xFFFFFFFFu, v & 1u);
+    out[8 * t + 5] = __any_sync(0xFFFFFFFFu, v == 5u);
+    out[8 * t + 6] = __all_sync(0xFFFFFFFFu, v != 0u);
+    out[8 * t + 7] = __shfl_down_sync(0xFFFFFFFFu, v, d, 8);
+}
+
+extern "C" __global__ void probe_warp_sum(const u32* in, u32* out) {  // the reduction of chunk_count
+    u32 g = in[threadIdx.x];
+    for (int o = 16; o > 0; o >>= 1) g += __shfl_down_sync(0xFFFFFFFFu, g, o);
+    out[threadIdx.x] = g;
+}
+
+extern "C" __global__ void probe_wide_shuffles(const u64* in, u64* out, const double* din, double* dout) {
+    const u32 t = threadIdx.x;
+    out[t] = __shfl_xor_sync(0xFFFFFFFFu, in[t], 1);
+    dout[t] = __shfl_sync(0xFFFFFFFFu, din[t], 31);
+}
+
+extern "C" __global__ void probe_half_masks(u32* out) {
+    const u32 lane = threadIdx.x & 31u;
+    u32 v = lane * 10u;
+    if (lane < 16) v = __shfl_down_sync(0x0000FFFFu, v, 1, 16);
+    else v = __shfl_up_sync(0xFFFF0000u, v, 2, 16);
+    out[threadIdx.x] = v;
+}
+
+extern "C" __global__ void probe_syncwarp(u32* out) {
+    __shared__ u32 sh[32];
+    const u32 lane = threadIdx.x & 31u;
+    sh[lane] = lane * 3u + 1u;
+    __syncwarp();
+    out[lane] = sh[(lane + 1u) & 31u];
+}
+
+extern "C" __global__ void probe_atomics(u32* g32, u64* g64, u64* gmin, float* gf, u64* per_block) {
+    __shared__ u32 s32;
+    __shared__ u64 s64, smin;
+    if (threadIdx.x == 0) { s32 = 0; s64 = 0; smin = ~0ull; }
+    __syncthreads();
+    atomicAdd(&s32, 1u);
+    atomicAdd(&s64, (u64)threadIdx.x << 33);
+    atomicMin(&smin, (u64)(1000 + (threadIdx.x * 37u) % 101u));
+    atomicAdd(g32, 2u);
+    atomicAdd(g64, 3ull << 40);
+    atomicMin(gmin, (u64)((blockIdx.x * blockDim.x + threadIdx.x) ^ 5u) + 17ull);
+    atomicAdd(gf, 0.5f);
+    __threadfence_block();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        per_block[3 * blockIdx.x] = s32;
+        per_block[3 * blockIdx.x + 1] = s64;
+        per_block[3 * blockIdx.x + 2] = smin;
+    }
+}
+
+extern "C" __global__ void probe_shared_garbage(u32* out) {
+    __shared__ u32 sh[4];
+    if (threadIdx.x == 0) { out[blockIdx.x] = sh[2]; sh[2] = 12345u + blockIdx.x; }
+}
+
+extern "C" __global__ void probe_indices(u32* out) {
+    const u32 b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    const u32 nthr = blockDim.x * blockDim.y * blockDim.z;
+    const u32 t = threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z);
+    u32* o = out + 4 * (b * nthr + t);
+    o[0] = threadIdx.x | (threadIdx.y << 10) | (threadIdx.z << 20);
+    o[1] = blockIdx.x | (blockIdx.y << 10) | (blockIdx.z << 20);
+    o[2] = blockDim.x | (blockDim.y << 10) | (blockDim.z << 20);
+    o[3] = gridDim.x | (gridDim.y << 10) | (gridDim.z << 20);
+}
+
+extern "C" __global__ void probe_bits(const float* f, const double* d, u32* o32, u64* o64, float* fo, double* dout) {
+    const u32 t = threadIdx.x;
+    o32[t] = __float_as_uint(f[t]);
+    fo[t] = fabsf(__uint_as_float(o32[t]));
+    o64[t] = (u64)__double_as_longlong(d[t]);
+    dout[t] = fabs(d[t]);
+}
+
+extern "C" __global__ void probe_divergent_barrier(u32* out) {
+    if (threadIdx.x < 16) {
+        __syncthreads();
+    } else {
+        __syncthreads();
+    }
+    out[threadIdx.x] = 1;
+}
+
+extern "C" __global__ void probe_exit_before_barrier(u32* out) {
+    if (threadIdx.x == 3) return;
+    __syncthreads();
+    out[threadIdx.x] = 1;
+}
+
+extern "C" __global__ void probe_warp_lane_exits(u32* out) {
+    if (threadIdx.x == 5) return;
+    out[threadIdx.x] = __ballot_sync(0xFFFFFFFFu, 1);
+}
+
+extern "C" __global__ void probe_mask_excludes_caller(u32* out) {
+    out[threadIdx.x] = __ballot_sync(0x1u, 1);
+}
+
+extern "C" __global__ void probe_divergent_collectives(u32* out) {
+    if (threadIdx.x & 1) out[threadIdx.x] = __ballot_sync(0xFFFFFFFFu, 1);
+    else out[threadIdx.x] = __shfl_sync(0xFFFFFFFFu, 1u, 0);
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def probe():
+    if not HAS_CXX:
+        pytest.skip("no C++20 compiler (g++/clang++) for the emulator")
+    return emu.EmulatorRunner({"probe.cu": PROBE}, package=False)
+
+
+def _probe(schedule="forward", poison=0xA5):
+    r = emu.EmulatorRunner({"probe.cu": PROBE}, package=False, schedule=schedule, seed=3, poison=poison)
+    return r
+
+
+@pytest.mark.parametrize("schedule", list(emu.SCHEDULES))
+@pytest.mark.parametrize("block", [1, 32, 96, 1024])
+def test_syncthreads_is_a_real_barrier(schedule, block):
+    r = _probe(schedule)
+    out = np.zeros(3 * block, np.uint32)
+    r.launch("probe_barrier", 3, block, (out, np.int32(1)))
+    t = np.arange(block)
+    want = np.concatenate([((t + 1) % block) * 7 + b for b in range(3)]).astype(np.uint32)
+    assert out.tolist() == want.tolist()
+    assert r.last_stats["barriers"] == 3 and r.last_stats["blocks"] == 3
+
+
+def test_missing_barrier_is_visible():
+    """Without the barrier, a thread reads its neighbour's slot before the neighbour wrote it (poison)."""
+    seen = set()
+    for schedule in emu.SCHEDULES:
+        r = _probe(schedule)
+        out = np.zeros(256, np.uint32)
+        r.launch("probe_barrier", 1, 256, (out, np.int32(0)))
+        seen.add(int(np.count_nonzero(out == 0xA5A5A5A5)))
+    assert max(seen) > 0
+
+
+@pytest.mark.parametrize("schedule", list(emu.SCHEDULES))
+def test_block_scan_of_1024_threads(schedule):
+    r = _probe(schedule)
+    out = np.zeros(1024, np.uint64)
+    r.launch("probe_scan", 1, 1024, (out,))
+    assert out.tolist() == np.cumsum(np.arange(1, 1025)).tolist()
+    assert r.last_stats["barriers"] == 1 + 2 * 10
+
+
+@pytest.mark.parametrize("schedule", list(emu.SCHEDULES))
+@pytest.mark.parametrize("d", [0, 1, 3, 16, 31])
+def test_warp_intrinsics(schedule, d):
+    r = _probe(schedule)
+    rng = np.random.default_rng(d)
+    n = 128
+    vin = rng.integers(0, 8, n).astype(np.uint32)
+    vin[40:64] = np.maximum(vin[40:64], 1)  # warp 1 has no zero: __all_sync true there
+    out = np.zeros(8 * n, np.uint32)
+    r.launch("probe_warp", 2, 64, (vin, out, np.int32(d)))
+    got = out.reshape(n, 8)
+    for t in range(n):
+        w0, lane = t - t % 32, t % 32
+        warp = vin[w0:w0 + 32]
+        pos8 = lane % 8
+        want = [
+            warp[lane + d] if lane + d < 32 else warp[lane],
+            warp[lane - d] if lane >= d else warp[lane],
+            warp[lane ^ d] if (lane ^ d) < 32 else warp[lane],
+            warp[d % 32],
+            sum(1 << i for i in range(32) if warp[i] & 1),
+            int(bool(np.any(warp == 5))),
+            int(bool(np.all(warp != 0))),
+            warp[lane + d] if pos8 + d < 8 else warp[lane],
+        ]
+        assert got[t].tolist() == [int(x) for x in want], (t, d)
+    assert r.last_stats["warp_collectives"] == 8 * n
+
+
+def test_warp_reduction_and_wide_values(probe):
+    vin = np.arange(64, dtype=np.uint32) * 3
+    out = np.zeros(64, np.uint32)
+    probe.launch("probe_warp_sum", 1, 64, (vin, out))
+    assert out[0] == vin[:32].sum() and out[32] == vin[32:].sum()
+    u = (np.arange(32, dtype=np.uint64) << np.uint64(40)) + np.uint64(7)
+    d = np.linspace(-1, 1, 32)
+    uo, do = np.zeros(32, np.uint64), np.zeros(32, np.float64)
+    probe.launch("probe_wide_shuffles", 1, 32, (u, uo, d, do))
+    assert uo.tolist() == u[np.arange(32) ^ 1].tolist()
+    assert do.tobytes() == np.full(32, d[31]).tobytes()
+
+
+def test_partial_masks_and_width(probe):
+    out = np.zeros(64, np.uint32)
+    probe.launch("probe_half_masks", 1, 64, (out,))
+    lane = np.arange(64) % 32
+    want = np.where(lane < 16, np.where(lane % 16 + 1 < 16, lane + 1, lane),
+                    np.where(lane % 16 >= 2, lane - 2, lane)) * 10
+    assert out.tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("schedule", list(emu.SCHEDULES))
+def test_syncwarp_lanes_all_arrive_before_any_returns(schedule):
+    r = _probe(schedule)
+    out = np.zeros(32, np.uint32)
+    r.launch("probe_syncwarp", 1, 32, (out,))
+    assert out.tolist() == [((lane + 1) % 32) * 3 + 1 for lane in range(32)]
+
+
+def test_atomics_shared_and_global(probe):
+    blocks, threads = 3, 256
+    g32, g64 = np.zeros(1, np.uint32), np.zeros(1, np.uint64)
+    gmin, gf = np.full(1, 2 ** 63, np.uint64), np.zeros(1, np.float32)
+    per_block = np.zeros(3 * blocks, np.uint64)
+    probe.launch("probe_atomics", blocks, threads, (g32, g64, gmin, gf, per_block))
+    n = blocks * threads
+    assert int(g32[0]) == 2 * n and int(g64[0]) == n * (3 << 40) and float(gf[0]) == 0.5 * n
+    assert int(gmin[0]) == min((i ^ 5) + 17 for i in range(n))
+    t = np.arange(threads)
+    for b in range(blocks):
+        assert per_block[3 * b:3 * b + 3].tolist() == [threads, int(sum(int(x) << 33 for x in t)),
+                                                       int(min(1000 + (t * 37) % 101))]
+
+
+def test_shared_memory_starts_as_poison_in_every_block():
+    r = _probe(poison=0x5C)
+    out = np.zeros(4, np.uint32)
+    r.launch("probe_shared_garbage", 4, 32, (out,))
+    assert out.tolist() == [0x5C5C5C5C] * 4  # not the value the previous block left
+    r = _probe(poison=None)  # without poisoning, static storage would leak one block's values into the next
+    r.launch("probe_shared_garbage", 4, 32, (out,))
+    assert out[1:].tolist() == [12345, 12346, 12347]
+
+
+def test_three_dimensional_indices(probe):
+    grid, block = (3, 2, 2), (4, 3, 2)
+    nb, nthr = 12, 24
+    out = np.zeros(4 * nb * nthr, np.uint32)
+    probe.launch("probe_indices", grid, block, (out,))
+    o = out.reshape(nb, nthr, 4)
+    for bz in range(2):
+        for by in range(2):
+            for bx in range(3):
+                b = bx + 3 * (by + 2 * bz)
+                for tz in range(2):
+                    for ty in range(3):
+                        for tx in range(4):
+                            t = tx + 4 * (ty + 3 * tz)
+                            assert o[b, t].tolist() == [tx | ty << 10 | tz << 20, bx | by << 10 | bz << 20,
+                                                        4 | 3 << 10 | 2 << 20, 3 | 2 << 10 | 2 << 20]
+
+
+def test_bit_casts_and_fabs(probe):
+    f = np.array([0.0, -0.0, 1.5, -2.25, np.inf, -np.inf, 1e-45, -3e-39] * 4, np.float32)
+    d = np.array([0.0, -0.0, 1.5, -2.25, np.inf, -1e-310, 1e300, -7.0] * 4, np.float64)
+    o32, o64 = np.zeros(32, np.uint32), np.zeros(32, np.uint64)
+    fo, do = np.zeros(32, np.float32), np.zeros(32, np.float64)
+    probe.launch("probe_bits", 1, 32, (f, d, o32, o64, fo, do))
+    assert o32.tobytes() == f.view(np.uint32).tobytes() and o64.tobytes() == d.view(np.uint64).tobytes()
+    assert fo.tobytes() == np.abs(f).tobytes() and do.tobytes() == np.abs(d).tobytes()
+
+
+@pytest.mark.parametrize("kernel, block, message", [
+    ("probe_divergent_barrier", 32, r"divergent __syncthreads"),
+    ("probe_exit_before_barrier", 32, r"while 1 have exited"),
+    ("probe_warp_lane_exits", 32, r"deadlock: __ballot_sync .* lane 5, which has exited"),
+    ("probe_mask_excludes_caller", 32, r"does not name it"),
+    ("probe_divergent_collectives", 32, r"divergent warp collectives"),
+    ("probe_barrier", 1025, r"invalid configuration"),
+])
+def test_undefined_behaviour_is_reported(probe, kernel, block, message):
+    out = np.zeros(2048, np.uint32)
+    args = (out, np.int32(1)) if kernel == "probe_barrier" else (out,)
+    with pytest.raises(emu.EmulatorError, match=message):
+        probe.launch(kernel, 1, block, args)
+    probe.launch("probe_barrier", 2, 64, (out, np.int32(1)))  # the runner is usable afterwards
+
+
+def test_empty_grid_is_rejected_like_cuda(probe):
+    with pytest.raises(emu.EmulatorError, match="invalid configuration"):
+        probe.launch("probe_barrier", 0, 32, (np.zeros(32, np.uint32), np.int32(1)))
+
+
+def test_arguments_are_checked_against_the_signature(probe):
+    out = np.zeros(64, np.uint32)
+    with pytest.raises(TypeError, match="2 arguments"):
+        probe.launch("probe_barrier", 1, 32, (out,))
+    with pytest.raises(TypeError, match="int32 scalar"):
+        probe.launch("probe_barrier", 1, 32, (out, 1))
+    with pytest.raises(TypeError, match="needs dtype uint32"):
+        probe.launch("probe_barrier", 1, 32, (out.astype(np.int64), np.int32(1)))
+    with pytest.raises(TypeError, match="C-contiguous"):
+        probe.launch("probe_barrier", 1, 32, (np.zeros(128, np.uint32)[::2], np.int32(1)))
+    with pytest.raises(emu.EmulatorError, match="no kernel named"):
+        probe.launch("nope", 1, 32, ())
+
+
+# ------------------------------------------------------------------------------------------- planted bugs
+
+def _mutate(fname: str, old: str, new: str) -> dict[str, str]:
+    src = (ROOT / "kernels" / fname).read_text()
+    assert src.count(old) == 1, f"the planted bug no longer applies to {fname}: {old!r}"
+    return {fname: src.replace(old, new)}
+
+
+def _caught(runner, cases) -> list[str]:
+    found = []
+    for case in cases:
+        # Stepwise first: it stops at the first buffer that differs, before a later kernel is launched on
+        # inconsistent inputs (which could then write out of bounds: the emulator has no memcheck).
+        m = kc.topk_stepwise(runner, case)
+        if not m:
+            m = kc.topk_vs_reference(runner, case)
+        if m:
+            found.append(f"{case.name}: {m[0]}")
+    return found
+
+
+BUG_CASES = [c for c in TOPK if c.name in ("pattern_ties", "k_all_global", "crit_0_ties", "mixed_tensor")]
+
+
+def test_planted_off_by_one_in_radix_pick_is_caught():
+    r = emu.EmulatorRunner(_mutate("topk.cu", "if (k_rem <= cnt)", "if (k_rem < cnt)"), package=False)
+    assert _caught(emu.EmulatorRunner(), BUG_CASES) == []  # control: the real source passes
+    assert _caught(r, BUG_CASES), "an off-by-one in radix_pick went unnoticed"
+
+
+def test_planted_off_by_one_in_scatter_bounds_is_caught():
+    """`i >= numel` -> `i > numel`: index == numel is accepted and written one past the tensor (into padding
+    here), where the twin reports it."""
+    r = emu.EmulatorRunner(_mutate("scatter.cu", "i >= (u64)numel[t]", "i > (u64)numel[t]"), package=False)
+    n = 1000
+    backing = np.zeros(n + 16, np.float32)
+    out = backing[:n]
+    idx = np.array([3, 500, n], np.uint32)
+    vals = np.array([1.0, 2.0, 3.0], np.float32)
+    from gpu_codec._kernel_ops import KernelOps
+
+    assert KernelOps(emu.EmulatorRunner()).scatter([out.copy()], [0], [n], [idx], [vals], 0) == 2
+    assert KernelOps(r).scatter([out], [0], [n], [idx], [vals], 0) is None  # the bug: no error reported ...
+    assert backing[n] == 3.0  # ... and a write past the tensor
+
+
+def test_planted_missing_barrier_in_chunk_scan_is_caught():
+    """A race: without the barrier between reading sh[t - o] and writing sh[t], threads that run first change
+    what later ones read. The forward schedule exposes it (the reverse order happens to hide this one)."""
+    src = _mutate("topk.cu", "0ull;\n        __syncthreads();\n        sh[threadIdx.x] += add;",
+                  "0ull;\n        sh[threadIdx.x] += add;")
+    cases = [c for c in TOPK if c.name in ("mixed_tensor", "odd_sizes_tensor", "pairs")]
+    assert _caught(emu.EmulatorRunner(src, package=False, schedule="forward"), cases)
+    assert _caught(emu.EmulatorRunner(src, package=False, schedule="reverse"), cases) == []
+
+
+def test_planted_gap_bug_in_rice_is_caught():
+    src = _mutate("rice.cu", "(u64)idx[l] - (u64)idx[l - 1] - 1ull", "(u64)idx[l] - (u64)idx[l - 1]")
+    assert all(kc.rice_stepwise(emu.EmulatorRunner(), c) == [] for c in RICE[:2])
+    r = emu.EmulatorRunner(src, package=False)
+    assert any(kc.rice_stepwise(r, c) for c in RICE[:2])
+
+
+def test_emulator_reports_source_lines():
+    """Reports name the original file and line, through the expanded includes."""
+    src = _mutate("topk.cu", "    if (threadIdx.x == 0) {\n        u32 G = 0, E = 0;",
+                  "    if (threadIdx.x == 0) { __syncthreads(); }\n    if (threadIdx.x == 0) {\n"
+                  "        u32 G = 0, E = 0;")
+    r = emu.EmulatorRunner(src, package=False)
+    line = src["topk.cu"].split("\n").index("    if (threadIdx.x == 0) { __syncthreads(); }") + 1
+    with pytest.raises(emu.EmulatorError, match=re.escape(f"topk.cu:{line}")):
+        kc.topk_stepwise(r, TOPK[0])
+
+
+# ------------------------------------------------------------------------------ the GPU suite, without a GPU
+
+SUITE = ROOT / "benchmarks" / "gpu_suite.py"
+
+
+def _suite_module():
+    name = "gpu_codec_bench_gpu_suite"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, SUITE)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def _run(*args, timeout=300):
+    import subprocess
+
+    return subprocess.run([sys.executable, str(SUITE), *args], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout)
+
+
+def test_gpu_suite_help():
+    r = _run("--help")
+    assert r.returncode == 0
+    for step in ("pytest", "parity", "cases", "sanitizer", "resources", "--out", "--max-n"):
+        assert step in r.stdout
+
+
+def test_gpu_suite_workload_launches_every_kernel():
+    """The compute-sanitizer workload, run on the emulator instead of the GPU."""
+    r = _run("--workload", "--runner", "emulated")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "workload: ok" in r.stdout
+    import json
+
+    launched = json.loads(r.stdout.split("launches:", 1)[1].splitlines()[0])
+    assert set(launched) == set(kernel_signatures())
+
+
+def test_gpu_suite_runs_its_cpu_steps(tmp_path):
+    """Everything but pytest -m gpu and compute-sanitizer, on the emulator: the summary, parity and cases."""
+    import json
+
+    r = _run("--out", str(tmp_path), "--runner", "emulated", "--quick", "--skip", "resources")
+    assert r.returncode == 0, r.stdout + r.stderr
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    steps = {k: v["status"] for k, v in summary["steps"].items()}
+    assert steps == {"env": "pass", "pytest": "skip", "parity": "pass", "cases": "pass", "sanitizer": "skip",
+                     "resources": "skip"}
+    assert summary["result"] == "pass" and summary["steps"]["cases"]["cases"] > 10
+    assert (tmp_path / "suite.log").exists()
+
+
+def test_gpu_suite_commands_and_log_parsing(tmp_path):
+    gs = _suite_module()
+    args = gs.argparse.Namespace(out=str(tmp_path), runner="cupy", budget_s=10.0, sanitizer="/x/compute-sanitizer",
+                                 pytest_args=["-x"], skip=[], quick=False)
+    s = gs.Suite(args)
+    assert s.pytest_command()[1:5] == ["-m", "pytest", "-m", "gpu"] and s.pytest_command()[-1] == "-x"
+    cmd = s.sanitizer_command("racecheck")
+    assert cmd[:3] == ["/x/compute-sanitizer", "--tool", "racecheck"] and "--workload" in cmd
+    assert gs.parse_sanitizer("========= ERROR SUMMARY: 0 errors") == {"errors": 0, "hazards": 0,
+                                                                          "summary_found": True}
+    assert gs.parse_sanitizer("========= ERROR SUMMARY: 2 errors")["errors"] == 2
+    race = gs.parse_sanitizer("========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)")
+    assert race == {"errors": 1, "hazards": 3, "summary_found": True}
+    assert gs.parse_sanitizer("Segmentation fault")["summary_found"] is False
+    s.log_f.close()
