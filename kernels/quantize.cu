@@ -101,7 +101,8 @@ extern "C" __global__ void quantize_int8(
             q = q > 127.0f ? 127.0f : (q < -127.0f ? -127.0f : q);
         }
         out[ent_start[t] + l] = (signed char)(int)q;
-        fix_residual(val_ptrs, vdt, idx_ptrs, idx_w, res_ptrs, t, l, q * scale);
+        // __fmul_rn: never fused with the residual subtract, so the bytes match the NumPy twin
+        fix_residual(val_ptrs, vdt, idx_ptrs, idx_w, res_ptrs, t, l, __fmul_rn(q, scale));
     }
 }
 
