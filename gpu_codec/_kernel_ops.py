@@ -74,6 +74,11 @@ class KernelOps:
         for s, seg in enumerate(segments):
             for t in seg:
                 seg_of[t] = s
+        # chunk_scan ranks ties over a segment's chunks in launch order: a segment must be a run of tensors
+        flat = [t for seg in segments for t in seg]
+        if flat != list(range(nt)) or any(list(seg) != list(range(seg[0], seg[0] + len(seg))) for seg in segments
+                                         if seg):
+            raise ValueError(f"segments must be consecutive runs covering tensors 0..{nt - 1} in order")
         tb = TensorTables([int(a.size) for a in new], seg_of, len(segments))
         d_chunk_start, d_elem_off, d_numel = self._up(tb.chunk_start), self._up(tb.elem_off), self._up(tb.numel)
         d_seg_of = self._up(tb.seg_of)
