@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The GPU suite: every check that needs a real GPU, in one command, with a JSON summary.
 
-    pip install --no-deps -e . && python3 benchmarks/gpu_suite.py --out OUTDIR
+    pip install -q --no-deps --no-build-isolation -e . ; python3 benchmarks/gpu_suite.py --out OUTDIR
 
 Steps, in order (each recorded in OUTDIR/summary.json as pass / fail / skip, with seconds and details):
   env        the device, driver, CUDA runtime, CuPy and NVRTC versions

@@ -15,16 +15,14 @@ from .engine import Payload, compress, decompress, kept_count
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _errors_all
 from .format import TensorRecord
-# --- codecs (issue 4) ---
 from .codecs import (Int8Blockwise, Nvcomp, Pipeline, Quantize, RiceIndices, Ternary, TopK, Zstd, get_codec,
                      register_codec)
 from .error_feedback import ErrorFeedback
-# --- end codecs ---
+from . import clara, fl4health, flower, openfl  # the seed APIs; torch, flwr and cryptography load on first use
 
 __version__ = "0.1.0"
 
 __all__ = ["Payload", "TensorRecord", "backend_info", "compress", "decompress", "get_backend", "kept_count",
-           "reset_backend", *_errors_all,
-           # codecs (issue 4)
+           "reset_backend", *_errors_all, "clara", "fl4health", "flower", "openfl",
            "ErrorFeedback", "Int8Blockwise", "Nvcomp", "Pipeline", "Quantize", "RiceIndices", "Ternary", "TopK",
            "Zstd", "get_codec", "register_codec"]

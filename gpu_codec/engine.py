@@ -208,7 +208,7 @@ def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *
     update = _as_mapping(update, "update")
     if base is not None:
         base = _as_mapping(base, "base")
-    # --- codecs (issue 4): the stages after top-k; a topk stage in the pipeline sets the selection ---
+    # the stages after top-k; a topk stage in the pipeline sets the selection
     from .codecs.pipeline import as_pipeline
 
     pipe = as_pipeline(pipeline)
@@ -218,7 +218,6 @@ def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *
             score = pipe.topk.score
     dense = fraction is None
     fraction = None if dense else _check_fraction(fraction)
-    # --- end codecs ---
     if scope not in SCOPES:
         raise InvalidInputError(f"scope must be one of {SCOPES}, got {scope!r}")
     if callable(score):
@@ -243,7 +242,7 @@ def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *
         res_in, res_out, qmode = [None] * nt, [None] * nt, 0
         if residual is not None:
             res_in, res_out, qmode = residual._bind(names, news, backend)
-        if dense:  # codecs (issue 4): keep every entry of every tensor
+        if dense:  # keep every entry of every tensor
             segments, ks = [[t] for t in range(nt)], [t.numel for t in news]
         else:
             segments, ks = _segments([t.numel for t in news], fraction, scope)
@@ -256,16 +255,15 @@ def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *
             residual._commit(res_out)
     records = []
     for n, t, idx, val in zip(names, news, indices, values):
-        if dense:  # codecs (issue 4)
+        if dense:
             records.append(TensorRecord(n, t.dtype, t.shape, "dense", t.numel, {"values": val}))
             continue
         records.append(TensorRecord(n, t.dtype, t.shape, "coo", int(idx.size), {"indices": idx, "values": val}))
     pipeline_cfg = [] if dense else [{"id": "topk", "fraction": fraction, "scope": scope, "score": score_name}]
-    # --- codecs (issue 4): value, index and lossless stages, on the backend; they fix the kept residuals ---
+    # value, index and lossless stages, on the backend; they fix the kept residuals
     with backend.stream(news + bases):
         records = pipe.encode(records, backend, res_out if residual is not None else None)
     pipeline_cfg += pipe.after_topk()
-    # --- end codecs ---
     return Payload(records, pipeline_cfg, dict(metadata or {}), backend=backend.name)
 
 
@@ -313,11 +311,10 @@ def decompress(payload: Payload | bytes | bytearray | memoryview, base: Mapping[
         total = sum(r.numel for r in records)
         if total > max_elements:
             raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
-    # --- codecs (issue 4): decode quantized values, coded indices and lossless stages per the header ---
+    # decode quantized values, coded indices and lossless stages as the header says
     from .codecs.pipeline import decode_records
 
     records = decode_records(payload.pipeline, records, backend)
-    # --- end codecs ---
     kind, device = _output_kind(like, base_tensors)
     outs, out_dtypes, idx_list, val_list = [], [], [], []
     with backend.stream(base_tensors or []):
