@@ -36,6 +36,7 @@ from typing import Any
 
 import numpy as np
 
+from ._sources import parse_signatures
 from .errors import BackendUnavailableError
 
 __all__ = [
@@ -57,7 +58,6 @@ SCHEDULES = {"forward": 0, "reverse": 1, "shuffle": 2}
 _ABI = 1
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([A-Za-z0-9_./-]+)"\s*$')
-_KERNEL = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(([^)]*)\)', re.DOTALL)
 
 # C type of a by-value argument -> NumPy scalar type the caller must pass.
 _SCALAR_TYPES: dict[str, type] = {
@@ -151,24 +151,6 @@ def expand_source(name: str, sources: Mapping[str, str] | None = None) -> str:
         return "\n".join(out)
 
     return f'#line 1 "{name}"\n' + expand(name, text_of(name))
-
-
-def parse_signatures(text: str) -> dict[str, tuple[tuple[str, str], ...]]:
-    """Every ``extern "C" __global__`` kernel in ``text``: name -> ((C type, argument name), ...), parsed as
-    :func:`gpu_codec._sources.kernel_signatures` parses the packaged files."""
-    out: dict[str, tuple[tuple[str, str], ...]] = {}
-    for m in _KERNEL.finditer(text):
-        args = []
-        for a in m.group(2).split(","):
-            a = " ".join(a.split())
-            if not a:
-                continue
-            ctype, _, argname = a.rpartition(" ")
-            if argname.startswith("*"):
-                ctype, argname = ctype + "*", argname.lstrip("*")
-            args.append((ctype.replace(" *", "*"), argname))
-        out[m.group(1)] = tuple(args)
-    return out
 
 
 def _glue(fname: str, expanded: str, sigs: Mapping[str, tuple[tuple[str, str], ...]]) -> str:

@@ -53,6 +53,26 @@ def initial_state(ks: list[int]) -> np.ndarray:
     return st
 
 
+def scatter_args(xp: Any, indices: list, values: list):
+    """Concatenate per-tensor entries as the scatter kernels take them: (total, ent_start (host u64), indices
+    (u32, or u64 if any tensor needs it), vals32, vals64); ``None`` when there is no entry."""
+    counts = [int(i.size) for i in indices]
+    total = sum(counts)
+    if total == 0:
+        return None
+    ent_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)
+    wide = any(i.dtype == np.uint64 for i in indices)
+    idx = xp.concatenate([i.astype(np.uint64 if wide else np.uint32, copy=False) for i in indices])
+    if all(v.dtype != np.float64 for v in values):
+        vals32, vals64 = xp.concatenate([v.astype(np.float32, copy=False) for v in values]), xp.zeros(1, np.float64)
+    elif all(v.dtype == np.float64 for v in values):
+        vals32, vals64 = xp.zeros(1, np.float32), xp.concatenate(values)
+    else:
+        vals32 = xp.concatenate([v if v.dtype == np.float32 else xp.zeros(v.size, np.float32) for v in values])
+        vals64 = xp.concatenate([v if v.dtype == np.float64 else xp.zeros(v.size, np.float64) for v in values])
+    return total, ent_start, idx, vals32, vals64
+
+
 class KernelOps:
     """Top-k selection and scatter, composed from the kernels."""
 
@@ -144,18 +164,11 @@ class KernelOps:
         """
         xp, run = self.xp, self.runner
         nt = len(outs)
-        counts = [int(i.size) for i in indices]
-        total = sum(counts)
-        if total == 0:
+        packed = scatter_args(xp, indices, values)
+        if packed is None:
             return None
-        ent_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)
-        wide = any(i.dtype == np.uint64 for i in indices)
-        idx = xp.concatenate([i.astype(np.uint64 if wide else np.uint32, copy=False) for i in indices])
-        v32 = [v if v.dtype == np.float32 else xp.zeros(v.size, np.float32) for v in values]
-        v64 = [v if v.dtype == np.float64 else xp.zeros(v.size, np.float64) for v in values]
-        has64 = any(v.dtype == np.float64 for v in values)
-        vals32 = xp.concatenate(v32) if not all(v.dtype == np.float64 for v in values) else xp.zeros(1, np.float32)
-        vals64 = xp.concatenate(v64) if has64 else xp.zeros(1, np.float64)
+        total, ent_start, idx, vals32, vals64 = packed
+        wide = idx.dtype == np.uint64
         err = self._up(np.full(1, U64_MAX, dtype=np.uint64))
         grid = math.ceil(total / BLOCK)
         run.launch("scatter_u64" if wide else "scatter_u32", grid, BLOCK,

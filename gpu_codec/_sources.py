@@ -45,6 +45,27 @@ def kernel_source(name: str) -> str:
     return expand(_files().joinpath(name).read_text())
 
 
+def parse_signatures(text: str) -> dict[str, tuple[tuple[str, str], ...]]:
+    """Every ``extern "C" __global__`` kernel in ``text``: name -> ((C type, argument name), ...).
+
+    >>> parse_signatures('extern "C" __global__ void k(int n, const float *x) {}')
+    {'k': (('int', 'n'), ('const float*', 'x'))}
+    """
+    out: dict[str, tuple[tuple[str, str], ...]] = {}
+    for m in _KERNEL.finditer(text):
+        args = []
+        for a in m.group(2).split(","):
+            a = " ".join(a.split())
+            if not a:
+                continue
+            ctype, _, argname = a.rpartition(" ")
+            if argname.startswith("*"):
+                ctype, argname = ctype + "*", argname.lstrip("*")
+            args.append((ctype.replace(" *", "*"), argname))
+        out[m.group(1)] = tuple(args)
+    return out
+
+
 @functools.lru_cache(maxsize=None)
 def kernel_signatures() -> dict[str, tuple[str, tuple[tuple[str, str], ...]]]:
     """Every ``extern "C" __global__`` kernel: name -> (source file, ((C type, argument name), ...)).
@@ -55,16 +76,6 @@ def kernel_signatures() -> dict[str, tuple[str, tuple[tuple[str, str], ...]]]:
     """
     out: dict[str, tuple[str, tuple[tuple[str, str], ...]]] = {}
     for f in kernel_files():
-        text = _files().joinpath(f).read_text()
-        for m in _KERNEL.finditer(text):
-            args = []
-            for a in m.group(2).split(","):
-                a = " ".join(a.split())
-                if not a:
-                    continue
-                ctype, _, argname = a.rpartition(" ")
-                if argname.startswith("*"):
-                    ctype, argname = ctype + "*", argname.lstrip("*")
-                args.append((ctype, argname))
-            out[m.group(1)] = (f, tuple(args))
+        for name, args in parse_signatures(_files().joinpath(f).read_text()).items():
+            out[name] = (f, args)
     return out

@@ -54,20 +54,16 @@ class NumpyBackend:
         return _select.topk_select(*args)
 
     def scatter(self, outs, out_dtypes, numels, indices, values, mode):
-        counts = [int(i.size) for i in indices]
-        total = sum(counts)
-        if total == 0:
+        from ._kernel_ops import U64_MAX, scatter_args
+
+        packed = scatter_args(np, indices, values)
+        if packed is None:
             return None
-        ent_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)
-        wide = any(i.dtype == np.uint64 for i in indices)
-        idx = np.concatenate([i.astype(np.uint64 if wide else np.uint32, copy=False) for i in indices])
-        vals32 = np.concatenate([v.astype(np.float32, copy=False) if v.dtype != np.float64 else
-                                 np.zeros(v.size, np.float32) for v in values])
-        vals64 = np.concatenate([v if v.dtype == np.float64 else np.zeros(v.size, np.float64) for v in values])
-        err = np.full(1, np.iinfo(np.uint64).max, dtype=np.uint64)
+        total, ent_start, idx, vals32, vals64 = packed
+        err = np.full(1, U64_MAX, dtype=np.uint64)
         _twins._scatter(len(outs), total, ent_start, numels, out_dtypes, outs, idx, vals32, vals64, mode, err)
         bad = int(err[0])
-        return None if bad == np.iinfo(np.uint64).max else bad
+        return None if bad == U64_MAX else bad
 
 
 class KernelBackend:
