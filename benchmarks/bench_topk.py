@@ -132,12 +132,37 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
     return rows
 
 
+def plot(rows: list[dict], path: pathlib.Path, title: str) -> None:
+    """Time per element against N, ours and the baselines, on log axes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=120)
+    ns = [r["n"] for r in rows]
+    for key, label in (("ours_s", "gpu_codec"), ("numpy_s", "NumPy argpartition"), ("torch_s", "torch.topk")):
+        if all(r.get(key) for r in rows):
+            ax.plot(ns, [r[key] / r["n"] * 1e9 for r in rows], marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("elements N (fp32)")
+    ax.set_ylabel("ns per element (lower is better)")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    print(f"wrote {path}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", nargs="*", type=float, help="element counts (default 1e6, 2^22, 2^24, 2^26)")
     ap.add_argument("--fraction", type=float, default=0.01)
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--no-plot", action="store_true", help="no PNG beside the JSON")
     ap.add_argument("--quick", action="store_true", help="small sizes, one repeat, no JSON unless --out")
     ap.add_argument("--out", type=pathlib.Path, help="JSON output (default benchmarks/results/topk_<backend>.json)")
     a = ap.parse_args(argv)
@@ -154,7 +179,13 @@ def main(argv=None) -> int:
     out = a.out
     if out is None and not a.quick:
         out = RESULTS / f"topk_{gpu_codec.get_backend().name}.json"
-    run(sizes, a.fraction, repeat, out, torch_too)
+    rows = run(sizes, a.fraction, repeat, out, torch_too)
+    if out is not None and not a.no_plot:
+        try:
+            plot(rows, out.with_suffix(".png"), f"exact top-k compress, fraction {a.fraction}, "
+                                                f"{gpu_codec.get_backend().name} backend")
+        except ImportError:
+            print("matplotlib is not installed: no plot (pip install 'gpu_codec[plot]')")
     return 0
 
 
