@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from . import backend_info, compress, decompress
+from . import Quantize, RiceIndices, Ternary, Zstd, backend_info, compress, decompress, kept_count
 from .errors import GpuCodecError
 from .format import unpack
 
@@ -29,6 +29,13 @@ def _progress(it, desc: str, quiet: bool):
     from tqdm import tqdm
 
     return tqdm(it, desc=desc, unit="client", disable=quiet, file=sys.stderr, leave=False)
+
+
+_PIPELINES = {
+    "raw": None,
+    "fp16": [Quantize("float16"), RiceIndices(), Zstd()],
+    "ternary": [Ternary(), RiceIndices(), Zstd()],
+}
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -45,6 +52,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     print(f"backend: {info['backend']} ({info['reason']})")
     print(f"model: {len(base)} tensors, {n:,} parameters, {dense_bytes / 2**20:.1f} MiB dense; "
           f"fraction {a.fraction} ({a.scope}), {a.clients} clients")
+    pipeline = _PIPELINES[a.codec]
     total = None
     t_c, t_d, sizes = [], [], []
     for c in _progress(range(a.clients), "clients", a.quiet):
@@ -55,7 +63,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
             new = {k: cupy.asarray(v) for k, v in new.items()}
         t0 = time.perf_counter()
-        blob = compress(new, base, fraction=a.fraction, scope=a.scope).to_bytes()
+        blob = compress(new, base, fraction=a.fraction, scope=a.scope, pipeline=pipeline).to_bytes()
         t1 = time.perf_counter()
         upd = decompress(blob)  # the server's dense delta
         t2 = time.perf_counter()
@@ -63,8 +71,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
         t_d.append(t2 - t1)
         sizes.append(len(blob))
         total = upd if total is None else {k: total[k] + upd[k] for k in total}
+    kept_per_client = kept_count(a.fraction, n) if a.scope == "global" else \
+        sum(kept_count(a.fraction, v.size) for v in base.values())
     kept = sum(int(np.count_nonzero(np.asarray(v.get() if hasattr(v, "get") else v))) for v in total.values())
-    print(f"payload: {np.mean(sizes) / 1024:.1f} KiB per client, ratio {dense_bytes / np.mean(sizes):.1f}x")
+    print(f"payload ({a.codec}): {np.mean(sizes) / 1024:.1f} KiB per client, "
+          f"{np.mean(sizes) / max(1, kept_per_client):.2f} B per kept parameter, ratio {dense_bytes / np.mean(sizes):.1f}x")
     print(f"compress: {1e3 * np.median(t_c):.1f} ms, decompress: {1e3 * np.median(t_d):.1f} ms (median per client)")
     print(f"aggregate: {kept:,} parameters touched by the averaged update")
     return 0
@@ -123,6 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fraction", type=float, default=0.01, help="share of entries kept (default 0.01)")
     d.add_argument("--scope", choices=["global", "per_tensor"], default="global")
     d.add_argument("--clients", type=int, default=4)
+    d.add_argument("--codec", choices=sorted(_PIPELINES), default="fp16",
+                   help="stages after top-k: raw (u32 + fp32), fp16 (fp16 + Rice + zstd, default), ternary")
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     d.set_defaults(fn=cmd_demo)
     c = sub.add_parser("compress", help="compress NEW.npz (minus --base BASE.npz) into a payload file")
