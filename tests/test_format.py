@@ -31,7 +31,16 @@ def golden_inputs():
 GOLDEN_CASES = {
     "topk_global_v1": dict(fraction=0.05, scope="global"),
     "topk_per_tensor_v1": dict(fraction=0.1, scope="per_tensor", metadata={"round": 3, "client": "site-1"}),
+    "fp16_rice_v1": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "float16"}, {"id": "rice"}]),
+    "bf16_v1": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "bfloat16"}]),
+    "ternary_rice_v1": dict(fraction=0.05, pipeline=[{"id": "ternary"}, {"id": "rice"}]),
+    "int8_dense_v1": dict(fraction=None, pipeline=[{"id": "int8", "block_size": 64}]),
+    "fp16_rice_zstd_v1": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "float16"}, {"id": "rice"},
+                                                        {"id": "zstd", "level": 3}]),
 }
+# zstd output may change with the zstandard library version: for those, old payloads must still decode, but
+# today's bytes need not equal them.
+WRITER_MAY_DIFFER = {"fp16_rice_zstd_v1"}
 
 
 @pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
@@ -46,12 +55,18 @@ def test_golden_payloads(case):
         path.write_bytes(blob)
     assert path.exists(), f"missing golden payload {path}; regenerate deliberately with GPU_CODEC_REGEN_GOLDEN=1"
     stored = path.read_bytes()
-    assert blob == stored
+    if case not in WRITER_MAY_DIFFER:
+        assert blob == stored
     out = gpu_codec.decompress(stored, base=base)
+    assert {k: v.tobytes() for k, v in out.items()} == \
+        {k: v.tobytes() for k, v in gpu_codec.decompress(blob, base=base).items()}
+    lossless = "pipeline" not in GOLDEN_CASES[case]
     for k in base:
         assert out[k].dtype == base[k].dtype and out[k].shape == base[k].shape
         changed = out[k].reshape(-1) != base[k].reshape(-1)
-        assert np.array_equal(out[k].reshape(-1)[changed], new[k].reshape(-1)[changed])
+        assert changed.any() or GOLDEN_CASES[case]["fraction"] is not None
+        if lossless:
+            assert np.array_equal(out[k].reshape(-1)[changed], new[k].reshape(-1)[changed])
 
 
 def valid_blob():
