@@ -113,6 +113,22 @@ __device__ __forceinline__ void store_f32(void* p, int dt, i64 i, float v) {
     else ((double*)p)[i] = (double)v;
 }
 
+// Exclusive scan of v over the first nthreads threads of a block (Hillis-Steele in shared memory sh[nthreads];
+// every thread of the block must call it).
+__device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64* sh, int nthreads) {
+    sh[threadIdx.x] = v;
+    __syncthreads();
+    for (int o = 1; o < nthreads; o <<= 1) {
+        const u64 add = threadIdx.x >= (unsigned)o ? sh[threadIdx.x - o] : 0ull;
+        __syncthreads();
+        sh[threadIdx.x] += add;
+        __syncthreads();
+    }
+    const u64 r = sh[threadIdx.x] - v;
+    __syncthreads();
+    return r;
+}
+
 // Which tensor owns chunk c: the last t with chunk_start[t] <= c (chunk_start has nt + 1 entries).
 __device__ __forceinline__ int tensor_of_chunk(const i64* chunk_start, int nt, i64 c) {
     int lo = 0, hi = nt - 1;

@@ -19,21 +19,6 @@ __device__ __forceinline__ u64 rice_gap(const IDX* idx, u64 l) {
     return l == 0 ? (u64)idx[0] : (u64)idx[l] - (u64)idx[l - 1] - 1ull;
 }
 
-// Block-wide exclusive scan over nthreads threads (Hillis-Steele in shared memory).
-__device__ __forceinline__ u64 rice_block_scan(u64 v, u64* sh, int nthreads) {
-    sh[threadIdx.x] = v;
-    __syncthreads();
-    for (int o = 1; o < nthreads; o <<= 1) {
-        const u64 add = threadIdx.x >= (unsigned)o ? sh[threadIdx.x - o] : 0ull;
-        __syncthreads();
-        sh[threadIdx.x] += add;
-        __syncthreads();
-    }
-    const u64 r = sh[threadIdx.x] - v;
-    __syncthreads();
-    return r;
-}
-
 // chunk_q[c] = sum of q over chunk c.
 template <typename IDX>
 __device__ __forceinline__ void rice_count_impl(int nt, const i64* chunk_start, const u64* ent_start,
@@ -87,7 +72,7 @@ extern "C" __global__ void rice_scan(int nt, i64 nchunks, const i64* chunk_start
         const u64 e0 = (u64)(c - chunk_start[t]) * (u64)CHUNK;
         sum += chunk_q[c] + (n - e0 < (u64)CHUNK ? n - e0 : (u64)CHUNK);
     }
-    u64 run = rice_block_scan(sum, sh, RICE_SCAN_THREADS);
+    u64 run = block_exclusive_scan(sum, sh, RICE_SCAN_THREADS);
     for (i64 c = lo; c < hi; ++c) {
         const int t = tensor_of_chunk(chunk_start, nt, c);
         const u64 n = ent_start[t + 1] - ent_start[t];
@@ -153,7 +138,7 @@ __device__ __forceinline__ void rice_write_impl(int nt, const i64* chunk_start, 
         const u64 g = valid ? rice_gap<IDX>(idx, l) : 0ull;
         const u64 q = g >> k;
         const u64 len = valid ? q + 1ull : 0ull;
-        const u64 before = rice_block_scan(len, sh, BLOCK);
+        const u64 before = block_exclusive_scan(len, sh, BLOCK);
         if (valid) {
             if (k > 0) rice_put(w, l * (u64)k, g, k);
             const u64 one = ubase + run + before + q;

@@ -194,22 +194,6 @@ extern "C" __global__ void chunk_count(
 
 #define SCAN_THREADS 1024
 
-// Exclusive scan of v over SCAN_THREADS threads of one block (Hillis-Steele in shared memory).
-__device__ __forceinline__ u64 block_exclusive_scan(u64 v, u64* sh)
-{
-    sh[threadIdx.x] = v;
-    __syncthreads();
-    for (int o = 1; o < SCAN_THREADS; o <<= 1) {
-        const u64 add = threadIdx.x >= (unsigned)o ? sh[threadIdx.x - o] : 0ull;
-        __syncthreads();
-        sh[threadIdx.x] += add;
-        __syncthreads();
-    }
-    const u64 r = sh[threadIdx.x] - v;
-    __syncthreads();
-    return r;
-}
-
 __device__ __forceinline__ u64 chunk_take(const u32* cnt, const u64* eq_base, const u64* state, int s, i64 c)
 {
     const u64 take = state[2 * s + 1];
@@ -233,7 +217,7 @@ extern "C" __global__ void chunk_scan(
     // 1) unsegmented exclusive scan of the equal counts
     u64 sum = 0;
     for (i64 c = lo; c < hi; ++c) sum += cnt[2 * c + 1];
-    u64 run = block_exclusive_scan(sum, sh);
+    u64 run = block_exclusive_scan(sum, sh, SCAN_THREADS);
     for (i64 c = lo; c < hi; ++c) { eq_base[c] = run; run += cnt[2 * c + 1]; }
     __syncthreads();
     // 2) rebase onto each chunk's segment start; out_base is scratch here so that every thread reads the
@@ -251,7 +235,7 @@ extern "C" __global__ void chunk_scan(
         const int t = tensor_of_chunk(chunk_start, nt, c);
         total_sel += chunk_take(cnt, eq_base, state, seg_of[t], c);
     }
-    run = block_exclusive_scan(total_sel, sh);
+    run = block_exclusive_scan(total_sel, sh, SCAN_THREADS);
     for (i64 c = lo; c < hi; ++c) {
         const int t = tensor_of_chunk(chunk_start, nt, c);
         out_base[c] = run;

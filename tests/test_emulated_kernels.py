@@ -610,8 +610,9 @@ def test_planted_off_by_one_in_scatter_bounds_is_caught():
 def test_planted_missing_barrier_in_chunk_scan_is_caught():
     """A race: without the barrier between reading sh[t - o] and writing sh[t], threads that run first change
     what later ones read. The forward schedule exposes it (the reverse order happens to hide this one)."""
-    src = _mutate("topk.cu", "0ull;\n        __syncthreads();\n        sh[threadIdx.x] += add;",
-                  "0ull;\n        sh[threadIdx.x] += add;")
+    src = _mutate("common.cuh", "0ull;\n        __syncthreads();\n        sh[threadIdx.x] += add;",
+                  "0ull;\n        sh[threadIdx.x] += add;")  # block_exclusive_scan, used by chunk_scan
+    src["topk.cu"] = (ROOT / "kernels" / "topk.cu").read_text()
     cases = [c for c in TOPK if c.name in ("mixed_tensor", "odd_sizes_tensor", "pairs")]
     assert _caught(emu.EmulatorRunner(src, package=False, schedule="forward"), cases)
     assert _caught(emu.EmulatorRunner(src, package=False, schedule="reverse"), cases) == []
