@@ -258,11 +258,7 @@ class ParametersRecord(MutableMapping):
 
     @classmethod
     def from_torch_state_dict(cls, state_dict: Mapping[str, Any], *, keep_input: bool = True) -> ParametersRecord:
-        rec = cls()
-        for k in list(state_dict.keys()):
-            v = state_dict[k] if keep_input else state_dict.pop(k)  # type: ignore[attr-defined]
-            rec[k] = Array.from_array(v)
-        return rec
+        return cls.from_arrays(state_dict, keep_input=keep_input)
 
     @classmethod
     def from_arrays(cls, arrays: Mapping[str, Any], *, keep_input: bool = True) -> ParametersRecord:
