@@ -42,42 +42,40 @@ def cmd_demo(a: argparse.Namespace) -> int:
     from .synthetic import synthetic_model, synthetic_update
 
     info = backend_info()
-    base = synthetic_model(a.params, seed=0)
-    n = sum(v.size for v in base.values())
-    dense_bytes = sum(v.nbytes for v in base.values())
-    if info["backend"] == "gpu":
-        import cupy
-
-        base = {k: cupy.asarray(v) for k, v in base.items()}
+    on_gpu = info["backend"] == "gpu"
+    if on_gpu:  # the model lives on the device, as after training; nothing full-size comes back to the host
+        import cupy as xp
+    else:
+        xp = np
+    base_host = synthetic_model(a.params, seed=0)
+    n = sum(v.size for v in base_host.values())
+    dense_bytes = sum(v.nbytes for v in base_host.values())
+    base = {k: xp.asarray(v) for k, v in base_host.items()}
     print(f"backend: {info['backend']} ({info['reason']})")
     print(f"model: {len(base)} tensors, {n:,} parameters, {dense_bytes / 2**20:.1f} MiB dense; "
           f"fraction {a.fraction} ({a.scope}), {a.clients} clients")
     pipeline = _PIPELINES[a.codec]
+    kept_per_client = kept_count(a.fraction, n) if a.scope == "global" else \
+        sum(kept_count(a.fraction, v.size) for v in base.values())
     total = None
     t_c, t_d, sizes = [], [], []
     for c in _progress(range(a.clients), "clients", a.quiet):
-        new = synthetic_update({k: np.asarray(v) if info["backend"] != "gpu" else v.get() for k, v in base.items()},
-                               seed=100 + c)
-        if info["backend"] == "gpu":
-            import cupy
-
-            new = {k: cupy.asarray(v) for k, v in new.items()}
+        new = {k: xp.asarray(v) for k, v in synthetic_update(base_host, seed=100 + c).items()}
         t0 = time.perf_counter()
         blob = compress(new, base, fraction=a.fraction, scope=a.scope, pipeline=pipeline).to_bytes()
         t1 = time.perf_counter()
-        upd = decompress(blob)  # the server's dense delta
+        upd = decompress(blob, like="cupy" if on_gpu else None)  # the server's dense delta, on its device
         t2 = time.perf_counter()
         t_c.append(t1 - t0)
         t_d.append(t2 - t1)
         sizes.append(len(blob))
         total = upd if total is None else {k: total[k] + upd[k] for k in total}
-    kept_per_client = kept_count(a.fraction, n) if a.scope == "global" else \
-        sum(kept_count(a.fraction, v.size) for v in base.values())
-    kept = sum(int(np.count_nonzero(np.asarray(v.get() if hasattr(v, "get") else v))) for v in total.values())
-    print(f"payload ({a.codec}): {np.mean(sizes) / 1024:.1f} KiB per client, "
-          f"{np.mean(sizes) / max(1, kept_per_client):.2f} B per kept parameter, ratio {dense_bytes / np.mean(sizes):.1f}x")
+    touched = sum(int(xp.count_nonzero(v)) for v in total.values())
+    size = float(np.mean(sizes))
+    print(f"payload ({a.codec}): {size / 1024:.1f} KiB per client, {size / max(1, kept_per_client):.2f} B per kept "
+          f"parameter, ratio {dense_bytes / size:.1f}x")
     print(f"compress: {1e3 * np.median(t_c):.1f} ms, decompress: {1e3 * np.median(t_d):.1f} ms (median per client)")
-    print(f"aggregate: {kept:,} parameters touched by the averaged update")
+    print(f"aggregate: {touched:,} parameters touched by the summed update")
     return 0
 
 
