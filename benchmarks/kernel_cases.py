@@ -342,6 +342,8 @@ def make_scatter_inputs(case: ScatterCase) -> dict[str, Any]:
             i[at] = i[at - 1]
         elif kind == "desc" and at > 0:
             i[at - 1], i[at] = i[at], i[at - 1]
+        elif kind in ("nan", "inf"):  # a non-finite value is as bad as a bad index
+            vals[t][at] = np.nan if kind == "nan" else -np.inf
         elif kind in ("dup", "desc") and i.size > 1:  # at 0 there is no predecessor: plant it at entry 1
             if kind == "dup":
                 i[1] = i[0]
@@ -461,6 +463,10 @@ def scatter_cases() -> list[ScatterCase]:
             c.append(ScatterCase(f"bad_{bad}_at{at}", (3000, 2000, 700), ("f32", "f16", "f64"), bad=bad,
                                  bad_tensor=1, bad_at=at, mode=at % 2, wide=at == 255))
     c.append(ScatterCase("bad_first_tensor", (600, 600), ("bf16", "f32"), bad="range", bad_tensor=0, bad_at=0))
+    for bad in ("nan", "inf"):
+        for t in (0, 2):  # an fp32-valued and an fp64-valued tensor
+            c.append(ScatterCase(f"bad_{bad}_t{t}", (3000, 2000, 700), ("f32", "f16", "f64"), bad=bad,
+                                 bad_tensor=t, bad_at=17, mode=t % 2))
     return c
 
 

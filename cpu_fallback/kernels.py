@@ -162,6 +162,7 @@ def _scatter(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, val
         i = np.asarray(idx[a:b]).astype(np.uint64)
         bad = i >= np.uint64(int(numel[t]))
         bad[1:] |= i[1:] <= i[:-1]
+        bad |= ~np.isfinite(vals64[a:b] if int(out_dtypes[t]) == DT_F64 else vals32[a:b])
         if bad.any():
             err[0] = min(int(err[0]), a + int(np.flatnonzero(bad)[0]))
         ok = np.flatnonzero(~bad)

@@ -343,9 +343,10 @@ def decompress(payload: Payload | bytes | bytearray | memoryview, base: Mapping[
         for r, idx in zip(records, idx_list):
             if bad < a + int(idx.size):
                 raise PayloadIndexError(f"tensor {r.name!r}: sparse index at entry {bad - a} is out of range, "
-                                        "repeated or not increasing; nothing was decoded")
+                                        "repeated or not increasing, or its value is not finite; nothing was decoded")
             a += int(idx.size)
-        raise PayloadIndexError("a sparse index is out of range, repeated or not increasing")
+        raise PayloadIndexError("a sparse index is out of range, repeated or not increasing, or a value is not "
+                                "finite")
     result = {}
     for i, (r, out) in enumerate(zip(records, outs)):
         logical = r.dtype if base_tensors is not None else _dtypes.value_dtype(r.dtype)

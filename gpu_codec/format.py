@@ -231,7 +231,7 @@ def _check_record(i: int, e: Any) -> TensorRecord:
          f"tensor entry {i}: 'name' must be a non-empty string of at most {MAX_NAME} characters")
     where = f"tensor {name!r}"
     dtype = e.get("dtype")
-    _req(dtype in TENSOR_DTYPES, PayloadDtypeError,
+    _req(isinstance(dtype, str) and dtype in TENSOR_DTYPES, PayloadDtypeError,
          f"{where}: dtype {dtype!r} is not one of {', '.join(TENSOR_DTYPES)}")
     shape = e.get("shape")
     _req(isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(s) and s >= 0 for s in shape),
@@ -240,7 +240,7 @@ def _check_record(i: int, e: Any) -> TensorRecord:
     _req(numel <= MAX_TENSOR_ELEMENTS, PayloadLimitError,
          f"{where}: {numel} elements exceed the limit of {MAX_TENSOR_ELEMENTS}")
     enc = e.get("encoding")
-    _req(enc in LAYOUTS, PayloadHeaderError, f"{where}: unknown encoding {enc!r}")
+    _req(isinstance(enc, str) and enc in LAYOUTS, PayloadHeaderError, f"{where}: unknown encoding {enc!r}")
     nnz = e.get("nnz")
     _req(_is_int(nnz) and 0 <= nnz <= numel, PayloadLayoutError,
          f"{where}: nnz {nnz!r} must be an integer between 0 and the element count {numel}")
@@ -285,7 +285,7 @@ def unpack(blob: bytes | bytearray | memoryview) -> tuple[dict, list[TensorRecor
             role = b["role"]
             allowed, count = layout[role]
             bd = b.get("dtype")
-            _req(bd in BUFFER_DTYPES, PayloadDtypeError, f"{where}: buffer {role!r} dtype {bd!r} is not allowed")
+            _req(isinstance(bd, str) and bd in BUFFER_DTYPES, PayloadDtypeError, f"{where}: buffer {role!r} dtype {bd!r} is not allowed")
             _req(bd in allowed, PayloadDtypeError,
                  f"{where}: buffer {role!r} has dtype {bd}, encoding {rec.encoding!r} allows {', '.join(allowed)}")
             off, nb = b.get("offset"), b.get("nbytes")

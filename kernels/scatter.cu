@@ -1,8 +1,8 @@
 // Dense reconstruction from sparse COO entries, for a whole list of tensors in one launch.
 //
-// Entries are concatenated across tensors: tensor t owns entries [ent_start[t], ent_start[t + 1]). Every index
-// is checked on the device before it is used: out of range, equal to or below its predecessor records the
-// lowest offending entry in *err (initialised to ~0) and that entry writes nothing. The caller discards the
+// Entries are concatenated across tensors: tensor t owns entries [ent_start[t], ent_start[t + 1]). Every entry
+// is checked on the device before it is used: an index out of range, equal to or below its predecessor, or a
+// non-finite value records the lowest offending entry in *err (initialised to ~0) and that entry writes nothing. The caller discards the
 // output if *err was set, so a hostile payload never writes outside a tensor and never yields a result.
 // NumPy twins: cpu_fallback/kernels.py.
 #include "common.cuh"
@@ -19,9 +19,10 @@ __device__ __forceinline__ void scatter_impl(
     if (j >= total) return;
     const int t = tensor_of_entry(ent_start, nt, j);
     const u64 i = (u64)idx[j];
-    const bool bad = i >= (u64)numel[t] || (j > ent_start[t] && i <= (u64)idx[j - 1]);
-    if (bad) { atomicMin(err, j); return; }
     const int dt = out_dtypes[t];
+    const bool finite = dt == DT_F64 ? finite_f64(vals64[j]) : finite_f32(vals32[j]);
+    const bool bad = i >= (u64)numel[t] || (j > ent_start[t] && i <= (u64)idx[j - 1]) || !finite;
+    if (bad) { atomicMin(err, j); return; }
     void* out = (void*)out_ptrs[t];
     if (dt == DT_F64) {
         double* o = (double*)out;

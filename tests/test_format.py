@@ -171,3 +171,69 @@ def test_max_elements_guards_allocation():
     blob = gpu_codec.compress({"w": np.ones(1000, np.float32)}, fraction=0.01).to_bytes()
     with pytest.raises(E.PayloadLimitError, match="max_elements"):
         gpu_codec.decompress(blob, max_elements=999)
+
+
+def _paths(obj, prefix=()):
+    yield prefix
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _paths(v, prefix + (k,))
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            yield from _paths(v, prefix + (i,))
+
+
+JUNK = [None, True, -1, 0, 1, 2**63, 2**70, 1.5, float("1e308"), "", "x", "float32", "uint64", [], [1, -2], {},
+        {"role": "values"}]
+
+
+@pytest.mark.parametrize("case", ["topk_global_v1", "fp16_rice_v1", "ternary_rice_v1", "int8_dense_v1",
+                                  "fp16_rice_zstd_v1"])
+def test_header_fuzz_only_raises_our_errors(case):
+    """Every field of the header replaced by junk: decoding either succeeds or raises a PayloadError, never
+    anything else (no KeyError, TypeError, IndexError, MemoryError, crash)."""
+    header, data = split_payload((GOLDEN / f"{case}.bin").read_bytes())
+    paths = [p for p in _paths(header) if p]
+    for p in paths:
+        for junk in JUNK:
+            h = copy.deepcopy(header)
+            node = h
+            for key in p[:-1]:
+                node = node[key]
+            node[p[-1]] = junk
+            blob = build_payload(h, data)
+            try:
+                gpu_codec.decompress(blob, max_elements=1 << 20)
+            except E.PayloadError:
+                pass
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_non_finite_values_in_a_payload_are_rejected(bad):
+    """A hostile payload must not poison a model with NaN or inf: nothing is decoded."""
+    def fn(h, d):
+        b = _buf(h, 0, 1)
+        d[b["offset"]:b["offset"] + 4] = np.float32(bad).tobytes()
+
+    new, base = golden_inputs()
+    with pytest.raises(E.PayloadIndexError, match="not finite"):
+        gpu_codec.decompress(mutate(fn), base=base)
+
+
+@pytest.mark.parametrize("case", ["topk_global_v1", "fp16_rice_v1", "ternary_rice_v1", "int8_dense_v1",
+                                  "fp16_rice_zstd_v1"])
+def test_data_fuzz_only_raises_our_errors(case):
+    """Random bytes of the data section flipped (checksum recomputed): decoding succeeds or raises a PayloadError,
+    and a successful decode holds only finite values."""
+    header, data = split_payload((GOLDEN / f"{case}.bin").read_bytes())
+    rng = np.random.default_rng(7)
+    new, base = golden_inputs()
+    for _ in range(60):
+        d = bytearray(data)
+        for pos in rng.integers(0, len(d), int(rng.integers(1, 4))):
+            d[pos] ^= 1 << int(rng.integers(0, 8))
+        try:
+            out = gpu_codec.decompress(build_payload(header, bytes(d)), base=base)
+        except E.PayloadError:
+            continue
+        assert all(np.isfinite(v).all() for v in out.values())
