@@ -62,6 +62,7 @@ import numpy as np
 
 from . import _adapt
 from . import engine as _engine
+from .backend import get_backend
 from .errors import InvalidInputError, PayloadError, PayloadIndexError
 from .format import TensorRecord
 
@@ -565,14 +566,25 @@ class CompactSparseExchanger(_EngineSelection, ParameterExchanger):
     >>> coo = SparseCooParameterExchanger(0.1, largest_final_magnitude_scores).push_parameters(model)
     >>> blob.dtype, blob.nbytes < sum(a.nbytes for a in coo) / 2
     (dtype('uint8'), True)
+    >>> from gpu_codec import Quantize, RiceIndices
+    >>> (small,) = CompactSparseExchanger(0.1, largest_final_magnitude_scores,
+    ...                                   pipeline=[Quantize("float16"), RiceIndices()]).push_parameters(model)
+    >>> small.nbytes < blob.nbytes / 2
+    True
     """
 
-    def __init__(self, sparsity_level: float, score_gen_function: ScoreGenFunction) -> None:
+    def __init__(self, sparsity_level: float, score_gen_function: ScoreGenFunction, *, pipeline: Any = None) -> None:
+        from .codecs.pipeline import as_pipeline
+
         self.sparsity_level = _check_sparsity(sparsity_level)
         self.score_gen_function = score_gen_function
+        self.pipeline = as_pipeline(pipeline)  # stages after top-k, e.g. [Quantize("float16"), RiceIndices()]
+        if self.pipeline.topk is not None:
+            raise InvalidInputError("CompactSparseExchanger selects with sparsity_level: leave topk out of pipeline")
 
     def select_payload(self, model: Any, initial_model: Any | None = None) -> _engine.Payload:
-        """The selected entries' model values as a :class:`~gpu_codec.Payload` (device-resident on the GPU)."""
+        """The selected entries' model values as a :class:`~gpu_codec.Payload` (device-resident on the GPU),
+        encoded by ``pipeline``."""
         state, payload = self._engine_select(model, initial_model)
         records = []
         for rec, t, idx in self._kept(state, payload):
@@ -582,7 +594,11 @@ class CompactSparseExchanger(_EngineSelection, ParameterExchanger):
             records.append(TensorRecord(rec.name, rec.dtype, rec.shape, "coo", rec.nnz,
                                         {"indices": rec.buffers["indices"],
                                          "values": _adapt.torch_to_backend(v, on_device)}))
-        return _engine.Payload(records, payload.pipeline, {COMPACT_MARKER: "values"}, backend=payload.backend)
+        backend = get_backend()
+        with backend.stream([]):
+            records = self.pipeline.encode(records, backend, None)
+        return _engine.Payload(records, payload.pipeline + self.pipeline.after_topk(), {COMPACT_MARKER: "values"},
+                               backend=payload.backend)
 
     def push_parameters(self, model: Any, initial_model: Any | None = None, config: Any = None) -> NDArrays:
         blob = self.select_payload(model, initial_model).to_bytes()

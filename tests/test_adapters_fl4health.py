@@ -314,3 +314,23 @@ def test_compact_exchanger_round_trip_matches_sparse_coo(backend):
     other = np.frombuffer(gpu_codec.compress({"weight": np.ones(3, np.float32)}, fraction=1.0).to_bytes(), np.uint8)
     with pytest.raises(F.PackedLayoutError, match="marker"):
         compact.pull_parameters([other], a)
+
+
+def test_compact_exchanger_with_a_codec_pipeline_round_trips():
+    import torch
+
+    from gpu_codec import Quantize, RiceIndices, Zstd
+    from gpu_codec.fl4health import CompactSparseExchanger, largest_final_magnitude_scores
+
+    torch.manual_seed(0)
+    src, dst = torch.nn.Linear(200, 50), torch.nn.Linear(200, 50)
+    raw = CompactSparseExchanger(0.05, largest_final_magnitude_scores)
+    coded = CompactSparseExchanger(0.05, largest_final_magnitude_scores,
+                                   pipeline=[Quantize("float16"), RiceIndices(), Zstd()])
+    (a,), (b,) = raw.push_parameters(src), coded.push_parameters(src)
+    assert b.nbytes < a.nbytes / 2
+    coded.pull_parameters([b], dst)
+    raw_dst = torch.nn.Linear(200, 50)
+    raw.pull_parameters([a], raw_dst)
+    for (n, x), (_, y) in zip(dst.state_dict().items(), raw_dst.state_dict().items()):
+        assert torch.equal(x, y.half().float()), n  # fp16 rounding of the same kept values, zeros elsewhere
