@@ -143,3 +143,19 @@ def build_payload(header: dict, data: bytes, *, version: int = 1, fix_crc: bool 
     body = struct.pack("<8sII", b"GPUCODEC", version, len(hb)) + hb + data
     crc = zlib.crc32(body) & 0xFFFFFFFF if fix_crc else 0
     return body + struct.pack("<I", crc)
+
+
+def load_benchmark(filename: str):
+    """Import ``benchmarks/<filename>`` (not a package) once, as module ``gpu_codec_bench_<stem>``."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    name = "gpu_codec_bench_" + filename.removesuffix(".py")
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / filename
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]

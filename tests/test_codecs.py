@@ -3,13 +3,13 @@ reference, and the size targets (bits per index, bytes per kept parameter)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.common import load_benchmark
 
 import gpu_codec
 from gpu_codec import (
@@ -41,13 +41,7 @@ VALUE_STAGES = [None, Quantize("float32"), Quantize("float16"), Quantize("bfloat
 
 
 def bench_sizes():
-    name = "gpu_codec_bench_sizes"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "bench_sizes.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_benchmark("bench_sizes.py")
 
 
 @pytest.fixture(autouse=True)

@@ -10,13 +10,14 @@ The case-based tests also run on a GPU with the CuPy runner (``pytest -m gpu``);
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from tests.common import load_benchmark
 
 from gpu_codec import _emulator as emu
 from gpu_codec._sources import kernel_files, kernel_signatures
@@ -26,13 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _load_cases():
-    name = "gpu_codec_bench_kernel_cases"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "kernel_cases.py")
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_benchmark("kernel_cases.py")
 
 
 kc = _load_cases()
@@ -642,13 +637,7 @@ SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 
 
 def _suite_module():
-    name = "gpu_codec_bench_gpu_suite"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SUITE)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_benchmark("gpu_suite.py")
 
 
 def _run(*args, timeout=300):

@@ -9,7 +9,6 @@ is on PATH.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import shutil
@@ -19,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.common import load_benchmark
+
 from gpu_codec._sources import kernel_files, kernel_signatures, kernel_source
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,13 +28,7 @@ ARCHS = ("sm_80", "sm_90")
 
 
 def _load_script():
-    name = "gpu_codec_bench_kernel_resources"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, SCRIPT)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return load_benchmark("kernel_resources.py")
 
 
 kr = _load_script()
