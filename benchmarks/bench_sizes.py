@@ -91,6 +91,7 @@ def synthetic_delta(scale: float = 1.0, seed: int = 0) -> dict[str, np.ndarray]:
 
 # ------------------------------------------------------------------------------------------------ references
 
+
 def fl4health_bytes(delta: dict[str, np.ndarray], payload: gpu_codec.Payload) -> int:
     """fl4health's SparseCooParameterPacker layout for the same kept entries, as Flower NDArrays (.npy)."""
     total = 0
@@ -110,8 +111,8 @@ def openfl_stc(x: np.ndarray, p: float) -> tuple[int, np.ndarray]:
     flat = data.flatten()
     k = int(np.ceil(flat.shape[0] * p))
     order = np.argsort(np.abs(flat))  # SparsityTransformer._topk_func
-    top = np.asarray(flat[order[flat.shape[0] - k:]])
-    ids = np.asarray(order[flat.shape[0] - k:])
+    top = np.asarray(flat[order[flat.shape[0] - k :]])
+    ids = np.asarray(order[flat.shape[0] - k :])
     if k and min(top) - 0 < 10e-8:
         top = top + 10e-8
     sparse = np.zeros(flat.shape)
@@ -173,15 +174,32 @@ def measure(scale: float = 1.0, seed: int = 0) -> dict:
         if fraction is not None and not stages:
             topk_err = err
             fl_bytes = fl4health_bytes(delta, p)
-            rows.append({"pipeline": "fl4health sparse COO (same top-k, reference)", "config": None,
-                         "bytes": fl_bytes, "kept": p.nnz, "bytes_per_kept": fl_bytes / p.nnz,
-                         "ratio": dense_bytes / fl_bytes, "rel_l2": err})
-        row = {"pipeline": label, "config": Pipeline(stages).get_config(), "bytes": len(blob), "kept": p.nnz,
-               "bytes_per_kept": len(blob) / p.nnz, "ratio": dense_bytes / len(blob), "rel_l2": err,
-               "lossy": Pipeline(stages).is_lossy() or fraction is not None,
-               "encode_s": t1 - t0, "decode_s": t2 - t1}
-        rice = [r for r in p.tensors if r.encoding == "sparse" and r.codec.get("i") == "rice"] or \
-               [r for r in p.tensors if r.encoding == "zstd" and r.codec.get("ic", {}).get("i") == "rice"]
+            rows.append(
+                {
+                    "pipeline": "fl4health sparse COO (same top-k, reference)",
+                    "config": None,
+                    "bytes": fl_bytes,
+                    "kept": p.nnz,
+                    "bytes_per_kept": fl_bytes / p.nnz,
+                    "ratio": dense_bytes / fl_bytes,
+                    "rel_l2": err,
+                }
+            )
+        row = {
+            "pipeline": label,
+            "config": Pipeline(stages).get_config(),
+            "bytes": len(blob),
+            "kept": p.nnz,
+            "bytes_per_kept": len(blob) / p.nnz,
+            "ratio": dense_bytes / len(blob),
+            "rel_l2": err,
+            "lossy": Pipeline(stages).is_lossy() or fraction is not None,
+            "encode_s": t1 - t0,
+            "decode_s": t2 - t1,
+        }
+        rice = [r for r in p.tensors if r.encoding == "sparse" and r.codec.get("i") == "rice"] or [
+            r for r in p.tensors if r.encoding == "zstd" and r.codec.get("ic", {}).get("i") == "rice"
+        ]
         if rice:
             bits = sum((r.codec.get("ic") or r.codec)["bits"] for r in rice)
             row["rice_bits_per_index"] = bits / sum(r.nnz for r in rice)
@@ -194,29 +212,58 @@ def measure(scale: float = 1.0, seed: int = 0) -> dict:
         ob += b
         on += int(np.ceil(x.size * 0.01))
         dec[name] = back
-    rows.append({"pipeline": "OpenFL STCPipeline (per-tensor top-k, ternary, gzip; reference)", "config": None,
-                 "bytes": ob, "kept": on, "bytes_per_kept": ob / on, "ratio": dense_bytes / ob,
-                 "rel_l2": rel_l2(dec, delta), "encode_s": time.perf_counter() - t0})
-    return {"params": n, "tensors": len(delta), "dense_fp32_bytes": dense_bytes, "fraction": 0.01,
-            "topk_only_rel_l2": topk_err, "rows": rows, "backend": gpu_codec.backend_info()["backend"],
-            "machine": platform.machine(), "python": sys.version.split()[0], "numpy": np.__version__}
+    rows.append(
+        {
+            "pipeline": "OpenFL STCPipeline (per-tensor top-k, ternary, gzip; reference)",
+            "config": None,
+            "bytes": ob,
+            "kept": on,
+            "bytes_per_kept": ob / on,
+            "ratio": dense_bytes / ob,
+            "rel_l2": rel_l2(dec, delta),
+            "encode_s": time.perf_counter() - t0,
+        }
+    )
+    return {
+        "params": n,
+        "tensors": len(delta),
+        "dense_fp32_bytes": dense_bytes,
+        "fraction": 0.01,
+        "topk_only_rel_l2": topk_err,
+        "rows": rows,
+        "backend": gpu_codec.backend_info()["backend"],
+        "machine": platform.machine(),
+        "python": sys.version.split()[0],
+        "numpy": np.__version__,
+    }
 
 
 def markdown(res: dict) -> str:
-    lines = [(f"Update: {res['params']:,} fp32 parameters in {res['tensors']} tensors (conv, linear, embedding, "
-              f"norm), top-k at 1% ({res['backend']} backend)."),
-             "",
-             "| pipeline | bytes | B / kept param | ratio vs dense fp32 | rel. L2 error | Rice bits / index |",
-             "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        (
+            f"Update: {res['params']:,} fp32 parameters in {res['tensors']} tensors (conv, linear, embedding, "
+            f"norm), top-k at 1% ({res['backend']} backend)."
+        ),
+        "",
+        "| pipeline | bytes | B / kept param | ratio vs dense fp32 | rel. L2 error | Rice bits / index |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in res["rows"]:
         bpi = f"{r['rice_bits_per_index']:.2f}" if "rice_bits_per_index" in r else ""
-        lines.append(f"| {r['pipeline']} | {r['bytes']:,} | {r['bytes_per_kept']:.2f} | {r['ratio']:.1f}x | "
-                     f"{r['rel_l2']:.4f} | {bpi} |")
-    lines += ["", ("B / kept param counts the whole payload (header included); dense rows keep every parameter. "
-                   "Error is ||decoded - delta|| / ||delta||; top-k alone accounts for "
-                   f"{res['topk_only_rel_l2']:.4f} of it. fl4health stores 4 B of value plus 8 B per dimension "
-                   "per kept entry (20 B for a 2-D weight, 36 B for a conv kernel). OpenFL's STC divides mu by the "
-                   "dense element count, which shrinks every sent value by the density.")]
+        lines.append(
+            f"| {r['pipeline']} | {r['bytes']:,} | {r['bytes_per_kept']:.2f} | {r['ratio']:.1f}x | "
+            f"{r['rel_l2']:.4f} | {bpi} |"
+        )
+    lines += [
+        "",
+        (
+            "B / kept param counts the whole payload (header included); dense rows keep every parameter. "
+            "Error is ||decoded - delta|| / ||delta||; top-k alone accounts for "
+            f"{res['topk_only_rel_l2']:.4f} of it. fl4health stores 4 B of value plus 8 B per dimension "
+            "per kept entry (20 B for a 2-D weight, 36 B for a conv kernel). OpenFL's STC divides mu by the "
+            "dense element count, which shrinks every sent value by the density."
+        ),
+    ]
     return "\n".join(lines) + "\n"
 
 

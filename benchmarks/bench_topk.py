@@ -22,7 +22,7 @@ import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import gpu_codec  # noqa: E402
+import gpu_codec
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -42,7 +42,7 @@ def timeit(fn, repeat: int, sync=lambda: None) -> float:
 def numpy_pipeline(new, base, k):
     d = new - base
     s = np.abs(d)
-    idx = np.argpartition(s, s.size - k)[s.size - k:]
+    idx = np.argpartition(s, s.size - k)[s.size - k :]
     idx.sort()
     return idx, d[idx]
 
@@ -58,8 +58,14 @@ def torch_pipeline(new, base, k):
 
 
 def machine_info() -> dict:
-    info = {"python": platform.python_version(), "platform": platform.platform(), "processor": platform.processor(),
-            "cpu_count": os.cpu_count(), "numpy": np.__version__, "backend": gpu_codec.backend_info()}
+    info = {
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpu_count": os.cpu_count(),
+        "numpy": np.__version__,
+        "backend": gpu_codec.backend_info(),
+    }
     try:
         import torch
 
@@ -75,8 +81,10 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
     on_gpu = be.name == "gpu"
     rows = []
     print(f"backend {be.name}; fraction {fraction}; median of {repeat}")
-    print(f"{'N':>12} {'ours ms':>9} {'numpy ms':>9} {'torch ms':>9} {'x numpy':>8} {'x torch':>8} "
-          f"{'decomp ms':>9} {'GB/s':>7}")
+    print(
+        f"{'N':>12} {'ours ms':>9} {'numpy ms':>9} {'torch ms':>9} {'x numpy':>8} {'x torch':>8} "
+        f"{'decomp ms':>9} {'GB/s':>7}"
+    )
     for n in sizes:
         rng = np.random.default_rng(n)
         base = rng.standard_normal(n, dtype=np.float32)
@@ -92,11 +100,18 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
         t_ours = timeit(lambda: gpu_codec.compress(upd, bas, fraction=fraction), repeat, sync)
         payload = gpu_codec.compress(upd, bas, fraction=fraction)
         t_dec = timeit(lambda: gpu_codec.decompress(payload), repeat, sync)
-        row = {"n": n, "k": k, "fraction": fraction, "ours_s": t_ours, "decompress_s": t_dec,
-               "ours_gb_per_s": 8 * n / t_ours / 1e9}
+        row = {
+            "n": n,
+            "k": k,
+            "fraction": fraction,
+            "ours_s": t_ours,
+            "decompress_s": t_dec,
+            "ours_gb_per_s": 8 * n / t_ours / 1e9,
+        }
         # correctness against the baseline before timing it
-        idx, vals = numpy_pipeline(np.asarray(new.get() if on_gpu else new), np.asarray(base.get() if on_gpu
-                                                                                          else base), k)
+        idx, vals = numpy_pipeline(
+            np.asarray(new.get() if on_gpu else new), np.asarray(base.get() if on_gpu else base), k
+        )
         got = payload.tensors[0].buffers["indices"]
         got = got.get() if on_gpu else got
         ties = np.unique(np.abs(vals)).size < vals.size
@@ -120,13 +135,17 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
 
         def f(v, scale=1e3, fmt="9.1f"):
             return format(v * scale, fmt) if v is not None else f"{'-':>9}"
-        print(f"{n:>12,} {f(t_ours)} {f(row.get('numpy_s'))} {f(row.get('torch_s'))} "
-              f"{f(row['x_numpy'], 1, '8.2f')} {f(row['x_torch'], 1, '8.2f')} {f(t_dec)} "
-              f"{row['ours_gb_per_s']:7.2f}")
+
+        print(
+            f"{n:>12,} {f(t_ours)} {f(row.get('numpy_s'))} {f(row.get('torch_s'))} "
+            f"{f(row['x_numpy'], 1, '8.2f')} {f(row['x_torch'], 1, '8.2f')} {f(t_dec)} "
+            f"{row['ours_gb_per_s']:7.2f}"
+        )
     if out is not None:
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"benchmark": "topk", "machine": machine_info(), "rows": rows}, indent=2,
-                                  default=str))
+        out.write_text(
+            json.dumps({"benchmark": "topk", "machine": machine_info(), "rows": rows}, indent=2, default=str)
+        )
         print(f"wrote {out}")
     return rows
 
@@ -181,8 +200,11 @@ def main(argv=None) -> int:
     rows = run(sizes, a.fraction, repeat, out, torch_too)
     if out is not None and not a.no_plot:
         try:
-            plot(rows, out.with_suffix(".png"), f"exact top-k compress, fraction {a.fraction}, "
-                                                f"{gpu_codec.get_backend().name} backend")
+            plot(
+                rows,
+                out.with_suffix(".png"),
+                f"exact top-k compress, fraction {a.fraction}, {gpu_codec.get_backend().name} backend",
+            )
         except ImportError:
             print("matplotlib is not installed: no plot (pip install 'gpu_codec[plot]')")
     return 0

@@ -49,6 +49,7 @@ def _ensure_importable() -> None:
         import gpu_codec.kernels
 
         import gpu_codec._kernel_ops  # noqa: F401
+
         return
     except ImportError:
         pass
@@ -118,6 +119,7 @@ def _sync(runner) -> None:
 
 # ------------------------------------------------------------------------------------------------- the steps
 
+
 class Suite:
     def __init__(self, args):
         self.args = args
@@ -158,7 +160,7 @@ class Suite:
         t = time.monotonic()
         try:
             getattr(self, "step_" + step)(t)
-        except Exception as e:  # noqa: BLE001 - a broken step is a failed step, the others still run
+        except Exception as e:
             self.log(traceback.format_exc())
             self.record(step, "fail", t, error=f"{type(e).__name__}: {e}")
 
@@ -182,13 +184,13 @@ class Suite:
                 info["devices"] = [cupy.cuda.runtime.getDeviceProperties(i)["name"].decode() for i in range(n)]
                 cc = cupy.cuda.Device(0).compute_capability
                 info["compute_capability"] = cc
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 info["cuda_error"] = f"{type(e).__name__}: {e}"
             try:
                 from cupy.cuda import nvrtc
 
                 info["nvrtc"] = ".".join(map(str, nvrtc.getVersion()))
-            except Exception as e:  # noqa: BLE001
+            except Exception as e:
                 info["nvrtc_error"] = str(e)
         except ImportError as e:
             info["cupy_error"] = str(e)
@@ -206,8 +208,18 @@ class Suite:
 
     # -- pytest
     def pytest_command(self) -> list[str]:
-        return [sys.executable, "-m", "pytest", "-m", "gpu", "-q", "-rfEs", "-p", "no:cacheprovider",
-                *self.args.pytest_args]
+        return [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-m",
+            "gpu",
+            "-q",
+            "-rfEs",
+            "-p",
+            "no:cacheprovider",
+            *self.args.pytest_args,
+        ]
 
     def step_pytest(self, t):
         if self.args.runner != "cupy":
@@ -220,8 +232,9 @@ class Suite:
         logp = self.out / "pytest_gpu.log"
         with open(logp, "w") as f:
             try:
-                r = subprocess.run(self.pytest_command(), cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT,
-                                   timeout=timeout)
+                r = subprocess.run(
+                    self.pytest_command(), cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+                )
                 rc = r.returncode
             except subprocess.TimeoutExpired:
                 rc = None
@@ -229,8 +242,15 @@ class Suite:
         if rc is None:
             return self.record("pytest", "fail", t, error=f"timed out after {timeout:.0f} s", log=logp.name)
         status = {0: "pass", 5: "skip"}.get(rc, "fail")
-        self.record("pytest", status, t, returncode=rc, last_line=tail[0], log=logp.name,
-                    **({"reason": "no test is marked gpu"} if rc == 5 else {}))
+        self.record(
+            "pytest",
+            status,
+            t,
+            returncode=rc,
+            last_line=tail[0],
+            log=logp.name,
+            **({"reason": "no test is marked gpu"} if rc == 5 else {}),
+        )
 
     # -- parity on large inputs
     def step_parity(self, t):
@@ -238,8 +258,9 @@ class Suite:
         runner = make_runner(self.args.runner)
         max_n = int(self.args.max_n if self.args.max_n else (1e8 if self.args.runner == "cupy" else 2e4))
         results, failed = [], False
-        cases = [("topk", c) for c in kc.large_topk_cases(max_n)] + \
-                [("scatter", c) for c in kc.large_scatter_cases(max_n)]
+        cases = [("topk", c) for c in kc.large_topk_cases(max_n)] + [
+            ("scatter", c) for c in kc.large_scatter_cases(max_n)
+        ]
         for kind, case in cases:
             if self.left() <= 0:
                 results.append({"case": case.name, "status": "skip", "reason": "budget"})
@@ -247,8 +268,15 @@ class Suite:
             t1 = time.monotonic()
             m = kc.topk_vs_reference(runner, case) if kind == "topk" else kc.scatter_vs_reference(runner, case)
             _sync(runner)
-            results.append({"case": case.name, "elements": int(sum(case.sizes)), "status": "fail" if m else "pass",
-                            "seconds": round(time.monotonic() - t1, 1), "mismatches": m[:10]})
+            results.append(
+                {
+                    "case": case.name,
+                    "elements": int(sum(case.sizes)),
+                    "status": "fail" if m else "pass",
+                    "seconds": round(time.monotonic() - t1, 1),
+                    "mismatches": m[:10],
+                }
+            )
             self.log(f"   {case.name}: {'FAIL ' + m[0] if m else 'equal to the byte'} ({results[-1]['seconds']} s)")
             failed |= bool(m)
         self.record("parity", "fail" if failed else "pass", t, max_n=max_n, cases=results)
@@ -257,11 +285,15 @@ class Suite:
     def step_cases(self, t):
         kc = _cases_module()
         runner = make_runner(self.args.runner)
-        groups = [("topk", kc.topk_cases(), kc.topk_vs_reference), ("topk_stepwise", kc.topk_cases(), kc.topk_stepwise),
-                  ("topk_stepwise_u64", kc.topk_cases()[::4], lambda r, c: kc.topk_stepwise(r, c, wide=True)),
-                  ("scatter", kc.scatter_cases(), kc.scatter_vs_reference),
-                  ("scatter_stepwise", kc.scatter_cases(), kc.scatter_stepwise),
-                  ("quantize", kc.quant_cases(), kc.quant_stepwise), ("rice", kc.rice_cases(), kc.rice_stepwise)]
+        groups = [
+            ("topk", kc.topk_cases(), kc.topk_vs_reference),
+            ("topk_stepwise", kc.topk_cases(), kc.topk_stepwise),
+            ("topk_stepwise_u64", kc.topk_cases()[::4], lambda r, c: kc.topk_stepwise(r, c, wide=True)),
+            ("scatter", kc.scatter_cases(), kc.scatter_vs_reference),
+            ("scatter_stepwise", kc.scatter_cases(), kc.scatter_stepwise),
+            ("quantize", kc.quant_cases(), kc.quant_stepwise),
+            ("rice", kc.rice_cases(), kc.rice_stepwise),
+        ]
         failures, n = [], 0
         for gname, cases, fn in groups:
             if self.args.quick:
@@ -270,7 +302,7 @@ class Suite:
                 n += 1
                 try:
                     m = fn(runner, case)
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:
                     m = [f"{type(e).__name__}: {e}"]
                 if m:
                     failures.append({"group": gname, "case": case.name, "mismatches": m[:10]})
@@ -293,9 +325,23 @@ class Suite:
     def sanitizer_command(self, tool: str) -> list[str]:
         cs = self.sanitizer_path() or "compute-sanitizer"
         extra = {"memcheck": ["--leak-check", "no"], "racecheck": ["--racecheck-report", "all"]}.get(tool, [])
-        return [cs, "--tool", tool, "--error-exitcode", "86", "--print-limit", "100", *extra,
-                sys.executable, str(Path(__file__).resolve()), "--workload", "--runner", "cupy", "--out",
-                str(self.out)]
+        return [
+            cs,
+            "--tool",
+            tool,
+            "--error-exitcode",
+            "86",
+            "--print-limit",
+            "100",
+            *extra,
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "--workload",
+            "--runner",
+            "cupy",
+            "--out",
+            str(self.out),
+        ]
 
     def step_sanitizer(self, t):
         if self.args.runner != "cupy":
@@ -311,8 +357,9 @@ class Suite:
             t1 = time.monotonic()
             timeout = max(30.0, min(300.0, self.left()))
             try:
-                r = subprocess.run(self.sanitizer_command(tool), cwd=ROOT, env=_env(), capture_output=True, text=True,
-                                   timeout=timeout)
+                r = subprocess.run(
+                    self.sanitizer_command(tool), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+                )
                 text, rc = r.stdout + r.stderr, r.returncode
             except subprocess.TimeoutExpired as e:
                 text, rc = f"{e.stdout or ''}{e.stderr or ''}\ntimed out after {timeout:.0f} s", None
@@ -321,8 +368,13 @@ class Suite:
             logp.write_text(text)
             res = parse_sanitizer(text)
             ok = rc == 0 and res["summary_found"] and res["errors"] == 0 and "workload: ok" in text
-            results[tool] = {"status": "pass" if ok else "fail", "returncode": rc, **res,
-                             "seconds": round(time.monotonic() - t1, 1), "log": logp.name}
+            results[tool] = {
+                "status": "pass" if ok else "fail",
+                "returncode": rc,
+                **res,
+                "seconds": round(time.monotonic() - t1, 1),
+                "log": logp.name,
+            }
             self.log(f"   {tool}: {'clean' if ok else 'FAILED'} (rc {rc}, {res})")
             failed |= not ok
         self.record("sanitizer", "fail" if failed else "pass", t, tools=results)
@@ -341,8 +393,15 @@ class Suite:
         table = kr.format_table(rep.rows)
         (self.out / "resources.txt").write_text(table + "\n\n" + "\n".join(rep.problems) + "\n")
         self.log(table)
-        self.record("resources", "fail" if rep.problems else "pass", t, tools=tools, archs=list(archs),
-                    problems=rep.problems, log="resources.txt")
+        self.record(
+            "resources",
+            "fail" if rep.problems else "pass",
+            t,
+            tools=tools,
+            archs=list(archs),
+            problems=rep.problems,
+            log="resources.txt",
+        )
 
 
 def parse_sanitizer(text: str) -> dict:
@@ -366,6 +425,7 @@ def parse_sanitizer(text: str) -> dict:
 
 # ------------------------------------------------------------------------------------------- the workload
 
+
 def workload(runner_kind: str) -> int:
     """Launch every kernel at least once on small inputs and check the results (run under compute-sanitizer)."""
     kc = _cases_module()
@@ -375,17 +435,23 @@ def workload(runner_kind: str) -> int:
 
         cupy.cuda.set_allocator(None)  # one cudaMalloc per array: memcheck sees each buffer's real bounds
     r = CountingRunner(inner)
-    topk = kc.TopkCase("workload", (3000, 5000, 300, 0), ("f32", "bf16", "f64", "f16"), res=True, res_out="new",
-                       qmode=1, k=0.1)
+    topk = kc.TopkCase(
+        "workload", (3000, 5000, 300, 0), ("f32", "bf16", "f64", "f16"), res=True, res_out="new", qmode=1, k=0.1
+    )
     m = []
     m += kc.topk_stepwise(r, topk)
     m += kc.topk_stepwise(r, topk.with_(name="workload_u64", scope="tensor", res_out="alias"), wide=True)
     m += kc.topk_vs_reference(r, topk.with_(name="workload_ops", pattern="ties"))
     m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter", (3000, 700), ("f16", "f64"), mode=1))
-    m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter_u64_bad", (3000, 700), ("bf16", "f32"), wide=True,
-                                               bad="dup", bad_tensor=1, bad_at=5))
-    m += kc.quant_stepwise(r, kc.QuantCase("workload_quant", (3000, 700, 0), ("f32", "f64", "f32"),
-                                           ("u32", "u64", "dense")))
+    m += kc.scatter_stepwise(
+        r,
+        kc.ScatterCase(
+            "workload_scatter_u64_bad", (3000, 700), ("bf16", "f32"), wide=True, bad="dup", bad_tensor=1, bad_at=5
+        ),
+    )
+    m += kc.quant_stepwise(
+        r, kc.QuantCase("workload_quant", (3000, 700, 0), ("f32", "f64", "f32"), ("u32", "u64", "dense"))
+    )
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice", (300, 5000, 0), (30000, 9000, 10)))
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice_u64", (300, 5000), (1 << 36, 9000), wide=True))
     _sync(inner)
@@ -407,21 +473,33 @@ def workload(runner_kind: str) -> int:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", help="output folder for summary.json and the logs (required unless --workload)")
-    ap.add_argument("--runner", choices=("cupy", "emulated"), default="cupy",
-                    help="cupy: the GPU (default); emulated: the CPU emulator (no GPU steps)")
-    ap.add_argument("--max-n", type=float, default=None,
-                    help="elements of the largest parity case (default 1e8 on a GPU, 2e4 emulated)")
+    ap.add_argument(
+        "--runner",
+        choices=("cupy", "emulated"),
+        default="cupy",
+        help="cupy: the GPU (default); emulated: the CPU emulator (no GPU steps)",
+    )
+    ap.add_argument(
+        "--max-n",
+        type=float,
+        default=None,
+        help="elements of the largest parity case (default 1e8 on a GPU, 2e4 emulated)",
+    )
     ap.add_argument("--skip", action="append", default=[], choices=STEPS, help="skip a step (repeatable)")
     ap.add_argument("--quick", action="store_true", help="a subset of the cases (about one in seven)")
     ap.add_argument("--budget-s", type=float, default=540.0, help="start no step after this many seconds (540)")
     ap.add_argument("--pytest-timeout", type=float, default=240.0, help="seconds for pytest -m gpu (240)")
-    ap.add_argument("--pytest-args", nargs=argparse.REMAINDER, default=[],
-                    help="further arguments for pytest (must come last)")
+    ap.add_argument(
+        "--pytest-args", nargs=argparse.REMAINDER, default=[], help="further arguments for pytest (must come last)"
+    )
     ap.add_argument("--sanitizer", help="path of compute-sanitizer (default: on PATH or /usr/local/cuda/bin)")
     ap.add_argument("--sanitizer-tools", nargs="+", default=list(SANITIZER_TOOLS), choices=SANITIZER_TOOLS)
     ap.add_argument("--arch", nargs="+", default=["sm_80", "sm_90"], help="architectures for the resources step")
-    ap.add_argument("--workload", action="store_true",
-                    help="internal: launch every kernel once and check it (what compute-sanitizer runs)")
+    ap.add_argument(
+        "--workload",
+        action="store_true",
+        help="internal: launch every kernel once and check it (what compute-sanitizer runs)",
+    )
     args = ap.parse_args(argv)
     _ensure_importable()
     if args.workload:
@@ -435,8 +513,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = [s for s, v in suite.summary["steps"].items() if v["status"] == "fail"]
     suite.summary["result"] = "fail" if failed else "pass"
     suite.save()
-    suite.log(f"gpu_suite: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed or skipped'} "
-              f"({suite.summary['seconds']} s); summary in {suite.out / 'summary.json'}")
+    suite.log(
+        f"gpu_suite: {'FAILED: ' + ', '.join(failed) if failed else 'all steps passed or skipped'} "
+        f"({suite.summary['seconds']} s); summary in {suite.out / 'summary.json'}"
+    )
     return 1 if failed else 0
 
 

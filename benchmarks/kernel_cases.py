@@ -28,6 +28,7 @@ _PAD = 64  # extra elements after every output of topk_stepwise: a write past th
 
 # ---------------------------------------------------------------------------------------------------- top-k
 
+
 @dataclass(frozen=True)
 class TopkCase:
     """One top-k selection over a tensor list.
@@ -78,13 +79,14 @@ def _values(rng: np.random.Generator, n: int, pattern: str) -> np.ndarray:
     if pattern == "signed_zero":  # -0.0 and +0.0 must get the same key
         return rng.choice(np.array([-0.0, 0.0, 0.0, -0.0, 1.0, -1.0]), n)
     if pattern == "subnormal":  # fp32, fp16 and bf16 subnormals, and the fp16 underflow boundary
-        return rng.choice(np.array([1e-40, -3e-39, 6e-8, -3e-8, 2.98e-8, 1e-45, 5.96e-8, 0.0]), n) * \
-            rng.integers(1, 4, n)
+        return rng.choice(np.array([1e-40, -3e-39, 6e-8, -3e-8, 2.98e-8, 1e-45, 5.96e-8, 0.0]), n) * rng.integers(
+            1, 4, n
+        )
     if pattern == "rounding":  # exact midpoints between fp16 (and bf16) neighbours: round-half-even
         m = rng.integers(0, 1024, n)
         e = rng.integers(-26, 16, n).astype(np.float64)
-        fp16_mid = (1.0 + (2 * m + 1) * 2.0 ** -11) * 2.0 ** e
-        bf16_mid = (1.0 + (2 * (m % 128) + 1) * 2.0 ** -8) * 2.0 ** e
+        fp16_mid = (1.0 + (2 * m + 1) * 2.0**-11) * 2.0**e
+        bf16_mid = (1.0 + (2 * (m % 128) + 1) * 2.0**-8) * 2.0**e
         v = np.where(rng.integers(0, 2, n) == 1, fp16_mid, bf16_mid)
         return v * rng.choice(np.array([-1.0, 1.0]), n)
     if pattern == "huge":  # near and past the fp16 range (the residual of an fp16-coded value overflows)
@@ -141,9 +143,19 @@ def make_topk_inputs(case: TopkCase) -> dict[str, Any]:
             ks.append(int(rng.integers(0, n + 1)))
         else:
             ks.append(min(n, round(n * float(case.k))))
-    return {"new": new, "base": base, "res": res, "ext": ext, "dtypes": [DT[d] for d in case.dtypes],
-            "ext_dtypes": [DT[d] for d in (case.ext_dtypes or ("f32",) * nt)], "crit": case.crit,
-            "segments": segments, "ks": ks, "qmode": case.qmode, "res_out": case.res_out}
+    return {
+        "new": new,
+        "base": base,
+        "res": res,
+        "ext": ext,
+        "dtypes": [DT[d] for d in case.dtypes],
+        "ext_dtypes": [DT[d] for d in (case.ext_dtypes or ("f32",) * nt)],
+        "crit": case.crit,
+        "segments": segments,
+        "ks": ks,
+        "qmode": case.qmode,
+        "res_out": case.res_out,
+    }
 
 
 def _res_out(inp: dict, res: list, copy) -> list:
@@ -151,8 +163,10 @@ def _res_out(inp: dict, res: list, copy) -> list:
         return [None] * len(res)
     if inp["res_out"] == "alias":
         return res
-    return [copy(np.full(a.size, -3.0, dtype=np.float64 if dt == 3 else np.float32))
-            for a, dt in zip(inp["new"], inp["dtypes"])]
+    return [
+        copy(np.full(a.size, -3.0, dtype=np.float64 if dt == 3 else np.float32))
+        for a, dt in zip(inp["new"], inp["dtypes"])
+    ]
 
 
 def _cmp(where: str, got: Any, want: Any, out: list[str]) -> None:
@@ -163,9 +177,11 @@ def _cmp(where: str, got: Any, want: Any, out: list[str]) -> None:
     if got.tobytes() != want.tobytes():
         g, w = got.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)
         first = int(np.flatnonzero(g != w)[0]) // max(1, got.itemsize)
-        out.append(f"{where}: differs first at element {first}: {got.reshape(-1)[first]!r} != "
-                   f"{want.reshape(-1)[first]!r} ({int(np.count_nonzero(got.reshape(-1) != want.reshape(-1)))} "
-                   f"elements differ)")
+        out.append(
+            f"{where}: differs first at element {first}: {got.reshape(-1)[first]!r} != "
+            f"{want.reshape(-1)[first]!r} ({int(np.count_nonzero(got.reshape(-1) != want.reshape(-1)))} "
+            f"elements differ)"
+        )
 
 
 def _uploader(runner):
@@ -185,8 +201,7 @@ def topk_vs_reference(runner, case: TopkCase) -> list[str]:
     h = {k: [None if a is None else a.copy() for a in inp[k]] for k in ("new", "base", "res", "ext")}
     d_ro, h_ro = _res_out(inp, d["res"], up), _res_out(inp, h["res"], np.copy)
     common = (inp["dtypes"], None, inp["ext_dtypes"], inp["crit"], inp["segments"], inp["ks"], inp["qmode"])
-    gi, gv, gbad = KernelOps(runner).topk_select(d["new"], d["base"], d["res"], d_ro, common[0], d["ext"],
-                                                 *common[2:])
+    gi, gv, gbad = KernelOps(runner).topk_select(d["new"], d["base"], d["res"], d_ro, common[0], d["ext"], *common[2:])
     wi, wv, wbad = topk_select(h["new"], h["base"], h["res"], h_ro, common[0], h["ext"], *common[2:])
     out: list[str] = []
     if gbad != wbad:
@@ -232,11 +247,41 @@ def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     keys = pair(np.full(tb.total + _PAD, _FILL32, np.uint32))
     err = pair(np.full(1, U64_MAX, np.uint64))
     cs, eo, nm, so = tb.chunk_start, tb.elem_off, tb.numel, tb.seg_of
-    runner.launch("score_keys", grid, BLOCK, (nt32, up(cs), up(eo), up(nm), up(dtypes), table(d["new"]),
-                                              table(d["base"]), table(d["res"]), table(d["ext"]), up(ext_dt),
-                                              np.int32(inp["crit"]), keys[0], err[0]))
-    twins.score_keys(nt32, cs, eo, nm, dtypes, h["new"], h["base"], h["res"], h["ext"], ext_dt,
-                     np.int32(inp["crit"]), keys[1], err[1])
+    runner.launch(
+        "score_keys",
+        grid,
+        BLOCK,
+        (
+            nt32,
+            up(cs),
+            up(eo),
+            up(nm),
+            up(dtypes),
+            table(d["new"]),
+            table(d["base"]),
+            table(d["res"]),
+            table(d["ext"]),
+            up(ext_dt),
+            np.int32(inp["crit"]),
+            keys[0],
+            err[0],
+        ),
+    )
+    twins.score_keys(
+        nt32,
+        cs,
+        eo,
+        nm,
+        dtypes,
+        h["new"],
+        h["base"],
+        h["res"],
+        h["ext"],
+        ext_dt,
+        np.int32(inp["crit"]),
+        keys[1],
+        err[1],
+    )
     _cmp(f"{case.name}: score_keys err", runner.to_host(err[0]), err[1], out)
     if int(err[1][0]) != int(U64_MAX):
         return out  # keys of rejected inputs may hold NaN patterns that differ by device; the caller drops them
@@ -246,12 +291,17 @@ def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     state = pair(initial_state(inp["ks"]))
     hist = pair(np.zeros(256 * max(tb.nseg, 1) + _PAD, np.uint64))
     for shift in (24, 16, 8, 0):
-        runner.launch("radix_hist", grid, BLOCK, (nt32, up(cs), up(eo), up(nm), up(so), keys[0], state[0],
-                                                  np.int32(shift), hist[0]))
+        runner.launch(
+            "radix_hist",
+            grid,
+            BLOCK,
+            (nt32, up(cs), up(eo), up(nm), up(so), keys[0], state[0], np.int32(shift), hist[0]),
+        )
         twins.radix_hist(nt32, cs, eo, nm, so, keys[1], state[1], np.int32(shift), hist[1])
         _cmp(f"{case.name}: radix_hist({shift}) hist", runner.to_host(hist[0]), hist[1], out)
-        runner.launch("radix_pick", (tb.nseg + 255) // 256, 256, (np.int32(tb.nseg), np.int32(shift), hist[0],
-                                                                   state[0]))
+        runner.launch(
+            "radix_pick", (tb.nseg + 255) // 256, 256, (np.int32(tb.nseg), np.int32(shift), hist[0], state[0])
+        )
         twins.radix_pick(np.int32(tb.nseg), np.int32(shift), hist[1], state[1])
         _cmp(f"{case.name}: radix_pick({shift}) state", runner.to_host(state[0]), state[1], out)
         _cmp(f"{case.name}: radix_pick({shift}) hist", runner.to_host(hist[0]), hist[1], out)
@@ -265,8 +315,12 @@ def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     out_base = pair(np.full(grid + 1 + _PAD, U64_MAX, np.uint64))
     counts = pair(np.full(nt + _PAD, U64_MAX, np.uint64))
     sfc = tb.seg_first_chunk
-    runner.launch("chunk_scan", 1, SCAN_THREADS, (nt32, np.int64(grid), up(cs), up(so), up(sfc), state[0], cnt[0],
-                                                  eq_base[0], out_base[0], counts[0]))
+    runner.launch(
+        "chunk_scan",
+        1,
+        SCAN_THREADS,
+        (nt32, np.int64(grid), up(cs), up(so), up(sfc), state[0], cnt[0], eq_base[0], out_base[0], counts[0]),
+    )
     twins.chunk_scan(nt32, np.int64(grid), cs, so, sfc, state[1], cnt[1], eq_base[1], out_base[1], counts[1])
     for nm_, p in (("eq_base", eq_base), ("out_base", out_base), ("tensor_counts", counts)):
         _cmp(f"{case.name}: chunk_scan {nm_}", runner.to_host(p[0]), p[1], out)
@@ -278,11 +332,51 @@ def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     v32 = pair(np.full(K + _PAD, -9.0, np.float32))
     v64 = pair(np.full(K + _PAD, -9.0, np.float64))
     name = "chunk_write_u64" if wide else "chunk_write_u32"
-    runner.launch(name, grid, BLOCK, (nt32, up(cs), up(eo), up(nm), up(dtypes), up(so), table(d["new"]),
-                                      table(d["base"]), table(d["res"]), table(d_ro), np.int32(inp["qmode"]), keys[0],
-                                      state[0], eq_base[0], out_base[0], idx[0], v32[0], v64[0]))
-    getattr(twins, name)(nt32, cs, eo, nm, dtypes, so, h["new"], h["base"], h["res"], h_ro, np.int32(inp["qmode"]),
-                         keys[1], state[1], eq_base[1], out_base[1], idx[1], v32[1], v64[1])
+    runner.launch(
+        name,
+        grid,
+        BLOCK,
+        (
+            nt32,
+            up(cs),
+            up(eo),
+            up(nm),
+            up(dtypes),
+            up(so),
+            table(d["new"]),
+            table(d["base"]),
+            table(d["res"]),
+            table(d_ro),
+            np.int32(inp["qmode"]),
+            keys[0],
+            state[0],
+            eq_base[0],
+            out_base[0],
+            idx[0],
+            v32[0],
+            v64[0],
+        ),
+    )
+    getattr(twins, name)(
+        nt32,
+        cs,
+        eo,
+        nm,
+        dtypes,
+        so,
+        h["new"],
+        h["base"],
+        h["res"],
+        h_ro,
+        np.int32(inp["qmode"]),
+        keys[1],
+        state[1],
+        eq_base[1],
+        out_base[1],
+        idx[1],
+        v32[1],
+        v64[1],
+    )
     _cmp(f"{case.name}: {name} out_idx", runner.to_host(idx[0]), idx[1], out)
     _cmp(f"{case.name}: {name} vals32", runner.to_host(v32[0]), v32[1], out)
     _cmp(f"{case.name}: {name} vals64", runner.to_host(v64[0]), v64[1], out)
@@ -293,6 +387,7 @@ def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
 
 
 # -------------------------------------------------------------------------------------------------- scatter
+
 
 @dataclass(frozen=True)
 class ScatterCase:
@@ -352,7 +447,7 @@ def make_scatter_inputs(case: ScatterCase) -> dict[str, Any]:
 
     if case.bad != "none":
         plant(case.bad_tensor, case.bad_at, case.bad)
-        plant(len(case.sizes) - 1, 10 ** 9, "range")
+        plant(len(case.sizes) - 1, 10**9, "range")
     return {"idx": idx, "vals": vals, "outs": outs, "dtypes": [DT[d] for d in case.dtypes]}
 
 
@@ -364,8 +459,9 @@ def scatter_vs_reference(runner, case: ScatterCase) -> list[str]:
     up = _uploader(runner)
     d_outs = [up(o) for o in inp["outs"]]
     h_outs = [o.copy() for o in inp["outs"]]
-    gbad = KernelOps(runner).scatter(d_outs, inp["dtypes"], list(case.sizes), [up(i) for i in inp["idx"]],
-                                     [up(v) for v in inp["vals"]], case.mode)
+    gbad = KernelOps(runner).scatter(
+        d_outs, inp["dtypes"], list(case.sizes), [up(i) for i in inp["idx"]], [up(v) for v in inp["vals"]], case.mode
+    )
     wbad = NumpyBackend().scatter(h_outs, inp["dtypes"], list(case.sizes), inp["idx"], inp["vals"], case.mode)
     out: list[str] = []
     if gbad != wbad:
@@ -396,10 +492,27 @@ def scatter_stepwise(runner, case: ScatterCase) -> list[str]:
     table = up(np.asarray([runner.ptr(o) for o in d_outs], np.uint64))
     name = "scatter_u64" if case.wide else "scatter_u32"
     grid = (total + BLOCK - 1) // BLOCK
-    runner.launch(name, grid, BLOCK, (np.int32(nt), np.uint64(total), up(ent_start), up(numel), up(odt), table,
-                                      up(idx), up(vals32), up(vals64), np.int32(case.mode), d_err))
-    getattr(twins, name)(np.int32(nt), np.uint64(total), ent_start, numel, odt, h_outs, idx, vals32, vals64,
-                         np.int32(case.mode), h_err)
+    runner.launch(
+        name,
+        grid,
+        BLOCK,
+        (
+            np.int32(nt),
+            np.uint64(total),
+            up(ent_start),
+            up(numel),
+            up(odt),
+            table,
+            up(idx),
+            up(vals32),
+            up(vals64),
+            np.int32(case.mode),
+            d_err,
+        ),
+    )
+    getattr(twins, name)(
+        np.int32(nt), np.uint64(total), ent_start, numel, odt, h_outs, idx, vals32, vals64, np.int32(case.mode), h_err
+    )
     out: list[str] = []
     _cmp(f"{case.name}: {name} err", runner.to_host(d_err), h_err, out)
     for t in range(nt):
@@ -434,16 +547,46 @@ def topk_cases() -> list[TopkCase]:
         c.append(TopkCase(f"pattern_{p}", (4100, 900, 8200), ("f32", "f16", "bf16"), k=0.37, pattern=p))
         c.append(TopkCase(f"pattern_{p}_f64", (3000, 5000), ("f64", "f32"), scope="tensor", k=0.61, pattern=p))
     for crit in range(8):
-        c.append(TopkCase(f"crit_{crit}", (3000, 5000, 600), ("f32", "f16", "f64"), crit=crit, k=0.2,
-                          ext_dtypes=("f32", "bf16", "f16") if crit == 7 else None))
-        c.append(TopkCase(f"crit_{crit}_ties", (5000, 600), ("bf16", "f64"), crit=crit, k=0.3, pattern="ties",
-                          scope="tensor", ext_dtypes=("f64", "f32") if crit == 7 else None))
+        c.append(
+            TopkCase(
+                f"crit_{crit}",
+                (3000, 5000, 600),
+                ("f32", "f16", "f64"),
+                crit=crit,
+                k=0.2,
+                ext_dtypes=("f32", "bf16", "f16") if crit == 7 else None,
+            )
+        )
+        c.append(
+            TopkCase(
+                f"crit_{crit}_ties",
+                (5000, 600),
+                ("bf16", "f64"),
+                crit=crit,
+                k=0.3,
+                pattern="ties",
+                scope="tensor",
+                ext_dtypes=("f64", "f32") if crit == 7 else None,
+            )
+        )
     c.append(TopkCase("no_base", (5000, 300), ("f32", "f64"), base=False, crit=5))
     for q in (0, 1, 2):
         c.append(TopkCase(f"residual_q{q}", (5000, 700, 300, 1000), _MIXED, res=True, res_out="new", qmode=q))
-        c.append(TopkCase(f"residual_alias_q{q}", (4096, 4097), ("bf16", "f64"), res=True, res_out="alias", qmode=q,
-                          scope="tensor", pattern="rounding"))
-        c.append(TopkCase(f"residual_out_only_q{q}", (3000, 500), ("f32", "bf16"), res_out="new", qmode=q, pattern="huge"))
+        c.append(
+            TopkCase(
+                f"residual_alias_q{q}",
+                (4096, 4097),
+                ("bf16", "f64"),
+                res=True,
+                res_out="alias",
+                qmode=q,
+                scope="tensor",
+                pattern="rounding",
+            )
+        )
+        c.append(
+            TopkCase(f"residual_out_only_q{q}", (3000, 500), ("f32", "bf16"), res_out="new", qmode=q, pattern="huge")
+        )
     for p in ("nonfinite_inf", "nonfinite_nan", "f64_overflow"):
         c.append(TopkCase(f"reject_{p}", (1000, 2000, 3000), ("f32", "f64", "f16"), pattern=p))
     return c
@@ -453,20 +596,42 @@ def scatter_cases() -> list[ScatterCase]:
     c: list[ScatterCase] = []
     for mode in (0, 1):
         for wide in (False, True):
-            c.append(ScatterCase(f"mixed_m{mode}_{'u64' if wide else 'u32'}", (5000, 300, 9000, 1), _MIXED,
-                                 mode=mode, wide=wide))
+            c.append(
+                ScatterCase(
+                    f"mixed_m{mode}_{'u64' if wide else 'u32'}", (5000, 300, 9000, 1), _MIXED, mode=mode, wide=wide
+                )
+            )
     c.append(ScatterCase("all_kept", (700, 256), ("f16", "f64"), fraction=1.0, mode=1))
     c.append(ScatterCase("none_kept", (700, 256), ("f16", "f64"), fraction=0.0))
     c.append(ScatterCase("some_empty", (0, 600, 0, 513), ("f32", "bf16", "f64", "f16"), fraction=0.5, mode=1))
     for bad in ("range", "dup", "desc"):
         for at in (0, 1, 255, 256):
-            c.append(ScatterCase(f"bad_{bad}_at{at}", (3000, 2000, 700), ("f32", "f16", "f64"), bad=bad,
-                                 bad_tensor=1, bad_at=at, mode=at % 2, wide=at == 255))
+            c.append(
+                ScatterCase(
+                    f"bad_{bad}_at{at}",
+                    (3000, 2000, 700),
+                    ("f32", "f16", "f64"),
+                    bad=bad,
+                    bad_tensor=1,
+                    bad_at=at,
+                    mode=at % 2,
+                    wide=at == 255,
+                )
+            )
     c.append(ScatterCase("bad_first_tensor", (600, 600), ("bf16", "f32"), bad="range", bad_tensor=0, bad_at=0))
     for bad in ("nan", "inf"):
         for t in (0, 2):  # an fp32-valued and an fp64-valued tensor
-            c.append(ScatterCase(f"bad_{bad}_t{t}", (3000, 2000, 700), ("f32", "f16", "f64"), bad=bad,
-                                 bad_tensor=t, bad_at=17, mode=t % 2))
+            c.append(
+                ScatterCase(
+                    f"bad_{bad}_t{t}",
+                    (3000, 2000, 700),
+                    ("f32", "f16", "f64"),
+                    bad=bad,
+                    bad_tensor=t,
+                    bad_at=17,
+                    mode=t % 2,
+                )
+            )
     return c
 
 
@@ -475,23 +640,42 @@ def large_topk_cases(max_n: int) -> list[TopkCase]:
     n = int(max_n)
     return [
         TopkCase(f"large_f32_global_{n}", (n // 2, n // 4, n - n // 2 - n // 4), ("f32",) * 3, k=0.01, seed=11),
-        TopkCase(f"large_bf16_tensor_{n // 4}", (n // 8, n // 8 + 12345), ("bf16", "bf16"), scope="tensor",
-                 k=0.05, res=True, res_out="alias", qmode=2, seed=12),
+        TopkCase(
+            f"large_bf16_tensor_{n // 4}",
+            (n // 8, n // 8 + 12345),
+            ("bf16", "bf16"),
+            scope="tensor",
+            k=0.05,
+            res=True,
+            res_out="alias",
+            qmode=2,
+            seed=12,
+        ),
         TopkCase(f"large_f16_ties_{n // 4}", (n // 4,), ("f16",), k=0.1, pattern="ties", seed=13),
         TopkCase(f"large_f64_{n // 10}", (n // 10, 77), ("f64", "f32"), crit=5, k=0.001, seed=14),
-        TopkCase(f"large_mixed_res_{n // 10}", (n // 20, n // 40, 99999, n // 40), _MIXED, res=True, res_out="new",
-                 qmode=1, k=0.02, seed=15),
+        TopkCase(
+            f"large_mixed_res_{n // 10}",
+            (n // 20, n // 40, 99999, n // 40),
+            _MIXED,
+            res=True,
+            res_out="new",
+            qmode=1,
+            k=0.02,
+            seed=15,
+        ),
     ]
 
 
 def large_scatter_cases(max_n: int) -> list[ScatterCase]:
     n = int(max_n)
-    return [ScatterCase(f"large_scatter_{n // 4}", (n // 8, n // 8 + 3), ("f32", "bf16"), fraction=0.01, mode=1,
-                        seed=16),
-            ScatterCase(f"large_scatter_u64_{n // 10}", (n // 10,), ("f64",), fraction=0.02, wide=True, seed=17)]
+    return [
+        ScatterCase(f"large_scatter_{n // 4}", (n // 8, n // 8 + 3), ("f32", "bf16"), fraction=0.01, mode=1, seed=16),
+        ScatterCase(f"large_scatter_u64_{n // 10}", (n // 10,), ("f64",), fraction=0.02, wide=True, seed=17),
+    ]
 
 
 # ------------------------------------------------------------------------------------------- value codecs
+
 
 @dataclass(frozen=True)
 class QuantCase:
@@ -578,13 +762,16 @@ def quant_stepwise(runner, case: QuantCase) -> list[str]:
     for mode, enc, dec in ((1, qt.cast_f16, qt.decode_f16), (2, qt.cast_bf16, qt.decode_bf16)):
         d_res, p_res, h_res = fresh_res()
         o = up(np.full(total + _PAD, 0xABCD, np.uint16))
-        runner.launch("quantize_cast", (total + BLOCK - 1) // BLOCK, BLOCK,
-                      (nt32, np.uint64(total), up(ent_start), up(vdt), p_vals, up(idx_w), p_idx, p_res,
-                       np.int32(mode), o))
+        runner.launch(
+            "quantize_cast",
+            (total + BLOCK - 1) // BLOCK,
+            BLOCK,
+            (nt32, np.uint64(total), up(ent_start), up(vdt), p_vals, up(idx_w), p_idx, p_res, np.int32(mode), o),
+        )
         want = np.full(total + _PAD, 0xABCD, np.uint16)
         for t in range(nt):
             bits = enc(inp["vals"][t])
-            want[int(ent_start[t]):int(ent_start[t + 1])] = bits
+            want[int(ent_start[t]) : int(ent_start[t + 1])] = bits
             qt.fix_residual(h_res[t], inp["idx"][t], inp["vals"][t], dec(bits))
         _cmp(f"{case.name}: quantize_cast mode {mode}", runner.to_host(o), want, out)
         cmp_res(f"quantize_cast mode {mode}", d_res, h_res)
@@ -596,13 +783,29 @@ def quant_stepwise(runner, case: QuantCase) -> list[str]:
     o8 = up(np.full(total + _PAD, 99, np.int8))
     sc = up(np.full(nb + _PAD, -1.0, np.float32))
     if nb:
-        runner.launch("quantize_int8", nb, BLOCK, (nt32, up(blk_start), up(ent_start), np.int32(case.block), up(vdt),
-                                                   p_vals, up(idx_w), p_idx, p_res, o8, sc))
+        runner.launch(
+            "quantize_int8",
+            nb,
+            BLOCK,
+            (
+                nt32,
+                up(blk_start),
+                up(ent_start),
+                np.int32(case.block),
+                up(vdt),
+                p_vals,
+                up(idx_w),
+                p_idx,
+                p_res,
+                o8,
+                sc,
+            ),
+        )
     w8, wsc = np.full(total + _PAD, 99, np.int8), np.full(nb + _PAD, -1.0, np.float32)
     for t in range(nt):
         q, s = qt.int8_absmax(inp["vals"][t], case.block)
-        w8[int(ent_start[t]):int(ent_start[t + 1])] = q
-        wsc[int(blk_start[t]):int(blk_start[t + 1])] = s
+        w8[int(ent_start[t]) : int(ent_start[t + 1])] = q
+        wsc[int(blk_start[t]) : int(blk_start[t + 1])] = s
         qt.fix_residual(h_res[t], inp["idx"][t], inp["vals"][t], qt.int8_decode(q, s, case.block))
     _cmp(f"{case.name}: quantize_int8 q", runner.to_host(o8), w8, out)
     _cmp(f"{case.name}: quantize_int8 scales", runner.to_host(sc), wsc, out)
@@ -618,19 +821,27 @@ def quant_stepwise(runner, case: QuantCase) -> list[str]:
     words = up(np.full(int(word_off[-1]) + _PAD, _FILL32, np.uint32))
     mu = up(np.full(nt + _PAD, -1.0, np.float32))
     if nchunks:
-        runner.launch("ternary_partial", nchunks, BLOCK, (nt32, up(chunk_start), up(ent_start), up(vdt), p_vals,
-                                                          up(word_off), partial, words))
+        runner.launch(
+            "ternary_partial",
+            nchunks,
+            BLOCK,
+            (nt32, up(chunk_start), up(ent_start), up(vdt), p_vals, up(word_off), partial, words),
+        )
     runner.launch("ternary_mu", (nt + 255) // 256, 256, (nt32, up(chunk_start), up(ent_start), partial, mu))
-    runner.launch("ternary_fixup", (total + BLOCK - 1) // BLOCK, BLOCK,
-                  (nt32, np.uint64(total), up(ent_start), up(vdt), p_vals, up(idx_w), p_idx, p_res, mu))
+    runner.launch(
+        "ternary_fixup",
+        (total + BLOCK - 1) // BLOCK,
+        BLOCK,
+        (nt32, np.uint64(total), up(ent_start), up(vdt), p_vals, up(idx_w), p_idx, p_res, mu),
+    )
     wwords = np.full(int(word_off[-1]) + _PAD, _FILL32, np.uint32)
     wmu = np.full(nt + _PAD, -1.0, np.float32)
     for t in range(nt):
         v = inp["vals"][t]
         signs = qt.ternary_signs(v)
         packed = np.zeros(4 * nwords[t], np.uint8)
-        packed[:signs.size] = signs
-        wwords[int(word_off[t]):int(word_off[t + 1])] = packed.view("<u4")
+        packed[: signs.size] = signs
+        wwords[int(word_off[t]) : int(word_off[t + 1])] = packed.view("<u4")
         wmu[t] = qt.ternary_mu(v)
         qt.fix_residual(h_res[t], inp["idx"][t], v, qt.ternary_decode(signs, wmu[t], v.size))
     _cmp(f"{case.name}: ternary sign words", runner.to_host(words), wwords, out)
@@ -684,8 +895,9 @@ def rice_stepwise(runner, case: RiceCase) -> list[str]:
     ks32 = np.asarray(ks, np.int32)
     sfx = "u64" if case.wide else "u32"
     chunk_q = up(np.full(nchunks + _PAD, U64_MAX, np.uint64))
-    runner.launch(f"rice_count_{sfx}", nchunks, BLOCK, (np.int32(nt), up(chunk_start), up(ent_start), up(ks32),
-                                                        p_idx, chunk_q))
+    runner.launch(
+        f"rice_count_{sfx}", nchunks, BLOCK, (np.int32(nt), up(chunk_start), up(ent_start), up(ks32), p_idx, chunk_q)
+    )
     # expected intermediates: q per gap summed per chunk; unary bits of earlier chunks of the same tensor
     wq = np.full(nchunks + _PAD, U64_MAX, np.uint64)
     wbase = np.full(nchunks + _PAD, U64_MAX, np.uint64)
@@ -697,8 +909,8 @@ def rice_stepwise(runner, case: RiceCase) -> list[str]:
         c0, m = int(chunk_start[t]), nch[t]
         per = np.add.reduceat(q, np.arange(0, counts[t], CHUNK)) if m else np.zeros(0, np.uint64)
         lens = per + np.minimum(np.uint64(CHUNK), np.uint64(counts[t]) - np.arange(m, dtype=np.uint64) * CHUNK)
-        wq[c0:c0 + m] = per
-        wbase[c0:c0 + m] = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.uint64) if m else lens
+        wq[c0 : c0 + m] = per
+        wbase[c0 : c0 + m] = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.uint64) if m else lens
         s, bits = rc.rice_encode(idx[t], ks[t])
         streams.append(s)
         wbits[t] = bits
@@ -707,8 +919,12 @@ def rice_stepwise(runner, case: RiceCase) -> list[str]:
         return out
     chunk_base = up(np.full(nchunks + _PAD, U64_MAX, np.uint64))
     tbits = up(np.full(nt + _PAD, U64_MAX, np.uint64))
-    runner.launch("rice_scan", 1, SCAN_THREADS, (np.int32(nt), np.int64(nchunks), up(chunk_start), up(ent_start),
-                                                 up(ks32), chunk_q, chunk_base, tbits))
+    runner.launch(
+        "rice_scan",
+        1,
+        SCAN_THREADS,
+        (np.int32(nt), np.int64(nchunks), up(chunk_start), up(ent_start), up(ks32), chunk_q, chunk_base, tbits),
+    )
     _cmp(f"{case.name}: rice_scan chunk_base", runner.to_host(chunk_base), wbase, out)
     _cmp(f"{case.name}: rice_scan tensor_bits", runner.to_host(tbits), wbits, out)
     if out:
@@ -716,25 +932,31 @@ def rice_stepwise(runner, case: RiceCase) -> list[str]:
     nwords = [-(-int(b) // 32) for b in wbits[:nt]]
     word_off = np.concatenate([[0], np.cumsum(nwords)]).astype(np.uint64)
     words = up(np.zeros(int(word_off[-1]) + _PAD, np.uint32))
-    runner.launch(f"rice_write_{sfx}", nchunks, BLOCK, (np.int32(nt), up(chunk_start), up(ent_start), up(ks32),
-                                                        p_idx, chunk_base, up(word_off), words))
+    runner.launch(
+        f"rice_write_{sfx}",
+        nchunks,
+        BLOCK,
+        (np.int32(nt), up(chunk_start), up(ent_start), up(ks32), p_idx, chunk_base, up(word_off), words),
+    )
     want = np.zeros(int(word_off[-1]) + _PAD, np.uint32)
     for t in range(nt):
         b = np.zeros(4 * nwords[t], np.uint8)
-        b[:streams[t].size] = streams[t]
-        want[int(word_off[t]):int(word_off[t + 1])] = b.view("<u4")
+        b[: streams[t].size] = streams[t]
+        want[int(word_off[t]) : int(word_off[t + 1])] = b.view("<u4")
     _cmp(f"{case.name}: rice_write_{sfx} words", runner.to_host(words), want, out)
     return out
 
 
 def quant_cases() -> list[QuantCase]:
-    c = [QuantCase("mixed", (5000, 300, 9000, 1), ("f32", "f64", "f32", "f64"), ("u32", "u64", "dense", "u32")),
-         QuantCase("no_residual", (4097, 700), ("f32", "f64"), ("dense", "u32"), res=False),
-         QuantCase("empty_tensors", (0, 1000, 0, 4096), ("f32", "f32", "f64", "f64"), ("u32", "dense", "u64", "u32")),
-         QuantCase("multi_chunk", (3 * CHUNK + 5,), ("f32",), ("u32",), block=4096),
-         QuantCase("odd_block", (2000, 513), ("f64", "f32"), ("u64", "dense"), block=1000),
-         QuantCase("small_block", (1000, 77), ("f32", "f32"), ("u32", "u32"), block=32),
-         QuantCase("big_block", (2500,), ("f32",), ("dense",), block=2048)]
+    c = [
+        QuantCase("mixed", (5000, 300, 9000, 1), ("f32", "f64", "f32", "f64"), ("u32", "u64", "dense", "u32")),
+        QuantCase("no_residual", (4097, 700), ("f32", "f64"), ("dense", "u32"), res=False),
+        QuantCase("empty_tensors", (0, 1000, 0, 4096), ("f32", "f32", "f64", "f64"), ("u32", "dense", "u64", "u32")),
+        QuantCase("multi_chunk", (3 * CHUNK + 5,), ("f32",), ("u32",), block=4096),
+        QuantCase("odd_block", (2000, 513), ("f64", "f32"), ("u64", "dense"), block=1000),
+        QuantCase("small_block", (1000, 77), ("f32", "f32"), ("u32", "u32"), block=32),
+        QuantCase("big_block", (2500,), ("f32",), ("dense",), block=2048),
+    ]
     for p in ("ties", "zeros", "signed_zero", "subnormal", "rounding", "clamp", "int8_ties"):
         c.append(QuantCase(f"pattern_{p}", (3000, 600), ("f32", "f64"), ("u32", "dense"), pattern=p))
     return c

@@ -52,8 +52,9 @@ class Resources:
 
     @property
     def spills(self) -> bool:
-        return (self.spill_store_bytes > 0 or self.spill_load_bytes > 0 or self.stack_frame_bytes > 0
-                or self.lmem_bytes > 0)
+        return (
+            self.spill_store_bytes > 0 or self.spill_load_bytes > 0 or self.stack_frame_bytes > 0 or self.lmem_bytes > 0
+        )
 
 
 @dataclass
@@ -103,8 +104,11 @@ def parse_ptxas(log: str, arch: str, tool: str, source: str = "") -> list[Resour
 
 def _ptxas_only(log: str) -> str:
     """The log without ptxas' own -v lines: what is left is a warning or an error."""
-    keep = [ln for ln in log.replace("\x00", "").splitlines()
-            if ln.strip() and not ln.startswith("ptxas info") and not _FRAME.search(ln)]
+    keep = [
+        ln
+        for ln in log.replace("\x00", "").splitlines()
+        if ln.strip() and not ln.startswith("ptxas info") and not _FRAME.search(ln)
+    ]
     return "\n".join(keep)
 
 
@@ -113,7 +117,7 @@ def nvrtc_available() -> tuple[bool, str]:
         from cupy.cuda import nvrtc
 
         return True, "NVRTC " + ".".join(map(str, nvrtc.getVersion()))
-    except Exception as e:  # noqa: BLE001 - CuPy or libnvrtc missing
+    except Exception as e:
         return False, f"{type(e).__name__}: {e}"
 
 
@@ -201,8 +205,7 @@ def nvcc_compile(files: dict[str, str], name: str, arch: str, nvcc: str = "nvcc"
         return r.returncode == 0, (r.stderr + r.stdout)
 
 
-def collect(archs=DEFAULT_ARCHS, tools=("nvrtc",), sources: dict[str, str] | None = None,
-            nvcc: str = "nvcc") -> Report:
+def collect(archs=DEFAULT_ARCHS, tools=("nvrtc",), sources: dict[str, str] | None = None, nvcc: str = "nvcc") -> Report:
     """Compile every source for every arch with every tool; rows per function, problems found."""
     from gpu_codec._sources import kernel_files, kernel_signatures, kernel_source
 
@@ -239,7 +242,8 @@ def collect(archs=DEFAULT_ARCHS, tools=("nvrtc",), sources: dict[str, str] | Non
                         rep.problems.append(
                             f"{tool} {arch} {f}: {r.function} uses local memory (stack frame {r.stack_frame_bytes} "
                             f"B, spill stores {r.spill_store_bytes} B, spill loads {r.spill_load_bytes} B, lmem "
-                            f"{r.lmem_bytes} B)")
+                            f"{r.lmem_bytes} B)"
+                        )
     return rep
 
 
@@ -247,19 +251,35 @@ def format_table(rows: list[Resources]) -> str:
     head = ("tool", "arch", "source", "kernel", "regs", "smem B", "stack B", "spill st B", "spill ld B", "bars")
     lines = [head]
     for r in sorted(rows, key=lambda r: (r.tool, r.arch, r.source, r.function)):
-        lines.append((r.tool, r.arch, r.source, r.function + ("" if r.entry else " (device fn)"), str(r.registers),
-                      str(r.smem_bytes), str(r.stack_frame_bytes), str(r.spill_store_bytes), str(r.spill_load_bytes),
-                      str(r.barriers)))
+        lines.append(
+            (
+                r.tool,
+                r.arch,
+                r.source,
+                r.function + ("" if r.entry else " (device fn)"),
+                str(r.registers),
+                str(r.smem_bytes),
+                str(r.stack_frame_bytes),
+                str(r.spill_store_bytes),
+                str(r.spill_load_bytes),
+                str(r.barriers),
+            )
+        )
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(ln, widths)).rstrip() for ln in lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--arch", nargs="+", default=list(DEFAULT_ARCHS), help="GPU architectures (default: sm_80 sm_90)")
-    ap.add_argument("--tool", choices=("auto", "nvrtc", "nvcc", "both"), default="auto",
-                    help="auto: NVRTC, plus nvcc when it is on PATH (default)")
+    ap.add_argument(
+        "--tool",
+        choices=("auto", "nvrtc", "nvcc", "both"),
+        default="auto",
+        help="auto: NVRTC, plus nvcc when it is on PATH (default)",
+    )
     ap.add_argument("--nvcc", default=os.environ.get("NVCC", "nvcc"), help="the nvcc to use (default: nvcc)")
     ap.add_argument("--json", help="also write the rows and problems to this JSON file")
     args = ap.parse_args(argv)
@@ -289,21 +309,34 @@ def main(argv: list[str] | None = None) -> int:
         for f in kernel_files():
             hazards.update(contraction_hazards(kernel_source(f), f))
         if hazards:
-            print("\nFMA contraction hazards (PTX float multiply without .rn; ptxas may fuse it with an add, so the "
-                  "device can differ from the NumPy twin):")
+            print(
+                "\nFMA contraction hazards (PTX float multiply without .rn; ptxas may fuse it with an add, so the "
+                "device can differ from the NumPy twin):"
+            )
             for k, lines in sorted(hazards.items()):
                 print(f"  {k}: {'; '.join(lines[:4])}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"tools": tools, "archs": args.arch, "rows": [asdict(r) | {"spills": r.spills} for r in rep.rows],
-                       "problems": rep.problems, "contraction_hazards": hazards}, f, indent=1)
+            json.dump(
+                {
+                    "tools": tools,
+                    "archs": args.arch,
+                    "rows": [asdict(r) | {"spills": r.spills} for r in rep.rows],
+                    "problems": rep.problems,
+                    "contraction_hazards": hazards,
+                },
+                f,
+                indent=1,
+            )
     if rep.problems:
         print("\nPROBLEMS:", file=sys.stderr)
         for p in rep.problems:
             print("  " + p.replace("\n", "\n    "), file=sys.stderr)
         return 1
-    print(f"\nok: {len({r.function for r in rep.rows if r.entry})} kernels, {len(args.arch)} arch(s), "
-          f"tools {', '.join(tools)}: no spills, no warnings")
+    print(
+        f"\nok: {len({r.function for r in rep.rows if r.entry})} kernels, {len(args.arch)} arch(s), "
+        f"tools {', '.join(tools)}: no spills, no warnings"
+    )
     return 0
 
 

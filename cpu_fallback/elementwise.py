@@ -101,8 +101,15 @@ def _criterion(crit, w, w0, d):
     return np.abs(d)
 
 
-def scores_f32(crit: int, new: np.ndarray, base: np.ndarray | None, d: np.ndarray, dt: int,
-               ext: np.ndarray | None = None, ext_dt: int = DT_F32) -> np.ndarray:
+def scores_f32(
+    crit: int,
+    new: np.ndarray,
+    base: np.ndarray | None,
+    d: np.ndarray,
+    dt: int,
+    ext: np.ndarray | None = None,
+    ext_dt: int = DT_F32,
+) -> np.ndarray:
     """The fp32 score of every element, as ``score_keys`` computes it before taking the key."""
     if crit == CRIT_EXTERNAL:
         return load_f32(ext, ext_dt)
@@ -127,8 +134,11 @@ def score_key(s: np.ndarray) -> np.ndarray:
 
 
 def nonfinite_f32(x: np.ndarray) -> bool:
-    return bool(np.any((np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0x7F800000))
-                       == np.uint32(0x7F800000)))
+    return bool(
+        np.any(
+            (np.ascontiguousarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0x7F800000)) == np.uint32(0x7F800000)
+        )
+    )
 
 
 def nonfinite(x: np.ndarray) -> bool:

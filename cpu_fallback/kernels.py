@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .elementwise import DT_F64, decoded, delta, load_f32, nonfinite, score_key, scores_f32, \
-    store_from_f32
+from .elementwise import DT_F64, decoded, delta, load_f32, nonfinite, score_key, scores_f32, store_from_f32
 
 BLOCK = 256
 ITEMS = 16
@@ -24,8 +23,9 @@ def _chunk_ids(numel: int) -> np.ndarray:
     return np.arange(numel, dtype=np.int64) // CHUNK
 
 
-def score_keys(nt, chunk_start, elem_off, numel, dtypes, new_ptrs, base_ptrs, res_ptrs, score_ptrs,
-               score_dtypes, crit, keys, err):
+def score_keys(
+    nt, chunk_start, elem_off, numel, dtypes, new_ptrs, base_ptrs, res_ptrs, score_ptrs, score_dtypes, crit, keys, err
+):
     for t in range(int(nt)):
         n = int(numel[t])
         if n == 0:
@@ -34,7 +34,7 @@ def score_keys(nt, chunk_start, elem_off, numel, dtypes, new_ptrs, base_ptrs, re
         d = delta(new_ptrs[t], base_ptrs[t], res_ptrs[t], dt)
         s = scores_f32(int(crit), new_ptrs[t], base_ptrs[t], d, dt, score_ptrs[t], int(score_dtypes[t]))
         off = int(elem_off[t])
-        keys[off:off + n] = score_key(s)
+        keys[off : off + n] = score_key(s)
         if nonfinite(d) or nonfinite(s):
             err[0] = min(int(err[0]), t)
 
@@ -46,17 +46,17 @@ def radix_hist(nt, chunk_start, elem_off, numel, seg_of, keys, state, shift, his
         s = int(seg_of[t])
         if n == 0 or int(state[2 * s + 1]) == 0:
             continue
-        k = keys[int(elem_off[t]):int(elem_off[t]) + n]
+        k = keys[int(elem_off[t]) : int(elem_off[t]) + n]
         if shift != 24:
             prefix = np.uint32(int(state[2 * s]))
             k = k[(k >> np.uint32(shift + 8)) == (prefix >> np.uint32(shift + 8))]
         digits = (k >> np.uint32(shift)) & np.uint32(255)
-        hist[256 * s:256 * (s + 1)] += np.bincount(digits, minlength=256).astype(np.uint64)
+        hist[256 * s : 256 * (s + 1)] += np.bincount(digits, minlength=256).astype(np.uint64)
 
 
 def radix_pick(nseg, shift, hist, state):
     for s in range(int(nseg)):
-        h = hist[256 * s:256 * (s + 1)]
+        h = hist[256 * s : 256 * (s + 1)]
         k_rem = int(state[2 * s + 1])
         if k_rem != 0:
             prefix = int(state[2 * s])
@@ -77,12 +77,12 @@ def chunk_count(nt, chunk_start, elem_off, numel, seg_of, keys, state, cnt):
         if n == 0:
             continue
         T = np.uint32(int(state[2 * int(seg_of[t])]))
-        k = keys[int(elem_off[t]):int(elem_off[t]) + n]
+        k = keys[int(elem_off[t]) : int(elem_off[t]) + n]
         ids = _chunk_ids(n)
         nch = int(chunk_start[t + 1] - chunk_start[t])
         c0 = int(chunk_start[t])
-        cnt[2 * c0:2 * (c0 + nch):2] = np.bincount(ids[k > T], minlength=nch)[:nch]
-        cnt[2 * c0 + 1:2 * (c0 + nch):2] = np.bincount(ids[k == T], minlength=nch)[:nch]
+        cnt[2 * c0 : 2 * (c0 + nch) : 2] = np.bincount(ids[k > T], minlength=nch)[:nch]
+        cnt[2 * c0 + 1 : 2 * (c0 + nch) : 2] = np.bincount(ids[k == T], minlength=nch)[:nch]
 
 
 def _tensor_of_chunk(chunk_start: np.ndarray, nt: int, nchunks: int) -> np.ndarray:
@@ -91,8 +91,8 @@ def _tensor_of_chunk(chunk_start: np.ndarray, nt: int, nchunks: int) -> np.ndarr
 
 def chunk_scan(nt, nchunks, chunk_start, seg_of, seg_first_chunk, state, cnt, eq_base, out_base, tensor_counts):
     nt, nchunks = int(nt), int(nchunks)
-    gt = cnt[0:2 * nchunks:2].astype(np.uint64)
-    eq = cnt[1:2 * nchunks:2].astype(np.uint64)
+    gt = cnt[0 : 2 * nchunks : 2].astype(np.uint64)
+    eq = cnt[1 : 2 * nchunks : 2].astype(np.uint64)
     E = np.concatenate([[0], np.cumsum(eq, dtype=np.uint64)]).astype(np.uint64)[:nchunks]
     seg = np.asarray(seg_of)[_tensor_of_chunk(chunk_start, nt, nchunks)] if nchunks else np.zeros(0, np.int64)
     eqb = E - E[np.asarray(seg_first_chunk)[seg]] if nchunks else E
@@ -101,13 +101,31 @@ def chunk_scan(nt, nchunks, chunk_start, seg_of, seg_first_chunk, state, cnt, eq
     rest = np.where(take > eqb, take - eqb, 0).astype(np.uint64)
     sel = gt + np.minimum(rest, eq)
     ob = np.concatenate([[0], np.cumsum(sel, dtype=np.uint64)]).astype(np.uint64)
-    out_base[:nchunks + 1] = ob
+    out_base[: nchunks + 1] = ob
     cs = np.asarray(chunk_start, dtype=np.int64)
-    tensor_counts[:nt] = ob[cs[1:nt + 1]] - ob[cs[:nt]]
+    tensor_counts[:nt] = ob[cs[1 : nt + 1]] - ob[cs[:nt]]
 
 
-def _chunk_write(nt, chunk_start, elem_off, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, res_out_ptrs,
-                 qmode, keys, state, eq_base, out_base, out_idx, vals32, vals64):
+def _chunk_write(
+    nt,
+    chunk_start,
+    elem_off,
+    numel,
+    dtypes,
+    seg_of,
+    new_ptrs,
+    base_ptrs,
+    res_ptrs,
+    res_out_ptrs,
+    qmode,
+    keys,
+    state,
+    eq_base,
+    out_base,
+    out_idx,
+    vals32,
+    vals64,
+):
     for t in range(int(nt)):
         n = int(numel[t])
         if n == 0:
@@ -115,7 +133,7 @@ def _chunk_write(nt, chunk_start, elem_off, numel, dtypes, seg_of, new_ptrs, bas
         s = int(seg_of[t])
         T = np.uint32(int(state[2 * s]))
         take = int(state[2 * s + 1])
-        k = keys[int(elem_off[t]):int(elem_off[t]) + n]
+        k = keys[int(elem_off[t]) : int(elem_off[t]) + n]
         ids = _chunk_ids(n)
         c0 = int(chunk_start[t])
         gt = k > T

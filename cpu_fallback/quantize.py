@@ -75,7 +75,7 @@ def int8_absmax(v: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def int8_decode(q: Any, scales: Any, block: int, xp: Any = np) -> Any:
-    return q.astype(xp.float32) * xp.repeat(scales, block)[:q.size]
+    return q.astype(xp.float32) * xp.repeat(scales, block)[: q.size]
 
 
 def pairwise_sum(a: np.ndarray) -> float:

@@ -72,7 +72,7 @@ def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
     bits = n * k + ulen
     b = np.zeros(bits, np.uint8)
     if k:
-        b[:n * k] = ((g[:, None] >> np.arange(k, dtype=np.uint64)) & np.uint64(1)).reshape(-1)
+        b[: n * k] = ((g[:, None] >> np.arange(k, dtype=np.uint64)) & np.uint64(1)).reshape(-1)
     b[n * k + np.cumsum(q + 1) - 1] = 1
     out = np.packbits(b, bitorder="little")
     return out, bits
@@ -103,8 +103,9 @@ def rice_decode(stream: Any, bits: int, k: int, nnz: int, numel: int, xp: Any = 
     ustart = nnz * k
     ones = xp.flatnonzero(b[ustart:bits])
     if int(ones.size) != nnz or int(ones[-1]) != bits - ustart - 1:
-        raise PayloadLayoutError(f"Rice stream's unary section holds {int(ones.size)} codes, expected {nnz} ending "
-                                 "at the last bit")
+        raise PayloadLayoutError(
+            f"Rice stream's unary section holds {int(ones.size)} codes, expected {nnz} ending at the last bit"
+        )
     q = xp.diff(ones, prepend=-1) - 1
     g = q.astype(xp.int64) << k
     if k:

@@ -64,7 +64,7 @@ def _select_segment(keys: list[np.ndarray], k: int) -> list[np.ndarray]:
         sel[np.flatnonzero(ck == T)[:take]] = True
     out, a = [], 0
     for c in cand:
-        out.append(c[sel[a:a + c.size]])
+        out.append(c[sel[a : a + c.size]])
         a += c.size
     return out
 

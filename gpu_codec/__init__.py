@@ -10,19 +10,51 @@ caller's kind on the caller's device.
 [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0, 9.0]
 """
 
+from . import clara, fl4health, flower, openfl  # the seed APIs; torch, flwr and cryptography load on first use
 from .backend import backend_info, get_backend, reset_backend
+from .codecs import (
+    Int8Blockwise,
+    Nvcomp,
+    Pipeline,
+    Quantize,
+    RiceIndices,
+    Ternary,
+    TopK,
+    Zstd,
+    get_codec,
+    register_codec,
+)
 from .engine import Payload, compress, decompress, kept_count
-from .errors import *  # noqa: F401,F403
+from .error_feedback import ErrorFeedback
+from .errors import *  # noqa: F403
 from .errors import __all__ as _errors_all
 from .format import TensorRecord
-from .codecs import (Int8Blockwise, Nvcomp, Pipeline, Quantize, RiceIndices, Ternary, TopK, Zstd, get_codec,
-                     register_codec)
-from .error_feedback import ErrorFeedback
-from . import clara, fl4health, flower, openfl  # the seed APIs; torch, flwr and cryptography load on first use
 
 __version__ = "0.1.0"
 
-__all__ = ["Payload", "TensorRecord", "backend_info", "compress", "decompress", "get_backend", "kept_count",
-           "reset_backend", *_errors_all, "clara", "fl4health", "flower", "openfl",
-           "ErrorFeedback", "Int8Blockwise", "Nvcomp", "Pipeline", "Quantize", "RiceIndices", "Ternary", "TopK",
-           "Zstd", "get_codec", "register_codec"]
+__all__ = [
+    "Payload",
+    "TensorRecord",
+    "backend_info",
+    "compress",
+    "decompress",
+    "get_backend",
+    "kept_count",
+    "reset_backend",
+    *_errors_all,
+    "clara",
+    "fl4health",
+    "flower",
+    "openfl",
+    "ErrorFeedback",
+    "Int8Blockwise",
+    "Nvcomp",
+    "Pipeline",
+    "Quantize",
+    "RiceIndices",
+    "Ternary",
+    "TopK",
+    "Zstd",
+    "get_codec",
+    "register_codec",
+]

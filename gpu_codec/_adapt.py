@@ -43,8 +43,10 @@ def pipeline_configs(pipeline: Any) -> list[dict] | None:
             cfg = cfg["stages"]
         pipeline = cfg
     if isinstance(pipeline, Mapping) or not isinstance(pipeline, Sequence) or isinstance(pipeline, (str, bytes)):
-        raise InvalidInputError(f"a codec pipeline must be a list of stage configs like [{{'id': 'zstd'}}] or a "
-                                f"gpu_codec.Pipeline, got {type(pipeline).__name__}")
+        raise InvalidInputError(
+            f"a codec pipeline must be a list of stage configs like [{{'id': 'zstd'}}] or a "
+            f"gpu_codec.Pipeline, got {type(pipeline).__name__}"
+        )
     out = []
     for i, stage in enumerate(pipeline):
         if hasattr(stage, "get_config"):  # a codec object
@@ -71,9 +73,16 @@ def is_lossy(fraction: float | None, pipeline: Any) -> bool:
     return any(s["id"] not in _KNOWN_LOSSLESS for s in stages)
 
 
-def engine_compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *,
-                    fraction: float | None = 0.01, scope: str = "global", score: Any = "magnitude",
-                    pipeline: Any = None, metadata: Mapping[str, Any] | None = None) -> Any:
+def engine_compress(
+    update: Mapping[str, Any],
+    base: Mapping[str, Any] | None = None,
+    *,
+    fraction: float | None = 0.01,
+    scope: str = "global",
+    score: Any = "magnitude",
+    pipeline: Any = None,
+    metadata: Mapping[str, Any] | None = None,
+) -> Any:
     """:func:`gpu_codec.compress`, with ``fraction=None`` (dense) and ``pipeline`` mapped onto what this engine has.
 
     An engine without dense support gets ``fraction=1.0``: every entry kept, exactly (a lossless encoding).
@@ -84,8 +93,10 @@ def engine_compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = 
     stages = pipeline_configs(pipeline)
     if stages:
         if "pipeline" not in params:
-            raise InvalidInputError("this gpu_codec build has no codec pipelines (gpu_codec.codecs is missing); "
-                                    f"cannot apply stages {[s['id'] for s in stages]}")
+            raise InvalidInputError(
+                "this gpu_codec build has no codec pipelines (gpu_codec.codecs is missing); "
+                f"cannot apply stages {[s['id'] for s in stages]}"
+            )
         kw["pipeline"] = stages
     if fraction is None:
         try:
@@ -98,6 +109,7 @@ def engine_compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = 
 
 
 # ---------------------------------------------------------------- torch <-> backend arrays
+
 
 def backend_to_torch(a: Any, device: Any = None) -> Any:
     """A NumPy or CuPy array as a torch tensor on ``device``: zero-copy (DLPack, or shared host memory) where the

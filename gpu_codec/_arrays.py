@@ -20,8 +20,12 @@ _NP_TO_LOGICAL = {
     np.dtype("float16"): "float16",
     np.dtype("float64"): "float64",
 }
-_TORCH_LOGICAL = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16",
-                  "torch.float64": "float64"}
+_TORCH_LOGICAL = {
+    "torch.float32": "float32",
+    "torch.float16": "float16",
+    "torch.bfloat16": "bfloat16",
+    "torch.float64": "float64",
+}
 
 
 @dataclass

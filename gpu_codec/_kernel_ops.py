@@ -96,8 +96,9 @@ class KernelOps:
                 seg_of[t] = s
         # chunk_scan ranks ties over a segment's chunks in launch order: a segment must be a run of tensors
         flat = [t for seg in segments for t in seg]
-        if flat != list(range(nt)) or any(list(seg) != list(range(seg[0], seg[0] + len(seg))) for seg in segments
-                                         if seg):
+        if flat != list(range(nt)) or any(
+            list(seg) != list(range(seg[0], seg[0] + len(seg))) for seg in segments if seg
+        ):
             raise ValueError(f"segments must be consecutive runs covering tensors 0..{nt - 1} in order")
         tb = TensorTables([int(a.size) for a in new], seg_of, len(segments))
         d_chunk_start, d_elem_off, d_numel = self._up(tb.chunk_start), self._up(tb.elem_off), self._up(tb.numel)
@@ -110,8 +111,26 @@ class KernelOps:
         err = self._up(np.full(1, U64_MAX, dtype=np.uint64))
         nt32, grid = np.int32(nt), tb.nchunks
         if grid:
-            run.launch("score_keys", grid, BLOCK, (nt32, d_chunk_start, d_elem_off, d_numel, d_dtypes, p_new, p_base,
-                                                   p_res, p_ext, d_ext_dt, np.int32(crit), keys, err))
+            run.launch(
+                "score_keys",
+                grid,
+                BLOCK,
+                (
+                    nt32,
+                    d_chunk_start,
+                    d_elem_off,
+                    d_numel,
+                    d_dtypes,
+                    p_new,
+                    p_base,
+                    p_res,
+                    p_ext,
+                    d_ext_dt,
+                    np.int32(crit),
+                    keys,
+                    err,
+                ),
+            )
             bad = int(run.to_host(err)[0])
             if bad != U64_MAX:
                 return None, None, bad
@@ -121,10 +140,13 @@ class KernelOps:
         hist = xp.zeros(256 * max(tb.nseg, 1), dtype=np.uint64)
         if grid and not full:
             for shift in (24, 16, 8, 0):
-                run.launch("radix_hist", grid, BLOCK, (nt32, d_chunk_start, d_elem_off, d_numel, d_seg_of, keys,
-                                                       state, np.int32(shift), hist))
-                run.launch("radix_pick", (tb.nseg + 255) // 256, 256, (np.int32(tb.nseg), np.int32(shift), hist,
-                                                                        state))
+                run.launch(
+                    "radix_hist",
+                    grid,
+                    BLOCK,
+                    (nt32, d_chunk_start, d_elem_off, d_numel, d_seg_of, keys, state, np.int32(shift), hist),
+                )
+                run.launch("radix_pick", (tb.nseg + 255) // 256, 256, (np.int32(tb.nseg), np.int32(shift), hist, state))
         cnt = xp.zeros(max(2 * grid, 1), dtype=np.uint32)
         eq_base = xp.zeros(max(grid, 1), dtype=np.uint64)
         out_base = xp.zeros(grid + 1, dtype=np.uint64)
@@ -137,23 +159,60 @@ class KernelOps:
         vals32 = xp.empty(max(K, 1) if has32 else 1, dtype=np.float32)
         vals64 = xp.empty(max(K, 1) if has64 else 1, dtype=np.float64)
         if grid:
-            run.launch("chunk_count", grid, BLOCK, (nt32, d_chunk_start, d_elem_off, d_numel, d_seg_of, keys, state,
-                                                    cnt))
-            run.launch("chunk_scan", 1, SCAN_THREADS, (nt32, np.int64(grid), d_chunk_start, d_seg_of,
-                                                       self._up(tb.seg_first_chunk), state, cnt, eq_base, out_base,
-                                                       counts))
-            run.launch("chunk_write_u64" if wide else "chunk_write_u32", grid, BLOCK,
-                       (nt32, d_chunk_start, d_elem_off, d_numel, d_dtypes, d_seg_of, p_new, p_base, p_res,
-                        self._ptrs(res_out), np.int32(qmode), keys, state, eq_base, out_base, idx, vals32, vals64))
+            run.launch(
+                "chunk_count", grid, BLOCK, (nt32, d_chunk_start, d_elem_off, d_numel, d_seg_of, keys, state, cnt)
+            )
+            run.launch(
+                "chunk_scan",
+                1,
+                SCAN_THREADS,
+                (
+                    nt32,
+                    np.int64(grid),
+                    d_chunk_start,
+                    d_seg_of,
+                    self._up(tb.seg_first_chunk),
+                    state,
+                    cnt,
+                    eq_base,
+                    out_base,
+                    counts,
+                ),
+            )
+            run.launch(
+                "chunk_write_u64" if wide else "chunk_write_u32",
+                grid,
+                BLOCK,
+                (
+                    nt32,
+                    d_chunk_start,
+                    d_elem_off,
+                    d_numel,
+                    d_dtypes,
+                    d_seg_of,
+                    p_new,
+                    p_base,
+                    p_res,
+                    self._ptrs(res_out),
+                    np.int32(qmode),
+                    keys,
+                    state,
+                    eq_base,
+                    out_base,
+                    idx,
+                    vals32,
+                    vals64,
+                ),
+            )
         host_counts = run.to_host(counts)[:nt].astype(np.int64) if grid else np.zeros(nt, np.int64)
         indices, values = [], []
         a = 0
         for t in range(nt):
             c = int(host_counts[t])
-            it = idx[a:a + c]
+            it = idx[a : a + c]
             want = index_dtype(int(tb.numel[t]))
             indices.append(it if it.dtype == want else it.astype(want))
-            values.append((vals64 if int(dtypes[t]) == 3 else vals32)[a:a + c])
+            values.append((vals64 if int(dtypes[t]) == 3 else vals32)[a : a + c])
             a += c
         if a != K:
             raise AssertionError(f"kernels kept {a} entries, expected {K}")
@@ -173,9 +232,23 @@ class KernelOps:
         wide = idx.dtype == np.uint64
         err = self._up(np.full(1, U64_MAX, dtype=np.uint64))
         grid = math.ceil(total / BLOCK)
-        run.launch("scatter_u64" if wide else "scatter_u32", grid, BLOCK,
-                   (np.int32(nt), np.uint64(total), self._up(ent_start), self._up(np.asarray(numels, np.int64)),
-                    self._up(np.asarray(out_dtypes, np.int32)), self._ptrs(outs), idx, vals32, vals64,
-                    np.int32(mode), err))
+        run.launch(
+            "scatter_u64" if wide else "scatter_u32",
+            grid,
+            BLOCK,
+            (
+                np.int32(nt),
+                np.uint64(total),
+                self._up(ent_start),
+                self._up(np.asarray(numels, np.int64)),
+                self._up(np.asarray(out_dtypes, np.int32)),
+                self._ptrs(outs),
+                idx,
+                vals32,
+                vals64,
+                np.int32(mode),
+                err,
+            ),
+        )
         bad = int(run.to_host(err)[0])
         return None if bad == U64_MAX else bad

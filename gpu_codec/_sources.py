@@ -27,7 +27,7 @@ def kernel_files() -> list[str]:
     return sorted(p.name for p in _files().iterdir() if p.name.endswith(".cu"))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_source(name: str) -> str:
     """The source of ``name`` with local includes expanded (each header once)."""
     seen: set[str] = set()
@@ -66,7 +66,7 @@ def parse_signatures(text: str) -> dict[str, tuple[tuple[str, str], ...]]:
     return out
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def kernel_signatures() -> dict[str, tuple[str, tuple[tuple[str, str], ...]]]:
     """Every ``extern "C" __global__`` kernel: name -> (source file, ((C type, argument name), ...)).
 

@@ -114,11 +114,11 @@ _info: dict[str, Any] = {}
 def _gpu_probe() -> tuple[bool, str]:
     try:
         import cupy
-    except Exception as e:  # noqa: BLE001 - any import failure means no GPU backend
+    except Exception as e:
         return False, f"CuPy is not importable ({type(e).__name__}: {e})"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
-    except Exception as e:  # noqa: BLE001 - CUDARuntimeError without a driver, and similar
+    except Exception as e:
         return False, f"CuPy {cupy.__version__} finds no usable CUDA device ({e})"
     if n < 1:
         return False, f"CuPy {cupy.__version__} finds no CUDA device"
@@ -146,7 +146,7 @@ def _nvml_info() -> dict[str, Any]:
             }
         finally:
             pynvml.nvmlShutdown()
-    except Exception as e:  # noqa: BLE001 - NVML is optional; say why it is missing
+    except Exception as e:
         return {"nvml_error": f"{type(e).__name__}: {e}"}
 
 
@@ -209,6 +209,6 @@ def backend_info() -> dict[str, Any]:
         import cupy
 
         info["cupy"] = cupy.__version__
-    except Exception:  # noqa: BLE001
+    except Exception:
         info["cupy"] = None
     return info

@@ -58,18 +58,42 @@ from . import engine as _engine
 from ._arrays import array_kind
 from .errors import GpuCodecError, InvalidInputError
 
-__all__ = ["PROCESSORS", "AppContext", "ApplicationContext", "BestMetricGenerator", "ClaraError", "DataCompressor",
-           "DataContext", "DataDeCompressor", "DataProcessor", "DecryptionError", "DictModelReaderWriter",
-           "EncryptionKeyError", "FLContext", "InitialValidationMetricGenerator", "IteratorNumberGenerator",
-           "MetadataGenerator", "MetricManager", "MetricsError", "ModelDecryptor", "ModelEncryptor",
-           "PTModelReaderWriter", "ProcessingAbortedError", "ProcessorChain", "ProcessorOrderError", "build_processor",
-           "deserialize", "serialize"]
+__all__ = [
+    "PROCESSORS",
+    "AppContext",
+    "ApplicationContext",
+    "BestMetricGenerator",
+    "ClaraError",
+    "DataCompressor",
+    "DataContext",
+    "DataDeCompressor",
+    "DataProcessor",
+    "DecryptionError",
+    "DictModelReaderWriter",
+    "EncryptionKeyError",
+    "FLContext",
+    "InitialValidationMetricGenerator",
+    "IteratorNumberGenerator",
+    "MetadataGenerator",
+    "MetricManager",
+    "MetricsError",
+    "ModelDecryptor",
+    "ModelEncryptor",
+    "PTModelReaderWriter",
+    "ProcessingAbortedError",
+    "ProcessorChain",
+    "ProcessorOrderError",
+    "build_processor",
+    "deserialize",
+    "serialize",
+]
 
 CLARA_KEY = "gpu_codec.clara"  # payload metadata: {"delta": bool, "round": int}
 CLARA_META_KEY = "clara.metadata"  # payload metadata: the data context's metadata, carried to the receiver
 
 
 # ---------------------------------------------------------------- errors
+
 
 class ClaraError(GpuCodecError):
     """Base class of the Clara adapter's errors."""
@@ -96,6 +120,7 @@ class MetricsError(ClaraError, ValueError):
 
 
 # ---------------------------------------------------------------- contexts
+
 
 class DataContext(dict):
     """What flows through a processor chain: the model (``"model"``), its metadata (``"metadata"``), and any
@@ -151,8 +176,9 @@ class AppContext(dict):
     """The overall app context: ``round``, ``phase``, ``task``, ``global_model`` (the model received this round,
     the base of deltas) and anything else (``n_iter``, ``best_metric``, ``initial_metric`` for the generators)."""
 
-    def __init__(self, round_number: int = 0, phase: str = "train", task: str = "train", global_model: Any = None,
-                 **props: Any) -> None:
+    def __init__(
+        self, round_number: int = 0, phase: str = "train", task: str = "train", global_model: Any = None, **props: Any
+    ) -> None:
         super().__init__(props)
         self.update(round=round_number, phase=phase, task=task, global_model=global_model)
 
@@ -177,6 +203,7 @@ ApplicationContext = AppContext
 
 
 # ---------------------------------------------------------------- processors
+
 
 class DataProcessor:
     """Base of every processor: ``process(data_ctx, app_ctx)`` transforms the data context in place;
@@ -208,23 +235,27 @@ class DataProcessor:
 
 def _require_mapping_model(model: Any, who: str) -> Mapping[str, Any]:
     if isinstance(model, (bytes, bytearray, memoryview)):
-        if bytes(model[:len(_ENV_MAGIC)]) == _ENV_MAGIC:
-            raise ProcessorOrderError(f"{who} got an encrypted model: list it before ModelEncryptor in "
-                                      "pre_processors (compress first, then encrypt)")
+        if bytes(model[: len(_ENV_MAGIC)]) == _ENV_MAGIC:
+            raise ProcessorOrderError(
+                f"{who} got an encrypted model: list it before ModelEncryptor in "
+                "pre_processors (compress first, then encrypt)"
+            )
         raise ProcessorOrderError(f"{who} got a serialized model; it takes a mapping name -> tensor")
     if isinstance(model, _engine.Payload):
         raise ProcessorOrderError(f"{who} got a model that is already compressed")
     if not isinstance(model, Mapping):
-        raise InvalidInputError(f"{who}: the data context's model must be a mapping name -> tensor, "
-                                f"got {type(model).__name__}")
+        raise InvalidInputError(
+            f"{who}: the data context's model must be a mapping name -> tensor, got {type(model).__name__}"
+        )
     return model
 
 
 def _base_for(model: Mapping[str, Any], app_ctx: AppContext, who: str) -> dict[str, Any]:
     glob = app_ctx.global_model
     if not isinstance(glob, Mapping):
-        raise InvalidInputError(f"{who}: the app context holds no global model (app_ctx['global_model']) to take "
-                                "the delta against")
+        raise InvalidInputError(
+            f"{who}: the app context holds no global model (app_ctx['global_model']) to take the delta against"
+        )
     missing = [n for n in model if n not in glob]
     if missing:
         raise InvalidInputError(f"{who}: the global model lacks tensors {missing[:5]}")
@@ -232,8 +263,10 @@ def _base_for(model: Mapping[str, Any], app_ctx: AppContext, who: str) -> dict[s
 
 
 def _header_metadata(data_ctx: DataContext, delta: bool, app_ctx: AppContext) -> dict[str, Any]:
-    return {CLARA_KEY: {"delta": delta, "round": _adapt.json_safe(app_ctx.round_number)},
-            CLARA_META_KEY: _adapt.json_safe(data_ctx.get_all_metadata())}
+    return {
+        CLARA_KEY: {"delta": delta, "round": _adapt.json_safe(app_ctx.round_number)},
+        CLARA_META_KEY: _adapt.json_safe(data_ctx.get_all_metadata()),
+    }
 
 
 class DataCompressor(DataProcessor):
@@ -252,8 +285,14 @@ class DataCompressor(DataProcessor):
     :class:`DataDeCompressor` restores it.
     """
 
-    def __init__(self, fraction: float | None = 0.01, scope: str = "global", score: str = "magnitude",
-                 pipeline: Any = None, delta: bool | str = "auto") -> None:
+    def __init__(
+        self,
+        fraction: float | None = 0.01,
+        scope: str = "global",
+        score: str = "magnitude",
+        pipeline: Any = None,
+        delta: bool | str = "auto",
+    ) -> None:
         super().__init__()
         if delta not in (True, False, "auto"):
             raise InvalidInputError(f"delta must be True, False or 'auto', got {delta!r}")
@@ -264,8 +303,13 @@ class DataCompressor(DataProcessor):
         self.delta = delta
 
     def get_config(self) -> dict[str, Any]:
-        return {"fraction": self.fraction, "scope": self.scope, "score": self.score, "pipeline": self.pipeline,
-                "delta": self.delta}
+        return {
+            "fraction": self.fraction,
+            "scope": self.scope,
+            "score": self.score,
+            "pipeline": self.pipeline,
+            "delta": self.delta,
+        }
 
     def inverse(self) -> DataDeCompressor:
         return DataDeCompressor()
@@ -276,9 +320,15 @@ class DataCompressor(DataProcessor):
         model = _require_mapping_model(data_ctx.get_model(), "DataCompressor")
         use_delta = self.delta is True or (self.delta == "auto" and isinstance(app_ctx.global_model, Mapping))
         base = _base_for(model, app_ctx, "DataCompressor") if use_delta else None
-        payload = _adapt.engine_compress(model, base, fraction=self.fraction, scope=self.scope, score=self.score,
-                                         pipeline=self.pipeline,
-                                         metadata=_header_metadata(data_ctx, use_delta, app_ctx))
+        payload = _adapt.engine_compress(
+            model,
+            base,
+            fraction=self.fraction,
+            scope=self.scope,
+            score=self.score,
+            pipeline=self.pipeline,
+            metadata=_header_metadata(data_ctx, use_delta, app_ctx),
+        )
         self._check_abort()
         data_ctx.set_model(payload)
 
@@ -287,7 +337,7 @@ def _payload_of(model: Any, who: str) -> Any:
     if isinstance(model, _engine.Payload):
         return model
     if isinstance(model, (bytes, bytearray, memoryview)):
-        if bytes(model[:len(_ENV_MAGIC)]) == _ENV_MAGIC:
+        if bytes(model[: len(_ENV_MAGIC)]) == _ENV_MAGIC:
             raise ProcessorOrderError(f"{who} got an encrypted model: ModelDecryptor must run before it")
         return _engine.Payload.from_bytes(model)
     if isinstance(model, Mapping):
@@ -295,8 +345,9 @@ def _payload_of(model: Any, who: str) -> Any:
     raise InvalidInputError(f"{who}: expected a Payload or bytes, got {type(model).__name__}")
 
 
-def _decode_payload(payload: Any, app_ctx: AppContext | None, local: Mapping[str, Any] | None, like: str | None,
-                    who: str) -> dict[str, Any]:
+def _decode_payload(
+    payload: Any, app_ctx: AppContext | None, local: Mapping[str, Any] | None, like: str | None, who: str
+) -> dict[str, Any]:
     """Dense tensors from a payload: ``base + delta`` when the payload is a delta (base: ``local`` if given, else
     the app context's global model), else the values, in their own dtypes."""
     info = payload.metadata.get(CLARA_KEY, {})
@@ -360,15 +411,18 @@ def _decode_key(raw: bytes, where: str) -> bytes:
         key = b""
     if len(key) == 32:
         return key
-    raise EncryptionKeyError(f"the key in {where} must be 32 bytes: raw, 64 hex digits or base64 "
-                             f"(got {len(raw)} bytes that decode to none of these)")
+    raise EncryptionKeyError(
+        f"the key in {where} must be 32 bytes: raw, 64 hex digits or base64 "
+        f"(got {len(raw)} bytes that decode to none of these)"
+    )
 
 
 def _load_key(key_file: str | None, key_env: str | None, key: bytes | None) -> bytes:
     given = [x is not None for x in (key_file, key_env, key)]
     if sum(given) != 1:
-        raise EncryptionKeyError("give exactly one of key_file (a path), key_env (an environment variable name) "
-                                 "or key (bytes)")
+        raise EncryptionKeyError(
+            "give exactly one of key_file (a path), key_env (an environment variable name) or key (bytes)"
+        )
     if key is not None:
         return _decode_key(bytes(key), "the key argument")
     if key_file is not None:
@@ -392,8 +446,9 @@ def _aesgcm(key: bytes) -> Any:
     try:
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
     except ImportError:  # pragma: no cover - cryptography is an optional extra
-        raise InvalidInputError("ModelEncryptor needs the 'cryptography' package: pip install gpu_codec[crypto]") \
-            from None
+        raise InvalidInputError(
+            "ModelEncryptor needs the 'cryptography' package: pip install gpu_codec[crypto]"
+        ) from None
     return AESGCM(key)
 
 
@@ -427,7 +482,7 @@ class ModelEncryptor(_KeyedProcessor):
         """To encrypt the data_ctx."""
         self._check_abort()
         model = data_ctx.get_model()
-        if isinstance(model, (bytes, bytearray, memoryview)) and bytes(model[:len(_ENV_MAGIC)]) == _ENV_MAGIC:
+        if isinstance(model, (bytes, bytearray, memoryview)) and bytes(model[: len(_ENV_MAGIC)]) == _ENV_MAGIC:
             raise ProcessorOrderError("ModelEncryptor got a model that is already encrypted")
         if isinstance(model, Mapping):
             model = _adapt.engine_compress(model, fraction=None, metadata=_header_metadata(data_ctx, False, app_ctx))
@@ -436,8 +491,9 @@ class ModelEncryptor(_KeyedProcessor):
         elif isinstance(model, (bytes, bytearray, memoryview)):
             blob = bytes(model)  # an already serialized payload
         else:
-            raise InvalidInputError(f"ModelEncryptor: expected a model mapping, a Payload or bytes, got "
-                                    f"{type(model).__name__}")
+            raise InvalidInputError(
+                f"ModelEncryptor: expected a model mapping, a Payload or bytes, got {type(model).__name__}"
+            )
         nonce = os.urandom(12)
         head = _ENV_HEAD.pack(_ENV_MAGIC, _ENV_VERSION, self._key_id, nonce)
         self._check_abort()
@@ -458,27 +514,29 @@ class ModelDecryptor(_KeyedProcessor):
         if not isinstance(model, (bytes, bytearray, memoryview)):
             raise InvalidInputError(f"ModelDecryptor: expected encrypted bytes, got {type(model).__name__}")
         blob = bytes(model)
-        if len(blob) < _ENV_HEAD.size + 16 or blob[:len(_ENV_MAGIC)] != _ENV_MAGIC:
+        if len(blob) < _ENV_HEAD.size + 16 or blob[: len(_ENV_MAGIC)] != _ENV_MAGIC:
             raise DecryptionError("not an encrypted gpu_codec model (bad magic or too short)")
         _, version, key_id, nonce = _ENV_HEAD.unpack_from(blob, 0)
         if version != _ENV_VERSION:
-            raise DecryptionError(f"encrypted model version {version} is not supported (this reader knows "
-                                  f"{_ENV_VERSION})")
+            raise DecryptionError(
+                f"encrypted model version {version} is not supported (this reader knows {_ENV_VERSION})"
+            )
         if key_id != self._key_id:
-            raise DecryptionError("the model was encrypted with a different key (key id mismatch); nothing was "
-                                  "decoded")
+            raise DecryptionError("the model was encrypted with a different key (key id mismatch); nothing was decoded")
         from cryptography.exceptions import InvalidTag
 
         try:
-            plain = self._cipher.decrypt(nonce, blob[_ENV_HEAD.size:], blob[:_ENV_HEAD.size])
+            plain = self._cipher.decrypt(nonce, blob[_ENV_HEAD.size :], blob[: _ENV_HEAD.size])
         except InvalidTag:
-            raise DecryptionError("authentication failed: the encrypted model was altered or the key is wrong; "
-                                  "nothing was decoded") from None
+            raise DecryptionError(
+                "authentication failed: the encrypted model was altered or the key is wrong; nothing was decoded"
+            ) from None
         self._check_abort()
         data_ctx.set_model(_engine.Payload.from_bytes(plain))
 
 
 # ---------------------------------------------------------------- metadata generators
+
 
 class MetadataGenerator(DataProcessor):
     """Attach ``app_ctx[source]`` to the data context's metadata as ``field`` (skipped when the app context has
@@ -532,8 +590,16 @@ class InitialValidationMetricGenerator(MetadataGenerator):
 # ---------------------------------------------------------------- chains and config
 
 PROCESSORS: dict[str, type[DataProcessor]] = {
-    c.__name__: c for c in (DataCompressor, DataDeCompressor, ModelEncryptor, ModelDecryptor,
-                            IteratorNumberGenerator, BestMetricGenerator, InitialValidationMetricGenerator)
+    c.__name__: c
+    for c in (
+        DataCompressor,
+        DataDeCompressor,
+        ModelEncryptor,
+        ModelDecryptor,
+        IteratorNumberGenerator,
+        BestMetricGenerator,
+        InitialValidationMetricGenerator,
+    )
 }
 
 
@@ -559,8 +625,9 @@ def build_processor(config: Mapping[str, Any]) -> DataProcessor:
     try:
         proc = cls(**args)
     except TypeError as e:
-        raise InvalidInputError(f"processor {config.get('name') or config.get('path')!r}: bad args {dict(args)}: {e}") \
-            from None
+        raise InvalidInputError(
+            f"processor {config.get('name') or config.get('path')!r}: bad args {dict(args)}: {e}"
+        ) from None
     if not isinstance(proc, DataProcessor) and not (hasattr(proc, "process") and hasattr(proc, "abort")):
         raise InvalidInputError(f"{type(proc).__name__} is not a DataProcessor (needs process and abort)")
     return proc
@@ -575,8 +642,13 @@ class ProcessorChain:
     order). If a processor raises or the chain is aborted, the data context is restored to what it was.
     """
 
-    def __init__(self, pre_processors: Sequence[Any] = (), post_processors: Sequence[Any] | None = None, *,
-                 reverse_post: bool = True) -> None:
+    def __init__(
+        self,
+        pre_processors: Sequence[Any] = (),
+        post_processors: Sequence[Any] | None = None,
+        *,
+        reverse_post: bool = True,
+    ) -> None:
         self.pre_processors = [p if not isinstance(p, Mapping) else build_processor(p) for p in pre_processors]
         if post_processors is None:
             post = [p.inverse() for p in self.pre_processors if hasattr(p, "inverse")]
@@ -640,19 +712,21 @@ def serialize(data_ctx: DataContext) -> bytes:
         return model.to_bytes()
     if isinstance(model, (bytes, bytearray, memoryview)):
         return bytes(model)
-    raise ProcessorOrderError("the model is neither compressed nor encrypted: run DataCompressor or ModelEncryptor "
-                              "before serializing")
+    raise ProcessorOrderError(
+        "the model is neither compressed nor encrypted: run DataCompressor or ModelEncryptor before serializing"
+    )
 
 
 def deserialize(blob: bytes | bytearray | memoryview, **props: Any) -> DataContext:
     """A data context holding received bytes, ready for the post-processors (encrypted bytes stay opaque until
     ModelDecryptor; a plain payload is parsed and validated now)."""
     b = bytes(blob)
-    model: Any = b if b[:len(_ENV_MAGIC)] == _ENV_MAGIC else _engine.Payload.from_bytes(b)
+    model: Any = b if b[: len(_ENV_MAGIC)] == _ENV_MAGIC else _engine.Payload.from_bytes(b)
     return DataContext(model=model, **props)
 
 
 # ---------------------------------------------------------------- model readers/writers
+
 
 def _exclude(pattern: str | None) -> Any:
     if pattern is None:
@@ -741,8 +815,9 @@ class PTModelReaderWriter:
         import torch
 
         if not isinstance(model, torch.nn.Module):
-            raise InvalidInputError(f"PTModelReaderWriter.initialize takes a torch.nn.Module, got "
-                                    f"{type(model).__name__}")
+            raise InvalidInputError(
+                f"PTModelReaderWriter.initialize takes a torch.nn.Module, got {type(model).__name__}"
+            )
         self.model = model
 
     def _state(self) -> dict[str, Any]:
@@ -773,8 +848,9 @@ class PTModelReaderWriter:
                 dst = state[name]
                 src = _to_torch(value, dst.device)
                 if tuple(src.shape) != tuple(dst.shape):
-                    raise InvalidInputError(f"tensor {name!r}: received shape {tuple(src.shape)}, the model has "
-                                            f"{tuple(dst.shape)}")
+                    raise InvalidInputError(
+                        f"tensor {name!r}: received shape {tuple(src.shape)}, the model has {tuple(dst.shape)}"
+                    )
                 dst.copy_(src)
                 assigned = True
         return assigned
@@ -792,6 +868,7 @@ def _to_torch(value: Any, device: Any) -> Any:
 
 
 # ---------------------------------------------------------------- metrics
+
 
 class MetricManager:
     """Named groups of metrics, checked and encoded to travel in the data context's metadata.
@@ -841,8 +918,9 @@ class MetricManager:
                 try:
                     value = value.item()
                 except (ValueError, RuntimeError):
-                    raise MetricsError(f"metric {name!r} must be a single number, got shape "
-                                       f"{tuple(getattr(value, 'shape', ()))}") from None
+                    raise MetricsError(
+                        f"metric {name!r} must be a single number, got shape {tuple(getattr(value, 'shape', ()))}"
+                    ) from None
             if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
                 raise MetricsError(f"metric {name!r} must be a number, got {type(value).__name__}")
             f = float(value)

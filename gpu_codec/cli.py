@@ -11,7 +11,7 @@ import json
 import logging
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
@@ -52,11 +52,14 @@ def cmd_demo(a: argparse.Namespace) -> int:
     dense_bytes = sum(v.nbytes for v in base_host.values())
     base = {k: xp.asarray(v) for k, v in base_host.items()}
     print(f"backend: {info['backend']} ({info['reason']})")
-    print(f"model: {len(base)} tensors, {n:,} parameters, {dense_bytes / 2**20:.1f} MiB dense; "
-          f"fraction {a.fraction} ({a.scope}), {a.clients} clients")
+    print(
+        f"model: {len(base)} tensors, {n:,} parameters, {dense_bytes / 2**20:.1f} MiB dense; "
+        f"fraction {a.fraction} ({a.scope}), {a.clients} clients"
+    )
     pipeline = _PIPELINES[a.codec]
-    kept_per_client = kept_count(a.fraction, n) if a.scope == "global" else \
-        sum(kept_count(a.fraction, v.size) for v in base.values())
+    kept_per_client = (
+        kept_count(a.fraction, n) if a.scope == "global" else sum(kept_count(a.fraction, v.size) for v in base.values())
+    )
     total = None
     t_c, t_d, sizes = [], [], []
     for c in _progress(range(a.clients), "clients", a.quiet):
@@ -72,8 +75,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
         total = upd if total is None else {k: total[k] + upd[k] for k in total}
     touched = sum(int(xp.count_nonzero(v)) for v in total.values())
     size = float(np.mean(sizes))
-    print(f"payload ({a.codec}): {size / 1024:.1f} KiB per client, {size / max(1, kept_per_client):.2f} B per kept "
-          f"parameter, ratio {dense_bytes / size:.1f}x")
+    print(
+        f"payload ({a.codec}): {size / 1024:.1f} KiB per client, {size / max(1, kept_per_client):.2f} B per kept "
+        f"parameter, ratio {dense_bytes / size:.1f}x"
+    )
     print(f"compress: {1e3 * np.median(t_c):.1f} ms, decompress: {1e3 * np.median(t_d):.1f} ms (median per client)")
     print(f"aggregate: {touched:,} parameters touched by the summed update")
     return 0
@@ -88,8 +93,10 @@ def cmd_compress(a: argparse.Namespace) -> int:
     dt = time.perf_counter() - t0
     with open(a.output, "wb") as f:
         f.write(blob)
-    print(f"{a.output}: {len(blob):,} bytes, {p.nnz:,} entries kept, ratio {p.ratio:.1f}x, {dt * 1e3:.1f} ms "
-          f"({p.backend})")
+    print(
+        f"{a.output}: {len(blob):,} bytes, {p.nnz:,} entries kept, ratio {p.ratio:.1f}x, {dt * 1e3:.1f} ms "
+        f"({p.backend})"
+    )
     return 0
 
 
@@ -109,12 +116,14 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     if a.json:
         print(json.dumps(header, indent=2))
         return 0
-    print(f"format v{header['version']}, pipeline {json.dumps(header['pipeline'])}, "
-          f"metadata {json.dumps(header['metadata'])}")
+    print(
+        f"format v{header['version']}, pipeline {json.dumps(header['pipeline'])}, "
+        f"metadata {json.dumps(header['metadata'])}"
+    )
     w = max([len(r.name) for r in records] + [4])
     print(f"{'name':<{w}}  {'dtype':<8} {'shape':<18} {'encoding':<8} {'kept':>10}")
     for r in records:
-        print(f"{r.name:<{w}}  {r.dtype:<8} {str(list(r.shape)):<18} {r.encoding:<8} {r.nnz:>10,}")
+        print(f"{r.name:<{w}}  {r.dtype:<8} {list(r.shape)!s:<18} {r.encoding:<8} {r.nnz:>10,}")
     return 0
 
 
@@ -132,8 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--fraction", type=float, default=0.01, help="share of entries kept (default 0.01)")
     d.add_argument("--scope", choices=["global", "per_tensor"], default="global")
     d.add_argument("--clients", type=int, default=4)
-    d.add_argument("--codec", choices=sorted(_PIPELINES), default="fp16",
-                   help="stages after top-k: raw (u32 + fp32), fp16 (fp16 + Rice + zstd, default), ternary")
+    d.add_argument(
+        "--codec",
+        choices=sorted(_PIPELINES),
+        default="fp16",
+        help="stages after top-k: raw (u32 + fp32), fp16 (fp16 + Rice + zstd, default), ternary",
+    )
     d.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     d.set_defaults(fn=cmd_demo)
     c = sub.add_parser("compress", help="compress NEW.npz (minus --base BASE.npz) into a payload file")

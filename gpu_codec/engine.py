@@ -55,8 +55,9 @@ def _as_mapping(x: Any, what: str) -> Mapping[str, Any]:
     return x
 
 
-def _check_tensors(update: Mapping[str, Any], base: Mapping[str, Any] | None) -> tuple[list[str], list[Tensor],
-                                                                                       list[Tensor | None]]:
+def _check_tensors(
+    update: Mapping[str, Any], base: Mapping[str, Any] | None
+) -> tuple[list[str], list[Tensor], list[Tensor | None]]:
     names = list(update.keys())
     if not names:
         raise InvalidInputError("the update is empty: nothing to compress")
@@ -67,14 +68,18 @@ def _check_tensors(update: Mapping[str, Any], base: Mapping[str, Any] | None) ->
         missing = [n for n in names if n not in base]
         extra = [n for n in base if n not in update]
         if missing or extra:
-            raise InvalidInputError(f"update and base name different tensors: missing from base {missing[:5]}, "
-                                    f"missing from update {extra[:5]}")
+            raise InvalidInputError(
+                f"update and base name different tensors: missing from base {missing[:5]}, "
+                f"missing from update {extra[:5]}"
+            )
     news, bases = [], []
     for n in names:
         t = to_tensor(update[n], n)
         if t.dtype not in _dtypes.FLOAT_DTYPES:
-            raise InvalidInputError(f"tensor {n!r}: dtype {t.dtype} is not a float dtype (float32, float16, "
-                                    "bfloat16, float64); a delta makes no sense for it")
+            raise InvalidInputError(
+                f"tensor {n!r}: dtype {t.dtype} is not a float dtype (float32, float16, "
+                "bfloat16, float64); a delta makes no sense for it"
+            )
         b = None
         if base is not None:
             b = to_tensor(base[n], n)
@@ -95,8 +100,9 @@ class Payload:
     stored in the header), ``metadata`` (str -> JSON value), ``backend`` (the backend that made it, not stored).
     """
 
-    def __init__(self, tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None = None,
-                 backend: str = "cpu"):
+    def __init__(
+        self, tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None = None, backend: str = "cpu"
+    ):
         self.tensors = tensors
         self.pipeline = pipeline
         self.metadata = dict(metadata or {})
@@ -107,7 +113,7 @@ class Payload:
         return pack(self.tensors, pipeline=self.pipeline, metadata=self.metadata)
 
     @classmethod
-    def from_bytes(cls, blob: bytes | bytearray | memoryview) -> "Payload":
+    def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Payload:
         """Parse and validate a payload (hostile input is rejected with a PayloadError)."""
         header, records = unpack(blob)
         return cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
@@ -132,8 +138,10 @@ class Payload:
         return sum(r.nnz for r in self.tensors)
 
     def __repr__(self) -> str:
-        return (f"Payload({len(self.tensors)} tensors, {self.nnz} kept entries, {self.nbytes} bytes, "
-                f"ratio {self.ratio:.1f}x, backend={self.backend!r})")
+        return (
+            f"Payload({len(self.tensors)} tensors, {self.nnz} kept entries, {self.nbytes} bytes, "
+            f"ratio {self.ratio:.1f}x, backend={self.backend!r})"
+        )
 
 
 def _segments(numels: list[int], fraction: float, scope: str) -> tuple[list[list[int]], list[int]]:
@@ -163,9 +171,17 @@ def _external_scores(score: ScoreFn, update, base, names, news, backend) -> tupl
     return arrays, codes
 
 
-def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *, fraction: float | None = 0.01,
-             scope: str = "global", score: str | ScoreFn = "magnitude", residual: Any = None,
-             metadata: Mapping[str, Any] | None = None, pipeline: Any = None) -> Payload:
+def compress(
+    update: Mapping[str, Any],
+    base: Mapping[str, Any] | None = None,
+    *,
+    fraction: float | None = 0.01,
+    scope: str = "global",
+    score: str | ScoreFn = "magnitude",
+    residual: Any = None,
+    metadata: Mapping[str, Any] | None = None,
+    pipeline: Any = None,
+) -> Payload:
     """Compress ``update - base`` to its exact top-k entries as sparse COO.
 
     Parameters
@@ -246,11 +262,14 @@ def compress(update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *
             segments, ks = [[t] for t in range(nt)], [t.numel for t in news]
         else:
             segments, ks = _segments([t.numel for t in news], fraction, scope)
-        indices, values, bad = backend.topk_select(new_arrays, base_arrays, res_in, res_out, dtypes, ext, ext_dt,
-                                                   crit, segments, ks, qmode)
+        indices, values, bad = backend.topk_select(
+            new_arrays, base_arrays, res_in, res_out, dtypes, ext, ext_dt, crit, segments, ks, qmode
+        )
         if bad is not None:
-            raise InvalidInputError(f"tensor {names[bad]!r}: the update, its delta against base or its score holds "
-                                    "a non-finite value (inf or NaN)")
+            raise InvalidInputError(
+                f"tensor {names[bad]!r}: the update, its delta against base or its score holds "
+                "a non-finite value (inf or NaN)"
+            )
         if residual is not None:
             residual._commit(res_out)
     records = []
@@ -277,8 +296,13 @@ def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[s
     return like, None
 
 
-def decompress(payload: Payload | bytes | bytearray | memoryview, base: Mapping[str, Any] | None = None, *,
-               like: str | None = None, max_elements: int = DEFAULT_MAX_ELEMENTS) -> dict[str, Any]:
+def decompress(
+    payload: Payload | bytes | bytearray | memoryview,
+    base: Mapping[str, Any] | None = None,
+    *,
+    like: str | None = None,
+    max_elements: int = DEFAULT_MAX_ELEMENTS,
+) -> dict[str, Any]:
     """Rebuild dense tensors from a payload (bytes or :class:`Payload`).
 
     With ``base``: ``base + delta`` per tensor, rounded to the base's dtype, returned as the base's kind on its
@@ -298,14 +322,16 @@ def decompress(payload: Payload | bytes | bytearray | memoryview, base: Mapping[
         missing = [n for n in names if n not in base]
         extra = [n for n in base if n not in set(names)]
         if missing or extra:
-            raise InvalidInputError(f"payload and base name different tensors: missing from base {missing[:5]}, "
-                                    f"not in payload {extra[:5]}")
+            raise InvalidInputError(
+                f"payload and base name different tensors: missing from base {missing[:5]}, not in payload {extra[:5]}"
+            )
         base_tensors = []
         for r in records:
             b = to_tensor(base[r.name], r.name)
             if b.shape != tuple(r.shape) or b.dtype != r.dtype:
-                raise InvalidInputError(f"tensor {r.name!r}: base is {b.dtype}{list(b.shape)}, the payload holds "
-                                        f"{r.dtype}{list(r.shape)}")
+                raise InvalidInputError(
+                    f"tensor {r.name!r}: base is {b.dtype}{list(b.shape)}, the payload holds {r.dtype}{list(r.shape)}"
+                )
             base_tensors.append(b)
     else:
         total = sum(r.numel for r in records)
@@ -342,11 +368,12 @@ def decompress(payload: Payload | bytes | bytearray | memoryview, base: Mapping[
         a = 0
         for r, idx in zip(records, idx_list):
             if bad < a + int(idx.size):
-                raise PayloadIndexError(f"tensor {r.name!r}: sparse index at entry {bad - a} is out of range, "
-                                        "repeated or not increasing, or its value is not finite; nothing was decoded")
+                raise PayloadIndexError(
+                    f"tensor {r.name!r}: sparse index at entry {bad - a} is out of range, "
+                    "repeated or not increasing, or its value is not finite; nothing was decoded"
+                )
             a += int(idx.size)
-        raise PayloadIndexError("a sparse index is out of range, repeated or not increasing, or a value is not "
-                                "finite")
+        raise PayloadIndexError("a sparse index is out of range, repeated or not increasing, or a value is not finite")
     result = {}
     for i, (r, out) in enumerate(zip(records, outs)):
         logical = r.dtype if base_tensors is not None else _dtypes.value_dtype(r.dtype)
@@ -355,4 +382,4 @@ def decompress(payload: Payload | bytes | bytearray | memoryview, base: Mapping[
     return result
 
 
-__all__ = ["Payload", "compress", "decompress", "kept_count", "array_kind"]
+__all__ = ["Payload", "array_kind", "compress", "decompress", "kept_count"]

@@ -74,8 +74,10 @@ class ErrorFeedback:
             if cur is not None:
                 a, dt, shape = cur
                 if shape != tuple(t.shape) or dt != t.dtype:
-                    raise InvalidInputError(f"tensor {n!r}: error-feedback residual is {dt}{list(shape)}, the update "
-                                            f"is {t.dtype}{list(t.shape)}; reset() the state to start over")
+                    raise InvalidInputError(
+                        f"tensor {n!r}: error-feedback residual is {dt}{list(shape)}, the update "
+                        f"is {t.dtype}{list(t.shape)}; reset() the state to start over"
+                    )
                 a = backend.asarray(a)
                 res_in.append(a)
                 res_out.append(a)
@@ -94,8 +96,10 @@ class ErrorFeedback:
 
     def to_bytes(self) -> bytes:
         """The state as a gpu_codec payload of ``dense`` records (checksummed; no pickle)."""
-        recs = [TensorRecord(n, dt, shape, "dense", int(np.prod(shape, dtype=np.int64)), {"values": a})
-                for n, (a, dt, shape) in self._state.items()]
+        recs = [
+            TensorRecord(n, dt, shape, "dense", int(np.prod(shape, dtype=np.int64)), {"values": a})
+            for n, (a, dt, shape) in self._state.items()
+        ]
         return pack(recs, pipeline=[], metadata={"kind": _KIND})
 
     @classmethod

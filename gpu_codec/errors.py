@@ -12,19 +12,19 @@ True
 from __future__ import annotations
 
 __all__ = [
+    "BackendUnavailableError",
+    "CodecConfigError",
     "GpuCodecError",
     "InvalidInputError",
-    "BackendUnavailableError",
-    "UnknownCodecError",
-    "CodecConfigError",
+    "PayloadChecksumError",
+    "PayloadDtypeError",
     "PayloadError",
     "PayloadHeaderError",
-    "UnsupportedVersionError",
-    "PayloadChecksumError",
-    "PayloadLayoutError",
-    "PayloadDtypeError",
-    "PayloadLimitError",
     "PayloadIndexError",
+    "PayloadLayoutError",
+    "PayloadLimitError",
+    "UnknownCodecError",
+    "UnsupportedVersionError",
 ]
 
 

@@ -66,12 +66,27 @@ from .backend import get_backend
 from .errors import InvalidInputError, PayloadError, PayloadIndexError
 from .format import TensorRecord
 
-__all__ = ["CompactSparseExchanger", "PackedLayoutError", "ParameterExchanger", "ParameterPacker",
-           "ParameterPackerAdaptiveConstraint", "ParameterPackerFedProx", "ParameterPackerWithClippingBit",
-           "ParameterPackerWithControlVariates", "ParameterPackerWithLayerNames", "PartialParameterExchanger",
-           "ScoreGenFunction", "SparseCooParameterExchanger", "SparseCooParameterPacker",
-           "largest_final_magnitude_scores", "largest_increase_in_magnitude_scores", "largest_magnitude_change_scores",
-           "smallest_final_magnitude_scores", "smallest_increase_in_magnitude_scores", "smallest_magnitude_change_scores"]
+__all__ = [
+    "CompactSparseExchanger",
+    "PackedLayoutError",
+    "ParameterExchanger",
+    "ParameterPacker",
+    "ParameterPackerAdaptiveConstraint",
+    "ParameterPackerFedProx",
+    "ParameterPackerWithClippingBit",
+    "ParameterPackerWithControlVariates",
+    "ParameterPackerWithLayerNames",
+    "PartialParameterExchanger",
+    "ScoreGenFunction",
+    "SparseCooParameterExchanger",
+    "SparseCooParameterPacker",
+    "largest_final_magnitude_scores",
+    "largest_increase_in_magnitude_scores",
+    "largest_magnitude_change_scores",
+    "smallest_final_magnitude_scores",
+    "smallest_increase_in_magnitude_scores",
+    "smallest_magnitude_change_scores",
+]
 
 logger = logging.getLogger("gpu_codec.fl4health")
 
@@ -88,6 +103,7 @@ class PackedLayoutError(PayloadError):
 
 
 # ---------------------------------------------------------------- packers (fl4health's layouts, exactly)
+
 
 class ParameterPacker(ABC, Generic[T]):
     """Packs model weights with additional parameters into one flat list of NumPy arrays, and back."""
@@ -117,7 +133,7 @@ class ParameterPackerWithControlVariates(ParameterPacker[NDArrays]):
         return model_weights + additional_parameters
 
     def unpack_parameters(self, packed_parameters: NDArrays) -> tuple[NDArrays, NDArrays]:
-        return packed_parameters[: self.size_of_model_params], packed_parameters[self.size_of_model_params:]
+        return packed_parameters[: self.size_of_model_params], packed_parameters[self.size_of_model_params :]
 
 
 class ParameterPackerWithClippingBit(ParameterPacker[float]):
@@ -185,13 +201,15 @@ class SparseCooParameterPacker(ParameterPacker[tuple]):
         return model_parameters + parameter_indices + tensor_shapes + [np.array(tensor_names)]
 
     def unpack_parameters(self, packed_parameters: NDArrays) -> tuple[NDArrays, tuple]:
-        _need(len(packed_parameters) % 3 == 1,
-              f"a sparse COO packing holds 3n + 1 arrays (values, indices, shapes, names), got {len(packed_parameters)}")
+        _need(
+            len(packed_parameters) % 3 == 1,
+            f"a sparse COO packing holds 3n + 1 arrays (values, indices, shapes, names), got {len(packed_parameters)}",
+        )
         split_size = (len(packed_parameters) - 1) // 3
         model_parameters = packed_parameters[:split_size]
-        parameter_indices = packed_parameters[split_size:(2 * split_size)]
-        tensor_shapes = packed_parameters[(2 * split_size):(3 * split_size)]
-        tensor_names = packed_parameters[(3 * split_size):][0].tolist()
+        parameter_indices = packed_parameters[split_size : (2 * split_size)]
+        tensor_shapes = packed_parameters[(2 * split_size) : (3 * split_size)]
+        tensor_names = packed_parameters[(3 * split_size) :][0].tolist()
         if isinstance(tensor_names, str):  # one name packs as a 0-d array
             tensor_names = [tensor_names]
         return model_parameters, (parameter_indices, tensor_shapes, tensor_names)
@@ -229,6 +247,7 @@ def _as_torch(x: Any) -> Any:
 
 
 # ---------------------------------------------------------------- score functions (fl4health's, exactly)
+
 
 def largest_final_magnitude_scores(model: Any, initial_model: Any | None) -> dict[str, Any]:
     """``|w|`` for every tensor of ``model.state_dict()``."""
@@ -291,9 +310,17 @@ _CRITERIA = {
     "largest_increase_in_magnitude_scores": "largest_increase_in_magnitude",
     "smallest_increase_in_magnitude_scores": "smallest_increase_in_magnitude",
 }
-_OWN_SCORE_FNS = {f.__name__: f for f in (
-    largest_final_magnitude_scores, smallest_final_magnitude_scores, largest_magnitude_change_scores,
-    smallest_magnitude_change_scores, largest_increase_in_magnitude_scores, smallest_increase_in_magnitude_scores)}
+_OWN_SCORE_FNS = {
+    f.__name__: f
+    for f in (
+        largest_final_magnitude_scores,
+        smallest_final_magnitude_scores,
+        largest_magnitude_change_scores,
+        smallest_magnitude_change_scores,
+        largest_increase_in_magnitude_scores,
+        smallest_increase_in_magnitude_scores,
+    )
+}
 
 
 def _engine_criterion(fn: Any) -> str | None:
@@ -308,6 +335,7 @@ def _engine_criterion(fn: Any) -> str | None:
 
 
 # ---------------------------------------------------------------- exchangers
+
 
 class ParameterExchanger(ABC):
     """fl4health's exchanger contract: what a client sends (push) and how it loads what it receives (pull)."""
@@ -381,15 +409,17 @@ class _EngineSelection:
         else:
             scores = self.generate_parameter_scores(model, initial_model)
             if not isinstance(scores, Mapping):
-                raise InvalidInputError(f"the score function must return a dict name -> scores, "
-                                        f"got {type(scores).__name__}")
+                raise InvalidInputError(
+                    f"the score function must return a dict name -> scores, got {type(scores).__name__}"
+                )
             names = []
             for n, s in scores.items():
                 if n not in state:
                     raise InvalidInputError(f"the score function scored {n!r}, which is not in the model's state_dict")
                 if tuple(s.shape) != tuple(state[n].shape):
-                    raise InvalidInputError(f"tensor {n!r}: scores have shape {tuple(s.shape)}, the tensor has "
-                                            f"{tuple(state[n].shape)}")
+                    raise InvalidInputError(
+                        f"tensor {n!r}: scores have shape {tuple(s.shape)}, the tensor has {tuple(state[n].shape)}"
+                    )
                 if s.dim() > 0:
                     names.append(n)
             update = {n: _floating(state[n]) for n in names}
@@ -428,8 +458,9 @@ class SparseCooParameterExchanger(_EngineSelection, PartialParameterExchanger[tu
         instead of the engine's exact top-k.
     """
 
-    def __init__(self, sparsity_level: float, score_gen_function: ScoreGenFunction, *,
-                 fl4health_compat: bool = False) -> None:
+    def __init__(
+        self, sparsity_level: float, score_gen_function: ScoreGenFunction, *, fl4health_compat: bool = False
+    ) -> None:
         self.sparsity_level = _check_sparsity(sparsity_level)
         self.parameter_packer: SparseCooParameterPacker = SparseCooParameterPacker()
         self.score_gen_function = score_gen_function
@@ -439,8 +470,10 @@ class SparseCooParameterExchanger(_EngineSelection, PartialParameterExchanger[tu
         import torch
 
         if len(torch.unique(input=param_scores, sorted=False, return_inverse=False, return_counts=False)) == 1:
-            logger.warning("All parameters have the same score. The number of parameters selected may not match "
-                           "the intended sparsity level.")
+            logger.warning(
+                "All parameters have the same score. The number of parameters selected may not match "
+                "the intended sparsity level."
+            )
 
     def select_parameters(self, model: Any, initial_model: Any | None = None) -> tuple[NDArrays, tuple]:
         """The selected values and ``(indices, shapes, names)``, as :class:`SparseCooParameterPacker` packs them."""
@@ -478,8 +511,10 @@ class SparseCooParameterExchanger(_EngineSelection, PartialParameterExchanger[tu
         for tensor_name, param_scores in all_parameter_scores.items():
             model_tensor = model_states[tensor_name]
             if model_tensor.shape != param_scores.shape:
-                raise InvalidInputError(f"tensor {tensor_name!r}: scores have shape {tuple(param_scores.shape)}, "
-                                        f"the tensor has {tuple(model_tensor.shape)}")
+                raise InvalidInputError(
+                    f"tensor {tensor_name!r}: scores have shape {tuple(param_scores.shape)}, "
+                    f"the tensor has {tuple(model_tensor.shape)}"
+                )
             self._check_unique_score(param_scores=param_scores)
             model_tensor_sparse = torch.where(param_scores >= score_threshold, model_tensor, 0)
             if not (model_tensor_sparse.shape == torch.Size([]) or (model_tensor_sparse == 0).all()):
@@ -502,9 +537,11 @@ class SparseCooParameterExchanger(_EngineSelection, PartialParameterExchanger[tu
         :class:`~gpu_codec.errors.PayloadError` and leaves the model untouched.
         """
         selected_parameters, (indices, shapes, names) = self.parameter_packer.unpack_parameters(parameters)
-        _need(len(selected_parameters) == len(indices) == len(shapes) == len(names) and len(names) > 0,
-              f"a sparse COO packing needs as many values, indices and shapes arrays as names, got "
-              f"{len(selected_parameters)}, {len(indices)}, {len(shapes)} and {len(names)} names")
+        _need(
+            len(selected_parameters) == len(indices) == len(shapes) == len(names) and len(names) > 0,
+            f"a sparse COO packing needs as many values, indices and shapes arrays as names, got "
+            f"{len(selected_parameters)}, {len(indices)}, {len(shapes)} and {len(names)} names",
+        )
         _load_sparse(model, names, selected_parameters, indices, shapes)
 
 
@@ -520,28 +557,43 @@ def _load_sparse(model: Any, names: list, values: list, indices: list, shapes: l
         t = state[name]
         shape = tuple(int(s) for s in t.shape)
         shp, ind, v = np.asarray(shp), np.asarray(ind), np.asarray(v)
-        _need(shp.ndim == 1 and shp.dtype.kind in "iu" and tuple(shp.tolist()) == shape,
-              f"tensor {name!r}: shape {shp.tolist()} differs from the model's {list(shape)}")
-        _need(v.ndim == 1 and v.dtype.kind in "fiub", f"tensor {name!r}: values must be a 1-D numeric array, "
-              f"got {v.dtype}{list(v.shape)}")
+        _need(
+            shp.ndim == 1 and shp.dtype.kind in "iu" and tuple(shp.tolist()) == shape,
+            f"tensor {name!r}: shape {shp.tolist()} differs from the model's {list(shape)}",
+        )
+        _need(
+            v.ndim == 1 and v.dtype.kind in "fiub",
+            f"tensor {name!r}: values must be a 1-D numeric array, got {v.dtype}{list(v.shape)}",
+        )
         nnz = v.shape[0]
-        _need(ind.ndim == 2 and ind.shape == (nnz, len(shape)) and (nnz == 0 or ind.dtype.kind in "iu"),
-              f"tensor {name!r}: indices must be an integer array of shape ({nnz}, {len(shape)}), got "
-              f"{ind.dtype}{list(ind.shape)}")
+        _need(
+            ind.ndim == 2 and ind.shape == (nnz, len(shape)) and (nnz == 0 or ind.dtype.kind in "iu"),
+            f"tensor {name!r}: indices must be an integer array of shape ({nnz}, {len(shape)}), got "
+            f"{ind.dtype}{list(ind.shape)}",
+        )
         try:
-            flat = (np.ravel_multi_index(tuple(ind.T.astype(np.int64)), shape) if shape and nnz
-                    else np.zeros(nnz, np.int64))
+            flat = (
+                np.ravel_multi_index(tuple(ind.T.astype(np.int64)), shape) if shape and nnz else np.zeros(nnz, np.int64)
+            )
         except ValueError:
-            raise PayloadIndexError(f"tensor {name!r}: a sparse index is out of range for shape {list(shape)}; "
-                                    "nothing was loaded") from None
+            raise PayloadIndexError(
+                f"tensor {name!r}: a sparse index is out of range for shape {list(shape)}; nothing was loaded"
+            ) from None
         order = np.argsort(flat, kind="stable")  # fl4health accepts any order; the engine wants ascending
         numel = math.prod(shape)
-        logical = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16",
-                   torch.float64: "float64"}.get(t.dtype, "float64")
+        logical = {
+            torch.float32: "float32",
+            torch.float16: "float16",
+            torch.bfloat16: "bfloat16",
+            torch.float64: "float64",
+        }.get(t.dtype, "float64")
         vd = np.float64 if logical == "float64" else np.float32
         idt = np.uint32 if numel <= (1 << 32) else np.uint64
-        records.append(TensorRecord(name, logical, shape, "coo", nnz,
-                                    {"indices": flat[order].astype(idt), "values": v[order].astype(vd)}))
+        records.append(
+            TensorRecord(
+                name, logical, shape, "coo", nnz, {"indices": flat[order].astype(idt), "values": v[order].astype(vd)}
+            )
+        )
         bases[name] = torch.zeros(shape, dtype=t.dtype if t.is_floating_point() else torch.float64, device=t.device)
     payload = _engine.Payload(records, [{"id": "fl4health.sparse_coo"}])
     dense = _engine.decompress(payload, base=bases)
@@ -591,14 +643,22 @@ class CompactSparseExchanger(_EngineSelection, ParameterExchanger):
             v = t.reshape(-1)[idx]
             v = v.to(_torch_value_dtype(rec.dtype))
             on_device = type(rec.buffers["indices"]).__module__.startswith("cupy")
-            records.append(TensorRecord(rec.name, rec.dtype, rec.shape, "coo", rec.nnz,
-                                        {"indices": rec.buffers["indices"],
-                                         "values": _adapt.torch_to_backend(v, on_device)}))
+            records.append(
+                TensorRecord(
+                    rec.name,
+                    rec.dtype,
+                    rec.shape,
+                    "coo",
+                    rec.nnz,
+                    {"indices": rec.buffers["indices"], "values": _adapt.torch_to_backend(v, on_device)},
+                )
+            )
         backend = get_backend()
         with backend.stream([]):
             records = self.pipeline.encode(records, backend, None)
-        return _engine.Payload(records, payload.pipeline + self.pipeline.after_topk(), {COMPACT_MARKER: "values"},
-                               backend=payload.backend)
+        return _engine.Payload(
+            records, payload.pipeline + self.pipeline.after_topk(), {COMPACT_MARKER: "values"}, backend=payload.backend
+        )
 
     def push_parameters(self, model: Any, initial_model: Any | None = None, config: Any = None) -> NDArrays:
         blob = self.select_payload(model, initial_model).to_bytes()
@@ -607,11 +667,15 @@ class CompactSparseExchanger(_EngineSelection, ParameterExchanger):
     def pull_parameters(self, parameters: NDArrays, model: Any, config: Any = None) -> None:
         _need(len(parameters) == 1, f"a compact packing is one uint8 array, got {len(parameters)} arrays")
         arr = np.asarray(parameters[0])
-        _need(arr.ndim == 1 and arr.dtype == np.uint8, f"a compact packing is a 1-D uint8 array, got "
-              f"{arr.dtype}{list(arr.shape)}")
+        _need(
+            arr.ndim == 1 and arr.dtype == np.uint8,
+            f"a compact packing is a 1-D uint8 array, got {arr.dtype}{list(arr.shape)}",
+        )
         payload = _engine.Payload.from_bytes(memoryview(np.ascontiguousarray(arr)))
-        _need(payload.metadata.get(COMPACT_MARKER) == "values",
-              "this payload was not made by CompactSparseExchanger (its header lacks the marker)")
+        _need(
+            payload.metadata.get(COMPACT_MARKER) == "values",
+            "this payload was not made by CompactSparseExchanger (its header lacks the marker)",
+        )
         import torch
 
         state = model.state_dict()
@@ -619,8 +683,9 @@ class CompactSparseExchanger(_EngineSelection, ParameterExchanger):
         for rec in payload.tensors:
             _need(rec.name in state, f"tensor {rec.name!r} is not in the model's state_dict")
             t = state[rec.name]
-            bases[rec.name] = torch.zeros(t.shape, dtype=t.dtype if t.is_floating_point() else torch.float64,
-                                          device=t.device)
+            bases[rec.name] = torch.zeros(
+                t.shape, dtype=t.dtype if t.is_floating_point() else torch.float64, device=t.device
+            )
         dense = _engine.decompress(payload, base=bases)
         for name, d in dense.items():
             state[name] = d if d.dtype == state[name].dtype else d.to(state[name].dtype)

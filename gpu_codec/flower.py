@@ -55,11 +55,18 @@ class Array:
     """
 
     def __init__(self, dtype: str, shape: tuple[int, ...], stype: str, data: bytes) -> None:
-        if not (isinstance(dtype, str) and isinstance(stype, str) and isinstance(data, (bytes, bytearray))
-                and isinstance(shape, (tuple, list)) and all(isinstance(s, (int, np.integer)) for s in shape)):
-            raise TypeError("Array needs dtype (str), shape (tuple of int), stype (str) and data (bytes), got "
-                            f"{type(dtype).__name__}, {type(shape).__name__}, {type(stype).__name__}, "
-                            f"{type(data).__name__}")
+        if not (
+            isinstance(dtype, str)
+            and isinstance(stype, str)
+            and isinstance(data, (bytes, bytearray))
+            and isinstance(shape, (tuple, list))
+            and all(isinstance(s, (int, np.integer)) for s in shape)
+        ):
+            raise TypeError(
+                "Array needs dtype (str), shape (tuple of int), stype (str) and data (bytes), got "
+                f"{type(dtype).__name__}, {type(shape).__name__}, {type(stype).__name__}, "
+                f"{type(data).__name__}"
+            )
         self.dtype = dtype
         self.shape = tuple(int(s) for s in shape)
         self.stype = stype
@@ -89,7 +96,11 @@ class Array:
         if not isinstance(other, Array) and not type(other).__name__ == "Array":
             return NotImplemented
         return (self.dtype, tuple(self.shape), self.stype, self.data) == (
-            other.dtype, tuple(other.shape), other.stype, other.data)
+            other.dtype,
+            tuple(other.shape),
+            other.stype,
+            other.data,
+        )
 
     def __repr__(self) -> str:
         return f"Array(dtype={self.dtype!r}, shape={self.shape}, stype={self.stype!r}, {self.nbytes} bytes)"
@@ -205,8 +216,10 @@ class ParametersRecord(MutableMapping):
             self._d = ParametersRecord.from_numpy_ndarrays(array_dict, keep_input=keep_input)._d
             return
         if not isinstance(array_dict, Mapping):
-            raise TypeError(f"ParametersRecord takes a dict of Array, a list of NumPy arrays or a dict of arrays "
-                            f"(a torch state_dict), got {type(array_dict).__name__}")
+            raise TypeError(
+                f"ParametersRecord takes a dict of Array, a list of NumPy arrays or a dict of arrays "
+                f"(a torch state_dict), got {type(array_dict).__name__}"
+            )
         if array_dict and not all(isinstance(v, Array) for v in array_dict.values()):
             self._d = ParametersRecord.from_arrays(array_dict, keep_input=keep_input)._d
             return
@@ -270,14 +283,23 @@ class ParametersRecord(MutableMapping):
         return rec
 
     @classmethod
-    def compressed(cls, update: Mapping[str, Any], base: Mapping[str, Any] | None = None, *,
-                   key: str = "gpu_codec", fraction: float | None = 0.01, scope: str = "global",
-                   score: Any = "magnitude", pipeline: Any = None, metadata: Mapping[str, Any] | None = None
-                   ) -> ParametersRecord:
+    def compressed(
+        cls,
+        update: Mapping[str, Any],
+        base: Mapping[str, Any] | None = None,
+        *,
+        key: str = "gpu_codec",
+        fraction: float | None = 0.01,
+        scope: str = "global",
+        score: Any = "magnitude",
+        pipeline: Any = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> ParametersRecord:
         """Compress ``update - base`` (:func:`gpu_codec.compress`; ``fraction=None`` for dense) into a record
         holding one ``gpu_codec.v1`` Array under ``key``. On the GPU the payload stays there until sent."""
-        payload = _adapt.engine_compress(update, base, fraction=fraction, scope=scope, score=score,
-                                         pipeline=pipeline, metadata=metadata)
+        payload = _adapt.engine_compress(
+            update, base, fraction=fraction, scope=scope, score=score, pipeline=pipeline, metadata=metadata
+        )
         rec = cls()
         rec[key] = Array.from_payload(payload)
         return rec

@@ -34,13 +34,21 @@ import json
 import math
 import struct
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
-from .errors import (PayloadChecksumError, PayloadDtypeError, PayloadError, PayloadHeaderError, PayloadLayoutError,
-                     PayloadLimitError, UnsupportedVersionError)
+from .errors import (
+    PayloadChecksumError,
+    PayloadDtypeError,
+    PayloadError,
+    PayloadHeaderError,
+    PayloadLayoutError,
+    PayloadLimitError,
+    UnsupportedVersionError,
+)
 
 MAGIC = b"GPUCODEC"
 VERSION = 1
@@ -56,9 +64,15 @@ MAX_TENSOR_ELEMENTS = 1 << 40
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64")
 # Buffer dtype name -> NumPy storage dtype (bfloat16 travels as its uint16 bit pattern).
 BUFFER_DTYPES: dict[str, np.dtype] = {
-    "uint8": np.dtype("u1"), "int8": np.dtype("i1"), "uint16": np.dtype("<u2"), "uint32": np.dtype("<u4"),
-    "uint64": np.dtype("<u8"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
-    "float32": np.dtype("<f4"), "float64": np.dtype("<f8"),
+    "uint8": np.dtype("u1"),
+    "int8": np.dtype("i1"),
+    "uint16": np.dtype("<u2"),
+    "uint32": np.dtype("<u4"),
+    "uint64": np.dtype("<u8"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
 }
 
 
@@ -126,13 +140,25 @@ def _header_and_layout(tensors: list[TensorRecord], pipeline: list[dict], metada
             bufs.append({"role": role, "dtype": buffer_dtype_name(a, rec, role), "offset": off, "nbytes": nbytes})
             spans.append((a, off, nbytes))
             off += nbytes
-        entry = {"name": rec.name, "dtype": rec.dtype, "shape": list(rec.shape), "encoding": rec.encoding,
-                 "nnz": int(rec.nnz), "buffers": bufs}
+        entry = {
+            "name": rec.name,
+            "dtype": rec.dtype,
+            "shape": list(rec.shape),
+            "encoding": rec.encoding,
+            "nnz": int(rec.nnz),
+            "buffers": bufs,
+        }
         if rec.codec:
             entry["codec"] = rec.codec
         entries.append(entry)
-    header = {"format": "gpu_codec", "version": VERSION, "pipeline": pipeline, "metadata": metadata or {},
-              "data_length": off, "tensors": entries}
+    header = {
+        "format": "gpu_codec",
+        "version": VERSION,
+        "pipeline": pipeline,
+        "metadata": metadata or {},
+        "data_length": off,
+        "tensors": entries,
+    }
     return header, spans, off
 
 
@@ -152,7 +178,7 @@ def _gather_host(spans, data_len: int) -> bytes:
     out = bytearray(data_len)
     for a, off, n in spans:
         if n:
-            out[off:off + n] = np.ascontiguousarray(a).view(np.uint8).reshape(-1).tobytes()
+            out[off : off + n] = np.ascontiguousarray(a).view(np.uint8).reshape(-1).tobytes()
     return bytes(out)
 
 
@@ -162,7 +188,7 @@ def _gather_device(spans, data_len: int) -> bytes:
     dev = cupy.zeros(data_len, dtype=cupy.uint8)
     for a, off, n in spans:
         if n:
-            dev[off:off + n] = cupy.ascontiguousarray(a).view(cupy.uint8).reshape(-1)
+            dev[off : off + n] = cupy.ascontiguousarray(a).view(cupy.uint8).reshape(-1)
     return cupy.asnumpy(dev).tobytes()  # the one device-to-host copy of a compress
 
 
@@ -193,57 +219,94 @@ def parse_header(blob: bytes | bytearray | memoryview) -> tuple[dict, memoryview
     """Check prefix, checksum and header JSON; return (header dict, data section)."""
     mv = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob.cast("B")
     n = len(mv)
-    _req(n >= _PREFIX.size + _CRC.size, PayloadHeaderError,
-         f"payload is {n} bytes, shorter than the smallest valid payload")
+    _req(
+        n >= _PREFIX.size + _CRC.size,
+        PayloadHeaderError,
+        f"payload is {n} bytes, shorter than the smallest valid payload",
+    )
     magic, version, hlen = _PREFIX.unpack_from(mv, 0)
     _req(magic == MAGIC, PayloadHeaderError, f"bad magic {bytes(magic)!r}: not a gpu_codec payload")
-    _req(version == VERSION, UnsupportedVersionError,
-         f"payload format version {version} is not supported (this reader knows version {VERSION})")
-    _req(hlen <= MAX_HEADER_BYTES, PayloadHeaderError,
-         f"header length {hlen} exceeds the limit of {MAX_HEADER_BYTES} bytes")
-    _req(_PREFIX.size + hlen + _CRC.size <= n, PayloadHeaderError,
-         f"header length {hlen} runs past the end of a {n}-byte payload")
+    _req(
+        version == VERSION,
+        UnsupportedVersionError,
+        f"payload format version {version} is not supported (this reader knows version {VERSION})",
+    )
+    _req(
+        hlen <= MAX_HEADER_BYTES,
+        PayloadHeaderError,
+        f"header length {hlen} exceeds the limit of {MAX_HEADER_BYTES} bytes",
+    )
+    _req(
+        _PREFIX.size + hlen + _CRC.size <= n,
+        PayloadHeaderError,
+        f"header length {hlen} runs past the end of a {n}-byte payload",
+    )
     (stored,) = _CRC.unpack_from(mv, n - _CRC.size)
     computed = zlib.crc32(mv[: n - _CRC.size]) & 0xFFFFFFFF
-    _req(stored == computed, PayloadChecksumError,
-         f"checksum mismatch: payload is corrupt (stored 0x{stored:08x}, computed 0x{computed:08x})")
+    _req(
+        stored == computed,
+        PayloadChecksumError,
+        f"checksum mismatch: payload is corrupt (stored 0x{stored:08x}, computed 0x{computed:08x})",
+    )
     try:
-        header = json.loads(bytes(mv[_PREFIX.size:_PREFIX.size + hlen]).decode("utf-8"),
-                            parse_constant=_reject_constant)
+        header = json.loads(
+            bytes(mv[_PREFIX.size : _PREFIX.size + hlen]).decode("utf-8"), parse_constant=_reject_constant
+        )
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise PayloadHeaderError(f"header is not valid JSON: {e}") from None
     _req(isinstance(header, dict), PayloadHeaderError, "header JSON must be an object")
-    _req(header.get("format") == "gpu_codec" and header.get("version") == VERSION, PayloadHeaderError,
-         "header does not declare format 'gpu_codec' version 1")
+    _req(
+        header.get("format") == "gpu_codec" and header.get("version") == VERSION,
+        PayloadHeaderError,
+        "header does not declare format 'gpu_codec' version 1",
+    )
     dl = header.get("data_length")
     _req(_is_int(dl) and dl >= 0, PayloadHeaderError, "header field 'data_length' must be a non-negative integer")
     start = _PREFIX.size + hlen
     _req(start % ALIGN == 0, PayloadHeaderError, "header is not padded to an 8-byte boundary")
-    _req(start + dl + _CRC.size == n, PayloadLayoutError,
-         f"payload length {n} does not match header ({start} + data_length {dl} + {_CRC.size})")
-    return header, mv[start:start + dl]
+    _req(
+        start + dl + _CRC.size == n,
+        PayloadLayoutError,
+        f"payload length {n} does not match header ({start} + data_length {dl} + {_CRC.size})",
+    )
+    return header, mv[start : start + dl]
 
 
 def _check_record(i: int, e: Any) -> TensorRecord:
     _req(isinstance(e, dict), PayloadHeaderError, f"tensor entry {i} is not an object")
     name = e.get("name")
-    _req(isinstance(name, str) and 0 < len(name) <= MAX_NAME, PayloadHeaderError,
-         f"tensor entry {i}: 'name' must be a non-empty string of at most {MAX_NAME} characters")
+    _req(
+        isinstance(name, str) and 0 < len(name) <= MAX_NAME,
+        PayloadHeaderError,
+        f"tensor entry {i}: 'name' must be a non-empty string of at most {MAX_NAME} characters",
+    )
     where = f"tensor {name!r}"
     dtype = e.get("dtype")
-    _req(isinstance(dtype, str) and dtype in TENSOR_DTYPES, PayloadDtypeError,
-         f"{where}: dtype {dtype!r} is not one of {', '.join(TENSOR_DTYPES)}")
+    _req(
+        isinstance(dtype, str) and dtype in TENSOR_DTYPES,
+        PayloadDtypeError,
+        f"{where}: dtype {dtype!r} is not one of {', '.join(TENSOR_DTYPES)}",
+    )
     shape = e.get("shape")
-    _req(isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(s) and s >= 0 for s in shape),
-         PayloadLimitError, f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {shape!r}")
+    _req(
+        isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(s) and s >= 0 for s in shape),
+        PayloadLimitError,
+        f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {shape!r}",
+    )
     numel = math.prod(shape)
-    _req(numel <= MAX_TENSOR_ELEMENTS, PayloadLimitError,
-         f"{where}: {numel} elements exceed the limit of {MAX_TENSOR_ELEMENTS}")
+    _req(
+        numel <= MAX_TENSOR_ELEMENTS,
+        PayloadLimitError,
+        f"{where}: {numel} elements exceed the limit of {MAX_TENSOR_ELEMENTS}",
+    )
     enc = e.get("encoding")
     _req(isinstance(enc, str) and enc in LAYOUTS, PayloadHeaderError, f"{where}: unknown encoding {enc!r}")
     nnz = e.get("nnz")
-    _req(_is_int(nnz) and 0 <= nnz <= numel, PayloadLayoutError,
-         f"{where}: nnz {nnz!r} must be an integer between 0 and the element count {numel}")
+    _req(
+        _is_int(nnz) and 0 <= nnz <= numel,
+        PayloadLayoutError,
+        f"{where}: nnz {nnz!r} must be an integer between 0 and the element count {numel}",
+    )
     codec = e.get("codec", {})
     _req(isinstance(codec, dict), PayloadHeaderError, f"{where}: 'codec' must be an object")
     bufs = e.get("buffers")
@@ -260,8 +323,7 @@ def unpack(blob: bytes | bytearray | memoryview) -> tuple[dict, list[TensorRecor
     header, data = parse_header(blob)
     entries = header.get("tensors")
     _req(isinstance(entries, list), PayloadHeaderError, "header field 'tensors' must be a list")
-    _req(len(entries) <= MAX_TENSORS, PayloadLimitError,
-         f"{len(entries)} tensors exceed the limit of {MAX_TENSORS}")
+    _req(len(entries) <= MAX_TENSORS, PayloadLimitError, f"{len(entries)} tensors exceed the limit of {MAX_TENSORS}")
     _req(isinstance(header.get("pipeline", []), list), PayloadHeaderError, "header field 'pipeline' must be a list")
     _req(isinstance(header.get("metadata", {}), dict), PayloadHeaderError, "header field 'metadata' must be an object")
     records, names, expect = [], set(), 0
@@ -275,36 +337,56 @@ def unpack(blob: bytes | bytearray | memoryview) -> tuple[dict, list[TensorRecor
         except PayloadError:
             raise
         except (KeyError, TypeError, ValueError) as ex:
-            raise PayloadHeaderError(f"{where}: codec parameters do not fit encoding {rec.encoding!r}: {ex}") \
-                from None
+            raise PayloadHeaderError(f"{where}: codec parameters do not fit encoding {rec.encoding!r}: {ex}") from None
         bufs = e["buffers"]
         roles = [b.get("role") if isinstance(b, dict) else None for b in bufs]
-        _req(roles == list(layout), PayloadLayoutError,
-             f"{where}: buffers {roles} do not match encoding {rec.encoding!r}, which needs {list(layout)}")
+        _req(
+            roles == list(layout),
+            PayloadLayoutError,
+            f"{where}: buffers {roles} do not match encoding {rec.encoding!r}, which needs {list(layout)}",
+        )
         for b in bufs:
             role = b["role"]
             allowed, count = layout[role]
             bd = b.get("dtype")
-            _req(isinstance(bd, str) and bd in BUFFER_DTYPES, PayloadDtypeError, f"{where}: buffer {role!r} dtype {bd!r} is not allowed")
-            _req(bd in allowed, PayloadDtypeError,
-                 f"{where}: buffer {role!r} has dtype {bd}, encoding {rec.encoding!r} allows {', '.join(allowed)}")
+            _req(
+                isinstance(bd, str) and bd in BUFFER_DTYPES,
+                PayloadDtypeError,
+                f"{where}: buffer {role!r} dtype {bd!r} is not allowed",
+            )
+            _req(
+                bd in allowed,
+                PayloadDtypeError,
+                f"{where}: buffer {role!r} has dtype {bd}, encoding {rec.encoding!r} allows {', '.join(allowed)}",
+            )
             off, nb = b.get("offset"), b.get("nbytes")
-            _req(_is_int(off) and _is_int(nb) and nb >= 0, PayloadLayoutError,
-                 f"{where}: buffer {role!r} offset and nbytes must be non-negative integers")
-            _req(off == _align(expect), PayloadLayoutError,
-                 f"{where}: buffer {role!r} starts at {off}, expected {_align(expect)} (buffers must be contiguous, "
-                 "in order and non-overlapping)")
+            _req(
+                _is_int(off) and _is_int(nb) and nb >= 0,
+                PayloadLayoutError,
+                f"{where}: buffer {role!r} offset and nbytes must be non-negative integers",
+            )
+            _req(
+                off == _align(expect),
+                PayloadLayoutError,
+                f"{where}: buffer {role!r} starts at {off}, expected {_align(expect)} (buffers must be contiguous, "
+                "in order and non-overlapping)",
+            )
             item = BUFFER_DTYPES[bd].itemsize
-            _req(nb == count * item, PayloadLayoutError,
-                 f"{where}: buffer {role!r} holds {nb} bytes, its encoding implies {count} x {item} = {count * item}")
-            _req(off + nb <= len(data), PayloadLayoutError,
-                 f"{where}: buffer {role!r} ends at {off + nb}, past the data section ({len(data)} bytes)")
+            _req(
+                nb == count * item,
+                PayloadLayoutError,
+                f"{where}: buffer {role!r} holds {nb} bytes, its encoding implies {count} x {item} = {count * item}",
+            )
+            _req(
+                off + nb <= len(data),
+                PayloadLayoutError,
+                f"{where}: buffer {role!r} ends at {off + nb}, past the data section ({len(data)} bytes)",
+            )
             if off > expect:
                 _req(not any(data[expect:off]), PayloadLayoutError, f"{where}: non-zero padding before {role!r}")
             rec.buffers[role] = np.frombuffer(data, dtype=BUFFER_DTYPES[bd], count=count, offset=off)
             rec.buffer_dtypes[role] = bd
             expect = off + nb
         records.append(rec)
-    _req(expect == len(data), PayloadLayoutError,
-         f"data section is {len(data)} bytes but the buffers end at {expect}")
+    _req(expect == len(data), PayloadLayoutError, f"data section is {len(data)} bytes but the buffers end at {expect}")
     return header, records

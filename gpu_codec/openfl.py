@@ -41,8 +41,18 @@ from . import engine as _engine
 from ._arrays import array_kind
 from .errors import GpuCodecError, InvalidInputError
 
-__all__ = ["Float32NumpyArrayToBytes", "GpuCodecPipeline", "LossyPipelineError", "NoCompressionPipeline", "TensorCodec",
-           "TensorKey", "TensorTagError", "TransformationPipeline", "Transformer", "change_tags"]
+__all__ = [
+    "Float32NumpyArrayToBytes",
+    "GpuCodecPipeline",
+    "LossyPipelineError",
+    "NoCompressionPipeline",
+    "TensorCodec",
+    "TensorKey",
+    "TensorTagError",
+    "TransformationPipeline",
+    "Transformer",
+    "change_tags",
+]
 
 
 class TensorTagError(GpuCodecError, ValueError):
@@ -63,8 +73,9 @@ class TensorKey(NamedTuple):
     tags: tuple[str, ...]
 
 
-def change_tags(tags: Sequence[str], *, add_field: str | None = None, remove_field: str | None = None
-                ) -> tuple[str, ...]:
+def change_tags(
+    tags: Sequence[str], *, add_field: str | None = None, remove_field: str | None = None
+) -> tuple[str, ...]:
     """OpenFL's tag edit: deduplicate, add and/or remove one field, return sorted.
 
     >>> change_tags(("trained", "delta"), add_field="compressed")
@@ -82,6 +93,7 @@ def change_tags(tags: Sequence[str], *, add_field: str | None = None, remove_fie
 
 
 # ---------------------------------------------------------------- OpenFL's lossless default
+
 
 class Transformer:
     """OpenFL's transformer contract: ``forward(data) -> (data, metadata)``, ``backward(data, metadata)``."""
@@ -164,6 +176,7 @@ def _to_host_numpy(data: Any) -> np.ndarray:
 
 # ---------------------------------------------------------------- gpu_codec as an OpenFL pipeline
 
+
 class GpuCodecPipeline:
     """gpu_codec in OpenFL's pipeline shape.
 
@@ -191,8 +204,15 @@ class GpuCodecPipeline:
 
     name = "tensor"  # the payload's one tensor name (OpenFL's pipelines see the array, not its key)
 
-    def __init__(self, pipeline: Any = None, *, fraction: float | None = 0.01, scope: str = "global",
-                 score: Any = "magnitude", like: str = "numpy") -> None:
+    def __init__(
+        self,
+        pipeline: Any = None,
+        *,
+        fraction: float | None = 0.01,
+        scope: str = "global",
+        score: Any = "magnitude",
+        like: str = "numpy",
+    ) -> None:
         self._stages = _adapt.pipeline_configs(pipeline)
         if fraction is not None:
             fraction = _engine._check_fraction(fraction)
@@ -207,8 +227,13 @@ class GpuCodecPipeline:
         self.transformers = [self]
 
     def get_config(self) -> dict:
-        return {"pipeline": self._stages, "fraction": self.fraction, "scope": self.scope,
-                "score": self.score if isinstance(self.score, str) else "custom", "like": self.like}
+        return {
+            "pipeline": self._stages,
+            "fraction": self.fraction,
+            "scope": self.scope,
+            "score": self.score if isinstance(self.score, str) else "custom",
+            "like": self.like,
+        }
 
     def is_lossy(self) -> bool:
         return self._lossy
@@ -221,8 +246,9 @@ class GpuCodecPipeline:
         dt = str(data.dtype).replace("torch.", "")
         if dt not in _dtypes.FLOAT_DTYPES:  # OpenFL's own pipelines cast to float32 too
             data = data.float() if kind == "torch" else data.astype(np.float32)
-        payload = _adapt.engine_compress({self.name: data}, fraction=self.fraction, scope=self.scope,
-                                         score=self.score, pipeline=self._stages)
+        payload = _adapt.engine_compress(
+            {self.name: data}, fraction=self.fraction, scope=self.scope, score=self.score, pipeline=self._stages
+        )
         shape = [int(s) for s in data.shape]
         return (payload.to_bytes() if serialize else payload), [{"int_list": shape}]
 
@@ -235,8 +261,9 @@ class GpuCodecPipeline:
             raise InvalidInputError("metadata must be included for decompression")
         payload = data if isinstance(data, _engine.Payload) else _engine.Payload.from_bytes(data)
         if [r.name for r in payload.tensors] != [self.name]:
-            raise InvalidInputError(f"expected a payload of one tensor {self.name!r}, got "
-                                    f"{[r.name for r in payload.tensors]}")
+            raise InvalidInputError(
+                f"expected a payload of one tensor {self.name!r}, got {[r.name for r in payload.tensors]}"
+            )
         like = like or self.like
         rec = payload.tensors[0]
         out = _engine.decompress(payload, like=like)[self.name]
@@ -246,13 +273,16 @@ class GpuCodecPipeline:
 def _as_pipeline(p: Any) -> Any:
     if hasattr(p, "forward") and hasattr(p, "backward") and hasattr(p, "is_lossy"):
         return p
-    if isinstance(p, Sequence) and not isinstance(p, (str, bytes)) or hasattr(p, "get_config"):
+    if (isinstance(p, Sequence) and not isinstance(p, (str, bytes))) or hasattr(p, "get_config"):
         return GpuCodecPipeline(p)
-    raise InvalidInputError(f"compression_pipeline must have forward, backward and is_lossy (an OpenFL pipeline or "
-                            f"a GpuCodecPipeline), or be codec stage configs; got {type(p).__name__}")
+    raise InvalidInputError(
+        f"compression_pipeline must have forward, backward and is_lossy (an OpenFL pipeline or "
+        f"a GpuCodecPipeline), or be codec stage configs; got {type(p).__name__}"
+    )
 
 
 # ---------------------------------------------------------------- TensorCodec (OpenFL's logic)
+
 
 class TensorCodec:
     """Tracks the compression dependencies of tensors and wraps a compression pipeline with TensorKey logic.
@@ -275,8 +305,9 @@ class TensorCodec:
             raise LossyPipelineError("The provided pipeline is not lossless")
         self.lossless_pipeline = lossless_pipeline
 
-    def compress(self, tensor_key: TensorKey, data: Any, require_lossless: bool = False, **kwargs: Any
-                 ) -> tuple[TensorKey, Any, list[dict]]:
+    def compress(
+        self, tensor_key: TensorKey, data: Any, require_lossless: bool = False, **kwargs: Any
+    ) -> tuple[TensorKey, Any, list[dict]]:
         """Compress ``data``; the returned key gains ``compressed`` (lossless) or ``lossy_compressed``."""
         if require_lossless:
             compressed_nparray, metadata = self.lossless_pipeline.forward(data, **kwargs)
@@ -289,8 +320,14 @@ class TensorCodec:
             new_tags = change_tags(tags, add_field="lossy_compressed")
         return TensorKey(tensor_name, origin, round_number, report, new_tags), compressed_nparray, metadata
 
-    def decompress(self, tensor_key: TensorKey, data: Any, transformer_metadata: list[dict],
-                   require_lossless: bool = False, **kwargs: Any) -> tuple[TensorKey, Any]:
+    def decompress(
+        self,
+        tensor_key: TensorKey,
+        data: Any,
+        transformer_metadata: list[dict],
+        require_lossless: bool = False,
+        **kwargs: Any,
+    ) -> tuple[TensorKey, Any]:
         """Decompress ``data``; ``lossy_compressed`` becomes ``lossy_decompressed``, ``compressed`` is dropped."""
         tensor_name, origin, round_number, report, tags = tensor_key
         if not transformer_metadata:
@@ -314,22 +351,26 @@ class TensorCodec:
         """``nparray - base_model_nparray`` (NumPy, CuPy or torch, on their device); the key gains ``delta``."""
         tensor_name, origin, round_number, report, tags = tensor_key
         if not np.isscalar(nparray) and tuple(nparray.shape) != tuple(base_model_nparray.shape):
-            raise InvalidInputError(f"Shape of updated layer ({tuple(nparray.shape)}) is not equal to base layer "
-                                    f"shape of ({tuple(base_model_nparray.shape)})")
+            raise InvalidInputError(
+                f"Shape of updated layer ({tuple(nparray.shape)}) is not equal to base layer "
+                f"shape of ({tuple(base_model_nparray.shape)})"
+            )
         if "model" in tags:
-            raise TensorTagError("The tensorkey should be provided from the layer with new weights, not the base "
-                                 "model")
+            raise TensorTagError("The tensorkey should be provided from the layer with new weights, not the base model")
         new_tags = change_tags(tags, add_field="delta")
         return TensorKey(tensor_name, origin, round_number, report, new_tags), nparray - base_model_nparray
 
     @staticmethod
-    def apply_delta(tensor_key: TensorKey, delta: Any, base_model_nparray: Any, creates_model: bool = False
-                    ) -> tuple[TensorKey, Any]:
+    def apply_delta(
+        tensor_key: TensorKey, delta: Any, base_model_nparray: Any, creates_model: bool = False
+    ) -> tuple[TensorKey, Any]:
         """``base_model_nparray + delta``; the key loses ``delta`` at the aggregator, else becomes ``("model",)``."""
         tensor_name, origin, round_number, report, tags = tensor_key
         if not np.isscalar(base_model_nparray) and tuple(delta.shape) != tuple(base_model_nparray.shape):
-            raise InvalidInputError(f"Shape of delta ({tuple(delta.shape)}) is not equal to shape of model layer "
-                                    f"({tuple(base_model_nparray.shape)})")
+            raise InvalidInputError(
+                f"Shape of delta ({tuple(delta.shape)}) is not equal to shape of model layer "
+                f"({tuple(base_model_nparray.shape)})"
+            )
         if "aggregator" in origin and not creates_model:
             new_tags = change_tags(tags, remove_field="delta")
             new_key = TensorKey(tensor_name, origin, round_number, report, new_tags)

@@ -20,15 +20,16 @@ HAS_GPU = _gpu_probe()[0]
 def has_emulator() -> bool:
     try:
         import gpu_codec._emulator  # noqa: F401
-    except Exception:  # noqa: BLE001
+    except Exception:
         return False
     return True
 
 
 BACKENDS = [
     pytest.param("cpu", id="cpu"),
-    pytest.param("emulated", id="emulated",
-                 marks=pytest.mark.skipif(not has_emulator(), reason="emulated backend not built")),
+    pytest.param(
+        "emulated", id="emulated", marks=pytest.mark.skipif(not has_emulator(), reason="emulated backend not built")
+    ),
     pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]),
 ]
 
@@ -49,6 +50,7 @@ def use_backend(name: str):
 
 
 # ---------------------------------------------------------------- reference (independent of the implementation)
+
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << 16).view(np.float32)
@@ -83,8 +85,14 @@ def ref_score(crit: str, new, base, d, dtype) -> np.ndarray:
         return np.asarray(s).astype(np.float32)
 
 
-def reference_topk(update: dict, base: dict | None, fraction: float, scope: str = "global",
-                   crit: str = "magnitude", dtypes: dict | None = None):
+def reference_topk(
+    update: dict,
+    base: dict | None,
+    fraction: float,
+    scope: str = "global",
+    crit: str = "magnitude",
+    dtypes: dict | None = None,
+):
     """Per tensor (indices, values) by a stable argsort over all scores: the definition, not an algorithm."""
     names = list(update)
     dtypes = dtypes or {n: np.asarray(update[n]).dtype.name for n in names}
@@ -105,7 +113,7 @@ def reference_topk(update: dict, base: dict | None, fraction: float, scope: str 
         a = 0
         for n in g:
             sz = scores[n].size
-            idx = np.flatnonzero(chosen[a:a + sz])
+            idx = np.flatnonzero(chosen[a : a + sz])
             out[n] = (idx, deltas[n][idx])
             a += sz
     return out
@@ -131,10 +139,11 @@ def as_numpy(x) -> np.ndarray:
 
 # ---------------------------------------------------------------- payload surgery
 
+
 def split_payload(blob: bytes) -> tuple[dict, bytes]:
     _, _, hlen = struct.unpack_from("<8sII", blob, 0)
-    header = json.loads(blob[16:16 + hlen])
-    return header, blob[16 + hlen:-4]
+    header = json.loads(blob[16 : 16 + hlen])
+    return header, blob[16 + hlen : -4]
 
 
 def build_payload(header: dict, data: bytes, *, version: int = 1, fix_crc: bool = True) -> bytes:

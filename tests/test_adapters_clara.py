@@ -31,14 +31,19 @@ def ref_topk_delta(new: dict, base: dict, fraction: float) -> dict:
     out, a = {}, 0
     for n in names:
         size = new[n].size
-        out[n] = (base[n].astype(np.float32).reshape(-1) + kept[a:a + size]).reshape(new[n].shape).astype(new[n].dtype)
+        out[n] = (
+            (base[n].astype(np.float32).reshape(-1) + kept[a : a + size]).reshape(new[n].shape).astype(new[n].dtype)
+        )
         a += size
     return out
 
 
 def models(seed=0):
     rng = np.random.default_rng(seed)
-    glob = {"conv.w": rng.standard_normal((4, 3, 3)).astype(np.float32), "fc.b": rng.standard_normal(7).astype(np.float32)}
+    glob = {
+        "conv.w": rng.standard_normal((4, 3, 3)).astype(np.float32),
+        "fc.b": rng.standard_normal(7).astype(np.float32),
+    }
     local = {k: (v + rng.standard_normal(v.shape)).astype(np.float32) for k, v in glob.items()}
     return glob, local
 
@@ -51,18 +56,20 @@ def key_file(tmp_path):
 
 
 def make_chain(key_file, fraction=0.1):
-    return C.ProcessorChain.from_config({
-        "pre_processors": [
-            {"name": "IteratorNumberGenerator", "args": {"field": "n_iter"}},
-            {"name": "BestMetricGenerator", "args": {"field": "best_validation_metric"}},
-            {"name": "DataCompressor", "args": {"fraction": fraction}},
-            {"name": "ModelEncryptor", "args": {"key_file": key_file}},
-        ],
-        "post_processors": [
-            {"name": "DataDeCompressor", "args": {}},
-            {"name": "ModelDecryptor", "args": {"key_file": key_file}},
-        ],
-    })
+    return C.ProcessorChain.from_config(
+        {
+            "pre_processors": [
+                {"name": "IteratorNumberGenerator", "args": {"field": "n_iter"}},
+                {"name": "BestMetricGenerator", "args": {"field": "best_validation_metric"}},
+                {"name": "DataCompressor", "args": {"fraction": fraction}},
+                {"name": "ModelEncryptor", "args": {"key_file": key_file}},
+            ],
+            "post_processors": [
+                {"name": "DataDeCompressor", "args": {}},
+                {"name": "ModelDecryptor", "args": {"key_file": key_file}},
+            ],
+        }
+    )
 
 
 def test_chain_compresses_encrypts_and_back(key_file):
@@ -126,10 +133,16 @@ def test_wrong_key_is_rejected(key_file):
     assert issubclass(C.DecryptionError, GpuCodecError) and issubclass(C.DecryptionError, ValueError)
 
 
-@pytest.mark.parametrize("args, match", [
-    ({}, "exactly one"), ({"key": b"short"}, "32 bytes"), ({"key_env": "GPU_CODEC_NO_SUCH_VAR"}, "not set"),
-    ({"key_file": "/nonexistent/key"}, "cannot read"), ({"key": KEY, "key_env": "X"}, "exactly one"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ({}, "exactly one"),
+        ({"key": b"short"}, "32 bytes"),
+        ({"key_env": "GPU_CODEC_NO_SUCH_VAR"}, "not set"),
+        ({"key_file": "/nonexistent/key"}, "cannot read"),
+        ({"key": KEY, "key_env": "X"}, "exactly one"),
+    ],
+)
 def test_key_errors(args, match):
     with pytest.raises(C.EncryptionKeyError, match=match):
         C.ModelEncryptor(**args)
@@ -169,7 +182,8 @@ def test_processor_order_errors(key_file):
     assert ctx.get_model() is local
     enc_ctx = C.DataContext(model=local)
     C.ProcessorChain([C.DataCompressor(fraction=0.5), C.ModelEncryptor(key_file=key_file)]).process_outgoing(
-        enc_ctx, C.AppContext(global_model=glob))
+        enc_ctx, C.AppContext(global_model=glob)
+    )
     with pytest.raises(C.ProcessorOrderError, match="ModelDecryptor must run"):
         C.DataDeCompressor().process(enc_ctx, C.AppContext(global_model=glob))
     with pytest.raises(C.ProcessorOrderError, match="not compressed or encrypted|neither"):
@@ -195,10 +209,24 @@ def test_codec_stages_in_the_compressor_config(key_file):
     if not hasattr(gpu_codec, "get_codec"):
         pytest.skip("gpu_codec.codecs is not present")
     glob, local = models(7)
-    chain = C.ProcessorChain.from_config({"pre_processors": [
-        {"name": "DataCompressor", "args": {"fraction": 0.2, "pipeline": [
-            {"id": "quantize", "dtype": "float16"}, {"id": "rice"}, {"id": "zstd", "level": 3}]}},
-        {"name": "ModelEncryptor", "args": {"key_file": key_file}}]})
+    chain = C.ProcessorChain.from_config(
+        {
+            "pre_processors": [
+                {
+                    "name": "DataCompressor",
+                    "args": {
+                        "fraction": 0.2,
+                        "pipeline": [
+                            {"id": "quantize", "dtype": "float16"},
+                            {"id": "rice"},
+                            {"id": "zstd", "level": 3},
+                        ],
+                    },
+                },
+                {"name": "ModelEncryptor", "args": {"key_file": key_file}},
+            ]
+        }
+    )
     app = C.AppContext(global_model=glob)
     server = C.deserialize(C.serialize(chain.process_outgoing(C.DataContext(model=local), app)))
     chain.process_incoming(server, app)
@@ -247,8 +275,9 @@ def test_dict_model_reader_writer_with_payloads():
     rw = C.DictModelReaderWriter(exclude_vars="^fc\\.")
     rw.initialize(glob)
     assert list(rw.get_local_models()) == ["conv.w"]
-    payload = gpu_codec.compress({"conv.w": local["conv.w"]}, {"conv.w": glob["conv.w"]}, fraction=0.3,
-                                 metadata={C.CLARA_KEY: {"delta": True}})
+    payload = gpu_codec.compress(
+        {"conv.w": local["conv.w"]}, {"conv.w": glob["conv.w"]}, fraction=0.3, metadata={C.CLARA_KEY: {"delta": True}}
+    )
     assert rw.apply_model(payload.to_bytes()) is True
     want = ref_topk_delta({"conv.w": local["conv.w"]}, {"conv.w": glob["conv.w"]}, 0.3)["conv.w"]
     np.testing.assert_array_equal(rw.extract_model(["conv.w", "missing"])["conv.w"], want)

@@ -19,9 +19,14 @@ ADAPTER_BACKENDS = [
     pytest.param("cpu", id="cpu"),
     pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]),
 ]
-SCORE_FNS = [F.largest_final_magnitude_scores, F.smallest_final_magnitude_scores, F.largest_magnitude_change_scores,
-             F.smallest_magnitude_change_scores, F.largest_increase_in_magnitude_scores,
-             F.smallest_increase_in_magnitude_scores]
+SCORE_FNS = [
+    F.largest_final_magnitude_scores,
+    F.smallest_final_magnitude_scores,
+    F.largest_magnitude_change_scores,
+    F.smallest_magnitude_change_scores,
+    F.largest_increase_in_magnitude_scores,
+    F.smallest_increase_in_magnitude_scores,
+]
 
 
 def same_arrays(got: list, want: list) -> None:
@@ -54,14 +59,17 @@ def make_pair(seed: int, device: str = "cpu"):
 
 # ---------------------------------------------------------------- independent references
 
+
 def ref_scores(name: str, w: np.ndarray, w0: np.ndarray) -> np.ndarray:
     w, w0 = w.astype(np.float32), w0.astype(np.float32)
-    return {"largest_final_magnitude_scores": lambda: np.abs(w),
-            "smallest_final_magnitude_scores": lambda: -np.abs(w),
-            "largest_magnitude_change_scores": lambda: np.abs(w - w0),
-            "smallest_magnitude_change_scores": lambda: -np.abs(w - w0),
-            "largest_increase_in_magnitude_scores": lambda: np.abs(w) - np.abs(w0),
-            "smallest_increase_in_magnitude_scores": lambda: -(np.abs(w) - np.abs(w0))}[name]()
+    return {
+        "largest_final_magnitude_scores": lambda: np.abs(w),
+        "smallest_final_magnitude_scores": lambda: -np.abs(w),
+        "largest_magnitude_change_scores": lambda: np.abs(w - w0),
+        "smallest_magnitude_change_scores": lambda: -np.abs(w - w0),
+        "largest_increase_in_magnitude_scores": lambda: np.abs(w) - np.abs(w0),
+        "smallest_increase_in_magnitude_scores": lambda: -(np.abs(w) - np.abs(w0)),
+    }[name]()
 
 
 def ref_exact_packing(state: dict, init: dict, fn_name: str, sparsity: float) -> list:
@@ -75,7 +83,7 @@ def ref_exact_packing(state: dict, init: dict, fn_name: str, sparsity: float) ->
     values, indices, shapes, out_names, a = [], [], [], [], 0
     for n in names:
         t = state[n]
-        sel = np.flatnonzero(keep[a:a + t.size])
+        sel = np.flatnonzero(keep[a : a + t.size])
         a += t.size
         if sel.size:
             values.append(t.reshape(-1)[sel])
@@ -112,6 +120,7 @@ def np_state(model) -> dict:
 
 # ---------------------------------------------------------------- packers
 
+
 def test_simple_packers_match_fl4health_layouts():
     w = [np.arange(6, dtype=np.float32).reshape(2, 3), np.ones(3, np.float64)]
     cv = [np.zeros((2, 3), np.float32)]
@@ -138,13 +147,18 @@ def test_simple_packers_match_fl4health_layouts():
 def test_sparse_coo_packer_layout_and_extract():
     dense = np.array([[0, 1.5, 0], [-2, 0, 0]], np.float32)
     vals, idx, shape = F.SparseCooParameterPacker.extract_coo_info_from_dense(torch.from_numpy(dense))
-    same_arrays([vals, idx, shape], [np.array([1.5, -2], np.float32), np.array([[0, 1], [1, 0]], np.int64),
-                                     np.array([2, 3], np.int64)])
+    same_arrays(
+        [vals, idx, shape],
+        [np.array([1.5, -2], np.float32), np.array([[0, 1], [1, 0]], np.int64), np.array([2, 3], np.int64)],
+    )
     v2 = np.array([7.0], np.float64)
-    packed = F.SparseCooParameterPacker().pack_parameters([vals, v2], ([idx, np.array([[4]], np.int64)],
-                                                                        [shape, np.array([9], np.int64)], ["a", "bb"]))
-    same_arrays(packed, [vals, v2, idx, np.array([[4]], np.int64), shape, np.array([9], np.int64),
-                         np.array(["a", "bb"], dtype="<U2")])
+    packed = F.SparseCooParameterPacker().pack_parameters(
+        [vals, v2], ([idx, np.array([[4]], np.int64)], [shape, np.array([9], np.int64)], ["a", "bb"])
+    )
+    same_arrays(
+        packed,
+        [vals, v2, idx, np.array([[4]], np.int64), shape, np.array([9], np.int64), np.array(["a", "bb"], dtype="<U2")],
+    )
     got_vals, (got_idx, got_shapes, got_names) = F.SparseCooParameterPacker().unpack_parameters(packed)
     assert got_names == ["a", "bb"] and len(got_vals) == len(got_idx) == len(got_shapes) == 2
     with pytest.raises(F.PackedLayoutError, match="3n \\+ 1"):
@@ -152,6 +166,7 @@ def test_sparse_coo_packer_layout_and_extract():
 
 
 # ---------------------------------------------------------------- exchanger, engine mode
+
 
 @pytest.mark.parametrize("backend", ADAPTER_BACKENDS)
 @pytest.mark.parametrize("fn", SCORE_FNS, ids=lambda f: f.__name__)
@@ -162,7 +177,7 @@ def test_engine_selection_matches_exact_reference(backend, fn):
         got = F.SparseCooParameterExchanger(0.07, fn).push_parameters(model, initial)
     want = ref_exact_packing(np_state(model), np_state(initial), fn.__name__, 0.07)
     same_arrays(got, want)
-    assert sum(a.size for a in got[:len(got) // 3]) == gpu_codec.kept_count(0.07, 6 * 5 + 5 + 5 * 4 + 5 * 3 + 3)
+    assert sum(a.size for a in got[: len(got) // 3]) == gpu_codec.kept_count(0.07, 6 * 5 + 5 + 5 * 4 + 5 * 3 + 3)
 
 
 @pytest.mark.parametrize("backend", ADAPTER_BACKENDS)
@@ -201,30 +216,38 @@ def test_custom_score_function_and_fl4health_functions_by_name():
     names = [n for n, t in state.items() if t.ndim > 0]
     flat = np.concatenate([sc[n].numpy().reshape(-1) for n in names]).astype(np.float64)
     k = gpu_codec.kept_count(0.1, flat.size)
-    assert sum(a.size for a in got[:len(got) // 3]) == k
-    kept = np.sort(np.concatenate([sc[n].numpy()[tuple(i.T)] for n, i in zip(got[-1].tolist(),
-                                                                              got[len(got) // 3:2 * len(got) // 3])]))
+    assert sum(a.size for a in got[: len(got) // 3]) == k
+    kept = np.sort(
+        np.concatenate(
+            [sc[n].numpy()[tuple(i.T)] for n, i in zip(got[-1].tolist(), got[len(got) // 3 : 2 * len(got) // 3])]
+        )
+    )
     np.testing.assert_array_equal(kept, np.sort(flat)[-k:].astype(np.float32))
 
     # fl4health's own function objects (same name, fl4health's module) run as kernel criteria too
-    clone = types.FunctionType(F.largest_magnitude_change_scores.__code__, F.largest_magnitude_change_scores.__globals__,
-                               "largest_magnitude_change_scores")
+    clone = types.FunctionType(
+        F.largest_magnitude_change_scores.__code__,
+        F.largest_magnitude_change_scores.__globals__,
+        "largest_magnitude_change_scores",
+    )
     clone.__module__ = "fl4health.parameter_exchange.parameter_selection_criteria"
     assert F._engine_criterion(clone) == "largest_magnitude_change"
-    same_arrays(F.SparseCooParameterExchanger(0.1, clone).push_parameters(model, initial),
-                F.SparseCooParameterExchanger(0.1, F.largest_magnitude_change_scores).push_parameters(model, initial))
+    same_arrays(
+        F.SparseCooParameterExchanger(0.1, clone).push_parameters(model, initial),
+        F.SparseCooParameterExchanger(0.1, F.largest_magnitude_change_scores).push_parameters(model, initial),
+    )
 
 
 def test_exact_k_and_zeros_versus_compat_mode():
     """Ties and zeros: engine mode keeps exactly k (zeros included); compat mode reproduces fl4health."""
     model = torch.nn.Linear(4, 3)
     with torch.no_grad():
-        model.weight.copy_(torch.tensor([[2., 0., 2., 1.], [0., 2., 1., 0.], [1., 1., 2., 0.]]))
-        model.bias.copy_(torch.tensor([0., 0., 3.]))
+        model.weight.copy_(torch.tensor([[2.0, 0.0, 2.0, 1.0], [0.0, 2.0, 1.0, 0.0], [1.0, 1.0, 2.0, 0.0]]))
+        model.bias.copy_(torch.tensor([0.0, 0.0, 3.0]))
     initial = torch.nn.Linear(4, 3)
     with torch.no_grad():
         initial.weight.zero_()
-        initial.bias.copy_(torch.tensor([1., 0., 1.]))
+        initial.bias.copy_(torch.tensor([1.0, 0.0, 1.0]))
     for fn in SCORE_FNS:
         for sparsity in (0.07, 0.2, 0.5, 1.0):
             state, init = np_state(model), np_state(initial)
@@ -239,28 +262,45 @@ def test_exact_k_and_zeros_versus_compat_mode():
     assert sum(a.size for a in exact.push_parameters(model)[:2]) == 3
     # smallest magnitudes are the zeros: fl4health sends nothing of them, we send exactly k zeros
     z = F.SparseCooParameterExchanger(0.2, F.smallest_final_magnitude_scores).push_parameters(model)
-    assert sum(a.size for a in z[:len(z) // 3]) == 3 and all((a == 0).all() for a in z[:len(z) // 3])
+    assert sum(a.size for a in z[: len(z) // 3]) == 3 and all((a == 0).all() for a in z[: len(z) // 3])
 
 
 def test_pull_reads_a_stock_fl4health_packing():
     """A packing built by hand in fl4health's layout, entries in any order, loads into the model."""
     model = torch.nn.Linear(3, 2)
-    packed = [np.array([5.0, -1.0], np.float32), np.array([2.5], np.float32),
-              np.array([[1, 2], [0, 0]], np.int64), np.array([[1]], np.int64),
-              np.array([2, 3], np.int64), np.array([2], np.int64), np.array(["weight", "bias"])]
+    packed = [
+        np.array([5.0, -1.0], np.float32),
+        np.array([2.5], np.float32),
+        np.array([[1, 2], [0, 0]], np.int64),
+        np.array([[1]], np.int64),
+        np.array([2, 3], np.int64),
+        np.array([2], np.int64),
+        np.array(["weight", "bias"]),
+    ]
     F.SparseCooParameterExchanger(0.5, F.largest_final_magnitude_scores).pull_parameters(packed, model)
     assert model.weight.tolist() == [[-1.0, 0.0, 0.0], [0.0, 0.0, 5.0]] and model.bias.tolist() == [0.0, 2.5]
 
 
-@pytest.mark.parametrize("bad, err", [
-    ("out_of_range", PayloadIndexError), ("repeated", PayloadIndexError), ("count", F.PackedLayoutError),
-    ("shape", F.PackedLayoutError), ("name", F.PackedLayoutError), ("idx_cols", F.PackedLayoutError),
-])
+@pytest.mark.parametrize(
+    "bad, err",
+    [
+        ("out_of_range", PayloadIndexError),
+        ("repeated", PayloadIndexError),
+        ("count", F.PackedLayoutError),
+        ("shape", F.PackedLayoutError),
+        ("name", F.PackedLayoutError),
+        ("idx_cols", F.PackedLayoutError),
+    ],
+)
 def test_pull_rejects_bad_packings_and_leaves_the_model_alone(bad, err):
     model = torch.nn.Linear(3, 2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    vals, idx, shape, names = [np.array([1.0, 2.0], np.float32)], [np.array([[0, 0], [1, 2]], np.int64)], \
-        [np.array([2, 3], np.int64)], ["weight"]
+    vals, idx, shape, names = (
+        [np.array([1.0, 2.0], np.float32)],
+        [np.array([[0, 0], [1, 2]], np.int64)],
+        [np.array([2, 3], np.int64)],
+        ["weight"],
+    )
     if bad == "out_of_range":
         idx = [np.array([[0, 0], [2, 0]], np.int64)]
     elif bad == "repeated":
@@ -287,6 +327,7 @@ def test_bad_arguments():
 
 
 # ---------------------------------------------------------------- compact exchanger
+
 
 @pytest.mark.parametrize("backend", ADAPTER_BACKENDS)
 def test_compact_exchanger_round_trip_matches_sparse_coo(backend):
@@ -325,8 +366,9 @@ def test_compact_exchanger_with_a_codec_pipeline_round_trips():
     torch.manual_seed(0)
     src, dst = torch.nn.Linear(200, 50), torch.nn.Linear(200, 50)
     raw = CompactSparseExchanger(0.05, largest_final_magnitude_scores)
-    coded = CompactSparseExchanger(0.05, largest_final_magnitude_scores,
-                                   pipeline=[Quantize("float16"), RiceIndices(), Zstd()])
+    coded = CompactSparseExchanger(
+        0.05, largest_final_magnitude_scores, pipeline=[Quantize("float16"), RiceIndices(), Zstd()]
+    )
     (a,), (b,) = raw.push_parameters(src), coded.push_parameters(src)
     assert b.nbytes < a.nbytes / 2
     coded.pull_parameters([b], dst)

@@ -25,14 +25,17 @@ def ref_topk(update: dict, fraction: float) -> dict:
     kept[keep] = d[keep]
     out, a = {}, 0
     for n in names:
-        out[n] = kept[a:a + update[n].size].reshape(update[n].shape)
+        out[n] = kept[a : a + update[n].size].reshape(update[n].shape)
         a += update[n].size
     return out
 
 
 def update_and_base(seed=0):
     rng = np.random.default_rng(seed)
-    base = {"enc.w": rng.standard_normal((16, 8)).astype(np.float32), "enc.b": rng.standard_normal(8).astype(np.float32)}
+    base = {
+        "enc.w": rng.standard_normal((16, 8)).astype(np.float32),
+        "enc.b": rng.standard_normal(8).astype(np.float32),
+    }
     new = {k: v + rng.standard_normal(v.shape).astype(np.float32) for k, v in base.items()}
     return new, base
 
@@ -98,8 +101,9 @@ def test_compressed_record_round_trip(backend):
         rec = ParametersRecord.compressed(new, base, fraction=0.05)
         if backend == "gpu":
             assert type(rec["gpu_codec"].payload().tensors[0].buffers["values"]).__module__.startswith("cupy")
-        wire = ParametersRecord({"gpu_codec": Array(**{f: getattr(rec["gpu_codec"], f)
-                                                       for f in ("dtype", "shape", "stype", "data")})})
+        wire = ParametersRecord(
+            {"gpu_codec": Array(**{f: getattr(rec["gpu_codec"], f) for f in ("dtype", "shape", "stype", "data")})}
+        )
         delta = wire.decompress()
         full = wire.decompress(base=base)
     want = ref_topk({k: new[k] - base[k] for k in new}, 0.05)
@@ -133,13 +137,14 @@ def test_codec_stages_in_a_record():
     if not hasattr(gpu_codec, "get_codec"):
         pytest.skip("gpu_codec.codecs is not present")
     new, base = update_and_base(4)
-    rec = ParametersRecord.compressed(new, base, fraction=0.1, pipeline=[{"id": "quantize", "dtype": "bfloat16"},
-                                                                         {"id": "zstd", "level": 1}])
+    rec = ParametersRecord.compressed(
+        new, base, fraction=0.1, pipeline=[{"id": "quantize", "dtype": "bfloat16"}, {"id": "zstd", "level": 1}]
+    )
     assert [s["id"] for s in rec["gpu_codec"].payload().pipeline] == ["topk", "quantize", "zstd"]
     want = ref_topk({k: new[k] - base[k] for k in new}, 0.1)
     got = rec.decompress()
     for n in new:
-        np.testing.assert_allclose(got[n], want[n], rtol=2 ** -8)
+        np.testing.assert_allclose(got[n], want[n], rtol=2**-8)
         assert ((got[n] != 0) == (want[n] != 0)).all()
 
 

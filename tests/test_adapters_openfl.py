@@ -106,7 +106,8 @@ def test_find_dependencies():
     lossy, lossless = TensorCodec(GpuCodecPipeline(fraction=0.1)), TensorCodec(NoCompressionPipeline())
     assert lossy.find_dependencies(model_key, True) == [
         TensorKey("w", "aggregator_x", 2, False, ("model",)),
-        TensorKey("w", "aggregator_x", 3, False, ("aggregated", "delta", "lossy_compressed"))]
+        TensorKey("w", "aggregator_x", 3, False, ("aggregated", "delta", "lossy_compressed")),
+    ]
     assert lossless.find_dependencies(model_key, True)[1].tags == ("aggregated", "delta", "compressed")
     assert lossy.find_dependencies(model_key, False) == []
     assert lossy.find_dependencies(model_key._replace(round_number=0), True) == []

@@ -23,8 +23,21 @@ def test_compress_decompress_inspect_round_trip(tmp_path, capsys):
     np.savez(tmp_path / "base.npz", **base)
     np.savez(tmp_path / "new.npz", **new)
     blob = tmp_path / "u.gcodec"
-    assert main(["compress", str(tmp_path / "new.npz"), "--base", str(tmp_path / "base.npz"), "-o", str(blob),
-                 "--fraction", "1.0"]) == 0
+    assert (
+        main(
+            [
+                "compress",
+                str(tmp_path / "new.npz"),
+                "--base",
+                str(tmp_path / "base.npz"),
+                "-o",
+                str(blob),
+                "--fraction",
+                "1.0",
+            ]
+        )
+        == 0
+    )
     assert main(["decompress", str(blob), "--base", str(tmp_path / "base.npz"), "-o", str(tmp_path / "m.npz")]) == 0
     with np.load(tmp_path / "m.npz", allow_pickle=False) as z:
         for k in base:

@@ -9,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.common import load_benchmark
-
 import gpu_codec
 from gpu_codec import (
     CodecConfigError,
@@ -29,15 +27,33 @@ from gpu_codec import (
     register_codec,
 )
 from gpu_codec.codecs import Codec, registered_codecs
+from tests.common import load_benchmark
 
 from .common import use_backend
 
 ROOT = Path(__file__).resolve().parents[1]
 
-ALL_CODECS = [TopK(0.05, "per_tensor", "largest_final_magnitude"), TopK(), Quantize("float32"), Quantize("float16"),
-              Quantize("bfloat16"), Int8Blockwise(64), Ternary(), RiceIndices(), Zstd(7), Nvcomp()]
-VALUE_STAGES = [None, Quantize("float32"), Quantize("float16"), Quantize("bfloat16"), Int8Blockwise(7),
-                Int8Blockwise(256), Ternary()]
+ALL_CODECS = [
+    TopK(0.05, "per_tensor", "largest_final_magnitude"),
+    TopK(),
+    Quantize("float32"),
+    Quantize("float16"),
+    Quantize("bfloat16"),
+    Int8Blockwise(64),
+    Ternary(),
+    RiceIndices(),
+    Zstd(7),
+    Nvcomp(),
+]
+VALUE_STAGES = [
+    None,
+    Quantize("float32"),
+    Quantize("float16"),
+    Quantize("bfloat16"),
+    Int8Blockwise(7),
+    Int8Blockwise(256),
+    Ternary(),
+]
 
 
 def bench_sizes():
@@ -52,13 +68,18 @@ def cpu_backend():
 
 def update(seed=0, dtype=np.float32):
     rng = np.random.default_rng(seed)
-    u = {"conv": rng.standard_normal((16, 8, 3, 3)), "fc": rng.standard_t(3, size=(64, 40)) * 0.01,
-         "bias": rng.standard_normal(37) * 1e-3, "zeros": np.zeros(50),
-         "big": rng.standard_normal(300) * (1e5 if dtype != np.float16 else 1e4)}
+    u = {
+        "conv": rng.standard_normal((16, 8, 3, 3)),
+        "fc": rng.standard_t(3, size=(64, 40)) * 0.01,
+        "bias": rng.standard_normal(37) * 1e-3,
+        "zeros": np.zeros(50),
+        "big": rng.standard_normal(300) * (1e5 if dtype != np.float16 else 1e4),
+    }
     return {k: v.astype(dtype) for k, v in u.items()}
 
 
 # ------------------------------------------------------------------------------------------ configs and registry
+
 
 @pytest.mark.parametrize("codec", ALL_CODECS, ids=repr)
 def test_config_round_trip(codec):
@@ -90,15 +111,30 @@ def test_registry_errors():
         register_codec(int)
 
 
-@pytest.mark.parametrize("cfg", [
-    {"id": "topk", "fraction": 0}, {"id": "topk", "fraction": 1.5}, {"id": "topk", "fraction": True},
-    {"id": "topk", "fraction": "0.1"}, {"id": "topk", "fraction": float("nan")}, {"id": "topk", "scope": "layer"},
-    {"id": "topk", "score": "random"}, {"id": "quantize", "dtype": "int8"}, {"id": "quantize", "dtype": None},
-    {"id": "int8", "block_size": 0}, {"id": "int8", "block_size": 2.0}, {"id": "int8", "block_size": True},
-    {"id": "int8", "block_size": 1 << 21}, {"id": "zstd", "level": 0}, {"id": "zstd", "level": 23},
-    {"id": "zstd", "level": "3"}, {"id": "nvcomp", "algorithm": "lz4"}, {"id": "ternary", "mu": 1.0},
-    {"id": "rice", "k": 6},
-])
+@pytest.mark.parametrize(
+    "cfg",
+    [
+        {"id": "topk", "fraction": 0},
+        {"id": "topk", "fraction": 1.5},
+        {"id": "topk", "fraction": True},
+        {"id": "topk", "fraction": "0.1"},
+        {"id": "topk", "fraction": float("nan")},
+        {"id": "topk", "scope": "layer"},
+        {"id": "topk", "score": "random"},
+        {"id": "quantize", "dtype": "int8"},
+        {"id": "quantize", "dtype": None},
+        {"id": "int8", "block_size": 0},
+        {"id": "int8", "block_size": 2.0},
+        {"id": "int8", "block_size": True},
+        {"id": "int8", "block_size": 1 << 21},
+        {"id": "zstd", "level": 0},
+        {"id": "zstd", "level": 23},
+        {"id": "zstd", "level": "3"},
+        {"id": "nvcomp", "algorithm": "lz4"},
+        {"id": "ternary", "mu": 1.0},
+        {"id": "rice", "k": 6},
+    ],
+)
 def test_bad_configs(cfg):
     with pytest.raises(CodecConfigError):
         get_codec(cfg)
@@ -114,13 +150,18 @@ def test_register_a_custom_codec():
         assert isinstance(get_codec({"id": "test_scale16", "dtype": "float16"}), Scale)
     finally:
         from gpu_codec.codecs.registry import _REGISTRY
+
         _REGISTRY.pop("test_scale16")
 
 
 def test_pipeline_construction():
     p = Pipeline([{"id": "topk", "fraction": 0.01}, Quantize("float16"), {"id": "rice"}, Zstd()])
-    assert p.get_config() == [TopK(0.01).get_config(), Quantize("float16").get_config(), {"id": "rice"},
-                              {"id": "zstd", "level": 3}]
+    assert p.get_config() == [
+        TopK(0.01).get_config(),
+        Quantize("float16").get_config(),
+        {"id": "rice"},
+        {"id": "zstd", "level": 3},
+    ]
     assert Pipeline.from_config(p.get_config()) == p and len(p) == 4 and list(p)[1] == Quantize("float16")
     for bad in ([RiceIndices(), Quantize()], [Quantize(), Ternary()], [Zstd(), Zstd()], [Zstd(), TopK()]):
         with pytest.raises(CodecConfigError, match="order"):
@@ -135,6 +176,7 @@ def test_pipeline_construction():
 
 # ------------------------------------------------------------------------------------------ round trips (CPU)
 
+
 def reference_values(stage, v: np.ndarray) -> np.ndarray:
     """What the receiver must decode for kept values ``v``, computed independently of cpu_fallback."""
     v32 = v.astype(np.float32)
@@ -144,13 +186,14 @@ def reference_values(stage, v: np.ndarray) -> np.ndarray:
         return np.clip(v32, -65504, 65504).astype(np.float16).astype(np.float32)
     if stage == Quantize("bfloat16"):
         import torch
+
         return torch.from_numpy(v32).to(torch.bfloat16).to(torch.float32).numpy()
     if isinstance(stage, Int8Blockwise):
         out = np.zeros_like(v32)
         for a in range(0, v32.size, stage.block_size):
-            blk = v32[a:a + stage.block_size]
+            blk = v32[a : a + stage.block_size]
             s = np.float32(np.abs(blk).max() / np.float32(127)) if blk.size else np.float32(0)
-            out[a:a + stage.block_size] = (np.rint(blk / s) if s > 0 else 0 * blk).astype(np.float32) * s
+            out[a : a + stage.block_size] = (np.rint(blk / s) if s > 0 else 0 * blk).astype(np.float32) * s
         return out
     mu = np.float32(np.abs(v.astype(np.float64)).sum() / max(v.size, 1))
     return np.where(v < 0, -mu, mu).astype(np.float32)
@@ -287,6 +330,7 @@ def test_codec_base_contract():
 
 # ------------------------------------------------------------------------------------------ size targets
 
+
 def test_rice_bits_per_index_at_one_percent():
     rng = np.random.default_rng(0)
     n = 2_000_000
@@ -303,9 +347,12 @@ def test_bytes_per_kept_parameter_targets():
     # benchmark's 5.3M-parameter, 28-tensor update at 1%); a smaller update pays more per kept entry.
     delta = bench_sizes().synthetic_delta(scale=1.0, seed=5)
     assert 5_000_000 < sum(a.size for a in delta.values()) < 6_000_000
-    for stages, target in (([Quantize("float16"), RiceIndices()], 3.2),
-                           ([Quantize("float16"), RiceIndices(), Zstd()], 3.2),
-                           ([Ternary(), RiceIndices()], 1.3), ([Ternary(), RiceIndices(), Zstd()], 1.3)):
+    for stages, target in (
+        ([Quantize("float16"), RiceIndices()], 3.2),
+        ([Quantize("float16"), RiceIndices(), Zstd()], 3.2),
+        ([Ternary(), RiceIndices()], 1.3),
+        ([Ternary(), RiceIndices(), Zstd()], 1.3),
+    ):
         p = gpu_codec.compress(delta, fraction=0.01, pipeline=stages)
         assert len(p.to_bytes()) / p.nnz <= target, (stages, len(p.to_bytes()) / p.nnz)
 

@@ -43,7 +43,7 @@ def surgery(blob: bytes, fn) -> bytes:
     """Apply ``fn(header, buffers)`` (buffers: per tensor, list of bytes) and re-lay the data consistently, so the
     container checks pass and the codec's own validation is what is tested."""
     h, data = split_payload(blob)
-    bufs = [[bytes(data[b["offset"]:b["offset"] + b["nbytes"]]) for b in t["buffers"]] for t in h["tensors"]]
+    bufs = [[bytes(data[b["offset"] : b["offset"] + b["nbytes"]]) for b in t["buffers"]] for t in h["tensors"]]
     fn(h, bufs)
     out, off = bytearray(), 0
     for t, bl in zip(h["tensors"], bufs):
@@ -82,13 +82,15 @@ def _set_stream(h, bufs, t, stream, bits=None):
 def test_rice_truncated_stream():
     blob = blob_of(RICE)
     rejects(surgery(blob, lambda h, b: _set_stream(h, b, 0, b[0][0][:-1])), PayloadLayoutError)
+
     # truncated consistently (bits too): the unary section no longer ends where it should
     def cut(h, b):
         bits = h["tensors"][0]["codec"]["bits"] - 8
-        s = bytearray(b[0][0][:-(-bits // 8)])
+        s = bytearray(b[0][0][: -(-bits // 8)])
         if bits % 8:
             s[-1] &= (1 << (bits % 8)) - 1
         _set_stream(h, b, 0, bytes(s), bits)
+
     rejects(surgery(blob, cut), PayloadError)
 
 
@@ -99,17 +101,30 @@ def test_rice_wrong_bit_count(delta):
     def f(h, b):
         c = h["tensors"][0]["codec"]
         c["bits"] += delta
-        b[0][0] = (b[0][0] + b"\0" * 8)[:-(-c["bits"] // 8)] if c["bits"] < 1 << 20 else b[0][0]
+        b[0][0] = (b[0][0] + b"\0" * 8)[: -(-c["bits"] // 8)] if c["bits"] < 1 << 20 else b[0][0]
+
     rejects(surgery(blob, f), PayloadError)
 
 
-@pytest.mark.parametrize("field,value", [("k", lambda k: k + 1), ("k", lambda k: k - 1), ("k", lambda k: -1),
-                                         ("k", str), ("k", lambda k: True), ("bits", lambda b: -3),
-                                         ("bits", lambda b: b + 0.5), ("bits", lambda b: None)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("k", lambda k: k + 1),
+        ("k", lambda k: k - 1),
+        ("k", lambda k: -1),
+        ("k", str),
+        ("k", lambda k: True),
+        ("bits", lambda b: -3),
+        ("bits", lambda b: b + 0.5),
+        ("bits", lambda b: None),
+    ],
+)
 def test_rice_bad_fields(field, value):
     blob = blob_of(RICE)
-    rejects(surgery(blob, lambda h, b: h["tensors"][0]["codec"].__setitem__(
-        field, value(h["tensors"][0]["codec"][field]))), PayloadHeaderError)
+    rejects(
+        surgery(blob, lambda h, b: h["tensors"][0]["codec"].__setitem__(field, value(h["tensors"][0]["codec"][field]))),
+        PayloadHeaderError,
+    )
 
 
 def test_rice_nonzero_padding_and_extra_codes():
@@ -122,14 +137,16 @@ def test_rice_nonzero_padding_and_extra_codes():
         s = bytearray(b[0][0])
         s[-1] |= 0x80
         b[0][0] = bytes(s)
+
     rejects(surgery(blob, pad), PayloadLayoutError, "after its declared end")
 
     def extra_one(h, b):  # an extra terminator in the unary section: one code too many
         nnz, k = h["tensors"][0]["nnz"], h["tensors"][0]["codec"]["k"]
         s = np.unpackbits(np.frombuffer(b[0][0], np.uint8), bitorder="little")
-        zeros = np.flatnonzero(s[nnz * k:bits] == 0)
+        zeros = np.flatnonzero(s[nnz * k : bits] == 0)
         s[nnz * k + zeros[0]] = 1
         b[0][0] = np.packbits(s, bitorder="little").tobytes()
+
     rejects(surgery(blob, extra_one), PayloadLayoutError, "unary section")
 
 
@@ -146,6 +163,7 @@ def test_rice_index_beyond_numel():
     def f(h, b):
         h["tensors"][0]["shape"] = [990]
         _set_stream(h, b, 0, stream.tobytes(), bits)
+
     rejects(surgery(blob, f), PayloadIndexError)
 
 
@@ -163,6 +181,7 @@ def test_rice_fuzz_never_crashes():
             s = bytearray(b[0][0])
             s[pos] ^= 1 << bit
             b[0][0] = bytes(s)
+
         try:
             out = gpu_codec.decompress(surgery(blob, flip))
             outcomes.add("decoded")
@@ -205,8 +224,11 @@ def test_zstd_declared_raw_size_mismatch():
     h, _ = split_payload(blob)
     raw = h["tensors"][0]["codec"]["raw"]
     for bad in (raw + 1, raw - 1, 0, -5, "10", 1 << 50):
-        rejects(surgery(blob, lambda h, b, bad=bad: h["tensors"][0]["codec"].__setitem__("raw", bad)),
-                PayloadError, "raw size")
+        rejects(
+            surgery(blob, lambda h, b, bad=bad: h["tensors"][0]["codec"].__setitem__("raw", bad)),
+            PayloadError,
+            "raw size",
+        )
     # a frame whose content is shorter than the declared (and implied) raw size
     short = zstandard.ZstdCompressor().compress(b"\1" * (raw - 3))
     rejects(surgery(blob, lambda h, b: _set_frame(h, b, short)), PayloadLayoutError, f"implies {raw}")
@@ -220,8 +242,7 @@ def test_zstd_garbage_trailing_and_oversized():
     rejects(surgery(blob, lambda h, b: _set_frame(h, b, b"not zstd at all")), PayloadLayoutError, "not a zstd")
     rejects(surgery(blob, lambda h, b: _set_frame(h, b, b[0][0] + b"xx")), PayloadLayoutError)
     rejects(surgery(blob, lambda h, b: _set_frame(h, b, b[0][0] * 2)), PayloadError)
-    rejects(surgery(blob, lambda h, b: _set_frame(h, b, b[0][0] + b"\0" * 100_000)), PayloadError,
-            "compressed size")
+    rejects(surgery(blob, lambda h, b: _set_frame(h, b, b[0][0] + b"\0" * 100_000)), PayloadError, "compressed size")
 
 
 @pytest.mark.parametrize("inner", ["zstd", "gzip", None, 3])
@@ -240,6 +261,7 @@ def test_zstd_frame_of_other_content_fails_validation_downstream():
 
 
 # ------------------------------------------------------------------------------------------ values
+
 
 def test_int8_mismatched_scales_length():
     blob = blob_of([Int8Blockwise(16)])
@@ -268,9 +290,17 @@ def test_ternary_signs_length_and_infinite_mu():
     rejects(build_payload(json.loads(text), data), PayloadHeaderError)
 
 
-@pytest.mark.parametrize("change", [
-    {"v": "f8"}, {"i": "elias"}, {"extra": 1}, {"v": None}, {"i": "raw"}, {"v": "int8", "block": 4},
-])
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"v": "f8"},
+        {"i": "elias"},
+        {"extra": 1},
+        {"v": None},
+        {"i": "raw"},
+        {"v": "int8", "block": 4},
+    ],
+)
 def test_bad_forms_and_fields(change):
     blob = blob_of([Ternary(), RiceIndices()])
     rejects(surgery(blob, lambda h, b: h["tensors"][0]["codec"].update(change)), PayloadError)
@@ -283,19 +313,31 @@ def test_dense_q_must_be_dense():
 
 # ------------------------------------------------------------------------------------------ pipeline vs records
 
+
 def test_pipeline_and_records_must_agree():
     blob = blob_of([Quantize("float16"), RiceIndices()])
-    rejects(surgery(blob, lambda h, b: h["pipeline"].__setitem__(1, {"id": "quantize", "dtype": "bfloat16"})),
-            PayloadLayoutError, "pipeline says")
-    rejects(surgery(blob, lambda h, b: h["pipeline"].__setitem__(1, {"id": "lzma"})), PayloadHeaderError,
-            "cannot be rebuilt")
-    rejects(surgery(blob, lambda h, b: h["pipeline"].__setitem__(1, {"id": "quantize", "dtype": "x"})),
-            PayloadHeaderError)
-    rejects(surgery(blob, lambda h, b: h["pipeline"].append({"id": "zstd", "level": 3})), PayloadLayoutError,
-            "ends with")
+    rejects(
+        surgery(blob, lambda h, b: h["pipeline"].__setitem__(1, {"id": "quantize", "dtype": "bfloat16"})),
+        PayloadLayoutError,
+        "pipeline says",
+    )
+    rejects(
+        surgery(blob, lambda h, b: h["pipeline"].__setitem__(1, {"id": "lzma"})),
+        PayloadHeaderError,
+        "cannot be rebuilt",
+    )
+    rejects(
+        surgery(blob, lambda h, b: h["pipeline"].__setitem__(1, {"id": "quantize", "dtype": "x"})), PayloadHeaderError
+    )
+    rejects(
+        surgery(blob, lambda h, b: h["pipeline"].append({"id": "zstd", "level": 3})), PayloadLayoutError, "ends with"
+    )
     rejects(surgery(blob, lambda h, b: h.__setitem__("pipeline", "topk")), PayloadHeaderError)
     zblob = blob_of(ZSTD)
     rejects(surgery(zblob, lambda h, b: h["pipeline"].pop()), PayloadLayoutError, "no 'zstd' stage")
     iblob = blob_of([Int8Blockwise(16)])
-    rejects(surgery(iblob, lambda h, b: h["pipeline"].__setitem__(1, {"id": "int8", "block_size": 8})),
-            PayloadLayoutError, "block")
+    rejects(
+        surgery(iblob, lambda h, b: h["pipeline"].__setitem__(1, {"id": "int8", "block_size": 8})),
+        PayloadLayoutError,
+        "block",
+    )

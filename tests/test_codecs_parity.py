@@ -20,14 +20,22 @@ from .common import as_numpy, has_emulator, use_backend
 
 HAS_GPU = _gpu_probe()[0]
 KERNEL_BACKENDS = [
-    pytest.param("emulated", id="emulated",
-                 marks=pytest.mark.skipif(not has_emulator(), reason="gpu_codec._emulator not available")),
+    pytest.param(
+        "emulated",
+        id="emulated",
+        marks=pytest.mark.skipif(not has_emulator(), reason="gpu_codec._emulator not available"),
+    ),
     pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]),
 ]
 PIPELINES = {
-    "fp16": [Quantize("float16")], "bf16": [Quantize("bfloat16")], "int8/16": [Int8Blockwise(16)],
-    "int8/300": [Int8Blockwise(300)], "ternary": [Ternary()], "rice": [RiceIndices()],
-    "fp16+rice+zstd": [Quantize("float16"), RiceIndices(), Zstd()], "ternary+rice": [Ternary(), RiceIndices()],
+    "fp16": [Quantize("float16")],
+    "bf16": [Quantize("bfloat16")],
+    "int8/16": [Int8Blockwise(16)],
+    "int8/300": [Int8Blockwise(300)],
+    "ternary": [Ternary()],
+    "rice": [RiceIndices()],
+    "fp16+rice+zstd": [Quantize("float16"), RiceIndices(), Zstd()],
+    "ternary+rice": [Ternary(), RiceIndices()],
 }
 KERNEL_FILES = ("quantize.cu", "rice.cu")
 
@@ -54,8 +62,10 @@ def run_all(backend: str, fraction):
             if fraction is None and any(isinstance(s, RiceIndices) for s in stages):
                 continue
             ef = ErrorFeedback()
-            blobs = [gpu_codec.compress(update(), fraction=fraction, pipeline=stages, residual=ef).to_bytes()
-                     for _ in range(2)]
+            blobs = [
+                gpu_codec.compress(update(), fraction=fraction, pipeline=stages, residual=ef).to_bytes()
+                for _ in range(2)
+            ]
             res = {n: ef.residual(n).tobytes() for n in ef.names()}
             dec = {k: as_numpy(v) for k, v in gpu_codec.decompress(blobs[1]).items()}
             out[name] = (blobs, res, dec)
@@ -89,8 +99,9 @@ def test_cross_backend_decode(backend):
         blob = gpu_codec.compress(update(), fraction=0.05, pipeline=[Ternary(), RiceIndices(), Zstd()]).to_bytes()
         ref = {k: as_numpy(v) for k, v in gpu_codec.decompress(blob).items()}
     with use_backend(backend):
-        assert gpu_codec.compress(update(), fraction=0.05, pipeline=[Ternary(), RiceIndices(), Zstd()]).to_bytes() \
-            == blob
+        assert (
+            gpu_codec.compress(update(), fraction=0.05, pipeline=[Ternary(), RiceIndices(), Zstd()]).to_bytes() == blob
+        )
         got = {k: as_numpy(v) for k, v in gpu_codec.decompress(blob).items()}
     assert all(got[k].tobytes() == ref[k].tobytes() for k in ref)
 
@@ -103,9 +114,13 @@ def test_rice_wide_indices_and_sparse_extremes(backend):
 
     from gpu_codec.codecs import _ops
 
-    cases = [np.array([0, 1, 2, 3], np.uint64), np.array([5, (1 << 35) + 7], np.uint64),
-             np.array([(1 << 36) - 1], np.uint64), np.zeros(0, np.uint64),
-             np.unique(np.random.default_rng(0).integers(0, 1 << 33, 9000)).astype(np.uint64)]
+    cases = [
+        np.array([0, 1, 2, 3], np.uint64),
+        np.array([5, (1 << 35) + 7], np.uint64),
+        np.array([(1 << 36) - 1], np.uint64),
+        np.zeros(0, np.uint64),
+        np.unique(np.random.default_rng(0).integers(0, 1 << 33, 9000)).astype(np.uint64),
+    ]
     numels = [4, 1 << 36, 1 << 36, 10, 1 << 33]
     ks = [twin.rice_param(c.size, n) for c, n in zip(cases, numels)]
     with use_backend(backend) as be:
@@ -119,12 +134,14 @@ def test_rice_wide_indices_and_sparse_extremes(backend):
 
 # ------------------------------------------------------------------------------------------ compilation
 
+
 @pytest.mark.parametrize("fname", KERNEL_FILES)
 def test_nvrtc_compiles_without_warnings(fname):
     try:
         from cupy.cuda import nvrtc
+
         nvrtc.getVersion()
-    except Exception as e:  # noqa: BLE001 - no CuPy or no NVRTC library here
+    except Exception as e:
         pytest.skip(f"NVRTC not available: {e}")
     from gpu_codec._sources import kernel_source
 
@@ -145,8 +162,21 @@ def test_nvcc_no_register_spills(fname, tmp_path):
     from gpu_codec._sources import _files
 
     src = _files().joinpath(fname)
-    cmd = [nvcc, "-arch=sm_90", "-std=c++17", "-DBLOCK=256", "-DITEMS=16", "-Xptxas", "-v", "-cubin",
-           "-I", str(src.parent), "-o", str(tmp_path / "k.cubin"), str(src)]
+    cmd = [
+        nvcc,
+        "-arch=sm_90",
+        "-std=c++17",
+        "-DBLOCK=256",
+        "-DITEMS=16",
+        "-Xptxas",
+        "-v",
+        "-cubin",
+        "-I",
+        str(src.parent),
+        "-o",
+        str(tmp_path / "k.cubin"),
+        str(src),
+    ]
     out = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     log = out.stdout + out.stderr

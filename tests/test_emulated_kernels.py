@@ -17,11 +17,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.common import load_benchmark
-
 from gpu_codec import _emulator as emu
 from gpu_codec._sources import kernel_files, kernel_signatures
 from gpu_codec.backend import _gpu_probe
+from tests.common import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -86,6 +85,7 @@ SCATTER = kc.scatter_cases()
 
 # ------------------------------------------------------------------------------- kernels against their twins
 
+
 @pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
 def test_topk_select_matches_cpu_backend(runner, case):
     """KernelOps(runner).topk_select == cpu_fallback.select.topk_select: indices, values, residuals, errors."""
@@ -98,8 +98,11 @@ def test_topk_kernels_match_twins_stepwise(runner, case):
     assert kc.topk_stepwise(runner, case) == []
 
 
-WIDE = [c for c in TOPK if c.name in ("mixed_global", "odd_sizes_tensor", "residual_q1", "pattern_ties",
-                                      "k_all_global", "empty_tensors")]
+WIDE = [
+    c
+    for c in TOPK
+    if c.name in ("mixed_global", "odd_sizes_tensor", "residual_q1", "pattern_ties", "k_all_global", "empty_tensors")
+]
 
 
 @pytest.mark.parametrize("case", WIDE, ids=[c.name for c in WIDE])
@@ -166,9 +169,10 @@ def test_scatter_reports_lowest_bad_entry(emulated):
         if case.bad == "none":
             continue
         inp = kc.make_scatter_inputs(case)
-        bad = KernelOps(emulated).scatter([o.copy() for o in inp["outs"]], inp["dtypes"], list(case.sizes),
-                                          inp["idx"], inp["vals"], case.mode)
-        first = sum(int(i.size) for i in inp["idx"][:case.bad_tensor])  # entries of the tensors before
+        bad = KernelOps(emulated).scatter(
+            [o.copy() for o in inp["outs"]], inp["dtypes"], list(case.sizes), inp["idx"], inp["vals"], case.mode
+        )
+        first = sum(int(i.size) for i in inp["idx"][: case.bad_tensor])  # entries of the tensors before
         assert bad is not None and first <= bad < first + inp["idx"][case.bad_tensor].size, case.name
 
 
@@ -195,14 +199,26 @@ def test_emulated_backend_is_selectable(monkeypatch):
         b = backend.get_backend()
         assert b.name == "emulated" and isinstance(b.runner, emu.EmulatorRunner)
         inp = kc.make_topk_inputs(TOPK[0])
-        idx, _vals, bad = b.topk_select(inp["new"], inp["base"], inp["res"], [None] * 4, inp["dtypes"],
-                                        inp["ext"], inp["ext_dtypes"], 0, inp["segments"], inp["ks"], 0)
+        idx, _vals, bad = b.topk_select(
+            inp["new"],
+            inp["base"],
+            inp["res"],
+            [None] * 4,
+            inp["dtypes"],
+            inp["ext"],
+            inp["ext_dtypes"],
+            0,
+            inp["segments"],
+            inp["ks"],
+            0,
+        )
         assert bad is None and sum(i.size for i in idx) == inp["ks"][0]
     finally:
         backend.reset_backend()
 
 
 # --------------------------------------------------------------------------------------- the emulator itself
+
 
 def test_signatures_parse_like_sources():
     """The launch glue is generated from the same signatures the CuPy runner resolves."""
@@ -422,7 +438,7 @@ def test_warp_intrinsics(schedule, d):
     got = out.reshape(n, 8)
     for t in range(n):
         w0, lane = t - t % 32, t % 32
-        warp = vin[w0:w0 + 32]
+        warp = vin[w0 : w0 + 32]
         pos8 = lane % 8
         want = [
             warp[lane + d] if lane + d < 32 else warp[lane],
@@ -455,8 +471,9 @@ def test_partial_masks_and_width(probe):
     out = np.zeros(64, np.uint32)
     probe.launch("probe_half_masks", 1, 64, (out,))
     lane = np.arange(64) % 32
-    want = np.where(lane < 16, np.where(lane % 16 + 1 < 16, lane + 1, lane),
-                    np.where(lane % 16 >= 2, lane - 2, lane)) * 10
+    want = (
+        np.where(lane < 16, np.where(lane % 16 + 1 < 16, lane + 1, lane), np.where(lane % 16 >= 2, lane - 2, lane)) * 10
+    )
     assert out.tolist() == want.tolist()
 
 
@@ -471,7 +488,7 @@ def test_syncwarp_lanes_all_arrive_before_any_returns(schedule):
 def test_atomics_shared_and_global(probe):
     blocks, threads = 3, 256
     g32, g64 = np.zeros(1, np.uint32), np.zeros(1, np.uint64)
-    gmin, gf = np.full(1, 2 ** 63, np.uint64), np.zeros(1, np.float32)
+    gmin, gf = np.full(1, 2**63, np.uint64), np.zeros(1, np.float32)
     per_block = np.zeros(3 * blocks, np.uint64)
     probe.launch("probe_atomics", blocks, threads, (g32, g64, gmin, gf, per_block))
     n = blocks * threads
@@ -479,8 +496,11 @@ def test_atomics_shared_and_global(probe):
     assert int(gmin[0]) == min((i ^ 5) + 17 for i in range(n))
     t = np.arange(threads)
     for b in range(blocks):
-        assert per_block[3 * b:3 * b + 3].tolist() == [threads, int(sum(int(x) << 33 for x in t)),
-                                                       int(min(1000 + (t * 37) % 101))]
+        assert per_block[3 * b : 3 * b + 3].tolist() == [
+            threads,
+            int(sum(int(x) << 33 for x in t)),
+            int(min(1000 + (t * 37) % 101)),
+        ]
 
 
 def test_shared_memory_starts_as_poison_in_every_block():
@@ -507,8 +527,12 @@ def test_three_dimensional_indices(probe):
                     for ty in range(3):
                         for tx in range(4):
                             t = tx + 4 * (ty + 3 * tz)
-                            assert o[b, t].tolist() == [tx | ty << 10 | tz << 20, bx | by << 10 | bz << 20,
-                                                        4 | 3 << 10 | 2 << 20, 3 | 2 << 10 | 2 << 20]
+                            assert o[b, t].tolist() == [
+                                tx | ty << 10 | tz << 20,
+                                bx | by << 10 | bz << 20,
+                                4 | 3 << 10 | 2 << 20,
+                                3 | 2 << 10 | 2 << 20,
+                            ]
 
 
 def test_bit_casts_and_fabs(probe):
@@ -521,14 +545,17 @@ def test_bit_casts_and_fabs(probe):
     assert fo.tobytes() == np.abs(f).tobytes() and do.tobytes() == np.abs(d).tobytes()
 
 
-@pytest.mark.parametrize("kernel, block, message", [
-    ("probe_divergent_barrier", 32, r"divergent __syncthreads"),
-    ("probe_exit_before_barrier", 32, r"while 1 have exited"),
-    ("probe_warp_lane_exits", 32, r"deadlock: __ballot_sync .* lane 5, which has exited"),
-    ("probe_mask_excludes_caller", 32, r"does not name it"),
-    ("probe_divergent_collectives", 32, r"divergent warp collectives"),
-    ("probe_barrier", 1025, r"invalid configuration"),
-])
+@pytest.mark.parametrize(
+    "kernel, block, message",
+    [
+        ("probe_divergent_barrier", 32, r"divergent __syncthreads"),
+        ("probe_exit_before_barrier", 32, r"while 1 have exited"),
+        ("probe_warp_lane_exits", 32, r"deadlock: __ballot_sync .* lane 5, which has exited"),
+        ("probe_mask_excludes_caller", 32, r"does not name it"),
+        ("probe_divergent_collectives", 32, r"divergent warp collectives"),
+        ("probe_barrier", 1025, r"invalid configuration"),
+    ],
+)
 def test_undefined_behaviour_is_reported(probe, kernel, block, message):
     out = np.zeros(2048, np.uint32)
     args = (out, np.int32(1)) if kernel == "probe_barrier" else (out,)
@@ -557,6 +584,7 @@ def test_arguments_are_checked_against_the_signature(probe):
 
 
 # ------------------------------------------------------------------------------------------- planted bugs
+
 
 def _mutate(fname: str, old: str, new: str) -> dict[str, str]:
     src = (ROOT / "kernels" / fname).read_text()
@@ -605,8 +633,11 @@ def test_planted_off_by_one_in_scatter_bounds_is_caught():
 def test_planted_missing_barrier_in_chunk_scan_is_caught():
     """A race: without the barrier between reading sh[t - o] and writing sh[t], threads that run first change
     what later ones read. The forward schedule exposes it (the reverse order happens to hide this one)."""
-    src = _mutate("common.cuh", "0ull;\n        __syncthreads();\n        sh[threadIdx.x] += add;",
-                  "0ull;\n        sh[threadIdx.x] += add;")  # block_exclusive_scan, used by chunk_scan
+    src = _mutate(
+        "common.cuh",
+        "0ull;\n        __syncthreads();\n        sh[threadIdx.x] += add;",
+        "0ull;\n        sh[threadIdx.x] += add;",
+    )  # block_exclusive_scan, used by chunk_scan
     src["topk.cu"] = (ROOT / "kernels" / "topk.cu").read_text()
     cases = [c for c in TOPK if c.name in ("mixed_tensor", "odd_sizes_tensor", "pairs")]
     assert _caught(emu.EmulatorRunner(src, package=False, schedule="forward"), cases)
@@ -622,9 +653,11 @@ def test_planted_gap_bug_in_rice_is_caught():
 
 def test_emulator_reports_source_lines():
     """Reports name the original file and line, through the expanded includes."""
-    src = _mutate("topk.cu", "    if (threadIdx.x == 0) {\n        u32 G = 0, E = 0;",
-                  "    if (threadIdx.x == 0) { __syncthreads(); }\n    if (threadIdx.x == 0) {\n"
-                  "        u32 G = 0, E = 0;")
+    src = _mutate(
+        "topk.cu",
+        "    if (threadIdx.x == 0) {\n        u32 G = 0, E = 0;",
+        "    if (threadIdx.x == 0) { __syncthreads(); }\n    if (threadIdx.x == 0) {\n        u32 G = 0, E = 0;",
+    )
     r = emu.EmulatorRunner(src, package=False)
     line = src["topk.cu"].split("\n").index("    if (threadIdx.x == 0) { __syncthreads(); }") + 1
     with pytest.raises(emu.EmulatorError, match=re.escape(f"topk.cu:{line}")):
@@ -643,8 +676,9 @@ def _suite_module():
 def _run(*args, timeout=300):
     import subprocess
 
-    return subprocess.run([sys.executable, str(SUITE), *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(SUITE), *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+    )
 
 
 def test_gpu_suite_help():
@@ -673,22 +707,34 @@ def test_gpu_suite_runs_its_cpu_steps(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads((tmp_path / "summary.json").read_text())
     steps = {k: v["status"] for k, v in summary["steps"].items()}
-    assert steps == {"env": "pass", "pytest": "skip", "parity": "pass", "cases": "pass", "sanitizer": "skip",
-                     "resources": "skip"}
+    assert steps == {
+        "env": "pass",
+        "pytest": "skip",
+        "parity": "pass",
+        "cases": "pass",
+        "sanitizer": "skip",
+        "resources": "skip",
+    }
     assert summary["result"] == "pass" and summary["steps"]["cases"]["cases"] > 10
     assert (tmp_path / "suite.log").exists()
 
 
 def test_gpu_suite_commands_and_log_parsing(tmp_path):
     gs = _suite_module()
-    args = gs.argparse.Namespace(out=str(tmp_path), runner="cupy", budget_s=10.0, sanitizer="/x/compute-sanitizer",
-                                 pytest_args=["-x"], skip=[], quick=False)
+    args = gs.argparse.Namespace(
+        out=str(tmp_path),
+        runner="cupy",
+        budget_s=10.0,
+        sanitizer="/x/compute-sanitizer",
+        pytest_args=["-x"],
+        skip=[],
+        quick=False,
+    )
     s = gs.Suite(args)
     assert s.pytest_command()[1:5] == ["-m", "pytest", "-m", "gpu"] and s.pytest_command()[-1] == "-x"
     cmd = s.sanitizer_command("racecheck")
     assert cmd[:3] == ["/x/compute-sanitizer", "--tool", "racecheck"] and "--workload" in cmd
-    assert gs.parse_sanitizer("========= ERROR SUMMARY: 0 errors") == {"errors": 0, "hazards": 0,
-                                                                          "summary_found": True}
+    assert gs.parse_sanitizer("========= ERROR SUMMARY: 0 errors") == {"errors": 0, "hazards": 0, "summary_found": True}
     assert gs.parse_sanitizer("========= ERROR SUMMARY: 2 errors")["errors"] == 2
     race = gs.parse_sanitizer("========= RACECHECK SUMMARY: 3 hazards displayed (1 error, 2 warnings)")
     assert race == {"errors": 1, "hazards": 3, "summary_found": True}

@@ -11,8 +11,15 @@ import gpu_codec
 from gpu_codec.errors import BackendUnavailableError, InvalidInputError, PayloadIndexError
 from tests.common import BACKENDS, HAS_GPU, as_numpy, dense_from, reference_topk, use_backend
 
-CRITERIA = ["magnitude", "largest_final_magnitude", "smallest_final_magnitude", "largest_magnitude_change",
-            "smallest_magnitude_change", "largest_increase_in_magnitude", "smallest_increase_in_magnitude"]
+CRITERIA = [
+    "magnitude",
+    "largest_final_magnitude",
+    "smallest_final_magnitude",
+    "largest_magnitude_change",
+    "smallest_magnitude_change",
+    "largest_increase_in_magnitude",
+    "smallest_increase_in_magnitude",
+]
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
 
 
@@ -42,14 +49,17 @@ def run_compress(new, base, dtype, **kw):
     if dtype == "bfloat16":  # travel as torch bf16 so the logical dtype is known
         torch = pytest.importorskip("torch")
         tn = {k: torch.from_numpy(np.asarray(v).view(np.int16)).view(torch.bfloat16) for k, v in new.items()}
-        tb = {k: torch.from_numpy(np.asarray(v).view(np.int16)).view(torch.bfloat16) for k, v in base.items()} \
-            if base is not None else None
+        tb = (
+            {k: torch.from_numpy(np.asarray(v).view(np.int16)).view(torch.bfloat16) for k, v in base.items()}
+            if base is not None
+            else None
+        )
         return gpu_codec.compress(tn, tb, **kw)
     return gpu_codec.compress(new, base, **kw)
 
 
 def check_against_reference(p, new, base, dtype, fraction, scope, crit):
-    ref = reference_topk(new, base, fraction, scope, crit, {n: dtype for n in new})
+    ref = reference_topk(new, base, fraction, scope, crit, dict.fromkeys(new, dtype))
     assert [r.name for r in p.tensors] == list(new)
     for r in p.tensors:
         idx, vals = ref[r.name]
@@ -122,8 +132,8 @@ def test_round_trip(backend, dtype):
         blob = p.to_bytes()
         assert len(blob) == p.nbytes
         dense = gpu_codec.decompress(blob)
-    ref = reference_topk(new, base, 0.1, "global", "magnitude", {n: dtype for n in new})
-    want = dense_from(ref, {n: v.shape for n, v in new.items()}, {n: dtype for n in new})
+    ref = reference_topk(new, base, 0.1, "global", "magnitude", dict.fromkeys(new, dtype))
+    want = dense_from(ref, {n: v.shape for n, v in new.items()}, dict.fromkeys(new, dtype))
     for n in new:
         assert dense[n].shape == want[n].shape
         assert dense[n].tobytes() == want[n].tobytes(), n
@@ -196,6 +206,7 @@ def test_cuda_tensors_stay_on_device():
 
 # ---------------------------------------------------------------- bad input
 
+
 def test_bad_inputs_raise_clear_errors():
     ok = {"w": np.ones(4, np.float32)}
     cases = [
@@ -242,11 +253,11 @@ def test_scatter_rejects_bad_indices_without_output(backend):
     from gpu_codec.format import TensorRecord
 
     for idx in ([1, 7], [2, 2], [3, 1]):
-        rec = TensorRecord("w", "float32", (5,), "coo", 2,
-                           {"indices": np.array(idx, np.uint32), "values": np.ones(2, np.float32)})
-        with use_backend(backend):
-            with pytest.raises(PayloadIndexError, match="'w'"):
-                gpu_codec.decompress(gpu_codec.Payload([rec], []))
+        rec = TensorRecord(
+            "w", "float32", (5,), "coo", 2, {"indices": np.array(idx, np.uint32), "values": np.ones(2, np.float32)}
+        )
+        with use_backend(backend), pytest.raises(PayloadIndexError, match="'w'"):
+            gpu_codec.decompress(gpu_codec.Payload([rec], []))
 
 
 def test_forcing_backends(monkeypatch):
@@ -291,14 +302,19 @@ def test_random_mixed_dtype_models(backend):
         sizes = [int(rng.choice([0, 1, 255, 4095, 4097, 9000])) for _ in names]
         kind = ["normal", "ties"][trial % 2]
         new_np = {n: make(rng, (s,), "float32" if d == "bfloat16" else d, kind) for n, d, s in zip(names, dts, sizes)}
-        base_np = {n: make(rng, (s,), "float32" if d == "bfloat16" else d, "normal") for n, d, s in
-                   zip(names, dts, sizes)}
+        base_np = {
+            n: make(rng, (s,), "float32" if d == "bfloat16" else d, "normal") for n, d, s in zip(names, dts, sizes)
+        }
         new = {n: torch.from_numpy(np.asarray(new_np[n])).to(tdt[d]) for n, d in zip(names, dts)}
         base = {n: torch.from_numpy(np.asarray(base_np[n])).to(tdt[d]) for n, d in zip(names, dts)}
-        ref_new = {n: (new[n].view(torch.int16).numpy().view(np.uint16) if d == "bfloat16" else new[n].numpy())
-                   for n, d in zip(names, dts)}
-        ref_base = {n: (base[n].view(torch.int16).numpy().view(np.uint16) if d == "bfloat16" else base[n].numpy())
-                    for n, d in zip(names, dts)}
+        ref_new = {
+            n: (new[n].view(torch.int16).numpy().view(np.uint16) if d == "bfloat16" else new[n].numpy())
+            for n, d in zip(names, dts)
+        }
+        ref_base = {
+            n: (base[n].view(torch.int16).numpy().view(np.uint16) if d == "bfloat16" else base[n].numpy())
+            for n, d in zip(names, dts)
+        }
         fraction = float(rng.choice([0.001, 0.05, 0.5]))
         scope = ["global", "per_tensor"][int(rng.integers(0, 2))]
         with use_backend(backend):

@@ -20,10 +20,12 @@ REGEN = os.environ.get("GPU_CODEC_REGEN_GOLDEN") == "1"
 
 def golden_inputs():
     rng = np.random.default_rng(20261121)
-    base = {"conv.weight": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
-            "fc.weight": rng.standard_normal((10, 32)).astype(np.float32),
-            "fc.bias": rng.standard_normal(10).astype(np.float64),
-            "scale": np.asarray(np.float32(1.5))}
+    base = {
+        "conv.weight": rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
+        "fc.weight": rng.standard_normal((10, 32)).astype(np.float32),
+        "fc.bias": rng.standard_normal(10).astype(np.float64),
+        "scale": np.asarray(np.float32(1.5)),
+    }
     new = {k: (v + rng.standard_normal(v.shape).astype(v.dtype)).astype(v.dtype) for k, v in base.items()}
     return new, base
 
@@ -35,8 +37,9 @@ GOLDEN_CASES = {
     "bf16_v1": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "bfloat16"}]),
     "ternary_rice_v1": dict(fraction=0.05, pipeline=[{"id": "ternary"}, {"id": "rice"}]),
     "int8_dense_v1": dict(fraction=None, pipeline=[{"id": "int8", "block_size": 64}]),
-    "fp16_rice_zstd_v1": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "float16"}, {"id": "rice"},
-                                                        {"id": "zstd", "level": 3}]),
+    "fp16_rice_zstd_v1": dict(
+        fraction=0.05, pipeline=[{"id": "quantize", "dtype": "float16"}, {"id": "rice"}, {"id": "zstd", "level": 3}]
+    ),
 }
 # zstd output may change with the zstandard library version: for those, old payloads must still decode, but
 # today's bytes need not equal them.
@@ -58,8 +61,9 @@ def test_golden_payloads(case):
     if case not in WRITER_MAY_DIFFER:
         assert blob == stored
     out = gpu_codec.decompress(stored, base=base)
-    assert {k: v.tobytes() for k, v in out.items()} == \
-        {k: v.tobytes() for k, v in gpu_codec.decompress(blob, base=base).items()}
+    assert {k: v.tobytes() for k, v in out.items()} == {
+        k: v.tobytes() for k, v in gpu_codec.decompress(blob, base=base).items()
+    }
     lossless = "pipeline" not in GOLDEN_CASES[case]
     for k in base:
         assert out[k].dtype == base[k].dtype and out[k].shape == base[k].shape
@@ -92,35 +96,54 @@ HOSTILE = {
     "version 2": (lambda h, d: build_payload(h, bytes(d), version=2), E.UnsupportedVersionError, "version 2"),
     "bad checksum": (lambda h, d: build_payload(h, bytes(d), fix_crc=False), E.PayloadChecksumError, "checksum"),
     "truncated": (lambda h, d: valid_blob()[:-9], E.PayloadError, None),
-    "huge header length": (lambda h, d: valid_blob()[:12] + (MAX_HEADER_BYTES + 8).to_bytes(4, "little")
-                           + valid_blob()[16:], E.PayloadHeaderError, "header length"),
-    "header not json": (lambda h, d: b"GPUCODEC" + (1).to_bytes(4, "little") + (8).to_bytes(4, "little")
-                        + b"{{{{{{{{", E.PayloadError, None),
+    "huge header length": (
+        lambda h, d: valid_blob()[:12] + (MAX_HEADER_BYTES + 8).to_bytes(4, "little") + valid_blob()[16:],
+        E.PayloadHeaderError,
+        "header length",
+    ),
+    "header not json": (
+        lambda h, d: b"GPUCODEC" + (1).to_bytes(4, "little") + (8).to_bytes(4, "little") + b"{{{{{{{{",
+        E.PayloadError,
+        None,
+    ),
     "data length lies": (lambda h, d: h.update(data_length=h["data_length"] + 8), E.PayloadLayoutError, "length"),
     "dtype int64 tensor": (lambda h, d: h["tensors"][0].update(dtype="int64"), E.PayloadDtypeError, "dtype"),
     "object dtype buffer": (lambda h, d: _buf(h).update(dtype="object"), E.PayloadDtypeError, "not allowed"),
     "values as int8": (lambda h, d: _buf(h, 0, 1).update(dtype="int8"), E.PayloadDtypeError, "allows"),
     "negative shape": (lambda h, d: h["tensors"][0].update(shape=[-1, 3]), E.PayloadLimitError, "shape"),
     "too many dims": (lambda h, d: h["tensors"][0].update(shape=[1] * 9), E.PayloadLimitError, "shape"),
-    "too many elements": (lambda h, d: h["tensors"][0].update(shape=[1 << 30, 1 << 30]), E.PayloadLimitError,
-                          "limit"),
+    "too many elements": (lambda h, d: h["tensors"][0].update(shape=[1 << 30, 1 << 30]), E.PayloadLimitError, "limit"),
     "nnz above numel": (lambda h, d: h["tensors"][3].update(nnz=5), E.PayloadLayoutError, "nnz"),
-    "nnz disagrees with buffers": (lambda h, d: h["tensors"][0].update(nnz=h["tensors"][0]["nnz"] + 1),
-                                   E.PayloadLayoutError, "implies"),
+    "nnz disagrees with buffers": (
+        lambda h, d: h["tensors"][0].update(nnz=h["tensors"][0]["nnz"] + 1),
+        E.PayloadLayoutError,
+        "implies",
+    ),
     "overlapping buffers": (lambda h, d: _buf(h, 0, 1).update(offset=0), E.PayloadLayoutError, "contiguous"),
-    "gap between buffers": (lambda h, d: _buf(h, 0, 1).update(offset=_buf(h, 0, 1)["offset"] + 8),
-                            E.PayloadLayoutError, None),
-    "wrong buffer length": (lambda h, d: _buf(h, 0, 0).update(nbytes=_buf(h, 0, 0)["nbytes"] - 4),
-                            E.PayloadLayoutError, None),
-    "missing buffer": (lambda h, d: h["tensors"][0]["buffers"].pop() and None, E.PayloadLayoutError,
-                       "needs"),
-    "duplicate name": (lambda h, d: h["tensors"][1].update(name=h["tensors"][0]["name"]), E.PayloadHeaderError,
-                       "twice"),
+    "gap between buffers": (
+        lambda h, d: _buf(h, 0, 1).update(offset=_buf(h, 0, 1)["offset"] + 8),
+        E.PayloadLayoutError,
+        None,
+    ),
+    "wrong buffer length": (
+        lambda h, d: _buf(h, 0, 0).update(nbytes=_buf(h, 0, 0)["nbytes"] - 4),
+        E.PayloadLayoutError,
+        None,
+    ),
+    "missing buffer": (lambda h, d: h["tensors"][0]["buffers"].pop() and None, E.PayloadLayoutError, "needs"),
+    "duplicate name": (
+        lambda h, d: h["tensors"][1].update(name=h["tensors"][0]["name"]),
+        E.PayloadHeaderError,
+        "twice",
+    ),
     "unknown encoding": (lambda h, d: h["tensors"][0].update(encoding="pickle"), E.PayloadHeaderError, "encoding"),
     "name not string": (lambda h, d: h["tensors"][0].update(name=7), E.PayloadHeaderError, "name"),
     "tensors not list": (lambda h, d: h.update(tensors={}), E.PayloadHeaderError, "tensors"),
-    "NaN constant": (lambda h, d: build_payload(h, bytes(d)).replace(b'"nnz":', b'"nnz":NaN,"x":', 1),
-                     E.PayloadError, None),
+    "NaN constant": (
+        lambda h, d: build_payload(h, bytes(d)).replace(b'"nnz":', b'"nnz":NaN,"x":', 1),
+        E.PayloadError,
+        None,
+    ),
 }
 
 
@@ -136,21 +159,21 @@ def test_hostile_payloads(case):
 
 def _set_index(h, d, value):
     b = _buf(h, 0, 0)
-    d[b["offset"]:b["offset"] + 4] = int(value).to_bytes(4, "little")
+    d[b["offset"] : b["offset"] + 4] = int(value).to_bytes(4, "little")
 
 
 @pytest.mark.parametrize("how", ["out_of_range", "descending", "duplicate"])
 def test_hostile_indices_are_caught_before_any_write(how):
     def fn(h, d):
         b = _buf(h, 0, 0)
-        idx = np.frombuffer(bytes(d[b["offset"]:b["offset"] + b["nbytes"]]), np.uint32).copy()
+        idx = np.frombuffer(bytes(d[b["offset"] : b["offset"] + b["nbytes"]]), np.uint32).copy()
         if how == "out_of_range":
             idx[-1] = 10**6
         elif how == "descending":
             idx[0], idx[1] = idx[1], idx[0]
         else:
             idx[1] = idx[0]
-        d[b["offset"]:b["offset"] + b["nbytes"]] = idx.tobytes()
+        d[b["offset"] : b["offset"] + b["nbytes"]] = idx.tobytes()
 
     blob = mutate(fn)
     unpack(blob)  # structurally valid: indices are checked where they are used
@@ -183,12 +206,30 @@ def _paths(obj, prefix=()):
             yield from _paths(v, prefix + (i,))
 
 
-JUNK = [None, True, -1, 0, 1, 2**63, 2**70, 1.5, float("1e308"), "", "x", "float32", "uint64", [], [1, -2], {},
-        {"role": "values"}]
+JUNK = [
+    None,
+    True,
+    -1,
+    0,
+    1,
+    2**63,
+    2**70,
+    1.5,
+    float("1e308"),
+    "",
+    "x",
+    "float32",
+    "uint64",
+    [],
+    [1, -2],
+    {},
+    {"role": "values"},
+]
 
 
-@pytest.mark.parametrize("case", ["topk_global_v1", "fp16_rice_v1", "ternary_rice_v1", "int8_dense_v1",
-                                  "fp16_rice_zstd_v1"])
+@pytest.mark.parametrize(
+    "case", ["topk_global_v1", "fp16_rice_v1", "ternary_rice_v1", "int8_dense_v1", "fp16_rice_zstd_v1"]
+)
 def test_header_fuzz_only_raises_our_errors(case):
     """Every field of the header replaced by junk: decoding either succeeds or raises a PayloadError, never
     anything else (no KeyError, TypeError, IndexError, MemoryError, crash)."""
@@ -211,17 +252,19 @@ def test_header_fuzz_only_raises_our_errors(case):
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_non_finite_values_in_a_payload_are_rejected(bad):
     """A hostile payload must not poison a model with NaN or inf: nothing is decoded."""
+
     def fn(h, d):
         b = _buf(h, 0, 1)
-        d[b["offset"]:b["offset"] + 4] = np.float32(bad).tobytes()
+        d[b["offset"] : b["offset"] + 4] = np.float32(bad).tobytes()
 
     new, base = golden_inputs()
     with pytest.raises(E.PayloadIndexError, match="not finite"):
         gpu_codec.decompress(mutate(fn), base=base)
 
 
-@pytest.mark.parametrize("case", ["topk_global_v1", "fp16_rice_v1", "ternary_rice_v1", "int8_dense_v1",
-                                  "fp16_rice_zstd_v1"])
+@pytest.mark.parametrize(
+    "case", ["topk_global_v1", "fp16_rice_v1", "ternary_rice_v1", "int8_dense_v1", "fp16_rice_zstd_v1"]
+)
 def test_data_fuzz_only_raises_our_errors(case):
     """Random bytes of the data section flipped (checksum recomputed): decoding succeeds or raises a PayloadError,
     and a successful decode holds only finite values."""

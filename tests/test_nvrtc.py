@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.common import load_benchmark
-
 from gpu_codec._sources import kernel_files, kernel_signatures, kernel_source
+from tests.common import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "kernel_resources.py"
@@ -60,8 +59,13 @@ def test_no_kernel_uses_local_memory(arch):
 
 def test_resources_script(tmp_path):
     out = tmp_path / "res.json"
-    r = subprocess.run([sys.executable, str(SCRIPT), "--tool", "nvrtc", "--arch", *ARCHS, "--json", str(out)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(SCRIPT), "--tool", "nvrtc", "--arch", *ARCHS, "--json", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     data = json.loads(out.read_text())
     assert data["problems"] == []
@@ -104,15 +108,17 @@ def test_checker_catches_local_memory_and_warnings():
 
 
 def test_ptxas_log_parser():
-    log = ("ptxas info    : 0 bytes gmem\n"
-           "ptxas info    : Compiling entry function 'a' for 'sm_80'\n"
-           "ptxas info    : Function properties for a\n"
-           "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
-           "ptxas info    : Used 22 registers, 1024 bytes smem, 380 bytes cmem[0]\n"
-           "ptxas info    : Function properties for _Z6helperv\n"
-           "    16 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
-           "ptxas info    : Compiling entry function 'b' for 'sm_80'\n"
-           "ptxas info    : Used 10 registers, used 1 barriers, 8 bytes lmem\n\x00")
+    log = (
+        "ptxas info    : 0 bytes gmem\n"
+        "ptxas info    : Compiling entry function 'a' for 'sm_80'\n"
+        "ptxas info    : Function properties for a\n"
+        "ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n"
+        "ptxas info    : Used 22 registers, 1024 bytes smem, 380 bytes cmem[0]\n"
+        "ptxas info    : Function properties for _Z6helperv\n"
+        "    16 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads\n"
+        "ptxas info    : Compiling entry function 'b' for 'sm_80'\n"
+        "ptxas info    : Used 10 registers, used 1 barriers, 8 bytes lmem\n\x00"
+    )
     rows = {r.function: r for r in kr.parse_ptxas(log, "sm_80", "nvrtc")}
     assert rows["a"].entry and rows["a"].registers == 22 and rows["a"].smem_bytes == 1024 and not rows["a"].spills
     assert not rows["_Z6helperv"].entry and rows["_Z6helperv"].spill_store_bytes == 8 and rows["_Z6helperv"].spills

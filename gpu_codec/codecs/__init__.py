@@ -22,5 +22,17 @@ from .ternary import Ternary
 from .topk import TopK
 from .zstd import Zstd
 
-__all__ = ["Codec", "Int8Blockwise", "Nvcomp", "Pipeline", "Quantize", "RiceIndices", "Ternary", "TopK", "Zstd",
-           "get_codec", "register_codec", "registered_codecs"]
+__all__ = [
+    "Codec",
+    "Int8Blockwise",
+    "Nvcomp",
+    "Pipeline",
+    "Quantize",
+    "RiceIndices",
+    "Ternary",
+    "TopK",
+    "Zstd",
+    "get_codec",
+    "register_codec",
+    "registered_codecs",
+]

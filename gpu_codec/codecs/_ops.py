@@ -45,7 +45,7 @@ def _offsets(counts: list[int]) -> np.ndarray:
 def _split(flat: Any, counts: list[int]) -> list[Any]:
     out, a = [], 0
     for c in counts:
-        out.append(flat[a:a + c])
+        out.append(flat[a : a + c])
         a += c
     return out
 
@@ -61,24 +61,34 @@ class CodecKernels:
         return self.xp.asarray(host)
 
     def _ptrs(self, arrays: list[Any]) -> Any:
-        return self._up(np.asarray([self.runner.ptr(a) if a is not None and a.size else 0 for a in arrays],
-                                   dtype=np.uint64))
+        return self._up(
+            np.asarray([self.runner.ptr(a) if a is not None and a.size else 0 for a in arrays], dtype=np.uint64)
+        )
 
     def _entry_tables(self, values, indices, res):
         counts = [int(v.size) for v in values]
-        return (counts, np.int32(len(values)), self._up(_offsets(counts)),
-                self._up(np.asarray([3 if v.dtype == np.float64 else 0 for v in values], np.int32)),
-                self._ptrs(values),
-                self._up(np.asarray([0 if i is None else np.dtype(i.dtype).itemsize for i in indices], np.int32)),
-                self._ptrs(indices), self._ptrs(res))
+        return (
+            counts,
+            np.int32(len(values)),
+            self._up(_offsets(counts)),
+            self._up(np.asarray([3 if v.dtype == np.float64 else 0 for v in values], np.int32)),
+            self._ptrs(values),
+            self._up(np.asarray([0 if i is None else np.dtype(i.dtype).itemsize for i in indices], np.int32)),
+            self._ptrs(indices),
+            self._ptrs(res),
+        )
 
     def cast(self, values, mode, indices, res) -> list[Any]:
         counts, nt, ent, vdt, vp, iw, ip, rp = self._entry_tables(values, indices, res)
         total = sum(counts)
         out = self.xp.empty(max(total, 1), dtype=np.uint16)
         if total:
-            self.runner.launch("quantize_cast", -(-total // BLOCK), BLOCK,
-                               (nt, np.uint64(total), ent, vdt, vp, iw, ip, rp, np.int32(mode), out))
+            self.runner.launch(
+                "quantize_cast",
+                -(-total // BLOCK),
+                BLOCK,
+                (nt, np.uint64(total), ent, vdt, vp, iw, ip, rp, np.int32(mode), out),
+            )
         return _split(out, counts)
 
     def int8(self, values, block, indices, res) -> tuple[list[Any], list[Any]]:
@@ -87,8 +97,12 @@ class CodecKernels:
         out = self.xp.empty(max(sum(counts), 1), dtype=np.int8)
         scales = self.xp.empty(max(sum(nblk), 1), dtype=np.float32)
         if sum(nblk):
-            self.runner.launch("quantize_int8", sum(nblk), BLOCK,
-                               (nt, self._up(_offsets(nblk)), ent, np.int32(block), vdt, vp, iw, ip, rp, out, scales))
+            self.runner.launch(
+                "quantize_int8",
+                sum(nblk),
+                BLOCK,
+                (nt, self._up(_offsets(nblk)), ent, np.int32(block), vdt, vp, iw, ip, rp, out, scales),
+            )
         return _split(out, counts), _split(scales, nblk)
 
     def ternary(self, values, indices, res) -> tuple[list[Any], np.ndarray]:
@@ -101,15 +115,21 @@ class CodecKernels:
         mu = self.xp.zeros(max(len(counts), 1), dtype=np.float32)
         cs = self._up(tb.chunk_start)
         if tb.nchunks:
-            self.runner.launch("ternary_partial", tb.nchunks, BLOCK,
-                               (nt, cs, ent, vdt, vp, self._up(word_off), partial, words))
+            self.runner.launch(
+                "ternary_partial", tb.nchunks, BLOCK, (nt, cs, ent, vdt, vp, self._up(word_off), partial, words)
+            )
         self.runner.launch("ternary_mu", -(-len(counts) // 256), 256, (nt, cs, ent, partial, mu))
         if any(r is not None for r in res) and sum(counts):
-            self.runner.launch("ternary_fixup", -(-sum(counts) // BLOCK), BLOCK,
-                               (nt, np.uint64(sum(counts)), ent, vdt, vp, iw, ip, rp, mu))
-        signs = [words[int(word_off[t]):int(word_off[t + 1])].view(np.uint8)[:-(-c // 8)]
-                 for t, c in enumerate(counts)]
-        return signs, self.runner.to_host(mu)[:len(counts)].astype(np.float32)
+            self.runner.launch(
+                "ternary_fixup",
+                -(-sum(counts) // BLOCK),
+                BLOCK,
+                (nt, np.uint64(sum(counts)), ent, vdt, vp, iw, ip, rp, mu),
+            )
+        signs = [
+            words[int(word_off[t]) : int(word_off[t + 1])].view(np.uint8)[: -(-c // 8)] for t, c in enumerate(counts)
+        ]
+        return signs, self.runner.to_host(mu)[: len(counts)].astype(np.float32)
 
     def rice(self, indices, ks) -> tuple[list[Any], list[int]]:
         xp, run = self.xp, self.runner
@@ -126,21 +146,25 @@ class CodecKernels:
             chunk_q = xp.zeros(tb.nchunks, dtype=np.uint64)
             tbits = xp.zeros(len(counts), dtype=np.uint64)
             run.launch("rice_count_" + sfx, tb.nchunks, BLOCK, (nt, cs, ent, d_ks, ip, chunk_q))
-            run.launch("rice_scan", 1, RICE_SCAN_THREADS,
-                       (nt, np.int64(tb.nchunks), cs, ent, d_ks, chunk_q, chunk_base, tbits))
+            run.launch(
+                "rice_scan", 1, RICE_SCAN_THREADS, (nt, np.int64(tb.nchunks), cs, ent, d_ks, chunk_q, chunk_base, tbits)
+            )
             bits = [int(b) for b in run.to_host(tbits)]
         nwords = [-(-b // 32) for b in bits]
         word_off = _offsets(nwords)
         words = xp.zeros(max(sum(nwords), 1), dtype=np.uint32)
         if tb.nchunks:
-            run.launch("rice_write_" + sfx, tb.nchunks, BLOCK,
-                       (nt, cs, ent, d_ks, ip, chunk_base, self._up(word_off), words))
-        streams = [words[int(word_off[t]):int(word_off[t + 1])].view(np.uint8)[:-(-b // 8)]
-                   for t, b in enumerate(bits)]
+            run.launch(
+                "rice_write_" + sfx, tb.nchunks, BLOCK, (nt, cs, ent, d_ks, ip, chunk_base, self._up(word_off), words)
+            )
+        streams = [
+            words[int(word_off[t]) : int(word_off[t + 1])].view(np.uint8)[: -(-b // 8)] for t, b in enumerate(bits)
+        ]
         return streams, bits
 
 
 # --- the ops: one signature, a NumPy body and a kernel body ------------------------------------------------------
+
 
 def cast16(backend, values, dtype: str, indices, res) -> list[Any]:
     """fp16 / bf16 bit patterns (uint16) of every tensor's values, clamped; residual fixed where given."""

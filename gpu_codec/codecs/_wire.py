@@ -118,17 +118,21 @@ def _wrapped_layout(rec: TensorRecord) -> Layout:
     fields = {"inner", "ic", "raw", "zbytes"} | ({"algo"} if rec.encoding == "nvcomp" else set())
     _only(rec, fields)
     if rec.encoding == "nvcomp" and rec.codec.get("algo") != "zstd":
-        raise PayloadHeaderError(f"{where(rec)}: nvcomp algorithm {rec.codec.get('algo')!r} is not supported "
-                                 "(this reader decodes 'zstd')")
+        raise PayloadHeaderError(
+            f"{where(rec)}: nvcomp algorithm {rec.codec.get('algo')!r} is not supported (this reader decodes 'zstd')"
+        )
     inner = inner_record(rec)
     expect = raw_nbytes(inner)
     raw, zb = rec.codec.get("raw"), rec.codec.get("zbytes")
     if not is_int(raw) or raw != expect:
-        raise PayloadLayoutError(f"{where(rec)}: declared raw size {raw!r} is not the {expect} bytes that encoding "
-                                 f"{inner.encoding!r} implies for nnz {rec.nnz} of {rec.numel}")
+        raise PayloadLayoutError(
+            f"{where(rec)}: declared raw size {raw!r} is not the {expect} bytes that encoding "
+            f"{inner.encoding!r} implies for nnz {rec.nnz} of {rec.numel}"
+        )
     if not is_int(zb) or not 0 < zb <= compress_bound(raw):
-        raise PayloadLayoutError(f"{where(rec)}: compressed size {zb!r} is outside (0, {compress_bound(raw)}] for "
-                                 f"{raw} raw bytes")
+        raise PayloadLayoutError(
+            f"{where(rec)}: compressed size {zb!r} is outside (0, {compress_bound(raw)}] for {raw} raw bytes"
+        )
     return {"compressed": (("uint8",), zb)}
 
 
@@ -158,8 +162,12 @@ def check_block(rec: TensorRecord) -> int:
 
 def check_mu(rec: TensorRecord) -> float:
     mu = rec.codec.get("mu")
-    if isinstance(mu, bool) or not isinstance(mu, (int, float)) or not 0 <= mu <= _F32_MAX \
-            or float(np.float32(mu)) != float(mu):
+    if (
+        isinstance(mu, bool)
+        or not isinstance(mu, (int, float))
+        or not 0 <= mu <= _F32_MAX
+        or float(np.float32(mu)) != float(mu)
+    ):
         raise PayloadHeaderError(f"{where(rec)}: ternary mu {mu!r} must be a finite, non-negative float32 value")
     return float(mu)
 

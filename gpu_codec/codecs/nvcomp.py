@@ -23,14 +23,16 @@ from .base import check_choice
 from .registry import register_codec
 from .zstd import BytesCodec
 
-EXTRA_HINT = ("the 'nvcomp' stage needs the GPU backend and nvCOMP: pip install 'gpu_codec[nvcomp12]' (CUDA 12) or "
-              "'gpu_codec[nvcomp13]' (CUDA 13); the 'zstd' stage compresses on the CPU instead")
+EXTRA_HINT = (
+    "the 'nvcomp' stage needs the GPU backend and nvCOMP: pip install 'gpu_codec[nvcomp12]' (CUDA 12) or "
+    "'gpu_codec[nvcomp13]' (CUDA 13); the 'zstd' stage compresses on the CPU instead"
+)
 
 
 def _nvcomp_module() -> Any:
     try:
         from nvidia import nvcomp  # type: ignore[import-not-found]
-    except Exception as e:  # noqa: BLE001 - any import failure means the extra is missing or broken
+    except Exception as e:
         raise BackendUnavailableError(f"{EXTRA_HINT} ({type(e).__name__}: {e})") from None
     return nvcomp
 
@@ -62,7 +64,7 @@ class Nvcomp(BytesCodec):
             if n == 0:
                 out.append(zstandard.ZstdCompressor(write_checksum=False).compress(b""))
                 continue
-            comp = codec.encode(nv.as_array(flat[a:a + n]))
+            comp = codec.encode(nv.as_array(flat[a : a + n]))
             out.append(xp.asnumpy(xp.asarray(comp)).tobytes())  # only the compressed bytes leave the device
             a += n
         return out

@@ -62,8 +62,12 @@ class Pipeline:
                 raise CodecConfigError(f"a pipeline stage must be a codec or a config dict, got {type(s).__name__}")
         order = [STAGES.index(c.stage) for c in built]
         if any(a >= b for a, b in pairwise(order)):
-            raise CodecConfigError("pipeline stages must come in the order " + " -> ".join(STAGES) +
-                                   ", at most one of each; got " + " -> ".join(c.codec_id for c in built))
+            raise CodecConfigError(
+                "pipeline stages must come in the order "
+                + " -> ".join(STAGES)
+                + ", at most one of each; got "
+                + " -> ".join(c.codec_id for c in built)
+            )
         self.stages: tuple[Codec, ...] = tuple(built)
         by = {c.stage: c for c in built}
         self.topk = by.get("sparsify")
@@ -116,8 +120,10 @@ class Pipeline:
             return records
         dense = records[0].encoding == "dense"
         if dense and self.indices is not None:
-            raise InvalidInputError(f"the {self.indices.codec_id!r} index stage needs a sparse (top-k) update; "
-                                    "fraction=None encodes every tensor densely, with no indices")
+            raise InvalidInputError(
+                f"the {self.indices.codec_id!r} index stage needs a sparse (top-k) update; "
+                "fraction=None encodes every tensor densely, with no indices"
+            )
         if self._coded():
             vals = [r.buffers["values"] for r in records]
             idxs = [None if dense else r.buffers["indices"] for r in records]
@@ -134,8 +140,18 @@ class Pipeline:
                 codec = {"v": vc.tag, **vf}
                 if not dense:
                     codec.update({"i": self.indices.tag if self.indices is not None else "raw", **inf})
-                out.append(TensorRecord(r.name, r.dtype, r.shape, "dense_q" if dense else "sparse", r.nnz,
-                                        {**ib, **vb}, codec, {**idt, **vd}))
+                out.append(
+                    TensorRecord(
+                        r.name,
+                        r.dtype,
+                        r.shape,
+                        "dense_q" if dense else "sparse",
+                        r.nnz,
+                        {**ib, **vb},
+                        codec,
+                        {**idt, **vd},
+                    )
+                )
             records = out
         if self.bytes is not None:
             records = self.bytes.encode_records(records, backend)
@@ -145,12 +161,14 @@ class Pipeline:
         enc = rec.encoding
         if enc in WRAPPERS:
             if self.bytes is None or self.bytes.encoding != enc:
-                raise PayloadLayoutError(f"{where(rec)} is encoded {enc!r}, but the payload's pipeline has no "
-                                         f"{enc!r} stage")
+                raise PayloadLayoutError(
+                    f"{where(rec)} is encoded {enc!r}, but the payload's pipeline has no {enc!r} stage"
+                )
             enc = rec.codec.get("inner")
         elif self.bytes is not None:
-            raise PayloadLayoutError(f"{where(rec)} is encoded {enc!r}, but the payload's pipeline ends with "
-                                     f"{self.bytes.codec_id!r}")
+            raise PayloadLayoutError(
+                f"{where(rec)} is encoded {enc!r}, but the payload's pipeline ends with {self.bytes.codec_id!r}"
+            )
         dense = enc in ("dense", "dense_q")
         want = ("dense_q" if dense else "sparse") if self._coded() else ("dense" if dense else "coo")
         if enc != want:
@@ -160,10 +178,15 @@ class Pipeline:
         vt = self.values.tag if self.values is not None else "f32"
         it = self.indices.tag if self.indices is not None else "raw"
         if rec.codec.get("v") != vt or (rec.encoding == "sparse" and rec.codec.get("i") != it):
-            raise PayloadLayoutError(f"{where(rec)} holds values {rec.codec.get('v')!r} / indices "
-                                     f"{rec.codec.get('i')!r}; the payload's pipeline says {vt!r} / {it!r}")
-        if self.values is not None and "block" in rec.codec and rec.codec["block"] != getattr(
-                self.values, "block_size", None):
+            raise PayloadLayoutError(
+                f"{where(rec)} holds values {rec.codec.get('v')!r} / indices "
+                f"{rec.codec.get('i')!r}; the payload's pipeline says {vt!r} / {it!r}"
+            )
+        if (
+            self.values is not None
+            and "block" in rec.codec
+            and rec.codec["block"] != getattr(self.values, "block_size", None)
+        ):
             raise PayloadLayoutError(f"{where(rec)}: int8 block {rec.codec['block']} differs from the pipeline's")
 
     def decode(self, records: list[TensorRecord], backend: Any) -> list[TensorRecord]:

@@ -35,8 +35,9 @@ class ValueCodec(Codec):
     stage = "values"
     tag = ""
 
-    def encode_values(self, values: list[Any], indices: list[Any], res: list[Any], backend: Any
-                      ) -> list[tuple[dict, dict, dict]]:
+    def encode_values(
+        self, values: list[Any], indices: list[Any], res: list[Any], backend: Any
+    ) -> list[tuple[dict, dict, dict]]:
         """Per tensor: (codec fields, buffers by role, buffer dtype names that differ from the array's)."""
         raise NotImplementedError
 
@@ -87,6 +88,7 @@ class Int8Blockwise(ValueCodec):
 def _float_layout(dtype: str | None):
     def layout(rec, n):
         return {"values": ((dtype or value_dtype_name(rec),), n)}
+
     return layout
 
 

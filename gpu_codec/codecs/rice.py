@@ -84,12 +84,15 @@ def _rice_layout(rec, n):
     k, bits = rec.codec.get("k"), rec.codec.get("bits")
     want = _rice.rice_param(n, rec.numel)
     if not is_int(k) or k != want:
-        raise PayloadHeaderError(f"{where(rec)}: Rice parameter {k!r} is not the {want} that nnz {n} of "
-                                 f"{rec.numel} implies")
+        raise PayloadHeaderError(
+            f"{where(rec)}: Rice parameter {k!r} is not the {want} that nnz {n} of {rec.numel} implies"
+        )
     hi = _rice.max_bits(n, rec.numel, k)
     if not is_int(bits) or not n * (k + 1) <= bits <= hi:
-        raise PayloadHeaderError(f"{where(rec)}: Rice bit count {bits!r} is outside [{n * (k + 1)}, {hi}] for "
-                                 f"nnz {n} of {rec.numel} with k={k}")
+        raise PayloadHeaderError(
+            f"{where(rec)}: Rice bit count {bits!r} is outside [{n * (k + 1)}, {hi}] for "
+            f"nnz {n} of {rec.numel} with k={k}"
+        )
     return {"indices": (("uint8",), -(-bits // 8))}
 
 

@@ -59,8 +59,17 @@ class BytesCodec(Codec):
             codec = {**self._extra(), "inner": rec.encoding, "raw": n, "zbytes": len(z)}
             if rec.codec:
                 codec["ic"] = rec.codec
-            out.append(TensorRecord(rec.name, rec.dtype, rec.shape, self.encoding, rec.nnz,
-                                    {"compressed": np.frombuffer(z, np.uint8)}, codec))
+            out.append(
+                TensorRecord(
+                    rec.name,
+                    rec.dtype,
+                    rec.shape,
+                    self.encoding,
+                    rec.nnz,
+                    {"compressed": np.frombuffer(z, np.uint8)},
+                    codec,
+                )
+            )
         return out
 
     @staticmethod
@@ -93,7 +102,7 @@ def split_host(flat: Any, sizes: list[int], backend: Any) -> list[bytes]:
     blob = np.asarray(backend.to_host(flat)).tobytes()  # the one device-to-host copy of this stage
     out, a = [], 0
     for n in sizes:
-        out.append(blob[a:a + n])
+        out.append(blob[a : a + n])
         a += n
     return out
 
@@ -112,7 +121,8 @@ def bounded_decompress(data: bytes, raw: int, what: str) -> bytes:
         raise PayloadLimitError(f"{what}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW}")
     try:
         out = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompress(
-            data, max_output_size=max(raw, 1), allow_extra_data=False)
+            data, max_output_size=max(raw, 1), allow_extra_data=False
+        )
     except zstandard.ZstdError as e:
         raise PayloadLayoutError(f"{what}: zstd frame does not decompress to {raw} bytes ({e})") from None
     if len(out) != raw:
