@@ -53,9 +53,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _adapt
+from . import adapt
 from . import engine as _engine
-from ._arrays import array_kind
+from .arrays import array_kind
 from .errors import GpuCodecError, InvalidInputError
 
 __all__ = [
@@ -264,8 +264,8 @@ def _base_for(model: Mapping[str, Any], app_ctx: AppContext, who: str) -> dict[s
 
 def _header_metadata(data_ctx: DataContext, delta: bool, app_ctx: AppContext) -> dict[str, Any]:
     return {
-        CLARA_KEY: {"delta": delta, "round": _adapt.json_safe(app_ctx.round_number)},
-        CLARA_META_KEY: _adapt.json_safe(data_ctx.get_all_metadata()),
+        CLARA_KEY: {"delta": delta, "round": adapt.json_safe(app_ctx.round_number)},
+        CLARA_META_KEY: adapt.json_safe(data_ctx.get_all_metadata()),
     }
 
 
@@ -296,10 +296,10 @@ class DataCompressor(DataProcessor):
         super().__init__()
         if delta not in (True, False, "auto"):
             raise InvalidInputError(f"delta must be True, False or 'auto', got {delta!r}")
-        self.fraction = None if fraction is None else _engine._check_fraction(fraction)
+        self.fraction = None if fraction is None else _engine.check_fraction(fraction)
         self.scope = scope
         self.score = score
-        self.pipeline = _adapt.pipeline_configs(pipeline)
+        self.pipeline = adapt.pipeline_configs(pipeline)
         self.delta = delta
 
     def get_config(self) -> dict[str, Any]:
@@ -320,7 +320,7 @@ class DataCompressor(DataProcessor):
         model = _require_mapping_model(data_ctx.get_model(), "DataCompressor")
         use_delta = self.delta is True or (self.delta == "auto" and isinstance(app_ctx.global_model, Mapping))
         base = _base_for(model, app_ctx, "DataCompressor") if use_delta else None
-        payload = _adapt.engine_compress(
+        payload = adapt.engine_compress(
             model,
             base,
             fraction=self.fraction,
@@ -362,7 +362,7 @@ def _decode_payload(
         return _engine.decompress(payload, base={n: src[n] for n in names})
     kind = like or "numpy"
     dense = _engine.decompress(payload, like=kind)
-    return {r.name: _adapt.cast_to_logical(dense[r.name], r.dtype, kind) for r in payload.tensors}
+    return {r.name: adapt.cast_to_logical(dense[r.name], r.dtype, kind) for r in payload.tensors}
 
 
 class DataDeCompressor(DataProcessor):
@@ -485,7 +485,7 @@ class ModelEncryptor(_KeyedProcessor):
         if isinstance(model, (bytes, bytearray, memoryview)) and bytes(model[: len(_ENV_MAGIC)]) == _ENV_MAGIC:
             raise ProcessorOrderError("ModelEncryptor got a model that is already encrypted")
         if isinstance(model, Mapping):
-            model = _adapt.engine_compress(model, fraction=None, metadata=_header_metadata(data_ctx, False, app_ctx))
+            model = adapt.engine_compress(model, fraction=None, metadata=_header_metadata(data_ctx, False, app_ctx))
         if isinstance(model, _engine.Payload):
             blob = model.to_bytes()
         elif isinstance(model, (bytes, bytearray, memoryview)):

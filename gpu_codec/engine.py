@@ -19,8 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
-from ._arrays import Tensor, array_kind, from_backend, to_tensor
+from . import dtypes
+from .arrays import Tensor, array_kind, from_backend, to_tensor
 from .backend import get_backend
 from .errors import InvalidInputError, PayloadIndexError, PayloadLayoutError, PayloadLimitError
 from .format import TensorRecord, pack, packed_size, unpack
@@ -40,7 +40,16 @@ def kept_count(fraction: float, n: int) -> int:
     return min(n, math.ceil(Fraction(repr(float(fraction))) * n))
 
 
-def _check_fraction(fraction: Any) -> float:
+def check_fraction(fraction: Any) -> float:
+    """The one check of a kept fraction (the engine's, every adapter's and the CLI's): a real number in (0, 1].
+
+    >>> check_fraction(0.01)
+    0.01
+    >>> check_fraction(float("nan"))
+    Traceback (most recent call last):
+    ...
+    gpu_codec.errors.InvalidInputError: fraction must be in (0, 1] (the share of entries kept), got nan
+    """
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.floating, np.integer)):
         raise InvalidInputError(f"fraction must be a number in (0, 1], got {type(fraction).__name__}")
     f = float(fraction)
@@ -75,7 +84,7 @@ def _check_tensors(
     news, bases = [], []
     for n in names:
         t = to_tensor(update[n], n)
-        if t.dtype not in _dtypes.FLOAT_DTYPES:
+        if t.dtype not in dtypes.FLOAT_DTYPES:
             raise InvalidInputError(
                 f"tensor {n!r}: dtype {t.dtype} is not a float dtype (float32, float16, "
                 "bfloat16, float64); a delta makes no sense for it"
@@ -126,7 +135,7 @@ class Payload:
     @property
     def dense_nbytes(self) -> int:
         """Size of the dense update in its original dtypes."""
-        return sum(r.numel * _dtypes.storage_dtype(r.dtype).itemsize for r in self.tensors)
+        return sum(r.numel * dtypes.storage_dtype(r.dtype).itemsize for r in self.tensors)
 
     @property
     def ratio(self) -> float:
@@ -164,10 +173,10 @@ def _external_scores(score: ScoreFn, update, base, names, news, backend) -> tupl
         s = to_tensor(out[n], n)
         if s.shape != t.shape:
             raise InvalidInputError(f"tensor {n!r}: scores have shape {s.shape}, the tensor has {t.shape}")
-        if s.dtype not in _dtypes.FLOAT_DTYPES:
+        if s.dtype not in dtypes.FLOAT_DTYPES:
             raise InvalidInputError(f"tensor {n!r}: scores must be floats, got {s.dtype}")
         arrays.append(backend.asarray(s.data))
-        codes.append(_dtypes.code(s.dtype))
+        codes.append(dtypes.code(s.dtype))
     return arrays, codes
 
 
@@ -233,25 +242,25 @@ def compress(
         if pipe.topk.score != "custom":  # "custom" names a callable, which only the caller can pass
             score = pipe.topk.score
     dense = fraction is None
-    fraction = None if dense else _check_fraction(fraction)
+    fraction = None if dense else check_fraction(fraction)
     if scope not in SCOPES:
         raise InvalidInputError(f"scope must be one of {SCOPES}, got {scope!r}")
     if callable(score):
-        crit, score_name = _dtypes.CRIT_EXTERNAL, "custom"
-    elif isinstance(score, str) and score in _dtypes.CRITERIA:
-        crit, score_name = _dtypes.CRITERIA[score], score
+        crit, score_name = dtypes.CRIT_EXTERNAL, "custom"
+    elif isinstance(score, str) and score in dtypes.CRITERIA:
+        crit, score_name = dtypes.CRITERIA[score], score
     else:
-        raise InvalidInputError(f"score must be a callable or one of {sorted(_dtypes.CRITERIA)}, got {score!r}")
+        raise InvalidInputError(f"score must be a callable or one of {sorted(dtypes.CRITERIA)}, got {score!r}")
     if metadata is not None and not isinstance(metadata, Mapping):
         raise InvalidInputError(f"metadata must be a mapping, got {type(metadata).__name__}")
     names, news, bases = _check_tensors(update, base)
     backend = get_backend()
     nt = len(news)
-    dtypes = [_dtypes.code(t.dtype) for t in news]
+    dtype_codes = [dtypes.code(t.dtype) for t in news]
     with backend.stream(news + bases):
         new_arrays = [backend.asarray(t.data) for t in news]
         base_arrays = [backend.asarray(b.data) if b is not None else None for b in bases]
-        if crit == _dtypes.CRIT_EXTERNAL:
+        if crit == dtypes.CRIT_EXTERNAL:
             ext, ext_dt = _external_scores(score, update, base, names, news, backend)
         else:
             ext, ext_dt = [None] * nt, [0] * nt
@@ -263,7 +272,7 @@ def compress(
         else:
             segments, ks = _segments([t.numel for t in news], fraction, scope)
         indices, values, bad = backend.topk_select(
-            new_arrays, base_arrays, res_in, res_out, dtypes, ext, ext_dt, crit, segments, ks, qmode
+            new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks, qmode
         )
         if bad is not None:
             raise InvalidInputError(
@@ -349,11 +358,11 @@ def decompress(
                 raise PayloadLayoutError(f"tensor {r.name!r}: encoding {r.encoding!r} cannot be decoded by the engine")
             if base_tensors is not None:
                 out = backend.asarray(base_tensors[i].data).copy()
-                out_dtypes.append(_dtypes.code(r.dtype))
+                out_dtypes.append(dtypes.code(r.dtype))
             else:
-                vd = _dtypes.value_dtype(r.dtype)
+                vd = dtypes.value_dtype(r.dtype)
                 out = backend.xp.zeros(r.numel, dtype=np.dtype(vd))
-                out_dtypes.append(_dtypes.code(vd))
+                out_dtypes.append(dtypes.code(vd))
             outs.append(out)
             vals = backend.asarray(r.buffers["values"])
             if r.encoding == "dense":
@@ -376,7 +385,7 @@ def decompress(
         raise PayloadIndexError("a sparse index is out of range, repeated or not increasing, or a value is not finite")
     result = {}
     for i, (r, out) in enumerate(zip(records, outs)):
-        logical = r.dtype if base_tensors is not None else _dtypes.value_dtype(r.dtype)
+        logical = r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)
         dev = base_tensors[i].device if base_tensors is not None else device
         result[r.name] = from_backend(out, logical, tuple(r.shape), kind, dev)
     return result

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _dtypes
+from . import dtypes
 from .backend import get_backend
 from .errors import InvalidInputError, PayloadLayoutError
 from .format import TensorRecord, pack, unpack
@@ -69,7 +69,7 @@ class ErrorFeedback:
         """
         res_in, res_out = [], []
         for n, t in zip(names, news):
-            vd = np.dtype(_dtypes.value_dtype(t.dtype))
+            vd = np.dtype(dtypes.value_dtype(t.dtype))
             cur = self._state.get(n)
             if cur is not None:
                 a, dt, shape = cur

@@ -60,7 +60,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from . import _adapt
+from . import adapt
 from . import engine as _engine
 from .backend import get_backend
 from .errors import InvalidInputError, PayloadError, PayloadIndexError
@@ -428,7 +428,7 @@ class _EngineSelection:
             score = lambda _update, _base: fscores
         if not names:
             raise InvalidInputError("the model has no tensor with at least one dimension to select from")
-        payload = _adapt.engine_compress(update, base, fraction=self.sparsity_level, scope="global", score=score)
+        payload = adapt.engine_compress(update, base, fraction=self.sparsity_level, scope="global", score=score)
         return state, payload
 
     @staticmethod
@@ -438,7 +438,7 @@ class _EngineSelection:
             if rec.nnz == 0:
                 continue
             t = state[rec.name]
-            idx = _adapt.backend_to_torch(rec.buffers["indices"].astype(np.int64), t.device)
+            idx = adapt.backend_to_torch(rec.buffers["indices"].astype(np.int64), t.device)
             yield rec, t, idx
 
 
@@ -650,7 +650,7 @@ class CompactSparseExchanger(_EngineSelection, ParameterExchanger):
                     rec.shape,
                     "coo",
                     rec.nnz,
-                    {"indices": rec.buffers["indices"], "values": _adapt.torch_to_backend(v, on_device)},
+                    {"indices": rec.buffers["indices"], "values": adapt.torch_to_backend(v, on_device)},
                 )
             )
         backend = get_backend()

@@ -35,9 +35,9 @@ from typing import Any
 
 import numpy as np
 
-from . import _adapt
+from . import adapt
 from . import engine as _engine
-from ._arrays import array_kind, to_tensor
+from .arrays import array_kind, to_tensor
 from .errors import InvalidInputError
 
 __all__ = ["STYPE_GPU_CODEC", "STYPE_NUMPY", "Array", "ArrayRecord", "ParametersRecord"]
@@ -297,7 +297,7 @@ class ParametersRecord(MutableMapping):
     ) -> ParametersRecord:
         """Compress ``update - base`` (:func:`gpu_codec.compress`; ``fraction=None`` for dense) into a record
         holding one ``gpu_codec.v1`` Array under ``key``. On the GPU the payload stays there until sent."""
-        payload = _adapt.engine_compress(
+        payload = adapt.engine_compress(
             update, base, fraction=fraction, scope=scope, score=score, pipeline=pipeline, metadata=metadata
         )
         rec = cls()

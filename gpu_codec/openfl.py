@@ -36,9 +36,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _adapt, _dtypes
+from . import adapt, dtypes
 from . import engine as _engine
-from ._arrays import array_kind
+from .arrays import array_kind
 from .errors import GpuCodecError, InvalidInputError
 
 __all__ = [
@@ -213,16 +213,16 @@ class GpuCodecPipeline:
         score: Any = "magnitude",
         like: str = "numpy",
     ) -> None:
-        self._stages = _adapt.pipeline_configs(pipeline)
+        self._stages = adapt.pipeline_configs(pipeline)
         if fraction is not None:
-            fraction = _engine._check_fraction(fraction)
+            fraction = _engine.check_fraction(fraction)
         if like not in ("numpy", "cupy", "torch"):
             raise InvalidInputError(f"like must be 'numpy', 'cupy' or 'torch', got {like!r}")
         self.fraction = fraction
         self.scope = scope
         self.score = score
         self.like = like
-        self._lossy = _adapt.is_lossy(fraction, self._stages)
+        self._lossy = adapt.is_lossy(fraction, self._stages)
         self.lossy = self._lossy
         self.transformers = [self]
 
@@ -244,9 +244,9 @@ class GpuCodecPipeline:
             data = np.asarray(data)
         kind = array_kind(data)
         dt = str(data.dtype).replace("torch.", "")
-        if dt not in _dtypes.FLOAT_DTYPES:  # OpenFL's own pipelines cast to float32 too
+        if dt not in dtypes.FLOAT_DTYPES:  # OpenFL's own pipelines cast to float32 too
             data = data.float() if kind == "torch" else data.astype(np.float32)
-        payload = _adapt.engine_compress(
+        payload = adapt.engine_compress(
             {self.name: data}, fraction=self.fraction, scope=self.scope, score=self.score, pipeline=self._stages
         )
         shape = [int(s) for s in data.shape]
@@ -267,7 +267,7 @@ class GpuCodecPipeline:
         like = like or self.like
         rec = payload.tensors[0]
         out = _engine.decompress(payload, like=like)[self.name]
-        return _adapt.cast_to_logical(out, rec.dtype, like)
+        return adapt.cast_to_logical(out, rec.dtype, like)
 
 
 def _as_pipeline(p: Any) -> Any:

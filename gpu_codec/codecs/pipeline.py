@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from .._dtypes import value_dtype
+from ..dtypes import value_dtype
 from ..cpu_fallback.select import index_dtype
 from ..errors import (
     CodecConfigError,

@@ -9,12 +9,12 @@
 
 from __future__ import annotations
 
-from .. import _dtypes
+from .. import dtypes
 from ..engine import SCOPES
 from .base import Codec, check_choice, check_fraction
 from .registry import register_codec
 
-SCORES = (*_dtypes.CRITERIA, "custom")  # "custom": a callable score (a config can only describe, not rebuild, it)
+SCORES = (*dtypes.CRITERIA, "custom")  # "custom": a callable score (a config can only describe, not rebuild, it)
 
 
 @register_codec

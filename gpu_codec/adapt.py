@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import engine as _engine
-from ._arrays import array_kind
+from .arrays import array_kind
 from .errors import InvalidInputError
 
 # Codec stage ids that only re-encode bytes or integers (never change a value). Used only where gpu_codec has
