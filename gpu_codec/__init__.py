@@ -1,8 +1,12 @@
 """gpu_codec: GPU compression of federated-learning model updates.
 
 Exact top-k sparsification of ``update - base`` on the GPU (CuPy kernels) or the CPU (a NumPy fallback that
-produces the same bytes), one safe versioned wire format, and decompression back to dense tensors of the
-caller's kind on the caller's device.
+produces the same bytes), codec stages after it, one safe versioned wire format, and decompression back to dense
+tensors of the caller's kind on the caller's device.
+
+The package face is the verbs below, the codec classes and the errors. The framework adapters
+(:mod:`gpu_codec.clara`, :mod:`gpu_codec.openfl`, :mod:`gpu_codec.fl4health`, :mod:`gpu_codec.flower`,
+:mod:`gpu_codec.nvflare`) load on first use, with the framework they need.
 
 >>> import numpy as np, gpu_codec
 >>> blob = gpu_codec.compress({"w": np.arange(10, dtype=np.float32)}, fraction=0.2).to_bytes()
@@ -10,7 +14,9 @@ caller's kind on the caller's device.
 [0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 8.0, 9.0]
 """
 
-from . import clara, fl4health, flower, openfl  # the seed APIs; torch, flwr and cryptography load on first use
+import importlib
+from typing import Any
+
 from .backend import backend_info, get_backend, reset_backend
 from .codecs import (
     Int8Blockwise,
@@ -24,37 +30,59 @@ from .codecs import (
     get_codec,
     register_codec,
 )
-from .engine import Payload, compress, decompress, kept_count
+from .engine import Payload, SparseEntries, compress, decompress, encode_coo, kept_count
 from .error_feedback import ErrorFeedback
-from .errors import *  # noqa: F403
-from .errors import __all__ as _errors_all
+from .errors import (  # every error class stays reachable as gpu_codec.<Name>
+    BackendUnavailableError,
+    CodecConfigError,
+    GpuCodecError,
+    InvalidInputError,
+    PayloadChecksumError,
+    PayloadDtypeError,
+    PayloadError,
+    PayloadHeaderError,
+    PayloadIndexError,
+    PayloadLayoutError,
+    PayloadLimitError,
+    UnknownCodecError,
+    UnsupportedVersionError,
+)
 from .format import TensorRecord
 
 __version__ = "0.1.0"
 
+_ADAPTERS = ("clara", "fl4health", "flower", "nvflare", "openfl")
+
 __all__ = [
-    "Payload",
-    "TensorRecord",
-    "backend_info",
-    "compress",
-    "decompress",
-    "get_backend",
-    "kept_count",
-    "reset_backend",
-    *_errors_all,
-    "clara",
-    "fl4health",
-    "flower",
-    "openfl",
+    "BackendUnavailableError",
     "ErrorFeedback",
+    "GpuCodecError",
     "Int8Blockwise",
+    "InvalidInputError",
     "Nvcomp",
+    "Payload",
+    "PayloadError",
     "Pipeline",
     "Quantize",
     "RiceIndices",
+    "SparseEntries",
     "Ternary",
     "TopK",
     "Zstd",
+    "backend_info",
+    "compress",
+    "decompress",
+    "encode_coo",
+    "get_backend",
     "get_codec",
+    "kept_count",
     "register_codec",
+    "reset_backend",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Load a framework adapter module on first access (``gpu_codec.clara``, ...)."""
+    if name in _ADAPTERS:
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,9 +1,9 @@
 """Helpers shared by the framework adapters (:mod:`gpu_codec.clara`, :mod:`gpu_codec.openfl`,
 :mod:`gpu_codec.fl4health`, :mod:`gpu_codec.flower`).
 
-They call the engine and nothing else: engine calls that also run on an engine without codec pipelines (dense
-becomes ``fraction=1.0``, which is lossless), and moves between backend arrays and torch tensors that never pass
-through the host when both sides are on the GPU.
+They use the public engine API and nothing below it: pipeline spellings normalized, lossiness, casts back to a
+tensor's own dtype, JSON-safe metadata. Moves between backend arrays and torch tensors are the one torch bridge
+in :mod:`gpu_codec.arrays`, re-exported here for the adapters.
 
 >>> import numpy as np
 >>> p = engine_compress({"w": np.array([1., -3., 2.], np.float32)}, fraction=None)   # dense: every entry kept
@@ -13,7 +13,6 @@ through the host when both sides are on the GPU.
 
 from __future__ import annotations
 
-import inspect
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -21,16 +20,9 @@ from typing import Any
 import numpy as np
 
 from . import engine as _engine
-from .arrays import array_kind
+from .arrays import array_kind, backend_to_torch, torch_to_backend  # noqa: F401 - the adapters' torch bridge
+from .codecs import Pipeline
 from .errors import InvalidInputError
-
-# Codec stage ids that only re-encode bytes or integers (never change a value). Used only where gpu_codec has
-# no codec registry to ask.
-_KNOWN_LOSSLESS = frozenset({"zstd", "rice", "lz4", "zlib", "gzip", "deflate", "bitshuffle", "shuffle", "delta_index"})
-
-
-def _engine_params() -> Mapping[str, inspect.Parameter]:
-    return inspect.signature(_engine.compress).parameters
 
 
 def pipeline_configs(pipeline: Any) -> list[dict] | None:
@@ -62,15 +54,7 @@ def is_lossy(fraction: float | None, pipeline: Any) -> bool:
     if fraction is not None and float(fraction) < 1.0:
         return True
     stages = pipeline_configs(pipeline)
-    if not stages:
-        return False
-    import gpu_codec
-
-    if hasattr(gpu_codec, "Pipeline"):
-        return bool(gpu_codec.Pipeline.from_config(stages).is_lossy())
-    if hasattr(gpu_codec, "get_codec"):
-        return any(not getattr(gpu_codec.get_codec(s), "lossless", False) for s in stages)
-    return any(s["id"] not in _KNOWN_LOSSLESS for s in stages)
+    return bool(stages) and Pipeline.from_config(stages).is_lossy()
 
 
 def engine_compress(
@@ -83,68 +67,17 @@ def engine_compress(
     pipeline: Any = None,
     metadata: Mapping[str, Any] | None = None,
 ) -> Any:
-    """:func:`gpu_codec.compress`, with ``fraction=None`` (dense) and ``pipeline`` mapped onto what this engine has.
-
-    An engine without dense support gets ``fraction=1.0``: every entry kept, exactly (a lossless encoding).
-    An engine without codec pipelines refuses a pipeline with a clear error rather than ignoring it.
-    """
-    params = _engine_params()
-    kw: dict[str, Any] = {"scope": scope, "score": score, "metadata": metadata}
-    stages = pipeline_configs(pipeline)
-    if stages:
-        if "pipeline" not in params:
-            raise InvalidInputError(
-                "this gpu_codec build has no codec pipelines (gpu_codec.codecs is missing); "
-                f"cannot apply stages {[s['id'] for s in stages]}"
-            )
-        kw["pipeline"] = stages
-    if fraction is None:
-        try:
-            return _engine.compress(update, base, fraction=None, **kw)
-        except InvalidInputError as e:
-            if "fraction must be a number" not in str(e):
-                raise
-            fraction = 1.0  # an engine without dense mode: keep every entry, which is exact
-    return _engine.compress(update, base, fraction=fraction, **kw)
-
-
-# ---------------------------------------------------------------- torch <-> backend arrays
-
-
-def backend_to_torch(a: Any, device: Any = None) -> Any:
-    """A NumPy or CuPy array as a torch tensor on ``device``: zero-copy (DLPack, or shared host memory) where the
-    array already lives there; one copy of just this array otherwise."""
-    import torch
-
-    if type(a).__module__.startswith("cupy"):
-        t = torch.from_dlpack(a)
-    else:
-        t = torch.from_numpy(np.ascontiguousarray(a))
-    if device is not None and t.device != torch.device(device):
-        t = t.to(device)
-    return t
-
-
-def torch_to_backend(t: Any, on_device: bool) -> Any:
-    """A torch tensor as the backend's array kind (CuPy on the GPU backend, NumPy otherwise), zero-copy where the
-    memory allows. bfloat16 becomes its uint16 bit pattern."""
-    import torch
-
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    t = t.contiguous()
-    if t.is_cuda:
-        import cupy
-
-        a = cupy.from_dlpack(t)
-        return a if on_device else cupy.asnumpy(a)
-    a = t.numpy()
-    if on_device:
-        import cupy
-
-        return cupy.asarray(a)
-    return a
+    """:func:`gpu_codec.compress` with the adapters' pipeline spellings (a list of configs, codec objects or a
+    :class:`~gpu_codec.Pipeline`) normalized; ``fraction=None`` is dense."""
+    return _engine.compress(
+        update,
+        base,
+        fraction=fraction,
+        scope=scope,
+        score=score,
+        pipeline=pipeline_configs(pipeline),
+        metadata=metadata,
+    )
 
 
 def cast_to_logical(x: Any, logical: str, kind: str) -> Any:

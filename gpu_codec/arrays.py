@@ -148,3 +148,39 @@ def _np_logical_view(arr: Any, logical: str) -> Any:
         except ImportError:
             return arr  # uint16 bit pattern
     return arr
+
+
+def backend_to_torch(a: Any, device: Any = None) -> Any:
+    """A NumPy or CuPy array as a torch tensor on ``device``: zero-copy (DLPack, or shared host memory) where the
+    array already lives there; one copy of just this array otherwise."""
+    import torch
+
+    if type(a).__module__.startswith("cupy"):
+        t = torch.from_dlpack(a)
+    else:
+        t = torch.from_numpy(np.ascontiguousarray(a))
+    if device is not None and t.device != torch.device(device):
+        t = t.to(device)
+    return t
+
+
+def torch_to_backend(t: Any, on_device: bool) -> Any:
+    """A torch tensor as the backend's array kind (CuPy on the GPU backend, NumPy otherwise), zero-copy where the
+    memory allows. bfloat16 becomes its uint16 bit pattern."""
+    import torch
+
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    t = t.contiguous()
+    if t.is_cuda:
+        import cupy
+
+        a = cupy.from_dlpack(t)
+        return a if on_device else cupy.asnumpy(a)
+    a = t.numpy()
+    if on_device:
+        import cupy
+
+        return cupy.asarray(a)
+    return a

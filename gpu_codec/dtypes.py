@@ -42,3 +42,13 @@ CRIT_EXTERNAL = 7
 
 # Residual rounding modes (error feedback): what the receiver decodes for a kept value.
 QMODES: dict[str, int] = {"exact": 0, "float16": 1, "bfloat16": 2}
+
+
+def index_dtype(numel: int) -> np.dtype:
+    """The dtype of a tensor's flat indices, everywhere (kernels, twins, wire): uint32 where every index of the
+    tensor fits, else uint64.
+
+    >>> index_dtype(1 << 32), index_dtype((1 << 32) + 1)
+    (dtype('uint32'), dtype('uint64'))
+    """
+    return np.dtype("<u4") if numel <= (1 << 32) else np.dtype("<u8")

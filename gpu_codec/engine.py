@@ -15,17 +15,17 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import dtypes
 from .arrays import Tensor, array_kind, from_backend, to_tensor
 from .backend import get_backend
+from .codecs import SCOPES, as_pipeline, decode_records, wire_layouts
 from .errors import InvalidInputError, PayloadIndexError, PayloadLayoutError, PayloadLimitError
 from .format import TensorRecord, pack, packed_size, unpack
 
-SCOPES = ("global", "per_tensor")
 DEFAULT_MAX_ELEMENTS = 1 << 31
 
 ScoreFn = Callable[[Mapping[str, Any], Mapping[str, Any] | None], Mapping[str, Any]]
@@ -124,7 +124,7 @@ class Payload:
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Payload:
         """Parse and validate a payload (hostile input is rejected with a PayloadError)."""
-        header, records = unpack(blob)
+        header, records = unpack(blob, wire_layouts())
         return cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
 
     @property
@@ -234,8 +234,6 @@ def compress(
     if base is not None:
         base = _as_mapping(base, "base")
     # the stages after top-k; a topk stage in the pipeline sets the selection
-    from .codecs.pipeline import as_pipeline
-
     pipe = as_pipeline(pipeline)
     if pipe.topk is not None:
         fraction, scope = pipe.topk.fraction, pipe.topk.scope
@@ -295,6 +293,85 @@ def compress(
     return Payload(records, pipeline_cfg, dict(metadata or {}), backend=backend.name)
 
 
+class SparseEntries(NamedTuple):
+    """One tensor's kept entries for :func:`encode_coo`: flat ``indices`` (strictly ascending), their
+    ``values``, and the dense tensor's ``shape`` and ``dtype`` (``"float32"``, ``"float16"``, ``"bfloat16"``,
+    ``"float64"``)."""
+
+    indices: Any
+    values: Any
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def encode_coo(
+    entries: Mapping[str, SparseEntries],
+    *,
+    pipeline: Any = None,
+    metadata: Mapping[str, Any] | None = None,
+    selection: Mapping[str, Any] | None = None,
+) -> Payload:
+    """A payload from entries the caller chose (no top-k here), encoded by ``pipeline``'s later stages.
+
+    For adapters whose selection is not the engine's (fl4health's packings, a value other than the delta). Every
+    entry is checked: indices integral, strictly ascending and inside the tensor; values finite. ``selection``
+    (a registered codec config, e.g. ``{"id": "topk", ...}``) is recorded first in the header's pipeline.
+
+    >>> import numpy as np
+    >>> p = encode_coo({"w": SparseEntries(np.array([1, 3]), np.array([0.5, -2.0]), (2, 2), "float32")})
+    >>> decompress(p.to_bytes())["w"].tolist()
+    [[0.0, 0.5], [0.0, -2.0]]
+    """
+    if not isinstance(entries, Mapping) or not entries:
+        raise InvalidInputError("encode_coo takes a non-empty mapping of name -> SparseEntries")
+    if metadata is not None and not isinstance(metadata, Mapping):
+        raise InvalidInputError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    pipe = as_pipeline(pipeline)
+    if pipe.topk is not None:
+        raise InvalidInputError("encode_coo encodes given entries: leave the topk stage out of its pipeline")
+    backend = get_backend()
+    xp = backend.xp
+    records = []
+    for name, e in entries.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidInputError(f"tensor names must be non-empty strings, got {name!r}")
+        if not isinstance(e, SparseEntries):
+            raise InvalidInputError(f"tensor {name!r}: expected SparseEntries, got {type(e).__name__}")
+        if e.dtype not in dtypes.FLOAT_DTYPES:
+            raise InvalidInputError(f"tensor {name!r}: dtype {e.dtype!r} is not one of {list(dtypes.FLOAT_DTYPES)}")
+        try:
+            shape = tuple(int(s) for s in e.shape)
+        except (TypeError, ValueError):
+            raise InvalidInputError(f"tensor {name!r}: shape {e.shape!r} is not a tuple of integers") from None
+        if any(s < 0 for s in shape):
+            raise InvalidInputError(f"tensor {name!r}: shape {shape} has a negative dimension")
+        numel = math.prod(shape)
+        idx = backend.asarray(to_tensor(e.indices, name).data).reshape(-1)
+        val = backend.asarray(to_tensor(e.values, name).data).reshape(-1)
+        if idx.dtype.kind not in "iu":
+            raise InvalidInputError(f"tensor {name!r}: indices must be integers, got {idx.dtype}")
+        if val.dtype.kind != "f" or idx.size != val.size:
+            raise InvalidInputError(
+                f"tensor {name!r}: values must be {idx.size} floats (one per index), got {val.dtype}[{val.size}]"
+            )
+        if idx.size:
+            lo, hi = int(idx.min()), int(idx.max())
+            if lo < 0 or hi >= numel or bool(xp.any(idx[1:] <= idx[:-1])):
+                raise InvalidInputError(
+                    f"tensor {name!r}: indices must be strictly ascending and inside [0, {numel}), "
+                    f"got a range [{lo}, {hi}]"
+                )
+            if not bool(xp.all(xp.isfinite(val))):
+                raise InvalidInputError(f"tensor {name!r}: a value is not finite (inf or NaN)")
+        idx = idx.astype(dtypes.index_dtype(numel), copy=False)
+        val = val.astype(dtypes.value_dtype(e.dtype), copy=False)
+        records.append(TensorRecord(name, e.dtype, shape, "coo", int(idx.size), {"indices": idx, "values": val}))
+    with backend.stream([]):
+        records = pipe.encode(records, backend, None)
+    head = [dict(selection)] if selection is not None else []
+    return Payload(records, head + pipe.after_topk(), dict(metadata or {}), backend=backend.name)
+
+
 def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[str, Any]:
     if base_tensors:
         return base_tensors[0].kind, base_tensors[0].device
@@ -347,7 +424,6 @@ def decompress(
         if total > max_elements:
             raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
     # decode quantized values, coded indices and lossless stages as the header says
-    from .codecs.pipeline import decode_records
 
     records = decode_records(payload.pipeline, records, backend)
     kind, device = _output_kind(like, base_tensors)

@@ -62,9 +62,8 @@ import numpy as np
 
 from . import adapt
 from . import engine as _engine
-from .backend import get_backend
+from .codecs import Pipeline
 from .errors import InvalidInputError, PayloadError, PayloadIndexError
-from .format import TensorRecord
 
 __all__ = [
     "CompactSparseExchanger",
@@ -425,7 +424,10 @@ class _EngineSelection:
             update = {n: _floating(state[n]) for n in names}
             fscores = {n: _floating(scores[n]) for n in names}
             base = None
-            score = lambda _update, _base: fscores
+
+            def score(_update: Any, _base: Any) -> dict:
+                return fscores
+
         if not names:
             raise InvalidInputError("the model has no tensor with at least one dimension to select from")
         payload = adapt.engine_compress(update, base, fraction=self.sparsity_level, scope="global", score=score)
@@ -549,7 +551,7 @@ def _load_sparse(model: Any, names: list, values: list, indices: list, shapes: l
     import torch
 
     state = model.state_dict()
-    records, bases, seen = [], {}, set()
+    entries, bases, seen = {}, {}, set()
     for v, ind, shp, name in zip(values, indices, shapes, names):
         _need(isinstance(name, str) and name in state, f"tensor {name!r} is not in the model's state_dict")
         _need(name not in seen, f"tensor {name!r} appears twice")
@@ -580,22 +582,16 @@ def _load_sparse(model: Any, names: list, values: list, indices: list, shapes: l
                 f"tensor {name!r}: a sparse index is out of range for shape {list(shape)}; nothing was loaded"
             ) from None
         order = np.argsort(flat, kind="stable")  # fl4health accepts any order; the engine wants ascending
-        numel = math.prod(shape)
-        logical = {
-            torch.float32: "float32",
-            torch.float16: "float16",
-            torch.bfloat16: "bfloat16",
-            torch.float64: "float64",
-        }.get(t.dtype, "float64")
-        vd = np.float64 if logical == "float64" else np.float32
-        idt = np.uint32 if numel <= (1 << 32) else np.uint64
-        records.append(
-            TensorRecord(
-                name, logical, shape, "coo", nnz, {"indices": flat[order].astype(idt), "values": v[order].astype(vd)}
-            )
-        )
+        flat = flat[order]
+        if nnz > 1 and bool(np.any(flat[1:] == flat[:-1])):
+            raise PayloadIndexError(f"tensor {name!r}: a sparse index appears twice; nothing was loaded")
+        logical = _logical_dtype(t.dtype)
+        entries[name] = _engine.SparseEntries(flat, v[order].astype(np.float64), shape, logical)
         bases[name] = torch.zeros(shape, dtype=t.dtype if t.is_floating_point() else torch.float64, device=t.device)
-    payload = _engine.Payload(records, [{"id": "fl4health.sparse_coo"}])
+    try:
+        payload = _engine.encode_coo(entries)
+    except InvalidInputError as e:
+        raise PayloadError(f"{e}; nothing was loaded") from None
     dense = _engine.decompress(payload, base=bases)
     for name, d in dense.items():
         state[name] = d if d.dtype == state[name].dtype else d.to(state[name].dtype)
@@ -626,11 +622,11 @@ class CompactSparseExchanger(_EngineSelection, ParameterExchanger):
     """
 
     def __init__(self, sparsity_level: float, score_gen_function: ScoreGenFunction, *, pipeline: Any = None) -> None:
-        from .codecs.pipeline import as_pipeline
-
         self.sparsity_level = _check_sparsity(sparsity_level)
         self.score_gen_function = score_gen_function
-        self.pipeline = as_pipeline(pipeline)  # stages after top-k, e.g. [Quantize("float16"), RiceIndices()]
+        self.pipeline = Pipeline.from_config(
+            adapt.pipeline_configs(pipeline) or []
+        )  # stages after top-k, e.g. [Quantize("float16"), RiceIndices()]
         if self.pipeline.topk is not None:
             raise InvalidInputError("CompactSparseExchanger selects with sparsity_level: leave topk out of pipeline")
 
@@ -638,26 +634,12 @@ class CompactSparseExchanger(_EngineSelection, ParameterExchanger):
         """The selected entries' model values as a :class:`~gpu_codec.Payload` (device-resident on the GPU),
         encoded by ``pipeline``."""
         state, payload = self._engine_select(model, initial_model)
-        records = []
+        entries = {}
         for rec, t, idx in self._kept(state, payload):
-            v = t.reshape(-1)[idx]
-            v = v.to(_torch_value_dtype(rec.dtype))
-            on_device = type(rec.buffers["indices"]).__module__.startswith("cupy")
-            records.append(
-                TensorRecord(
-                    rec.name,
-                    rec.dtype,
-                    rec.shape,
-                    "coo",
-                    rec.nnz,
-                    {"indices": rec.buffers["indices"], "values": adapt.torch_to_backend(v, on_device)},
-                )
-            )
-        backend = get_backend()
-        with backend.stream([]):
-            records = self.pipeline.encode(records, backend, None)
-        return _engine.Payload(
-            records, payload.pipeline + self.pipeline.after_topk(), {COMPACT_MARKER: "values"}, backend=payload.backend
+            v = t.reshape(-1)[idx].to(_torch_value_dtype(rec.dtype))
+            entries[rec.name] = _engine.SparseEntries(rec.buffers["indices"], v, rec.shape, rec.dtype)
+        return _engine.encode_coo(
+            entries, pipeline=self.pipeline, metadata={COMPACT_MARKER: "values"}, selection=payload.pipeline[0]
         )
 
     def push_parameters(self, model: Any, initial_model: Any | None = None, config: Any = None) -> NDArrays:
@@ -690,6 +672,13 @@ class CompactSparseExchanger(_EngineSelection, ParameterExchanger):
         for name, d in dense.items():
             state[name] = d if d.dtype == state[name].dtype else d.to(state[name].dtype)
         model.load_state_dict(state, strict=True)
+
+
+def _logical_dtype(torch_dtype: Any) -> str:
+    import torch
+
+    names = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
+    return names.get(torch_dtype, "float64")
 
 
 def _torch_value_dtype(logical: str) -> Any:

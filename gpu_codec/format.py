@@ -34,7 +34,7 @@ import json
 import math
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,12 +112,9 @@ def _dense_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:
     return {"values": (vd, rec.numel)}
 
 
-LAYOUTS: dict[str, LayoutRule] = {"coo": _coo_layout, "dense": _dense_layout}
-
-
-def register_layout(encoding: str, rule: LayoutRule) -> None:
-    """Declare the buffers an encoding needs (used by codecs that add encodings)."""
-    LAYOUTS[encoding] = rule
+# The container's own encodings. The codec encodings (sparse, dense_q, zstd, nvcomp) are declared by the codecs
+# (:func:`gpu_codec.codecs.wire_layouts`) and handed to :func:`unpack` by the caller: this module keeps no registry.
+BASE_LAYOUTS: dict[str, LayoutRule] = {"coo": _coo_layout, "dense": _dense_layout}
 
 
 def buffer_dtype_name(a: Any, rec: TensorRecord, role: str) -> str:
@@ -272,7 +269,7 @@ def parse_header(blob: bytes | bytearray | memoryview) -> tuple[dict, memoryview
     return header, mv[start : start + dl]
 
 
-def _check_record(i: int, e: Any) -> TensorRecord:
+def _check_record(i: int, e: Any, layouts: Mapping[str, LayoutRule]) -> TensorRecord:
     _req(isinstance(e, dict), PayloadHeaderError, f"tensor entry {i} is not an object")
     name = e.get("name")
     _req(
@@ -300,7 +297,7 @@ def _check_record(i: int, e: Any) -> TensorRecord:
         f"{where}: {numel} elements exceed the limit of {MAX_TENSOR_ELEMENTS}",
     )
     enc = e.get("encoding")
-    _req(isinstance(enc, str) and enc in LAYOUTS, PayloadHeaderError, f"{where}: unknown encoding {enc!r}")
+    _req(isinstance(enc, str) and enc in layouts, PayloadHeaderError, f"{where}: unknown encoding {enc!r}")
     nnz = e.get("nnz")
     _req(
         _is_int(nnz) and 0 <= nnz <= numel,
@@ -315,11 +312,16 @@ def _check_record(i: int, e: Any) -> TensorRecord:
     return rec
 
 
-def unpack(blob: bytes | bytearray | memoryview) -> tuple[dict, list[TensorRecord]]:
+def unpack(
+    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None
+) -> tuple[dict, list[TensorRecord]]:
     """Validate a payload completely and return (header, records with NumPy views of the buffers).
 
+    ``layouts`` maps each encoding the reader accepts to its layout rule; the default is the container's own
+    ``coo`` and ``dense``. :meth:`gpu_codec.Payload.from_bytes` passes every encoding the codecs declare.
     Raises a :class:`~gpu_codec.errors.PayloadError` subclass naming the tensor and the problem.
     """
+    layouts = BASE_LAYOUTS if layouts is None else layouts
     header, data = parse_header(blob)
     entries = header.get("tensors")
     _req(isinstance(entries, list), PayloadHeaderError, "header field 'tensors' must be a list")
@@ -328,12 +330,12 @@ def unpack(blob: bytes | bytearray | memoryview) -> tuple[dict, list[TensorRecor
     _req(isinstance(header.get("metadata", {}), dict), PayloadHeaderError, "header field 'metadata' must be an object")
     records, names, expect = [], set(), 0
     for i, e in enumerate(entries):
-        rec = _check_record(i, e)
+        rec = _check_record(i, e, layouts)
         where = f"tensor {rec.name!r}"
         _req(rec.name not in names, PayloadHeaderError, f"{where} appears twice")
         names.add(rec.name)
         try:
-            layout = LAYOUTS[rec.encoding](rec)
+            layout = layouts[rec.encoding](rec)
         except PayloadError:
             raise
         except (KeyError, TypeError, ValueError) as ex:

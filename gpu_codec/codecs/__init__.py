@@ -2,7 +2,8 @@
 
 Stages, in pipeline order: :class:`TopK` (sparsify; run by the engine), :class:`Quantize` / :class:`Int8Blockwise`
 / :class:`Ternary` (values), :class:`RiceIndices` (indices), :class:`Zstd` / :class:`Nvcomp` (lossless bytes).
-Importing this package registers the codecs and their wire encodings (see :mod:`gpu_codec.codecs._wire`).
+The stage base classes are in :mod:`gpu_codec.codecs.base`; :mod:`gpu_codec.codecs.registry` registers the
+built-in codecs and gathers their wire layouts.
 
 >>> from gpu_codec.codecs import get_codec, registered_codecs
 >>> registered_codecs()
@@ -11,19 +12,21 @@ Importing this package registers the codecs and their wire encodings (see :mod:`
 {'id': 'int8', 'block_size': 64}
 """
 
-from . import _wire  # noqa: F401 - registers the wire encodings
-from .base import Codec
+from .base import BytesCodec, Codec, IndexCodec, ValueCodec
 from .nvcomp import Nvcomp
-from .pipeline import Pipeline
+from .pipeline import Pipeline, as_pipeline, decode_records
 from .quantize import Int8Blockwise, Quantize
-from .registry import get_codec, register_codec, registered_codecs
+from .registry import get_codec, register_codec, registered_codecs, wire_layouts
 from .rice import RiceIndices
 from .ternary import Ternary
-from .topk import TopK
+from .topk import SCOPES, TopK
 from .zstd import Zstd
 
 __all__ = [
+    "SCOPES",
+    "BytesCodec",
     "Codec",
+    "IndexCodec",
     "Int8Blockwise",
     "Nvcomp",
     "Pipeline",
@@ -31,8 +34,12 @@ __all__ = [
     "RiceIndices",
     "Ternary",
     "TopK",
+    "ValueCodec",
     "Zstd",
+    "as_pipeline",
+    "decode_records",
     "get_codec",
     "register_codec",
     "registered_codecs",
+    "wire_layouts",
 ]

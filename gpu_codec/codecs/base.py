@@ -1,9 +1,16 @@
-"""The codec contract (numcodecs style): a stable ``codec_id``, a config that is exactly the constructor's
-arguments plus ``"id"``, ``from_config`` to rebuild it, and a ``lossless`` flag (OpenFL's ``lossy``, inverted).
+"""The codec contract (numcodecs style) and the base class of each stage kind.
 
-Every stage of a :class:`~gpu_codec.Pipeline` is a codec of one ``stage`` kind, in this order:
-``"sparsify"`` (top-k), ``"values"`` (how kept values are stored), ``"indices"`` (how kept positions are
-stored), ``"bytes"`` (a lossless compressor over each tensor's buffers). Runtime state never enters a config.
+A codec has a stable ``codec_id``, a config that is exactly the constructor's arguments plus ``"id"``,
+``from_config`` to rebuild it, and a ``lossless`` flag (OpenFL's ``lossy``, inverted). Every stage of a
+:class:`~gpu_codec.Pipeline` is a codec of one ``stage`` kind, in this order: ``"sparsify"`` (top-k,
+:class:`~gpu_codec.codecs.topk.TopK`), ``"values"`` (:class:`ValueCodec`: how kept values are stored),
+``"indices"`` (:class:`IndexCodec`: how kept positions are stored), ``"bytes"`` (:class:`BytesCodec`: a
+lossless compressor over each tensor's buffers). Runtime state never enters a config.
+
+A value or index codec declares its wire *forms* (:class:`Form`: the tag a tensor record carries, the codec
+fields it needs, its buffer layout and its decoder) next to its encoder, in its own module; the registry
+collects them explicitly (:func:`gpu_codec.codecs.registry.wire_layouts`). Adding a codec is one module and
+one line in the registry.
 
 >>> from gpu_codec.codecs import Quantize
 >>> q = Quantize("float16")
@@ -17,12 +24,35 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import Mapping
-from typing import Any, ClassVar
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import CodecConfigError
+from ..format import TensorRecord
+
+if TYPE_CHECKING:
+    from ..backends import Backend
 
 STAGES = ("sparsify", "values", "indices", "bytes")
+
+# role -> (allowed buffer dtypes, element count), in buffer order
+Layout = dict[str, tuple[tuple[str, ...], int]]
+
+
+@dataclass(frozen=True)
+class Form:
+    """One way of storing a tensor's kept values (or indices) on the wire.
+
+    ``tag`` is what a record's codec dict says (``"v"`` or ``"i"``), ``fields`` the codec-dict keys the form
+    uses, ``layout(rec, n)`` the buffers it needs for ``n`` entries (raising ``PayloadHeaderError`` on a bad
+    field), ``decode(rec, bufs, n, xp)`` the fp32/fp64 values (or flat indices) as an array of ``xp``.
+    """
+
+    tag: str
+    fields: tuple[str, ...]
+    layout: Callable[[TensorRecord, int], Layout]
+    decode: Callable[..., Any]
 
 
 class Codec:
@@ -92,3 +122,63 @@ def check_fraction(codec: str, name: str, value: Any) -> float:
     if not (math.isfinite(f) and 0.0 < f <= 1.0):
         raise CodecConfigError(f"{codec}: {name} must be in (0, 1], got {value!r}")
     return f
+
+
+class ValueCodec(Codec):
+    """A ``values`` stage: encodes every tensor's kept values in one batch and fixes the error-feedback residual
+    of each kept entry to ``value - decoded`` (``res`` lists are None where there is no residual)."""
+
+    stage = "values"
+    forms: ClassVar[tuple[Form, ...]] = ()
+
+    @property
+    def tag(self) -> str:
+        """The form this configuration writes (the ``"v"`` of each record)."""
+        return self.forms[0].tag
+
+    def encode_values(
+        self, values: list[Any], indices: list[Any], res: list[Any], backend: Backend
+    ) -> list[tuple[dict, dict, dict]]:
+        """Per tensor: (codec fields, buffers by role, buffer dtype names that differ from the array's)."""
+        raise NotImplementedError
+
+
+class IndexCodec(Codec):
+    """An ``indices`` stage: encodes every tensor's ascending flat indices in one batch."""
+
+    stage = "indices"
+    forms: ClassVar[tuple[Form, ...]] = ()
+
+    @property
+    def tag(self) -> str:
+        """The form this configuration writes (the ``"i"`` of each record)."""
+        return self.forms[0].tag
+
+    def encode_indices(self, indices: list[Any], numels: list[int], backend: Backend) -> list[tuple[dict, dict, dict]]:
+        """Per tensor: (codec fields, buffers by role, buffer dtype names that differ from the array's)."""
+        raise NotImplementedError
+
+
+class BytesCodec(Codec):
+    """A ``bytes`` stage: wraps each tensor's buffers (its inner encoding's layout, concatenated without
+    padding) into one ``compressed`` buffer of encoding :attr:`encoding`; decoding is standard zstd."""
+
+    stage = "bytes"
+    encoding: ClassVar[str] = ""
+    fields: ClassVar[tuple[str, ...]] = ()  # codec-dict keys of the wrapper beyond inner, ic, raw and zbytes
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    def compress_parts(self, flat: Any, sizes: list[int], backend: Backend) -> list[bytes]:
+        """Compress each record's slice of ``flat`` (uint8, in the backend's memory)."""
+        raise NotImplementedError
+
+    def extra_fields(self) -> dict:
+        """The wrapper's own codec-dict fields (e.g. nvCOMP's algorithm)."""
+        return {}
+
+    @classmethod
+    def check_fields(cls, rec: TensorRecord) -> None:
+        """Reject a wrapped record whose own fields this reader cannot decode (``PayloadHeaderError``)."""

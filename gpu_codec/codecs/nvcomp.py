@@ -18,10 +18,10 @@ from typing import Any
 
 import zstandard
 
-from ..errors import BackendUnavailableError
-from .base import check_choice
-from .registry import register_codec
-from .zstd import BytesCodec
+from ..errors import BackendUnavailableError, PayloadHeaderError
+from ..format import TensorRecord
+from .base import BytesCodec, check_choice
+from .wire import where
 
 EXTRA_HINT = (
     "the 'nvcomp' stage needs the GPU backend and nvCOMP: pip install 'gpu_codec[nvcomp12]' (CUDA 12) or "
@@ -37,27 +37,34 @@ def _nvcomp_module() -> Any:
     return nvcomp
 
 
-@register_codec
 class Nvcomp(BytesCodec):
     """nvCOMP ``algorithm`` (``"zstd"``: standard zstd frames) on the GPU over each tensor's buffers."""
 
     codec_id = "nvcomp"
     encoding = "nvcomp"
+    fields = ("algo",)
 
     def __init__(self, algorithm: str = "zstd"):
         self.algorithm = check_choice("nvcomp", "algorithm", algorithm, ("zstd",))
 
-    def _extra(self) -> dict:
+    def extra_fields(self) -> dict:
         return {"algo": self.algorithm}
 
-    def encode_records(self, records, backend):
+    @classmethod
+    def check_fields(cls, rec: TensorRecord) -> None:
+        if rec.codec.get("algo") != "zstd":
+            raise PayloadHeaderError(
+                f"{where(rec)}: nvcomp algorithm {rec.codec.get('algo')!r} is not supported (this reader decodes "
+                "'zstd')"
+            )
+
+    def compress_parts(self, flat, sizes, backend):
         if not getattr(backend, "on_device", False):
             raise BackendUnavailableError(f"{EXTRA_HINT} (backend in use: {backend.name!r})")
-        self._nv = _nvcomp_module()
-        return super().encode_records(records, backend)
+        return self._compress_on_device(_nvcomp_module(), flat, sizes, backend)
 
-    def _compress(self, flat, sizes, backend):  # pragma: no cover - needs a GPU with nvCOMP
-        nv, xp = self._nv, backend.xp
+    def _compress_on_device(self, nv, flat, sizes, backend):  # pragma: no cover - needs a GPU with nvCOMP
+        xp = backend.xp
         codec = nv.Codec(algorithm="Zstd", bitstream_kind=nv.BitstreamKind.RAW)
         out, a = [], 0
         for n in sizes:

@@ -25,8 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import value_dtype
-from ..cpu_fallback.select import index_dtype
+from ..dtypes import index_dtype, value_dtype
 from ..errors import (
     CodecConfigError,
     InvalidInputError,
@@ -36,12 +35,12 @@ from ..errors import (
     UnknownCodecError,
 )
 from ..format import TensorRecord
-from ._wire import ENCODINGS, INDEX_FORMS, VALUE_FORMS, WRAPPERS, where
 from .base import STAGES, Codec
 from .quantize import Quantize
-from .registry import get_codec
+from .registry import get_codec, index_forms, value_forms, wire_layouts
 from .rice import RawIndices
-from .zstd import BytesCodec
+from .wire import CODED, where
+from .zstd import decode_wrapped, encode_wrapped
 
 
 class Pipeline:
@@ -154,20 +153,20 @@ class Pipeline:
                 )
             records = out
         if self.bytes is not None:
-            records = self.bytes.encode_records(records, backend)
+            records = encode_wrapped(self.bytes, records, backend, wire_layouts())
         return records
 
     def _expect(self, rec: TensorRecord) -> None:
         enc = rec.encoding
-        if enc in WRAPPERS:
-            if self.bytes is None or self.bytes.encoding != enc:
+        if self.bytes is not None:
+            if enc != self.bytes.encoding:
                 raise PayloadLayoutError(
-                    f"{where(rec)} is encoded {enc!r}, but the payload's pipeline has no {enc!r} stage"
+                    f"{where(rec)} is encoded {enc!r}, but the payload's pipeline ends with {self.bytes.codec_id!r}"
                 )
             enc = rec.codec.get("inner")
-        elif self.bytes is not None:
+        elif enc not in ("coo", "dense", *CODED):
             raise PayloadLayoutError(
-                f"{where(rec)} is encoded {enc!r}, but the payload's pipeline ends with {self.bytes.codec_id!r}"
+                f"{where(rec)} is encoded {enc!r}, but the payload's pipeline has no {enc!r} stage"
             )
         dense = enc in ("dense", "dense_q")
         want = ("dense_q" if dense else "sparse") if self._coded() else ("dense" if dense else "coo")
@@ -190,20 +189,21 @@ class Pipeline:
             raise PayloadLayoutError(f"{where(rec)}: int8 block {rec.codec['block']} differs from the pipeline's")
 
     def decode(self, records: list[TensorRecord], backend: Any) -> list[TensorRecord]:
-        """Turn this pipeline's encodings back into ``coo``/``dense`` records with backend buffers."""
-        xp = backend.xp
+        """Turn this pipeline's encodings back into ``coo``/``dense`` records with backend buffers.
+
+        Every record must be what this pipeline writes (a ``coo`` record in a payload whose pipeline has an
+        index stage is a :class:`~gpu_codec.errors.PayloadLayoutError`, as is any other mismatch).
+        """
+        layouts = wire_layouts()
         out = []
         for rec in records:
-            if rec.encoding not in ENCODINGS:
-                out.append(rec)
-                continue
             self._expect(rec)
             try:
-                if rec.encoding in WRAPPERS:
-                    rec = BytesCodec.decode_record(rec)
-                if rec.encoding in ("sparse", "dense_q"):
+                if self.bytes is not None:
+                    rec = decode_wrapped(rec, layouts)
+                if rec.encoding in CODED:
                     self._check_forms(rec)
-                    rec = _decode_forms(rec, xp, backend)
+                    rec = _decode_forms(rec, backend)
             except PayloadError as e:
                 msg = str(e)
                 raise type(e)(msg if msg.startswith(where(rec)) else f"{where(rec)}: {msg}") from None
@@ -211,15 +211,17 @@ class Pipeline:
         return out
 
 
-def _decode_forms(rec: TensorRecord, xp: Any, backend: Any) -> TensorRecord:
+def _decode_forms(rec: TensorRecord, backend: Any) -> TensorRecord:
+    xp = backend.xp
     bufs = {role: backend.asarray(a) for role, a in rec.buffers.items()}
     vd = np.dtype(value_dtype(rec.dtype))
+    vform = value_forms()[rec.codec["v"]]
     if rec.encoding == "dense_q":
-        vals = VALUE_FORMS[rec.codec["v"]].decode(rec, bufs, rec.numel, xp).astype(vd, copy=False)
+        vals = vform.decode(rec, bufs, rec.numel, xp).astype(vd, copy=False)
         return TensorRecord(rec.name, rec.dtype, rec.shape, "dense", rec.numel, {"values": vals})
-    idx = INDEX_FORMS[rec.codec["i"]].decode(rec, bufs, rec.nnz, xp)
+    idx = index_forms()[rec.codec["i"]].decode(rec, bufs, rec.nnz, xp)
     idx = idx.astype(index_dtype(rec.numel), copy=False)
-    vals = VALUE_FORMS[rec.codec["v"]].decode(rec, bufs, rec.nnz, xp).astype(vd, copy=False)
+    vals = vform.decode(rec, bufs, rec.nnz, xp).astype(vd, copy=False)
     return TensorRecord(rec.name, rec.dtype, rec.shape, "coo", rec.nnz, {"indices": idx, "values": vals})
 
 
@@ -236,9 +238,7 @@ def as_pipeline(pipeline: Any) -> Pipeline:
 
 
 def decode_records(pipeline_config: Any, records: list[TensorRecord], backend: Any) -> list[TensorRecord]:
-    """The engine's decode hook: records of the codec encodings decoded per the header's pipeline."""
-    if not any(r.encoding in ENCODINGS for r in records):
-        return records
+    """The engine's decode hook: every record decoded (and checked) per the header's pipeline."""
     try:
         pipe = Pipeline.from_config(pipeline_config)
     except (UnknownCodecError, CodecConfigError) as e:

@@ -16,73 +16,15 @@ Kernels: kernels/quantize.cu; NumPy twins: cpu_fallback/quantize.py.
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..cpu_fallback import quantize as _q
+from ..errors import PayloadHeaderError
+from ..format import TensorRecord
 from . import _ops
-from ._wire import VALUE_FORMS, Form, check_block, n_blocks, value_dtype_name
-from .base import Codec, check_choice, check_int
-from .registry import register_codec
+from .base import Form, ValueCodec, check_choice, check_int
+from .wire import is_int, n_blocks, value_dtype_name, where
 
 DTYPES = ("float32", "float16", "bfloat16")
 _TAGS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
-
-
-class ValueCodec(Codec):
-    """A ``values`` stage: encodes every tensor's kept values in one batch and fixes the error-feedback residual
-    of each kept entry to ``value - decoded`` (``res`` lists are None where there is no residual)."""
-
-    stage = "values"
-    tag = ""
-
-    def encode_values(
-        self, values: list[Any], indices: list[Any], res: list[Any], backend: Any
-    ) -> list[tuple[dict, dict, dict]]:
-        """Per tensor: (codec fields, buffers by role, buffer dtype names that differ from the array's)."""
-        raise NotImplementedError
-
-
-@register_codec
-class Quantize(ValueCodec):
-    """Store kept values as ``float32`` (lossless; fp64 tensors keep fp64), ``float16`` or ``bfloat16``."""
-
-    codec_id = "quantize"
-
-    def __init__(self, dtype: str = "float16"):
-        self.dtype = check_choice("quantize", "dtype", dtype, DTYPES)
-
-    @property
-    def tag(self) -> str:  # type: ignore[override]
-        return _TAGS[self.dtype]
-
-    @property
-    def lossless(self) -> bool:
-        return self.dtype == "float32"
-
-    def encode_values(self, values, indices, res, backend):
-        if self.dtype == "float32":
-            return [({}, {"values": v}, {}) for v in values]
-        out = _ops.cast16(backend, values, self.dtype, indices, res)
-        return [({}, {"values": o}, {"values": self.dtype}) for o in out]
-
-
-@register_codec
-class Int8Blockwise(ValueCodec):
-    """int8 with one float32 absmax scale per block of ``block_size`` kept values (bitsandbytes-style)."""
-
-    codec_id = "int8"
-    tag = "int8"
-
-    def __init__(self, block_size: int = 256):
-        self.block_size = check_int("int8", "block_size", block_size, 1, 1 << 20)
-
-    @property
-    def lossless(self) -> bool:
-        return False
-
-    def encode_values(self, values, indices, res, backend):
-        qs, ss = _ops.int8(backend, values, self.block_size, indices, res)
-        return [({"block": self.block_size}, {"values": q, "scales": s}, {}) for q, s in zip(qs, ss)]
 
 
 def _float_layout(dtype: str | None):
@@ -104,6 +46,13 @@ def _decode_bf16(rec, bufs, n, xp):
     return _q.decode_bf16(bufs["values"], xp)
 
 
+def check_block(rec: TensorRecord) -> int:
+    b = rec.codec.get("block")
+    if not is_int(b) or not 1 <= b <= (1 << 20):
+        raise PayloadHeaderError(f"{where(rec)}: int8 block size {b!r} must be an integer in [1, 2^20]")
+    return b
+
+
 def _int8_layout(rec, n):
     b = check_block(rec)
     return {"values": (("int8",), n), "scales": (("float32",), n_blocks(n, b))}
@@ -113,9 +62,50 @@ def _decode_int8(rec, bufs, n, xp):
     return _q.int8_decode(bufs["values"], bufs["scales"], rec.codec["block"], xp)
 
 
-VALUE_FORMS["f32"] = Form("f32", (), _float_layout(None), _decode_f32)
-VALUE_FORMS["f16"] = Form("f16", (), _float_layout("float16"), _decode_f16)
-VALUE_FORMS["bf16"] = Form("bf16", (), _float_layout("bfloat16"), _decode_bf16)
-VALUE_FORMS["int8"] = Form("int8", ("block",), _int8_layout, _decode_int8)
+class Quantize(ValueCodec):
+    """Store kept values as ``float32`` (lossless; fp64 tensors keep fp64), ``float16`` or ``bfloat16``."""
 
-__all__ = ["DTYPES", "Int8Blockwise", "Quantize", "ValueCodec"]
+    codec_id = "quantize"
+    forms = (
+        Form("f32", (), _float_layout(None), _decode_f32),
+        Form("f16", (), _float_layout("float16"), _decode_f16),
+        Form("bf16", (), _float_layout("bfloat16"), _decode_bf16),
+    )
+
+    def __init__(self, dtype: str = "float16"):
+        self.dtype = check_choice("quantize", "dtype", dtype, DTYPES)
+
+    @property
+    def tag(self) -> str:  # type: ignore[override]
+        return _TAGS[self.dtype]
+
+    @property
+    def lossless(self) -> bool:
+        return self.dtype == "float32"
+
+    def encode_values(self, values, indices, res, backend):
+        if self.dtype == "float32":
+            return [({}, {"values": v}, {}) for v in values]
+        out = _ops.cast16(backend, values, self.dtype, indices, res)
+        return [({}, {"values": o}, {"values": self.dtype}) for o in out]
+
+
+class Int8Blockwise(ValueCodec):
+    """int8 with one float32 absmax scale per block of ``block_size`` kept values (bitsandbytes-style)."""
+
+    codec_id = "int8"
+    forms = (Form("int8", ("block",), _int8_layout, _decode_int8),)
+
+    def __init__(self, block_size: int = 256):
+        self.block_size = check_int("int8", "block_size", block_size, 1, 1 << 20)
+
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def encode_values(self, values, indices, res, backend):
+        qs, ss = _ops.int8(backend, values, self.block_size, indices, res)
+        return [({"block": self.block_size}, {"values": q, "scales": s}, {}) for q, s in zip(qs, ss)]
+
+
+__all__ = ["DTYPES", "Int8Blockwise", "Quantize"]

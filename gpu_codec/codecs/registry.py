@@ -1,5 +1,9 @@
 """The codec registry: ``get_codec({"id": ..., ...})`` and ``register_codec(cls)`` (numcodecs style).
 
+The built-in codecs are registered here, by name, in one list (:data:`BUILTIN`); nothing registers itself on
+import. The registry also gathers the wire forms of the value and index codecs and the bytes codecs' wrapper
+encodings into the layout rules a reader needs (:func:`wire_layouts`).
+
 >>> from gpu_codec.codecs import get_codec
 >>> get_codec({"id": "topk", "fraction": 0.01})
 TopK(fraction=0.01, scope='global', score='magnitude')
@@ -7,28 +11,49 @@ TopK(fraction=0.01, scope='global', score='magnitude')
 Traceback (most recent call last):
 ...
 gpu_codec.errors.UnknownCodecError: codec id 'lzma' is not registered (known: int8, nvcomp, quantize, ...)
+>>> sorted(wire_layouts())
+['coo', 'dense', 'dense_q', 'nvcomp', 'sparse', 'zstd']
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CodecConfigError, UnknownCodecError
-from .base import STAGES, Codec
+from ..format import LayoutRule
+from .base import STAGES, BytesCodec, Codec, Form, IndexCodec, ValueCodec
+from .nvcomp import Nvcomp
+from .quantize import Int8Blockwise, Quantize
+from .rice import RawIndices, RiceIndices
+from .ternary import Ternary
+from .topk import TopK
+from .wire import build_layouts
+from .zstd import Zstd
+
+BUILTIN: tuple[type[Codec], ...] = (TopK, Quantize, Int8Blockwise, Ternary, RiceIndices, Zstd, Nvcomp)
 
 _REGISTRY: dict[str, type[Codec]] = {}
+_lock = threading.Lock()
+_layouts: dict[str, LayoutRule] | None = None
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
-    """Register a codec class under its ``codec_id`` (replacing any class of that id); usable as a decorator."""
+    """Register a codec class under its ``codec_id`` (replacing any class of that id); usable as a decorator.
+
+    A value or index codec brings its wire forms along, a bytes codec its wrapper encoding.
+    """
+    global _layouts
     if not (isinstance(cls, type) and issubclass(cls, Codec)):
         raise CodecConfigError(f"register_codec takes a Codec subclass, got {cls!r}")
     if not isinstance(cls.codec_id, str) or not cls.codec_id:
         raise CodecConfigError(f"{cls.__name__} has no codec_id")
     if cls.stage not in STAGES:
         raise CodecConfigError(f"{cls.__name__}.stage must be one of {list(STAGES)}, got {cls.stage!r}")
-    _REGISTRY[cls.codec_id] = cls
+    with _lock:
+        _REGISTRY[cls.codec_id] = cls
+        _layouts = None
     return cls
 
 
@@ -48,3 +73,36 @@ def get_codec(config: Mapping[str, Any]) -> Codec:
     if cls is None:
         raise UnknownCodecError(f"codec id {cid!r} is not registered (known: {', '.join(registered_codecs())})")
     return cls.from_config(config)
+
+
+def _forms(kind: type[Codec], always: tuple[type[Codec], ...]) -> dict[str, Form]:
+    out: dict[str, Form] = {}
+    for cls in (*always, *_REGISTRY.values()):
+        if issubclass(cls, kind):
+            for f in cls.forms:  # type: ignore[attr-defined]
+                out[f.tag] = f
+    return out
+
+
+def value_forms() -> dict[str, Form]:
+    """Value forms by tag (``f32``, ``f16``, ``bf16``, ``int8``, ``ternary``, ...)."""
+    return _forms(ValueCodec, (Quantize,))
+
+
+def index_forms() -> dict[str, Form]:
+    """Index forms by tag: ``raw`` (the engine's own indices, always known) and those of index codecs."""
+    return _forms(IndexCodec, (RawIndices,))
+
+
+def wire_layouts() -> dict[str, LayoutRule]:
+    """Layout rules of every encoding the registered codecs write, for :func:`gpu_codec.format.unpack`."""
+    global _layouts
+    with _lock:
+        if _layouts is None:
+            wrappers = {c.encoding: c for c in _REGISTRY.values() if issubclass(c, BytesCodec)}
+            _layouts = build_layouts(value_forms(), index_forms(), wrappers)
+        return _layouts
+
+
+for _cls in BUILTIN:
+    register_codec(_cls)

@@ -18,58 +18,11 @@ code that validates the stream completely (PayloadError on any inconsistency, wo
 
 from __future__ import annotations
 
-from typing import Any
-
 from ..cpu_fallback import rice as _rice
 from ..errors import PayloadHeaderError
 from . import _ops
-from ._wire import INDEX_FORMS, Form, is_int, where
-from .base import Codec
-from .registry import register_codec
-
-
-class IndexCodec(Codec):
-    """An ``indices`` stage: encodes every tensor's ascending flat indices in one batch."""
-
-    stage = "indices"
-    tag = ""
-
-    def encode_indices(self, indices: list[Any], numels: list[int], backend: Any) -> list[tuple[dict, dict, dict]]:
-        raise NotImplementedError
-
-
-class RawIndices(IndexCodec):
-    """The engine's own indices (not registered: it is what a pipeline without an index stage stores)."""
-
-    codec_id = "raw"
-    tag = "raw"
-
-    @property
-    def lossless(self) -> bool:
-        return True
-
-    def encode_indices(self, indices, numels, backend):
-        return [({}, {"indices": i}, {}) for i in indices]
-
-
-@register_codec
-class RiceIndices(IndexCodec):
-    """Rice (Golomb power-of-two) coded index gaps, parameter chosen per tensor from its density."""
-
-    codec_id = "rice"
-    tag = "rice"
-
-    def __init__(self) -> None:
-        pass
-
-    @property
-    def lossless(self) -> bool:
-        return True
-
-    def encode_indices(self, indices, numels, backend):
-        ks = [_rice.rice_param(int(i.size), n) for i, n in zip(indices, numels)]
-        streams, bits = _ops.rice(backend, indices, ks)
-        return [({"k": k, "bits": b}, {"indices": s}, {}) for k, b, s in zip(ks, bits, streams)]
+from .base import Form, IndexCodec
+from .wire import is_int, where
 
 
 def _raw_layout(rec, n):
@@ -100,5 +53,34 @@ def _rice_decode(rec, bufs, n, xp):
     return _rice.rice_decode(bufs["indices"], rec.codec["bits"], rec.codec["k"], n, rec.numel, xp)
 
 
-INDEX_FORMS["raw"] = Form("raw", (), _raw_layout, _raw_decode)
-INDEX_FORMS["rice"] = Form("rice", ("k", "bits"), _rice_layout, _rice_decode)
+class RawIndices(IndexCodec):
+    """The engine's own indices (not registered: it is what a pipeline without an index stage stores)."""
+
+    codec_id = "raw"
+    forms = (Form("raw", (), _raw_layout, _raw_decode),)
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    def encode_indices(self, indices, numels, backend):
+        return [({}, {"indices": i}, {}) for i in indices]
+
+
+class RiceIndices(IndexCodec):
+    """Rice (Golomb power-of-two) coded index gaps, parameter chosen per tensor from its density."""
+
+    codec_id = "rice"
+    forms = (Form("rice", ("k", "bits"), _rice_layout, _rice_decode),)
+
+    def __init__(self) -> None:
+        pass
+
+    @property
+    def lossless(self) -> bool:
+        return True
+
+    def encode_indices(self, indices, numels, backend):
+        ks = [_rice.rice_param(int(i.size), n) for i, n in zip(indices, numels)]
+        streams, bits = _ops.rice(backend, indices, ks)
+        return [({"k": k, "bits": b}, {"indices": s}, {}) for k, b, s in zip(ks, bits, streams)]

@@ -17,30 +17,28 @@ A kept value of exactly 0 is sent as +mu (one bit cannot say 0; error feedback c
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..cpu_fallback import quantize as _q
+from ..errors import PayloadHeaderError
+from ..format import TensorRecord
 from . import _ops
-from ._wire import VALUE_FORMS, Form, check_mu, n_blocks
-from .quantize import ValueCodec
-from .registry import register_codec
+from .base import Form, ValueCodec
+from .wire import n_blocks, where
+
+_F32_MAX = float(np.finfo(np.float32).max)
 
 
-@register_codec
-class Ternary(ValueCodec):
-    """Sign bits plus one fp32 magnitude per tensor (``"mu"`` in the tensor's codec dict)."""
-
-    codec_id = "ternary"
-    tag = "ternary"
-
-    def __init__(self) -> None:
-        pass
-
-    @property
-    def lossless(self) -> bool:
-        return False
-
-    def encode_values(self, values, indices, res, backend):
-        signs, mus = _ops.ternary(backend, values, indices, res)
-        return [({"mu": float(mu)}, {"signs": s}, {}) for s, mu in zip(signs, mus)]
+def check_mu(rec: TensorRecord) -> float:
+    mu = rec.codec.get("mu")
+    if (
+        isinstance(mu, bool)
+        or not isinstance(mu, (int, float))
+        or not 0 <= mu <= _F32_MAX
+        or float(np.float32(mu)) != float(mu)
+    ):
+        raise PayloadHeaderError(f"{where(rec)}: ternary mu {mu!r} must be a finite, non-negative float32 value")
+    return float(mu)
 
 
 def _layout(rec, n):
@@ -52,4 +50,19 @@ def _decode(rec, bufs, n, xp):
     return _q.ternary_decode(bufs["signs"], rec.codec["mu"], n, xp)
 
 
-VALUE_FORMS["ternary"] = Form("ternary", ("mu",), _layout, _decode)
+class Ternary(ValueCodec):
+    """Sign bits plus one fp32 magnitude per tensor (``"mu"`` in the tensor's codec dict)."""
+
+    codec_id = "ternary"
+    forms = (Form("ternary", ("mu",), _layout, _decode),)
+
+    def __init__(self) -> None:
+        pass
+
+    @property
+    def lossless(self) -> bool:
+        return False
+
+    def encode_values(self, values, indices, res, backend):
+        signs, mus = _ops.ternary(backend, values, indices, res)
+        return [({"mu": float(mu)}, {"signs": s}, {}) for s, mu in zip(signs, mus)]

@@ -10,14 +10,12 @@
 from __future__ import annotations
 
 from .. import dtypes
-from ..engine import SCOPES
 from .base import Codec, check_choice, check_fraction
-from .registry import register_codec
 
+SCOPES = ("global", "per_tensor")
 SCORES = (*dtypes.CRITERIA, "custom")  # "custom": a callable score (a config can only describe, not rebuild, it)
 
 
-@register_codec
 class TopK(Codec):
     """Keep k = ceil(fraction x N) entries of largest score, globally or per tensor (see :func:`gpu_codec.compress`)."""
 

@@ -21,85 +21,20 @@ True
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 import zstandard
 
-from ..errors import PayloadLayoutError, PayloadLimitError
-from ..format import TensorRecord
-from ._wire import inner_record, raw_layout, split_raw, where
-from .base import Codec, check_int
-from .registry import register_codec
-
-MAX_WINDOW = 1 << 27
-
-
-class BytesCodec(Codec):
-    """A ``bytes`` stage: wraps each tensor's buffers into one compressed buffer."""
-
-    stage = "bytes"
-    encoding = ""
-
-    @property
-    def lossless(self) -> bool:
-        return True
-
-    def _compress(self, flat: Any, sizes: list[int], backend: Any) -> list[bytes]:
-        """Compress each record's slice of ``flat`` (uint8, in the backend's memory)."""
-        raise NotImplementedError
-
-    def _extra(self) -> dict:
-        return {}
-
-    def encode_records(self, records: list[TensorRecord], backend: Any) -> list[TensorRecord]:
-        flat, sizes = gather(records, backend)
-        out = []
-        for rec, n, z in zip(records, sizes, self._compress(flat, sizes, backend)):
-            codec = {**self._extra(), "inner": rec.encoding, "raw": n, "zbytes": len(z)}
-            if rec.codec:
-                codec["ic"] = rec.codec
-            out.append(
-                TensorRecord(
-                    rec.name,
-                    rec.dtype,
-                    rec.shape,
-                    self.encoding,
-                    rec.nnz,
-                    {"compressed": np.frombuffer(z, np.uint8)},
-                    codec,
-                )
-            )
-        return out
-
-    @staticmethod
-    def decode_record(rec: TensorRecord) -> TensorRecord:
-        """The inner record (NumPy buffers) of a ``zstd`` or ``nvcomp`` record; the frame is standard zstd."""
-        inner = inner_record(rec)
-        raw = bounded_decompress(bytes(np.asarray(rec.buffers["compressed"])), int(rec.codec["raw"]), where(rec))
-        inner.buffers = split_raw(inner, raw)
-        return inner
-
-
-def gather(records: list[TensorRecord], backend: Any) -> tuple[Any, list[int]]:
-    """Every record's buffers concatenated in layout order into one uint8 array in the backend's memory, and
-    each record's byte count."""
-    parts, sizes = [], []
-    for rec in records:
-        n = 0
-        for role, _, count in raw_layout(rec):
-            a = backend.asarray(rec.buffers[role])
-            if int(a.size) != count:
-                raise AssertionError(f"{where(rec)}: buffer {role!r} has {int(a.size)} entries, layout says {count}")
-            parts.append(a.reshape(-1).view(np.uint8))
-            n += int(a.nbytes)
-        sizes.append(n)
-    flat = backend.xp.concatenate(parts) if parts else backend.xp.zeros(0, np.uint8)
-    return flat, sizes
+from ..format import LayoutRule, TensorRecord
+from .base import BytesCodec, check_int
+from .wire import bounded_decompress, gather, inner_record, split_raw, where
 
 
 def split_host(flat: Any, sizes: list[int], backend: Any) -> list[bytes]:
-    blob = np.asarray(backend.to_host(flat)).tobytes()  # the one device-to-host copy of this stage
+    """Each record's compressed-to-be bytes, on the host (the one device-to-host copy of a bytes stage)."""
+    blob = np.asarray(backend.to_host(flat)).tobytes()
     out, a = [], 0
     for n in sizes:
         out.append(blob[a : a + n])
@@ -107,30 +42,29 @@ def split_host(flat: Any, sizes: list[int], backend: Any) -> list[bytes]:
     return out
 
 
-def bounded_decompress(data: bytes, raw: int, what: str) -> bytes:
-    """Decompress one zstd frame of exactly ``raw`` bytes, never allocating more than that."""
-    try:
-        params = zstandard.get_frame_parameters(data)
-    except zstandard.ZstdError as e:
-        raise PayloadLayoutError(f"{what}: compressed buffer is not a zstd frame ({e})") from None
-    cs = params.content_size
-    if cs != zstandard.CONTENTSIZE_UNKNOWN and cs != raw:
-        exc = PayloadLimitError if cs > raw else PayloadLayoutError
-        raise exc(f"{what}: zstd frame declares {cs} bytes, the tensor's encoding implies {raw}")
-    if params.window_size > MAX_WINDOW:
-        raise PayloadLimitError(f"{what}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW}")
-    try:
-        out = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompress(
-            data, max_output_size=max(raw, 1), allow_extra_data=False
-        )
-    except zstandard.ZstdError as e:
-        raise PayloadLayoutError(f"{what}: zstd frame does not decompress to {raw} bytes ({e})") from None
-    if len(out) != raw:
-        raise PayloadLayoutError(f"{what}: zstd frame decompressed to {len(out)} bytes, expected {raw}")
+def encode_wrapped(
+    codec: BytesCodec, records: list[TensorRecord], backend: Any, layouts: Mapping[str, LayoutRule]
+) -> list[TensorRecord]:
+    """Wrap each record's buffers into one ``compressed`` buffer with ``codec`` (a bytes stage's encode)."""
+    flat, sizes = gather(records, backend, layouts)
+    out = []
+    for rec, n, z in zip(records, sizes, codec.compress_parts(flat, sizes, backend)):
+        fields = {**codec.extra_fields(), "inner": rec.encoding, "raw": n, "zbytes": len(z)}
+        if rec.codec:
+            fields["ic"] = rec.codec
+        buf = {"compressed": np.frombuffer(z, np.uint8)}
+        out.append(TensorRecord(rec.name, rec.dtype, rec.shape, codec.encoding, rec.nnz, buf, fields))
     return out
 
 
-@register_codec
+def decode_wrapped(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> TensorRecord:
+    """The inner record (NumPy buffers) of a ``zstd`` or ``nvcomp`` record: both hold standard zstd frames."""
+    inner = inner_record(rec)
+    raw = bounded_decompress(bytes(np.asarray(rec.buffers["compressed"])), int(rec.codec["raw"]), where(rec))
+    inner.buffers = split_raw(inner, raw, layouts)
+    return inner
+
+
 class Zstd(BytesCodec):
     """zstd (CPU, the zstandard package) at ``level`` 1..22 over each tensor's buffers."""
 
@@ -140,6 +74,6 @@ class Zstd(BytesCodec):
     def __init__(self, level: int = 3):
         self.level = check_int("zstd", "level", level, 1, 22)
 
-    def _compress(self, flat, sizes, backend):
+    def compress_parts(self, flat, sizes, backend):
         c = zstandard.ZstdCompressor(level=self.level, write_checksum=False, write_content_size=True)
         return [c.compress(r) for r in split_host(flat, sizes, backend)]

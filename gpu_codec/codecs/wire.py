@@ -1,0 +1,189 @@
+"""The codec encodings on the wire and their layout rules, built from the forms the codecs declare.
+
+``sparse``
+    A top-k tensor whose ``codec`` dict says how its parts are stored: ``"i"`` the index form (``raw``:
+    ``indices`` uint32/uint64; ``rice``: ``indices`` as uint8 bytes, with ``"k"`` and ``"bits"``), ``"v"`` the
+    value form (``f32``, ``f16``, ``bf16``: ``values``; ``int8``: ``values`` int8 + ``scales`` float32, with
+    ``"block"``; ``ternary``: ``signs`` uint8, with ``"mu"``). Index buffers come first.
+``dense_q``
+    Every element of a tensor (``compress(..., fraction=None)``) in one of the value forms.
+``zstd``, ``nvcomp``
+    One ``compressed`` uint8 buffer holding the tensor's buffers of encoding ``"inner"`` (codec ``"ic"``)
+    concatenated without padding; ``"raw"`` is their exact size, ``"zbytes"`` the compressed size.
+
+Every rule computes exact buffer sizes from nnz, numel and the codec fields, and rejects fields that are
+missing, mistyped, out of range or inconsistent (a Rice bit count outside what nnz and numel allow, a raw size
+that is not what the inner encoding implies), so nothing is read from a buffer that the header got wrong.
+:func:`build_layouts` turns the registered forms into the rules that :func:`gpu_codec.format.unpack` takes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from ..dtypes import index_dtype
+from ..errors import PayloadHeaderError, PayloadLayoutError, PayloadLimitError
+from ..format import BASE_LAYOUTS, BUFFER_DTYPES, LayoutRule, TensorRecord
+from .base import BytesCodec, Form, Layout
+
+CODED = ("sparse", "dense_q")  # the encodings of a pipeline with a value or an index stage
+INNER = ("coo", "dense", *CODED)  # what a bytes stage may wrap
+MAX_WINDOW = 1 << 27  # the largest zstd window a reader accepts
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def where(rec: TensorRecord) -> str:
+    return f"tensor {rec.name!r}"
+
+
+def n_blocks(n: int, block: int) -> int:
+    return -(-n // block)
+
+
+def value_dtype_name(rec: TensorRecord) -> str:
+    return "float64" if rec.dtype == "float64" else "float32"
+
+
+def _form(table: Mapping[str, Form], tag: Any, what: str, rec: TensorRecord) -> Form:
+    if not isinstance(tag, str) or tag not in table:
+        raise PayloadHeaderError(f"{where(rec)}: unknown {what} form {tag!r} (known: {', '.join(sorted(table))})")
+    return table[tag]
+
+
+def _only(rec: TensorRecord, allowed: set[str]) -> None:
+    extra = sorted(set(rec.codec) - allowed)
+    if extra:
+        raise PayloadHeaderError(f"{where(rec)}: unexpected codec field(s) {extra} for encoding {rec.encoding!r}")
+
+
+def canonical_dtype(allowed: tuple[str, ...], rec: TensorRecord) -> str:
+    """The one dtype a buffer has inside a compressed blob (index width follows the element count)."""
+    if len(allowed) == 1:
+        return allowed[0]
+    return index_dtype(rec.numel).name
+
+
+def inner_record(rec: TensorRecord) -> TensorRecord:
+    """The record a ``zstd``/``nvcomp`` record wraps, without buffers."""
+    inner, ic = rec.codec.get("inner"), rec.codec.get("ic", {})
+    if inner not in INNER:
+        raise PayloadHeaderError(f"{where(rec)}: inner encoding {inner!r} must be one of {list(INNER)}")
+    if not isinstance(ic, dict) or (inner in ("coo", "dense") and ic):
+        raise PayloadHeaderError(f"{where(rec)}: inner codec fields {ic!r} do not fit inner encoding {inner!r}")
+    return TensorRecord(rec.name, rec.dtype, rec.shape, inner, rec.nnz, {}, dict(ic))
+
+
+def raw_layout(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> list[tuple[str, str, int]]:
+    """(role, dtype, element count) of each inner buffer, in order: the blob's exact layout."""
+    layout = layouts[rec.encoding](rec)
+    return [(role, canonical_dtype(allowed, rec), count) for role, (allowed, count) in layout.items()]
+
+
+def raw_nbytes(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> int:
+    return sum(count * BUFFER_DTYPES[dt].itemsize for _, dt, count in raw_layout(rec, layouts))
+
+
+def compress_bound(raw: int) -> int:
+    """An upper bound on a zstd frame of ``raw`` bytes (ZSTD_compressBound plus the frame header)."""
+    return raw + (raw >> 8) + ((128 << 10) - raw >> 11 if raw < (128 << 10) else 0) + 32
+
+
+def split_raw(rec: TensorRecord, raw: bytes, layouts: Mapping[str, LayoutRule]) -> dict[str, np.ndarray]:
+    out, off = {}, 0
+    for role, dt, count in raw_layout(rec, layouts):
+        out[role] = np.frombuffer(raw, dtype=BUFFER_DTYPES[dt], count=count, offset=off)
+        rec.buffer_dtypes[role] = dt
+        off += count * BUFFER_DTYPES[dt].itemsize
+    return out
+
+
+def gather(records: list[TensorRecord], backend: Any, layouts: Mapping[str, LayoutRule]) -> tuple[Any, list[int]]:
+    """Every record's buffers concatenated in layout order into one uint8 array in the backend's memory, and
+    each record's byte count."""
+    parts, sizes = [], []
+    for rec in records:
+        n = 0
+        for role, _, count in raw_layout(rec, layouts):
+            a = backend.asarray(rec.buffers[role])
+            if int(a.size) != count:
+                raise AssertionError(f"{where(rec)}: buffer {role!r} has {int(a.size)} entries, layout says {count}")
+            parts.append(a.reshape(-1).view(np.uint8))
+            n += int(a.nbytes)
+        sizes.append(n)
+    flat = backend.xp.concatenate(parts) if parts else backend.xp.zeros(0, np.uint8)
+    return flat, sizes
+
+
+def bounded_decompress(data: bytes, raw: int, what: str) -> bytes:
+    """Decompress one zstd frame of exactly ``raw`` bytes, never allocating more than that."""
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError as e:
+        raise PayloadLayoutError(f"{what}: compressed buffer is not a zstd frame ({e})") from None
+    cs = params.content_size
+    if cs != zstandard.CONTENTSIZE_UNKNOWN and cs != raw:
+        exc = PayloadLimitError if cs > raw else PayloadLayoutError
+        raise exc(f"{what}: zstd frame declares {cs} bytes, the tensor's encoding implies {raw}")
+    if params.window_size > MAX_WINDOW:
+        raise PayloadLimitError(f"{what}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW}")
+    try:
+        out = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompress(
+            data, max_output_size=max(raw, 1), allow_extra_data=False
+        )
+    except zstandard.ZstdError as e:
+        raise PayloadLayoutError(f"{what}: zstd frame does not decompress to {raw} bytes ({e})") from None
+    if len(out) != raw:
+        raise PayloadLayoutError(f"{what}: zstd frame decompressed to {len(out)} bytes, expected {raw}")
+    return out
+
+
+def build_layouts(
+    value_forms: Mapping[str, Form], index_forms: Mapping[str, Form], wrappers: Mapping[str, type[BytesCodec]]
+) -> dict[str, LayoutRule]:
+    """Layout rules of every encoding: the container's ``coo``/``dense``, ``sparse`` and ``dense_q`` over the
+    given forms, and one wrapper encoding per bytes codec."""
+    layouts: dict[str, LayoutRule] = dict(BASE_LAYOUTS)
+
+    def sparse(rec: TensorRecord) -> Layout:
+        vf = _form(value_forms, rec.codec.get("v"), "value", rec)
+        inf = _form(index_forms, rec.codec.get("i"), "index", rec)
+        _only(rec, {"v", "i", *vf.fields, *inf.fields})
+        return {**inf.layout(rec, rec.nnz), **vf.layout(rec, rec.nnz)}
+
+    def dense_q(rec: TensorRecord) -> Layout:
+        vf = _form(value_forms, rec.codec.get("v"), "value", rec)
+        _only(rec, {"v", *vf.fields})
+        if rec.nnz != rec.numel:
+            raise PayloadLayoutError(f"{where(rec)}: a dense tensor must have nnz = numel = {rec.numel}, got {rec.nnz}")
+        return vf.layout(rec, rec.numel)
+
+    def wrapped(rec: TensorRecord) -> Layout:
+        cls = wrappers[rec.encoding]
+        _only(rec, {"inner", "ic", "raw", "zbytes", *cls.fields})
+        cls.check_fields(rec)
+        inner = inner_record(rec)
+        expect = raw_nbytes(inner, layouts)
+        raw, zb = rec.codec.get("raw"), rec.codec.get("zbytes")
+        if not is_int(raw) or raw != expect:
+            raise PayloadLayoutError(
+                f"{where(rec)}: declared raw size {raw!r} is not the {expect} bytes that encoding "
+                f"{inner.encoding!r} implies for nnz {rec.nnz} of {rec.numel}"
+            )
+        if not is_int(zb) or not 0 < zb <= compress_bound(raw):
+            raise PayloadLayoutError(
+                f"{where(rec)}: compressed size {zb!r} is outside (0, {compress_bound(raw)}] for {raw} raw bytes"
+            )
+        return {"compressed": (("uint8",), zb)}
+
+    layouts["sparse"] = sparse
+    layouts["dense_q"] = dense_q
+    for enc in wrappers:
+        layouts[enc] = wrapped
+    return layouts
