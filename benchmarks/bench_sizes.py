@@ -36,57 +36,10 @@ import numpy as np
 
 import gpu_codec
 from gpu_codec import Int8Blockwise, Pipeline, Quantize, RiceIndices, Ternary, Zstd
+from gpu_codec.synthetic import synthetic_delta
 
 RESULTS = Path(__file__).resolve().parent / "results"
 NPY_HEADER = 128  # bytes of a .npy header for a small array (format 1.0, padded to 64-byte alignment)
-
-
-def model_shapes(scale: float = 1.0) -> dict[str, tuple[int, ...]]:
-    """Tensor name -> shape; ``scale`` 1.0 gives about 5.3 million parameters in 28 tensors."""
-    w = max(8, round(64 * math.sqrt(scale)))
-    s: dict[str, tuple[int, ...]] = {"embed.weight": (int(16000 * math.sqrt(scale)), 2 * w)}
-    s["stem.conv.weight"] = (w, 3, 7, 7)
-    s["stem.norm.weight"] = (w,)
-    s["stem.norm.bias"] = (w,)
-    c = w
-    for b, mult in enumerate((1, 2, 4, 8)):
-        co = w * mult
-        s[f"layer{b}.conv.weight"] = (co, c, 3, 3)
-        s[f"layer{b}.norm.weight"] = (co,)
-        s[f"layer{b}.norm.bias"] = (co,)
-        c = co
-    s["mlp.fc1.weight"] = (2 * c, c)
-    s["mlp.fc1.bias"] = (2 * c,)
-    s["mlp.ln.weight"] = (2 * c,)
-    s["mlp.ln.bias"] = (2 * c,)
-    s["mlp.fc2.weight"] = (c, 2 * c)
-    s["mlp.fc2.bias"] = (c,)
-    s["head.weight"] = (1000, c)
-    s["head.bias"] = (1000,)
-    s["attn.qkv.weight"] = (3 * 2 * w, 2 * w)
-    s["attn.qkv.bias"] = (3 * 2 * w,)
-    s["attn.out.weight"] = (2 * w, 2 * w)
-    s["attn.out.bias"] = (2 * w,)
-    return s
-
-
-def synthetic_delta(scale: float = 1.0, seed: int = 0) -> dict[str, np.ndarray]:
-    """One client's update delta (fp32) for :func:`model_shapes`."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for name, shape in model_shapes(scale).items():
-        layer = 1e-3 * math.exp(0.7 * rng.standard_normal())
-        if name.endswith(("norm.weight", "ln.weight")):
-            layer *= 3.0  # norm gains move more than weights do
-        rows = shape[0]
-        chan = np.exp(0.5 * rng.standard_normal(rows))  # per output channel / row
-        d = rng.standard_t(3, size=shape) * layer
-        d *= chan.reshape((rows,) + (1,) * (len(shape) - 1))
-        if name == "embed.weight":  # Zipf-ish token frequencies: most rows see no token this round
-            seen = rng.random(rows) < np.minimum(1.0, 30.0 / (1.0 + np.arange(rows)) ** 0.6)
-            d[~seen] = 0.0
-        out[name] = d.astype(np.float32)
-    return out
 
 
 # ------------------------------------------------------------------------------------------------ references

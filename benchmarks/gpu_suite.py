@@ -76,8 +76,7 @@ def _env() -> dict[str, str]:
 
 
 def _cases_module():
-    sys.path.insert(0, str(HERE))
-    import kernel_cases
+    from gpu_codec.testing import kernel_cases
 
     return kernel_cases
 

@@ -27,7 +27,7 @@ from gpu_codec import (
     register_codec,
 )
 from gpu_codec.codecs import Codec, registered_codecs
-from tests.common import load_benchmark
+from gpu_codec.synthetic import synthetic_delta
 
 from .common import use_backend
 
@@ -54,10 +54,6 @@ VALUE_STAGES = [
     Int8Blockwise(256),
     Ternary(),
 ]
-
-
-def bench_sizes():
-    return load_benchmark("bench_sizes.py")
 
 
 @pytest.fixture(autouse=True)
@@ -345,7 +341,7 @@ def test_rice_bits_per_index_at_one_percent():
 def test_bytes_per_kept_parameter_targets():
     # The header costs about 290 bytes per tensor, so the targets hold from some 50,000 kept entries on (the
     # benchmark's 5.3M-parameter, 28-tensor update at 1%); a smaller update pays more per kept entry.
-    delta = bench_sizes().synthetic_delta(scale=1.0, seed=5)
+    delta = synthetic_delta(scale=1.0, seed=5)
     assert 5_000_000 < sum(a.size for a in delta.values()) < 6_000_000
     for stages, target in (
         ([Quantize("float16"), RiceIndices()], 3.2),

@@ -14,17 +14,11 @@ import pytest
 
 import gpu_codec
 from gpu_codec import ErrorFeedback, Int8Blockwise, Quantize, RiceIndices, Ternary, Zstd
-from gpu_codec.backend import _gpu_probe
 
-from .common import as_numpy, has_emulator, use_backend
+from .common import HAS_GPU, as_numpy, use_backend
 
-HAS_GPU = _gpu_probe()[0]
 KERNEL_BACKENDS = [
-    pytest.param(
-        "emulated",
-        id="emulated",
-        marks=pytest.mark.skipif(not has_emulator(), reason="gpu_codec._emulator not available"),
-    ),
+    pytest.param("emulated", id="emulated"),
     pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]),
 ]
 PIPELINES = {

@@ -20,16 +20,9 @@ import pytest
 from gpu_codec import _emulator as emu
 from gpu_codec._sources import kernel_files, kernel_signatures
 from gpu_codec.backend import _gpu_probe
-from tests.common import load_benchmark
+from gpu_codec.testing import kernel_cases as kc
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _load_cases():
-    return load_benchmark("kernel_cases.py")
-
-
-kc = _load_cases()
 
 
 def _has_compiler() -> bool:
@@ -670,7 +663,13 @@ SUITE = ROOT / "benchmarks" / "gpu_suite.py"
 
 
 def _suite_module():
-    return load_benchmark("gpu_suite.py")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_codec_gpu_suite", SUITE)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def _run(*args, timeout=300):

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from gpu_codec._sources import kernel_files, kernel_signatures, kernel_source
-from tests.common import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "kernel_resources.py"
@@ -27,7 +26,15 @@ ARCHS = ("sm_80", "sm_90")
 
 
 def _load_script():
-    return load_benchmark("kernel_resources.py")
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "gpu_codec_kernel_resources", ROOT / "benchmarks" / "kernel_resources.py"
+    )
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
 
 
 kr = _load_script()
