@@ -169,6 +169,11 @@ class Pipeline:
                 f"{where(rec)} is encoded {enc!r}, but the payload's pipeline has no {enc!r} stage"
             )
         dense = enc in ("dense", "dense_q")
+        if dense and self.indices is not None:
+            raise PayloadLayoutError(
+                f"{where(rec)} is encoded {enc!r} (dense), but the payload's pipeline has the index stage "
+                f"{self.indices.codec_id!r}, which only sparse tensors use"
+            )
         want = ("dense_q" if dense else "sparse") if self._coded() else ("dense" if dense else "coo")
         if enc != want:
             raise PayloadLayoutError(f"{where(rec)} is encoded {enc!r}; the payload's pipeline produces {want!r}")
