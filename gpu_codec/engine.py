@@ -22,7 +22,7 @@ import numpy as np
 from . import dtypes
 from .arrays import Tensor, array_kind, from_backend, to_tensor
 from .backend import get_backend
-from .codecs import SCOPES, as_pipeline, decode_records, wire_layouts
+from .codecs import SCOPES, as_pipeline, check_fraction, decode_records, wire_layouts
 from .errors import InvalidInputError, PayloadIndexError, PayloadLayoutError, PayloadLimitError
 from .format import TensorRecord, pack, packed_size, unpack
 
@@ -38,24 +38,6 @@ def kept_count(fraction: float, n: int) -> int:
     (1, 2, 7, 0)
     """
     return min(n, math.ceil(Fraction(repr(float(fraction))) * n))
-
-
-def check_fraction(fraction: Any) -> float:
-    """The one check of a kept fraction (the engine's, every adapter's and the CLI's): a real number in (0, 1].
-
-    >>> check_fraction(0.01)
-    0.01
-    >>> check_fraction(float("nan"))
-    Traceback (most recent call last):
-    ...
-    gpu_codec.errors.InvalidInputError: fraction must be in (0, 1] (the share of entries kept), got nan
-    """
-    if isinstance(fraction, bool) or not isinstance(fraction, (int, float, np.floating, np.integer)):
-        raise InvalidInputError(f"fraction must be a number in (0, 1], got {type(fraction).__name__}")
-    f = float(fraction)
-    if not (0.0 < f <= 1.0):
-        raise InvalidInputError(f"fraction must be in (0, 1] (the share of entries kept), got {fraction!r}")
-    return f
 
 
 def _as_mapping(x: Any, what: str) -> Mapping[str, Any]:

@@ -373,11 +373,7 @@ def _floating(t: Any) -> Any:
 
 
 def _check_sparsity(sparsity_level: Any) -> float:
-    if isinstance(sparsity_level, bool) or not isinstance(sparsity_level, (int, float, np.floating, np.integer)):
-        raise InvalidInputError(f"sparsity_level must be a number in (0, 1], got {type(sparsity_level).__name__}")
-    if not 0 < float(sparsity_level) <= 1:
-        raise InvalidInputError(f"sparsity_level must be in (0, 1] (the share of entries sent), got {sparsity_level!r}")
-    return float(sparsity_level)
+    return _engine.check_fraction(sparsity_level, "sparsity_level")
 
 
 class _EngineSelection:

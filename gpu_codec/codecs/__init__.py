@@ -19,7 +19,7 @@ from .quantize import Int8Blockwise, Quantize
 from .registry import get_codec, register_codec, registered_codecs, wire_layouts
 from .rice import RiceIndices
 from .ternary import Ternary
-from .topk import SCOPES, TopK
+from .topk import SCOPES, TopK, check_fraction
 from .zstd import Zstd
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "ValueCodec",
     "Zstd",
     "as_pipeline",
+    "check_fraction",
     "decode_records",
     "get_codec",
     "register_codec",

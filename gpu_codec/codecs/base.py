@@ -23,7 +23,6 @@ True
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -113,15 +112,6 @@ def check_int(codec: str, name: str, value: Any, lo: int, hi: int) -> int:
     if not lo <= value <= hi:
         raise CodecConfigError(f"{codec}: {name} must be in [{lo}, {hi}], got {value}")
     return int(value)
-
-
-def check_fraction(codec: str, name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise CodecConfigError(f"{codec}: {name} must be a number in (0, 1], got {type(value).__name__} {value!r}")
-    f = float(value)
-    if not (math.isfinite(f) and 0.0 < f <= 1.0):
-        raise CodecConfigError(f"{codec}: {name} must be in (0, 1], got {value!r}")
-    return f
 
 
 class ValueCodec(Codec):

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+
+from gpu_codec._kernel_ops import BLOCK, CHUNK, SCAN_THREADS, U64_MAX, KernelOps, TensorTables, initial_state
 from gpu_codec.cpu_fallback import kernels as twins
 from gpu_codec.cpu_fallback.elementwise import f32_to_bf16_bits
 from gpu_codec.cpu_fallback.select import index_dtype, topk_select
-
-from gpu_codec._kernel_ops import BLOCK, CHUNK, SCAN_THREADS, U64_MAX, KernelOps, TensorTables, initial_state
 
 DT = {"f32": 0, "f16": 1, "bf16": 2, "f64": 3}
 _FILL32 = 0xDEADBEEF  # written into outputs before a launch, so that stray or missing writes show
