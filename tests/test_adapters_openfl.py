@@ -16,7 +16,7 @@ from gpu_codec.openfl import (
     TensorTagError,
     change_tags,
 )
-from tests.common import HAS_GPU, use_backend
+from tests.common import HAS_GPU, dense_from, reference_topk, use_backend
 
 ADAPTER_BACKENDS = [
     pytest.param("cpu", id="cpu"),
@@ -25,12 +25,9 @@ ADAPTER_BACKENDS = [
 
 
 def ref_topk(x: np.ndarray, fraction: float) -> np.ndarray:
-    flat = x.reshape(-1).astype(np.float32)
-    k = gpu_codec.kept_count(fraction, flat.size)
-    keep = np.lexsort((np.arange(flat.size), -np.abs(flat)))[:k]
-    out = np.zeros_like(flat)
-    out[keep] = flat[keep]
-    return out.reshape(x.shape)
+    """The dense top-k of one fp32 tensor, from the shared reference."""
+    x = np.asarray(x, np.float32)
+    return dense_from(reference_topk({"x": x}, None, fraction), {"x": x.shape}, {"x": "float32"})["x"]
 
 
 def test_tensor_key_and_change_tags_follow_openfl():
