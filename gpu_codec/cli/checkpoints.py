@@ -7,8 +7,9 @@ read with their header checked before any allocation), and every problem is an
 
 Tensor names are data, never paths. An ``.npz`` is written member by member with :mod:`zipfile`: each member
 name is the percent-encoded tensor name (no ``/``, no leading dot, nothing a shell or an unzip tool could read
-as a path), and the original names travel in a JSON member, :data:`NAMES_MEMBER`. Reading honours that member
-and falls back to NumPy's own naming (member name minus ``.npy``) for archives written by ``np.savez``.
+as a path), and the original name travels as JSON in that member's zip comment (:data:`NAME_COMMENT` + JSON
+string), where ``np.load`` does not see it: NumPy lists only the arrays. Reading honours those comments and
+falls back to NumPy's own naming (member name minus ``.npy``) for archives written by ``np.savez``.
 
 >>> import tempfile, os, numpy as np
 >>> d = tempfile.mkdtemp()
@@ -39,8 +40,7 @@ import numpy as np
 from ..errors import InvalidInputError
 
 FORMATS = {".pt": "torch", ".pth": "torch", ".safetensors": "safetensors", ".npz": "npz"}
-NAMES_MEMBER = "gpu_codec_names.json"
-_NAMES_FORMAT = "gpu_codec.npz_names"
+NAME_COMMENT = b"gpu_codec.name:"
 _MAX_MEMBER_NAME = 240  # longer encoded names get an index-based member name
 
 
@@ -201,20 +201,16 @@ def _npz_error(path: str, what: str) -> InvalidInputError:
     return InvalidInputError(f"{describe(path)}: {what}")
 
 
-def _read_names(path: str, zf: zipfile.ZipFile) -> list[tuple[str, str]]:
-    info = zf.getinfo(NAMES_MEMBER)
-    if info.file_size > 64 << 20:
-        raise _npz_error(path, f"{NAMES_MEMBER} is {info.file_size} bytes, over the 64 MiB limit")
+def _comment_name(path: str, info: zipfile.ZipInfo) -> str | None:
+    if not info.comment.startswith(NAME_COMMENT):
+        return None
     try:
-        doc = json.loads(zf.read(NAMES_MEMBER).decode("utf-8"))
-    except (ValueError, UnicodeDecodeError, RecursionError) as e:
-        raise _npz_error(path, f"{NAMES_MEMBER} is not valid JSON ({describe(e)})") from None
-    entries = doc.get("tensors") if isinstance(doc, dict) and doc.get("format") == _NAMES_FORMAT else None
-    if not isinstance(entries, list) or not all(
-        isinstance(e, list) and len(e) == 2 and all(isinstance(x, str) for x in e) for e in entries
-    ):
-        raise _npz_error(path, f"{NAMES_MEMBER} does not list [member, name] pairs")
-    return [(m, n) for m, n in entries]
+        name = json.loads(info.comment[len(NAME_COMMENT) :].decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        name = None
+    if not isinstance(name, str):
+        raise _npz_error(path, f"member {describe(repr(info.filename))} has a malformed name comment")
+    return name
 
 
 def _read_npz(path: str) -> dict[str, np.ndarray]:
@@ -224,19 +220,14 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
             members = [i.filename for i in infos]
             if len(set(members)) != len(members):
                 raise _npz_error(path, "the archive names a member twice")
-            arrays = [i for i in infos if i.filename != NAMES_MEMBER]
-            if NAMES_MEMBER in members:
-                pairs = _read_names(path, zf)
-                if sorted(m for m, _ in pairs) != sorted(i.filename for i in arrays):
-                    raise _npz_error(path, f"{NAMES_MEMBER} does not list exactly the archive's array members")
-                by_member = {i.filename: i for i in arrays}
-                order = [(by_member[m], n) for m, n in pairs]
-            else:  # np.savez naming
-                order = []
-                for i in arrays:
-                    if not i.filename.endswith(".npy"):
-                        raise _npz_error(path, f"member {describe(repr(i.filename))} is not an .npy array")
-                    order.append((i, i.filename[: -len(".npy")]))
+            commented = [_comment_name(path, i) for i in infos]
+            if any(c is not None for c in commented) and any(c is None for c in commented):
+                raise _npz_error(path, "some members carry a tensor name comment and some do not")
+            order = []
+            for i, c in zip(infos, commented):
+                if not i.filename.endswith(".npy"):
+                    raise _npz_error(path, f"member {describe(repr(i.filename))} is not an .npy array")
+                order.append((i, c if c is not None else i.filename[: -len(".npy")]))  # else np.savez naming
             names = [n for _, n in order]
             if len(set(names)) != len(names):
                 raise _npz_error(path, "two members hold the same tensor name")
@@ -281,16 +272,15 @@ def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: st
 
 
 def _write_npz(f: Any, tensors: Mapping[str, Any]) -> None:
-    pairs = []
     with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for i, (name, a) in enumerate(tensors.items()):
-            member = npz_member_name(name, i)
             arr = np.ascontiguousarray(as_numpy(name, a, ".npz"))
-            with zf.open(member, "w", force_zip64=True) as m:
+            info = zipfile.ZipInfo(npz_member_name(name, i), date_time=(1980, 1, 1, 0, 0, 0))
+            info.comment = NAME_COMMENT + json.dumps(name, ensure_ascii=True).encode()
+            if len(info.comment) > 0xFFFF:
+                raise InvalidInputError(f"tensor name of {len(name)} characters is too long for an .npz member")
+            with zf.open(info, "w", force_zip64=True) as m:
                 np.lib.format.write_array(m, arr, allow_pickle=False)
-            pairs.append([member, name])
-        doc = {"format": _NAMES_FORMAT, "version": 1, "tensors": pairs}
-        zf.writestr(NAMES_MEMBER, json.dumps(doc, ensure_ascii=True))
 
 
 # --- torch -----------------------------------------------------------------------------------------------------
