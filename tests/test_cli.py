@@ -15,7 +15,7 @@ import pytest
 import gpu_codec
 from gpu_codec.cli import main
 from gpu_codec.cli.checkpoints import read_checkpoint, write_checkpoint
-from gpu_codec.cli.main import header_split, parse_pipeline
+from gpu_codec.cli.commands import header_split, parse_pipeline
 
 torch = pytest.importorskip("torch")
 st_torch = pytest.importorskip("safetensors.torch")
@@ -246,3 +246,29 @@ def test_console_module_exit_codes_without_traceback(tmp_path):
     r = subprocess.run(cmd, check=False, capture_output=True, text=True, env=env, timeout=120)
     assert r.returncode == 2 and r.stdout == ""
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("gpu-codec: error:") and "Traceback" not in r.stderr
+
+
+def test_internal_error_is_status_1(monkeypatch, capsys):
+    import gpu_codec.cli.commands as cli_main
+
+    def broken(a):
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr(cli_main, "cmd_info", broken)
+    rc, out, err = run(capsys, "info")
+    assert rc == 1 and out == "" and err == "gpu-codec: error: internal error: RuntimeError: a bug\n"
+    rc, _, err = run(capsys, "-v", "info")
+    assert rc == 1 and "Traceback" in err  # -v shows where the bug is
+
+
+def test_speedup_plot_from_gpu_rows(tmp_path):
+    from gpu_codec.cli.bench import plot_report
+
+    rows = []
+    for n in (1 << 20, 1 << 22):
+        rows.append({"backend": "cpu", "n": n, "fraction": 0.01, "ours_s": 1e-2, "numpy_s": 4e-2, "torch_s": 8e-2})
+        rows.append({"backend": "gpu", "n": n, "fraction": 0.01, "ours_s": 1e-4, "torch_cuda_s": 3e-4})
+    sizes = [{"fraction": 0.01, "pipeline": "raw", "bytes_per_kept_parameter": 8.1}]
+    report = {"timings": rows, "sizes": sizes, "settings": {"params": 1000}}
+    paths = plot_report(report, str(tmp_path))
+    assert sorted(os.path.basename(p) for p in paths) == ["bytes_per_param.png", "speedup.png", "throughput.png"]

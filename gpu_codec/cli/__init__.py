@@ -2,9 +2,9 @@
 
 Commands: ``demo`` (the main job on a built-in synthetic model), ``compress``, ``decompress``, ``apply``,
 ``inspect``, ``info`` and ``bench``; checkpoints are torch ``.pt``, ``.safetensors`` or ``.npz`` files. See
-``gpu-codec --help`` and :mod:`gpu_codec.cli.main`.
+``gpu-codec --help`` and :mod:`gpu_codec.cli.commands`.
 """
 
-from .main import build_parser, main
+from .commands import build_parser, main
 
 __all__ = ["build_parser", "main"]

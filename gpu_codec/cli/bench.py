@@ -64,13 +64,13 @@ _SIMD = (
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``gpu-codec bench``."""
-    from .main import _int_at_least, parse_fraction
+    from .commands import int_at_least, parse_fraction
 
     p.add_argument("--sizes", nargs="+", type=_positive_size, help="element counts (default 2^20 2^22 2^24 2^26)")
     p.add_argument("--fractions", nargs="+", type=parse_fraction, help="densities (default 0.001 0.01 0.1)")
-    p.add_argument("--repeat", type=_int_at_least(1, "--repeat"), default=3, help="timed runs per case (median)")
+    p.add_argument("--repeat", type=int_at_least(1, "--repeat"), default=3, help="timed runs per case (median)")
     p.add_argument(
-        "--params", type=_int_at_least(1000, "--params"), default=1_000_000, help="model size for the byte counts"
+        "--params", type=int_at_least(1000, "--params"), default=1_000_000, help="model size for the byte counts"
     )
     p.add_argument(
         "--backends",
@@ -220,7 +220,7 @@ def size_table(params: int, fractions: list[float | None]) -> list[dict[str, Any
     """
     from gpu_codec.synthetic import synthetic_model, synthetic_update
 
-    from .main import parse_pipeline
+    from .commands import parse_pipeline
 
     base = synthetic_model(params, seed=0)
     new = synthetic_update(base, seed=1)
@@ -304,9 +304,12 @@ def plot_report(report: dict[str, Any], out: str) -> list[str]:
         fig, ax = plt.subplots(figsize=(6.4, 4.0), dpi=110)
         for key, label in (("ours_s", "vs gpu_codec CPU"), ("numpy_s", "vs NumPy"), ("torch_s", "vs torch CPU")):
             for frac in fractions:
-                pts = [(r["n"], cpu[(r["n"], frac)][key] / r["ours_s"]) for r in gpu if r["fraction"] == frac]
-                pts = [(n, s) for n, s in pts if s] if all((n, frac) in cpu for n, _ in pts) else []
-                if pts and all(cpu[(n, frac)].get(key) for n, _ in pts):
+                pts = []
+                for r in gpu:
+                    c = cpu.get((r["n"], frac)) if r["fraction"] == frac else None
+                    if c and c.get(key):
+                        pts.append((r["n"], c[key] / r["ours_s"]))
+                if pts:
                     ax.plot(*zip(*pts), marker="o", label=f"{label}, fraction {frac}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("elements N (fp32)")

@@ -22,7 +22,7 @@ import struct
 import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -85,7 +85,9 @@ def parse_fraction(text: str) -> float | None:
     return f
 
 
-def _int_at_least(lo: int, what: str):
+def int_at_least(lo: int, what: str) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``lo`` (``what`` names the option in the message)."""
+
     def parse(text: str) -> int:
         try:
             v = int(text)
@@ -578,16 +580,20 @@ def build_parser() -> argparse.ArgumentParser:
     )
     selection.add_argument("--scope", choices=["global", "per_tensor"], default="global")
 
-    first = (__doc__ or "").strip().splitlines()[0]
-    p = _Parser(prog=PROG, description=first, epilog="Exit status: 0 ok, 2 bad input, 1 internal error.")
+    p = _Parser(
+        prog=PROG,
+        description="Compress model updates between checkpoints (.pt, .safetensors, .npz), decode and inspect "
+        "payloads, and benchmark the backends.",
+        epilog="Exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error.",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="log the backend choice; traceback on internal errors")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
 
     d = sub.add_parser(
         "demo", parents=[common, backend, selection], help="compress and sum updates of a built-in synthetic model"
     )
-    d.add_argument("--params", type=_int_at_least(1000, "--params"), default=5_000_000, help="model size")
-    d.add_argument("--clients", type=_int_at_least(1, "--clients"), default=4)
+    d.add_argument("--params", type=int_at_least(1000, "--params"), default=5_000_000, help="model size")
+    d.add_argument("--clients", type=int_at_least(1, "--clients"), default=4)
     d.add_argument(
         "--codec",
         choices=sorted(_DEMO_CODECS),
@@ -611,7 +617,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="fp16,rice,zstd",
         help=f"stages after top-k, comma-separated: {', '.join(STAGE_NAMES)} (default fp16,rice,zstd; raw: none)",
     )
-    c.add_argument("--score", choices=SCORES, default="magnitude", help="what top-k ranks by")
+    c.add_argument(
+        "--score", choices=SCORES, default="magnitude", metavar="NAME", help=f"what top-k ranks by: {', '.join(SCORES)}"
+    )
     c.add_argument(
         "--skip-non-float",
         action="store_true",
