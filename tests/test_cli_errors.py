@@ -14,9 +14,6 @@ import pytest
 import gpu_codec
 from gpu_codec.cli import main
 
-torch = pytest.importorskip("torch")
-st_torch = pytest.importorskip("safetensors.torch")
-
 
 def user_error(capsys, *argv: str, says: str = "") -> str:
     """Run the command; assert a clean user error and return its one line."""
@@ -172,6 +169,7 @@ class _Evil:
 
 
 def test_torch_files_are_never_unpickled(files, capsys):
+    torch = pytest.importorskip("torch")
     marker = files / "pwned"
     with open(files / "evil.pt", "wb") as f:
         pickle.dump({"w": _Evil(str(marker))}, f)
@@ -188,6 +186,8 @@ def test_torch_files_are_never_unpickled(files, capsys):
 
 
 def test_safetensors_problems(files, capsys):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
     (files / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
     user_error(capsys, "compress", str(files / "junk.safetensors"), "-o", "o", says="not a readable .safetensors")
     np.savez(files / "meta.npz", __metadata__=np.ones(2, np.float32))

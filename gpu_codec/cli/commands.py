@@ -471,7 +471,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         (version,) = struct.unpack_from("<I", blob, 8)
     tensors = []
     for r in payload.tensors:
-        nbytes = sum(int(np.asarray(b).nbytes) for b in r.buffers.values())
+        nbytes = sum(int(np.asarray(b).nbytes) for b in getattr(r, "buffers", {}).values())
         tensors.append(
             {
                 "name": r.name,
@@ -480,7 +480,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
                 "encoding": r.encoding,
                 "nnz": int(r.nnz),
                 "nbytes": nbytes,
-                "codec": r.codec,
+                "codec": getattr(r, "codec", {}),
             }
         )
     doc = {
