@@ -272,3 +272,24 @@ def test_speedup_plot_from_gpu_rows(tmp_path):
     report = {"timings": rows, "sizes": sizes, "settings": {"params": 1000}}
     paths = plot_report(report, str(tmp_path))
     assert sorted(os.path.basename(p) for p in paths) == ["bytes_per_param.png", "speedup.png", "throughput.png"]
+
+
+def test_odd_but_valid_inputs(tmp_path, capsys):
+    np.savez(
+        tmp_path / "be.npz", w=np.arange(6, dtype=">f4"), f=np.asfortranarray(np.arange(6, dtype="f4").reshape(3, 2))
+    )
+    rc, _, _ = run(
+        capsys, "compress", str(tmp_path / "be.npz"), "-o", str(tmp_path / "u"), "--pipeline", "raw", "--fraction", "1"
+    )
+    assert rc == 0
+    rc, _, _ = run(capsys, "decompress", str(tmp_path / "u"), "-o", str(tmp_path / "d.npz"))
+    got = load(tmp_path / "d.npz")
+    assert rc == 0 and got["w"].tolist() == list(range(6)) and got["f"].tolist() == [[0, 1], [2, 3], [4, 5]]
+    # parameters saved with requires_grad, and a transposed view
+    torch.save({"p": torch.nn.Parameter(torch.ones(3)), "t": torch.arange(6.0).reshape(3, 2).t()}, tmp_path / "p.pt")
+    rc, _, err = run(
+        capsys, "compress", str(tmp_path / "p.pt"), "-o", str(tmp_path / "u"), "--pipeline", "raw", "--fraction", "1"
+    )
+    assert (rc, err) == (0, "")
+    got = gpu_codec.decompress((tmp_path / "u").read_bytes())
+    assert got["t"].tolist() == [[0, 2, 4], [1, 3, 5]] and got["p"].tolist() == [1, 1, 1]

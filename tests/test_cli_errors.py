@@ -78,6 +78,8 @@ def test_npy_header_that_lies_about_its_size(files, capsys):
     [
         (["demo", "--clients", "0"], "--clients must be at least 1"),
         (["demo", "--params", "10"], "--params must be at least 1000"),
+        (["demo", "--params", "1e12"], "must be an integer"),
+        (["demo", "--params", "1000000000000"], "--params must be at most"),
         (["demo", "--fraction", "nan"], "'nan'"),
         (["demo", "--fraction", "0"], "(0, 1]"),
         (["demo", "--fraction", "1.5"], "(0, 1]"),
@@ -105,6 +107,9 @@ def test_missing_and_unknown_files(files, capsys):
     )
     user_error(capsys, "inspect", str(files / "nope.gcodec"), says="nope.gcodec")
     user_error(capsys, "inspect", str(files), says="is a directory")
+    if os.path.exists("/dev/zero"):  # an endless input is refused, not read
+        user_error(capsys, "inspect", "/dev/zero", says="not a regular file")
+    user_error(capsys, "compress", str(files / "new.npz"), "-o", "", says="output path is empty")
     user_error(capsys, "compress", str(files / "new.npz"), str(files / "base.npz"), "--base", "x.npz", "-o", "o")
 
 

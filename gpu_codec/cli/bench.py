@@ -70,7 +70,10 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fractions", nargs="+", type=parse_fraction, help="densities (default 0.001 0.01 0.1)")
     p.add_argument("--repeat", type=int_at_least(1, "--repeat"), default=3, help="timed runs per case (median)")
     p.add_argument(
-        "--params", type=int_at_least(1000, "--params"), default=1_000_000, help="model size for the byte counts"
+        "--params",
+        type=int_at_least(1000, "--params", 1 << 31),
+        default=1_000_000,
+        help="model size for the byte counts",
     )
     p.add_argument(
         "--backends",

@@ -89,10 +89,7 @@ def read_checkpoint(path: str) -> Checkpoint:
         The file is missing, unreadable, corrupt, not a flat mapping of name -> tensor, or holds object arrays.
     """
     fmt = checkpoint_format(path)
-    if os.path.isdir(path):
-        raise InvalidInputError(f"{describe(path)} is a directory, not a checkpoint file")
-    if not os.path.exists(path):
-        raise InvalidInputError(f"{describe(path)}: no such file")
+    check_input(path)
     reader = {"npz": _read_npz, "torch": _read_torch, "safetensors": _read_safetensors}[fmt]
     tensors = reader(path)
     if not tensors:
@@ -138,8 +135,19 @@ def write_atomic(path: str, write: Callable[[Any], None]) -> None:
         raise
 
 
+def check_input(path: str) -> None:
+    """Refuse an input path that does not exist or is not a regular file (a directory, a device, a pipe)."""
+    if not os.path.exists(path):
+        raise InvalidInputError(f"{describe(path)}: no such file")
+    if not os.path.isfile(path):
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise InvalidInputError(f"{describe(path)} is {kind}")
+
+
 def check_output(path: str) -> None:
-    """Refuse an output path that is a directory or lies in a folder that does not exist (before any work)."""
+    """Refuse an output path that is empty, a directory, or in a folder that does not exist (before any work)."""
+    if not str(path):
+        raise InvalidInputError("the output path is empty")
     if os.path.isdir(path):
         raise InvalidInputError(f"output {describe(path)} is a directory; name a file")
     folder = os.path.dirname(os.path.abspath(path))

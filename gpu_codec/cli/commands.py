@@ -32,6 +32,7 @@ import gpu_codec
 from ..errors import GpuCodecError, InvalidInputError
 from .checkpoints import (
     FORMATS,
+    check_input,
     check_output,
     checkpoint_format,
     describe,
@@ -85,8 +86,8 @@ def parse_fraction(text: str) -> float | None:
     return f
 
 
-def int_at_least(lo: int, what: str) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``lo`` (``what`` names the option in the message)."""
+def int_at_least(lo: int, what: str, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``lo`` (and at most ``hi``); ``what`` names the option."""
 
     def parse(text: str) -> int:
         try:
@@ -95,6 +96,8 @@ def int_at_least(lo: int, what: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"must be an integer, got {describe(repr(text))}") from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"{what} must be at least {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"{what} must be at most {hi:,}, got {v:,}")
         return v
 
     return parse
@@ -208,8 +211,7 @@ def _backend(choice: str | None) -> Iterator[None]:
 
 
 def _read_payload(path: str) -> tuple[bytes, Any]:
-    if os.path.isdir(path):
-        raise InvalidInputError(f"{describe(path)} is a directory, not a payload file")
+    check_input(path)
     with open(path, "rb") as f:
         blob = f.read()
     return blob, gpu_codec.Payload.from_bytes(blob)
@@ -592,7 +594,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser(
         "demo", parents=[common, backend, selection], help="compress and sum updates of a built-in synthetic model"
     )
-    d.add_argument("--params", type=int_at_least(1000, "--params"), default=5_000_000, help="model size")
+    d.add_argument("--params", type=int_at_least(1000, "--params", 1 << 31), default=5_000_000, help="model size")
     d.add_argument("--clients", type=int_at_least(1, "--clients"), default=4)
     d.add_argument(
         "--codec",
