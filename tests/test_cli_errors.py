@@ -71,6 +71,22 @@ def test_npy_header_that_lies_about_its_size(files, capsys):
     with zipfile.ZipFile(files / "big.npz", "w") as zf:
         zf.writestr("w.npy", buf.getvalue() + bytes(16))  # 4 TB claimed, 16 bytes held: refused before allocating
     user_error(capsys, "compress", str(files / "big.npz"), "-o", str(files / "o"), says="header says")
+    # a deflated member whose header and zip entries agree on 4 GiB while 1 MiB is there: refused when it runs out
+    total = 0xFFFFFFFF
+    hlen = 0
+    for _ in range(3):  # the header's length depends on the shape written in it
+        hb = io.BytesIO()
+        np.lib.format.write_array_header_1_0(hb, {"descr": "|u1", "fortran_order": False, "shape": (total - hlen,)})
+        hlen = len(hb.getvalue())
+    head = hb.getvalue()
+    with zipfile.ZipFile(files / "bomb.npz", "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("w.npy", head + bytes(1 << 20))
+    raw = (files / "bomb.npz").read_bytes()
+    true_size = (len(head) + (1 << 20)).to_bytes(4, "little")
+    assert raw.count(true_size) == 2
+    (files / "bomb.npz").write_bytes(raw.replace(true_size, total.to_bytes(4, "little")))
+    err = user_error(capsys, "compress", str(files / "bomb.npz"), "-o", str(files / "o"), says="bomb.npz")
+    assert "header says" not in err  # the claim was consistent; the data ran out
 
 
 @pytest.mark.parametrize(

@@ -41,6 +41,7 @@ from ..errors import InvalidInputError
 
 FORMATS = {".pt": "torch", ".pth": "torch", ".safetensors": "safetensors", ".npz": "npz"}
 NAME_COMMENT = b"gpu_codec.name:"
+_CHUNK = 64 << 20
 _MAX_MEMBER_NAME = 240  # longer encoded names get an index-based member name
 
 
@@ -265,13 +266,12 @@ def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: st
         left = info.file_size - f.tell()
         if nbytes != left:  # checked before allocating anything
             raise _npz_error(path, f"{where}: header says {nbytes} bytes of data, the member holds {left}")
-        buf = bytearray(nbytes)
-        view, got = memoryview(buf), 0
-        while got < nbytes:
-            n = f.readinto(view[got:])
-            if not n:
-                raise _npz_error(path, f"{where}: data ends after {got} of {nbytes} bytes")
-            got += n
+        buf = bytearray()  # grown as data arrives: a size the archive only claims is never allocated up front
+        while len(buf) < nbytes:
+            chunk = f.read(min(_CHUNK, nbytes - len(buf)))
+            if not chunk:
+                raise _npz_error(path, f"{where}: data ends after {len(buf)} of {nbytes} bytes")
+            buf += chunk
         f.read(1)  # reaching the end makes zipfile check the member's CRC-32
     a = np.frombuffer(buf, dtype=dtype).reshape(shape, order="F" if fortran else "C")
     if not a.dtype.isnative:
