@@ -84,6 +84,17 @@ def checkpoint_format(path: str) -> str:
 def read_checkpoint(path: str) -> Checkpoint:
     """Read a flat state dict from ``path`` (format by suffix).
 
+    Parameters
+    ----------
+    path
+        A ``.pt``/``.pth`` (torch, read with ``weights_only=True``), ``.safetensors`` or ``.npz`` file.
+
+    Returns
+    -------
+    Checkpoint
+        The format and the tensors in file order (safetensors: sorted by name), as NumPy arrays or CPU torch
+        tensors; non-float tensors are kept (the caller decides what to do with them).
+
     Raises
     ------
     InvalidInputError
@@ -99,8 +110,21 @@ def read_checkpoint(path: str) -> Checkpoint:
 
 
 def write_checkpoint(path: str, tensors: Mapping[str, Any], fmt: str | None = None) -> str:
-    """Write ``tensors`` to ``path`` atomically (a temporary file in the same folder, then a rename), in ``fmt``
-    or the format the suffix names; returns the format written.
+    """Write ``tensors`` to ``path`` atomically (a temporary file in the same folder, then a rename).
+
+    Parameters
+    ----------
+    path
+        The file to write; an existing file is replaced only once the new one is complete.
+    tensors
+        Name -> NumPy array or torch tensor. Names are stored as data (see the module docstring for ``.npz``).
+    fmt
+        ``"npz"``, ``"torch"`` or ``"safetensors"``; default: the format the suffix names.
+
+    Returns
+    -------
+    str
+        The format written.
 
     Raises
     ------

@@ -671,7 +671,18 @@ def _fail(message: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run ``gpu-codec`` with ``argv`` (default ``sys.argv[1:]``); returns the exit status.
+    """Run ``gpu-codec``.
+
+    Parameters
+    ----------
+    argv
+        The arguments after the program name (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status: 0 on success, 2 for a user's mistake (one line on stderr, no traceback), 1 for an
+        internal error (its traceback with ``-v``).
 
     >>> main(["demo", "--clients", "0"])
     2
