@@ -1,0 +1,405 @@
+"""Checkpoint files for the command line: torch ``.pt``/``.pth``, ``.safetensors`` and ``.npz``.
+
+A checkpoint is a flat mapping of tensor name -> array (a NumPy array, or a CPU torch tensor where torch read
+it). Every file is hostile input: nothing is unpickled (``torch.load(..., weights_only=True)``, ``.npy`` members
+read with their header checked before any allocation), and every problem is an
+:class:`~gpu_codec.errors.InvalidInputError` with one line that names the file.
+
+Tensor names are data, never paths. An ``.npz`` is written member by member with :mod:`zipfile`: each member
+name is the percent-encoded tensor name (no ``/``, no leading dot, nothing a shell or an unzip tool could read
+as a path), and the original name travels as JSON in that member's zip comment (:data:`NAME_COMMENT` + JSON
+string), where ``np.load`` does not see it: NumPy lists only the arrays. Reading honours those comments and
+falls back to NumPy's own naming (member name minus ``.npy``) for archives written by ``np.savez``.
+
+>>> import tempfile, os, numpy as np
+>>> d = tempfile.mkdtemp()
+>>> path = os.path.join(d, "m.npz")
+>>> write_checkpoint(path, {"../evil": np.ones(2, np.float32), "file": np.zeros(1, np.float32)})
+'npz'
+>>> sorted(read_checkpoint(path).tensors)
+['../evil', 'file']
+>>> npz_member_name("../evil")
+'%2E.%2Fevil.npy'
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+import urllib.parse
+import zipfile
+import zlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidInputError
+
+FORMATS = {".pt": "torch", ".pth": "torch", ".safetensors": "safetensors", ".npz": "npz"}
+NAME_COMMENT = b"gpu_codec.name:"
+_CHUNK = 64 << 20
+_MAX_MEMBER_NAME = 240  # longer encoded names get an index-based member name
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read from a file: its format (``"torch"``, ``"safetensors"`` or ``"npz"``) and its tensors
+    in file order (NumPy arrays or CPU torch tensors)."""
+
+    format: str
+    tensors: dict[str, Any]
+
+
+def describe(text: str) -> str:
+    """``text`` (a name or a message) made safe for a terminal: non-printable characters escaped, one line.
+
+    >>> describe("a\\x1b[2Jb\\nc")
+    'a\\\\x1b[2Jb\\\\nc'
+    >>> describe("layer.0.weight")
+    'layer.0.weight'
+    """
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
+
+
+def checkpoint_format(path: str) -> str:
+    """The format named by a path's suffix; a :class:`~gpu_codec.errors.InvalidInputError` for any other.
+
+    >>> checkpoint_format("model.safetensors"), checkpoint_format("m.PT")
+    ('safetensors', 'torch')
+    """
+    suffix = os.path.splitext(str(path))[1].lower()
+    if suffix in FORMATS:
+        return FORMATS[suffix]
+    hint = " (a .npy holds a single array; save the state dict as .npz)" if suffix == ".npy" else ""
+    raise InvalidInputError(
+        f"{describe(path)}: cannot tell the checkpoint format from the suffix {describe(suffix) or '(none)'!s}; "
+        f"use one of {', '.join(FORMATS)}{hint}"
+    )
+
+
+def read_checkpoint(path: str) -> Checkpoint:
+    """Read a flat state dict from ``path`` (format by suffix).
+
+    Parameters
+    ----------
+    path
+        A ``.pt``/``.pth`` (torch, read with ``weights_only=True``), ``.safetensors`` or ``.npz`` file.
+
+    Returns
+    -------
+    Checkpoint
+        The format and the tensors in file order (safetensors: sorted by name), as NumPy arrays or CPU torch
+        tensors; non-float tensors are kept (the caller decides what to do with them).
+
+    Raises
+    ------
+    InvalidInputError
+        The file is missing, unreadable, corrupt, not a flat mapping of name -> tensor, or holds object arrays.
+    """
+    fmt = checkpoint_format(path)
+    check_input(path)
+    reader = {"npz": _read_npz, "torch": _read_torch, "safetensors": _read_safetensors}[fmt]
+    tensors = reader(path)
+    if not tensors:
+        raise InvalidInputError(f"{describe(path)} holds no tensors")
+    return Checkpoint(fmt, tensors)
+
+
+def write_checkpoint(path: str, tensors: Mapping[str, Any], fmt: str | None = None) -> str:
+    """Write ``tensors`` to ``path`` atomically (a temporary file in the same folder, then a rename).
+
+    Parameters
+    ----------
+    path
+        The file to write; an existing file is replaced only once the new one is complete.
+    tensors
+        Name -> NumPy array or torch tensor. Names are stored as data (see the module docstring for ``.npz``).
+    fmt
+        ``"npz"``, ``"torch"`` or ``"safetensors"``; default: the format the suffix names.
+
+    Returns
+    -------
+    str
+        The format written.
+
+    Raises
+    ------
+    InvalidInputError
+        ``path`` is a directory or its folder does not exist, or a tensor cannot be stored in the format
+        (bfloat16 in ``.npz``, a name ``safetensors`` reserves).
+    """
+    fmt = fmt or checkpoint_format(path)
+    writer: Callable[[Any, Mapping[str, Any]], None] = {
+        "npz": _write_npz,
+        "torch": _write_torch,
+        "safetensors": _write_safetensors,
+    }[fmt]
+    write_atomic(path, lambda f: writer(f, tensors))
+    return fmt
+
+
+def write_atomic(path: str, write: Callable[[Any], None]) -> None:
+    """Call ``write(binary_file)`` on a temporary file beside ``path``, then rename it to ``path``; nothing is
+    left behind when ``write`` raises."""
+    check_output(path)
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=".gpu-codec-", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+        umask = os.umask(0o022)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # the mode open() would give, not mkstemp's 0600
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def check_input(path: str) -> None:
+    """Refuse an input path that does not exist or is not a regular file (a directory, a device, a pipe)."""
+    if not os.path.exists(path):
+        raise InvalidInputError(f"{describe(path)}: no such file")
+    if not os.path.isfile(path):
+        kind = "a directory" if os.path.isdir(path) else "not a regular file"
+        raise InvalidInputError(f"{describe(path)} is {kind}")
+
+
+def check_output(path: str) -> None:
+    """Refuse an output path that is empty, a directory, or in a folder that does not exist (before any work)."""
+    if not str(path):
+        raise InvalidInputError("the output path is empty")
+    if os.path.isdir(path):
+        raise InvalidInputError(f"output {describe(path)} is a directory; name a file")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise InvalidInputError(f"output folder {describe(folder)} does not exist")
+
+
+def is_float_tensor(a: Any) -> bool:
+    """Whether the engine can compress ``a``: fp16, bf16 (torch), fp32 or fp64."""
+    if isinstance(a, np.ndarray):
+        return a.dtype in (np.float16, np.float32, np.float64)
+    return str(getattr(a, "dtype", "")) in ("torch.float16", "torch.bfloat16", "torch.float32", "torch.float64")
+
+
+def dtype_name(a: Any) -> str:
+    """``float32``, ``bfloat16``, ``int64``... for a NumPy array or a torch tensor."""
+    return str(a.dtype).removeprefix("torch.")
+
+
+def as_numpy(name: str, a: Any, what: str) -> np.ndarray:
+    """A NumPy array for ``a``; bfloat16 has no NumPy dtype and is refused with a clear error."""
+    if isinstance(a, np.ndarray):
+        return a
+    if dtype_name(a) == "bfloat16":
+        raise InvalidInputError(f"tensor {describe(repr(name))} is bfloat16, which {what} cannot store")
+    return a.detach().cpu().numpy()
+
+
+def as_torch(a: Any) -> Any:
+    """A CPU torch tensor for ``a`` (NumPy arrays are copied when they are read-only)."""
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return a
+    a = np.ascontiguousarray(a)
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(a)
+
+
+# --- .npz ------------------------------------------------------------------------------------------------------
+
+
+def npz_member_name(name: str, index: int = 0) -> str:
+    """The zip member holding tensor ``name``: percent-encoded, never a path, at most ~240 characters.
+
+    >>> npz_member_name("conv.weight"), npz_member_name("a/b"), npz_member_name("x" * 300, 7)
+    ('conv.weight.npy', 'a%2Fb.npy', '%long-7.npy')
+    """
+    enc = urllib.parse.quote(name, safe="")
+    if enc.startswith("."):
+        enc = "%2E" + enc[1:]
+    if len(enc) > _MAX_MEMBER_NAME:
+        enc = f"%long-{index}"  # "%l" never comes out of quote(), so this cannot collide with an encoded name
+    return enc + ".npy"
+
+
+def _npz_error(path: str, what: str) -> InvalidInputError:
+    return InvalidInputError(f"{describe(path)}: {what}")
+
+
+def _comment_name(path: str, info: zipfile.ZipInfo) -> str | None:
+    if not info.comment.startswith(NAME_COMMENT):
+        return None
+    try:
+        name = json.loads(info.comment[len(NAME_COMMENT) :].decode("utf-8"))
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        name = None
+    if not isinstance(name, str):
+        raise _npz_error(path, f"member {describe(repr(info.filename))} has a malformed name comment")
+    return name
+
+
+def _read_npz(path: str) -> dict[str, np.ndarray]:
+    try:
+        with zipfile.ZipFile(path) as zf:
+            infos = zf.infolist()
+            members = [i.filename for i in infos]
+            if len(set(members)) != len(members):
+                raise _npz_error(path, "the archive names a member twice")
+            commented = [_comment_name(path, i) for i in infos]
+            if any(c is not None for c in commented) and any(c is None for c in commented):
+                raise _npz_error(path, "some members carry a tensor name comment and some do not")
+            order = []
+            for i, c in zip(infos, commented):
+                if not i.filename.endswith(".npy"):
+                    raise _npz_error(path, f"member {describe(repr(i.filename))} is not an .npy array")
+                order.append((i, c if c is not None else i.filename[: -len(".npy")]))  # else np.savez naming
+            names = [n for _, n in order]
+            if len(set(names)) != len(names):
+                raise _npz_error(path, "two members hold the same tensor name")
+            return {n: _read_member(path, zf, i, n) for i, n in order}
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, NotImplementedError) as e:
+        raise _npz_error(path, f"not a readable .npz archive ({describe(e)})") from None
+
+
+def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str) -> np.ndarray:
+    where = f"tensor {describe(repr(name))}"
+    with zf.open(info) as f:
+        try:
+            version = np.lib.format.read_magic(f)
+            if version == (1, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
+            elif version == (2, 0):
+                shape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
+            else:
+                raise ValueError(f".npy format version {version} is not supported")
+        except (ValueError, SyntaxError, TypeError) as e:
+            raise _npz_error(path, f"{where}: not a valid .npy array ({describe(e)})") from None
+        if dtype.hasobject:
+            raise _npz_error(path, f"{where}: object arrays are refused (reading them would need pickle)")
+        if dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biufc":
+            raise _npz_error(path, f"{where}: dtype {describe(dtype)} is not a plain numeric dtype")
+        nbytes = math.prod(shape) * dtype.itemsize
+        left = info.file_size - f.tell()
+        if nbytes != left:  # checked before allocating anything
+            raise _npz_error(path, f"{where}: header says {nbytes} bytes of data, the member holds {left}")
+        buf = bytearray()  # grown as data arrives: a size the archive only claims is never allocated up front
+        while len(buf) < nbytes:
+            chunk = f.read(min(_CHUNK, nbytes - len(buf)))
+            if not chunk:
+                raise _npz_error(path, f"{where}: data ends after {len(buf)} of {nbytes} bytes")
+            buf += chunk
+        f.read(1)  # reaching the end makes zipfile check the member's CRC-32
+    a = np.frombuffer(buf, dtype=dtype).reshape(shape, order="F" if fortran else "C")
+    if not a.dtype.isnative:
+        a = a.astype(a.dtype.newbyteorder("="))
+    return np.ascontiguousarray(a)
+
+
+def _write_npz(f: Any, tensors: Mapping[str, Any]) -> None:
+    with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for i, (name, a) in enumerate(tensors.items()):
+            arr = np.ascontiguousarray(as_numpy(name, a, ".npz"))
+            info = zipfile.ZipInfo(npz_member_name(name, i), date_time=(1980, 1, 1, 0, 0, 0))
+            info.comment = NAME_COMMENT + json.dumps(name, ensure_ascii=True).encode()
+            if len(info.comment) > 0xFFFF:
+                raise InvalidInputError(f"tensor name of {len(name)} characters is too long for an .npz member")
+            with zf.open(info, "w", force_zip64=True) as m:
+                np.lib.format.write_array(m, arr, allow_pickle=False)
+
+
+# --- torch -----------------------------------------------------------------------------------------------------
+
+
+def _torch(path: str) -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise InvalidInputError(f"{describe(path)}: reading or writing .pt needs torch (pip install torch)") from None
+    return torch
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return describe(f"{type(e).__name__}: {text[0]}" if text else type(e).__name__)
+
+
+def _read_torch(path: str) -> dict[str, Any]:
+    torch = _torch(path)
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)  # the restricted unpickler: no code runs
+    except Exception as e:  # torch reports corrupt or refused files through many exception types
+        raise InvalidInputError(f"{describe(path)}: not a readable torch state dict ({_first_line(e)})") from None
+    if not isinstance(obj, Mapping):
+        raise InvalidInputError(f"{describe(path)} holds a {type(obj).__name__}, not a state dict (name -> tensor)")
+    out = {}
+    for k, v in obj.items():
+        if not isinstance(k, str):
+            raise InvalidInputError(f"{describe(path)}: key {describe(repr(k))} is not a string")
+        if not isinstance(v, torch.Tensor):
+            raise InvalidInputError(
+                f"{describe(path)}: entry {describe(repr(k))} is a {type(v).__name__}, not a tensor "
+                "(the file must hold a flat state dict)"
+            )
+        if v.layout != torch.strided or v.is_quantized:
+            raise InvalidInputError(f"{describe(path)}: tensor {describe(repr(k))} is not a dense tensor")
+        out[k] = v
+    return out
+
+
+def _write_torch(f: Any, tensors: Mapping[str, Any]) -> None:
+    torch = _torch("output")
+    torch.save({k: as_torch(v) for k, v in tensors.items()}, f)
+
+
+# --- safetensors -----------------------------------------------------------------------------------------------
+
+
+def _safetensors(path: str) -> Any:
+    try:
+        import safetensors
+    except ImportError:
+        raise InvalidInputError(
+            f"{describe(path)}: .safetensors needs the safetensors package (pip install 'gpu_codec[cli]')"
+        ) from None
+    return safetensors
+
+
+def _has_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _read_safetensors(path: str) -> dict[str, Any]:
+    st = _safetensors(path)
+    framework = "pt" if _has_torch() else "numpy"  # torch reads bfloat16, NumPy cannot
+    try:
+        with st.safe_open(path, framework=framework) as f:
+            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+    except Exception as e:  # SafetensorError, or NumPy refusing a dtype it lacks
+        raise InvalidInputError(f"{describe(path)}: not a readable .safetensors file ({_first_line(e)})") from None
+
+
+def _write_safetensors(f: Any, tensors: Mapping[str, Any]) -> None:
+    _safetensors("output")
+    if "__metadata__" in tensors:
+        raise InvalidInputError("a tensor named '__metadata__' cannot be stored in .safetensors (the name is reserved)")
+    if any(not isinstance(v, np.ndarray) for v in tensors.values()):
+        from safetensors.torch import save
+
+        data = save({k: as_torch(v).contiguous() for k, v in tensors.items()})
+    else:
+        from safetensors.numpy import save
+
+        data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+    f.write(data)

@@ -1,0 +1,716 @@
+"""The ``gpu-codec`` commands: demo, compress, decompress, apply, inspect, info, bench.
+
+``gpu-codec demo`` is the main job on a built-in default: clients compress updates of a synthetic model, the
+server decompresses and sums them; it prints sizes, ratio, times and the backend. The other commands work on
+checkpoint files (torch ``.pt``, ``.safetensors``, ``.npz``) and payload files.
+
+Exit status: 0 on success, 2 for a user's mistake (bad arguments, unreadable or invalid input files, a bad
+payload; one line on stderr, no traceback), 1 for an internal error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import inspect as _inspect
+import json
+import logging
+import math
+import os
+import re
+import struct
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+import gpu_codec
+
+from ..errors import GpuCodecError, InvalidInputError
+from .checkpoints import (
+    FORMATS,
+    check_input,
+    check_output,
+    checkpoint_format,
+    describe,
+    dtype_name,
+    is_float_tensor,
+    read_checkpoint,
+    write_atomic,
+    write_checkpoint,
+)
+
+PROG = "gpu-codec"
+BACKEND_ENV = "GPU_CODEC_BACKEND"
+SCORES = (
+    "magnitude",
+    "largest_final_magnitude",
+    "smallest_final_magnitude",
+    "largest_magnitude_change",
+    "smallest_magnitude_change",
+    "largest_increase_in_magnitude",
+    "smallest_increase_in_magnitude",
+)
+STAGE_NAMES = ("raw", "fp32", "fp16", "bf16", "int8[:block]", "ternary", "rice", "zstd[:level]", "nvcomp")
+_DEMO_CODECS = {"raw": "raw", "fp16": "fp16,rice,zstd", "ternary": "ternary,rice,zstd"}
+
+
+class UsageError(InvalidInputError):
+    """A mistake in the command line itself (exit status 2)."""
+
+
+# --- argument types --------------------------------------------------------------------------------------------
+
+
+def parse_fraction(text: str) -> float | None:
+    """``--fraction``: a number in (0, 1], or ``dense`` (None: keep every entry).
+
+    >>> parse_fraction("0.01"), parse_fraction("dense")
+    (0.01, None)
+    >>> parse_fraction("nan")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be a number in (0, 1] or 'dense', got 'nan'
+    """
+    if text.strip().lower() == "dense":
+        return None
+    try:
+        f = float(text)
+    except ValueError:
+        f = math.nan
+    if not (math.isfinite(f) and 0.0 < f <= 1.0):
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1] or 'dense', got {describe(repr(text))}")
+    return f
+
+
+def int_at_least(lo: int, what: str, hi: int | None = None) -> Callable[[str], int]:
+    """An argparse type: an integer of at least ``lo`` (and at most ``hi``); ``what`` names the option."""
+
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {describe(repr(text))}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"{what} must be at least {lo}, got {v}")
+        if hi is not None and v > hi:
+            raise argparse.ArgumentTypeError(f"{what} must be at most {hi:,}, got {v:,}")
+        return v
+
+    return parse
+
+
+_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+_UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "tib": 2**40, "b": 1})
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count: ``1000000``, ``512MiB``, ``2GB``, ``1.5G``.
+
+    >>> parse_bytes("512MiB"), parse_bytes("2GB"), parse_bytes("1.5g")
+    (536870912, 2000000000, 1500000000)
+    """
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else ""
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"must be a byte count such as 1000000, 512MiB or 2GB, got {text!r}")
+    return int(float(m.group(1)) * _UNITS[unit])
+
+
+def parse_pipeline(spec: str) -> list[Any]:
+    """``--pipeline``: comma-separated stage names -> codecs (``raw``/``fp32`` add no stage).
+
+    Names: raw, fp32, fp16, bf16, int8[:block], ternary, rice, zstd[:level], nvcomp.
+
+    >>> [c.get_config() for c in parse_pipeline("fp16,rice,zstd:5")]
+    [{'id': 'quantize', 'dtype': 'float16'}, {'id': 'rice'}, {'id': 'zstd', 'level': 5}]
+    >>> parse_pipeline("int8:64")[0].get_config()
+    {'id': 'int8', 'block_size': 64}
+    """
+    stages: list[Any] = []
+    for part in spec.split(","):
+        name, _, arg = part.strip().lower().partition(":")
+        if name in ("raw", "fp32", "none", "") and not arg:
+            continue
+        try:
+            if name == "fp16" and not arg:
+                stages.append(gpu_codec.Quantize("float16"))
+            elif name == "bf16" and not arg:
+                stages.append(gpu_codec.Quantize("bfloat16"))
+            elif name == "int8":
+                stages.append(gpu_codec.Int8Blockwise(int(arg)) if arg else gpu_codec.Int8Blockwise())
+            elif name == "ternary" and not arg:
+                stages.append(gpu_codec.Ternary())
+            elif name == "rice" and not arg:
+                stages.append(gpu_codec.RiceIndices())
+            elif name == "zstd":
+                stages.append(gpu_codec.Zstd(int(arg)) if arg else gpu_codec.Zstd())
+            elif name == "nvcomp" and not arg:
+                stages.append(gpu_codec.Nvcomp())
+            else:
+                raise UsageError(
+                    f"--pipeline: unknown stage {describe(repr(part.strip()))}; stages are {', '.join(STAGE_NAMES)}"
+                )
+        except ValueError as e:
+            if isinstance(e, UsageError):
+                raise
+            raise UsageError(f"--pipeline: stage {describe(repr(part.strip()))}: {describe(e)}") from None
+    try:
+        gpu_codec.Pipeline(stages)  # order and duplicates, checked here so the message names the option
+    except BrokenPipeError:  # the reader went away (``gpu-codec inspect ... | head``): stop quietly
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except GpuCodecError as e:
+        raise UsageError(f"--pipeline {describe(repr(spec))}: {describe(e)}") from None
+    return stages
+
+
+# --- output ----------------------------------------------------------------------------------------------------
+
+
+def _emit(a: argparse.Namespace, doc: dict, lines: Sequence[str]) -> None:
+    if a.json:
+        print(json.dumps(doc, indent=2, ensure_ascii=True, default=str))
+    else:
+        for line in lines:
+            print(line)
+
+
+def _progress(a: argparse.Namespace, total: int, desc: str, unit: str = "step"):
+    """A progress bar on stderr that shows only after a second, only on a terminal, never with --quiet/--json."""
+    from tqdm import tqdm
+
+    quiet = getattr(a, "quiet", False) or getattr(a, "json", False)
+    return tqdm(
+        total=total, desc=desc, unit=unit, file=sys.stderr, leave=False, delay=1.0, disable=True if quiet else None
+    )
+
+
+@contextlib.contextmanager
+def _backend(choice: str | None) -> Iterator[None]:
+    """Force a backend for one command (``auto`` leaves the environment's choice), then restore."""
+    if not choice or choice == "auto":
+        yield
+        return
+    old = os.environ.get(BACKEND_ENV)
+    os.environ[BACKEND_ENV] = choice
+    gpu_codec.reset_backend()
+    try:
+        gpu_codec.backend_info()  # a forced GPU that is not there fails here, before any file is read
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(BACKEND_ENV, None)
+        else:
+            os.environ[BACKEND_ENV] = old
+        gpu_codec.reset_backend()
+
+
+def _read_payload(path: str) -> tuple[bytes, Any]:
+    check_input(path)
+    with open(path, "rb") as f:
+        blob = f.read()
+    return blob, gpu_codec.Payload.from_bytes(blob)
+
+
+def header_split(payload: Any, blob: bytes) -> tuple[int, int]:
+    """(header bytes, data bytes) of a serialized payload: ``payload.header_nbytes`` where the format provides
+    it, else the v1 prefix (magic, version, u32 header length at bytes 12..16; data starts at 16 + that). Data
+    counts every byte after the header, checksum included.
+
+    >>> blob = gpu_codec.compress({"w": np.ones(8, np.float32)}, fraction=0.5).to_bytes()
+    >>> h, d = header_split(gpu_codec.Payload.from_bytes(blob), blob)
+    >>> h + d == len(blob) and h % 8 == 0
+    True
+    """
+    h = getattr(payload, "header_nbytes", None)
+    if h is None:
+        (hlen,) = struct.unpack_from("<I", blob, 12)
+        h = 16 + hlen
+    return int(h), len(blob) - int(h)
+
+
+def _output_nbytes(payload: Any, with_base: bool) -> int:
+    """Bytes of the dense tensors a decompress would allocate (the base's dtypes, else fp32/fp64 deltas)."""
+    if with_base:
+        return int(payload.dense_nbytes)
+    return sum(math.prod(r.shape) * (8 if r.dtype == "float64" else 4) for r in payload.tensors)
+
+
+def _check_output_cap(payload: Any, with_base: bool, cap: int | None) -> dict:
+    kwargs: dict = {}
+    if cap is None:
+        return kwargs
+    need = _output_nbytes(payload, with_base)
+    if need > cap:
+        raise InvalidInputError(
+            f"the payload decodes to {need:,} bytes of dense tensors, over --max-output-bytes {cap:,}"
+        )
+    if "max_output_bytes" in _inspect.signature(gpu_codec.decompress).parameters:
+        kwargs["max_output_bytes"] = cap  # the engine checks it too, where it knows the option
+    return kwargs
+
+
+def _split_float(path: str, tensors: dict[str, Any], skip: bool) -> tuple[dict[str, Any], list[str]]:
+    keep, skipped = {}, []
+    for k, v in tensors.items():
+        if is_float_tensor(v):
+            keep[k] = v
+        elif skip:
+            skipped.append(k)
+        else:
+            raise InvalidInputError(
+                f"{describe(path)}: tensor {describe(repr(k))} is {dtype_name(v)}, not a float tensor; "
+                "pass --skip-non-float to leave such tensors out of the payload"
+            )
+    if not keep:
+        raise InvalidInputError(f"{describe(path)} holds no float tensors to compress")
+    return keep, skipped
+
+
+# --- commands --------------------------------------------------------------------------------------------------
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from gpu_codec.synthetic import synthetic_model, synthetic_update
+
+    info = gpu_codec.backend_info()
+    on_gpu = info["backend"] == "gpu"
+    if on_gpu:  # the model lives on the device, as after training; nothing full-size comes back to the host
+        import cupy as xp
+    else:
+        xp = np
+    spec = a.pipeline or _DEMO_CODECS[a.codec]
+    pipeline = parse_pipeline(spec) or None
+    base_host = synthetic_model(a.params, seed=0)
+    n = sum(v.size for v in base_host.values())
+    dense_bytes = sum(v.nbytes for v in base_host.values())
+    base = {k: xp.asarray(v) for k, v in base_host.items()}
+    if a.fraction is None:
+        kept_per_client = n
+    elif a.scope == "global":
+        kept_per_client = gpu_codec.kept_count(a.fraction, n)
+    else:
+        kept_per_client = sum(gpu_codec.kept_count(a.fraction, v.size) for v in base.values())
+    total = None
+    t_c, t_d, sizes = [], [], []
+    with _progress(a, a.clients, "clients", "client") as bar:
+        for c in range(a.clients):
+            new = {k: xp.asarray(v) for k, v in synthetic_update(base_host, seed=100 + c).items()}
+            t0 = time.perf_counter()
+            blob = gpu_codec.compress(new, base, fraction=a.fraction, scope=a.scope, pipeline=pipeline).to_bytes()
+            t1 = time.perf_counter()
+            upd = gpu_codec.decompress(blob, like="cupy" if on_gpu else None)  # the server's dense delta
+            t2 = time.perf_counter()
+            t_c.append(t1 - t0)
+            t_d.append(t2 - t1)
+            sizes.append(len(blob))
+            total = upd if total is None else {k: total[k] + upd[k] for k in total}
+            bar.update()
+    touched = sum(int(xp.count_nonzero(v)) for v in total.values())
+    size = float(np.mean(sizes))
+    doc = {
+        "backend": info["backend"],
+        "backend_reason": info["reason"],
+        "tensors": len(base),
+        "parameters": n,
+        "dense_bytes": dense_bytes,
+        "fraction": a.fraction,
+        "scope": a.scope,
+        "clients": a.clients,
+        "pipeline": spec,
+        "payload_bytes_mean": size,
+        "bytes_per_kept_parameter": size / max(1, kept_per_client),
+        "ratio": dense_bytes / size,
+        "compress_ms_median": 1e3 * float(np.median(t_c)),
+        "decompress_ms_median": 1e3 * float(np.median(t_d)),
+        "parameters_touched": touched,
+    }
+    frac = "dense" if a.fraction is None else f"fraction {a.fraction} ({a.scope})"
+    _emit(
+        a,
+        doc,
+        [
+            f"backend: {info['backend']} ({describe(info['reason'])})",
+            f"model: {len(base)} tensors, {n:,} parameters, {dense_bytes / 2**20:.1f} MiB dense; "
+            f"{frac}, {a.clients} clients",
+            f"payload ({spec}): {size / 1024:.1f} KiB per client, {doc['bytes_per_kept_parameter']:.2f} B per kept "
+            f"parameter, ratio {doc['ratio']:.1f}x",
+            f"compress: {doc['compress_ms_median']:.1f} ms, decompress: {doc['decompress_ms_median']:.1f} ms "
+            "(median per client)",
+            f"aggregate: {touched:,} parameters touched by the summed update",
+        ],
+    )
+    return 0
+
+
+def cmd_compress(a: argparse.Namespace) -> int:
+    if a.base and a.base_opt:
+        raise UsageError("give BASE either as the second argument or as --base, not both")
+    base_path = a.base or a.base_opt
+    pipeline = parse_pipeline(a.pipeline)
+    check_output(a.output)
+    with _progress(a, 4 if base_path else 3, "compress") as bar:
+        new_ck = read_checkpoint(a.new)
+        bar.update()
+        new, skipped = _split_float(a.new, new_ck.tensors, a.skip_non_float)
+        base = None
+        if base_path:
+            base_ck = read_checkpoint(base_path)
+            base = {k: v for k, v in base_ck.tensors.items() if k not in set(skipped)}
+            bar.update()
+        gpu_codec.backend_info()  # choosing the backend (probing CuPy and the driver) is not compress time
+        t0 = time.perf_counter()
+        payload = gpu_codec.compress(
+            new,
+            base,
+            fraction=a.fraction,
+            scope=a.scope,
+            score=a.score,
+            pipeline=pipeline or None,
+            metadata={"skipped": skipped} if skipped else None,
+        )
+        blob = payload.to_bytes()
+        dt = time.perf_counter() - t0
+        bar.update()
+        write_atomic(a.output, lambda f: f.write(blob))
+        bar.update()
+    h, d = header_split(payload, blob)
+    n = sum(math.prod(r.shape) for r in payload.tensors)
+    doc = {
+        "output": a.output,
+        "bytes": len(blob),
+        "header_nbytes": h,
+        "data_nbytes": d,
+        "tensors": len(payload.tensors),
+        "parameters": n,
+        "kept": payload.nnz,
+        "bytes_per_kept_parameter": len(blob) / max(1, payload.nnz),
+        "dense_nbytes": payload.dense_nbytes,
+        "ratio": payload.dense_nbytes / len(blob),
+        "pipeline": payload.pipeline,
+        "skipped": skipped,
+        "seconds": dt,
+        "backend": payload.backend,
+    }
+    lines = [
+        f"{describe(a.output)}: {len(blob):,} bytes (header {h:,}, data {d:,}); {payload.nnz:,} of {n:,} entries "
+        f"kept, {doc['bytes_per_kept_parameter']:.2f} B per kept parameter, ratio {doc['ratio']:.1f}x, "
+        f"{dt * 1e3:.1f} ms ({payload.backend})"
+    ]
+    if skipped:
+        lines.append(f"left out {len(skipped)} non-float tensors: {', '.join(describe(s) for s in skipped[:8])}")
+    _emit(a, doc, lines)
+    return 0
+
+
+def _decode(a: argparse.Namespace, payload: Any, base_ck: Any) -> tuple[dict[str, Any], list[str]]:
+    """Dense tensors from a payload: base + delta in the base's order (non-float base tensors copied), or the
+    delta alone."""
+    names = [r.name for r in payload.tensors]
+    if base_ck is None:
+        kwargs = _check_output_cap(payload, False, a.max_output_bytes)
+        return gpu_codec.decompress(payload, **kwargs), []
+    in_payload = set(names)
+    copied = [k for k, v in base_ck.tensors.items() if k not in in_payload and not is_float_tensor(v)]
+    base = {k: v for k, v in base_ck.tensors.items() if k not in set(copied)}
+    kwargs = _check_output_cap(payload, True, a.max_output_bytes)
+    out = gpu_codec.decompress(payload, base, **kwargs)
+    return {k: out.get(k, v) for k, v in base_ck.tensors.items()}, copied
+
+
+def _write_decoded(a: argparse.Namespace, fmt: str, what: str, payload_path: str, base_path: str | None) -> int:
+    with _progress(a, 4, what) as bar:
+        _blob, payload = _read_payload(payload_path)
+        bar.update()
+        base_ck = read_checkpoint(base_path) if base_path else None
+        bar.update()
+        tensors, copied = _decode(a, payload, base_ck)
+        bar.update()
+        write_checkpoint(a.output, tensors, fmt)
+        bar.update()
+    doc = {
+        "output": a.output,
+        "format": fmt,
+        "tensors": len(tensors),
+        "from_payload": len(payload.tensors),
+        "copied_from_base": copied,
+        "base": base_path,
+    }
+    lines = [f"{describe(a.output)}: {len(tensors)} tensors ({fmt})"]
+    if copied:
+        lines.append(f"copied {len(copied)} non-float tensors from the base unchanged")
+    _emit(a, doc, lines)
+    return 0
+
+
+def cmd_decompress(a: argparse.Namespace) -> int:
+    check_output(a.output)
+    fmt = checkpoint_format(a.output)
+    return _write_decoded(a, fmt, "decompress", a.payload, a.base)
+
+
+def cmd_apply(a: argparse.Namespace) -> int:
+    check_output(a.output)
+    fmt = checkpoint_format(a.base)
+    out_suffix = os.path.splitext(a.output)[1].lower()
+    if out_suffix in FORMATS and FORMATS[out_suffix] != fmt:
+        raise UsageError(
+            f"apply writes the base's format ({fmt}); the output {describe(a.output)} names {FORMATS[out_suffix]} "
+            "(use decompress --base to change format)"
+        )
+    return _write_decoded(a, fmt, "apply", a.payload, a.base)
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    blob, payload = _read_payload(a.payload)
+    h, d = header_split(payload, blob)
+    version = getattr(payload, "version", None)
+    if version is None:
+        (version,) = struct.unpack_from("<I", blob, 8)
+    tensors = []
+    for r in payload.tensors:
+        nbytes = sum(int(np.asarray(b).nbytes) for b in getattr(r, "buffers", {}).values())
+        tensors.append(
+            {
+                "name": r.name,
+                "dtype": r.dtype,
+                "shape": list(r.shape),
+                "encoding": r.encoding,
+                "nnz": int(r.nnz),
+                "nbytes": nbytes,
+                "codec": getattr(r, "codec", {}),
+            }
+        )
+    doc = {
+        "file": a.payload,
+        "version": int(version),
+        "bytes": len(blob),
+        "header_nbytes": h,
+        "data_nbytes": d,
+        "pipeline": payload.pipeline,
+        "metadata": payload.metadata,
+        "dense_nbytes": payload.dense_nbytes,
+        "ratio": payload.dense_nbytes / len(blob),
+        "kept": payload.nnz,
+        "tensors": tensors,
+    }
+    lines = [
+        f"{describe(a.payload)}: format v{version}, {len(blob):,} bytes (header {h:,}, data {d:,}), "
+        f"{payload.nnz:,} entries kept, ratio {doc['ratio']:.1f}x",
+        f"pipeline: {describe(json.dumps(payload.pipeline))}",
+    ]
+    if payload.metadata:
+        lines.append(f"metadata: {describe(json.dumps(payload.metadata))}")
+    names = [describe(t["name"]) for t in tensors]
+    w = min(max([len(n) for n in names] + [4]), 60)
+    lines.append(f"{'name':<{w}}  {'dtype':<8} {'shape':<18} {'encoding':<8} {'kept':>10} {'bytes':>10}")
+    for n, t in zip(names, tensors):
+        shape = str(t["shape"])
+        lines.append(f"{n:<{w}}  {t['dtype']:<8} {shape:<18} {t['encoding']:<8} {t['nnz']:>10,} {t['nbytes']:>10,}")
+    _emit(a, doc, lines)
+    return 0
+
+
+def _optional_versions() -> dict[str, str | None]:
+    from importlib import metadata
+
+    out: dict[str, str | None] = {}
+    for dist in ("torch", "safetensors", "matplotlib", "cupy-cuda12x", "cupy-cuda13x", "zstandard", "tqdm"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def cmd_info(a: argparse.Namespace) -> int:
+    info = gpu_codec.backend_info()
+    doc = {"gpu_codec": gpu_codec.__version__, **info, "packages": _optional_versions()}
+    lines = [f"gpu_codec {gpu_codec.__version__}", f"backend: {info['backend']} ({describe(info['reason'])})"]
+    for k, v in info.items():
+        if k not in ("backend", "reason"):
+            lines.append(f"{k}: {describe(json.dumps(v, default=str))}")
+    lines.append(
+        "packages: " + ", ".join(f"{k} {v}" if v else f"{k} (not installed)" for k, v in doc["packages"].items())
+    )
+    _emit(a, doc, lines)
+    return 0
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .bench import bench_command
+
+    return bench_command(a, _emit, _progress, _backend)
+
+
+# --- parser ----------------------------------------------------------------------------------------------------
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that reports a mistake as one line (no usage block) through :class:`UsageError`."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of ``gpu-codec`` (every subcommand takes ``--json``)."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    common.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    backend = argparse.ArgumentParser(add_help=False)
+    backend.add_argument(
+        "--backend",
+        choices=["auto", "cpu", "gpu", "emulated"],
+        default="auto",
+        help="force a backend (default: the GPU where usable, else the NumPy fallback)",
+    )
+    out_cap = argparse.ArgumentParser(add_help=False)
+    out_cap.add_argument(
+        "--max-output-bytes",
+        type=parse_bytes,
+        metavar="N",
+        help="refuse a payload that decodes to more dense bytes than N (e.g. 4GiB)",
+    )
+    selection = argparse.ArgumentParser(add_help=False)
+    selection.add_argument(
+        "--fraction", type=parse_fraction, default=0.01, help="share of entries kept, in (0, 1], or 'dense'"
+    )
+    selection.add_argument("--scope", choices=["global", "per_tensor"], default="global")
+
+    p = _Parser(
+        prog=PROG,
+        description="Compress model updates between checkpoints (.pt, .safetensors, .npz), decode and inspect "
+        "payloads, and benchmark the backends.",
+        epilog="Exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error.",
+    )
+    p.add_argument("-v", "--verbose", action="store_true", help="log the backend choice; traceback on internal errors")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
+
+    d = sub.add_parser(
+        "demo", parents=[common, backend, selection], help="compress and sum updates of a built-in synthetic model"
+    )
+    d.add_argument("--params", type=int_at_least(1000, "--params", 1 << 31), default=5_000_000, help="model size")
+    d.add_argument("--clients", type=int_at_least(1, "--clients"), default=4)
+    d.add_argument(
+        "--codec",
+        choices=sorted(_DEMO_CODECS),
+        default="fp16",
+        help="stages after top-k: raw (u32 + fp32), fp16 (fp16 + Rice + zstd, default), ternary (+ Rice + zstd)",
+    )
+    d.add_argument("--pipeline", help="stages after top-k, overriding --codec (see compress --help)")
+    d.set_defaults(fn=cmd_demo)
+
+    c = sub.add_parser(
+        "compress",
+        parents=[common, backend, selection],
+        help="compress NEW minus BASE (checkpoints: .pt, .safetensors, .npz) into a payload file",
+    )
+    c.add_argument("new", metavar="NEW", help="the updated checkpoint")
+    c.add_argument("base", metavar="BASE", nargs="?", help="the checkpoint it started from (default: zeros)")
+    c.add_argument("--base", dest="base_opt", metavar="BASE", help=argparse.SUPPRESS)
+    c.add_argument("-o", "--output", required=True, help="payload file to write")
+    c.add_argument(
+        "--pipeline",
+        default="fp16,rice,zstd",
+        help=f"stages after top-k, comma-separated: {', '.join(STAGE_NAMES)} (default fp16,rice,zstd; raw: none)",
+    )
+    c.add_argument(
+        "--score", choices=SCORES, default="magnitude", metavar="NAME", help=f"what top-k ranks by: {', '.join(SCORES)}"
+    )
+    c.add_argument(
+        "--skip-non-float",
+        action="store_true",
+        help="leave integer/bool tensors (e.g. BatchNorm counters) out of the payload instead of failing",
+    )
+    c.set_defaults(fn=cmd_compress)
+
+    x = sub.add_parser(
+        "decompress",
+        parents=[common, backend, out_cap],
+        help="decode a payload into a checkpoint (format by -o suffix): the delta, or --base plus the delta",
+    )
+    x.add_argument("payload", metavar="PAYLOAD")
+    x.add_argument("--base", help="checkpoint to add the delta to")
+    x.add_argument("-o", "--output", required=True, help="checkpoint to write (.npz, .safetensors or .pt)")
+    x.set_defaults(fn=cmd_decompress)
+
+    ap = sub.add_parser(
+        "apply",
+        parents=[common, backend, out_cap],
+        help="BASE + PAYLOAD -> a new checkpoint in BASE's format",
+    )
+    ap.add_argument("base", metavar="BASE")
+    ap.add_argument("payload", metavar="PAYLOAD")
+    ap.add_argument("-o", "--output", required=True)
+    ap.set_defaults(fn=cmd_apply)
+
+    i = sub.add_parser("inspect", parents=[common], help="validate a payload and list its tensors")
+    i.add_argument("payload", metavar="PAYLOAD")
+    i.set_defaults(fn=cmd_inspect)
+
+    b = sub.add_parser("info", parents=[common, backend], help="which backend is used and why")
+    b.set_defaults(fn=cmd_info)
+
+    from .bench import add_bench_arguments
+
+    bb = sub.add_parser(
+        "bench", parents=[common], help="GPU-vs-CPU report: backends and NumPy/torch baselines, JSON and plots"
+    )
+    add_bench_arguments(bb)
+    bb.set_defaults(fn=cmd_bench)
+    return p
+
+
+def _fail(message: str) -> None:
+    print(f"{PROG}: error: {describe(' '.join(str(message).split()))}", file=sys.stderr)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``gpu-codec``.
+
+    Parameters
+    ----------
+    argv
+        The arguments after the program name (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        The exit status: 0 on success, 2 for a user's mistake (one line on stderr, no traceback), 1 for an
+        internal error (its traceback with ``-v``).
+
+    >>> main(["demo", "--clients", "0"])
+    2
+    """
+    verbose = False
+    try:
+        args = build_parser().parse_args(argv)
+        verbose = args.verbose
+        logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+        with _backend(getattr(args, "backend", None)):
+            return args.fn(args)
+    except BrokenPipeError:  # the reader went away (``gpu-codec inspect ... | head``): stop quietly
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except GpuCodecError as e:  # bad input, a bad payload, a backend that is not there
+        _fail(str(e))
+        return 2
+    except OSError as e:  # a file that cannot be read or written
+        where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+        _fail(f"{where}{e.strerror or e}")
+        return 2
+    except KeyboardInterrupt:
+        _fail("interrupted")
+        return 130
+    except Exception as e:
+        _fail(f"internal error: {type(e).__name__}: {e}")
+        if verbose:
+            traceback.print_exc()
+        return 1

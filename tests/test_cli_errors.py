@@ -1,0 +1,260 @@
+"""User mistakes on the command line: exit status 2, one line on stderr, no traceback, nothing written, and names
+treated as data (never as paths, never printed raw to a terminal)."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import zipfile
+
+import numpy as np
+import pytest
+
+import gpu_codec
+from gpu_codec.cli import main
+
+
+def user_error(capsys, *argv: str, says: str = "") -> str:
+    """Run the command; assert a clean user error and return its one line."""
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    assert rc == 2, (argv, out, err)
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith("gpu-codec: error: ") and "Traceback" not in err
+    assert "\x1b" not in err and "\r" not in err
+    assert out == ""
+    assert says in err, err
+    return err
+
+
+@pytest.fixture
+def files(tmp_path):
+    rng = np.random.default_rng(0)
+    base = {"w": rng.standard_normal((6, 5)).astype(np.float32), "b": np.zeros(5, np.float32)}
+    new = {k: v + 1 for k, v in base.items()}
+    np.savez(tmp_path / "base.npz", **base)
+    np.savez(tmp_path / "new.npz", **new)
+    blob = gpu_codec.compress(new, base, fraction=0.5).to_bytes()
+    (tmp_path / "u.gcodec").write_bytes(blob)
+    return tmp_path
+
+
+def test_corrupt_npz(files, capsys):
+    (files / "junk.npz").write_bytes(os.urandom(300))
+    user_error(capsys, "compress", str(files / "junk.npz"), "-o", str(files / "o"), says="not a readable .npz")
+    whole = (files / "new.npz").read_bytes()
+    (files / "cut.npz").write_bytes(whole[: len(whole) // 2])
+    user_error(capsys, "compress", str(files / "cut.npz"), "-o", str(files / "o"), says="cut.npz")
+    flipped = bytearray(whole)
+    flipped[len(whole) // 3] ^= 0xFF  # inside the first array's data: the member's CRC-32 no longer matches
+    (files / "flip.npz").write_bytes(bytes(flipped))
+    user_error(capsys, "compress", str(files / "flip.npz"), "-o", str(files / "o"), says="flip.npz")
+    assert not (files / "o").exists()
+
+
+def test_npy_files(files, capsys):
+    np.save(files / "one.npy", np.ones(3, np.float32))
+    user_error(capsys, "compress", str(files / "one.npy"), "-o", str(files / "o"), says="save the state dict as .npz")
+    os.replace(files / "one.npy", files / "one.npz")  # an .npy in disguise
+    user_error(capsys, "compress", str(files / "one.npz"), "-o", str(files / "o"), says="not a readable .npz")
+
+
+def test_object_arrays_are_refused_without_unpickling(files, capsys):
+    np.savez(files / "obj.npz", w=np.array([{"a": 1}, None], dtype=object))
+    user_error(capsys, "compress", str(files / "obj.npz"), "-o", str(files / "o"), says="object arrays are refused")
+
+
+def test_npy_header_that_lies_about_its_size(files, capsys):
+    buf = io.BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False, "shape": (10**12,)})
+    with zipfile.ZipFile(files / "big.npz", "w") as zf:
+        zf.writestr("w.npy", buf.getvalue() + bytes(16))  # 4 TB claimed, 16 bytes held: refused before allocating
+    user_error(capsys, "compress", str(files / "big.npz"), "-o", str(files / "o"), says="header says")
+    # a deflated member whose header and zip entries agree on 4 GiB while 1 MiB is there: refused when it runs out
+    total = 0xFFFFFFFF
+    hlen = 0
+    for _ in range(3):  # the header's length depends on the shape written in it
+        hb = io.BytesIO()
+        np.lib.format.write_array_header_1_0(hb, {"descr": "|u1", "fortran_order": False, "shape": (total - hlen,)})
+        hlen = len(hb.getvalue())
+    head = hb.getvalue()
+    with zipfile.ZipFile(files / "bomb.npz", "w", compression=zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("w.npy", head + bytes(1 << 20))
+    raw = (files / "bomb.npz").read_bytes()
+    true_size = (len(head) + (1 << 20)).to_bytes(4, "little")
+    assert raw.count(true_size) == 2
+    (files / "bomb.npz").write_bytes(raw.replace(true_size, total.to_bytes(4, "little")))
+    err = user_error(capsys, "compress", str(files / "bomb.npz"), "-o", str(files / "o"), says="bomb.npz")
+    assert "header says" not in err  # the claim was consistent; the data ran out
+
+
+@pytest.mark.parametrize(
+    ("argv", "says"),
+    [
+        (["demo", "--clients", "0"], "--clients must be at least 1"),
+        (["demo", "--params", "10"], "--params must be at least 1000"),
+        (["demo", "--params", "1e12"], "must be an integer"),
+        (["demo", "--params", "1000000000000"], "--params must be at most"),
+        (["demo", "--fraction", "nan"], "'nan'"),
+        (["demo", "--fraction", "0"], "(0, 1]"),
+        (["demo", "--fraction", "1.5"], "(0, 1]"),
+        (["demo", "--fraction", "inf"], "(0, 1]"),
+        (["demo", "--clients", "two"], "must be an integer"),
+        (["demo", "--pipeline", "lzma"], "unknown stage 'lzma'"),
+        (["demo", "--pipeline", "zstd,fp16"], "--pipeline"),
+        (["demo", "--pipeline", "int8:0"], "int8"),
+        (["frobnicate"], "invalid choice"),
+        (["compress", "x.npz"], "required: -o/--output"),
+        (["compress", "x.npz", "-o", "u", "--score", "biggest"], "invalid choice"),
+        (["decompress", "u", "-o", "m.npz", "--max-output-bytes", "lots"], "byte count"),
+        (["bench", "--sizes", "0"], "element count"),
+        (["bench", "--fractions", "dense", "--quick"], "'dense' has no top-k"),
+    ],
+)
+def test_bad_arguments(capsys, argv, says):
+    user_error(capsys, *argv, says=says)
+
+
+def test_missing_and_unknown_files(files, capsys):
+    user_error(capsys, "compress", str(files / "nope.npz"), "-o", str(files / "o"), says="no such file")
+    user_error(
+        capsys, "compress", str(files / "new.txt"), "-o", str(files / "o"), says="cannot tell the checkpoint format"
+    )
+    user_error(capsys, "inspect", str(files / "nope.gcodec"), says="nope.gcodec")
+    user_error(capsys, "inspect", str(files), says="is a directory")
+    if os.path.exists("/dev/zero"):  # an endless input is refused, not read
+        user_error(capsys, "inspect", "/dev/zero", says="not a regular file")
+    user_error(capsys, "compress", str(files / "new.npz"), "-o", "", says="output path is empty")
+    user_error(capsys, "compress", str(files / "new.npz"), str(files / "base.npz"), "--base", "x.npz", "-o", "o")
+
+
+def test_output_directory_is_refused_and_nothing_is_written(files, capsys):
+    out_dir = files / "outdir"
+    out_dir.mkdir()
+    user_error(capsys, "decompress", str(files / "u.gcodec"), "-o", str(out_dir), says="is a directory")
+    user_error(capsys, "compress", str(files / "new.npz"), "-o", str(out_dir), says="is a directory")
+    user_error(capsys, "apply", str(files / "base.npz"), str(files / "u.gcodec"), "-o", str(out_dir), says="directory")
+    user_error(capsys, "decompress", str(files / "u.gcodec"), "-o", str(files / "no" / "m.npz"), says="does not exist")
+    assert sorted(os.listdir(out_dir)) == []
+    assert not (files / "outdir.npz").exists()
+    assert not [n for n in os.listdir(files) if n.startswith(".gpu-codec-")]
+
+
+def test_bad_payloads(files, capsys):
+    blob = (files / "u.gcodec").read_bytes()
+    (files / "cut.gcodec").write_bytes(blob[:-5])
+    user_error(capsys, "inspect", str(files / "cut.gcodec"))
+    (files / "flip.gcodec").write_bytes(blob[:-1] + bytes([blob[-1] ^ 1]))
+    user_error(capsys, "decompress", str(files / "flip.gcodec"), "-o", str(files / "m.npz"), says="checksum")
+    (files / "zero.gcodec").write_bytes(b"GPUCODEC" + b"\x00" * 40)
+    user_error(capsys, "apply", str(files / "base.npz"), str(files / "zero.gcodec"), "-o", str(files / "m.npz"))
+    assert not (files / "m.npz").exists()
+
+
+def test_max_output_bytes(files, capsys):
+    u = str(files / "u.gcodec")
+    user_error(capsys, "decompress", u, "-o", str(files / "m.npz"), "--max-output-bytes", "100", says="over --max")
+    user_error(capsys, "apply", str(files / "base.npz"), u, "-o", str(files / "m.npz"), "--max-output-bytes", "100B")
+    assert main(["decompress", u, "-o", str(files / "m.npz"), "--max-output-bytes", "140"]) == 0  # 35 fp32 values
+
+
+def test_mismatched_checkpoints(files, capsys):
+    np.savez(files / "other.npz", w=np.zeros((5, 6), np.float32), b=np.zeros(5, np.float32))
+    user_error(capsys, "compress", str(files / "new.npz"), str(files / "other.npz"), "-o", "o", says="shape")
+    np.savez(files / "fewer.npz", w=np.zeros((6, 5), np.float32))
+    user_error(capsys, "apply", str(files / "fewer.npz"), str(files / "u.gcodec"), "-o", str(files / "m.npz"))
+    np.savez(files / "ints.npz", w=np.zeros((6, 5), np.int32), b=np.zeros(5, np.int32))
+    user_error(capsys, "compress", str(files / "ints.npz"), "-o", "o", says="not a float tensor")
+    user_error(capsys, "compress", str(files / "ints.npz"), "-o", "o", "--skip-non-float", says="no float tensors")
+
+
+def test_apply_refuses_a_different_output_format(files, capsys):
+    user_error(
+        capsys,
+        "apply",
+        str(files / "base.npz"),
+        str(files / "u.gcodec"),
+        "-o",
+        str(files / "m.pt"),
+        says="base's format",
+    )
+
+
+class _Evil:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_torch_files_are_never_unpickled(files, capsys):
+    torch = pytest.importorskip("torch")
+    marker = files / "pwned"
+    with open(files / "evil.pt", "wb") as f:
+        pickle.dump({"w": _Evil(str(marker))}, f)
+    user_error(capsys, "compress", str(files / "evil.pt"), "-o", str(files / "o"), says="not a readable torch")
+    torch.save({"w": _Evil(str(marker))}, files / "evil2.pt")
+    user_error(capsys, "compress", str(files / "evil2.pt"), "-o", str(files / "o"), says="evil2.pt")
+    assert not marker.exists()
+    torch.save([torch.zeros(3)], files / "list.pt")
+    user_error(capsys, "compress", str(files / "list.pt"), "-o", "o", says="not a state dict")
+    torch.save({"w": torch.zeros(3), "epoch": 3}, files / "mixed.pt")
+    user_error(capsys, "compress", str(files / "mixed.pt"), "-o", "o", says="'epoch' is a int")
+    (files / "junk.pt").write_bytes(os.urandom(200))
+    user_error(capsys, "compress", str(files / "junk.pt"), "-o", "o", says="junk.pt")
+
+
+def test_safetensors_problems(files, capsys):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    (files / "junk.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json}......")
+    user_error(capsys, "compress", str(files / "junk.safetensors"), "-o", "o", says="not a readable .safetensors")
+    np.savez(files / "meta.npz", __metadata__=np.ones(2, np.float32))
+    blob = gpu_codec.compress({"__metadata__": np.ones(2, np.float32)}, fraction=1.0).to_bytes()
+    (files / "meta.gcodec").write_bytes(blob)
+    user_error(capsys, "decompress", str(files / "meta.gcodec"), "-o", str(files / "m.safetensors"), says="reserved")
+    torch.save({"w": torch.ones(3, dtype=torch.bfloat16)}, files / "bf.pt")
+    blob = gpu_codec.compress({"w": torch.ones(3, dtype=torch.bfloat16)}, fraction=1.0).to_bytes()
+    (files / "bf.gcodec").write_bytes(blob)
+    args = ("decompress", str(files / "bf.gcodec"), "--base", str(files / "bf.pt"), "-o", str(files / "m.npz"))
+    user_error(capsys, *args, says="bfloat16")
+
+
+def test_backend_that_is_not_there(capsys):
+    if gpu_codec.backend_info()["backend"] == "gpu":
+        pytest.skip("a GPU is present")
+    user_error(capsys, "info", "--backend", "gpu", says="no GPU backend is usable")
+    assert os.environ.get("GPU_CODEC_BACKEND") is None
+
+
+def test_names_are_data_not_paths_nor_terminal_codes(files, capsys):
+    evil = {
+        "file": np.ones(3, np.float32),
+        "allow_pickle": np.full(3, 2, np.float32),
+        "../../escaped": np.full(3, 3, np.float32),
+        "\x1b[2J\x1b]0;owned\x07red": np.full(3, 4, np.float32),
+    }
+    base = {k: np.zeros_like(v) for k, v in evil.items()}
+    blob = gpu_codec.compress(evil, base, fraction=1.0).to_bytes()
+    (files / "e.gcodec").write_bytes(blob)
+    assert main(["decompress", str(files / "e.gcodec"), "-o", str(files / "e.npz")]) == 0
+    with zipfile.ZipFile(files / "e.npz") as zf:
+        assert all("/" not in m and ".." not in m.split("%")[0] and "\x1b" not in m for m in zf.namelist())
+    assert main(["apply", str(files / "e.npz"), str(files / "e.gcodec"), "-o", str(files / "e2.npz")]) == 0
+    capsys.readouterr()
+    from gpu_codec.cli.checkpoints import read_checkpoint
+
+    back = read_checkpoint(str(files / "e2.npz")).tensors
+    assert list(back) == list(evil)  # file and allow_pickle survive: nothing was dropped
+    for k, v in evil.items():
+        np.testing.assert_array_equal(back[k], 2 * v)
+    assert not (files.parent / "escaped.npy").exists() and not (files / "escaped.npy").exists()
+    assert main(["inspect", str(files / "e.gcodec")]) == 0
+    out, _ = capsys.readouterr()
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b[2J" in out
+    ints = {"\x1b[31mcount": np.ones(2, np.int64), "w": np.ones(2, np.float32)}
+    np.savez(files / "ints.npz", **ints)
+    err = user_error(capsys, "compress", str(files / "ints.npz"), "-o", "o", says="not a float tensor")
+    assert "\\x1b[31mcount" in err
