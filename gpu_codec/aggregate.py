@@ -40,7 +40,7 @@ LIMBS = 3
 MAX_PAYLOADS = (1 << (32 - LIMB_BITS)) - 1  # every limb sum stays within int32
 _BETA_MIN = -56 * LIMB_BITS  # grid floor (2^-1008): keeps every scale factor a normal fp64
 _C_MAX = 2.0**960  # weighted values at or above this would overflow the top limb's scale
-_CHUNK = 1 << 20
+_CHUNK = 1 << 18
 
 __all__ = ["MAX_PAYLOADS", "Aggregator", "aggregate"]
 

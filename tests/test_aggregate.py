@@ -201,3 +201,15 @@ def test_gpu_result_stays_on_the_device():
         out = aggregate(ps, like="cupy")
     assert all(type(v).__module__.startswith("cupy") for v in out.values())
     assert as_bytes({n: v.get() for n, v in out.items()}) == as_bytes(aggregate(ps))
+
+
+def test_benchmark_runs_and_meets_its_memory_bound():
+    from tests.common import load_benchmark
+
+    bench = load_benchmark("bench_aggregate.py")
+    res = bench.run(clients=5, n=200_000, fraction=0.01, distinct=2)
+    for row in res["rows"]:
+        assert row["sparse_add_peak_bytes"] <= row["bound_bytes"], row
+        assert row["sparse_add_peak_bytes"] < row["dense_add_peak_bytes"], row
+        assert row["max_abs_difference"] <= 2**-20 * row["max_abs_mean"], row
+    assert "| fp16 + Rice + zstd |" in bench.to_markdown(res)
