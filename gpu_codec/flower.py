@@ -877,7 +877,10 @@ def _make_strategy_class() -> type:
 
 def __getattr__(name: str) -> Any:
     if name == "CompressedStrategy":  # built on first use, so importing this module does not import flwr
-        cls = _make_strategy_class()
+        try:
+            cls = _make_strategy_class()
+        except ImportError as e:
+            raise ImportError(f"CompressedStrategy needs flwr: pip install 'gpu_codec[flower]' ({e})") from e
         globals()[name] = cls
         return cls
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
