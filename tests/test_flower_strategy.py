@@ -159,3 +159,22 @@ def test_mismatched_reply_is_rejected_clearly():
         strategy.aggregate_train(1, replies)
     with pytest.raises(InvalidInputError, match="no configure_train"):
         CompressedStrategy(object())
+
+
+def test_evaluate_messages_carry_the_compressed_model_and_replies_pass_through():
+    arrays = global_model()
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_evaluate_nodes=4))
+    msgs = list(strategy.configure_evaluate(1, arrays, ConfigRecord(), Nodes()))
+    assert len(msgs) == 4 and list(msgs[0].content["arrays"]) == ["gpu_codec", "steps"]
+    seen = {}
+
+    def evaluate(msg: Message, context: Context) -> Message:
+        rec = msg.content["arrays"]
+        seen.update({k: rec[k].numpy() for k in rec})
+        return Message(RecordDict({"metrics": MetricRecord({"num-examples": 5, "acc": 0.5})}), reply_to=msg)
+
+    ctx = Context(1, 11, {}, RecordDict(), {})
+    reply = compression_mod(0.1)(msgs[0], ctx, evaluate)
+    assert list(seen) == ["w", "b", "steps"] and all(seen[k].tobytes() == arrays[k].numpy().tobytes() for k in seen)
+    assert seen["b"].dtype == np.float16 and not ctx.state.config_records
+    assert strategy.aggregate_evaluate(1, [reply])["acc"] == 0.5
