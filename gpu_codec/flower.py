@@ -753,6 +753,8 @@ def _make_strategy_class() -> type:
                     raise InvalidInputError(f"the wrapped strategy has no {hook}() hook")
             self.strategy = strategy
             self.downlink = None if downlink is None else adapt.pipeline_configs(list(downlink))
+            if self.downlink and any(s["id"] == "topk" for s in self.downlink):
+                raise InvalidInputError("the global model goes down dense: a downlink pipeline takes no topk stage")
             self.key = key
             self._sent: tuple[Any, Any, dict[str, np.ndarray]] | None = None
 

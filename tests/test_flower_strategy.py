@@ -159,6 +159,8 @@ def test_mismatched_reply_is_rejected_clearly():
         strategy.aggregate_train(1, replies)
     with pytest.raises(InvalidInputError, match="no configure_train"):
         CompressedStrategy(object())
+    with pytest.raises(InvalidInputError, match="no topk stage"):
+        CompressedStrategy(FedAvg(), downlink=[{"id": "topk", "fraction": 0.1}])
 
 
 def test_evaluate_messages_carry_the_compressed_model_and_replies_pass_through():
