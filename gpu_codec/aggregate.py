@@ -57,7 +57,10 @@ def _grid_exponent(m: float) -> int | None:
 def _check_weight(weight: Any) -> float:
     if isinstance(weight, bool) or not isinstance(weight, (int, float, np.integer, np.floating)):
         raise InvalidInputError(f"a weight must be a non-negative number, got {type(weight).__name__}")
-    w = float(weight)
+    try:
+        w = float(weight)
+    except OverflowError:
+        w = math.inf
     if not (math.isfinite(w) and w >= 0.0):
         raise InvalidInputError(f"a weight must be finite and non-negative, got {weight!r}")
     return w
