@@ -17,6 +17,7 @@ The package face is the verbs below, the codec classes and the errors. The frame
 import importlib
 from typing import Any
 
+from .aggregate import Aggregator, aggregate
 from .backend import backend_info, get_backend, reset_backend
 from .codecs import (
     Int8Blockwise,
@@ -54,6 +55,7 @@ __version__ = "0.1.0"
 _ADAPTERS = ("clara", "fl4health", "flower", "nvflare", "openfl")
 
 __all__ = [
+    "Aggregator",
     "BackendUnavailableError",
     "ErrorFeedback",
     "GpuCodecError",
@@ -69,6 +71,7 @@ __all__ = [
     "Ternary",
     "TopK",
     "Zstd",
+    "aggregate",
     "backend_info",
     "compress",
     "decompress",

@@ -364,6 +364,13 @@ def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[s
     return like, None
 
 
+def decoded_records(payload: Payload, backend: Any) -> list[TensorRecord]:
+    """The payload's records decoded by its own pipeline to ``coo``/``dense`` buffers on ``backend`` (quantized
+    values, coded indices, lossless stages), as :func:`decompress` and :mod:`gpu_codec.aggregate` take them.
+    Indices and values are not checked here: the caller checks them before use."""
+    return decode_records(payload.pipeline, payload.tensors, backend)
+
+
 def decompress(
     payload: Payload | bytes | bytearray | memoryview,
     base: Mapping[str, Any] | None = None,
@@ -405,15 +412,11 @@ def decompress(
         total = sum(r.numel for r in records)
         if total > max_elements:
             raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
-    # decode quantized values, coded indices and lossless stages as the header says
-
-    records = decode_records(payload.pipeline, records, backend)
+    records = decoded_records(payload, backend)
     kind, device = _output_kind(like, base_tensors)
     outs, out_dtypes, idx_list, val_list = [], [], [], []
     with backend.stream(base_tensors or []):
         for i, r in enumerate(records):
-            if r.encoding not in ("coo", "dense"):
-                raise PayloadLayoutError(f"tensor {r.name!r}: encoding {r.encoding!r} cannot be decoded by the engine")
             if base_tensors is not None:
                 out = backend.asarray(base_tensors[i].data).copy()
                 out_dtypes.append(dtypes.code(r.dtype))

@@ -1,77 +1,154 @@
-"""Flower's ``Array`` and ``ParametersRecord`` (``ArrayRecord``), able to carry a gpu_codec payload.
+"""Flower: records that carry a gpu_codec payload, a client ``Mod`` and a server strategy wrapper.
 
-Someone arriving from Flower (``flwr.common``) finds:
+Records, as Flower has them (``flwr`` is needed only for the app parts and the conversions):
 
-* :class:`Array` ``(dtype, shape, stype, data)`` with :meth:`Array.numpy`, built from NumPy
-  (:meth:`Array.from_numpy_ndarray`, byte for byte what flwr makes), torch (:meth:`Array.from_torch_tensor`) or
-  any of NumPy, CuPy, torch (:meth:`Array.from_array`). A compressed update is one Array of
-  ``stype="gpu_codec.v1"`` (:meth:`Array.from_payload`): its bytes are the payload's wire format, and they stay
-  unserialized (on the GPU, if made there) until ``data`` is first read;
-* :class:`ParametersRecord` (alias :data:`ArrayRecord`): an ordered ``str -> Array`` mapping with flwr's
-  ``keep_input`` semantics and ``count_bytes``, its constructors from NumPy lists and torch state dicts, plus
-  :meth:`ParametersRecord.compressed` (compress an update into a record) and :meth:`ParametersRecord.decompress`;
-* :meth:`ParametersRecord.to_flwr` / :meth:`ParametersRecord.from_flwr`: conversion to and from the real
-  ``flwr.common.ArrayRecord`` when flwr is installed (``pip install gpu_codec[flower]``), so a record travels in a
-  Flower ``Message`` and comes back intact.
+* :class:`Array`: ``Array(ndarray)``, ``Array(ndarray=...)``, ``Array(torch_tensor=...)`` or
+  ``Array(dtype, shape, stype, data)``, as flwr accepts them, with :meth:`Array.numpy`. A compressed update is one
+  Array (:meth:`Array.from_payload`) whose bytes are a ``.npy`` guard header followed by the payload's wire
+  format: a stock Flower peer that tries to read it gets ``ValueError: ... gpu_codec.v1 ... pip install
+  'gpu_codec[flower]'`` instead of a silent misread. Its bytes stay unserialized (on the GPU, if made there) until
+  ``data`` is first read.
+* :class:`ArrayRecord` (flwr's current record: ``ArrayRecord(numpy_ndarrays=...)``, ``torch_state_dict=...``,
+  ``array_dict=...``, ``keep_input=True``) and :class:`ParametersRecord` (the earlier name, with its signature
+  ``ParametersRecord(array_dict=None, keep_input=False)``: the input dict is emptied as it is consumed), plus
+  :meth:`ArrayRecord.compressed`, :meth:`ArrayRecord.decompress`, :meth:`ArrayRecord.to_flwr` and
+  :meth:`ArrayRecord.from_flwr`.
+* bfloat16, which ``.npy`` cannot hold, is widened to float32 (exactly) rather than sent as a uint16 array.
 
-Deliberate differences: ``numpy()`` on a ``gpu_codec.v1`` Array raises ``TypeError`` as flwr does for an unknown
-stype (use :meth:`Array.payload` or :meth:`ParametersRecord.decompress`); a bfloat16 tensor, which flwr cannot
-convert, is stored with ``dtype="bfloat16"`` as its uint16 bit pattern in the ``.npy`` bytes.
+In a Flower app:
+
+* :func:`compression_mod`: a client ``Mod``. It decodes a compressed global model before the ``ClientApp`` sees
+  it, and compresses the ``ArrayRecord`` of a train reply as top-k of ``reply - received model`` (error feedback
+  kept in the client's ``Context.state`` across rounds), when the server said it can decode it.
+* :class:`CompressedStrategy` (needs flwr): wraps ``FedAvg`` or any strategy with the same hooks. It sends the
+  global model compressed (lossless by default), says so in the train config, and aggregates the replies with
+  :func:`gpu_codec.aggregate` straight from the sparse form (FedAvg's weighted mean, the same bytes in any arrival
+  order); metrics stay the wrapped strategy's.
 
 >>> import numpy as np
 >>> update = {"w": np.array([0.5, -4.0, 0.0, 2.0], np.float32), "b": np.zeros(2, np.float32)}
->>> rec = ParametersRecord.compressed(update, fraction=0.5)       # keep ceil(0.5 x 6) = 3 entries
->>> list(rec), rec["gpu_codec"].stype, rec["gpu_codec"].dtype
-(['gpu_codec'], 'gpu_codec.v1', 'uint8')
+>>> rec = ArrayRecord.compressed(update, fraction=0.5)       # keep ceil(0.5 x 6) = 3 entries
+>>> list(rec), rec["gpu_codec"].dtype, rec["gpu_codec"].stype, rec["gpu_codec"].is_payload
+(['gpu_codec'], 'gpu_codec.v1', 'numpy.ndarray', True)
 >>> {k: v.tolist() for k, v in rec.decompress().items()}
 {'w': [0.5, -4.0, 0.0, 2.0], 'b': [0.0, 0.0]}
+>>> np.load(io.BytesIO(rec["gpu_codec"].data), allow_pickle=False)     # what a stock peer sees
+Traceback (most recent call last):
+...
+ValueError: descr is not a valid dtype descriptor: "gpu_codec.v1 ... pip install 'gpu_codec[flower]' ..."
 """
 
 from __future__ import annotations
 
+import hashlib
 import io
-from collections.abc import Iterator, Mapping, MutableMapping
+import math
+import struct
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from typing import Any
 
 import numpy as np
 
 from . import adapt
 from . import engine as _engine
+from .aggregate import Aggregator
 from .arrays import array_kind, to_tensor
-from .errors import InvalidInputError
+from .error_feedback import ErrorFeedback
+from .errors import InvalidInputError, PayloadError, PayloadLayoutError
 
-__all__ = ["STYPE_GPU_CODEC", "STYPE_NUMPY", "Array", "ArrayRecord", "ParametersRecord"]
+__all__ = [
+    "ACCEPT_KEY",
+    "STYPE_GPU_CODEC",
+    "STYPE_NUMPY",
+    "Array",
+    "ArrayRecord",
+    "CompressedStrategy",  # noqa: F822  (built on first use by the module's __getattr__)
+    "ParametersRecord",
+    "compression_mod",
+    "decode_record",
+]
 
 STYPE_NUMPY = "numpy.ndarray"
-STYPE_GPU_CODEC = "gpu_codec.v1"
+STYPE_GPU_CODEC = "gpu_codec.v1"  # the dtype of a compressed Array (its stype, in records made before the guard)
+ACCEPT_KEY = "gpu_codec.accept"  # config entry a server sends when it decodes gpu_codec replies
+DEFAULT_KEY = "gpu_codec"
+_EF_STATE = "gpu_codec.error_feedback"
+_FLOAT_NPY = frozenset({"float16", "float32", "float64"})
+
+
+def _npy_guard() -> bytes:
+    """A ``.npy`` v1 header whose dtype descriptor is a message: ``np.load`` stops there with a ValueError."""
+    descr = (  # no commas: NumPy would read them as a list of fields
+        f"{STYPE_GPU_CODEC} payload: a gpu_codec compressed update and not a NumPy array; to read it "
+        "pip install 'gpu_codec[flower]' and decode it with gpu_codec.flower"
+    )
+    head = repr({"descr": descr, "fortran_order": False, "shape": (0,)}).encode("ascii")
+    head += b" " * ((-(10 + len(head) + 1)) % 64) + b"\n"
+    return b"\x93NUMPY\x01\x00" + struct.pack("<H", len(head)) + head
+
+
+_GUARD = _npy_guard()
 
 
 class Array:
     """A serialized array: ``dtype`` (str), ``shape`` (tuple of int), ``stype`` (how ``data`` was made), ``data``.
 
-    >>> a = Array.from_numpy_ndarray(np.arange(3, dtype=np.float32))
+    Built as flwr builds it: ``Array(ndarray)``, ``Array(ndarray=...)``, ``Array(torch_tensor=...)`` (also a CuPy
+    array, positionally) or the four fields. Invalid arguments raise ``TypeError``, as flwr does.
+
+    >>> a = Array(np.arange(3, dtype=np.float32))
     >>> a.dtype, a.shape, a.stype, a.numpy().tolist()
     ('float32', (3,), 'numpy.ndarray', [0.0, 1.0, 2.0])
+    >>> Array(ndarray=np.zeros(2)) == Array.from_numpy_ndarray(np.zeros(2))
+    True
     """
 
-    def __init__(self, dtype: str, shape: tuple[int, ...], stype: str, data: bytes) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        dtype: str | None = None,
+        shape: tuple[int, ...] | None = None,
+        stype: str | None = None,
+        data: bytes | None = None,
+        ndarray: Any = None,
+        torch_tensor: Any = None,
+    ) -> None:
+        fields = (dtype, shape, stype, data)
+        given = [x for x in (ndarray, torch_tensor) if x is not None]
+        if len(args) == 1 and not given and all(f is None for f in fields):
+            given = [args[0]]
+            args = ()
+        if given:
+            if args or len(given) != 1 or any(f is not None for f in fields):
+                _array_init_error()
+            self._from(Array.from_array(given[0]) if torch_tensor is None else Array.from_torch_tensor(given[0]))
+            return
+        if len(args) > 4:
+            _array_init_error()
+        vals = list(args) + [None] * (4 - len(args))
+        for i, f in enumerate(fields):
+            if f is not None:
+                if vals[i] is not None:
+                    _array_init_error()
+                vals[i] = f
+        dtype, shape, stype, data = vals
         if not (
             isinstance(dtype, str)
             and isinstance(stype, str)
             and isinstance(data, (bytes, bytearray))
             and isinstance(shape, (tuple, list))
-            and all(isinstance(s, (int, np.integer)) for s in shape)
+            and all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in shape)
         ):
-            raise TypeError(
-                "Array needs dtype (str), shape (tuple of int), stype (str) and data (bytes), got "
-                f"{type(dtype).__name__}, {type(shape).__name__}, {type(stype).__name__}, "
-                f"{type(data).__name__}"
-            )
+            _array_init_error()
         self.dtype = dtype
         self.shape = tuple(int(s) for s in shape)
         self.stype = stype
         self._data: bytes | None = bytes(data)
         self._payload: Any = None
+
+    def _from(self, other: Array) -> None:
+        self.dtype, self.shape, self.stype = other.dtype, other.shape, other.stype
+        self._data, self._payload = other._data, other._payload
 
     # -------------------------------------------------------- data, lazily for payloads
 
@@ -79,7 +156,7 @@ class Array:
     def data(self) -> bytes:
         """The serialized bytes (for a payload made on the GPU: its one device-to-host copy, on first read)."""
         if self._data is None:
-            self._data = self._payload.to_bytes()
+            self._data = _GUARD + self._payload.to_bytes()
         return self._data
 
     @data.setter
@@ -90,17 +167,22 @@ class Array:
     @property
     def nbytes(self) -> int:
         """``len(data)``, without serializing a payload that has not been serialized yet."""
-        return len(self._data) if self._data is not None else self._payload.nbytes
+        return len(self._data) if self._data is not None else len(_GUARD) + self._payload.nbytes
+
+    @property
+    def is_payload(self) -> bool:
+        """Whether this Array holds a gpu_codec payload (either form)."""
+        if self._payload is not None or self.stype == STYPE_GPU_CODEC:
+            return True
+        return self.stype == STYPE_NUMPY and self.dtype == STYPE_GPU_CODEC and self.data.startswith(_GUARD)
 
     def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Array) and not type(other).__name__ == "Array":
+        if not isinstance(other, Array) and type(other).__name__ != "Array":
             return NotImplemented
-        return (self.dtype, tuple(self.shape), self.stype, self.data) == (
-            other.dtype,
-            tuple(other.shape),
-            other.stype,
-            other.data,
-        )
+        mine = (self.dtype, tuple(self.shape), self.stype, self.data)
+        return mine == (other.dtype, tuple(other.shape), other.stype, other.data)
+
+    __hash__ = None  # mutable, as flwr's
 
     def __repr__(self) -> str:
         return f"Array(dtype={self.dtype!r}, shape={self.shape}, stype={self.stype!r}, {self.nbytes} bytes)"
@@ -109,43 +191,48 @@ class Array:
 
     @classmethod
     def from_numpy_ndarray(cls, ndarray: np.ndarray) -> Array:
-        """The ``.npy`` bytes of ``ndarray`` (never pickled), as flwr's ``Array.from_numpy_ndarray``."""
+        """The ``.npy`` bytes of ``ndarray`` (never pickled), byte for byte flwr's ``Array.from_numpy_ndarray``."""
         if not isinstance(ndarray, np.ndarray):
             raise TypeError(f"Expected NumPy ndarray, got {type(ndarray)}")
+        if ndarray.dtype.name == "bfloat16":  # ml_dtypes: .npy would store it as a void type
+            ndarray = ndarray.astype(np.float32)
+        if ndarray.dtype.hasobject:
+            raise InvalidInputError("an object array cannot travel without pickle; convert it to a numeric dtype")
         buf = io.BytesIO()
         np.save(buf, ndarray, allow_pickle=False)
         return cls(dtype=str(ndarray.dtype), shape=tuple(ndarray.shape), stype=STYPE_NUMPY, data=buf.getvalue())
 
     @classmethod
     def from_torch_tensor(cls, tensor: Any) -> Array:
-        """A torch tensor (any device; copied to the host, since ``.npy`` bytes live there)."""
+        """A torch tensor (any device; copied to the host). bfloat16 is widened to float32, exactly."""
         if array_kind(tensor) != "torch":
             raise TypeError(f"Expected PyTorch Tensor, got {type(tensor)}")
         return cls.from_array(tensor)
 
     @classmethod
     def from_array(cls, x: Any) -> Array:
-        """A NumPy, CuPy or torch array (CPU or GPU). bfloat16 is kept as its uint16 bits, ``dtype="bfloat16"``."""
+        """A NumPy, CuPy or torch array (CPU or GPU). bfloat16 is widened to float32, exactly: ``.npy`` has no
+        bfloat16, and its uint16 bits would reach a stock peer as a wrong array."""
         kind = array_kind(x)
         if kind == "numpy":
             return cls.from_numpy_ndarray(np.asarray(x))
         t = to_tensor(x, "array")
-        host = t.data.get() if t.on_gpu else t.data
-        arr = cls.from_numpy_ndarray(np.ascontiguousarray(host).reshape(t.shape))
+        host = np.ascontiguousarray(t.data.get() if t.on_gpu else t.data)
         if t.dtype == "bfloat16":
-            arr.dtype = "bfloat16"
-        return arr
+            host = (host.astype(np.uint32) << 16).view(np.float32)
+        return cls.from_numpy_ndarray(host.reshape(t.shape))
 
     @classmethod
     def from_payload(cls, payload: Any) -> Array:
-        """A compressed update (a :class:`~gpu_codec.Payload`, or its bytes) as one ``gpu_codec.v1`` Array."""
+        """A compressed update (a :class:`~gpu_codec.Payload`, or its bytes) as one Array: ``dtype="gpu_codec.v1"``,
+        ``stype="numpy.ndarray"``, data = a ``.npy`` guard header that stock readers stop at, then the payload."""
         if isinstance(payload, (bytes, bytearray, memoryview)):
             blob = bytes(payload)
             _engine.Payload.from_bytes(blob)  # validate now rather than at the receiver
-            return cls(dtype="uint8", shape=(len(blob),), stype=STYPE_GPU_CODEC, data=blob)
+            return cls(dtype=STYPE_GPU_CODEC, shape=(len(_GUARD) + len(blob),), stype=STYPE_NUMPY, data=_GUARD + blob)
         if not isinstance(payload, _engine.Payload):
             raise InvalidInputError(f"expected a gpu_codec Payload or its bytes, got {type(payload).__name__}")
-        arr = cls(dtype="uint8", shape=(payload.nbytes,), stype=STYPE_GPU_CODEC, data=b"")
+        arr = cls(dtype=STYPE_GPU_CODEC, shape=(len(_GUARD) + payload.nbytes,), stype=STYPE_NUMPY, data=b"")
         arr._data, arr._payload = None, payload
         return arr
 
@@ -153,36 +240,44 @@ class Array:
 
     def numpy(self) -> np.ndarray:
         """The array, for ``stype="numpy.ndarray"`` (loaded with ``allow_pickle=False``)."""
+        if self.is_payload:
+            raise InvalidInputError(
+                "this Array holds a gpu_codec payload, not an array: use Array.payload() or ArrayRecord.decompress()"
+            )
         if self.stype != STYPE_NUMPY:
             raise TypeError(f"Unsupported serialization type for numpy conversion: '{self.stype}'")
-        return np.load(io.BytesIO(self.data), allow_pickle=False)
+        a = np.load(io.BytesIO(self.data), allow_pickle=False)
+        if self.dtype == "bfloat16" and a.dtype == np.uint16:  # records of earlier gpu_codec versions
+            a = (a.astype(np.uint32) << 16).view(np.float32)
+        return a
 
     def to_torch(self, device: Any = None) -> Any:
-        """The array as a torch tensor (bfloat16 restored), on ``device``."""
+        """The array as a torch tensor, on ``device``."""
         import torch
 
-        a = self.numpy()
-        if self.dtype == "bfloat16":
-            t = torch.from_numpy(np.ascontiguousarray(a).view(np.int16)).view(torch.bfloat16)
-        else:
-            t = torch.from_numpy(np.ascontiguousarray(a))
+        t = torch.from_numpy(np.ascontiguousarray(self.numpy()))
         return t.to(device) if device is not None else t
 
     def payload(self) -> Any:
-        """The :class:`~gpu_codec.Payload` of a ``gpu_codec.v1`` Array (validated; the original object where this
-        Array was made from one)."""
-        if self.stype != STYPE_GPU_CODEC:
-            raise TypeError(f"Array has stype '{self.stype}', not '{STYPE_GPU_CODEC}': it holds no gpu_codec payload")
+        """The :class:`~gpu_codec.Payload` this Array holds (validated; the original object where this Array was
+        made from one)."""
+        if not self.is_payload:
+            raise TypeError(f"Array has stype '{self.stype}' and dtype '{self.dtype}': it holds no gpu_codec payload")
         if self._payload is not None:
             return self._payload
-        return _engine.Payload.from_bytes(self.data)
+        blob = self.data
+        if self.stype == STYPE_NUMPY:
+            blob = memoryview(blob)[len(_GUARD) :]
+        return _engine.Payload.from_bytes(blob)
 
     # -------------------------------------------------------- flwr
 
     def to_flwr(self) -> Any:
-        """This Array as a ``flwr.common.Array`` (same four fields)."""
+        """This Array as a ``flwr.app.Array`` (same four fields; an earlier bfloat16 record is widened)."""
         from flwr.common import Array as FlwrArray
 
+        if self.stype == STYPE_NUMPY and self.dtype == "bfloat16":
+            return Array.from_numpy_ndarray(self.numpy()).to_flwr()
         return FlwrArray(dtype=self.dtype, shape=tuple(self.shape), stype=self.stype, data=self.data)
 
     @classmethod
@@ -190,43 +285,70 @@ class Array:
         return cls(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=a.data)
 
 
+def _array_init_error() -> None:
+    raise TypeError(
+        "Invalid arguments for Array. Expected either a PyTorch tensor, a NumPy ndarray, or explicit "
+        "dtype/shape/stype/data values."
+    )
+
+
+def _record_init_error() -> None:
+    raise TypeError(
+        "Invalid arguments for ArrayRecord. Expected either a list of NumPy ndarrays, a PyTorch state_dict, "
+        "or a dictionary of Arrays. The `keep_input` argument is keyword-only."
+    )
+
+
 def _check_key(key: Any) -> None:
     if not isinstance(key, str):
         raise TypeError(f"Key must be of type `str` but `{type(key)}` was passed.")
 
 
-class ParametersRecord(MutableMapping):
-    """An ordered ``str -> Array`` record, as flwr's ``ArrayRecord`` (formerly ``ParametersRecord``).
+class ArrayRecord(MutableMapping):
+    """An ordered ``str -> Array`` record, as flwr's current ``ArrayRecord``.
 
-    ``keep_input=False`` empties the input (dict or list) as it is consumed, to free memory early; the default
-    keeps it, as flwr does.
+    ``ArrayRecord(array_dict)`` (a dict of Array), ``ArrayRecord(list_of_ndarrays)`` (keys ``"0"``, ``"1"``, ...)
+    or ``ArrayRecord(state_dict)`` (name -> torch, NumPy or CuPy array), positionally or as ``array_dict=``,
+    ``numpy_ndarrays=``, ``torch_state_dict=``. ``keep_input=False`` empties the input as it is consumed.
 
-    >>> rec = ParametersRecord.from_numpy_ndarrays([np.zeros(2, np.float32), np.ones(3, np.int64)])
+    >>> rec = ArrayRecord(numpy_ndarrays=[np.zeros(2, np.float32), np.ones(3, np.int64)])
     >>> list(rec), [a.tolist() for a in rec.to_numpy_ndarrays()]
     (['0', '1'], [[0.0, 0.0], [1, 1, 1]])
     >>> rec.count_bytes() == sum(len(a.data) + len(k) for k, a in rec.items())
     True
     """
 
-    def __init__(self, array_dict: Any = None, *, keep_input: bool = True) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        numpy_ndarrays: list | None = None,
+        torch_state_dict: Mapping[str, Any] | None = None,
+        array_dict: Mapping[str, Array] | None = None,
+        keep_input: bool = True,
+    ) -> None:
         self._d: dict[str, Array] = {}
-        if array_dict is None:
+        named = [
+            (v, m)
+            for v, m in ((array_dict, "dict"), (numpy_ndarrays, "list"), (torch_state_dict, "sd"))
+            if v is not None
+        ]
+        if len(args) > 1 or len(args) + len(named) > 1:
+            _record_init_error()
+        arg, method = (args[0], "any") if args else (named[0] if named else (None, "any"))
+        if arg is None:
             return
-        if isinstance(array_dict, list):  # flwr's ArrayRecord(list of ndarrays)
-            self._d = ParametersRecord.from_numpy_ndarrays(array_dict, keep_input=keep_input)._d
+        if isinstance(arg, list) and method in ("any", "list"):
+            self._d = ArrayRecord.from_numpy_ndarrays(arg, keep_input=keep_input)._d
             return
-        if not isinstance(array_dict, Mapping):
-            raise TypeError(
-                f"ParametersRecord takes a dict of Array, a list of NumPy arrays or a dict of arrays "
-                f"(a torch state_dict), got {type(array_dict).__name__}"
-            )
-        if array_dict and not all(isinstance(v, Array) for v in array_dict.values()):
-            self._d = ParametersRecord.from_arrays(array_dict, keep_input=keep_input)._d
-            return
-        for k in list(array_dict.keys()):
-            self[k] = array_dict[k]
-            if not keep_input:
-                del array_dict[k]  # type: ignore[attr-defined]
+        if isinstance(arg, Mapping) and method != "list":
+            serialized = [isinstance(v, Array) or _is_flwr_array(v) for v in arg.values()]
+            if all(serialized) and method in ("any", "dict"):
+                self._d = ArrayRecord.from_array_dict(arg, keep_input=keep_input)._d
+                return
+            if not any(serialized) and method in ("any", "sd"):
+                self._d = ArrayRecord.from_arrays(arg, keep_input=keep_input)._d
+                return
+        _record_init_error()
 
     # -------------------------------------------------------- mapping
 
@@ -249,7 +371,7 @@ class ParametersRecord(MutableMapping):
         return len(self._d)
 
     def __repr__(self) -> str:
-        return f"ParametersRecord({self._d!r})"
+        return f"{type(self).__name__}({self._d!r})"
 
     def count_bytes(self) -> int:
         """Bytes of every Array's data plus every key (as flwr counts), without serializing lazy payloads."""
@@ -258,7 +380,18 @@ class ParametersRecord(MutableMapping):
     # -------------------------------------------------------- constructors
 
     @classmethod
-    def from_numpy_ndarrays(cls, ndarrays: list, *, keep_input: bool = True) -> ParametersRecord:
+    def from_array_dict(cls, array_dict: Mapping[str, Any], *, keep_input: bool = True) -> ArrayRecord:
+        """A dict of Arrays (ours or flwr's)."""
+        rec = cls()
+        for k in list(array_dict.keys()):
+            v = array_dict[k]
+            rec[k] = v if isinstance(v, Array) else Array.from_flwr(v)
+            if not keep_input:
+                del array_dict[k]  # type: ignore[attr-defined]
+        return rec
+
+    @classmethod
+    def from_numpy_ndarrays(cls, ndarrays: list, *, keep_input: bool = True) -> ArrayRecord:
         """Keys ``"0"``, ``"1"``, ... in list order."""
         rec = cls()
         for i in range(len(ndarrays)):
@@ -270,14 +403,15 @@ class ParametersRecord(MutableMapping):
         return rec
 
     @classmethod
-    def from_torch_state_dict(cls, state_dict: Mapping[str, Any], *, keep_input: bool = True) -> ParametersRecord:
+    def from_torch_state_dict(cls, state_dict: Mapping[str, Any], *, keep_input: bool = True) -> ArrayRecord:
         return cls.from_arrays(state_dict, keep_input=keep_input)
 
     @classmethod
-    def from_arrays(cls, arrays: Mapping[str, Any], *, keep_input: bool = True) -> ParametersRecord:
+    def from_arrays(cls, arrays: Mapping[str, Any], *, keep_input: bool = True) -> ArrayRecord:
         """Name -> NumPy, CuPy or torch array (any device)."""
         rec = cls()
         for k in list(arrays.keys()):
+            _check_key(k)
             v = arrays[k] if keep_input else arrays.pop(k)  # type: ignore[attr-defined]
             rec[k] = Array.from_array(v)
         return rec
@@ -288,15 +422,15 @@ class ParametersRecord(MutableMapping):
         update: Mapping[str, Any],
         base: Mapping[str, Any] | None = None,
         *,
-        key: str = "gpu_codec",
+        key: str = DEFAULT_KEY,
         fraction: float | None = 0.01,
         scope: str = "global",
         score: Any = "magnitude",
         pipeline: Any = None,
         metadata: Mapping[str, Any] | None = None,
-    ) -> ParametersRecord:
+    ) -> ArrayRecord:
         """Compress ``update - base`` (:func:`gpu_codec.compress`; ``fraction=None`` for dense) into a record
-        holding one ``gpu_codec.v1`` Array under ``key``. On the GPU the payload stays there until sent."""
+        holding one compressed Array under ``key``. On the GPU the payload stays there until sent."""
         payload = adapt.engine_compress(
             update, base, fraction=fraction, scope=scope, score=score, pipeline=pipeline, metadata=metadata
         )
@@ -319,12 +453,12 @@ class ParametersRecord(MutableMapping):
         return out
 
     def decompress(self, base: Mapping[str, Any] | None = None, *, like: str | None = None) -> dict[str, Any]:
-        """Dense tensors: every ``gpu_codec.v1`` Array decompressed (``base + delta`` where ``base`` is given,
-        returned as the base's kind on its device, else the delta as ``like``), every ``numpy.ndarray`` Array
-        as its value (as ``like``, or as the base's kind where the base has that name)."""
+        """Dense tensors: every compressed Array decompressed (``base + delta`` where ``base`` is given,
+        returned as the base's kind on its device, else the delta as ``like``), every plain Array as its value
+        (as ``like``, or as the base's kind where the base has that name)."""
         out: dict[str, Any] = {}
         for key, arr in self._d.items():
-            if arr.stype == STYPE_GPU_CODEC:
+            if arr.is_payload:
                 payload = arr.payload()
                 b = None
                 if base is not None:
@@ -346,15 +480,15 @@ class ParametersRecord(MutableMapping):
     # -------------------------------------------------------- flwr
 
     def to_flwr(self) -> Any:
-        """This record as a ``flwr.common.ArrayRecord`` (flwr >= 1.20; ``ParametersRecord`` on older flwr)."""
+        """This record as a ``flwr.app.ArrayRecord``."""
         import flwr.common as fc
 
         cls_ = getattr(fc, "ArrayRecord", None) or fc.ParametersRecord
         return cls_({k: v.to_flwr() for k, v in self._d.items()})
 
     @classmethod
-    def from_flwr(cls, record: Any, *, keep_input: bool = True) -> ParametersRecord:
-        """A ``flwr.common.ArrayRecord`` (or ``ParametersRecord``) as this record."""
+    def from_flwr(cls, record: Any, *, keep_input: bool = True) -> ArrayRecord:
+        """A ``flwr.app.ArrayRecord`` (or ``ParametersRecord``) as this record."""
         rec = cls()
         for k in list(record.keys()):
             rec[k] = Array.from_flwr(record[k])
@@ -363,7 +497,24 @@ class ParametersRecord(MutableMapping):
         return rec
 
 
-ArrayRecord = ParametersRecord
+class ParametersRecord(ArrayRecord):
+    """The earlier name of the record, with its signature: ``ParametersRecord(array_dict=None, keep_input=False)``.
+
+    ``array_dict`` is a dict of Array; by default it is emptied as it is consumed (``keep_input=False``). A list
+    of NumPy arrays or a dict of arrays is also taken, as by :class:`ArrayRecord`.
+
+    >>> arrays = {"a": Array(np.ones(2, np.float32))}
+    >>> rec = ParametersRecord(arrays)
+    >>> list(rec), arrays
+    (['a'], {})
+    """
+
+    def __init__(self, array_dict: Any = None, keep_input: bool = False) -> None:
+        super().__init__(array_dict, keep_input=keep_input)
+
+
+def _is_flwr_array(v: Any) -> bool:
+    return type(v).__name__ == "Array" and all(hasattr(v, f) for f in ("dtype", "shape", "stype", "data"))
 
 
 def _as_kind(arr: Array, kind: str, like_tensor: Any) -> Any:
@@ -381,3 +532,357 @@ def _as_kind(arr: Array, kind: str, like_tensor: Any) -> Any:
     if kind != "numpy":
         raise InvalidInputError(f"like must be 'numpy', 'cupy' or 'torch', got {kind!r}")
     return a
+
+
+# ============================================================ Flower apps: models in messages
+
+
+def _holds_payload(a: Any) -> bool:
+    """Whether a flwr Array carries a gpu_codec payload (either form), without copying its data."""
+    if a.stype == STYPE_GPU_CODEC:
+        return True
+    return a.stype == STYPE_NUMPY and a.dtype == STYPE_GPU_CODEC and a.data[: len(_GUARD)] == _GUARD
+
+
+def _is_compressed(record: Any) -> bool:
+    return any(_holds_payload(a) for a in record.values())
+
+
+def _decode_model(record: Any) -> dict[str, np.ndarray]:
+    """A flwr ArrayRecord (compressed or not) as name -> NumPy array, in the sender's order and dtypes (a payload's
+    float16 comes back as float16; bfloat16, which ``.npy`` lacks, as float32)."""
+    out: dict[str, np.ndarray] = {}
+    order: list[str] = []
+    for k in record:
+        a = Array.from_flwr(record[k])
+        if not a.is_payload:
+            out[k] = a.numpy()
+            order.append(k)
+            continue
+        payload = a.payload()
+        dense = _engine.decompress(payload)
+        for r in payload.tensors:
+            if r.name in out:
+                raise InvalidInputError(f"tensor {r.name!r} appears twice in the record")
+            out[r.name] = adapt.cast_to_logical(dense[r.name], r.dtype, "numpy")
+        sent = payload.metadata.get("order")
+        order.extend(r.name for r in payload.tensors)
+        if isinstance(sent, list) and all(isinstance(n, str) for n in sent):
+            order = sent  # used only if it names exactly the same arrays (checked below)
+    if sorted(order) != sorted(out):
+        order = list(out)
+    return {n: out[n] for n in order}
+
+
+def decode_record(record: Any) -> Any:
+    """A flwr ``ArrayRecord`` holding gpu_codec payloads as a plain flwr ``ArrayRecord`` of NumPy arrays (a
+    record with none is returned as it is)."""
+    if not _is_compressed(record):
+        return record
+    from flwr.app import Array as FlwrArray
+    from flwr.app import ArrayRecord as FlwrRecord
+
+    return FlwrRecord({k: FlwrArray(v) for k, v in _decode_model(record).items()})
+
+
+def _split_floats(arrays: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None) -> list[str]:
+    names = []
+    for n, a in arrays.items():
+        if a.dtype.name not in _FLOAT_NPY:
+            continue
+        if base is not None and (n not in base or base[n].shape != a.shape or base[n].dtype != a.dtype):
+            continue
+        names.append(n)
+    return names
+
+
+def _compressed_record(
+    arrays: Mapping[str, np.ndarray],
+    base: Mapping[str, np.ndarray] | None,
+    key: str,
+    *,
+    fraction: float | None,
+    scope: str = "global",
+    pipeline: Any = None,
+    residual: Any = None,
+) -> tuple[Any, list[str]]:
+    """(flwr ArrayRecord with one compressed Array under ``key`` and the other arrays plain, compressed names)."""
+    from flwr.app import Array as FlwrArray
+    from flwr.app import ArrayRecord as FlwrRecord
+
+    if key in arrays:
+        raise InvalidInputError(f"the record already has an array named {key!r}; pass another key")
+    names = _split_floats(arrays, base)
+    out = FlwrRecord()
+    if names:
+        payload = _engine.compress(
+            {n: arrays[n] for n in names},
+            None if base is None else {n: base[n] for n in names},
+            fraction=fraction,
+            scope=scope,
+            pipeline=pipeline,
+            residual=residual,
+            metadata={"order": list(arrays)},
+        )
+        out[key] = Array.from_payload(payload).to_flwr()
+    for n, a in arrays.items():
+        if n not in names:
+            out[n] = FlwrArray(np.asarray(a))
+    return out, names
+
+
+def compression_mod(
+    fraction: float | None = 0.01,
+    *,
+    scope: str = "global",
+    pipeline: Any = None,
+    error_feedback: bool = True,
+    key: str = DEFAULT_KEY,
+) -> Callable[[Any, Any, Callable[[Any, Any], Any]], Any]:
+    """A Flower client ``Mod``: compressed models in, compressed train replies out.
+
+    Incoming: every ``ArrayRecord`` holding gpu_codec payloads is decoded to a plain one before the
+    ``ClientApp`` runs. Outgoing, for a train message whose config carries ``gpu_codec.accept`` (what
+    :class:`CompressedStrategy` sends): each ``ArrayRecord`` of the reply that has a received counterpart becomes
+    top-k of ``reply - received`` (float arrays of matching shape and dtype, in one payload under ``key``; other
+    arrays stay plain). Without that config entry the reply goes out as it is, so a stock server is never sent a
+    record it cannot read.
+
+    Parameters
+    ----------
+    fraction, scope, pipeline
+        As for :func:`gpu_codec.compress` (``fraction=None``: dense, value codecs only).
+    error_feedback
+        Keep what compression dropped in ``context.state`` (as a checksummed gpu_codec record, no pickle) and add
+        it to the next round's delta.
+    key
+        Name of the compressed Array in the record.
+
+    >>> mod = compression_mod(0.05, pipeline=[{"id": "quantize", "dtype": "float16"}])
+    >>> callable(mod)
+    True
+    """
+    if fraction is not None:
+        fraction = _engine.check_fraction(fraction)
+    pipeline_cfg = adapt.pipeline_configs(pipeline)
+
+    def gpu_codec_mod(msg: Any, context: Any, call_next: Callable[[Any, Any], Any]) -> Any:
+        from flwr.app import ConfigRecord
+
+        received: dict[str, dict[str, np.ndarray]] = {}
+        accepts = False
+        if msg.has_content():
+            content = msg.content
+            accepts = any(c.get(ACCEPT_KEY) == STYPE_GPU_CODEC for c in content.config_records.values())
+            for rk in list(content.array_records.keys()):
+                rec = content.array_records[rk]
+                if _is_compressed(rec):
+                    rec = decode_record(rec)
+                    content[rk] = rec
+                received[rk] = {k: rec[k].numpy() for k in rec}
+        reply = call_next(msg, context)
+        kind = msg.metadata.message_type.split(".")[0]
+        if not accepts or kind != "train" or reply.has_error() or not reply.has_content():
+            return reply
+        for rk in list(reply.content.array_records.keys()):
+            if rk not in received:
+                continue
+            rec = reply.content.array_records[rk]
+            arrays = {k: rec[k].numpy() for k in rec}
+            ef = None
+            state_key = f"{_EF_STATE}.{rk}"
+            if error_feedback:
+                saved = context.state.config_records.get(state_key)
+                ef = ErrorFeedback.from_bytes(saved["state"]) if saved is not None else ErrorFeedback()
+            new_rec, names = _compressed_record(
+                arrays, received[rk], key, fraction=fraction, scope=scope, pipeline=pipeline_cfg, residual=ef
+            )
+            if names:
+                reply.content[rk] = new_rec
+                if ef is not None:
+                    context.state[state_key] = ConfigRecord({"state": ef.to_bytes()})
+        return reply
+
+    return gpu_codec_mod
+
+
+def _weighted_plain_mean(entries: list[tuple[float, np.ndarray]], total: float) -> np.ndarray:
+    """Weighted mean of dense arrays in an order fixed by their bytes (so by content, not arrival)."""
+    entries = sorted(entries, key=lambda e: (hashlib.sha256(e[1].tobytes()).digest(), e[0]))
+    acc = np.zeros(entries[0][1].shape, np.float64)
+    for w, a in entries:
+        acc += w * a.astype(np.float64)
+    mean = acc / total
+    dt = entries[0][1].dtype
+    if dt.kind in "iub":
+        mean = np.rint(mean)
+    return mean.astype(dt)
+
+
+def _make_strategy_class() -> type:
+    from flwr.app import Array as FlwrArray
+    from flwr.app import ArrayRecord as FlwrRecord
+    from flwr.app import Message, RecordDict
+    from flwr.serverapp.strategy import Strategy
+    from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
+
+    class CompressedStrategy(Strategy):
+        """Wraps a Flower strategy (``FedAvg``, or any with the same hooks and keys) to send the global model
+        compressed and aggregate compressed replies from their sparse form.
+
+        Parameters
+        ----------
+        strategy
+            The wrapped strategy: it samples nodes, builds the messages and aggregates the metrics; its
+            ``weighted_by_key`` and ``arrayrecord_key`` are used.
+        downlink
+            Codec stages for the global model sent down, dense (``fraction=None``); the default, zstd, is lossless.
+            ``None``: the model goes down uncompressed.
+        key
+            Name of the compressed Array in the records.
+
+        The arrays a round produces are ``received + sum(w_i delta_i) / sum(w_i)`` (FedAvg's rule), where
+        ``received`` is the model the clients decoded; :func:`gpu_codec.aggregate` makes it the same to the byte
+        in any arrival order. A reply without a payload (a client without :func:`compression_mod`) is taken
+        losslessly; non-float arrays are averaged densely, in an order fixed by their content.
+        """
+
+        def __init__(self, strategy: Any, *, downlink: Any = ({"id": "zstd", "level": 3},), key: str = DEFAULT_KEY):
+            for hook in ("configure_train", "aggregate_train", "configure_evaluate", "aggregate_evaluate"):
+                if not callable(getattr(strategy, hook, None)):
+                    raise InvalidInputError(f"the wrapped strategy has no {hook}() hook")
+            self.strategy = strategy
+            self.downlink = None if downlink is None else adapt.pipeline_configs(list(downlink))
+            if self.downlink and any(s["id"] == "topk" for s in self.downlink):
+                raise InvalidInputError("the global model goes down dense: a downlink pipeline takes no topk stage")
+            self.key = key
+            self._sent: tuple[Any, Any, dict[str, np.ndarray]] | None = None
+
+        def __getattr__(self, name: str) -> Any:
+            if name == "strategy":
+                raise AttributeError(name)
+            return getattr(self.strategy, name)
+
+        @property
+        def weighted_by_key(self) -> str:
+            return getattr(self.strategy, "weighted_by_key", "num-examples")
+
+        def summary(self) -> None:
+            if hasattr(self.strategy, "summary"):
+                self.strategy.summary()
+
+        # ---------------------------------------------------------------- down
+
+        def _down(self, arrays: Any) -> Any:
+            """The record sent for ``arrays`` (compressed once per model), remembering what clients decode."""
+            if self._sent is not None and self._sent[0] is arrays:
+                return self._sent[1]
+            plain = {k: arrays[k].numpy() for k in arrays}
+            if self.downlink is None:
+                sent = arrays
+            else:
+                sent, _ = _compressed_record(plain, None, self.key, fraction=None, pipeline=self.downlink)
+            self._sent = (arrays, sent, _decode_model(sent))
+            return sent
+
+        def _with_down(self, messages: Any, arrays: Any) -> list:
+            sent = self._down(arrays)
+            out = []
+            for m in messages:
+                content = m.content
+                for rk in list(content.array_records.keys()):
+                    if content.array_records[rk] is arrays:
+                        content[rk] = sent
+                out.append(m)
+            return out
+
+        def configure_train(self, server_round: int, arrays: Any, config: Any, grid: Any) -> list:
+            config[ACCEPT_KEY] = STYPE_GPU_CODEC
+            return self._with_down(self.strategy.configure_train(server_round, arrays, config, grid), arrays)
+
+        def configure_evaluate(self, server_round: int, arrays: Any, config: Any, grid: Any) -> list:
+            return self._with_down(self.strategy.configure_evaluate(server_round, arrays, config, grid), arrays)
+
+        def aggregate_evaluate(self, server_round: int, replies: Any) -> Any:
+            return self.strategy.aggregate_evaluate(server_round, replies)
+
+        # ---------------------------------------------------------------- up
+
+        def aggregate_train(self, server_round: int, replies: Any) -> tuple[Any, Any]:
+            replies = list(replies)
+            valid = [m for m in replies if not m.has_error()]
+            arrays = None
+            if valid:
+                contents = [m.content for m in valid]
+                validate_message_reply_consistency(contents, self.weighted_by_key, check_arrayrecord=True)
+                arrays = self._aggregate(contents)
+            # the wrapped strategy sees the replies with empty arrays: it checks, logs and aggregates metrics
+            stubbed = []
+            for m in replies:
+                if m.has_error():
+                    stubbed.append(m)
+                    continue
+                rd = RecordDict(
+                    {k: (FlwrRecord() if k in m.content.array_records else v) for k, v in m.content.items()}
+                )
+                stubbed.append(Message(content=rd, metadata=m.metadata))
+            _, metrics = self.strategy.aggregate_train(server_round, stubbed)
+            return arrays, metrics
+
+        def _aggregate(self, contents: list) -> Any:
+            if self._sent is None:
+                raise InvalidInputError("aggregate_train before configure_train: no global model to add deltas to")
+            base = self._sent[2]
+            floats = _split_floats(base, None)
+            agg = Aggregator(base={n: base[n] for n in floats}) if floats else None
+            plain: dict[str, list[tuple[float, np.ndarray]]] = {n: [] for n in base if n not in floats}
+            weights = []
+            for i, content in enumerate(contents):
+                w = float(next(iter(content.metric_records.values()))[self.weighted_by_key])
+                weights.append(w)
+                rec = next(iter(content.array_records.values()))
+                payloads = [Array.from_flwr(rec[k]).payload() for k in rec if _holds_payload(rec[k])]
+                others = {k: rec[k].numpy() for k in rec if not _holds_payload(rec[k])}
+                if len(payloads) > 1:
+                    raise PayloadLayoutError(f"reply {i} holds {len(payloads)} gpu_codec payloads, expected one")
+                if not payloads and floats:  # a client without the mod: its full model, taken losslessly
+                    missing = [n for n in floats if n not in others]
+                    if missing:
+                        raise InvalidInputError(f"reply {i} lacks arrays {missing[:5]} of the global model")
+                    full = {n: others.pop(n) for n in floats}
+                    payloads = [_engine.compress(full, {n: base[n] for n in floats}, fraction=None)]
+                if payloads:
+                    if agg is None:
+                        raise InvalidInputError(f"reply {i} holds a payload, but the global model has no float array")
+                    try:
+                        agg.add(payloads[0], w)
+                    except (InvalidInputError, PayloadError) as e:
+                        raise type(e)(f"reply {i}: {e}") from None
+                if set(others) != set(plain):
+                    raise InvalidInputError(
+                        f"reply {i} carries plain arrays {sorted(others)[:5]}, expected {sorted(plain)[:5]}"
+                    )
+                for n, a in others.items():
+                    if a.shape != base[n].shape or a.dtype != base[n].dtype:
+                        raise InvalidInputError(f"reply {i}: array {n!r} is {a.dtype}{list(a.shape)}")
+                    plain[n].append((w, a))
+            total = math.fsum(weights)
+            if total <= 0:
+                raise InvalidInputError("the reply weights sum to zero")
+            merged = agg.result() if agg is not None else {}
+            merged.update({n: _weighted_plain_mean(v, total) for n, v in plain.items()})
+            return FlwrRecord({n: FlwrArray(np.asarray(merged[n])) for n in base})
+
+    CompressedStrategy.__module__ = __name__
+    return CompressedStrategy
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CompressedStrategy":  # built on first use, so importing this module does not import flwr
+        try:
+            cls = _make_strategy_class()
+        except ImportError as e:
+            raise ImportError(f"CompressedStrategy needs flwr: pip install 'gpu_codec[flower]' ({e})") from e
+        globals()[name] = cls
+        return cls
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

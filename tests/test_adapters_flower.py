@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 import gpu_codec
-from gpu_codec.errors import PayloadError
-from gpu_codec.flower import STYPE_GPU_CODEC, Array, ArrayRecord, ParametersRecord
+from gpu_codec.errors import InvalidInputError, PayloadError
+from gpu_codec.flower import _GUARD, STYPE_GPU_CODEC, Array, ArrayRecord, ParametersRecord
 from tests.common import HAS_GPU, use_backend
 
 ADAPTER_BACKENDS = [
@@ -46,52 +46,120 @@ def test_array_from_numpy_is_flwrs_npy_encoding():
     assert (a.dtype, a.shape, a.stype) == ("float64", (3, 4), "numpy.ndarray")
     np.testing.assert_array_equal(a.numpy(), x)
     assert Array("float64", (3, 4), "numpy.ndarray", a.data) == a
-    with pytest.raises(TypeError):
-        Array("float64", (3, 4), "numpy.ndarray", "not bytes")
-    with pytest.raises(TypeError, match="Unsupported serialization type"):
+    assert Array(x) == a and Array(ndarray=x) == a
+    assert Array(dtype="float64", shape=(3, 4), stype="numpy.ndarray", data=a.data) == a
+    for bad in (
+        lambda: Array("float64", (3, 4), "numpy.ndarray", "not bytes"),
+        lambda: Array(x, ndarray=x),
+        lambda: Array(ndarray=x, dtype="float64"),
+        lambda: Array("float64", (3, 4), "numpy.ndarray", a.data, b""),
+        lambda: Array(),
+    ):
+        with pytest.raises(TypeError, match="Array"):
+            bad()
+    with pytest.raises(InvalidInputError, match="holds a gpu_codec payload"):
         Array.from_payload(gpu_codec.compress({"w": x.astype(np.float32)}, fraction=0.5)).numpy()
     with pytest.raises(TypeError, match="holds no gpu_codec payload"):
         a.payload()
+    with pytest.raises(TypeError, match="Unsupported serialization type"):
+        Array("float32", (1,), "other", b"").numpy()
+
+
+def test_same_constructions_as_flwr():
+    fa = pytest.importorskip("flwr.app")
+    torch = pytest.importorskip("torch")
+    x = np.linspace(0, 1, 6, dtype=np.float32).reshape(2, 3)
+    t = torch.arange(4.0)
+    assert Array(x).to_flwr() == fa.Array(x) and Array(ndarray=x).to_flwr() == fa.Array(ndarray=x)
+    assert Array(torch_tensor=t).to_flwr() == fa.Array(torch_tensor=t) and Array(t).to_flwr() == fa.Array(t)
+
+    def same(ours, theirs):
+        assert list(ours) == list(theirs)
+        assert all(ours[k].to_flwr() == theirs[k] for k in theirs)
+
+    same(ArrayRecord([x, x + 1]), fa.ArrayRecord([x, x + 1]))
+    same(ArrayRecord(numpy_ndarrays=[x]), fa.ArrayRecord(numpy_ndarrays=[x]))
+    sd = {"a": t, "b": t * 2}
+    same(ArrayRecord(sd), fa.ArrayRecord(sd))
+    same(ArrayRecord(torch_state_dict=sd), fa.ArrayRecord(torch_state_dict=sd))
+    same(ArrayRecord(array_dict={"k": Array(x)}), fa.ArrayRecord(array_dict={"k": fa.Array(x)}))
+    same(ArrayRecord({"k": fa.Array(x)}), fa.ArrayRecord({"k": fa.Array(x)}))
+    assert len(ArrayRecord()) == 0 and len(ArrayRecord(numpy_ndarrays=[])) == 0
+    for args, kw in [
+        (([x], [x]), {}),
+        (([x],), {"numpy_ndarrays": [x]}),
+        ((), {"numpy_ndarrays": [x], "array_dict": {}}),
+    ]:
+        with pytest.raises(TypeError, match="Invalid arguments for ArrayRecord"):
+            ArrayRecord(*args, **kw)
+        with pytest.raises(TypeError, match="Invalid arguments for ArrayRecord"):
+            fa.ArrayRecord(*args, **kw)
+    with pytest.raises(TypeError):
+        ArrayRecord([x], False)  # keep_input is keyword-only, as in flwr
 
 
 def test_torch_arrays_and_bfloat16():
     torch = pytest.importorskip("torch")
     t = torch.linspace(-2, 2, 6, dtype=torch.bfloat16).reshape(2, 3)
     a = Array.from_torch_tensor(t)
-    assert a.dtype == "bfloat16" and a.numpy().dtype == np.uint16
-    assert torch.equal(a.to_torch(), t)
+    # widened exactly: a stock peer gets float32 values, never the uint16 bit pattern
+    assert a.dtype == "float32" and a.numpy().dtype == np.float32
+    assert torch.equal(a.to_torch().to(torch.bfloat16), t)
+    assert a == Array.from_numpy_ndarray(t.float().numpy())
     f = torch.ones(3)
     assert Array.from_array(f) == Array.from_numpy_ndarray(f.numpy())
+    # a record from an earlier version (bfloat16 as uint16 .npy) is read, and converted before it reaches flwr
+    bits = t.view(torch.int16).numpy().view(np.uint16)
+    legacy = Array("bfloat16", (2, 3), "numpy.ndarray", Array.from_numpy_ndarray(bits).data)
+    assert torch.equal(legacy.to_torch().to(torch.bfloat16), t)
+    if pytest.importorskip("flwr.app"):
+        sent = legacy.to_flwr()
+        assert sent.dtype == "float32" and np.array_equal(sent.numpy(), t.float().numpy())
 
 
 def test_record_keep_input_and_count_bytes():
     arrays = {"a": Array.from_numpy_ndarray(np.ones(3, np.float32)), "b": Array.from_numpy_ndarray(np.zeros(2))}
-    rec = ParametersRecord(arrays, keep_input=False)
+    rec = ParametersRecord(arrays)  # the seed's default, keep_input=False, empties the input
     assert arrays == {} and list(rec) == ["a", "b"]
     assert rec.count_bytes() == sum(len(v.data) + len(k) for k, v in rec.items())
+    kept = {"a": Array.from_numpy_ndarray(np.ones(3, np.float32))}
+    ParametersRecord(kept, True)
+    ParametersRecord(array_dict=kept, keep_input=True)
+    assert list(kept) == ["a"] and len(ParametersRecord()) == 0 and len(ParametersRecord(None)) == 0
     lst = [np.ones(2, np.float32), np.zeros(3, np.int32)]
-    rec = ParametersRecord(lst, keep_input=False)
+    rec = ArrayRecord(lst, keep_input=False)
     assert lst == [] and list(rec) == ["0", "1"]
     kept = [np.ones(2, np.float32)]
-    ParametersRecord(kept)
+    ArrayRecord(kept)  # flwr's default keeps it
     assert len(kept) == 1
+    sd = {"w": np.ones(2, np.float32)}
+    ArrayRecord(torch_state_dict=sd, keep_input=False)
+    assert sd == {}
     with pytest.raises(TypeError, match="Key must be"):
-        rec[1] = arrays.get("a")
+        rec[1] = Array(np.ones(1))
     with pytest.raises(TypeError, match="Value must be"):
         rec["x"] = np.ones(2)
-    assert ArrayRecord is ParametersRecord
+    assert issubclass(ParametersRecord, ArrayRecord)
 
 
 def test_payload_array_is_lazy_and_counted_exactly():
     new, base = update_and_base(1)
     payload = gpu_codec.compress(new, base, fraction=0.1)
     arr = Array.from_payload(payload)
-    assert arr._data is None and arr.nbytes == payload.nbytes and arr.shape == (payload.nbytes,)
+    assert arr._data is None and arr.nbytes == len(_GUARD) + payload.nbytes == arr.shape[0]
     rec = ParametersRecord({"gpu_codec": arr})
-    assert rec.count_bytes() == payload.nbytes + len("gpu_codec") and arr._data is None
-    assert arr.data == payload.to_bytes() and arr.payload() is payload
+    assert rec.count_bytes() == arr.nbytes + len("gpu_codec") and arr._data is None
+    assert arr.data == _GUARD + payload.to_bytes() and arr.payload() is payload
+    assert Array.from_payload(payload.to_bytes()) == arr and arr.is_payload
+    assert len(_GUARD) % 64 == 0
     with pytest.raises(PayloadError):
         Array.from_payload(payload.to_bytes()[:-1])
+    # the form without the guard, as earlier versions wrote it, still reads
+    old = Array("uint8", (payload.nbytes,), STYPE_GPU_CODEC, payload.to_bytes())
+    assert old.is_payload and old.payload().to_bytes() == payload.to_bytes()
+    # a tampered guard is not taken for a payload
+    bad = Array(STYPE_GPU_CODEC, arr.shape, "numpy.ndarray", b"x" + arr.data[1:])
+    assert not bad.is_payload
 
 
 @pytest.mark.parametrize("backend", ADAPTER_BACKENDS)
@@ -128,7 +196,7 @@ def test_torch_state_dicts_on_their_device(backend):
     for n in new:
         np.testing.assert_array_equal(out[n].cpu().numpy(), (base[n].cpu().numpy() + want[n]))
     assert out["extra"].tolist() == [0.0, 1.0, 2.0]
-    plain = ParametersRecord.from_torch_state_dict({k: v for k, v in base.items()})
+    plain = ParametersRecord.from_torch_state_dict(dict(base))
     sd = plain.to_torch_state_dict(device=device)
     assert all(torch.equal(sd[k], base[k]) for k in base)
 
@@ -157,7 +225,7 @@ def test_real_flwr_round_trip():
     rec["dense.w"] = Array.from_numpy_ndarray(np.arange(4, dtype=np.float32))
     flwr_rec = rec.to_flwr()
     assert isinstance(flwr_rec, fc.ArrayRecord)
-    assert flwr_rec["gpu_codec"].stype == STYPE_GPU_CODEC
+    assert flwr_rec["gpu_codec"].dtype == STYPE_GPU_CODEC
     assert flwr_rec.count_bytes() == rec.count_bytes()
     # our numpy Arrays are byte-identical to flwr's own
     assert flwr_rec["dense.w"].data == fc.Array(np.arange(4, dtype=np.float32)).data
@@ -178,3 +246,17 @@ def test_real_flwr_round_trip():
     # and a record flwr built from NumPy arrays reads back as ours
     ours = ParametersRecord.from_flwr(fc.ArrayRecord([np.ones(2, np.float32)]))
     assert ours["0"].numpy().tolist() == [1.0, 1.0]
+
+
+def test_a_stock_peer_is_told_what_to_install():
+    fc = pytest.importorskip("flwr.common")
+    from flwr.serverapp.strategy.strategy_utils import aggregate_arrayrecords
+
+    new, base = update_and_base(5)
+    flwr_rec = ParametersRecord.compressed(new, base, fraction=0.1).to_flwr()
+    with pytest.raises(ValueError, match=r"gpu_codec\.v1 payload.*pip install 'gpu_codec\[flower\]'") as info:
+        flwr_rec["gpu_codec"].numpy()
+    assert not isinstance(info.value, TypeError)
+    content = fc.RecordDict({"arrays": flwr_rec, "metrics": fc.MetricRecord({"num-examples": 3})})
+    with pytest.raises(ValueError, match=r"pip install 'gpu_codec\[flower\]'"):
+        aggregate_arrayrecords([content, content], "num-examples")
