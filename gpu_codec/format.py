@@ -212,6 +212,54 @@ def _reject_constant(name: str) -> Any:
     raise PayloadHeaderError(f"header JSON holds the non-standard constant {name}")
 
 
+MAX_INT_DIGITS = 40  # a header integer longer than this is junk (every bounded field fits in 20 digits)
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise PayloadHeaderError(f"header JSON holds an integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise PayloadHeaderError(f"header JSON holds the number {text[:40]}, which is not a finite float")
+    return x
+
+
+def loads_json(raw: bytes, what: str = "header") -> Any:
+    """Strict JSON: UTF-8, no NaN/Infinity constants, no number that overflows a float, no integer of more
+    than 40 digits. Anything else is a :class:`~gpu_codec.errors.PayloadHeaderError`."""
+    try:
+        return json.loads(
+            raw.decode("utf-8"), parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float
+        )
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        if isinstance(e, PayloadHeaderError):
+            raise
+        raise PayloadHeaderError(f"{what} is not valid JSON: {e}") from None
+
+
+def check_shape(shape: Any, where: str) -> int:
+    """Validate a shape (at most 8 non-negative integers, the element count and every dimension within
+    :data:`MAX_TENSOR_ELEMENTS`, a zero dimension included) and return its element count."""
+    _req(
+        isinstance(shape, (list, tuple)) and len(shape) <= MAX_NDIM and all(_is_int(s) and s >= 0 for s in shape),
+        PayloadLimitError,
+        f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {shape!r}",
+    )
+    bound = 1  # the product of the non-zero dimensions, checked on every prefix: a zero cannot hide a huge one
+    for s in shape:
+        bound *= max(s, 1)
+        _req(
+            bound <= MAX_TENSOR_ELEMENTS,
+            PayloadLimitError,
+            f"{where}: shape {list(shape)} exceeds the limit of {MAX_TENSOR_ELEMENTS} elements (zero dimensions aside)",
+        )
+    return math.prod(shape)
+
+
 def parse_header(blob: bytes | bytearray | memoryview) -> tuple[dict, memoryview]:
     """Check prefix, checksum and header JSON; return (header dict, data section)."""
     mv = memoryview(blob).cast("B") if not isinstance(blob, memoryview) else blob.cast("B")
@@ -245,15 +293,10 @@ def parse_header(blob: bytes | bytearray | memoryview) -> tuple[dict, memoryview
         PayloadChecksumError,
         f"checksum mismatch: payload is corrupt (stored 0x{stored:08x}, computed 0x{computed:08x})",
     )
-    try:
-        header = json.loads(
-            bytes(mv[_PREFIX.size : _PREFIX.size + hlen]).decode("utf-8"), parse_constant=_reject_constant
-        )
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise PayloadHeaderError(f"header is not valid JSON: {e}") from None
+    header = loads_json(bytes(mv[_PREFIX.size : _PREFIX.size + hlen]))
     _req(isinstance(header, dict), PayloadHeaderError, "header JSON must be an object")
     _req(
-        header.get("format") == "gpu_codec" and header.get("version") == VERSION,
+        header.get("format") == "gpu_codec" and _is_int(header.get("version")) and header["version"] == VERSION,
         PayloadHeaderError,
         "header does not declare format 'gpu_codec' version 1",
     )
@@ -285,17 +328,8 @@ def _check_record(i: int, e: Any, layouts: Mapping[str, LayoutRule]) -> TensorRe
         f"{where}: dtype {dtype!r} is not one of {', '.join(TENSOR_DTYPES)}",
     )
     shape = e.get("shape")
-    _req(
-        isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(s) and s >= 0 for s in shape),
-        PayloadLimitError,
-        f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {shape!r}",
-    )
-    numel = math.prod(shape)
-    _req(
-        numel <= MAX_TENSOR_ELEMENTS,
-        PayloadLimitError,
-        f"{where}: {numel} elements exceed the limit of {MAX_TENSOR_ELEMENTS}",
-    )
+    _req(isinstance(shape, list), PayloadLimitError, f"{where}: shape must be a list, got {shape!r}")
+    numel = check_shape(shape, where)
     enc = e.get("encoding")
     _req(isinstance(enc, str) and enc in layouts, PayloadHeaderError, f"{where}: unknown encoding {enc!r}")
     nnz = e.get("nnz")

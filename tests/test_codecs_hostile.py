@@ -341,3 +341,19 @@ def test_pipeline_and_records_must_agree():
         PayloadLayoutError,
         "block",
     )
+
+
+def test_rice_with_no_index_carries_no_bytes():
+    """A tensor with nnz = 0 has an empty Rice stream: a stream of any length there would be bytes nobody
+    examines, so the reader rejects it."""
+    u = {"w": np.arange(1000, dtype=np.float32), "z": np.zeros(500, np.float32)}
+    blob = gpu_codec.compress(u, fraction=0.001, pipeline=RICE).to_bytes()
+    h, _ = split_payload(blob)
+    assert h["tensors"][1]["nnz"] == 0 and h["tensors"][1]["codec"]["bits"] == 0
+    gpu_codec.decompress(surgery(blob, lambda h, b: None))
+    for bits in (1, 8, 64, 500):
+        rejects(
+            surgery(blob, lambda h, b, bits=bits: _set_stream(h, b, 1, b"\xa5" * -(-bits // 8), bits)),
+            PayloadHeaderError,
+            "bit count",
+        )

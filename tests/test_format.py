@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pathlib
@@ -177,9 +178,9 @@ def test_hostile_indices_are_caught_before_any_write(how):
 
     blob = mutate(fn)
     unpack(blob)  # structurally valid: indices are checked where they are used
-    new, base = golden_inputs()
+    _new, base = golden_inputs()
     before = {k: v.copy() for k, v in base.items()}
-    with pytest.raises(E.PayloadIndexError, match="conv.weight"):
+    with pytest.raises(E.PayloadIndexError, match=r"conv\.weight"):
         gpu_codec.decompress(blob, base=base)
     for k in base:  # nothing already stored is lost
         assert np.array_equal(base[k], before[k])
@@ -243,10 +244,8 @@ def test_header_fuzz_only_raises_our_errors(case):
                 node = node[key]
             node[p[-1]] = junk
             blob = build_payload(h, data)
-            try:
+            with contextlib.suppress(E.PayloadError):
                 gpu_codec.decompress(blob, max_elements=1 << 20)
-            except E.PayloadError:
-                pass
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -257,7 +256,7 @@ def test_non_finite_values_in_a_payload_are_rejected(bad):
         b = _buf(h, 0, 1)
         d[b["offset"] : b["offset"] + 4] = np.float32(bad).tobytes()
 
-    new, base = golden_inputs()
+    _new, base = golden_inputs()
     with pytest.raises(E.PayloadIndexError, match="not finite"):
         gpu_codec.decompress(mutate(fn), base=base)
 
@@ -270,7 +269,7 @@ def test_data_fuzz_only_raises_our_errors(case):
     and a successful decode holds only finite values."""
     header, data = split_payload((GOLDEN / f"{case}.bin").read_bytes())
     rng = np.random.default_rng(7)
-    new, base = golden_inputs()
+    _new, base = golden_inputs()
     for _ in range(60):
         d = bytearray(data)
         for pos in rng.integers(0, len(d), int(rng.integers(1, 4))):
@@ -280,3 +279,68 @@ def test_data_fuzz_only_raises_our_errors(case):
         except E.PayloadError:
             continue
         assert all(np.isfinite(v).all() for v in out.values())
+
+
+# ------------------------------------------------------------------------------------------ header parsing limits
+
+
+def _raw_header_payload(fn) -> bytes:
+    """A v1 payload whose header JSON text is rewritten by ``fn`` (for literals json.dumps cannot write)."""
+    header, data = split_payload(valid_blob())
+    blob = build_payload(header, data)
+    hlen = int.from_bytes(blob[12:16], "little")
+    text = fn(blob[16 : 16 + hlen].decode().rstrip(" "))
+    return build_payload_text(text, data)
+
+
+def build_payload_text(text: str, data: bytes) -> bytes:
+    import struct
+    import zlib
+
+    hb = text.encode()
+    hb += b" " * ((-(16 + len(hb))) % 8)
+    body = struct.pack("<8sII", b"GPUCODEC", 1, len(hb)) + hb + data
+    return body + struct.pack("<I", zlib.crc32(body) & 0xFFFFFFFF)
+
+
+@pytest.mark.parametrize(
+    "literal",
+    ["9" * 5000, "-" + "9" * 5000, "1" + "0" * 41],
+    ids=["past the int-conversion limit", "negative, past the limit", "41 digits"],
+)
+def test_header_integer_too_long_is_a_payload_error(literal):
+    blob = _raw_header_payload(lambda t: t.replace('"metadata":{}', '"metadata":{"x":' + literal + "}", 1))
+    assert b'"x":' in blob
+    with pytest.raises(E.PayloadHeaderError, match="digits"):
+        unpack(blob)
+    blob = _raw_header_payload(lambda t: t.replace('"nnz":', '"nnz":' + literal + ',"y":', 1))
+    with pytest.raises(E.PayloadHeaderError):
+        gpu_codec.decompress(blob)
+
+
+@pytest.mark.parametrize("literal", ["1e400", "-1e400", "1E999"])
+def test_header_float_overflow_is_rejected(literal):
+    blob = _raw_header_payload(lambda t: t.replace('"metadata":{}', '"metadata":{"lr":' + literal + "}", 1))
+    with pytest.raises(E.PayloadHeaderError, match="not a finite float"):
+        unpack(blob)
+
+
+@pytest.mark.parametrize("version", [True, 1.0, "1"])
+def test_header_version_must_be_the_integer_1(version):
+    with pytest.raises(E.PayloadHeaderError, match="version 1"):
+        unpack(mutate(lambda h, d: h.update(version=version)))
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63], [2**63, 0], [0, 2**41], [3, 0, 2**40], [0, 2**70, 0]])
+def test_zero_dimension_cannot_hide_a_huge_one(shape):
+    """A zero beside a huge dimension makes zero elements, but reshaping to it fails: rejected up front."""
+    with pytest.raises(E.PayloadLimitError, match="exceeds the limit"):
+        unpack(mutate(lambda h, d: h["tensors"][3].update(shape=shape, nnz=0)))
+
+
+def test_zero_size_tensor_within_limits_decodes():
+    blob = gpu_codec.compress(
+        {"e": np.zeros((0, 1 << 20), np.float32), "w": np.arange(4, dtype=np.float32)}, fraction=0.5
+    ).to_bytes()
+    out = gpu_codec.decompress(blob)
+    assert out["e"].shape == (0, 1 << 20) and out["w"].tolist() == [0, 0, 2, 3]
