@@ -36,7 +36,7 @@ def cpu_backend():
 def blob_of(stages, fraction=0.02, n=5000, seed=0):
     rng = np.random.default_rng(seed)
     u = {"w": rng.standard_normal(n).astype(np.float32), "b": rng.standard_normal((40, 30)).astype(np.float32)}
-    return gpu_codec.compress(u, fraction=fraction, scope="per_tensor", pipeline=stages).to_bytes()
+    return gpu_codec.compress(u, fraction=fraction, scope="per_tensor", pipeline=stages).to_bytes(version=1)
 
 
 def surgery(blob: bytes, fn) -> bytes:
@@ -307,7 +307,9 @@ def test_bad_forms_and_fields(change):
 
 
 def test_dense_q_must_be_dense():
-    blob = gpu_codec.compress({"w": np.ones(64, np.float32)}, fraction=None, pipeline=[Quantize("float16")]).to_bytes()
+    blob = gpu_codec.compress({"w": np.ones(64, np.float32)}, fraction=None, pipeline=[Quantize("float16")]).to_bytes(
+        version=1
+    )
     rejects(surgery(blob, lambda h, b: h["tensors"][0].__setitem__("nnz", 63)), PayloadError, "dense")
 
 
@@ -347,7 +349,7 @@ def test_rice_with_no_index_carries_no_bytes():
     """A tensor with nnz = 0 has an empty Rice stream: a stream of any length there would be bytes nobody
     examines, so the reader rejects it."""
     u = {"w": np.arange(1000, dtype=np.float32), "z": np.zeros(500, np.float32)}
-    blob = gpu_codec.compress(u, fraction=0.001, pipeline=RICE).to_bytes()
+    blob = gpu_codec.compress(u, fraction=0.001, pipeline=RICE).to_bytes(version=1)
     h, _ = split_payload(blob)
     assert h["tensors"][1]["nnz"] == 0 and h["tensors"][1]["codec"]["bits"] == 0
     gpu_codec.decompress(surgery(blob, lambda h, b: None))

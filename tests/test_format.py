@@ -52,7 +52,7 @@ def test_golden_payloads(case):
     """Today's writer reproduces the checked-in bytes, and the reader decodes them: a format change that breaks
     old payloads fails here. Regenerate only deliberately, with GPU_CODEC_REGEN_GOLDEN=1."""
     new, base = golden_inputs()
-    blob = gpu_codec.compress(new, base, **GOLDEN_CASES[case]).to_bytes()
+    blob = gpu_codec.compress(new, base, **GOLDEN_CASES[case]).to_bytes(version=1)
     path = GOLDEN / f"{case}.bin"
     if REGEN:
         GOLDEN.mkdir(exist_ok=True)
@@ -76,7 +76,7 @@ def test_golden_payloads(case):
 
 def valid_blob():
     new, base = golden_inputs()
-    return gpu_codec.compress(new, base, fraction=0.05).to_bytes()
+    return gpu_codec.compress(new, base, fraction=0.05).to_bytes(version=1)
 
 
 def mutate(fn):
@@ -94,7 +94,8 @@ def _buf(h, t=0, b=0):
 HOSTILE = {
     "empty": (lambda h, d: b"", E.PayloadHeaderError, "shorter"),
     "bad magic": (lambda h, d: b"NOTCODEC" + valid_blob()[8:], E.PayloadHeaderError, "magic"),
-    "version 2": (lambda h, d: build_payload(h, bytes(d), version=2), E.UnsupportedVersionError, "version 2"),
+    "version 3": (lambda h, d: build_payload(h, bytes(d), version=3), E.UnsupportedVersionError, "version 3"),
+    "version 0": (lambda h, d: build_payload(h, bytes(d), version=0), E.UnsupportedVersionError, "version 0"),
     "bad checksum": (lambda h, d: build_payload(h, bytes(d), fix_crc=False), E.PayloadChecksumError, "checksum"),
     "truncated": (lambda h, d: valid_blob()[:-9], E.PayloadError, None),
     "huge header length": (
