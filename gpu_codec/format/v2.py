@@ -21,6 +21,7 @@ one frame. The table itself is zstd-compressed where that is smaller.
 
 from __future__ import annotations
 
+import re
 import struct
 import zlib
 from collections import Counter
@@ -328,9 +329,11 @@ def _coded_form(enc: str, c: dict, rec: TensorRecord, nnz: int) -> tuple[tuple, 
             raise Unrepresentable("int8 block")
     if v == "ternary":
         allowed.add("mu")
-        mu = c.get("mu")
-        bits = _mu_bits(mu)
-        fields.append(("mu", bits))
+        mu = _mu_bits(c.get("mu"))
+        if nnz:
+            fields.append(("mu", mu))
+        elif mu != bytes(4):
+            raise Unrepresentable("ternary mu of an empty tensor")
     i = None
     if enc == "sparse":
         allowed.add("i")
@@ -341,7 +344,10 @@ def _coded_form(enc: str, c: dict, rec: TensorRecord, nnz: int) -> tuple[tuple, 
             allowed |= {"k", "bits"}
             if c.get("k") != rice_param(nnz, rec.numel) or not is_int(c.get("bits")) or c["bits"] < 0:
                 raise Unrepresentable("Rice fields")
-            fields.append(("bits", c["bits"]))
+            if nnz:
+                fields.append(("bits", c["bits"]))
+            elif c["bits"]:
+                raise Unrepresentable("Rice bits of an empty tensor")
     _keys(c, allowed, allowed)
     return (v, block, i), fields
 
@@ -533,7 +539,7 @@ def plan(
     mode, zbytes = DATA_RECORDS, [r.codec.get("zbytes") for r in tensors]
     if all_zstd:
         mode, parts, zbytes = _wrapped_data(tensors, _zstd_level(pipeline), cache)
-    table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode)
+    table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache)
     flags = (FLAG_METADATA if metadata else 0) | (mode << DATA_SHIFT)
     z = _cached(cache, "table", table, lambda: _compress_table(table))
     if len(z) + len(uvarint(len(table))) < len(table):
@@ -553,7 +559,52 @@ def _compress_table(table: bytes) -> bytes:
     return _compress(table, level)
 
 
-def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode) -> bytes:
+def _common_prefix(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    x = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
+    return n - (x.bit_length() + 7) // 8
+
+
+def _common_suffix(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    if not n:
+        return 0
+    x = int.from_bytes(a[len(a) - n :], "little") ^ int.from_bytes(b[len(b) - n :], "little")
+    return n - (x.bit_length() + 7) // 8
+
+
+_DIGITS = re.compile(rb"[0-9]+")
+
+
+def _name_entries(names: tuple) -> list[bytes]:
+    """Each name coded against an earlier one: the previous name, or the last one with the same shape up to
+    digits (``blocks.3.mlp.weight`` refers to ``blocks.2.mlp.weight``), whichever costs fewer bytes."""
+    out, encoded, last, seen = [], [], {}, set()
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or name in seen:
+            raise Unrepresentable(f"tensor name {name!r}")
+        seen.add(name)
+        try:
+            nb = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Unrepresentable(f"tensor name {name!r} is not encodable as UTF-8") from None
+        best = uvarint(0) + uvarint(len(nb)) + nb
+        skeleton = _DIGITS.sub(b"#", nb)
+        j = last.get(skeleton)
+        for d in {1, i - j} if j is not None else ({1} if i else set()):
+            ref = encoded[i - d]
+            p = _common_prefix(nb, ref)
+            q = min(_common_suffix(nb, ref), len(ref) - p, len(nb) - p)
+            e = uvarint(d) + uvarint(p) + uvarint(q) + uvarint(len(nb) - p - q) + nb[p : len(nb) - q]
+            if len(e) < len(best):
+                best = e
+        last[skeleton] = i
+        encoded.append(nb)
+        out.append(best)
+    return out
+
+
+def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache) -> bytes:
     if not isinstance(pipeline, list) or len(pipeline) > MAX_STAGES:
         raise Unrepresentable("pipeline")
     t = bytearray(uvarint(len(pipeline)))
@@ -567,22 +618,11 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode) -> bytes:
     default = Counter(forms).most_common(1)[0][0] if forms else ("coo", None, None, None, None)
     t += _form_bytes(default)
     t += uvarint(len(tensors))
-    prev, names = b"", set()
-    for rec, form, f, zb in zip(tensors, forms, fields, zbytes):
-        if not isinstance(rec.name, str) or not 0 < len(rec.name) <= MAX_NAME or rec.name in names:
-            raise Unrepresentable(f"tensor name {rec.name!r}")
-        names.add(rec.name)
-        try:
-            nb = rec.name.encode("utf-8")
-        except UnicodeEncodeError:
-            raise Unrepresentable(f"tensor name {rec.name!r} is not encodable as UTF-8") from None
-        p = 0
-        for a, b in zip(prev, nb):
-            if a != b:
-                break
-            p += 1
-        t += uvarint(p) + uvarint(len(nb) - p) + nb[p:]
-        prev = nb
+    names = tuple(rec.name for rec in tensors)
+    for rec, entry, form, f, zb in zip(
+        tensors, _cached(cache, "names", names, lambda: _name_entries(names)), forms, fields, zbytes
+    ):
+        t += entry
         kind = DTYPE_CODES.index(rec.dtype) | len(rec.shape) << 2 | (0x40 if form != default else 0)
         t.append(kind)
         if form != default:
@@ -653,11 +693,21 @@ def _view(mv: memoryview, dt: str, count: int, off: int) -> np.ndarray:
     return a if a.flags.aligned else a.copy()
 
 
-def _read_tensor(t: _Reader, prev: bytes, default: Form, layouts, mode: int):
-    p = t.varint("name prefix length", len(prev))
-    s = t.varint("name suffix length", MAX_NAME_BYTES - p)
-    req(p + s > 0, PayloadHeaderError, f"{t.what}: a tensor name is empty")
-    nb = prev[:p] + t.take(s, "a tensor name")
+def _read_name(t: _Reader, earlier: list[bytes]) -> bytes:
+    d = t.varint("name reference", len(earlier))
+    p = q = 0
+    ref = b""
+    if d:
+        ref = earlier[len(earlier) - d]
+        p = t.varint("name prefix length", len(ref))
+        q = t.varint("name suffix length", len(ref) - p)
+    m = t.varint("name middle length", MAX_NAME_BYTES - p - q)
+    req(p + q + m > 0, PayloadHeaderError, f"{t.what}: a tensor name is empty")
+    return ref[:p] + t.take(m, "a tensor name") + ref[len(ref) - q :]
+
+
+def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode: int):
+    nb = _read_name(t, earlier)
     try:
         name = nb.decode("utf-8")
     except UnicodeDecodeError:
@@ -679,15 +729,15 @@ def _read_tensor(t: _Reader, prev: bytes, default: Form, layouts, mode: int):
         codec["v"] = v
         if v == "int8":
             codec["block"] = block
-        if v == "ternary":
-            b = t.take(4, "ternary mu")
+        if v == "ternary":  # present only where something is kept
+            b = t.take(4, "ternary mu") if nnz else bytes(4)
             req(_mu_ok(b), PayloadHeaderError, f"{where}: ternary mu bits 0x{b[::-1].hex()} are not finite, >= 0")
             codec["mu"] = _F32.unpack(b)[0]
         if base == "sparse":
             codec["i"] = i
             if i == "rice":
                 codec["k"] = rice_param(nnz, numel)
-                codec["bits"] = t.varint("Rice bit count", MAX_RICE_BITS)
+                codec["bits"] = t.varint("Rice bit count", MAX_RICE_BITS) if nnz else 0
     rec = TensorRecord(name, dtype, shape, base, nnz, {}, codec)
     if enc in WRAPPERS:
         raw = sum(n * BUFFER_DTYPES[dt].itemsize for _, dt, n in _rule(rec, layouts, where))
@@ -757,9 +807,10 @@ def unpack(
         req(isinstance(metadata, dict), PayloadHeaderError, "metadata must be a JSON object")
     default = _read_form(t)
     count = t.varint("tensor count", MAX_TENSORS, PayloadLimitError)
-    records, layouts_of, names, prev = [], [], set(), b""
+    records, layouts_of, names, earlier = [], [], set(), []
     for _ in range(count):
-        rec, prev, lay = _read_tensor(t, prev, default, layouts, mode)
+        rec, nb, lay = _read_tensor(t, earlier, default, layouts, mode)
+        earlier.append(nb)
         req(rec.name not in names, PayloadHeaderError, f"tensor {rec.name!r} appears twice")
         names.add(rec.name)
         records.append(rec)
