@@ -32,33 +32,40 @@ def golden_inputs():
 
 
 GOLDEN_CASES = {
-    "topk_global_v1": dict(fraction=0.05, scope="global"),
-    "topk_per_tensor_v1": dict(fraction=0.1, scope="per_tensor", metadata={"round": 3, "client": "site-1"}),
-    "fp16_rice_v1": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "float16"}, {"id": "rice"}]),
-    "bf16_v1": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "bfloat16"}]),
-    "ternary_rice_v1": dict(fraction=0.05, pipeline=[{"id": "ternary"}, {"id": "rice"}]),
-    "int8_dense_v1": dict(fraction=None, pipeline=[{"id": "int8", "block_size": 64}]),
-    "fp16_rice_zstd_v1": dict(
+    "topk_global": dict(fraction=0.05, scope="global"),
+    "topk_per_tensor": dict(fraction=0.1, scope="per_tensor", metadata={"round": 3, "client": "site-1"}),
+    "fp16_rice": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "float16"}, {"id": "rice"}]),
+    "bf16": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "bfloat16"}]),
+    "ternary_rice": dict(fraction=0.05, pipeline=[{"id": "ternary"}, {"id": "rice"}]),
+    "int8_dense": dict(fraction=None, pipeline=[{"id": "int8", "block_size": 64}]),
+    "fp16_rice_zstd": dict(
         fraction=0.05, pipeline=[{"id": "quantize", "dtype": "float16"}, {"id": "rice"}, {"id": "zstd", "level": 3}]
     ),
 }
 # zstd output may change with the zstandard library version: for those, old payloads must still decode, but
 # today's bytes need not equal them.
-WRITER_MAY_DIFFER = {"fp16_rice_zstd_v1"}
+WRITER_MAY_DIFFER = {"fp16_rice_zstd"}
 
 
+def golden_path(case: str, version: int) -> pathlib.Path:
+    return GOLDEN / f"{case}_v{version}.bin"
+
+
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
-def test_golden_payloads(case):
-    """Today's writer reproduces the checked-in bytes, and the reader decodes them: a format change that breaks
-    old payloads fails here. Regenerate only deliberately, with GPU_CODEC_REGEN_GOLDEN=1."""
+def test_golden_payloads(case, version):
+    """Today's writer reproduces the checked-in bytes of each format version, and the reader decodes them: a
+    format change that breaks old payloads fails here. Regenerate only deliberately, with
+    GPU_CODEC_REGEN_GOLDEN=1."""
     new, base = golden_inputs()
-    blob = gpu_codec.compress(new, base, **GOLDEN_CASES[case]).to_bytes(version=1)
-    path = GOLDEN / f"{case}.bin"
+    blob = gpu_codec.compress(new, base, **GOLDEN_CASES[case]).to_bytes(version=version)
+    path = golden_path(case, version)
     if REGEN:
         GOLDEN.mkdir(exist_ok=True)
         path.write_bytes(blob)
     assert path.exists(), f"missing golden payload {path}; regenerate deliberately with GPU_CODEC_REGEN_GOLDEN=1"
     stored = path.read_bytes()
+    assert stored[8] == version
     if case not in WRITER_MAY_DIFFER:
         assert blob == stored
     out = gpu_codec.decompress(stored, base=base)
@@ -72,6 +79,22 @@ def test_golden_payloads(case):
         assert changed.any() or GOLDEN_CASES[case]["fraction"] is not None
         if lossless:
             assert np.array_equal(out[k].reshape(-1)[changed], new[k].reshape(-1)[changed])
+
+
+@pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
+def test_golden_v1_and_v2_hold_the_same_update(case):
+    """The two versions of a golden payload decode to the same bytes, with the same pipeline and metadata, and
+    the v2 payload is smaller."""
+    v1, v2 = golden_path(case, 1).read_bytes(), golden_path(case, 2).read_bytes()
+    _, base = golden_inputs()
+    a, b = gpu_codec.decompress(v1, base=base), gpu_codec.decompress(v2, base=base)
+    assert {k: v.tobytes() for k, v in a.items()} == {k: v.tobytes() for k, v in b.items()}
+    p1, p2 = gpu_codec.Payload.from_bytes(v1), gpu_codec.Payload.from_bytes(v2)
+    assert p1.pipeline == p2.pipeline and p1.metadata == p2.metadata
+    assert [(r.name, r.dtype, r.shape, r.nnz) for r in p1.tensors] == [
+        (r.name, r.dtype, r.shape, r.nnz) for r in p2.tensors
+    ]
+    assert len(v2) < len(v1)
 
 
 def valid_blob():

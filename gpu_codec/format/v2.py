@@ -469,7 +469,7 @@ def _cached(cache: dict | None, slot: str, key: Any, fn, keep: Any = None):
     return out
 
 
-def _wrapped_data(records, level: int, cache: dict | None) -> tuple[int, list, list[int | None]]:
+def _wrapped_data(records, level: int, cache: dict | None, force: int | None) -> tuple[int, list, list[int | None]]:
     """Choose how the bytes stage's output is laid out: per record, one shared frame or plain. Returns
     (data mode, data parts, per-record zbytes for the table)."""
     ident = tuple(id(r.frame) if r.frame is not None else id(r.buffers.get("compressed")) for r in records)
@@ -488,7 +488,7 @@ def _wrapped_data(records, level: int, cache: dict | None) -> tuple[int, list, l
     joint_raw, joint, frames = _cached(cache, "wrapped", (ident, level), compute, refs)
     per = sum(len(f) + len(uvarint(len(f))) for f in frames)
     options = [(len(joint_raw), DATA_PLAIN), (len(joint), DATA_ZSTD), (per, DATA_RECORDS)]
-    _, mode = min(options)
+    _, mode = min(options) if force is None else (0, force)
     if mode == DATA_PLAIN:
         return mode, [joint_raw], [None] * len(records)
     if mode == DATA_ZSTD:
@@ -502,8 +502,12 @@ def plan(
     metadata: dict | None,
     layouts: Mapping[str, LayoutRule] | None = None,
     cache: dict | None = None,
+    data_mode: int | None = None,
 ) -> _Plan:
-    """Lay out a v2 payload; raises :class:`Unrepresentable` where only v1 can hold the records."""
+    """Lay out a v2 payload; raises :class:`Unrepresentable` where only v1 can hold the records.
+
+    ``data_mode`` forces how zstd records are laid out (``DATA_RECORDS``, ``DATA_ZSTD``, ``DATA_PLAIN``);
+    by default the smallest is chosen."""
     layouts = BASE_LAYOUTS if layouts is None else layouts
     if len(tensors) > MAX_TENSORS:
         raise Unrepresentable("too many tensors")
@@ -538,7 +542,7 @@ def plan(
         fields.append(f)
     mode, zbytes = DATA_RECORDS, [r.codec.get("zbytes") for r in tensors]
     if all_zstd:
-        mode, parts, zbytes = _wrapped_data(tensors, _zstd_level(pipeline), cache)
+        mode, parts, zbytes = _wrapped_data(tensors, _zstd_level(pipeline), cache, data_mode)
     table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache)
     flags = (FLAG_METADATA if metadata else 0) | (mode << DATA_SHIFT)
     z = _cached(cache, "table", table, lambda: _compress_table(table))
