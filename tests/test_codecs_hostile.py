@@ -359,3 +359,130 @@ def test_rice_with_no_index_carries_no_bytes():
             PayloadHeaderError,
             "bit count",
         )
+
+
+# ------------------------------------------------------------------------------------------ wire format v2
+
+
+def surgery_v2(blob: bytes, fn) -> bytes:
+    """Parse a v2 payload (mode ``records``), let ``fn(pipeline, records)`` change codec fields and buffers, and
+    write the table and data back without validating them, so the codec's own checks are what is tested."""
+    from gpu_codec.codecs import wire_layouts
+    from gpu_codec.format import unpack, v2
+
+    from .test_format_v2 import join_v2, split_v2
+
+    header, records = unpack(blob, wire_layouts())
+    flags, _, _ = split_v2(blob)
+    assert header["data"] == "records"
+    for r in records:
+        r.buffers = {k: np.array(v) for k, v in r.buffers.items()}
+    pipeline = header["pipeline"]
+    fn(pipeline, records)
+    forms, fields = zip(*(v2._record_form(r) for r in records))
+    zb = [r.codec.get("zbytes") for r in records]
+    table = v2._table(records, pipeline, header["metadata"], list(forms), list(fields), zb, v2.DATA_RECORDS, None)
+    data = b"".join(np.ascontiguousarray(a).tobytes() for r in records for a in r.buffers.values())
+    return join_v2(flags, table, data)
+
+
+def v2_blob(stages, **kw):
+    rng = np.random.default_rng(0)
+    u = {"w": rng.standard_normal(5000).astype(np.float32), "b": rng.standard_normal((40, 30)).astype(np.float32)}
+    blob = gpu_codec.compress(u, fraction=kw.pop("fraction", 0.02), scope="per_tensor", pipeline=stages).to_bytes()
+    assert blob[8] == 2
+    return blob
+
+
+def test_v2_surgery_identity():
+    for stages in (RICE, [Ternary(), RiceIndices()], [Int8Blockwise(16)]):
+        blob = v2_blob(stages)
+        assert surgery_v2(blob, lambda p, r: None) == blob
+
+
+@pytest.mark.parametrize("delta", [1, -1, 7, -7, 10_000_000])
+def test_v2_rice_wrong_bit_count(delta):
+    def f(p, recs):
+        c = recs[0].codec
+        c["bits"] += delta
+        s = recs[0].buffers["indices"]
+        n = -(-c["bits"] // 8)
+        recs[0].buffers["indices"] = np.resize(s, n) if n < 1 << 20 else s
+
+    rejects(surgery_v2(v2_blob(RICE), f), PayloadError)
+
+
+def test_v2_rice_padding_and_truncation():
+    def pad(p, recs):
+        recs[0].buffers["indices"][-1] |= 0x80
+
+    rejects(surgery_v2(v2_blob(RICE), pad), PayloadLayoutError, "after its declared end")
+
+    def cut(p, recs):
+        recs[0].buffers["indices"] = recs[0].buffers["indices"][:-1]
+
+    rejects(surgery_v2(v2_blob(RICE), cut), PayloadLayoutError)
+
+
+def test_v2_int8_scales_and_block():
+    blob = v2_blob([Int8Blockwise(16)])
+
+    def short(p, recs):
+        recs[0].buffers["scales"] = recs[0].buffers["scales"][:-1]
+
+    rejects(surgery_v2(blob, short), PayloadLayoutError)
+
+    def block(p, recs):
+        for r in recs:
+            r.codec["block"] = 32
+            r.buffers["scales"] = r.buffers["scales"][: -(-r.nnz // 32)]
+
+    rejects(surgery_v2(blob, block), PayloadLayoutError, "block")
+
+
+def test_v2_ternary_signs_length():
+    def f(p, recs):
+        recs[0].buffers["signs"] = recs[0].buffers["signs"][:-1]
+
+    rejects(surgery_v2(v2_blob([Ternary()]), f), PayloadLayoutError)
+
+
+def test_v2_pipeline_and_records_must_agree():
+    blob = v2_blob([Quantize("float16"), RiceIndices()])
+    rejects(
+        surgery_v2(blob, lambda p, r: p.__setitem__(1, {"id": "quantize", "dtype": "bfloat16"})),
+        PayloadLayoutError,
+        "pipeline says",
+    )
+    rejects(surgery_v2(blob, lambda p, r: p.__setitem__(1, {"id": "lzma"})), PayloadHeaderError, "cannot be rebuilt")
+    rejects(surgery_v2(blob, lambda p, r: p.append({"id": "zstd", "level": 3})), PayloadLayoutError, "ends with")
+
+
+def v2_zstd_records_blob():
+    from gpu_codec.codecs import wire_layouts
+    from gpu_codec.format import v2
+
+    rng = np.random.default_rng(0)
+    u = {"w": rng.standard_normal(5000).astype(np.float32), "b": rng.standard_normal((40, 30)).astype(np.float32)}
+    p = gpu_codec.compress(u, fraction=0.02, scope="per_tensor", pipeline=ZSTD)
+    return v2.write(v2.plan(p.tensors, p.pipeline, p.metadata, wire_layouts(), data_mode=v2.DATA_RECORDS))
+
+
+def _v2_frame(frame):
+    def f(p, recs):
+        recs[0].buffers["compressed"] = np.frombuffer(frame, np.uint8)
+        recs[0].codec["zbytes"] = len(frame)
+
+    return f
+
+
+def test_v2_zstd_frame_bombs_and_garbage():
+    blob = v2_zstd_records_blob()
+    gpu_codec.decompress(surgery_v2(blob, lambda p, r: None))
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (4 << 20))
+    rejects(surgery_v2(blob, _v2_frame(bomb)), PayloadLimitError, "declares 4194304 bytes")
+    nocs = zstandard.ZstdCompressor(level=19, write_content_size=False).compress(b"\0" * (4 << 20))
+    rejects(surgery_v2(blob, _v2_frame(nocs)), PayloadLayoutError, "does not decompress")
+    rejects(surgery_v2(blob, _v2_frame(b"not zstd at all")), PayloadLayoutError, "not a zstd")
+    big = zstandard.ZstdCompressor(level=19).compress(b"\0" * (64 << 20))
+    rejects(surgery_v2(blob, _v2_frame(big)), PayloadLayoutError, "compressed size")

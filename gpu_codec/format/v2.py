@@ -192,6 +192,8 @@ def _decimal(f: float) -> tuple[int, int]:
     m, e = int("".join(map(str, digits))), -exp
     if e < 0:
         m, e = m * 10**-e, 0
+    while e and m % 10 == 0:  # 1.0 is (1, 0), not (10, 1)
+        m, e = m // 10, e - 1
     return m, e
 
 
