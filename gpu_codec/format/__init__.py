@@ -1,7 +1,7 @@
 """The wire format: a versioned, self-describing, checksummed container (see docs/FORMAT.md).
 
-:func:`pack` writes version 2 (a compact binary tensor table: about a dozen bytes per tensor) wherever its table
-can describe the records, which holds for every built-in codec; otherwise, or when asked with ``version=1``, it
+:func:`pack` writes version 2 (a compact binary tensor table, a few bytes per tensor) wherever its table can
+describe the records, which holds for every built-in codec; otherwise, or when asked with ``version=1``, it
 writes version 1 (a JSON header). :func:`unpack` reads both. Both start with the magic ``GPUCODEC`` and a u32 LE
 version, and end with a zlib CRC-32 of every byte before it. The reader treats every payload as hostile: it caps
 the header, whitelists dtypes and encodings, bounds shapes and element counts, requires every buffer to have
