@@ -528,3 +528,19 @@ def test_a_shared_frame_holds_only_zstd_records():
     for mode in (v2.DATA_ZSTD, v2.DATA_PLAIN):
         with pytest.raises(E.PayloadLayoutError, match="shared frame"):
             unpack(join_v2(flags | mode << 2, table, data), wire_layouts())
+
+
+def test_the_worked_example_in_format_md():
+    """The byte-by-byte example of docs/FORMAT.md is what the writer produces."""
+    import pathlib
+    import re
+
+    doc = (pathlib.Path(__file__).parents[1] / "docs" / "FORMAT.md").read_text()
+    block = doc.split("## Version 2", 1)[1].split("### Example", 1)[1].split("```text", 1)[1].split("```", 1)[0]
+    hexes = [re.match(r"((?:[0-9a-fx]{2} )*[0-9a-fx]{2})  ", line) for line in block.strip().splitlines()]
+    want = bytes.fromhex(" ".join(m.group(1) for m in hexes if m and "xx" not in m.group(1)))
+    rec = gpu_codec.TensorRecord(
+        "w", "float32", (4,), "coo", 1, {"indices": np.array([2], np.uint32), "values": np.array([0.5], np.float32)}
+    )
+    blob = pack([rec], pipeline=[{"id": "topk", "fraction": 0.25, "scope": "global", "score": "magnitude"}])
+    assert len(want) == 36 and blob[:-4] == want and blob[-4:] == struct.pack("<I", zlib.crc32(want))
