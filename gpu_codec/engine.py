@@ -24,7 +24,7 @@ from .arrays import Tensor, array_kind, from_backend, to_tensor
 from .backend import get_backend
 from .codecs import SCOPES, as_pipeline, check_fraction, decode_records, wire_layouts
 from .errors import InvalidInputError, PayloadIndexError, PayloadLayoutError, PayloadLimitError
-from .format import TensorRecord, pack, packed_size, unpack
+from .format import TensorRecord, header_size, pack, packed_size, unpack
 
 DEFAULT_MAX_ELEMENTS = 1 << 31
 
@@ -98,21 +98,54 @@ class Payload:
         self.pipeline = pipeline
         self.metadata = dict(metadata or {})
         self.backend = backend
+        self._wire_cache: dict = {}  # the bytes stage's layout, shared by nbytes, header_nbytes and to_bytes
+        self.version: int | None = None  # the wire version it was read from (None: made here)
 
-    def to_bytes(self) -> bytes:
-        """Serialize (wire format v1). On the GPU path this is the one device-to-host copy."""
-        return pack(self.tensors, pipeline=self.pipeline, metadata=self.metadata)
+    def to_bytes(self, version: int | None = None) -> bytes:
+        """Serialize: wire format v2 (``version=None`` or 2; v1 for records v2 cannot describe, which no
+        built-in codec makes), or v1 on request (``version=1``, for readers that predate v2). On the GPU path
+        this is the one device-to-host copy.
+
+        >>> import numpy as np, gpu_codec
+        >>> p = gpu_codec.compress({"w": np.arange(100, dtype=np.float32)}, fraction=0.05)
+        >>> blob = p.to_bytes()
+        >>> blob[:8], blob[8], len(blob) == p.nbytes, len(p.to_bytes(version=1)) > len(blob)
+        (b'GPUCODEC', 2, True, True)
+        """
+        return pack(
+            self.tensors,
+            pipeline=self.pipeline,
+            metadata=self.metadata,
+            layouts=wire_layouts(),
+            version=version,
+            cache=self._wire_cache,
+        )
 
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Payload:
-        """Parse and validate a payload (hostile input is rejected with a PayloadError)."""
+        """Parse and validate a payload of either format version (hostile input is rejected with a
+        PayloadError)."""
         header, records = unpack(blob, wire_layouts())
-        return cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
+        p = cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
+        p.version = int(header["version"])
+        return p
 
     @property
     def nbytes(self) -> int:
-        """Exact serialized size, computed without copying anything off the device."""
-        return packed_size(self.tensors, self.pipeline, self.metadata)
+        """Exact size of :meth:`to_bytes`, computed without copying anything off the device."""
+        return packed_size(self.tensors, self.pipeline, self.metadata, wire_layouts(), cache=self._wire_cache)
+
+    @property
+    def header_nbytes(self) -> int:
+        """Bytes of :meth:`to_bytes` that are neither buffer data nor checksum: the prefix, the tensor table
+        and the metadata (no device copy).
+
+        >>> import numpy as np, gpu_codec
+        >>> u = {f"layer{i}.weight": np.ones(1000, np.float32) * i for i in range(1, 11)}
+        >>> gpu_codec.compress(u, fraction=0.01).header_nbytes / len(u) < 16
+        True
+        """
+        return header_size(self.tensors, self.pipeline, self.metadata, wire_layouts(), cache=self._wire_cache)
 
     @property
     def dense_nbytes(self) -> int:

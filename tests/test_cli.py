@@ -149,24 +149,22 @@ def test_inspect_text_and_json(tmp_path, capsys):
     (tmp_path / "u.gcodec").write_bytes(blob)
     rc, out, _ = run(capsys, "inspect", str(tmp_path / "u.gcodec"), "--json")
     doc = json.loads(out)
-    assert rc == 0 and doc["version"] == 1 and doc["bytes"] == len(blob)
-    (hlen,) = np.frombuffer(blob[12:16], "<u4")
-    assert doc["header_nbytes"] == 16 + int(hlen) and doc["data_nbytes"] == len(blob) - 16 - int(hlen)
+    assert rc == 0 and doc["version"] == 2 and doc["bytes"] == len(blob)
+    assert doc["header_nbytes"] == gpu_codec.Payload.from_bytes(blob).header_nbytes
+    assert doc["header_nbytes"] + doc["data_nbytes"] == len(blob)
     assert [t["name"] for t in doc["tensors"]] == list(new)
     assert sum(t["nnz"] for t in doc["tensors"]) == doc["kept"] == gpu_codec.kept_count(0.1, 400)
     rc, out, _ = run(capsys, "inspect", str(tmp_path / "u.gcodec"))
-    assert rc == 0 and "header 1" in out.splitlines()[0] and "fc.weight" in out
+    assert rc == 0 and "format v2" in out.splitlines()[0] and "fc.weight" in out
 
 
-def test_header_split_prefers_the_payload_attribute():
-    blob = gpu_codec.compress({"w": np.ones(16, np.float32)}, fraction=0.5).to_bytes()
-
-    class V2:
-        header_nbytes = 40
-
-    assert header_split(V2(), blob) == (40, len(blob) - 40)
-    h, d = header_split(gpu_codec.Payload.from_bytes(blob), blob)
-    assert h == 16 + int.from_bytes(blob[12:16], "little") and h + d == len(blob)
+def test_header_split_follows_the_format_version():
+    p = gpu_codec.compress({"w": np.ones(16, np.float32)}, fraction=0.5)
+    v1, v2 = p.to_bytes(version=1), p.to_bytes()
+    h, d = header_split(gpu_codec.Payload.from_bytes(v1), v1)
+    assert h == 16 + int.from_bytes(v1[12:16], "little") and h + d == len(v1)
+    h, d = header_split(gpu_codec.Payload.from_bytes(v2), v2)
+    assert h == p.header_nbytes and h + d == len(v2)
 
 
 def test_info_and_demo_json(capsys):

@@ -36,7 +36,7 @@ def cpu_backend():
 def blob_of(stages, fraction=0.02, n=5000, seed=0):
     rng = np.random.default_rng(seed)
     u = {"w": rng.standard_normal(n).astype(np.float32), "b": rng.standard_normal((40, 30)).astype(np.float32)}
-    return gpu_codec.compress(u, fraction=fraction, scope="per_tensor", pipeline=stages).to_bytes()
+    return gpu_codec.compress(u, fraction=fraction, scope="per_tensor", pipeline=stages).to_bytes(version=1)
 
 
 def surgery(blob: bytes, fn) -> bytes:
@@ -307,7 +307,9 @@ def test_bad_forms_and_fields(change):
 
 
 def test_dense_q_must_be_dense():
-    blob = gpu_codec.compress({"w": np.ones(64, np.float32)}, fraction=None, pipeline=[Quantize("float16")]).to_bytes()
+    blob = gpu_codec.compress({"w": np.ones(64, np.float32)}, fraction=None, pipeline=[Quantize("float16")]).to_bytes(
+        version=1
+    )
     rejects(surgery(blob, lambda h, b: h["tensors"][0].__setitem__("nnz", 63)), PayloadError, "dense")
 
 
@@ -341,3 +343,146 @@ def test_pipeline_and_records_must_agree():
         PayloadLayoutError,
         "block",
     )
+
+
+def test_rice_with_no_index_carries_no_bytes():
+    """A tensor with nnz = 0 has an empty Rice stream: a stream of any length there would be bytes nobody
+    examines, so the reader rejects it."""
+    u = {"w": np.arange(1000, dtype=np.float32), "z": np.zeros(500, np.float32)}
+    blob = gpu_codec.compress(u, fraction=0.001, pipeline=RICE).to_bytes(version=1)
+    h, _ = split_payload(blob)
+    assert h["tensors"][1]["nnz"] == 0 and h["tensors"][1]["codec"]["bits"] == 0
+    gpu_codec.decompress(surgery(blob, lambda h, b: None))
+    for bits in (1, 8, 64, 500):
+        rejects(
+            surgery(blob, lambda h, b, bits=bits: _set_stream(h, b, 1, b"\xa5" * -(-bits // 8), bits)),
+            PayloadHeaderError,
+            "bit count",
+        )
+
+
+# ------------------------------------------------------------------------------------------ wire format v2
+
+
+def surgery_v2(blob: bytes, fn) -> bytes:
+    """Parse a v2 payload (mode ``records``), let ``fn(pipeline, records)`` change codec fields and buffers, and
+    write the table and data back without validating them, so the codec's own checks are what is tested."""
+    from gpu_codec.codecs import wire_layouts
+    from gpu_codec.format import unpack, v2
+
+    from .test_format_v2 import join_v2, split_v2
+
+    header, records = unpack(blob, wire_layouts())
+    flags, _, _ = split_v2(blob)
+    assert header["data"] == "records"
+    for r in records:
+        r.buffers = {k: np.array(v) for k, v in r.buffers.items()}
+    pipeline = header["pipeline"]
+    fn(pipeline, records)
+    forms, fields = zip(*(v2._record_form(r) for r in records))
+    zb = [r.codec.get("zbytes") for r in records]
+    table = v2._table(records, pipeline, header["metadata"], list(forms), list(fields), zb, v2.DATA_RECORDS, None)
+    data = b"".join(np.ascontiguousarray(a).tobytes() for r in records for a in r.buffers.values())
+    return join_v2(flags, table, data)
+
+
+def v2_blob(stages, **kw):
+    rng = np.random.default_rng(0)
+    u = {"w": rng.standard_normal(5000).astype(np.float32), "b": rng.standard_normal((40, 30)).astype(np.float32)}
+    blob = gpu_codec.compress(u, fraction=kw.pop("fraction", 0.02), scope="per_tensor", pipeline=stages).to_bytes()
+    assert blob[8] == 2
+    return blob
+
+
+def test_v2_surgery_identity():
+    for stages in (RICE, [Ternary(), RiceIndices()], [Int8Blockwise(16)]):
+        blob = v2_blob(stages)
+        assert surgery_v2(blob, lambda p, r: None) == blob
+
+
+@pytest.mark.parametrize("delta", [1, -1, 7, -7, 10_000_000])
+def test_v2_rice_wrong_bit_count(delta):
+    def f(p, recs):
+        c = recs[0].codec
+        c["bits"] += delta
+        s = recs[0].buffers["indices"]
+        n = -(-c["bits"] // 8)
+        recs[0].buffers["indices"] = np.resize(s, n) if n < 1 << 20 else s
+
+    rejects(surgery_v2(v2_blob(RICE), f), PayloadError)
+
+
+def test_v2_rice_padding_and_truncation():
+    def pad(p, recs):
+        recs[0].buffers["indices"][-1] |= 0x80
+
+    rejects(surgery_v2(v2_blob(RICE), pad), PayloadLayoutError, "after its declared end")
+
+    def cut(p, recs):
+        recs[0].buffers["indices"] = recs[0].buffers["indices"][:-1]
+
+    rejects(surgery_v2(v2_blob(RICE), cut), PayloadLayoutError)
+
+
+def test_v2_int8_scales_and_block():
+    blob = v2_blob([Int8Blockwise(16)])
+
+    def short(p, recs):
+        recs[0].buffers["scales"] = recs[0].buffers["scales"][:-1]
+
+    rejects(surgery_v2(blob, short), PayloadLayoutError)
+
+    def block(p, recs):
+        for r in recs:
+            r.codec["block"] = 32
+            r.buffers["scales"] = r.buffers["scales"][: -(-r.nnz // 32)]
+
+    rejects(surgery_v2(blob, block), PayloadLayoutError, "block")
+
+
+def test_v2_ternary_signs_length():
+    def f(p, recs):
+        recs[0].buffers["signs"] = recs[0].buffers["signs"][:-1]
+
+    rejects(surgery_v2(v2_blob([Ternary()]), f), PayloadLayoutError)
+
+
+def test_v2_pipeline_and_records_must_agree():
+    blob = v2_blob([Quantize("float16"), RiceIndices()])
+    rejects(
+        surgery_v2(blob, lambda p, r: p.__setitem__(1, {"id": "quantize", "dtype": "bfloat16"})),
+        PayloadLayoutError,
+        "pipeline says",
+    )
+    rejects(surgery_v2(blob, lambda p, r: p.__setitem__(1, {"id": "lzma"})), PayloadHeaderError, "cannot be rebuilt")
+    rejects(surgery_v2(blob, lambda p, r: p.append({"id": "zstd", "level": 3})), PayloadLayoutError, "ends with")
+
+
+def v2_zstd_records_blob():
+    from gpu_codec.codecs import wire_layouts
+    from gpu_codec.format import v2
+
+    rng = np.random.default_rng(0)
+    u = {"w": rng.standard_normal(5000).astype(np.float32), "b": rng.standard_normal((40, 30)).astype(np.float32)}
+    p = gpu_codec.compress(u, fraction=0.02, scope="per_tensor", pipeline=ZSTD)
+    return v2.write(v2.plan(p.tensors, p.pipeline, p.metadata, wire_layouts(), data_mode=v2.DATA_RECORDS))
+
+
+def _v2_frame(frame):
+    def f(p, recs):
+        recs[0].buffers["compressed"] = np.frombuffer(frame, np.uint8)
+        recs[0].codec["zbytes"] = len(frame)
+
+    return f
+
+
+def test_v2_zstd_frame_bombs_and_garbage():
+    blob = v2_zstd_records_blob()
+    gpu_codec.decompress(surgery_v2(blob, lambda p, r: None))
+    bomb = zstandard.ZstdCompressor(level=19).compress(b"\0" * (4 << 20))
+    rejects(surgery_v2(blob, _v2_frame(bomb)), PayloadLimitError, "declares 4194304 bytes")
+    nocs = zstandard.ZstdCompressor(level=19, write_content_size=False).compress(b"\0" * (4 << 20))
+    rejects(surgery_v2(blob, _v2_frame(nocs)), PayloadLayoutError, "does not decompress")
+    rejects(surgery_v2(blob, _v2_frame(b"not zstd at all")), PayloadLayoutError, "not a zstd")
+    big = zstandard.ZstdCompressor(level=19).compress(b"\0" * (64 << 20))
+    rejects(surgery_v2(blob, _v2_frame(big)), PayloadLayoutError, "compressed size")

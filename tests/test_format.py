@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
 import pathlib
@@ -31,33 +32,40 @@ def golden_inputs():
 
 
 GOLDEN_CASES = {
-    "topk_global_v1": dict(fraction=0.05, scope="global"),
-    "topk_per_tensor_v1": dict(fraction=0.1, scope="per_tensor", metadata={"round": 3, "client": "site-1"}),
-    "fp16_rice_v1": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "float16"}, {"id": "rice"}]),
-    "bf16_v1": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "bfloat16"}]),
-    "ternary_rice_v1": dict(fraction=0.05, pipeline=[{"id": "ternary"}, {"id": "rice"}]),
-    "int8_dense_v1": dict(fraction=None, pipeline=[{"id": "int8", "block_size": 64}]),
-    "fp16_rice_zstd_v1": dict(
+    "topk_global": dict(fraction=0.05, scope="global"),
+    "topk_per_tensor": dict(fraction=0.1, scope="per_tensor", metadata={"round": 3, "client": "site-1"}),
+    "fp16_rice": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "float16"}, {"id": "rice"}]),
+    "bf16": dict(fraction=0.05, pipeline=[{"id": "quantize", "dtype": "bfloat16"}]),
+    "ternary_rice": dict(fraction=0.05, pipeline=[{"id": "ternary"}, {"id": "rice"}]),
+    "int8_dense": dict(fraction=None, pipeline=[{"id": "int8", "block_size": 64}]),
+    "fp16_rice_zstd": dict(
         fraction=0.05, pipeline=[{"id": "quantize", "dtype": "float16"}, {"id": "rice"}, {"id": "zstd", "level": 3}]
     ),
 }
 # zstd output may change with the zstandard library version: for those, old payloads must still decode, but
 # today's bytes need not equal them.
-WRITER_MAY_DIFFER = {"fp16_rice_zstd_v1"}
+WRITER_MAY_DIFFER = {"fp16_rice_zstd"}
 
 
+def golden_path(case: str, version: int) -> pathlib.Path:
+    return GOLDEN / f"{case}_v{version}.bin"
+
+
+@pytest.mark.parametrize("version", [1, 2])
 @pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
-def test_golden_payloads(case):
-    """Today's writer reproduces the checked-in bytes, and the reader decodes them: a format change that breaks
-    old payloads fails here. Regenerate only deliberately, with GPU_CODEC_REGEN_GOLDEN=1."""
+def test_golden_payloads(case, version):
+    """Today's writer reproduces the checked-in bytes of each format version, and the reader decodes them: a
+    format change that breaks old payloads fails here. Regenerate only deliberately, with
+    GPU_CODEC_REGEN_GOLDEN=1."""
     new, base = golden_inputs()
-    blob = gpu_codec.compress(new, base, **GOLDEN_CASES[case]).to_bytes()
-    path = GOLDEN / f"{case}.bin"
+    blob = gpu_codec.compress(new, base, **GOLDEN_CASES[case]).to_bytes(version=version)
+    path = golden_path(case, version)
     if REGEN:
         GOLDEN.mkdir(exist_ok=True)
         path.write_bytes(blob)
     assert path.exists(), f"missing golden payload {path}; regenerate deliberately with GPU_CODEC_REGEN_GOLDEN=1"
     stored = path.read_bytes()
+    assert stored[8] == version
     if case not in WRITER_MAY_DIFFER:
         assert blob == stored
     out = gpu_codec.decompress(stored, base=base)
@@ -73,9 +81,25 @@ def test_golden_payloads(case):
             assert np.array_equal(out[k].reshape(-1)[changed], new[k].reshape(-1)[changed])
 
 
+@pytest.mark.parametrize("case", sorted(GOLDEN_CASES))
+def test_golden_v1_and_v2_hold_the_same_update(case):
+    """The two versions of a golden payload decode to the same bytes, with the same pipeline and metadata, and
+    the v2 payload is smaller."""
+    v1, v2 = golden_path(case, 1).read_bytes(), golden_path(case, 2).read_bytes()
+    _, base = golden_inputs()
+    a, b = gpu_codec.decompress(v1, base=base), gpu_codec.decompress(v2, base=base)
+    assert {k: v.tobytes() for k, v in a.items()} == {k: v.tobytes() for k, v in b.items()}
+    p1, p2 = gpu_codec.Payload.from_bytes(v1), gpu_codec.Payload.from_bytes(v2)
+    assert p1.pipeline == p2.pipeline and p1.metadata == p2.metadata
+    assert [(r.name, r.dtype, r.shape, r.nnz) for r in p1.tensors] == [
+        (r.name, r.dtype, r.shape, r.nnz) for r in p2.tensors
+    ]
+    assert len(v2) < len(v1)
+
+
 def valid_blob():
     new, base = golden_inputs()
-    return gpu_codec.compress(new, base, fraction=0.05).to_bytes()
+    return gpu_codec.compress(new, base, fraction=0.05).to_bytes(version=1)
 
 
 def mutate(fn):
@@ -93,7 +117,8 @@ def _buf(h, t=0, b=0):
 HOSTILE = {
     "empty": (lambda h, d: b"", E.PayloadHeaderError, "shorter"),
     "bad magic": (lambda h, d: b"NOTCODEC" + valid_blob()[8:], E.PayloadHeaderError, "magic"),
-    "version 2": (lambda h, d: build_payload(h, bytes(d), version=2), E.UnsupportedVersionError, "version 2"),
+    "version 3": (lambda h, d: build_payload(h, bytes(d), version=3), E.UnsupportedVersionError, "version 3"),
+    "version 0": (lambda h, d: build_payload(h, bytes(d), version=0), E.UnsupportedVersionError, "version 0"),
     "bad checksum": (lambda h, d: build_payload(h, bytes(d), fix_crc=False), E.PayloadChecksumError, "checksum"),
     "truncated": (lambda h, d: valid_blob()[:-9], E.PayloadError, None),
     "huge header length": (
@@ -177,9 +202,9 @@ def test_hostile_indices_are_caught_before_any_write(how):
 
     blob = mutate(fn)
     unpack(blob)  # structurally valid: indices are checked where they are used
-    new, base = golden_inputs()
+    _new, base = golden_inputs()
     before = {k: v.copy() for k, v in base.items()}
-    with pytest.raises(E.PayloadIndexError, match="conv.weight"):
+    with pytest.raises(E.PayloadIndexError, match=r"conv\.weight"):
         gpu_codec.decompress(blob, base=base)
     for k in base:  # nothing already stored is lost
         assert np.array_equal(base[k], before[k])
@@ -243,10 +268,8 @@ def test_header_fuzz_only_raises_our_errors(case):
                 node = node[key]
             node[p[-1]] = junk
             blob = build_payload(h, data)
-            try:
+            with contextlib.suppress(E.PayloadError):
                 gpu_codec.decompress(blob, max_elements=1 << 20)
-            except E.PayloadError:
-                pass
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
@@ -257,7 +280,7 @@ def test_non_finite_values_in_a_payload_are_rejected(bad):
         b = _buf(h, 0, 1)
         d[b["offset"] : b["offset"] + 4] = np.float32(bad).tobytes()
 
-    new, base = golden_inputs()
+    _new, base = golden_inputs()
     with pytest.raises(E.PayloadIndexError, match="not finite"):
         gpu_codec.decompress(mutate(fn), base=base)
 
@@ -270,7 +293,7 @@ def test_data_fuzz_only_raises_our_errors(case):
     and a successful decode holds only finite values."""
     header, data = split_payload((GOLDEN / f"{case}.bin").read_bytes())
     rng = np.random.default_rng(7)
-    new, base = golden_inputs()
+    _new, base = golden_inputs()
     for _ in range(60):
         d = bytearray(data)
         for pos in rng.integers(0, len(d), int(rng.integers(1, 4))):
@@ -280,3 +303,68 @@ def test_data_fuzz_only_raises_our_errors(case):
         except E.PayloadError:
             continue
         assert all(np.isfinite(v).all() for v in out.values())
+
+
+# ------------------------------------------------------------------------------------------ header parsing limits
+
+
+def _raw_header_payload(fn) -> bytes:
+    """A v1 payload whose header JSON text is rewritten by ``fn`` (for literals json.dumps cannot write)."""
+    header, data = split_payload(valid_blob())
+    blob = build_payload(header, data)
+    hlen = int.from_bytes(blob[12:16], "little")
+    text = fn(blob[16 : 16 + hlen].decode().rstrip(" "))
+    return build_payload_text(text, data)
+
+
+def build_payload_text(text: str, data: bytes) -> bytes:
+    import struct
+    import zlib
+
+    hb = text.encode()
+    hb += b" " * ((-(16 + len(hb))) % 8)
+    body = struct.pack("<8sII", b"GPUCODEC", 1, len(hb)) + hb + data
+    return body + struct.pack("<I", zlib.crc32(body) & 0xFFFFFFFF)
+
+
+@pytest.mark.parametrize(
+    "literal",
+    ["9" * 5000, "-" + "9" * 5000, "1" + "0" * 41],
+    ids=["past the int-conversion limit", "negative, past the limit", "41 digits"],
+)
+def test_header_integer_too_long_is_a_payload_error(literal):
+    blob = _raw_header_payload(lambda t: t.replace('"metadata":{}', '"metadata":{"x":' + literal + "}", 1))
+    assert b'"x":' in blob
+    with pytest.raises(E.PayloadHeaderError, match="digits"):
+        unpack(blob)
+    blob = _raw_header_payload(lambda t: t.replace('"nnz":', '"nnz":' + literal + ',"y":', 1))
+    with pytest.raises(E.PayloadHeaderError):
+        gpu_codec.decompress(blob)
+
+
+@pytest.mark.parametrize("literal", ["1e400", "-1e400", "1E999"])
+def test_header_float_overflow_is_rejected(literal):
+    blob = _raw_header_payload(lambda t: t.replace('"metadata":{}', '"metadata":{"lr":' + literal + "}", 1))
+    with pytest.raises(E.PayloadHeaderError, match="not a finite float"):
+        unpack(blob)
+
+
+@pytest.mark.parametrize("version", [True, 1.0, "1"])
+def test_header_version_must_be_the_integer_1(version):
+    with pytest.raises(E.PayloadHeaderError, match="version 1"):
+        unpack(mutate(lambda h, d: h.update(version=version)))
+
+
+@pytest.mark.parametrize("shape", [[0, 2**63], [2**63, 0], [0, 2**41], [3, 0, 2**40], [0, 2**70, 0]])
+def test_zero_dimension_cannot_hide_a_huge_one(shape):
+    """A zero beside a huge dimension makes zero elements, but reshaping to it fails: rejected up front."""
+    with pytest.raises(E.PayloadLimitError, match="exceeds the limit"):
+        unpack(mutate(lambda h, d: h["tensors"][3].update(shape=shape, nnz=0)))
+
+
+def test_zero_size_tensor_within_limits_decodes():
+    blob = gpu_codec.compress(
+        {"e": np.zeros((0, 1 << 20), np.float32), "w": np.arange(4, dtype=np.float32)}, fraction=0.5
+    ).to_bytes()
+    out = gpu_codec.decompress(blob)
+    assert out["e"].shape == (0, 1 << 20) and out["w"].tolist() == [0, 0, 2, 3]

@@ -23,7 +23,7 @@ from tests import spec_reader
 from tests.common import BACKENDS, use_backend
 from tests.test_format import golden_inputs
 
-GOLDEN = sorted((pathlib.Path(__file__).parent / "golden").glob("*.bin"))
+GOLDEN = sorted((pathlib.Path(__file__).parent / "golden").glob("*_v1.bin"))  # the reader here reads version 1
 
 KIND_TO_ERROR = {
     "header": E.PayloadHeaderError,
@@ -176,7 +176,7 @@ FRESH = {
 def test_fresh_payloads_decode_to_the_same_bits(case):
     kwargs, want = FRESH[case]
     new, base = update(np.random.default_rng(sorted(FRESH).index(case)))
-    blob = gpu_codec.compress(new, base, **kwargs).to_bytes()
+    blob = gpu_codec.compress(new, base, **kwargs).to_bytes(version=1)
     assert want <= forms(blob)
     assert_same(blob)
     assert_same(blob, base, base)
@@ -193,7 +193,7 @@ def test_kernel_written_payloads(backend):
         kwargs, want = FRESH[case]
         new, base = update(np.random.default_rng(100 + KERNEL_CASES.index(case)))
         with use_backend(backend):
-            blob = gpu_codec.compress(new, base, **kwargs).to_bytes()
+            blob = gpu_codec.compress(new, base, **kwargs).to_bytes(version=1)
         assert want <= forms(blob)
         assert_same(blob, base, base)
 
@@ -205,7 +205,7 @@ def test_rice_parameters_over_a_range_of_densities():
     ks = set()
     for fraction in (0.0004, 0.003, 0.05, 0.4, 1.0):
         for scope in ("global", "per_tensor"):
-            blob = gpu_codec.compress(u, fraction=fraction, scope=scope, pipeline=[{"id": "rice"}]).to_bytes()
+            blob = gpu_codec.compress(u, fraction=fraction, scope=scope, pipeline=[{"id": "rice"}]).to_bytes(version=1)
             for t in header_of(blob)["tensors"]:
                 assert t["codec"]["k"] == spec_reader.rice_k(t["nnz"], int(np.prod(t["shape"])))
                 ks.add(t["codec"]["k"])
@@ -222,7 +222,7 @@ def test_bfloat16_tensors():
     pipes = ([], [{"id": "quantize", "dtype": "float16"}, {"id": "rice"}], [{"id": "int8", "block_size": 16}])
     for pipe in pipes:
         for fraction in (0.1, None) if not any(p["id"] == "rice" for p in pipe) else (0.1,):
-            blob = gpu_codec.compress(new, base, fraction=fraction, pipeline=pipe).to_bytes()
+            blob = gpu_codec.compress(new, base, fraction=fraction, pipeline=pipe).to_bytes(version=1)
             assert {t["dtype"] for t in header_of(blob)["tensors"]} == {"bfloat16"}
             assert_same(blob)
             out = assert_same(blob, base, spec_base)
@@ -233,7 +233,7 @@ def test_worked_rice_example():
     """The example of §8.2, through both readers."""
     u = {"w": np.zeros(256, np.float32)}
     u["w"][[3, 4, 90, 200]] = [1.0, 2.0, 3.0, 4.0]
-    blob = gpu_codec.compress(u, fraction=4 / 256, pipeline=[{"id": "rice"}]).to_bytes()
+    blob = gpu_codec.compress(u, fraction=4 / 256, pipeline=[{"id": "rice"}]).to_bytes(version=1)
     header, bufs = split(blob)
     assert header["tensors"][0]["codec"] == {"v": "f32", "i": "rice", "k": 5, "bits": 29}
     assert bufs[0]["indices"] == bytes.fromhex("03d43611")
@@ -264,7 +264,7 @@ def as_nvcomp(blob: bytes, content_size: bool = True) -> bytes:
 def test_nvcomp_framing(content_size):
     new, base = update(np.random.default_rng(11))
     pipe = [{"id": "quantize", "dtype": "float16"}, {"id": "rice"}, {"id": "zstd"}]
-    blob = gpu_codec.compress(new, base, fraction=0.05, pipeline=pipe).to_bytes()
+    blob = gpu_codec.compress(new, base, fraction=0.05, pipeline=pipe).to_bytes(version=1)
     nv = as_nvcomp(blob, content_size)
     assert {"nvcomp", "inner:sparse"} <= forms(nv)
     out = assert_same(nv)
@@ -304,9 +304,9 @@ def _flip_crc(h, b):
     return blob[:-1] + bytes([blob[-1] ^ 1])
 
 
-def _version_2(h, b):
+def _version_3(h, b):
     blob = join(h, b)
-    return blob[:8] + struct.pack("<I", 2) + blob[12:]
+    return blob[:8] + struct.pack("<I", 3) + blob[12:]
 
 
 def _pad_gap(h, b):
@@ -375,7 +375,7 @@ def _wrong_inner_dtype(h, b):
 
 REJECT = {
     "crc": (_edit("topk_global_v1.bin", _flip_crc), "checksum"),
-    "version 2": (_edit("topk_global_v1.bin", _version_2), "version"),
+    "unknown version 3": (_edit("topk_global_v1.bin", _version_3), "version"),
     "non-zero gap byte": (_edit("fp16_rice_v1.bin", _pad_gap), "layout"),
     "coo index out of range": (_edit("topk_global_v1.bin", _coo_index), "index"),
     "coo index repeated": (_edit("topk_global_v1.bin", _coo_repeat), "index"),

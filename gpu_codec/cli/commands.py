@@ -218,19 +218,23 @@ def _read_payload(path: str) -> tuple[bytes, Any]:
 
 
 def header_split(payload: Any, blob: bytes) -> tuple[int, int]:
-    """(header bytes, data bytes) of a serialized payload: ``payload.header_nbytes`` where the format provides
-    it, else the v1 prefix (magic, version, u32 header length at bytes 12..16; data starts at 16 + that). Data
-    counts every byte after the header, checksum included.
+    """(header bytes, data bytes) of a serialized payload: for version 1 the prefix and JSON header (u32 header
+    length at bytes 12..16; data starts at 16 + that), for version 2 ``payload.header_nbytes`` (prefix, tensor
+    table, metadata). Data counts every byte after the header, checksum included.
 
-    >>> blob = gpu_codec.compress({"w": np.ones(8, np.float32)}, fraction=0.5).to_bytes()
-    >>> h, d = header_split(gpu_codec.Payload.from_bytes(blob), blob)
-    >>> h + d == len(blob) and h % 8 == 0
-    True
+    >>> p = gpu_codec.compress({"w": np.ones(8, np.float32)}, fraction=0.5)
+    >>> for blob in (p.to_bytes(), p.to_bytes(version=1)):
+    ...     h, d = header_split(gpu_codec.Payload.from_bytes(blob), blob)
+    ...     print(blob[8], h + d == len(blob), h < d)
+    2 True True
+    1 True False
     """
-    h = getattr(payload, "header_nbytes", None)
-    if h is None:
+    (version,) = struct.unpack_from("<I", blob, 8)
+    if version == 1:
         (hlen,) = struct.unpack_from("<I", blob, 12)
         h = 16 + hlen
+    else:
+        h = payload.header_nbytes
     return int(h), len(blob) - int(h)
 
 
@@ -469,9 +473,7 @@ def cmd_apply(a: argparse.Namespace) -> int:
 def cmd_inspect(a: argparse.Namespace) -> int:
     blob, payload = _read_payload(a.payload)
     h, d = header_split(payload, blob)
-    version = getattr(payload, "version", None)
-    if version is None:
-        (version,) = struct.unpack_from("<I", blob, 8)
+    (version,) = struct.unpack_from("<I", blob, 8)
     tensors = []
     for r in payload.tensors:
         nbytes = sum(int(np.asarray(b).nbytes) for b in getattr(r, "buffers", {}).values())

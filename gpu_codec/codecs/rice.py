@@ -40,7 +40,7 @@ def _rice_layout(rec, n):
         raise PayloadHeaderError(
             f"{where(rec)}: Rice parameter {k!r} is not the {want} that nnz {n} of {rec.numel} implies"
         )
-    hi = _rice.max_bits(n, rec.numel, k)
+    hi = _rice.max_bits(n, rec.numel, k) if n else 0  # no index, no stream: no byte goes unexamined
     if not is_int(bits) or not n * (k + 1) <= bits <= hi:
         raise PayloadHeaderError(
             f"{where(rec)}: Rice bit count {bits!r} is outside [{n * (k + 1)}, {hi}] for "

@@ -23,16 +23,14 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import zstandard
 
-from ..dtypes import index_dtype
-from ..errors import PayloadHeaderError, PayloadLayoutError, PayloadLimitError
+from ..errors import PayloadHeaderError, PayloadLayoutError
 from ..format import BASE_LAYOUTS, BUFFER_DTYPES, LayoutRule, TensorRecord
+from ..format.common import canonical_dtype, compress_bound
 from .base import BytesCodec, Form, Layout
 
 CODED = ("sparse", "dense_q")  # the encodings of a pipeline with a value or an index stage
 INNER = ("coo", "dense", *CODED)  # what a bytes stage may wrap
-MAX_WINDOW = 1 << 27  # the largest zstd window a reader accepts
 
 
 def is_int(x: Any) -> bool:
@@ -63,13 +61,6 @@ def _only(rec: TensorRecord, allowed: set[str]) -> None:
         raise PayloadHeaderError(f"{where(rec)}: unexpected codec field(s) {extra} for encoding {rec.encoding!r}")
 
 
-def canonical_dtype(allowed: tuple[str, ...], rec: TensorRecord) -> str:
-    """The one dtype a buffer has inside a compressed blob (index width follows the element count)."""
-    if len(allowed) == 1:
-        return allowed[0]
-    return index_dtype(rec.numel).name
-
-
 def inner_record(rec: TensorRecord) -> TensorRecord:
     """The record a ``zstd``/``nvcomp`` record wraps, without buffers."""
     inner, ic = rec.codec.get("inner"), rec.codec.get("ic", {})
@@ -88,11 +79,6 @@ def raw_layout(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> list[tup
 
 def raw_nbytes(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> int:
     return sum(count * BUFFER_DTYPES[dt].itemsize for _, dt, count in raw_layout(rec, layouts))
-
-
-def compress_bound(raw: int) -> int:
-    """An upper bound on a zstd frame of ``raw`` bytes (ZSTD_compressBound plus the frame header)."""
-    return raw + (raw >> 8) + ((128 << 10) - raw >> 11 if raw < (128 << 10) else 0) + 32
 
 
 def split_raw(rec: TensorRecord, raw: bytes, layouts: Mapping[str, LayoutRule]) -> dict[str, np.ndarray]:
@@ -119,29 +105,6 @@ def gather(records: list[TensorRecord], backend: Any, layouts: Mapping[str, Layo
         sizes.append(n)
     flat = backend.xp.concatenate(parts) if parts else backend.xp.zeros(0, np.uint8)
     return flat, sizes
-
-
-def bounded_decompress(data: bytes, raw: int, what: str) -> bytes:
-    """Decompress one zstd frame of exactly ``raw`` bytes, never allocating more than that."""
-    try:
-        params = zstandard.get_frame_parameters(data)
-    except zstandard.ZstdError as e:
-        raise PayloadLayoutError(f"{what}: compressed buffer is not a zstd frame ({e})") from None
-    cs = params.content_size
-    if cs != zstandard.CONTENTSIZE_UNKNOWN and cs != raw:
-        exc = PayloadLimitError if cs > raw else PayloadLayoutError
-        raise exc(f"{what}: zstd frame declares {cs} bytes, the tensor's encoding implies {raw}")
-    if params.window_size > MAX_WINDOW:
-        raise PayloadLimitError(f"{what}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW}")
-    try:
-        out = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompress(
-            data, max_output_size=max(raw, 1), allow_extra_data=False
-        )
-    except zstandard.ZstdError as e:
-        raise PayloadLayoutError(f"{what}: zstd frame does not decompress to {raw} bytes ({e})") from None
-    if len(out) != raw:
-        raise PayloadLayoutError(f"{what}: zstd frame decompressed to {len(out)} bytes, expected {raw}")
-    return out
 
 
 def build_layouts(

@@ -28,8 +28,9 @@ import numpy as np
 import zstandard
 
 from ..format import LayoutRule, TensorRecord
+from ..format.common import bounded_decompress
 from .base import BytesCodec, check_int
-from .wire import bounded_decompress, gather, inner_record, split_raw, where
+from .wire import gather, inner_record, split_raw, where
 
 
 def split_host(flat: Any, sizes: list[int], backend: Any) -> list[bytes]:
@@ -58,9 +59,13 @@ def encode_wrapped(
 
 
 def decode_wrapped(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> TensorRecord:
-    """The inner record (NumPy buffers) of a ``zstd`` or ``nvcomp`` record: both hold standard zstd frames."""
+    """The inner record (NumPy buffers) of a ``zstd`` or ``nvcomp`` record: both hold standard zstd frames, one
+    per record or (wire format v2) one shared by every record of the payload, decompressed here on first use."""
     inner = inner_record(rec)
-    raw = bounded_decompress(bytes(np.asarray(rec.buffers["compressed"])), int(rec.codec["raw"]), where(rec))
+    if rec.frame is not None:
+        raw = rec.frame.read(where(rec))
+    else:
+        raw = bounded_decompress(bytes(np.asarray(rec.buffers["compressed"])), int(rec.codec["raw"]), where(rec))
     inner.buffers = split_raw(inner, raw, layouts)
     return inner
 

@@ -1,4 +1,4 @@
-"""Wire format v1: a versioned, self-describing, checksummed container (see docs/FORMAT.md).
+"""Wire format v1 (read always, written on request): a versioned, self-describing, checksummed container.
 
 Layout, all integers little-endian::
 
@@ -30,17 +30,14 @@ gpu_codec.errors.PayloadChecksumError: checksum mismatch: payload is corrupt (st
 
 from __future__ import annotations
 
-import json
-import math
 import struct
 import zlib
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from .errors import (
+from ..errors import (
     PayloadChecksumError,
     PayloadDtypeError,
     PayloadError,
@@ -49,78 +46,28 @@ from .errors import (
     PayloadLimitError,
     UnsupportedVersionError,
 )
+from .common import (
+    ALIGN,
+    BASE_LAYOUTS,
+    BUFFER_DTYPES,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    MAX_NAME,
+    MAX_TENSORS,
+    TENSOR_DTYPES,
+    LayoutRule,
+    TensorRecord,
+    buffer_dtype_name,
+    check_shape,
+    dumps_json,
+    loads_json,
+)
+from .common import is_int as _is_int
+from .common import req as _req
 
-MAGIC = b"GPUCODEC"
 VERSION = 1
 _PREFIX = struct.Struct("<8sII")
 _CRC = struct.Struct("<I")
-ALIGN = 8
-MAX_HEADER_BYTES = 16 << 20
-MAX_TENSORS = 100_000
-MAX_NDIM = 8
-MAX_NAME = 1024
-MAX_TENSOR_ELEMENTS = 1 << 40
-
-TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64")
-# Buffer dtype name -> NumPy storage dtype (bfloat16 travels as its uint16 bit pattern).
-BUFFER_DTYPES: dict[str, np.dtype] = {
-    "uint8": np.dtype("u1"),
-    "int8": np.dtype("i1"),
-    "uint16": np.dtype("<u2"),
-    "uint32": np.dtype("<u4"),
-    "uint64": np.dtype("<u8"),
-    "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype("<u2"),
-    "float32": np.dtype("<f4"),
-    "float64": np.dtype("<f8"),
-}
-
-
-@dataclass
-class TensorRecord:
-    """One tensor of a payload: what it was, how it is encoded, and its buffers (role -> 1-D array).
-
-    Buffers are NumPy arrays after :func:`unpack`, and backend arrays (possibly on the GPU) before :func:`pack`.
-    ``codec`` holds per-tensor codec parameters (JSON values) that the encoding's layout rule may use.
-    """
-
-    name: str
-    dtype: str
-    shape: tuple[int, ...]
-    encoding: str
-    nnz: int
-    buffers: dict[str, Any]
-    codec: dict[str, Any] = field(default_factory=dict)
-    buffer_dtypes: dict[str, str] = field(default_factory=dict)
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
-
-# Layout rules: encoding -> f(record) -> ordered {role: (allowed buffer dtypes, required element count)}.
-LayoutRule = Callable[[TensorRecord], dict[str, tuple[tuple[str, ...], int]]]
-
-
-def _coo_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:
-    vd = ("float64",) if rec.dtype == "float64" else ("float32",)
-    return {"indices": (("uint32", "uint64"), rec.nnz), "values": (vd, rec.nnz)}
-
-
-def _dense_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:
-    vd = ("float64",) if rec.dtype == "float64" else ("float32",)
-    return {"values": (vd, rec.numel)}
-
-
-# The container's own encodings. The codec encodings (sparse, dense_q, zstd, nvcomp) are declared by the codecs
-# (:func:`gpu_codec.codecs.wire_layouts`) and handed to :func:`unpack` by the caller: this module keeps no registry.
-BASE_LAYOUTS: dict[str, LayoutRule] = {"coo": _coo_layout, "dense": _dense_layout}
-
-
-def buffer_dtype_name(a: Any, rec: TensorRecord, role: str) -> str:
-    if role in rec.buffer_dtypes:
-        return rec.buffer_dtypes[role]
-    return np.dtype(a.dtype).name
 
 
 def _align(n: int) -> int:
@@ -160,7 +107,7 @@ def _header_and_layout(tensors: list[TensorRecord], pipeline: list[dict], metada
 
 
 def _header_bytes(header: dict) -> bytes:
-    hb = json.dumps(header, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+    hb = dumps_json(header)
     pad = (-(_PREFIX.size + len(hb))) % ALIGN
     return hb + b" " * pad
 
@@ -169,6 +116,12 @@ def packed_size(tensors: list[TensorRecord], pipeline: list[dict], metadata: dic
     """The exact length :func:`pack` will return, without touching any buffer's data."""
     header, _, data_len = _header_and_layout(tensors, pipeline, metadata)
     return _PREFIX.size + len(_header_bytes(header)) + data_len + _CRC.size
+
+
+def header_size(tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None = None) -> int:
+    """Bytes of prefix and JSON header (with its padding) of the payload :func:`pack` writes."""
+    header, _, _ = _header_and_layout(tensors, pipeline, metadata)
+    return _PREFIX.size + len(_header_bytes(header))
 
 
 def _gather_host(spans, data_len: int) -> bytes:
@@ -197,19 +150,6 @@ def pack(tensors: list[TensorRecord], *, pipeline: list[dict], metadata: dict | 
     hb = _header_bytes(header)
     body = _PREFIX.pack(MAGIC, VERSION, len(hb)) + hb + data
     return body + _CRC.pack(zlib.crc32(body) & 0xFFFFFFFF)
-
-
-def _req(cond: bool, exc: type, msg: str) -> None:
-    if not cond:
-        raise exc(msg)
-
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
-
-
-def _reject_constant(name: str) -> Any:
-    raise PayloadHeaderError(f"header JSON holds the non-standard constant {name}")
 
 
 def parse_header(blob: bytes | bytearray | memoryview) -> tuple[dict, memoryview]:
@@ -245,15 +185,10 @@ def parse_header(blob: bytes | bytearray | memoryview) -> tuple[dict, memoryview
         PayloadChecksumError,
         f"checksum mismatch: payload is corrupt (stored 0x{stored:08x}, computed 0x{computed:08x})",
     )
-    try:
-        header = json.loads(
-            bytes(mv[_PREFIX.size : _PREFIX.size + hlen]).decode("utf-8"), parse_constant=_reject_constant
-        )
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise PayloadHeaderError(f"header is not valid JSON: {e}") from None
+    header = loads_json(bytes(mv[_PREFIX.size : _PREFIX.size + hlen]))
     _req(isinstance(header, dict), PayloadHeaderError, "header JSON must be an object")
     _req(
-        header.get("format") == "gpu_codec" and header.get("version") == VERSION,
+        header.get("format") == "gpu_codec" and _is_int(header.get("version")) and header["version"] == VERSION,
         PayloadHeaderError,
         "header does not declare format 'gpu_codec' version 1",
     )
@@ -285,17 +220,8 @@ def _check_record(i: int, e: Any, layouts: Mapping[str, LayoutRule]) -> TensorRe
         f"{where}: dtype {dtype!r} is not one of {', '.join(TENSOR_DTYPES)}",
     )
     shape = e.get("shape")
-    _req(
-        isinstance(shape, list) and len(shape) <= MAX_NDIM and all(_is_int(s) and s >= 0 for s in shape),
-        PayloadLimitError,
-        f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {shape!r}",
-    )
-    numel = math.prod(shape)
-    _req(
-        numel <= MAX_TENSOR_ELEMENTS,
-        PayloadLimitError,
-        f"{where}: {numel} elements exceed the limit of {MAX_TENSOR_ELEMENTS}",
-    )
+    _req(isinstance(shape, list), PayloadLimitError, f"{where}: shape must be a list, got {shape!r}")
+    numel = check_shape(shape, where)
     enc = e.get("encoding")
     _req(isinstance(enc, str) and enc in layouts, PayloadHeaderError, f"{where}: unknown encoding {enc!r}")
     nnz = e.get("nnz")

@@ -1,0 +1,196 @@
+"""The wire format: a versioned, self-describing, checksummed container (see docs/FORMAT.md).
+
+:func:`pack` writes version 2 (a compact binary tensor table, a few bytes per tensor) wherever its table can
+describe the records, which holds for every built-in codec; otherwise, or when asked with ``version=1``, it
+writes version 1 (a JSON header). :func:`unpack` reads both. Both start with the magic ``GPUCODEC`` and a u32 LE
+version, and end with a zlib CRC-32 of every byte before it. The reader treats every payload as hostile: it caps
+the header, whitelists dtypes and encodings, bounds shapes and element counts, requires every buffer to have
+exactly the length the tensor's encoding implies, and checks the checksum. Nothing is ever unpickled.
+
+>>> import numpy as np
+>>> rec = TensorRecord("w", "float32", (4,), "coo", 1,
+...                    {"indices": np.array([2], np.uint32), "values": np.array([0.5], np.float32)})
+>>> blob = pack([rec], pipeline=[{"id": "topk", "fraction": 0.25}])
+>>> header, (back,) = unpack(blob)
+>>> header["version"], back.name, back.shape, back.buffers["indices"].tolist(), back.buffers["values"].tolist()
+(2, 'w', (4,), [2], [0.5])
+>>> unpack(pack([rec], pipeline=[], version=1))[0]["version"]
+1
+>>> unpack(blob[:-1] + bytes([blob[-1] ^ 1]))
+Traceback (most recent call last):
+...
+gpu_codec.errors.PayloadChecksumError: checksum mismatch: payload is corrupt (stored 0x..., computed 0x...)
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Mapping
+
+import numpy as np
+
+from ..errors import InvalidInputError, PayloadHeaderError, UnsupportedVersionError
+from . import v1, v2
+from .common import (
+    ALIGN,
+    BASE_LAYOUTS,
+    BUFFER_DTYPES,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    MAX_NAME,
+    MAX_NDIM,
+    MAX_TENSOR_ELEMENTS,
+    MAX_TENSORS,
+    TENSOR_DTYPES,
+    FrameSlice,
+    LayoutRule,
+    SharedFrame,
+    TensorRecord,
+    bounded_decompress,
+    compress_bound,
+)
+
+VERSION = v2.VERSION  # what pack writes
+VERSIONS = (1, 2)  # what unpack reads
+_MAGIC_VERSION = struct.Struct("<8sI")
+
+
+def _v1_records(tensors: list[TensorRecord], pipeline: list) -> list[TensorRecord]:
+    """Records v1 can hold: a record that shares a v2 frame gets a zstd frame of its own."""
+    if not any(r.frame is not None for r in tensors):
+        return tensors
+    level = v2._zstd_level(pipeline)
+    out = []
+    for r in tensors:
+        if r.frame is not None:
+            z = v2._compress(r.frame.read(f"tensor {r.name!r}"), level)
+            bufs = {"compressed": np.frombuffer(z, np.uint8)}
+            r = TensorRecord(r.name, r.dtype, r.shape, r.encoding, r.nnz, bufs, {**r.codec, "zbytes": len(z)})
+        out.append(r)
+    return out
+
+
+def _plan(tensors, pipeline, metadata, layouts, version, cache):
+    """The v2 plan, or None where v1 must be written."""
+    if version not in (None, 1, 2):
+        raise InvalidInputError(f"version must be 1 or 2 (or None: 2 where possible), got {version!r}")
+    if version == 1:
+        return None
+    try:
+        return v2.plan(tensors, pipeline, metadata, layouts, cache)
+    except v2.Unrepresentable as e:
+        if version == 2:
+            raise InvalidInputError(f"wire format v2 cannot hold these records: {e}") from None
+        return None
+
+
+def pack(
+    tensors: list[TensorRecord],
+    *,
+    pipeline: list[dict],
+    metadata: dict | None = None,
+    layouts: Mapping[str, LayoutRule] | None = None,
+    version: int | None = None,
+    cache: dict | None = None,
+) -> bytes:
+    """Serialize tensor records: version 2 where its table can describe them (``version=None``), else version 1.
+
+    ``layouts`` are the layout rules of the records' encodings (default: ``coo`` and ``dense``;
+    :meth:`gpu_codec.Payload.to_bytes` passes every encoding the codecs declare). Device buffers are gathered on
+    the device and copied to the host once. ``cache`` (a dict the caller keeps) remembers the bytes stage's
+    layout decision between :func:`packed_size` and :func:`pack` calls on the same records.
+    """
+    p = _plan(tensors, pipeline, metadata, layouts, version, cache)
+    if p is None:
+        return v1.pack(_v1_records(tensors, pipeline), pipeline=pipeline, metadata=metadata)
+    return v2.write(p)
+
+
+def packed_size(
+    tensors: list[TensorRecord],
+    pipeline: list[dict],
+    metadata: dict | None = None,
+    layouts: Mapping[str, LayoutRule] | None = None,
+    version: int | None = None,
+    cache: dict | None = None,
+) -> int:
+    """The exact length :func:`pack` will return, without touching any device buffer's data."""
+    p = _plan(tensors, pipeline, metadata, layouts, version, cache)
+    if p is None:
+        return v1.packed_size(_v1_records(tensors, pipeline), pipeline, metadata)
+    return p.size
+
+
+def header_size(
+    tensors: list[TensorRecord],
+    pipeline: list[dict],
+    metadata: dict | None = None,
+    layouts: Mapping[str, LayoutRule] | None = None,
+    version: int | None = None,
+    cache: dict | None = None,
+) -> int:
+    """Bytes of the payload :func:`pack` writes that are not buffer data or checksum: the prefix and the
+    tensor table (v2), or the prefix and the JSON header with its padding (v1)."""
+    p = _plan(tensors, pipeline, metadata, layouts, version, cache)
+    if p is None:
+        return v1.header_size(_v1_records(tensors, pipeline), pipeline, metadata)
+    return len(p.head)
+
+
+def payload_version(blob: bytes | bytearray | memoryview) -> int:
+    """The format version a payload declares (after checking its length and magic)."""
+    mv = memoryview(blob).cast("B")
+    if len(mv) < _MAGIC_VERSION.size:
+        raise PayloadHeaderError(f"payload is {len(mv)} bytes, shorter than the smallest valid payload")
+    magic, version = _MAGIC_VERSION.unpack_from(mv, 0)
+    if magic != MAGIC:
+        raise PayloadHeaderError(f"bad magic {bytes(magic)!r}: not a gpu_codec payload")
+    if version not in VERSIONS:
+        raise UnsupportedVersionError(
+            f"payload format version {version} is not supported (this reader knows versions 1 and 2)"
+        )
+    return version
+
+
+def unpack(
+    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None
+) -> tuple[dict, list[TensorRecord]]:
+    """Validate a payload (version 1 or 2) completely and return (header, records).
+
+    Records hold NumPy views of their buffers; a ``zstd`` record of a v2 payload whose bytes stage ran over all
+    tensors at once holds its share of that frame in ``frame`` instead, decompressed when it is decoded.
+    ``layouts`` maps each encoding the reader accepts to its layout rule; the default is the container's own
+    ``coo`` and ``dense``. :meth:`gpu_codec.Payload.from_bytes` passes every encoding the codecs declare.
+    ``header`` holds ``version``, ``pipeline``, ``metadata`` and a ``tensors`` list. Raises a
+    :class:`~gpu_codec.errors.PayloadError` subclass naming the tensor and the problem.
+    """
+    if payload_version(blob) == 1:
+        return v1.unpack(blob, layouts)
+    return v2.unpack(blob, layouts)
+
+
+__all__ = [
+    "ALIGN",
+    "BASE_LAYOUTS",
+    "BUFFER_DTYPES",
+    "MAGIC",
+    "MAX_HEADER_BYTES",
+    "MAX_NAME",
+    "MAX_NDIM",
+    "MAX_TENSORS",
+    "MAX_TENSOR_ELEMENTS",
+    "TENSOR_DTYPES",
+    "VERSION",
+    "VERSIONS",
+    "FrameSlice",
+    "LayoutRule",
+    "SharedFrame",
+    "TensorRecord",
+    "bounded_decompress",
+    "compress_bound",
+    "header_size",
+    "pack",
+    "packed_size",
+    "payload_version",
+    "unpack",
+]

@@ -1,0 +1,231 @@
+"""What both wire format versions share: the tensor record, the dtype whitelists, the limits, the container's own
+layout rules, strict JSON, the shape check and bounded zstd frames."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from ..dtypes import index_dtype
+from ..errors import PayloadHeaderError, PayloadLayoutError, PayloadLimitError
+
+MAGIC = b"GPUCODEC"
+ALIGN = 8  # v1 buffer alignment
+MAX_HEADER_BYTES = 16 << 20
+MAX_TENSORS = 100_000
+MAX_NDIM = 8
+MAX_NAME = 1024
+MAX_TENSOR_ELEMENTS = 1 << 40
+MAX_WINDOW = 1 << 27  # the largest zstd window a reader accepts
+MAX_INT_DIGITS = 40  # a header integer longer than this is junk (every bounded field fits in 20 digits)
+
+TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64")
+# Buffer dtype name -> NumPy storage dtype (bfloat16 travels as its uint16 bit pattern).
+BUFFER_DTYPES: dict[str, np.dtype] = {
+    "uint8": np.dtype("u1"),
+    "int8": np.dtype("i1"),
+    "uint16": np.dtype("<u2"),
+    "uint32": np.dtype("<u4"),
+    "uint64": np.dtype("<u8"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
+    "float32": np.dtype("<f4"),
+    "float64": np.dtype("<f8"),
+}
+
+
+class SharedFrame:
+    """The data section of a v2 payload whose bytes stage ran over every tensor at once: one zstd frame (or the
+    same bytes stored plainly) holding each tensor's inner buffers back to back. It is decompressed on first use,
+    at decode time (after the caller's limits on element counts), never while a payload is parsed."""
+
+    def __init__(self, data: memoryview, raw: int, compressed: bool):
+        self._data, self._raw, self._compressed = data, raw, compressed
+        self._out: bytes | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """The frame's size on the wire."""
+        return len(self._data)
+
+    def wire(self) -> bytes:
+        return bytes(self._data)
+
+    def content(self, what: str = "payload") -> bytes:
+        if self._out is None:
+            if self._compressed:
+                self._out = bounded_decompress(bytes(self._data), self._raw, f"{what}: shared zstd frame")
+            else:
+                self._out = bytes(self._data)
+        return self._out
+
+
+@dataclass(frozen=True)
+class FrameSlice:
+    """One tensor's inner bytes inside a :class:`SharedFrame`: ``nbytes`` from ``offset``."""
+
+    frame: SharedFrame
+    offset: int
+    nbytes: int
+
+    def read(self, what: str = "payload") -> bytes:
+        return self.frame.content(what)[self.offset : self.offset + self.nbytes]
+
+
+@dataclass
+class TensorRecord:
+    """One tensor of a payload: what it was, how it is encoded, and its buffers (role -> 1-D array).
+
+    Buffers are NumPy arrays after :func:`unpack`, and backend arrays (possibly on the GPU) before :func:`pack`.
+    ``codec`` holds per-tensor codec parameters (JSON values) that the encoding's layout rule may use.
+    ``frame`` is set instead of buffers on a ``zstd`` record read from a v2 payload whose bytes stage ran over
+    all tensors as one frame: the record's share of that frame, decompressed when the record is decoded.
+    """
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    encoding: str
+    nnz: int
+    buffers: dict[str, Any]
+    codec: dict[str, Any] = field(default_factory=dict)
+    buffer_dtypes: dict[str, str] = field(default_factory=dict)
+    frame: FrameSlice | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+# Layout rules: encoding -> f(record) -> ordered {role: (allowed buffer dtypes, required element count)}.
+LayoutRule = Callable[[TensorRecord], dict[str, tuple[tuple[str, ...], int]]]
+
+
+def _coo_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:
+    vd = ("float64",) if rec.dtype == "float64" else ("float32",)
+    return {"indices": (("uint32", "uint64"), rec.nnz), "values": (vd, rec.nnz)}
+
+
+def _dense_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:
+    vd = ("float64",) if rec.dtype == "float64" else ("float32",)
+    return {"values": (vd, rec.numel)}
+
+
+# The container's own encodings. The codec encodings (sparse, dense_q, zstd, nvcomp) are declared by the codecs
+# (:func:`gpu_codec.codecs.wire_layouts`) and handed to :func:`unpack` by the caller: this package keeps no registry.
+BASE_LAYOUTS: dict[str, LayoutRule] = {"coo": _coo_layout, "dense": _dense_layout}
+
+
+def canonical_dtype(allowed: tuple[str, ...], rec: TensorRecord) -> str:
+    """The one dtype a buffer has where its dtype is not stored (index width follows the element count)."""
+    if len(allowed) == 1:
+        return allowed[0]
+    return index_dtype(rec.numel).name
+
+
+def buffer_dtype_name(a: Any, rec: TensorRecord, role: str) -> str:
+    if role in rec.buffer_dtypes:
+        return rec.buffer_dtypes[role]
+    return np.dtype(a.dtype).name
+
+
+def req(cond: bool, exc: type, msg: str) -> None:
+    if not cond:
+        raise exc(msg)
+
+
+def is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _reject_constant(name: str) -> Any:
+    raise PayloadHeaderError(f"header JSON holds the non-standard constant {name}")
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise PayloadHeaderError(f"header JSON holds an integer of {len(text)} digits (at most {MAX_INT_DIGITS})")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    x = float(text)
+    if not math.isfinite(x):
+        raise PayloadHeaderError(f"header JSON holds the number {text[:40]}, which is not a finite float")
+    return x
+
+
+def loads_json(raw: bytes, what: str = "header") -> Any:
+    """Strict JSON: UTF-8, no NaN/Infinity constants, no number that overflows a float, no integer of more
+    than 40 digits. Anything else is a :class:`~gpu_codec.errors.PayloadHeaderError`."""
+    try:
+        return json.loads(
+            raw.decode("utf-8"), parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float
+        )
+    except PayloadHeaderError:
+        raise
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+        raise PayloadHeaderError(f"{what} is not valid JSON: {e}") from None
+
+
+def dumps_json(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def check_shape(shape: Any, where: str) -> int:
+    """Validate a shape (at most 8 non-negative integers, the element count and every dimension within
+    :data:`MAX_TENSOR_ELEMENTS`, a zero dimension included) and return its element count."""
+    req(
+        isinstance(shape, (list, tuple)) and len(shape) <= MAX_NDIM and all(is_int(s) and s >= 0 for s in shape),
+        PayloadLimitError,
+        f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {shape!r}",
+    )
+    bound = 1  # the product of the non-zero dimensions, checked on every prefix: a zero cannot hide a huge one
+    for s in shape:
+        bound *= max(s, 1)
+        req(
+            bound <= MAX_TENSOR_ELEMENTS,
+            PayloadLimitError,
+            f"{where}: shape {list(shape)} exceeds the limit of {MAX_TENSOR_ELEMENTS} elements (zero dimensions aside)",
+        )
+    return math.prod(shape)
+
+
+def compress_bound(raw: int) -> int:
+    """An upper bound on a zstd frame of ``raw`` bytes (ZSTD_compressBound plus the frame header)."""
+    return raw + (raw >> 8) + ((128 << 10) - raw >> 11 if raw < (128 << 10) else 0) + 32
+
+
+def check_frame(data: bytes | memoryview, raw: int, what: str) -> None:
+    """Check a zstd frame's header without decompressing: it declares exactly ``raw`` bytes of content (or none)
+    and a window within :data:`MAX_WINDOW`."""
+    try:
+        params = zstandard.get_frame_parameters(data)
+    except zstandard.ZstdError as e:
+        raise PayloadLayoutError(f"{what}: compressed buffer is not a zstd frame ({e})") from None
+    cs = params.content_size
+    if cs != zstandard.CONTENTSIZE_UNKNOWN and cs != raw:
+        exc = PayloadLimitError if cs > raw else PayloadLayoutError
+        raise exc(f"{what}: zstd frame declares {cs} bytes, the tensor's encoding implies {raw}")
+    if params.window_size > MAX_WINDOW:
+        raise PayloadLimitError(f"{what}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW}")
+
+
+def bounded_decompress(data: bytes, raw: int, what: str) -> bytes:
+    """Decompress one zstd frame of exactly ``raw`` bytes, never allocating more than that."""
+    check_frame(data, raw, what)
+    try:
+        out = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompress(
+            data, max_output_size=max(raw, 1), allow_extra_data=False
+        )
+    except zstandard.ZstdError as e:
+        raise PayloadLayoutError(f"{what}: zstd frame does not decompress to {raw} bytes ({e})") from None
+    if len(out) != raw:
+        raise PayloadLayoutError(f"{what}: zstd frame decompressed to {len(out)} bytes, expected {raw}")
+    return out

@@ -1,0 +1,876 @@
+"""Wire format v2: a compact binary tensor table instead of a JSON header (see docs/FORMAT.md, "Version 2").
+
+Names are front-coded against the previous name, shapes and counts are varints, dtypes, encodings, value and
+index forms are one-byte codes, the pipeline is stored once (built-in stages as codes, others as JSON), the
+encoding of most tensors once (a tensor that differs carries its own), per-tensor codec fields as varints or
+raw float32 bits, buffer offsets are implied by the layout, and the bytes stage may run over every tensor as
+one frame. The table itself is zstd-compressed where that is smaller.
+
+>>> import numpy as np
+>>> from gpu_codec.format import TensorRecord, pack, unpack
+>>> rec = TensorRecord("w", "float32", (4,), "coo", 1,
+...                    {"indices": np.array([2], np.uint32), "values": np.array([0.5], np.float32)})
+>>> blob = pack([rec], pipeline=[{"id": "topk", "fraction": 0.25, "scope": "global", "score": "magnitude"}])
+>>> len(blob), blob[8], header_size([rec], [{"id": "topk", "fraction": 0.25, "scope": "global",
+...                                          "score": "magnitude"}])
+(40, 2, 28)
+>>> header, (back,) = unpack(blob)
+>>> header["version"], header["pipeline"][0]["fraction"], back.buffers["indices"].tolist()
+(2, 0.25, [2])
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+import zlib
+from collections import Counter
+from collections.abc import Mapping
+from decimal import Decimal
+from typing import Any
+
+import numpy as np
+import zstandard
+
+from ..cpu_fallback.rice import rice_param
+from ..errors import (
+    InvalidInputError,
+    PayloadChecksumError,
+    PayloadError,
+    PayloadHeaderError,
+    PayloadLayoutError,
+    PayloadLimitError,
+)
+from .common import (
+    BASE_LAYOUTS,
+    BUFFER_DTYPES,
+    MAGIC,
+    MAX_HEADER_BYTES,
+    MAX_NAME,
+    MAX_NDIM,
+    MAX_TENSOR_ELEMENTS,
+    MAX_TENSORS,
+    FrameSlice,
+    LayoutRule,
+    SharedFrame,
+    TensorRecord,
+    bounded_decompress,
+    buffer_dtype_name,
+    canonical_dtype,
+    check_frame,
+    check_shape,
+    compress_bound,
+    dumps_json,
+    is_int,
+    loads_json,
+    req,
+)
+
+VERSION = 2
+_PREFIX = struct.Struct("<8sIB")  # magic, version, flags
+_CRC = struct.Struct("<I")
+_F32 = struct.Struct("<f")
+MIN_SIZE = _PREFIX.size + 1 + _CRC.size
+
+# flags (the prefix's last byte)
+FLAG_METADATA = 0x01
+FLAG_TABLE_ZSTD = 0x02
+DATA_SHIFT = 2  # bits 2-3: the data mode
+DATA_RECORDS, DATA_ZSTD, DATA_PLAIN = 0, 1, 2
+DATA_MODES = ("records", "zstd", "plain")
+
+# one-byte codes, fixed forever (a new value is appended, never reordered)
+DTYPE_CODES = ("float32", "float16", "bfloat16", "float64")
+ENCODING_CODES = ("coo", "dense", "sparse", "dense_q", "zstd", "nvcomp")
+INNER_ENCODINGS = ENCODING_CODES[:4]
+WRAPPERS = ("zstd", "nvcomp")
+VALUE_FORMS = ("f32", "f16", "bf16", "int8", "ternary")
+INDEX_FORMS = ("raw", "rice")
+SCOPE_CODES = ("global", "per_tensor")
+SCORE_CODES = (
+    "magnitude",
+    "largest_final_magnitude",
+    "smallest_final_magnitude",
+    "largest_magnitude_change",
+    "smallest_magnitude_change",
+    "largest_increase_in_magnitude",
+    "smallest_increase_in_magnitude",
+    "custom",
+)
+QUANT_CODES = ("float32", "float16", "bfloat16")
+NVCOMP_ALGOS = ("zstd",)
+STAGE_JSON, STAGE_TOPK, STAGE_QUANTIZE, STAGE_INT8, STAGE_TERNARY, STAGE_RICE, STAGE_ZSTD, STAGE_NVCOMP = range(8)
+
+MAX_STAGES = 16
+MAX_NAME_BYTES = 4 * MAX_NAME
+MAX_BLOCK = 1 << 20
+MAX_RICE_BITS = 1 << 62
+MAX_FRACTION_EXP = 400
+_TABLE_LEVEL_SMALL, _TABLE_LEVEL_LARGE, _TABLE_SMALL = 19, 3, 256 << 10
+
+Form = tuple  # (encoding, inner encoding | None, value form | None, int8 block | None, index form | None)
+
+
+class Unrepresentable(Exception):
+    """A record or config the v2 table has no field for (the writer then falls back to v1)."""
+
+
+# ------------------------------------------------------------------------------------------ varints
+
+
+def uvarint(n: int) -> bytes:
+    """Unsigned LEB128: 7 bits per byte, least significant group first, high bit set on every byte but the last.
+
+    >>> uvarint(0), uvarint(127), uvarint(300)
+    (b'\\x00', b'\\x7f', b'\\xac\\x02')
+    """
+    if n < 0:
+        raise Unrepresentable(f"negative integer {n}")
+    out = bytearray()
+    while True:
+        b, n = n & 0x7F, n >> 7
+        if n:
+            out.append(b | 0x80)
+        else:
+            out.append(b)
+            return bytes(out)
+
+
+class _Reader:
+    """Sequential reads of a byte string, every one bounds-checked (PayloadHeaderError past the end)."""
+
+    def __init__(self, buf: bytes | memoryview, pos: int, end: int, what: str):
+        self.buf, self.pos, self.end, self.what = buf, pos, end, what
+
+    def _need(self, n: int, field: str) -> None:
+        req(self.pos + n <= self.end, PayloadHeaderError, f"{self.what} ends inside {field}")
+
+    def u8(self, field: str) -> int:
+        self._need(1, field)
+        b = self.buf[self.pos]
+        self.pos += 1
+        return b
+
+    def take(self, n: int, field: str) -> bytes:
+        self._need(n, field)
+        out = bytes(self.buf[self.pos : self.pos + n])
+        self.pos += n
+        return out
+
+    def varint(self, field: str, hi: int, exc: type = PayloadHeaderError) -> int:
+        """A canonical varint (at most 10 bytes, below 2^64, no redundant trailing zero group) in [0, hi]."""
+        n, shift, start = 0, 0, self.pos
+        while True:
+            b = self.u8(field)
+            n |= (b & 0x7F) << shift
+            shift += 7
+            if not b & 0x80:
+                break
+            req(shift < 70, PayloadHeaderError, f"{self.what}: varint {field} runs past 10 bytes")
+        req(
+            n < 1 << 64 and not (b == 0 and self.pos - start > 1),
+            PayloadHeaderError,
+            f"{self.what}: varint {field} is not canonical or exceeds 64 bits",
+        )
+        req(n <= hi, exc, f"{self.what}: {field} {n} exceeds its limit {hi}")
+        return n
+
+    def code(self, field: str, table: tuple) -> str:
+        c = self.u8(field)
+        req(c < len(table), PayloadHeaderError, f"{self.what}: unknown {field} code {c}")
+        return table[c]
+
+
+# ------------------------------------------------------------------------------------------ pipeline stages
+
+
+def _decimal(f: float) -> tuple[int, int]:
+    """A float in (0, 1] as (m, e), its shortest round-tripping decimal m x 10^-e."""
+    sign, digits, exp = Decimal(repr(f)).as_tuple()
+    if sign or not is_int(exp):
+        raise Unrepresentable(f"fraction {f!r}")
+    m, e = int("".join(map(str, digits))), -exp
+    if e < 0:
+        m, e = m * 10**-e, 0
+    while e and m % 10 == 0:  # 1.0 is (1, 0), not (10, 1)
+        m, e = m // 10, e - 1
+    return m, e
+
+
+def _stage_bytes(cfg: Any) -> bytes:
+    try:
+        return _compact_stage(cfg)
+    except Unrepresentable:
+        pass
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("id"), str):
+        raise Unrepresentable(f"pipeline stage {cfg!r} is not a codec config")
+    try:
+        j = dumps_json(cfg)
+    except (TypeError, ValueError) as e:
+        raise Unrepresentable(str(e)) from None
+    return bytes([STAGE_JSON]) + uvarint(len(j)) + j
+
+
+def _compact_stage(cfg: Any) -> bytes:
+    if type(cfg) is not dict:
+        raise Unrepresentable("not a dict")
+    cid, keys = cfg.get("id"), set(cfg)
+    if cid == "topk" and keys == {"id", "fraction", "scope", "score"}:
+        f = cfg["fraction"]
+        if type(f) is float and 0.0 < f <= 1.0 and cfg["scope"] in SCOPE_CODES and cfg["score"] in SCORE_CODES:
+            m, e = _decimal(f)
+            s = SCOPE_CODES.index(cfg["scope"]), SCORE_CODES.index(cfg["score"])
+            return bytes([STAGE_TOPK]) + uvarint(m) + uvarint(e) + bytes(s)
+    elif cid == "quantize" and keys == {"id", "dtype"} and cfg["dtype"] in QUANT_CODES:
+        return bytes([STAGE_QUANTIZE, QUANT_CODES.index(cfg["dtype"])])
+    elif cid == "int8" and keys == {"id", "block_size"} and is_int(cfg["block_size"]):
+        if 1 <= cfg["block_size"] <= MAX_BLOCK:
+            return bytes([STAGE_INT8]) + uvarint(cfg["block_size"])
+    elif cid in ("ternary", "rice") and keys == {"id"}:
+        return bytes([STAGE_TERNARY if cid == "ternary" else STAGE_RICE])
+    elif cid == "zstd" and keys == {"id", "level"} and is_int(cfg["level"]) and 1 <= cfg["level"] <= 22:
+        return bytes([STAGE_ZSTD, cfg["level"]])
+    elif cid == "nvcomp" and keys == {"id", "algorithm"} and cfg["algorithm"] in NVCOMP_ALGOS:
+        return bytes([STAGE_NVCOMP, NVCOMP_ALGOS.index(cfg["algorithm"])])
+    raise Unrepresentable(f"no compact code for {cfg!r}")
+
+
+def _read_stage(r: _Reader) -> dict:
+    code = r.u8("stage code")
+    if code == STAGE_JSON:
+        n = r.varint("stage config length", r.end - r.pos)
+        cfg = loads_json(r.take(n, "stage config"), "a pipeline stage config")
+        req(
+            isinstance(cfg, dict) and isinstance(cfg.get("id"), str),
+            PayloadHeaderError,
+            f"{r.what}: a JSON pipeline stage must be an object with a string 'id'",
+        )
+        return cfg
+    if code == STAGE_TOPK:
+        m = r.varint("topk fraction digits", 10**17)
+        e = r.varint("topk fraction exponent", MAX_FRACTION_EXP)
+        f = float(Decimal(m).scaleb(-e))
+        req(0.0 < f <= 1.0, PayloadHeaderError, f"{r.what}: topk fraction {m}e-{e} is not in (0, 1]")
+        req(_decimal(f) == (m, e), PayloadHeaderError, f"{r.what}: topk fraction {m}e-{e} is not in shortest form")
+        return {
+            "id": "topk",
+            "fraction": f,
+            "scope": r.code("scope", SCOPE_CODES),
+            "score": r.code("score", SCORE_CODES),
+        }
+    if code == STAGE_QUANTIZE:
+        return {"id": "quantize", "dtype": r.code("quantize dtype", QUANT_CODES)}
+    if code == STAGE_INT8:
+        b = r.varint("int8 block size", MAX_BLOCK)
+        req(b >= 1, PayloadHeaderError, f"{r.what}: int8 block size 0")
+        return {"id": "int8", "block_size": b}
+    if code in (STAGE_TERNARY, STAGE_RICE):
+        return {"id": "ternary" if code == STAGE_TERNARY else "rice"}
+    if code == STAGE_ZSTD:
+        level = r.u8("zstd level")
+        req(1 <= level <= 22, PayloadHeaderError, f"{r.what}: zstd level {level} is not in [1, 22]")
+        return {"id": "zstd", "level": level}
+    if code == STAGE_NVCOMP:
+        return {"id": "nvcomp", "algorithm": r.code("nvcomp algorithm", NVCOMP_ALGOS)}
+    raise PayloadHeaderError(f"{r.what}: unknown pipeline stage code {code}")
+
+
+# ------------------------------------------------------------------------------------------ forms
+
+
+def _form_bytes(form: Form) -> bytes:
+    enc, inner, v, block, i = form
+    out = bytearray([ENCODING_CODES.index(enc)])
+    base = enc
+    if enc in WRAPPERS:
+        out.append(ENCODING_CODES.index(inner))
+        base = inner
+    if base in ("sparse", "dense_q"):
+        out.append(VALUE_FORMS.index(v))
+        if v == "int8":
+            out += uvarint(block)
+    if base == "sparse":
+        out.append(INDEX_FORMS.index(i))
+    return bytes(out)
+
+
+def _read_form(r: _Reader) -> Form:
+    enc = r.code("encoding", ENCODING_CODES)
+    inner, v, block, i = None, None, None, None
+    base = enc
+    if enc in WRAPPERS:
+        inner = r.code("inner encoding", ENCODING_CODES)
+        req(inner in INNER_ENCODINGS, PayloadHeaderError, f"{r.what}: a {enc} record cannot wrap {inner!r}")
+        base = inner
+    if base in ("sparse", "dense_q"):
+        v = r.code("value form", VALUE_FORMS)
+        if v == "int8":
+            block = r.varint("int8 block size", MAX_BLOCK)
+            req(block >= 1, PayloadHeaderError, f"{r.what}: int8 block size 0")
+    if base == "sparse":
+        i = r.code("index form", INDEX_FORMS)
+    return (enc, inner, v, block, i)
+
+
+def _keys(d: Any, allowed: set[str], required: set[str]) -> dict:
+    if not isinstance(d, dict) or not required <= set(d) <= allowed:
+        raise Unrepresentable(f"codec fields {d!r}")
+    return d
+
+
+def _coded_form(enc: str, c: dict, rec: TensorRecord, nnz: int) -> tuple[tuple, list[tuple[str, Any]]]:
+    """(value form, block, index form) and the per-tensor fields of a sparse/dense_q codec dict."""
+    v = c.get("v")
+    if v not in VALUE_FORMS:
+        raise Unrepresentable(f"value form {v!r}")
+    allowed, fields, block = {"v"}, [], None
+    if v == "int8":
+        allowed.add("block")
+        block = c.get("block")
+        if not is_int(block) or not 1 <= block <= MAX_BLOCK:
+            raise Unrepresentable("int8 block")
+    if v == "ternary":
+        allowed.add("mu")
+        mu = _mu_bits(c.get("mu"))
+        if nnz:
+            fields.append(("mu", mu))
+        elif mu != bytes(4):
+            raise Unrepresentable("ternary mu of an empty tensor")
+    i = None
+    if enc == "sparse":
+        allowed.add("i")
+        i = c.get("i")
+        if i not in INDEX_FORMS:
+            raise Unrepresentable(f"index form {i!r}")
+        if i == "rice":
+            allowed |= {"k", "bits"}
+            if c.get("k") != rice_param(nnz, rec.numel) or not is_int(c.get("bits")) or c["bits"] < 0:
+                raise Unrepresentable("Rice fields")
+            if nnz:
+                fields.append(("bits", c["bits"]))
+            elif c["bits"]:
+                raise Unrepresentable("Rice bits of an empty tensor")
+    _keys(c, allowed, allowed)
+    return (v, block, i), fields
+
+
+def _mu_bits(mu: Any) -> bytes:
+    if type(mu) not in (float, int) or isinstance(mu, bool):
+        raise Unrepresentable("ternary mu")
+    try:
+        b = _F32.pack(mu)
+    except (OverflowError, struct.error):
+        raise Unrepresentable("ternary mu") from None
+    if _F32.unpack(b)[0] != mu or not _mu_ok(b):
+        raise Unrepresentable("ternary mu")
+    return b
+
+
+def _mu_ok(b: bytes) -> bool:
+    return int.from_bytes(b, "little") < 0x7F800000  # finite, sign bit clear
+
+
+def _record_form(rec: TensorRecord) -> tuple[Form, list[tuple[str, Any]]]:
+    enc, c = rec.encoding, rec.codec
+    if enc in ("coo", "dense"):
+        _keys(c, set(), set())
+        return (enc, None, None, None, None), []
+    if enc in ("sparse", "dense_q"):
+        (v, block, i), fields = _coded_form(enc, c, rec, rec.nnz)
+        return (enc, None, v, block, i), fields
+    if enc in WRAPPERS:
+        allowed = {"inner", "raw", "zbytes", "ic"} | ({"algo"} if enc == "nvcomp" else set())
+        _keys(c, allowed, {"inner", "raw"} | ({"algo"} if enc == "nvcomp" else set()))
+        if enc == "nvcomp" and c["algo"] not in NVCOMP_ALGOS:
+            raise Unrepresentable("nvcomp algorithm")
+        inner, ic = c["inner"], c.get("ic", {})
+        if inner in ("coo", "dense"):
+            _keys(ic, set(), set())
+            return (enc, inner, None, None, None), []
+        if inner in ("sparse", "dense_q") and isinstance(ic, dict) and ic:
+            (v, block, i), fields = _coded_form(inner, ic, rec, rec.nnz)
+            return (enc, inner, v, block, i), fields
+    raise Unrepresentable(f"encoding {enc!r}")
+
+
+# ------------------------------------------------------------------------------------------ writer
+
+
+def _layout_of(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> list[tuple[str, str, int]]:
+    rule = layouts.get(rec.encoding)
+    if rule is None:
+        raise Unrepresentable(f"encoding {rec.encoding!r} has no layout rule here")
+    try:
+        layout = rule(rec)
+    except (PayloadError, KeyError, TypeError, ValueError) as e:
+        raise Unrepresentable(str(e)) from None
+    return [(role, canonical_dtype(allowed, rec), count) for role, (allowed, count) in layout.items()]
+
+
+def _inner_of(rec: TensorRecord) -> TensorRecord:
+    return TensorRecord(rec.name, rec.dtype, rec.shape, rec.codec["inner"], rec.nnz, {}, dict(rec.codec.get("ic", {})))
+
+
+def _check_buffers(rec: TensorRecord, layout: list[tuple[str, str, int]]) -> list[Any]:
+    if list(rec.buffers) != [role for role, _, _ in layout]:
+        raise Unrepresentable(f"tensor {rec.name!r}: buffers {list(rec.buffers)} are not in layout order")
+    out = []
+    for role, dt, count in layout:
+        a = rec.buffers[role]
+        if (
+            buffer_dtype_name(a, rec, role) != dt
+            or int(a.size) != count
+            or a.dtype.itemsize != BUFFER_DTYPES[dt].itemsize
+        ):
+            raise Unrepresentable(f"tensor {rec.name!r}: buffer {role!r} is not {count} x {dt}")
+        out.append(a)
+    return out
+
+
+def _zstd_level(pipeline: list) -> int:
+    for s in pipeline:
+        if isinstance(s, dict) and s.get("id") == "zstd" and is_int(s.get("level")) and 1 <= s["level"] <= 22:
+            return s["level"]
+    return 3
+
+
+def _compress(raw: bytes, level: int) -> bytes:
+    return zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True).compress(raw)
+
+
+def _raw_of(rec: TensorRecord) -> bytes:
+    if rec.frame is not None:
+        return rec.frame.read(f"tensor {rec.name!r}")
+    comp = rec.buffers.get("compressed")
+    if comp is None:
+        raise Unrepresentable(f"tensor {rec.name!r}: a wrapped record without its frame")
+    return bounded_decompress(np.asarray(comp).tobytes(), rec.codec["raw"], f"tensor {rec.name!r}")
+
+
+class _Plan:
+    """What :func:`pack` writes: the header (prefix and table) and the data parts, sized without any copy."""
+
+    def __init__(self, head: bytes, parts: list[Any], data_len: int):
+        self.head, self.parts, self.data_len = head, parts, data_len
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + self.data_len + _CRC.size
+
+
+def _cached(cache: dict | None, slot: str, key: Any, fn, keep: Any = None):
+    """``fn()``, remembered in ``cache[slot]`` while ``key`` stays the same (``keep`` holds the objects whose ids
+    are in the key, so no id is reused while the entry lives)."""
+    if cache is None:
+        return fn()
+    hit = cache.get(slot)
+    if hit is not None and hit[0] == key:
+        return hit[1]
+    out = fn()
+    cache[slot] = (key, out, keep)
+    return out
+
+
+def _wrapped_data(records, level: int, cache: dict | None, force: int | None) -> tuple[int, list, list[int | None]]:
+    """Choose how the bytes stage's output is laid out: per record, one shared frame or plain. Returns
+    (data mode, data parts, per-record zbytes for the table)."""
+    ident = tuple(id(r.frame) if r.frame is not None else id(r.buffers.get("compressed")) for r in records)
+    refs = [r.frame if r.frame is not None else r.buffers.get("compressed") for r in records]
+
+    def compute():
+        raws = [_raw_of(r) for r in records]
+        joint_raw = b"".join(raws)
+        frames = [
+            _compress(raw, level) if r.frame is not None else np.asarray(r.buffers["compressed"]).tobytes()
+            for r, raw in zip(records, raws)
+        ]
+        joint = _compress(joint_raw, level)
+        return joint_raw, joint, frames
+
+    joint_raw, joint, frames = _cached(cache, "wrapped", (ident, level), compute, refs)
+    per = sum(len(f) + len(uvarint(len(f))) for f in frames)
+    options = [(len(joint_raw), DATA_PLAIN), (len(joint), DATA_ZSTD), (per, DATA_RECORDS)]
+    _, mode = min(options) if force is None else (0, force)
+    if mode == DATA_PLAIN:
+        return mode, [joint_raw], [None] * len(records)
+    if mode == DATA_ZSTD:
+        return mode, [joint], [None] * len(records)
+    return mode, frames, [len(f) for f in frames]
+
+
+def plan(
+    tensors: list[TensorRecord],
+    pipeline: list[dict],
+    metadata: dict | None,
+    layouts: Mapping[str, LayoutRule] | None = None,
+    cache: dict | None = None,
+    data_mode: int | None = None,
+) -> _Plan:
+    """Lay out a v2 payload; raises :class:`Unrepresentable` where only v1 can hold the records.
+
+    ``data_mode`` forces how zstd records are laid out (``DATA_RECORDS``, ``DATA_ZSTD``, ``DATA_PLAIN``);
+    by default the smallest is chosen."""
+    layouts = BASE_LAYOUTS if layouts is None else layouts
+    if len(tensors) > MAX_TENSORS:
+        raise Unrepresentable("too many tensors")
+    forms, fields, parts = [], [], []
+    all_zstd = bool(tensors) and all(r.encoding == "zstd" for r in tensors)
+    for rec in tensors:
+        if not isinstance(rec.shape, tuple) or len(rec.shape) > MAX_NDIM:
+            raise Unrepresentable(f"tensor {rec.name!r}: shape")
+        if rec.dtype not in DTYPE_CODES or not is_int(rec.nnz):
+            raise Unrepresentable(f"tensor {rec.name!r}: dtype or nnz")
+        form, f = _record_form(rec)
+        base = form[1] if form[0] in WRAPPERS else form[0]
+        if base in ("dense", "dense_q") and rec.nnz != rec.numel:
+            raise Unrepresentable(f"tensor {rec.name!r}: a dense record with nnz != numel")
+        if form[0] in WRAPPERS:
+            if not is_int(rec.codec["raw"]):
+                raise Unrepresentable("raw")
+            inner = _inner_of(rec)
+            if sum(n * BUFFER_DTYPES[dt].itemsize for _, dt, n in _layout_of(inner, layouts)) != rec.codec["raw"]:
+                raise Unrepresentable(f"tensor {rec.name!r}: raw size")
+            if rec.frame is None:
+                if "zbytes" not in rec.codec:
+                    raise Unrepresentable("zbytes")
+                comp = _check_buffers(rec, _layout_of(rec, layouts))
+                if not all_zstd:
+                    parts.extend(comp)
+            elif not all_zstd:
+                raise Unrepresentable(f"tensor {rec.name!r}: a shared-frame record among other encodings")
+        else:
+            parts.extend(_check_buffers(rec, _layout_of(rec, layouts)))
+        forms.append(form)
+        fields.append(f)
+    mode, zbytes = DATA_RECORDS, [r.codec.get("zbytes") for r in tensors]
+    if all_zstd:
+        mode, parts, zbytes = _wrapped_data(tensors, _zstd_level(pipeline), cache, data_mode)
+    table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache)
+    flags = (FLAG_METADATA if metadata else 0) | (mode << DATA_SHIFT)
+    z = _cached(cache, "table", table, lambda: _compress_table(table))
+    if len(z) + len(uvarint(len(table))) < len(table):
+        flags |= FLAG_TABLE_ZSTD
+        stored = uvarint(len(z)) + uvarint(len(table)) + z
+    else:
+        stored = uvarint(len(table)) + table
+    head = _PREFIX.pack(MAGIC, VERSION, flags) + stored
+    if len(table) > MAX_HEADER_BYTES:
+        raise InvalidInputError(f"the tensor table is {len(table)} bytes, over the limit of {MAX_HEADER_BYTES}")
+    data_len = sum(len(p) if isinstance(p, bytes) else int(p.size) * p.dtype.itemsize for p in parts)
+    return _Plan(head, parts, data_len)
+
+
+def _compress_table(table: bytes) -> bytes:
+    level = _TABLE_LEVEL_SMALL if len(table) <= _TABLE_SMALL else _TABLE_LEVEL_LARGE
+    return _compress(table, level)
+
+
+def _common_prefix(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    x = int.from_bytes(a[:n], "big") ^ int.from_bytes(b[:n], "big")
+    return n - (x.bit_length() + 7) // 8
+
+
+def _common_suffix(a: bytes, b: bytes) -> int:
+    n = min(len(a), len(b))
+    if not n:
+        return 0
+    x = int.from_bytes(a[len(a) - n :], "little") ^ int.from_bytes(b[len(b) - n :], "little")
+    return n - (x.bit_length() + 7) // 8
+
+
+_DIGITS = re.compile(rb"[0-9]+")
+
+
+def _name_entries(names: tuple) -> list[bytes]:
+    """Each name coded against an earlier one: the previous name, or the last one with the same shape up to
+    digits (``blocks.3.mlp.weight`` refers to ``blocks.2.mlp.weight``), whichever costs fewer bytes."""
+    out, encoded, last, seen = [], [], {}, set()
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or name in seen:
+            raise Unrepresentable(f"tensor name {name!r}")
+        seen.add(name)
+        try:
+            nb = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Unrepresentable(f"tensor name {name!r} is not encodable as UTF-8") from None
+        best = uvarint(0) + uvarint(len(nb)) + nb
+        skeleton = _DIGITS.sub(b"#", nb)
+        j = last.get(skeleton)
+        for d in {1, i - j} if j is not None else ({1} if i else set()):
+            ref = encoded[i - d]
+            p = _common_prefix(nb, ref)
+            q = min(_common_suffix(nb, ref), len(ref) - p, len(nb) - p)
+            e = uvarint(d) + uvarint(p) + uvarint(q) + uvarint(len(nb) - p - q) + nb[p : len(nb) - q]
+            if len(e) < len(best):
+                best = e
+        last[skeleton] = i
+        encoded.append(nb)
+        out.append(best)
+    return out
+
+
+def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache) -> bytes:
+    if not isinstance(pipeline, list) or len(pipeline) > MAX_STAGES:
+        raise Unrepresentable("pipeline")
+    t = bytearray(uvarint(len(pipeline)))
+    for cfg in pipeline:
+        t += _stage_bytes(cfg)
+    if metadata:
+        if not isinstance(metadata, dict):
+            raise Unrepresentable("metadata")
+        j = dumps_json(metadata)
+        t += uvarint(len(j)) + j
+    default = Counter(forms).most_common(1)[0][0] if forms else ("coo", None, None, None, None)
+    t += _form_bytes(default)
+    t += uvarint(len(tensors))
+    names = tuple(rec.name for rec in tensors)
+    for rec, entry, form, f, zb in zip(
+        tensors, _cached(cache, "names", names, lambda: _name_entries(names)), forms, fields, zbytes
+    ):
+        t += entry
+        kind = DTYPE_CODES.index(rec.dtype) | len(rec.shape) << 2 | (0x40 if form != default else 0)
+        t.append(kind)
+        if form != default:
+            t += _form_bytes(form)
+        for d in rec.shape:
+            if not is_int(d) or not 0 <= d <= MAX_TENSOR_ELEMENTS:
+                raise Unrepresentable("dimension")
+            t += uvarint(d)
+        base = form[1] if form[0] in WRAPPERS else form[0]
+        if base in ("coo", "sparse"):
+            t += uvarint(rec.nnz)
+        for name, value in f:
+            t += value if name == "mu" else uvarint(value)
+        if form[0] in WRAPPERS and mode == DATA_RECORDS:
+            if not is_int(zb) or zb < 1:
+                raise Unrepresentable("zbytes")
+            t += uvarint(zb)
+    return bytes(t)
+
+
+def _gather(parts: list[Any], total: int) -> bytes:
+    if any(type(a).__module__.startswith("cupy") for a in parts):
+        import cupy
+
+        views = [cupy.ascontiguousarray(cupy.asarray(a)).reshape(-1).view(cupy.uint8) for a in parts if len(a)]
+        if not views:
+            return b""
+        return cupy.asnumpy(cupy.concatenate(views)).tobytes()  # the one device-to-host copy of a compress
+    out = bytearray(total)
+    off = 0
+    for a in parts:
+        b = a if isinstance(a, bytes) else np.ascontiguousarray(a).reshape(-1).view(np.uint8).tobytes()
+        out[off : off + len(b)] = b
+        off += len(b)
+    return bytes(out)
+
+
+def write(p: _Plan) -> bytes:
+    body = p.head + _gather(p.parts, p.data_len)
+    return body + _CRC.pack(zlib.crc32(body) & 0xFFFFFFFF)
+
+
+def pack(
+    tensors: list[TensorRecord],
+    *,
+    pipeline: list[dict],
+    metadata: dict | None = None,
+    layouts: Mapping[str, LayoutRule] | None = None,
+) -> bytes:
+    return write(plan(tensors, pipeline, metadata, layouts))
+
+
+def header_size(
+    tensors: list[TensorRecord],
+    pipeline: list[dict],
+    metadata: dict | None = None,
+    layouts: Mapping[str, LayoutRule] | None = None,
+) -> int:
+    """Bytes of prefix and tensor table (everything but the data and the checksum) of the v2 payload."""
+    return len(plan(tensors, pipeline, metadata, layouts).head)
+
+
+# ------------------------------------------------------------------------------------------ reader
+
+
+def _view(mv: memoryview, dt: str, count: int, off: int) -> np.ndarray:
+    a = np.frombuffer(mv, dtype=BUFFER_DTYPES[dt], count=count, offset=off)
+    return a if a.flags.aligned else a.copy()
+
+
+def _read_name(t: _Reader, earlier: list[bytes]) -> bytes:
+    d = t.varint("name reference", len(earlier))
+    p = q = 0
+    ref = b""
+    if d:
+        ref = earlier[len(earlier) - d]
+        p = t.varint("name prefix length", len(ref))
+        q = t.varint("name suffix length", len(ref) - p)
+    m = t.varint("name middle length", MAX_NAME_BYTES - p - q)
+    req(p + q + m > 0, PayloadHeaderError, f"{t.what}: a tensor name is empty")
+    return ref[:p] + t.take(m, "a tensor name") + ref[len(ref) - q :]
+
+
+def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode: int):
+    nb = _read_name(t, earlier)
+    try:
+        name = nb.decode("utf-8")
+    except UnicodeDecodeError:
+        raise PayloadHeaderError(f"{t.what}: tensor name {nb[:64]!r} is not UTF-8") from None
+    req(len(name) <= MAX_NAME, PayloadHeaderError, f"{t.what}: tensor name of {len(name)} characters (max {MAX_NAME})")
+    where = f"tensor {name!r}"
+    kind = t.u8("tensor kind")
+    req(not kind & 0x80, PayloadHeaderError, f"{where}: reserved bit 7 of the kind byte is set")
+    dtype, ndim = DTYPE_CODES[kind & 3], (kind >> 2) & 15
+    req(ndim <= MAX_NDIM, PayloadLimitError, f"{where}: {ndim} dimensions (at most {MAX_NDIM})")
+    form = _read_form(t) if kind & 0x40 else default
+    shape = tuple(t.varint("a dimension", MAX_TENSOR_ELEMENTS, PayloadLimitError) for _ in range(ndim))
+    numel = check_shape(shape, where)
+    enc, inner, v, block, i = form
+    base = inner if enc in WRAPPERS else enc
+    nnz = t.varint("nnz", numel, PayloadLayoutError) if base in ("coo", "sparse") else numel
+    codec: dict[str, Any] = {}
+    if base in ("sparse", "dense_q"):
+        codec["v"] = v
+        if v == "int8":
+            codec["block"] = block
+        if v == "ternary":  # present only where something is kept
+            b = t.take(4, "ternary mu") if nnz else bytes(4)
+            req(_mu_ok(b), PayloadHeaderError, f"{where}: ternary mu bits 0x{b[::-1].hex()} are not finite, >= 0")
+            codec["mu"] = _F32.unpack(b)[0]
+        if base == "sparse":
+            codec["i"] = i
+            if i == "rice":
+                codec["k"] = rice_param(nnz, numel)
+                codec["bits"] = t.varint("Rice bit count", MAX_RICE_BITS) if nnz else 0
+    rec = TensorRecord(name, dtype, shape, base, nnz, {}, codec)
+    if enc in WRAPPERS:
+        raw = sum(n * BUFFER_DTYPES[dt].itemsize for _, dt, n in _rule(rec, layouts, where))
+        wc: dict[str, Any] = {"algo": "zstd"} if enc == "nvcomp" else {}
+        wc.update(inner=base, raw=raw)
+        if mode == DATA_RECORDS:
+            wc["zbytes"] = t.varint("compressed size", compress_bound(raw), PayloadLayoutError)
+        else:
+            req(enc == "zstd", PayloadLayoutError, f"{where}: a shared frame holds only zstd records, not {enc!r}")
+        if codec:
+            wc["ic"] = codec
+        rec = TensorRecord(name, dtype, shape, enc, nnz, {}, wc)
+        if mode != DATA_RECORDS:
+            return rec, nb, [("", "uint8", raw)]
+    else:
+        req(mode == DATA_RECORDS, PayloadLayoutError, f"{where}: a shared frame holds only zstd records")
+    return rec, nb, _rule(rec, layouts, where)
+
+
+def _rule(rec: TensorRecord, layouts, where: str) -> list[tuple[str, str, int]]:
+    rule = layouts.get(rec.encoding)
+    req(rule is not None, PayloadHeaderError, f"{where}: encoding {rec.encoding!r} is not known to this reader")
+    try:
+        layout = rule(rec)
+    except PayloadError:
+        raise
+    except (KeyError, TypeError, ValueError) as ex:
+        raise PayloadHeaderError(f"{where}: codec parameters do not fit encoding {rec.encoding!r}: {ex}") from None
+    return [(role, canonical_dtype(allowed, rec), count) for role, (allowed, count) in layout.items()]
+
+
+def unpack(
+    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None
+) -> tuple[dict, list[TensorRecord]]:
+    """Validate a v2 payload completely; return (header, records). See :func:`gpu_codec.format.unpack`."""
+    layouts = BASE_LAYOUTS if layouts is None else layouts
+    mv = memoryview(blob).cast("B")
+    n = len(mv)
+    req(n >= MIN_SIZE, PayloadHeaderError, f"payload is {n} bytes, shorter than the smallest valid v2 payload")
+    _, _, flags = _PREFIX.unpack_from(mv, 0)
+    (stored,) = _CRC.unpack_from(mv, n - _CRC.size)
+    computed = zlib.crc32(mv[: n - _CRC.size]) & 0xFFFFFFFF
+    req(
+        stored == computed,
+        PayloadChecksumError,
+        f"checksum mismatch: payload is corrupt (stored 0x{stored:08x}, computed 0x{computed:08x})",
+    )
+    req(not flags & 0xF0, PayloadHeaderError, f"flags 0x{flags:02x} set reserved bits")
+    mode = (flags >> DATA_SHIFT) & 3
+    req(mode < len(DATA_MODES), PayloadHeaderError, f"unknown data mode {mode}")
+    end = n - _CRC.size
+    r = _Reader(mv, _PREFIX.size, end, "payload prefix")
+    tlen = r.varint("table length", MAX_HEADER_BYTES)
+    if flags & FLAG_TABLE_ZSTD:
+        traw = r.varint("table raw length", MAX_HEADER_BYTES)
+        ztable = r.take(tlen, "the tensor table")
+        table = bounded_decompress(ztable, traw, "tensor table")
+    else:
+        table = r.take(tlen, "the tensor table")
+    header_end = r.pos
+    t = _Reader(table, 0, len(table), "tensor table")
+    pipeline = [_read_stage(t) for _ in range(t.varint("stage count", MAX_STAGES))]
+    metadata: Any = {}
+    if flags & FLAG_METADATA:
+        mlen = t.varint("metadata length", t.end - t.pos)
+        metadata = loads_json(t.take(mlen, "metadata"), "metadata")
+        req(isinstance(metadata, dict), PayloadHeaderError, "metadata must be a JSON object")
+    default = _read_form(t)
+    count = t.varint("tensor count", MAX_TENSORS, PayloadLimitError)
+    records, layouts_of, names, earlier = [], [], set(), []
+    for _ in range(count):
+        rec, nb, lay = _read_tensor(t, earlier, default, layouts, mode)
+        earlier.append(nb)
+        req(rec.name not in names, PayloadHeaderError, f"tensor {rec.name!r} appears twice")
+        names.add(rec.name)
+        records.append(rec)
+        layouts_of.append(lay)
+    req(t.pos == t.end, PayloadHeaderError, f"tensor table has {t.end - t.pos} bytes after its last tensor")
+    data_len = end - header_end
+    total = sum(n * BUFFER_DTYPES[dt].itemsize for lay in layouts_of for _, dt, n in lay)
+    data = mv[header_end:end]
+    if mode == DATA_RECORDS:
+        req(
+            total == data_len,
+            PayloadLayoutError,
+            f"data section is {data_len} bytes, the tensor table implies {total}",
+        )
+        off = 0
+        for rec, lay in zip(records, layouts_of):
+            for role, dt, count in lay:
+                rec.buffers[role] = _view(data, dt, count, off)
+                rec.buffer_dtypes[role] = dt
+                off += count * BUFFER_DTYPES[dt].itemsize
+    else:
+        req(bool(records), PayloadLayoutError, "a shared frame needs at least one tensor")
+        if mode == DATA_ZSTD:
+            req(
+                0 < data_len <= compress_bound(total),
+                PayloadLayoutError,
+                f"shared zstd frame of {data_len} bytes is outside (0, {compress_bound(total)}] for {total} raw bytes",
+            )
+            check_frame(data, total, "shared zstd frame")
+            cs = zstandard.get_frame_parameters(data).content_size
+            req(cs == total, PayloadLayoutError, "the shared zstd frame must declare its content size")
+        else:
+            req(total == data_len, PayloadLayoutError, f"data section is {data_len} bytes, the table implies {total}")
+        frame = SharedFrame(data, total, mode == DATA_ZSTD)
+        off = 0
+        for rec, lay in zip(records, layouts_of):
+            size = lay[0][2]
+            rec.frame = FrameSlice(frame, off, size)
+            off += size
+    header = {
+        "format": "gpu_codec",
+        "version": VERSION,
+        "pipeline": pipeline,
+        "metadata": metadata,
+        "data": DATA_MODES[mode],
+        "header_nbytes": header_end,
+        "data_length": data_len,
+        "tensors": [
+            {"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "encoding": r.encoding, "nnz": r.nnz}
+            | ({"codec": r.codec} if r.codec else {})
+            for r in records
+        ],
+    }
+    return header, records
+
+
+__all__ = ["VERSION", "header_size", "pack", "plan", "unpack", "uvarint"]
