@@ -7,7 +7,8 @@
 
 Bytes are the sizes of the serialized shareables (NVFlare's FOBS, measured by ``gpu_codec.nvflare.SizeMeter`` last
 in each filter chain): ``up`` from each client to the server, ``down`` from the server to each client.
-Wall time per round is the simulator run's wall time over the rounds (start-up included, so it is an upper bound).
+Wall time per round: from the first global model sent in a round to the first sent in the next (the first round
+also holds each client's start-up: importing torch, loading the data); the job's whole simulator time besides.
 
     python benchmarks/bench_nvflare.py --rounds 5 --out benchmarks/results/nvflare.json
 
@@ -36,16 +37,26 @@ def _job_module():
     return mod
 
 
+def round_times(sizes: list[dict], rounds: int) -> list[float]:
+    """Seconds from the first model sent in round r to the first sent in round r + 1 (the last round: to its
+    last update received), from the SizeMeter timestamps."""
+    starts = [min(s["time"] for s in sizes if s["label"] == "down" and s["round"] == r) for r in range(rounds)]
+    end = max(s["time"] for s in sizes if s["label"] == "server_in" and s["round"] == rounds - 1)
+    return [b - a for a, b in zip(starts, [*starts[1:], end])]
+
+
 def summarize(res: dict, rounds: int, n_sites: int) -> dict:
     up = [s["bytes"] for s in res["sizes"] if s["label"] == "up"]
     down = [s["bytes"] for s in res["sizes"] if s["label"] == "down"]
+    per_round = round_times(res["sizes"], rounds)
     return {
         "accuracy": round(res["accuracy"], 4),
         "up_bytes_per_update": round(statistics.mean(up)),
         "down_bytes_per_model": round(statistics.mean(down)),
         "bytes_per_round": round((sum(up) + sum(down)) / rounds),
-        "wall_s": round(res["wall_s"], 2),
-        "wall_s_per_round": round(res["wall_s"] / rounds, 2),
+        "round_s": [round(t, 2) for t in per_round],
+        "round_s_median_after_first": round(statistics.median(per_round[1:]), 2),
+        "job_wall_s": round(res["wall_s"], 2),
         "updates": len(up),
         "expected_updates": rounds * n_sites,
     }

@@ -38,6 +38,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -437,7 +438,8 @@ class ModelDecompressor(_Decompressing):
 class SizeMeter(Filter):
     """A filter that changes nothing and records the size of the shareable as NVFlare serializes it (FOBS), one
     JSON line per shareable appended to ``path`` (and logged): site, peer, task, round, bytes, the DXO's data
-    kind and the filters it went through. Put it last in a chain to measure what goes on the wire."""
+    kind, the filters it went through, the return code and the time (Unix seconds). Put it last in a chain to
+    measure what goes on the wire."""
 
     def __init__(self, path: str | None = None, label: str = "") -> None:
         super().__init__()
@@ -462,12 +464,13 @@ class SizeMeter(Filter):
             "label": self.label,
             "site": fl_ctx.get_identity_name(),
             "peer": _peer_of(shareable, fl_ctx),
-            "task": shareable.get_header(ReservedKey.TASK_NAME, None),
+            "task": shareable.get_header(ReservedKey.TASK_NAME, None) or fl_ctx.get_prop(ReservedKey.TASK_NAME, None),
             "round": _round_of(shareable, fl_ctx),
             "bytes": n,
             "data_kind": None if kind is None else _kind_name(kind),
             "filters": history,
             "rc": shareable.get_return_code(),
+            "time": round(time.time(), 3),
         }
         line = json.dumps(rec, default=str)
         self.log_info(fl_ctx, f"gpu_codec size: {line}")

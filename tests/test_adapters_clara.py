@@ -179,7 +179,7 @@ def test_key_file_readable_by_others_warns(tmp_path):
 
 
 def test_envelope_is_bound_to_the_round_and_context(key_file):
-    glob, local = models(8)
+    _, local = models(8)
     enc = C.ModelEncryptor(key_file=key_file, bind=("round", "task"))
     dec = enc.inverse()
     ctx = C.DataContext(model=dict(local))
@@ -238,7 +238,7 @@ def test_processor_order_errors(key_file):
     )
     with pytest.raises(C.ProcessorOrderError, match="ModelDecryptor must run"):
         C.DataDeCompressor().process(enc_ctx, C.AppContext(global_model=glob))
-    with pytest.raises(C.ProcessorOrderError, match="not compressed or encrypted|neither"):
+    with pytest.raises(C.ProcessorOrderError, match=r"not compressed or encrypted|neither"):
         C.serialize(C.DataContext(model=local))
     delta_payload = gpu_codec.compress(local, glob, fraction=0.5, metadata={C.CLARA_KEY: {"delta": True}})
     with pytest.raises(InvalidInputError, match="no global model"):

@@ -128,6 +128,28 @@ def test_corrupt_or_foreign_payload_is_rejected(damage, caplog):
     assert len(line) == 1 and "site-3" in line[0] and "round 0" in line[0] and "dropped" in line[0]
 
 
+@pytest.mark.gpu
+def test_cuda_tensors_stay_on_the_device():
+    from tests.common import HAS_GPU, use_backend
+
+    if not HAS_GPU or not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    d = {k: torch.from_numpy(v).cuda() for k, v in diff(5).items()}
+    with use_backend("gpu"):
+        sent = gcf.UpdateCompressor(fraction=0.25, pipeline=UP_PIPELINE).process(shareable(dict(d)), ctx())
+        assert from_shareable(sent).get_meta_prop(gcf.META_KEY)["kind"] == "torch"
+        got = from_shareable(gcf.UpdateDecompressor(device="cuda").process(sent, ctx("server"))).data
+        model = from_shareable(
+            gcf.ModelDecompressor(device="cuda").process(
+                gcf.ModelCompressor().process(DXO(DataKind.WEIGHTS, data=d).to_shareable(), ctx("server")), ctx()
+            )
+        ).data
+    assert all(v.is_cuda for v in got.values()) and all(v.is_cuda for v in model.values())
+    want = topk_ref({k: v.cpu().numpy() for k, v in d.items()}, 0.25)
+    for n in d:  # fp16 values: the kept entries rounded to half precision
+        np.testing.assert_array_equal(got[n].cpu().numpy(), want[n].astype(np.float16).astype(np.float32))
+
+
 def test_uncompressed_dxo_passes_the_server_filter():
     d = diff()
     out = from_shareable(gcf.UpdateDecompressor().process(shareable(dict(d)), ctx("server")))
