@@ -170,6 +170,10 @@ def test_global_model_compressed_once_for_all_clients():
     for n, v in model.items():
         assert isinstance(got[n], torch.Tensor)
         np.testing.assert_array_equal(got[n].numpy(), v.astype(np.float16).astype(np.float32))
+    model["fc.b"] += 1  # the same dict, updated in place for the next round: compressed anew
+    s = DXO(data_kind=DataKind.WEIGHTS, data=model, meta={}).to_shareable()
+    s.set_header(AppConstants.CURRENT_ROUND, 1)
+    assert from_shareable(down.process(s, ctx("server"))).data[gcf.PAYLOAD_KEY] != dxos[0].data[gcf.PAYLOAD_KEY]
 
 
 def test_clara_processors_as_filters(tmp_path):
