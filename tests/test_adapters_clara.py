@@ -52,6 +52,7 @@ def models(seed=0):
 def key_file(tmp_path):
     p = tmp_path / "fl.key"
     p.write_bytes(KEY.hex().encode() + b"\n")
+    p.chmod(0o600)
     return str(p)
 
 
@@ -102,7 +103,7 @@ def test_key_from_environment_and_base64(monkeypatch):
     C.DataDeCompressor().process(ctx, C.AppContext())
     out = ctx.get_model()["w"]
     assert out.dtype == np.float16 and out.tolist() == [0, 1, 2, 3, 4]  # a lone encryptor is lossless
-    assert enc.get_config() == {"key_file": None, "key_env": "GPU_CODEC_TEST_KEY"}
+    assert enc.get_config() == {"key_file": None, "key_env": "GPU_CODEC_TEST_KEY", "bind": ["round"]}
 
 
 @pytest.mark.parametrize("where", ["ciphertext", "tag", "nonce", "key_id", "magic", "truncated"])
@@ -137,15 +138,66 @@ def test_wrong_key_is_rejected(key_file):
     "args, match",
     [
         ({}, "exactly one"),
-        ({"key": b"short"}, "32 bytes"),
+        ({"key": b"short"}, "16, 24 or 32 bytes"),
+        ({"key": bytes(33)}, "16, 24 or 32 bytes"),
+        ({"key": 32}, "must be bytes"),
+        ({"key": KEY.hex()}, "must be bytes"),
+        ({"key": KEY, "bind": "round"}, "list of app-context keys"),
         ({"key_env": "GPU_CODEC_NO_SUCH_VAR"}, "not set"),
         ({"key_file": "/nonexistent/key"}, "cannot read"),
         ({"key": KEY, "key_env": "X"}, "exactly one"),
     ],
 )
 def test_key_errors(args, match):
-    with pytest.raises(C.EncryptionKeyError, match=match):
+    with pytest.raises(InvalidInputError, match=match) as e:
         C.ModelEncryptor(**args)
+    assert isinstance(e.value, (C.EncryptionKeyError, InvalidInputError))
+
+
+@pytest.mark.parametrize("size", [16, 24, 32])
+@pytest.mark.parametrize("form", ["raw", "hex", "base64"])
+def test_key_sizes_and_forms(tmp_path, size, form):
+    key = bytes(range(100, 100 + size))
+    text = {"raw": key, "hex": key.hex().encode(), "base64": base64.b64encode(key)}[form]
+    path = tmp_path / "k"
+    path.write_bytes(text)
+    path.chmod(0o600)
+    enc = C.ModelEncryptor(key_file=str(path))
+    dec = C.ModelDecryptor(key=key)  # the same key, given as bytes
+    ctx = C.DataContext(model={"w": np.arange(4, dtype=np.float32)})
+    enc.process(ctx, C.AppContext())
+    dec.process(ctx, C.AppContext())
+    assert isinstance(ctx.get_model(), gpu_codec.Payload)
+
+
+def test_key_file_readable_by_others_warns(tmp_path):
+    path = tmp_path / "k"
+    path.write_bytes(KEY.hex().encode())
+    path.chmod(0o644)
+    with pytest.warns(C.KeyFilePermissionWarning, match="chmod 600"):
+        C.ModelEncryptor(key_file=str(path))
+
+
+def test_envelope_is_bound_to_the_round_and_context(key_file):
+    _, local = models(8)
+    enc = C.ModelEncryptor(key_file=key_file, bind=("round", "task"))
+    dec = enc.inverse()
+    ctx = C.DataContext(model=dict(local))
+    enc.process(ctx, C.AppContext(round_number=5, task="train"))
+    blob = ctx.get_model()
+    for app in (C.AppContext(round_number=6, task="train"), C.AppContext(round_number=5, task="validate")):
+        replayed = C.DataContext(model=blob)
+        with pytest.raises(C.DecryptionError, match="another round/task"):
+            dec.process(replayed, app)
+        assert replayed.get_model() == blob  # nothing decoded
+    ok = C.DataContext(model=blob)
+    dec.process(ok, C.AppContext(round_number=5, task="train"))
+    C.DataDeCompressor().process(ok, C.AppContext())
+    np.testing.assert_array_equal(ok.get_model()["fc.b"], local["fc.b"])
+    unbound = C.ModelEncryptor(key_file=key_file, bind=())  # bind=(): any round decrypts
+    ctx2 = C.DataContext(model=dict(local))
+    unbound.process(ctx2, C.AppContext(round_number=1))
+    unbound.inverse().process(ctx2, C.AppContext(round_number=9))
 
 
 def test_abort_stops_the_chain_and_restores_the_context(key_file):
@@ -186,7 +238,7 @@ def test_processor_order_errors(key_file):
     )
     with pytest.raises(C.ProcessorOrderError, match="ModelDecryptor must run"):
         C.DataDeCompressor().process(enc_ctx, C.AppContext(global_model=glob))
-    with pytest.raises(C.ProcessorOrderError, match="not compressed or encrypted|neither"):
+    with pytest.raises(C.ProcessorOrderError, match=r"not compressed or encrypted|neither"):
         C.serialize(C.DataContext(model=local))
     delta_payload = gpu_codec.compress(local, glob, fraction=0.5, metadata={C.CLARA_KEY: {"delta": True}})
     with pytest.raises(InvalidInputError, match="no global model"):
@@ -258,21 +310,43 @@ def test_metadata_generators():
 
 
 def test_metric_manager():
-    mm = C.MetricManager({"validation": ["val_acc", "val_dice"], "train": ["loss"]})
-    enc = mm.encode_metrics({"val_dice": np.float32(0.5), "loss": 1, "val_acc": 0.25})
-    assert enc == {"train": {"loss": 1.0}, "validation": {"val_acc": 0.25, "val_dice": 0.5}}
-    assert mm.decode_metrics(enc) == {"loss": 1.0, "val_acc": 0.25, "val_dice": 0.5}
-    for bad in ({"val_acc": float("nan")}, {"unknown": 1.0}, {"loss": "high"}, {"loss": np.ones(3)}):
+    torch = pytest.importorskip("torch")
+    mm = C.MetricManager({"validation": {"val_dice": np.float32(0.5), "val_acc": 0.25}})
+    mm.add_group("train", {"loss": 1})
+    mm.add_group("train", {"lr": torch.tensor(0.01)})  # merged into the group
+    assert mm.get_group("train") == {"loss": 1.0, "lr": pytest.approx(0.01)} and mm.get_group("nope") is None
+    enc = mm.encode_metrics()
+    assert list(enc) == ["train/loss", "train/lr", "validation/val_acc", "validation/val_dice"]
+    assert enc["validation/val_dice"] == 0.5 and isinstance(enc["train/loss"], float)
+    receiver = C.MetricManager()
+    assert receiver.decode_metrics(enc) == mm.to_dict() and receiver.to_dict() == mm.to_dict()
+    assert C.MetricManager().decode_metrics({"g/a/b": 1}) == {"g": {"a/b": 1.0}}  # split at the first "/"
+    mm.to_dict()["train"]["loss"] = 9  # a copy
+    assert mm.get_group("train")["loss"] == 1.0
+    for bad in (
+        {"v": {"acc": float("nan")}},
+        {"v": {"loss": "high"}},
+        {"v": {"loss": np.ones(3)}},
+        {"v": {"ok": True}},
+        {"a/b": {"x": 1}},
+        {"": {"x": 1}},
+        {"v": [1.0]},
+        {"v": {"": 1.0}},
+        [("v", {})],
+    ):
         with pytest.raises(C.MetricsError):
-            mm.validate_metrics(bad)
-    with pytest.raises(C.MetricsError, match="belongs to"):
-        mm.decode_metrics({"train": {"val_acc": 0.1}})
-    assert C.MetricManager().encode_metrics({"x": 2}) == {"default": {"x": 2.0}}
+            C.MetricManager.validate_metrics(bad)
+    for bad in ({"noslash": 1.0}, {"/x": 1.0}, {"g/": 1.0}, ["g/x"]):
+        with pytest.raises(C.MetricsError):
+            C.MetricManager().decode_metrics(bad)
+    with pytest.raises(C.MetricsError, match="not finite"):
+        mm.add_group("train", {"loss": float("inf")})
+    assert mm.get_group("train")["loss"] == 1.0  # a rejected add changes nothing
 
 
 def test_dict_model_reader_writer_with_payloads():
     glob, local = models(6)
-    rw = C.DictModelReaderWriter(exclude_vars="^fc\\.")
+    rw = C.DictModelReaderWriter(exclude_vars=r"^fc\.")
     rw.initialize(glob)
     assert list(rw.get_local_models()) == ["conv.w"]
     payload = gpu_codec.compress(

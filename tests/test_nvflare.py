@@ -1,0 +1,276 @@
+"""NVFlare filters on real NVFlare objects (DXO, Shareable, FLContext), and the digits job in NVFlare's simulator."""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+
+import numpy as np
+import pytest
+
+pytest.importorskip("nvflare")
+torch = pytest.importorskip("torch")
+
+from nvflare.apis.dxo import DXO, DataKind, MetaKey, from_shareable  # noqa: E402
+from nvflare.apis.fl_constant import ReservedKey, ReturnCode  # noqa: E402
+from nvflare.apis.fl_context import FLContext  # noqa: E402
+from nvflare.app_common.app_constant import AppConstants  # noqa: E402
+
+import gpu_codec  # noqa: E402
+from gpu_codec import clara as C  # noqa: E402
+from gpu_codec import nvflare as gcf  # noqa: E402
+
+UP_PIPELINE = [{"id": "quantize", "dtype": "float16"}, {"id": "rice"}, {"id": "zstd", "level": 3}]
+
+
+def ctx(site: str = "site-1", rnd: int = 0) -> FLContext:
+    c = FLContext()
+    c.set_prop(ReservedKey.IDENTITY_NAME, site, private=False, sticky=False)
+    c.set_prop(AppConstants.CURRENT_ROUND, rnd, private=True, sticky=False)
+    return c
+
+
+def shareable(params: dict, kind=DataKind.WEIGHT_DIFF, rnd: int = 0, **meta):
+    s = DXO(data_kind=kind, data=params, meta={MetaKey.NUM_STEPS_CURRENT_ROUND: 7, **meta}).to_shareable()
+    s.set_header(AppConstants.CURRENT_ROUND, rnd)
+    return s
+
+
+def diff(seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"fc.w": rng.standard_normal((16, 8)).astype(np.float32), "fc.b": rng.standard_normal(16).astype(np.float32)}
+
+
+def topk_ref(d: dict, fraction: float) -> dict:
+    flat = np.concatenate([v.reshape(-1) for v in d.values()])
+    k = gpu_codec.kept_count(fraction, flat.size)
+    keep = np.lexsort((np.arange(flat.size), -np.abs(flat)))[:k]
+    out = np.zeros_like(flat)
+    out[keep] = flat[keep]
+    res, a = {}, 0
+    for n, v in d.items():
+        res[n] = out[a : a + v.size].reshape(v.shape)
+        a += v.size
+    return res
+
+
+def test_update_round_trip_keeps_meta_and_error_feedback():
+    up, down = gcf.UpdateCompressor(fraction=0.25), gcf.UpdateDecompressor()
+    d = diff()
+    sent = up.process(shareable(dict(d)), ctx())
+    dxo = from_shareable(sent)
+    assert set(dxo.data) == {gcf.PAYLOAD_KEY} and isinstance(dxo.data[gcf.PAYLOAD_KEY], bytes)
+    assert dxo.get_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND) == 7
+    assert dxo.get_meta_prop(MetaKey.PROCESSED_ALGORITHM) == gcf.ALGORITHM
+    info = dxo.get_meta_prop(gcf.META_KEY)
+    assert info["compressed"] and info["nnz"] == gpu_codec.kept_count(0.25, 144)
+    assert info["nbytes"] == len(dxo.data[gcf.PAYLOAD_KEY]) and info["dense_nbytes"] == 144 * 4
+    assert dxo.get_filter_history() == ["UpdateCompressor"]
+
+    got = from_shareable(down.process(sent, ctx("server")))
+    assert got.data_kind == DataKind.WEIGHT_DIFF and got.get_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND) == 7
+    assert got.get_meta_prop(MetaKey.PROCESSED_ALGORITHM) is None
+    want = topk_ref(d, 0.25)
+    for n in d:
+        np.testing.assert_array_equal(got.data[n], want[n])
+
+    # round 2: what round 1 left out is added to the new update before top-k (per site)
+    d2 = diff(1)
+    got2 = from_shareable(down.process(up.process(shareable(dict(d2), rnd=1), ctx(rnd=1)), ctx("server")))
+    with_residual = {n: d2[n] + (d[n] - want[n]) for n in d}
+    for n, v in topk_ref(with_residual, 0.25).items():
+        np.testing.assert_allclose(got2.data[n], v, rtol=0, atol=1e-6)
+    other_site = from_shareable(down.process(up.process(shareable(dict(d2)), ctx("site-2")), ctx("server")))
+    for n, v in topk_ref(d2, 0.25).items():  # site-2 has no residual of its own yet
+        np.testing.assert_array_equal(other_site.data[n], v)
+
+
+def test_weights_go_dense_and_other_entries_pass_through(tmp_path):
+    up = gcf.UpdateCompressor(fraction=0.01, pipeline=UP_PIPELINE, state_dir=str(tmp_path))
+    w = {"w": torch.linspace(-1, 1, 64).reshape(8, 8), "steps": np.array([3], np.int64)}
+    sent = up.process(shareable(dict(w), kind=DataKind.WEIGHTS), ctx())
+    info = from_shareable(sent).get_meta_prop(gcf.META_KEY)
+    assert info["fraction"] is None and info["nnz"] == 64 and info["kind"] == "torch"
+    assert info["passed_through"] == ["steps"]
+    got = from_shareable(gcf.UpdateDecompressor().process(sent, ctx("server"))).data
+    assert isinstance(got["w"], torch.Tensor) and got["w"].dtype == torch.float32
+    torch.testing.assert_close(got["w"], w["w"].half().float(), rtol=0, atol=0)  # fp16 stage, dense
+    assert got["steps"].tolist() == [3]
+    assert not os.listdir(tmp_path)  # no error feedback for dense weights
+    up.process(shareable(diff()), ctx())
+    assert os.listdir(tmp_path) == ["site-1.gcef"]  # a restarted client resumes the residual
+    assert sorted(gpu_codec.ErrorFeedback.load(tmp_path / "site-1.gcef").names()) == ["fc.b", "fc.w"]
+
+
+@pytest.mark.parametrize("damage", ["flip", "pickle", "truncate", "not_bytes", "no_meta"])
+def test_corrupt_or_foreign_payload_is_rejected(damage, caplog):
+    sent = gcf.UpdateCompressor(fraction=0.5).process(shareable(diff()), ctx())
+    dxo = from_shareable(sent)
+    blob = dxo.data[gcf.PAYLOAD_KEY]
+    if damage == "flip":
+        dxo.data[gcf.PAYLOAD_KEY] = blob[:40] + bytes([blob[40] ^ 1]) + blob[41:]
+    elif damage == "pickle":
+        dxo.data[gcf.PAYLOAD_KEY] = pickle.dumps({"fc.w": [0.0]})
+    elif damage == "truncate":
+        dxo.data[gcf.PAYLOAD_KEY] = blob[:-9]
+    elif damage == "not_bytes":
+        dxo.data[gcf.PAYLOAD_KEY] = np.zeros(4, np.float32)
+    else:
+        dxo.remove_meta_props([gcf.META_KEY])
+    bad = dxo.update_shareable(sent)
+    bad.set_peer_props({ReservedKey.IDENTITY_NAME: "site-3"})
+    bad.set_header(ReservedKey.TASK_NAME, "train")
+    with caplog.at_level(logging.ERROR):
+        out = gcf.UpdateDecompressor().process(bad, ctx("server"))
+    assert out.get_return_code() == ReturnCode.TASK_RESULT_FILTER_ERROR
+    line = [r.getMessage() for r in caplog.records if "gpu_codec: rejected" in r.getMessage()]
+    assert len(line) == 1 and "site-3" in line[0] and "round 0" in line[0] and "dropped" in line[0]
+
+
+@pytest.mark.gpu
+def test_cuda_tensors_stay_on_the_device():
+    from tests.common import HAS_GPU, use_backend
+
+    if not HAS_GPU or not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    d = {k: torch.from_numpy(v).cuda() for k, v in diff(5).items()}
+    with use_backend("gpu"):
+        sent = gcf.UpdateCompressor(fraction=0.25, pipeline=UP_PIPELINE).process(shareable(dict(d)), ctx())
+        assert from_shareable(sent).get_meta_prop(gcf.META_KEY)["kind"] == "torch"
+        got = from_shareable(gcf.UpdateDecompressor(device="cuda").process(sent, ctx("server"))).data
+        model = from_shareable(
+            gcf.ModelDecompressor(device="cuda").process(
+                gcf.ModelCompressor().process(DXO(DataKind.WEIGHTS, data=d).to_shareable(), ctx("server")), ctx()
+            )
+        ).data
+    assert all(v.is_cuda for v in got.values()) and all(v.is_cuda for v in model.values())
+    want = topk_ref({k: v.cpu().numpy() for k, v in d.items()}, 0.25)
+    for n in d:  # fp16 values: the kept entries rounded to half precision
+        np.testing.assert_array_equal(got[n].cpu().numpy(), want[n].astype(np.float16).astype(np.float32))
+
+
+def test_uncompressed_dxo_passes_the_server_filter():
+    d = diff()
+    out = from_shareable(gcf.UpdateDecompressor().process(shareable(dict(d)), ctx("server")))
+    assert out.data["fc.w"] is d["fc.w"]
+
+
+def test_global_model_compressed_once_for_all_clients():
+    down, dec = gcf.ModelCompressor(), gcf.ModelDecompressor(like="torch")
+    model = {k: v * 10 for k, v in diff(3).items()}
+    dxos = []
+    for _ in range(3):  # the server hands every client the same data dict
+        s = DXO(data_kind=DataKind.WEIGHTS, data=model, meta={}).to_shareable()
+        dxos.append(from_shareable(down.process(s, ctx("server"))))
+    assert dxos[0].data[gcf.PAYLOAD_KEY] is dxos[2].data[gcf.PAYLOAD_KEY]  # compressed once
+    assert [d.get_filter_history() for d in dxos] == [["ModelCompressor"]] * 3
+    assert dxos[0].get_meta_prop(gcf.META_KEY)["pipeline"] == gcf.DEFAULT_DOWN_PIPELINE
+    got = from_shareable(dec.process(dxos[1].to_shareable(), ctx())).data
+    for n, v in model.items():
+        assert isinstance(got[n], torch.Tensor)
+        np.testing.assert_array_equal(got[n].numpy(), v.astype(np.float16).astype(np.float32))
+    model["fc.b"] += 1  # the same dict, updated in place for the next round: compressed anew
+    s = DXO(data_kind=DataKind.WEIGHTS, data=model, meta={}).to_shareable()
+    s.set_header(AppConstants.CURRENT_ROUND, 1)
+    assert from_shareable(down.process(s, ctx("server"))).data[gcf.PAYLOAD_KEY] != dxos[0].data[gcf.PAYLOAD_KEY]
+
+
+def test_clara_processors_as_filters(tmp_path):
+    key = tmp_path / "fl.key"
+    key.write_bytes(bytes(range(32)).hex().encode())
+    key.chmod(0o600)
+    client = gcf.ClaraFilter(
+        [
+            {"name": "IteratorNumberGenerator", "args": {"field": "n_iter"}},
+            {"name": "DataCompressor", "args": {"fraction": 0.25, "delta": False}},
+            {"name": "ModelEncryptor", "args": {"key_file": str(key)}},
+        ]
+    )
+    server = gcf.ClaraFilter(
+        [{"name": "ModelDecryptor", "args": {"key_file": str(key)}}, {"name": "DataDeCompressor", "args": {}}]
+    )
+    d = diff(4)
+    sent = client.process(shareable(dict(d), rnd=2), ctx(rnd=2))
+    dxo = from_shareable(sent)
+    assert dxo.data[gcf.PAYLOAD_KEY].startswith(C.ENVELOPE_MAGIC)
+    assert dxo.get_meta_prop("clara") == {"n_iter": 7}  # NUM_STEPS_CURRENT_ROUND, as Clara's n_iter
+    got = from_shareable(server.process(sent, ctx("server", rnd=2)))
+    for n, v in topk_ref(d, 0.25).items():
+        np.testing.assert_array_equal(got.data[n], v)
+    assert got.get_filter_history() == ["ClaraFilter", "ClaraFilter"]
+    with pytest.raises(C.DecryptionError):  # replayed into another round: the associated data differs
+        server.process(client.process(shareable(dict(d), rnd=2), ctx(rnd=2)), ctx("server", rnd=3))
+
+
+# ---------------------------------------------------------------- the job in NVFlare's simulator
+
+FRACTION = 0.1
+ACCURACY_TOLERANCE = 0.05  # top-10 % updates with error feedback vs dense, after 3 rounds
+
+
+@pytest.fixture(scope="module")
+def job():
+    """``examples/nvflare/job.py`` (not a package), imported by path."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    pytest.importorskip("sklearn")
+    name = "gpu_codec_example_nvflare_job"
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "nvflare" / "job.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def test_digits_job_in_the_simulator(job, tmp_path):
+    from faults import CorruptPayload
+
+    plain = job.run("none", str(tmp_path / "none"), n_sites=3, rounds=3)
+    comp = job.run(
+        "gpu_codec",
+        str(tmp_path / "gpu_codec"),
+        n_sites=3,
+        rounds=3,
+        fraction=FRACTION,
+        extra_sites={"site-4": [CorruptPayload()]},
+    )
+    honest = ["site-1", "site-2", "site-3"]
+
+    def records(res, label):
+        return [s for s in res["sizes"] if s["label"] == label]
+
+    # the filters ran on every client and round
+    up = {(s["site"], s["round"]): s for s in records(comp, "up")}
+    assert set(up) == {(site, r) for site in [*honest, "site-4"] for r in range(3)}
+    assert all(s["filters"][0] == "UpdateCompressor" for s in up.values())
+    server_in = {(s["peer"], s["round"]): s for s in records(comp, "server_in")}
+    for site in honest:
+        for r in range(3):
+            assert server_in[(site, r)]["filters"][-1] == "UpdateDecompressor"
+            assert server_in[(site, r)]["rc"] == "OK"
+    # site-4's damaged payloads were rejected, every round, and the others aggregated
+    assert [server_in[("site-4", r)]["rc"] for r in range(3)] == ["TASK_RESULT_FILTER_ERROR"] * 3
+    client_in = {(s["site"], s["round"]) for s in records(comp, "client_in")}
+    assert client_in == {(site, r) for site in [*honest, "site-4"] for r in range(3)}
+    assert all(s["filters"] == ["ModelCompressor"] for s in records(comp, "down"))
+    with open(os.path.join(tmp_path / "gpu_codec", "server", "log.txt"), encoding="utf-8") as f:
+        log = f.read()
+    assert log.count("gpu_codec: rejected the train result of site-4") == 3
+    assert log.count("Aggregated 3/4 results") == 3
+
+    # the bytes sent shrank by the configured ratio (serialized shareables, client to server)
+    plain_up = np.mean([s["bytes"] for s in records(plain, "up")])
+    comp_up = np.mean([up[(site, r)]["bytes"] for site in honest for r in range(3)])
+    assert plain_up / comp_up >= 1 / FRACTION, (plain_up, comp_up)
+    down_plain = np.mean([s["bytes"] for s in records(plain, "down")])
+    down_comp = np.mean([s["bytes"] for s in records(comp, "down")])
+    assert down_plain / down_comp >= 1.8  # fp16 + zstd on the way down
+
+    # and the model learned as well as without compression
+    assert plain["accuracy"] > 0.85
+    assert abs(comp["accuracy"] - plain["accuracy"]) <= ACCURACY_TOLERANCE, (comp["accuracy"], plain["accuracy"])
