@@ -42,6 +42,7 @@ def thread_count() -> int:
 
 
 def _executor(n: int) -> ThreadPoolExecutor:
+    """The module's pool of ``n`` threads (the caller is the extra one), made again when the count changes."""
     global _pool, _pool_size
     with _lock:
         if _pool is None or _pool_size != n:
@@ -53,9 +54,43 @@ def _executor(n: int) -> ThreadPoolExecutor:
 
 
 def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """``[fn(x) for x in items]``, run on the pool; results in item order."""
+    """``[fn(x) for x in items]`` on the pool, results in item order; the calling thread works too.
+
+    Items go to whichever thread asks next, so a pool thread that starts late (on a busy machine) delays
+    nothing: the caller waits only for items already taken. An exception is raised for the lowest item that
+    failed, after every item has finished.
+    """
     items = list(items)
-    n = thread_count()
-    if n == 1 or len(items) <= 1:
+    n = min(thread_count(), len(items))
+    if n <= 1:
         return [fn(x) for x in items]
-    return list(_executor(n).map(fn, items))
+    out: list = [None] * len(items)
+    errors: list[tuple[int, BaseException]] = []
+    order = iter(range(len(items)))
+    left = [len(items)]
+    lock, done = threading.Lock(), threading.Event()
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = next(order, None)
+            if i is None:
+                return
+            try:
+                out[i] = fn(items[i])
+            except BaseException as e:  # re-raised in the caller
+                errors.append((i, e))
+            finally:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+    pool = _executor(n - 1)
+    for _ in range(n - 1):
+        pool.submit(work)
+    work()
+    done.wait()
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+    return out

@@ -21,9 +21,11 @@ import numpy as np
 from .elementwise import DT_F32, DT_F64, decoded, delta, nonfinite, score_key, scores_f32
 from .parallel import parallel_map, thread_count
 
-SAMPLE = 1 << 16  # smallest sample; larger tensors are sampled every SAMPLE_STRIDE elements
-SAMPLE_STRIDE = 256
+SAMPLE = 1 << 16  # sampled keys: one every SAMPLE_STRIDE elements, at least SAMPLE_MIN, at most SAMPLE
+SAMPLE_MIN = 1 << 12
+SAMPLE_STRIDE = 128
 BLOCK = 1 << 16  # elements per block (at most 2^16: candidates keep a uint16 index in their block); stays in L2
+MIN_BLOCK = 1 << 12
 TASK = 1 << 20  # most elements per pool task (a task's candidates are joined once)
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
 _INF_BITS = np.uint32(0x7F800000)
@@ -150,12 +152,12 @@ class _Blocks:
 def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     """Candidates (key > lo) of one task, the count of keys == lo, and whether a delta or score is non-finite."""
     t, a, b = part.t, part.a, part.b
-    blk = _Blocks(c, t, min(BLOCK, b - a), lo)
+    blk = _Blocks(c, t, min(part.block, b - a), lo)
     idx, ds, ks, cnt = [], [], [], []
     bad = False
     with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
-        for s in range(a, b, BLOCK):
-            d, k, bad_b = blk.delta_keys(s, min(b, s + BLOCK), write_res)
+        for s in range(a, b, part.block):
+            d, k, bad_b = blk.delta_keys(s, min(b, s + part.block), write_res)
             ci = blk.at_least(d, k)
             idx.append(ci.astype(np.uint16))
             cnt.append(ci.size)
@@ -171,19 +173,19 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     gt = key > lo
     counts = np.bincount(np.repeat(np.arange(len(cnt)), cnt)[gt], minlength=len(cnt))
     kept = ci[gt]
-    return _Part(t, a, b, kept, counts, d[gt], None if blk.fast else key[gt], gt.size - kept.size, bad, BLOCK)
+    return _Part(t, a, b, kept, counts, d[gt], None if blk.fast else key[gt], gt.size - kept.size, bad, part.block)
 
 
 def _equal(c: _Call, part: _Part, lo: np.uint32, need: int) -> tuple[np.ndarray, np.ndarray]:
     """The first ``need`` entries of a task whose key equals lo: (uint32 index relative to a, delta)."""
     t, a, b = part.t, part.a, part.b
-    blk = _Blocks(c, t, min(BLOCK, b - a), lo)
+    blk = _Blocks(c, t, min(part.block, b - a), lo)
     idx, ds = [], []
     with np.errstate(over="ignore", invalid="ignore"):
-        for s in range(a, b, BLOCK):
+        for s in range(a, b, part.block):
             if need <= 0:
                 break
-            d, k, _ = blk.delta_keys(s, min(b, s + BLOCK), False)
+            d, k, _ = blk.delta_keys(s, min(b, s + part.block), False)
             if k is None:
                 k = np.bitwise_and(d.view(np.uint32), _ABS)
             ci = np.flatnonzero(k == lo)[:need]
@@ -195,26 +197,27 @@ def _equal(c: _Call, part: _Part, lo: np.uint32, need: int) -> tuple[np.ndarray,
 
 def _write_residual(c: _Call, part: _Part) -> None:
     """residual = delta over a task's range, block by block (used where the residual read is overwritten)."""
-    blk = _Blocks(c, part.t, min(BLOCK, part.b - part.a), np.uint32(0))
+    blk = _Blocks(c, part.t, min(part.block, part.b - part.a), np.uint32(0))
     with np.errstate(over="ignore", invalid="ignore"):
-        for s in range(part.a, part.b, BLOCK):
-            blk.delta_keys(s, min(part.b, s + BLOCK), True)
+        for s in range(part.a, part.b, part.block):
+            blk.delta_keys(s, min(part.b, s + part.block), True)
 
 
 def _tasks(c: _Call, seg: list[int], n: int) -> list[_Part]:
     per = max(1, 4 * thread_count())
-    span = min(TASK, max(BLOCK, -(-n // per)))
-    span = -(-span // BLOCK) * BLOCK
+    block = min(BLOCK, max(MIN_BLOCK, 1 << max(0, n // 64 - 1).bit_length()))  # buffers stay small beside n
+    span = min(TASK, max(block, -(-n // per)))
+    span = -(-span // block) * block
     parts = []
     for t in seg:
         m = c.new[t].size
-        parts += [_Part(t, a, min(m, a + span)) for a in range(0, m, span)]
+        parts += [_Part(t, a, min(m, a + span), block=block) for a in range(0, m, span)]
     return parts
 
 
 def _bracket(c: _Call, seg: list[int], n: int, k: int) -> np.uint32:
     """A key at or below the k-th largest with high probability, from a strided sample."""
-    stride = max(1, n // max(SAMPLE, n // SAMPLE_STRIDE))
+    stride = max(1, n // min(SAMPLE, max(SAMPLE_MIN, n // SAMPLE_STRIDE)))
 
     def view(x):
         return x[::stride] if x is not None else None
@@ -225,10 +228,12 @@ def _bracket(c: _Call, seg: list[int], n: int, k: int) -> np.uint32:
             args = (view(c.new[t]), view(c.base[t]), view(c.res[t]), c.dtypes[t], c.crit, view(c.ext[t]))
             keys.append(_keys(t, *args, c.ext_dt[t])[1])
     sample = np.concatenate(keys)
+    del keys
     ms = sample.size
     r = k * ms / n
     pick = min(ms - 1, int(r + 4.0 * math.sqrt(r) + 32))
-    lo = np.partition(sample, ms - 1 - pick)[ms - 1 - pick]
+    sample.partition(ms - 1 - pick)
+    lo = sample[ms - 1 - pick]
     if c.crit in (0, 3):
         lo = min(lo, _INF_BITS)  # so every non-finite delta is a candidate and is seen
     return np.uint32(lo)

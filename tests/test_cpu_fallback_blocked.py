@@ -89,6 +89,7 @@ def tiny_blocks(monkeypatch):
     monkeypatch.setattr(sel, "BLOCK", 64)
     monkeypatch.setattr(sel, "TASK", 256)
     monkeypatch.setattr(sel, "SAMPLE", 32)
+    monkeypatch.setattr(sel, "SAMPLE_MIN", 8)
     monkeypatch.setattr(sel, "SAMPLE_STRIDE", 16)
     monkeypatch.setenv(parallel.ENV, "3")
 
