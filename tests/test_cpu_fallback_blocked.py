@@ -214,3 +214,41 @@ def test_compress_allocates_no_full_size_temporary(monkeypatch, threads):
     assert p.nnz == gpu_codec.kept_count(0.01, n)
     buffers = int(threads) * sel.BLOCK * 6 + (64 << 10)
     assert peak < 0.05 * new.nbytes + buffers, f"peak {peak} bytes for a {new.nbytes}-byte update"
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("dt", [0, 1, 2, 3])
+@pytest.mark.parametrize("flaw", [None, "repeat_at_chunk_edge", "out_of_range", "nan"])
+def test_chunked_scatter_matches_one_piece(monkeypatch, mode, dt, flaw):
+    """The scatter twin on 100-entry chunks and 3 threads against one piece in entry order: same outputs, and
+    the lowest bad entry, also where the flaw sits on a chunk boundary."""
+    from gpu_codec.cpu_fallback import kernels
+
+    rng = np.random.default_rng(dt + 10 * mode)
+    numel, k = 20_000, 1_000
+    idx = np.sort(rng.choice(numel, k, replace=False)).astype(np.uint32)
+    vals = rng.standard_normal(k)
+    if flaw == "repeat_at_chunk_edge":
+        idx[300] = idx[299]
+    elif flaw == "out_of_range":
+        idx[-1] = numel
+    elif flaw == "nan":
+        vals[555] = np.nan
+    storage = {0: np.float32, 1: np.float16, 2: np.uint16, 3: np.float64}[dt]
+    base = rng.standard_normal(numel).astype(np.float32)
+    base = base.view(np.uint32) >> 16 if dt == 2 else base
+    vals32, vals64 = vals.astype(np.float32), vals.astype(np.float64)
+
+    def run(chunk):
+        monkeypatch.setattr(kernels, "SCATTER_CHUNK", chunk)
+        out = [base.astype(storage)]
+        err = np.full(1, kernels.U64_MAX, np.uint64)
+        ent = np.array([0, k], np.uint64)
+        kernels._scatter(1, k, ent, [numel], [dt], out, idx, vals32, vals64, mode, err)
+        return out[0], int(err[0])
+
+    monkeypatch.setenv(parallel.ENV, "3")
+    (got, gerr), (want, werr) = run(100), run(1 << 30)
+    assert gerr == werr
+    assert (gerr == int(kernels.U64_MAX)) == (flaw is None)
+    assert got.tobytes() == want.tobytes()
