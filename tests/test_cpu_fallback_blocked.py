@@ -252,3 +252,75 @@ def test_chunked_scatter_matches_one_piece(monkeypatch, mode, dt, flaw):
     assert gerr == werr
     assert (gerr == int(kernels.U64_MAX)) == (flaw is None)
     assert got.tobytes() == want.tobytes()
+
+
+def _rice_by_bits(idx: np.ndarray, k: int) -> tuple[bytes, int]:
+    """The stream as the format describes it, one bit at a time."""
+    g = np.diff(idx.astype(np.int64), prepend=-1) - 1
+    bitlist = [(int(x) >> j) & 1 for x in g for j in range(k)]
+    for x in g:
+        bitlist += [0] * (int(x) >> k) + [1]
+    return np.packbits(np.array(bitlist, np.uint8), bitorder="little").tobytes(), len(bitlist)
+
+
+@pytest.fixture
+def numpy_alias():
+    """NumPy under another name: rice_decode then takes its array-generic path (the one CuPy runs)."""
+    import types
+
+    alias = types.ModuleType("numpy_alias")
+    alias.__dict__.update({n: getattr(np, n) for n in dir(np) if not n.startswith("__")})
+    return alias
+
+
+@pytest.mark.parametrize("k_shift", [-3, 0, 2])
+@pytest.mark.parametrize("density", [0.5, 0.01, 0.0003])
+def test_rice_in_chunks_matches_the_format(monkeypatch, numpy_alias, density, k_shift):
+    from gpu_codec.cpu_fallback import rice
+
+    monkeypatch.setattr(rice, "CHUNK", 7)
+    monkeypatch.setenv(parallel.ENV, "3")
+    rng = np.random.default_rng([round(density * 1e5), k_shift + 5])
+    numel = 200_000
+    idx = np.flatnonzero(rng.random(numel) < density).astype(np.uint32)
+    k = max(0, rice.rice_param(idx.size, numel) + k_shift)
+    stream, bits = rice.rice_encode(idx, k)
+    assert (stream.tobytes(), bits) == _rice_by_bits(idx, k)
+    for xp in (np, numpy_alias):
+        assert rice.rice_decode(stream, bits, k, idx.size, numel, xp).tolist() == idx.tolist()
+
+
+def test_rice_decoders_reject_alike(monkeypatch, numpy_alias):
+    """Flipped bits, cut streams and wrong counts: the NumPy decoder and the array-generic one raise the same
+    error with the same message (or decode the same indices)."""
+    from gpu_codec.cpu_fallback import rice
+
+    monkeypatch.setattr(rice, "CHUNK", 5)
+    rng = np.random.default_rng(9)
+    numel = 5_000
+    idx = np.flatnonzero(rng.random(numel) < 0.02).astype(np.uint32)
+    k = rice.rice_param(idx.size, numel)
+    stream, bits = rice.rice_encode(idx, k)
+    outcomes = set()
+    for trial in range(300):
+        s, b, n, m = stream.copy(), bits, idx.size, numel
+        what = trial % 4
+        if what == 0:
+            pos = int(rng.integers(0, 8 * s.size))
+            s[pos >> 3] ^= np.uint8(1 << (pos & 7))
+        elif what == 1:
+            b -= int(rng.integers(1, 9))
+            s = s[: -(-b // 8)].copy()
+        elif what == 2:
+            n += int(rng.integers(-2, 3))
+        else:
+            m = int(idx[-1]) + int(rng.integers(0, 2))
+        got = []
+        for xp in (np, numpy_alias):
+            try:
+                got.append(("ok", rice.rice_decode(s, b, k, n, m, xp).tolist()))
+            except gpu_codec.PayloadError as e:
+                got.append((type(e).__name__, str(e)))
+        assert got[0] == got[1]
+        outcomes.add(got[0][0])
+    assert len(outcomes) >= 3  # the trials reach several checks
