@@ -1,8 +1,10 @@
 """Time the whole compress (delta -> scores -> exact threshold -> ordered COO) and decompress, against one
 ``np.subtract(new, base, out=)`` pass (the memory floor's yardstick), the NumPy pipeline (subtract, abs,
 argpartition, sort indices, gather) and the torch pipeline (sub, abs, topk, sort, gather), all measured in the same
-run on the same inputs; on the NumPy backend also with one thread, the peak extra memory (tracemalloc) and the
-throughput of the value codecs and of Rice coding. Prints ratios and writes JSON (and a plot).
+run on the same inputs, round-robin. On the NumPy backend also: compress with one thread ("x thr" is the speed-up
+of all threads over one); the same speed-up for a trivially parallel blocked np.subtract on the same pool
+("(numpy)", a gauge of the cores free at that moment); the peak extra memory (tracemalloc, % of the dense
+update); and the throughput of the value codecs and of Rice coding. Prints ratios and writes JSON (and a plot).
 
     python benchmarks/bench_topk.py                       # CPU: N = 1e6 .. 2^26
     python benchmarks/bench_topk.py --sizes 1e8 1e9       # on a GPU (inputs live on the device)
@@ -136,6 +138,19 @@ def peak_extra_bytes(fn) -> int:
         tracemalloc.stop()
 
 
+def blocked_subtract(new, base) -> None:
+    """A trivially parallel NumPy loop on the thread pool: how much the machine's cores give at this moment."""
+    step = 1 << 20
+
+    def part(a: int) -> None:
+        out = np.empty(min(step, new.size - a), new.dtype)
+        for s in range(a, a + out.size, 1 << 16):
+            e = min(a + out.size, s + (1 << 16))
+            np.subtract(new[s:e], base[s:e], out=out[s - a : e - a])
+
+    parallel.parallel_map(part, range(0, new.size, step))
+
+
 def codec_rates(idx: np.ndarray, vals: np.ndarray, numel: int, repeat: int) -> dict:
     """GB/s of each value codec (fp32 values in) and of Rice coding (uint32 indices in, or decoded out)."""
     nb_v, nb_i = vals.nbytes, idx.size * 4
@@ -182,6 +197,8 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
     if on_cpu:
         timed["ours_1thread_s"] = lambda: with_threads(1, ours)
         timed["numpy_s"] = lambda: numpy_pipeline(new, base, k)
+        timed["probe_s"] = lambda: blocked_subtract(new, base)
+        timed["probe_1thread_s"] = lambda: with_threads(1, lambda: blocked_subtract(new, base))
     payload = ours()
     timed["decompress_s"] = lambda: gpu_codec.decompress(payload, base=bas)
     if torch_too:
@@ -216,6 +233,7 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
     row["x_numpy"] = row["numpy_s"] / t_ours if "numpy_s" in row else None
     row["x_torch"] = row["torch_s"] / t_ours if "torch_s" in row else None
     row["x_threads"] = row["ours_1thread_s"] / t_ours if "ours_1thread_s" in row else None
+    row["x_threads_probe"] = row["probe_1thread_s"] / row["probe_s"] if "probe_s" in row else None
     if on_cpu:
         row["peak_extra_bytes"] = peak_extra_bytes(ours)
         row["peak_extra_pct"] = 100.0 * row["peak_extra_bytes"] / new.nbytes
@@ -234,7 +252,7 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
     print(f"backend {be.name}; {threads} threads; fraction {fraction}; median of {repeat}; load {load0[0]:.2f}")
     print(
         f"{'N':>12} {'sub ms':>8} {'ours ms':>8} {'1 thr ms':>8} {'numpy ms':>9} {'torch ms':>9} {'x sub':>6} "
-        f"{'x numpy':>7} {'x torch':>7} {'x thr':>6} {'decomp ms':>9} {'peak %':>6}"
+        f"{'x numpy':>7} {'x torch':>7} {'x thr':>6} {'(numpy)':>7} {'decomp ms':>9} {'peak %':>6}"
     )
     for n in sizes:
         row = measure(n, fraction, repeat, torch_too, be.name)
@@ -248,7 +266,8 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
             f"{n:>12,} {f(row['subtract_s'])} {f(t_ours)} {f(row.get('ours_1thread_s'))} "
             f"{f(row.get('numpy_s'), fmt='9.1f')} {f(row.get('torch_s'), fmt='9.1f')} "
             f"{f(row['x_subtract'], 1, '6.2f')} {f(row['x_numpy'], 1, '7.2f')} {f(row['x_torch'], 1, '7.2f')} "
-            f"{f(row['x_threads'], 1, '6.2f')} {f(row['decompress_s'], fmt='9.1f')} "
+            f"{f(row['x_threads'], 1, '6.2f')} {f(row['x_threads_probe'], 1, '7.2f')} "
+            f"{f(row['decompress_s'], fmt='9.1f')} "
             f"{f(row.get('peak_extra_pct'), 1, '6.2f')}"
         )
     if on_cpu and rows:

@@ -25,6 +25,15 @@ _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
 
 
+def _forget_pool() -> None:
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0  # a forked child has none of the parent's threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def thread_count() -> int:
     """Threads the NumPy backend uses: ``GPU_CODEC_THREADS`` if set (a positive integer), else every core."""
     raw = os.environ.get(ENV, "").strip()

@@ -26,6 +26,7 @@ SAMPLE_MIN = 1 << 12
 SAMPLE_STRIDE = 128
 BLOCK = 1 << 16  # elements per block (at most 2^16: candidates keep a uint16 index in their block); stays in L2
 MIN_BLOCK = 1 << 12
+MIN_TASK = 1 << 18  # fewer elements than this per thread are not worth waking a thread for
 TASK = 1 << 20  # most elements per pool task (a task's candidates are joined once)
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
 _INF_BITS = np.uint32(0x7F800000)
@@ -206,7 +207,7 @@ def _write_residual(c: _Call, part: _Part) -> None:
 def _tasks(c: _Call, seg: list[int], n: int) -> list[_Part]:
     per = max(1, 4 * thread_count())
     block = min(BLOCK, max(MIN_BLOCK, 1 << max(0, n // 64 - 1).bit_length()))  # buffers stay small beside n
-    span = min(TASK, max(block, -(-n // per)))
+    span = min(TASK, max(MIN_TASK, block, -(-n // per)))
     span = -(-span // block) * block
     parts = []
     for t in seg:

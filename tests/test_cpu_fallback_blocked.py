@@ -88,6 +88,7 @@ def tiny_blocks(monkeypatch):
     """Blocks of 64 elements, tasks of 256 and a strided sample: every path of the blocked scan on small inputs."""
     monkeypatch.setattr(sel, "BLOCK", 64)
     monkeypatch.setattr(sel, "TASK", 256)
+    monkeypatch.setattr(sel, "MIN_TASK", 64)
     monkeypatch.setattr(sel, "SAMPLE", 32)
     monkeypatch.setattr(sel, "SAMPLE_MIN", 8)
     monkeypatch.setattr(sel, "SAMPLE_STRIDE", 16)
