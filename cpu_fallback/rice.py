@@ -197,13 +197,16 @@ def _decode_numpy(stream: np.ndarray, bits: int, k: int, nnz: int, numel: int) -
         raise PayloadLayoutError("Rice stream has non-zero bits after its declared end")
     ustart = nnz * k
     b0 = ustart >> 3
-    ones = np.flatnonzero(np.unpackbits(stream[b0:], bitorder="little")[ustart - 8 * b0 : bits - 8 * b0])
+    unary = np.unpackbits(stream[b0:], bitorder="little")[ustart - 8 * b0 : bits - 8 * b0]
+    ones = np.flatnonzero(unary.view(np.bool_))  # 0/1 bytes: as bool, NumPy's fast nonzero
     if int(ones.size) != nnz or int(ones[-1]) != bits - ustart - 1:
         raise PayloadLayoutError(
             f"Rice stream's unary section holds {int(ones.size)} codes, expected {nnz} ending at the last bit"
         )
-    g = np.diff(ones, prepend=-1)  # q + 1
-    g -= 1
+    g = np.empty_like(ones)  # q
+    g[0] = ones[0]
+    np.subtract(ones[1:], ones[:-1], out=g[1:])
+    g[1:] -= 1
     g <<= k
     if k:
         g += _fields(stream, nnz, k)
