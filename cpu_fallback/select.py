@@ -313,8 +313,8 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     per-tensor ascending indices (uint32 or uint64), per-tensor kept deltas (fp32, fp64 for fp64 tensors), and
     the lowest tensor position with a non-finite delta or score (None if all are finite). ``res_out[t]``, where
     given, receives the error-feedback residual: the delta where not kept, delta - decoded(delta) where kept.
-    Nothing is written to ``res_out`` when a value is non-finite. The result does not depend on
-    ``GPU_CODEC_THREADS``.
+    Where ``res_out[t]`` shares memory with ``res[t]`` (the engine's in-place state) nothing is written to it
+    when a value is non-finite. The result does not depend on ``GPU_CODEC_THREADS``.
     """
     c = _Call(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit)
     nt = len(new)
