@@ -9,9 +9,12 @@ runs the faster composition in :mod:`cpu_fallback.select`, which gives the same 
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from .elementwise import DT_F64, decoded, delta, load_f32, nonfinite, score_key, scores_f32, store_from_f32
+from .parallel import parallel_map
 
 BLOCK = 256
 ITEMS = 16
@@ -170,29 +173,66 @@ def chunk_write_u64(*args):
     _chunk_write(*args)
 
 
+SCATTER_CHUNK = 1 << 16  # entries per pool task of the scatter twin
+
+
+def _first_bad(idx, vals, a, numel, chunk):
+    """Lowest entry in [s, e) whose index is out of range or not above the previous one, or whose value is not
+    finite (None if there is none)."""
+    s, e = chunk
+    i = idx[s:e]
+    bad = i >= i.dtype.type(numel) if numel <= np.iinfo(i.dtype).max else np.zeros(i.size, bool)
+    bad[1:] |= i[1:] <= i[:-1]
+    if s > a:
+        bad[0] |= i[0] <= idx[s - 1]
+    bad |= ~np.isfinite(vals[s:e])
+    first = np.flatnonzero(bad)
+    return s + int(first[0]) if first.size else None
+
+
+def _apply(out, idx, vals, dt, mode, chunk):
+    s, e = chunk
+    ii, v = idx[s:e], vals[s:e]
+    if dt == DT_F64:
+        out[ii] = out[ii] + v if mode == 1 else v
+    else:
+        out[ii] = store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)
+
+
+def _scatter_checked(a, b, numel, dt, out, idx, vals32, vals64, mode):
+    i = np.asarray(idx[a:b]).astype(np.uint64)
+    bad = i >= np.uint64(numel)
+    bad[1:] |= i[1:] <= i[:-1]
+    bad |= ~np.isfinite(vals64[a:b] if dt == DT_F64 else vals32[a:b])
+    ok = np.flatnonzero(~bad)
+    ii = i[ok].astype(np.int64)
+    if dt == DT_F64:
+        v = vals64[a:b][ok]
+        out[ii] = out[ii] + v if mode == 1 else v
+    else:
+        v = vals32[a:b][ok]
+        out[ii] = store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)
+
+
 def _scatter(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, vals64, mode, err):
-    nt, total = int(nt), int(total)
+    """Entries whose index is in range, increasing and whose value is finite are written; ``err`` gets the
+    lowest other entry. Tensors with no such entry run in chunks on the thread pool (the indices are distinct,
+    so the chunks touch distinct elements); the others run in entry order, as one piece."""
+    nt, total, mode = int(nt), int(total), int(mode)
     es = np.asarray(ent_start, dtype=np.uint64)
     for t in range(nt):
         a, b = int(es[t]), int(es[t + 1])
         if b <= a:
             continue
-        i = np.asarray(idx[a:b]).astype(np.uint64)
-        bad = i >= np.uint64(int(numel[t]))
-        bad[1:] |= i[1:] <= i[:-1]
-        bad |= ~np.isfinite(vals64[a:b] if int(out_dtypes[t]) == DT_F64 else vals32[a:b])
-        if bad.any():
-            err[0] = min(int(err[0]), a + int(np.flatnonzero(bad)[0]))
-        ok = np.flatnonzero(~bad)
-        ii = i[ok].astype(np.int64)
-        dt = int(out_dtypes[t])
-        out = out_ptrs[t]
-        if dt == DT_F64:
-            v = vals64[a:b][ok]
-            out[ii] = out[ii] + v if int(mode) == 1 else v
+        n, dt, out = int(numel[t]), int(out_dtypes[t]), out_ptrs[t]
+        vals = vals64 if dt == DT_F64 else vals32
+        chunks = [(s, min(b, s + SCATTER_CHUNK)) for s in range(a, b, SCATTER_CHUNK)]
+        bad = [f for f in parallel_map(partial(_first_bad, idx, vals, a, n), chunks) if f is not None]
+        if bad:
+            err[0] = min(int(err[0]), *bad)
+            _scatter_checked(a, b, n, dt, out, idx, vals32, vals64, mode)
         else:
-            v = vals32[a:b][ok]
-            out[ii] = store_from_f32(load_f32(out[ii], dt) + v if int(mode) == 1 else v, dt)
+            parallel_map(partial(_apply, out, idx, vals, dt, mode), chunks)
 
 
 def scatter_u32(*args):

@@ -63,15 +63,14 @@ def int8_absmax(v: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
     x = as_f32(v)
     n = x.size
     nb = -(-n // block)
-    pad = np.zeros(nb * block, np.float32)
-    pad[:n] = x
-    amax = np.abs(pad).reshape(nb, block).max(axis=1) if nb else np.zeros(0, np.float32)
+    rows = np.zeros((nb, block), np.float32)
+    rows.reshape(-1)[:n] = x
+    amax = np.abs(rows).max(axis=1) if nb else np.zeros(0, np.float32)
     scales = (amax / np.float32(127.0)).astype(np.float32)
-    s = np.repeat(scales, block)[:n]
-    q = np.zeros(n, np.float32)
-    nz = s > 0
-    q[nz] = np.clip(_round_even_small(x[nz] / s[nz]), -127.0, 127.0)
-    return q.astype(np.int8), scales
+    q = np.zeros_like(rows)
+    np.divide(rows, scales[:, None], out=q, where=scales[:, None] > 0)  # a block with scale 0 stays 0
+    q = np.clip(_round_even_small(q), -127.0, 127.0)
+    return q.reshape(-1)[:n].astype(np.int8), scales
 
 
 def int8_decode(q: Any, scales: Any, block: int, xp: Any = np) -> Any:

@@ -4,7 +4,8 @@ Stream layout (see rice.cu): gap l is ``g = idx[l] - idx[l - 1] - 1`` (``idx[-1]
 low section holds the k low bits of every gap at fixed offsets ``l * k``; the unary section, from bit ``n * k``,
 holds q zeros then a one per gap. Bits are numbered least significant first within little-endian bytes. Both
 sections decode with vectorized array code (the positions of the ones give every q), so the decoder runs the
-same on NumPy and CuPy and never loops over entries.
+same on NumPy and CuPy and never loops over entries. On NumPy, encoding and the low fields of decoding work on
+64-bit words, in chunks of entries on the thread pool.
 
 >>> idx = np.array([3, 4, 90, 200], np.uint32)
 >>> k = rice_param(4, 256); k
@@ -63,19 +64,86 @@ def gaps(idx: np.ndarray) -> np.ndarray:
     return g
 
 
+CHUNK = 1 << 16  # entries per pool task: temporaries stay a few MB whatever the count
+
+
+def _deposit(pos: np.ndarray, vals: np.ndarray) -> tuple[int, np.ndarray]:
+    """Bit fields ``vals`` (under 64 bits wide) placed at ascending, disjoint bit positions ``pos``, as uint64
+    words from word ``pos[0] >> 6`` on: (first word, words). Fields never overlap, so summing them is OR-ing."""
+    w, sh = pos >> np.uint64(6), pos & np.uint64(63)
+    first = int(w[0])
+    lw = (w - np.uint64(first)).astype(np.int64)
+    words = np.zeros(int(lw[-1]) + 2, np.uint64)
+    starts = np.flatnonzero(np.concatenate(([True], lw[1:] != lw[:-1])))
+    words[lw[starts]] += np.add.reduceat(vals << sh, starts)
+    spill = (vals >> np.uint64(1)) >> (np.uint64(63) - sh)  # the bits past the word's end (a shift by 64 - sh)
+    words[lw[starts] + 1] += np.add.reduceat(spill, starts)
+    return first, words
+
+
 def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
-    """(stream bytes as uint8, bit count) for strictly increasing indices ``idx`` with parameter ``k``."""
-    g = gaps(idx)
-    n = g.size
-    q = (g >> np.uint64(k)).astype(np.int64)
-    ulen = int(q.sum()) + n
-    bits = n * k + ulen
-    b = np.zeros(bits, np.uint8)
-    if k:
-        b[: n * k] = ((g[:, None] >> np.arange(k, dtype=np.uint64)) & np.uint64(1)).reshape(-1)
-    b[n * k + np.cumsum(q + 1) - 1] = 1
-    out = np.packbits(b, bitorder="little")
-    return out, bits
+    """(stream bytes as uint8, bit count) for strictly increasing indices ``idx`` with parameter ``k``.
+
+    Chunks of entries are coded on the thread pool as 64-bit words; the bytes are the same for any chunking.
+    """
+    from .parallel import parallel_map
+
+    i = np.asarray(idx)
+    n = i.size
+    if n == 0:
+        return np.zeros(0, np.uint8), 0
+    kk = np.uint64(k)
+    chunks = [(a, min(n, a + CHUNK)) for a in range(0, n, CHUNK)]
+
+    def chunk_gaps(a: int, b: int) -> np.ndarray:
+        g = i[a:b].astype(np.uint64)
+        prev = np.empty(b - a, np.uint64)
+        prev[0] = np.uint64(int(i[a - 1]) + 1) if a else np.uint64(0)
+        prev[1:] = g[:-1] + np.uint64(1)
+        return g - prev
+
+    qsum = parallel_map(lambda c: int((chunk_gaps(*c) >> kk).sum()), chunks)
+    bits = n * k + sum(qsum) + n
+    ustart = n * k
+    uoff = np.concatenate(([0], np.cumsum(np.asarray(qsum, np.int64) + np.diff([a for a, _ in chunks] + [n]))))
+
+    def code(j: int) -> list[tuple[int, np.ndarray]]:
+        a, b = chunks[j]
+        g = chunk_gaps(a, b)
+        ones = np.cumsum((g >> kk) + np.uint64(1))
+        ones += np.uint64(ustart + int(uoff[j]))
+        ones -= np.uint64(1)  # every cumulative count is at least 1
+        out = [_deposit(ones, np.ones(b - a, np.uint64))]
+        if k:
+            pos = np.arange(a, b, dtype=np.uint64) * kk
+            out.append(_deposit(pos, g & np.uint64((1 << k) - 1)))
+        return out
+
+    words = np.zeros(-(-bits // 64) + 2, np.uint64)
+    for pieces in parallel_map(code, range(len(chunks))):
+        for first, w in pieces:  # neighbouring chunks may share a word: OR in chunk order
+            words[first : first + w.size] |= w
+    return words.view(np.uint8)[: -(-bits // 8)].copy(), bits
+
+
+def _fields(stream: np.ndarray, nnz: int, k: int) -> np.ndarray:
+    """The k-bit low fields of the first nnz entries (int64), read as 64-bit words, in chunks on the pool."""
+    from .parallel import parallel_map
+
+    words = np.zeros(-(-stream.size // 8) + 2, np.uint64)
+    words.view(np.uint8)[: stream.size] = stream
+    kk, mask = np.uint64(k), np.uint64((1 << k) - 1)
+    out = np.empty(nnz, np.int64)
+
+    def read(a: int) -> None:
+        pos = np.arange(a, min(nnz, a + CHUNK), dtype=np.uint64) * kk
+        w, sh = pos >> np.uint64(6), pos & np.uint64(63)
+        lo = words[w] >> sh
+        lo |= (words[w + np.uint64(1)] << np.uint64(1)) << (np.uint64(63) - sh)  # a shift by 64 - sh
+        out[a : a + pos.size] = lo & mask
+
+    parallel_map(read, range(0, nnz, CHUNK))
+    return out
 
 
 def _bits_of(stream: Any, xp: Any) -> Any:
@@ -97,6 +165,8 @@ def rice_decode(stream: Any, bits: int, k: int, nnz: int, numel: int, xp: Any = 
         raise PayloadLayoutError(f"Rice stream is {int(stream.size)} bytes, {bits} bits need {-(-bits // 8)}")
     if nnz == 0:
         return xp.zeros(0, xp.int64)
+    if xp is np:
+        return _decode_numpy(np.asarray(stream), bits, k, nnz, numel)
     b = _bits_of(stream, xp)
     if bool(b[bits:].any()):
         raise PayloadLayoutError("Rice stream has non-zero bits after its declared end")
@@ -112,6 +182,37 @@ def rice_decode(stream: Any, bits: int, k: int, nnz: int, numel: int, xp: Any = 
         low = b[:ustart].reshape(nnz, k).astype(xp.int64) << xp.arange(k, dtype=xp.int64)
         g = g + low.sum(axis=1)
     idx = xp.cumsum(g + 1) - 1
+    last = int(idx[-1])
+    if last >= numel:
+        raise PayloadIndexError(f"Rice stream decodes to index {last}, beyond the tensor's {numel} elements")
+    return idx
+
+
+def _decode_numpy(stream: np.ndarray, bits: int, k: int, nnz: int, numel: int) -> np.ndarray:
+    """:func:`rice_decode` after its size checks, on NumPy: the same checks and errors in the same order, with the
+    unary section unpacked alone and the low fields read as 64-bit words."""
+    from gpu_codec.errors import PayloadIndexError, PayloadLayoutError
+
+    if bits % 8 and int(stream[-1]) >> (bits % 8):
+        raise PayloadLayoutError("Rice stream has non-zero bits after its declared end")
+    ustart = nnz * k
+    b0 = ustart >> 3
+    unary = np.unpackbits(stream[b0:], bitorder="little")[ustart - 8 * b0 : bits - 8 * b0]
+    ones = np.flatnonzero(unary.view(np.bool_))  # 0/1 bytes: as bool, NumPy's fast nonzero
+    if int(ones.size) != nnz or int(ones[-1]) != bits - ustart - 1:
+        raise PayloadLayoutError(
+            f"Rice stream's unary section holds {int(ones.size)} codes, expected {nnz} ending at the last bit"
+        )
+    g = np.empty_like(ones)  # q
+    g[0] = ones[0]
+    np.subtract(ones[1:], ones[:-1], out=g[1:])
+    g[1:] -= 1
+    g <<= k
+    if k:
+        g += _fields(stream, nnz, k)
+    g += 1
+    idx = np.cumsum(g, out=g)
+    idx -= 1
     last = int(idx[-1])
     if last >= numel:
         raise PayloadIndexError(f"Rice stream decodes to index {last}, beyond the tensor's {numel} elements")

@@ -1,0 +1,105 @@
+"""The NumPy backend's thread pool: blocks of a tensor run on every core (NumPy releases the GIL in its loops).
+
+``GPU_CODEC_THREADS`` sets the number of threads (default: ``os.cpu_count()``). Work is split into blocks whose
+results are combined in block order, so every result is the same for any thread count.
+
+>>> parallel_map(lambda x: x * x, range(5))
+[0, 1, 4, 9, 16]
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+ENV = "GPU_CODEC_THREADS"
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+_lock = threading.Lock()
+_pool: ThreadPoolExecutor | None = None
+_pool_size = 0
+
+
+def _forget_pool() -> None:
+    global _pool, _pool_size
+    _pool, _pool_size = None, 0  # a forked child has none of the parent's threads
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
+def thread_count() -> int:
+    """Threads the NumPy backend uses: ``GPU_CODEC_THREADS`` if set (a positive integer), else every core."""
+    raw = os.environ.get(ENV, "").strip()
+    if not raw:
+        return max(1, os.cpu_count() or 1)
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n < 1:
+        from gpu_codec.errors import InvalidInputError
+
+        raise InvalidInputError(f"{ENV} must be a positive integer (threads), got {raw!r}")
+    return n
+
+
+def _executor(n: int) -> ThreadPoolExecutor:
+    """The module's pool of ``n`` threads (the caller is the extra one), made again when the count changes."""
+    global _pool, _pool_size
+    with _lock:
+        if _pool is None or _pool_size != n:
+            if _pool is not None:
+                _pool.shutdown(wait=False)
+            _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="gpu_codec")
+            _pool_size = n
+        return _pool
+
+
+def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
+    """``[fn(x) for x in items]`` on the pool, results in item order; the calling thread works too.
+
+    Items go to whichever thread asks next, so a pool thread that starts late (on a busy machine) delays
+    nothing: the caller waits only for items already taken. An exception is raised for the lowest item that
+    failed, after every item has finished.
+    """
+    items = list(items)
+    n = min(thread_count(), len(items))
+    if n <= 1:
+        return [fn(x) for x in items]
+    out: list = [None] * len(items)
+    errors: list[tuple[int, BaseException]] = []
+    order = iter(range(len(items)))
+    left = [len(items)]
+    lock, done = threading.Lock(), threading.Event()
+
+    def work() -> None:
+        while True:
+            with lock:
+                i = next(order, None)
+            if i is None:
+                return
+            try:
+                out[i] = fn(items[i])
+            except BaseException as e:  # re-raised in the caller
+                errors.append((i, e))
+            finally:
+                with lock:
+                    left[0] -= 1
+                    if left[0] == 0:
+                        done.set()
+
+    pool = _executor(n - 1)
+    for _ in range(n - 1):
+        pool.submit(work)
+    work()
+    done.wait()
+    if errors:
+        raise min(errors, key=lambda e: e[0])[1]
+    return out

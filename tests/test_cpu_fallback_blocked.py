@@ -1,0 +1,327 @@
+"""The NumPy backend's blocked, threaded top-k: the same bytes as the definition, for any block size and thread
+count, nothing written on error, and no full-size temporaries (a memory property, measured with tracemalloc)."""
+
+from __future__ import annotations
+
+import tracemalloc
+
+import numpy as np
+import pytest
+from gpu_codec.cpu_fallback import parallel
+from gpu_codec.cpu_fallback import select as sel
+from gpu_codec.cpu_fallback.elementwise import DT_F64, decoded, delta, nonfinite, score_key, scores_f32
+
+import gpu_codec
+from gpu_codec.errors import InvalidInputError
+from tests.common import load_benchmark, use_backend
+
+kc = load_benchmark("kernel_cases.py")
+TOPK = kc.topk_cases()
+
+
+def brute_force(inp: dict, res_out: list) -> tuple[list, list, int | None, list]:
+    """(indices, values, bad, residuals) by a stable sort of every key: the definition, not an algorithm."""
+    nt = len(inp["new"])
+    deltas, keys, bad = [], [], []
+    with np.errstate(over="ignore", invalid="ignore"):
+        for t in range(nt):
+            new, base, res, dt = inp["new"][t], inp["base"][t], inp["res"][t], inp["dtypes"][t]
+            d = delta(new, base, res, dt)
+            s = scores_f32(inp["crit"], new, base, d, dt, inp["ext"][t], inp["ext_dtypes"][t])
+            if nonfinite(d) or nonfinite(s):
+                bad.append(t)
+            deltas.append(d)
+            keys.append(score_key(s).astype(np.int64))
+    if bad:
+        return [], [], min(bad), []
+    indices, values, resid = [None] * nt, [None] * nt, [None] * nt
+    for seg, k in zip(inp["segments"], inp["ks"]):
+        allk = np.concatenate([keys[t] for t in seg]) if seg else np.zeros(0, np.int64)
+        chosen = np.zeros(allk.size, bool)
+        chosen[np.argsort(-allk, kind="stable")[:k]] = True
+        a = 0
+        for t in seg:
+            n = keys[t].size
+            idx = np.flatnonzero(chosen[a : a + n])
+            a += n
+            d = deltas[t]
+            indices[t] = idx.astype(sel.index_dtype(n))
+            values[t] = d[idx]
+            if res_out[t] is not None:
+                r = d.copy()
+                r[idx] = d[idx] - decoded(d[idx], inp["qmode"])
+                resid[t] = r
+    return indices, values, None, resid
+
+
+def run_blocked(inp: dict) -> tuple:
+    res = [None if r is None else r.copy() for r in inp["res"]]
+    if inp["res_out"] == "alias":
+        res_out = res
+    elif inp["res_out"] == "none":
+        res_out = [None] * len(res)
+    else:
+        res_out = [
+            np.full(a.size, -3.0, np.float64 if dt == DT_F64 else np.float32)
+            for a, dt in zip(inp["new"], inp["dtypes"])
+        ]
+    args = (inp["dtypes"], inp["ext"], inp["ext_dtypes"], inp["crit"], inp["segments"], inp["ks"], inp["qmode"])
+    idx, val, bad = sel.topk_select(inp["new"], inp["base"], res, res_out, *args)
+    return idx, val, bad, res_out
+
+
+def assert_same(inp: dict, got: tuple) -> None:
+    idx, val, bad, res_out = got
+    widx, wval, wbad, wres = brute_force(inp, res_out)
+    assert bad == wbad
+    if bad is not None:
+        return
+    for t in range(len(inp["new"])):
+        assert idx[t].dtype == widx[t].dtype and idx[t].tobytes() == widx[t].tobytes(), f"indices of tensor {t}"
+        assert val[t].dtype == wval[t].dtype and val[t].tobytes() == wval[t].tobytes(), f"values of tensor {t}"
+        if res_out[t] is not None:
+            assert res_out[t].tobytes() == wres[t].tobytes(), f"residual of tensor {t}"
+
+
+@pytest.fixture
+def tiny_blocks(monkeypatch):
+    """Blocks of 64 elements, tasks of 256 and a strided sample: every path of the blocked scan on small inputs."""
+    monkeypatch.setattr(sel, "BLOCK", 64)
+    monkeypatch.setattr(sel, "TASK", 256)
+    monkeypatch.setattr(sel, "MIN_TASK", 64)
+    monkeypatch.setattr(sel, "SAMPLE", 32)
+    monkeypatch.setattr(sel, "SAMPLE_MIN", 8)
+    monkeypatch.setattr(sel, "SAMPLE_STRIDE", 16)
+    monkeypatch.setenv(parallel.ENV, "3")
+
+
+@pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
+def test_blocked_matches_brute_force(tiny_blocks, case):
+    inp = kc.make_topk_inputs(case)
+    assert_same(inp, run_blocked(inp))
+
+
+def _inputs(sizes=(70_000, 1_234, 50_001), crit=0, res_out="alias", k=0.01, seed=5, dtypes=None):
+    dtypes = dtypes or ("f32", "bf16", "f64")
+    ext = ("f32", "f16", "bf16")[: len(sizes)] if crit == 7 else None
+    case = kc.TopkCase("t", tuple(sizes), dtypes, crit=crit, k=k, res=True, res_out=res_out, ext_dtypes=ext, seed=seed)
+    return kc.make_topk_inputs(case)
+
+
+@pytest.mark.parametrize("lo", ["above_threshold", "at_threshold"])
+def test_bracket_that_misses_or_lands_on_the_threshold(tiny_blocks, monkeypatch, lo):
+    """A bracket above the k-th key (the scan runs again from the lowest key) or exactly on it (the entries equal
+    to it are computed again, lowest index first) gives the same result."""
+    inp = _inputs(sizes=(3000, 5000), dtypes=("f32", "f16"), k=0.05)
+    inp["new"][0][100:400] = inp["new"][0][0]  # ties at several keys
+    want = brute_force(inp, [np.zeros(3000, np.float32), np.zeros(5000, np.float32)])
+    keys = np.concatenate(
+        [
+            np.abs(delta(n, b, r, dt)).view(np.uint32)
+            for n, b, r, dt in zip(inp["new"], inp["base"], inp["res"], inp["dtypes"])
+        ]
+    )
+    kth = np.sort(keys)[::-1][inp["ks"][0] - 1]
+    calls = []
+
+    def bracket(*a):
+        calls.append(a)
+        return np.uint32(kth + 1000) if lo == "above_threshold" else np.uint32(kth)
+
+    monkeypatch.setattr(sel, "_bracket", bracket)
+    got = run_blocked(inp)
+    assert calls and want[2] is None
+    assert_same(inp, got)
+
+
+@pytest.mark.parametrize("crit", [0, 1, 4, 7])
+def test_thread_count_changes_no_byte(monkeypatch, crit):
+    """1, 2 and 3 threads (and default-sized blocks): identical indices, values and residuals."""
+    inp = _inputs(sizes=(300_000, 7, 140_003), crit=crit, k=0.02)
+    outs = []
+    for n in ("1", "2", "3"):
+        monkeypatch.setenv(parallel.ENV, n)
+        assert parallel.thread_count() == int(n)
+        outs.append(run_blocked(inp))
+    assert outs[0][2] is None
+    for got in outs[1:]:
+        for a, b in zip(outs[0][:2] + (outs[0][3],), got[:2] + (got[3],)):
+            assert [x.tobytes() for x in a] == [y.tobytes() for y in b]
+    assert_same(inp, outs[0])
+
+
+def test_compress_bytes_and_residual_independent_of_threads(monkeypatch):
+    rng = np.random.default_rng(11)
+    base = {
+        "a": rng.standard_normal(400_000).astype(np.float32),
+        "b": rng.standard_normal((300, 301)).astype(np.float32),
+    }
+    new = {n: v + rng.standard_normal(v.shape).astype(np.float32) for n, v in base.items()}
+    blobs = []
+    with use_backend("cpu"):
+        for n in ("1", "2", "3"):
+            monkeypatch.setenv(parallel.ENV, n)
+            ef = gpu_codec.ErrorFeedback()
+            p1 = gpu_codec.compress(new, base, fraction=0.01, residual=ef).to_bytes()
+            p2 = gpu_codec.compress(
+                new, base, fraction=0.01, residual=ef, pipeline=[gpu_codec.Quantize("float16"), gpu_codec.RiceIndices()]
+            ).to_bytes()
+            blobs.append((p1, p2, ef.to_bytes()))
+    assert blobs[0] == blobs[1] == blobs[2]
+
+
+@pytest.mark.parametrize("where", [0, 69_999, 35_000])
+def test_nonfinite_in_any_block_is_reported_and_nothing_is_written(where):
+    inp = _inputs(sizes=(70_000, 1_234, 50_001), dtypes=("f32", "f32", "f32"))
+    inp["new"][0][where] = np.nan if where else np.inf
+    before = [r.copy() for r in inp["res"]]
+    res = inp["res"]
+    args = (inp["dtypes"], inp["ext"], inp["ext_dtypes"], inp["crit"], inp["segments"], inp["ks"], inp["qmode"])
+    _, _, bad = sel.topk_select(inp["new"], inp["base"], res, res, *args)
+    assert bad == 0
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(res, before))
+
+
+def test_thread_count_setting(monkeypatch):
+    monkeypatch.setenv(parallel.ENV, "0")
+    with pytest.raises(InvalidInputError, match="positive integer"):
+        parallel.thread_count()
+    monkeypatch.setenv(parallel.ENV, "two")
+    with pytest.raises(InvalidInputError, match="'two'"):
+        parallel.thread_count()
+    monkeypatch.delenv(parallel.ENV)
+    assert parallel.thread_count() >= 1
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
+def test_compress_allocates_no_full_size_temporary(monkeypatch, threads):
+    """Peak extra allocation of a whole compress at fraction 0.01, output included: under 5% of the dense
+    update's bytes plus the per-thread block buffers (a constant)."""
+    monkeypatch.setenv(parallel.ENV, threads)
+    n = 1 << 22
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal(n, dtype=np.float32)
+    new = base + rng.standard_normal(n, dtype=np.float32)
+    with use_backend("cpu"):
+        gpu_codec.compress({"w": new}, {"w": base}, fraction=0.01)
+        tracemalloc.start()
+        try:
+            tracemalloc.reset_peak()
+            start = tracemalloc.get_traced_memory()[0]
+            p = gpu_codec.compress({"w": new}, {"w": base}, fraction=0.01)
+            peak = tracemalloc.get_traced_memory()[1] - start
+        finally:
+            tracemalloc.stop()
+    assert p.nnz == gpu_codec.kept_count(0.01, n)
+    buffers = int(threads) * sel.BLOCK * 6 + (64 << 10)
+    assert peak < 0.05 * new.nbytes + buffers, f"peak {peak} bytes for a {new.nbytes}-byte update"
+
+
+@pytest.mark.parametrize("mode", [0, 1])
+@pytest.mark.parametrize("dt", [0, 1, 2, 3])
+@pytest.mark.parametrize("flaw", [None, "repeat_at_chunk_edge", "out_of_range", "nan"])
+def test_chunked_scatter_matches_one_piece(monkeypatch, mode, dt, flaw):
+    """The scatter twin on 100-entry chunks and 3 threads against one piece in entry order: same outputs, and
+    the lowest bad entry, also where the flaw sits on a chunk boundary."""
+    from gpu_codec.cpu_fallback import kernels
+
+    rng = np.random.default_rng(dt + 10 * mode)
+    numel, k = 20_000, 1_000
+    idx = np.sort(rng.choice(numel, k, replace=False)).astype(np.uint32)
+    vals = rng.standard_normal(k)
+    if flaw == "repeat_at_chunk_edge":
+        idx[300] = idx[299]
+    elif flaw == "out_of_range":
+        idx[-1] = numel
+    elif flaw == "nan":
+        vals[555] = np.nan
+    storage = {0: np.float32, 1: np.float16, 2: np.uint16, 3: np.float64}[dt]
+    base = rng.standard_normal(numel).astype(np.float32)
+    base = base.view(np.uint32) >> 16 if dt == 2 else base
+    vals32, vals64 = vals.astype(np.float32), vals.astype(np.float64)
+
+    def run(chunk):
+        monkeypatch.setattr(kernels, "SCATTER_CHUNK", chunk)
+        out = [base.astype(storage)]
+        err = np.full(1, kernels.U64_MAX, np.uint64)
+        ent = np.array([0, k], np.uint64)
+        kernels._scatter(1, k, ent, [numel], [dt], out, idx, vals32, vals64, mode, err)
+        return out[0], int(err[0])
+
+    monkeypatch.setenv(parallel.ENV, "3")
+    (got, gerr), (want, werr) = run(100), run(1 << 30)
+    assert gerr == werr
+    assert (gerr == int(kernels.U64_MAX)) == (flaw is None)
+    assert got.tobytes() == want.tobytes()
+
+
+def _rice_by_bits(idx: np.ndarray, k: int) -> tuple[bytes, int]:
+    """The stream as the format describes it, one bit at a time."""
+    g = np.diff(idx.astype(np.int64), prepend=-1) - 1
+    bitlist = [(int(x) >> j) & 1 for x in g for j in range(k)]
+    for x in g:
+        bitlist += [0] * (int(x) >> k) + [1]
+    return np.packbits(np.array(bitlist, np.uint8), bitorder="little").tobytes(), len(bitlist)
+
+
+@pytest.fixture
+def numpy_alias():
+    """NumPy under another name: rice_decode then takes its array-generic path (the one CuPy runs)."""
+    import types
+
+    alias = types.ModuleType("numpy_alias")
+    alias.__dict__.update({n: getattr(np, n) for n in dir(np) if not n.startswith("__")})
+    return alias
+
+
+@pytest.mark.parametrize("k_shift", [-3, 0, 2])
+@pytest.mark.parametrize("density", [0.5, 0.01, 0.0003])
+def test_rice_in_chunks_matches_the_format(monkeypatch, numpy_alias, density, k_shift):
+    from gpu_codec.cpu_fallback import rice
+
+    monkeypatch.setattr(rice, "CHUNK", 7)
+    monkeypatch.setenv(parallel.ENV, "3")
+    rng = np.random.default_rng([round(density * 1e5), k_shift + 5])
+    numel = 200_000
+    idx = np.flatnonzero(rng.random(numel) < density).astype(np.uint32)
+    k = max(0, rice.rice_param(idx.size, numel) + k_shift)
+    stream, bits = rice.rice_encode(idx, k)
+    assert (stream.tobytes(), bits) == _rice_by_bits(idx, k)
+    for xp in (np, numpy_alias):
+        assert rice.rice_decode(stream, bits, k, idx.size, numel, xp).tolist() == idx.tolist()
+
+
+def test_rice_decoders_reject_alike(monkeypatch, numpy_alias):
+    """Flipped bits, cut streams and wrong counts: the NumPy decoder and the array-generic one raise the same
+    error with the same message (or decode the same indices)."""
+    from gpu_codec.cpu_fallback import rice
+
+    monkeypatch.setattr(rice, "CHUNK", 5)
+    rng = np.random.default_rng(9)
+    numel = 5_000
+    idx = np.flatnonzero(rng.random(numel) < 0.02).astype(np.uint32)
+    k = rice.rice_param(idx.size, numel)
+    stream, bits = rice.rice_encode(idx, k)
+    outcomes = set()
+    for trial in range(300):
+        s, b, n, m = stream.copy(), bits, idx.size, numel
+        what = trial % 4
+        if what == 0:
+            pos = int(rng.integers(0, 8 * s.size))
+            s[pos >> 3] ^= np.uint8(1 << (pos & 7))
+        elif what == 1:
+            b -= int(rng.integers(1, 9))
+            s = s[: -(-b // 8)].copy()
+        elif what == 2:
+            n += int(rng.integers(-2, 3))
+        else:
+            m = int(idx[-1]) + int(rng.integers(0, 2))
+        got = []
+        for xp in (np, numpy_alias):
+            try:
+                got.append(("ok", rice.rice_decode(s, b, k, n, m, xp).tolist()))
+            except gpu_codec.PayloadError as e:
+                got.append((type(e).__name__, str(e)))
+        assert got[0] == got[1]
+        outcomes.add(got[0][0])
+    assert len(outcomes) >= 3  # the trials reach several checks
