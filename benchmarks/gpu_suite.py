@@ -8,7 +8,7 @@ Steps, in order (each recorded in OUTDIR/summary.json as pass / fail / skip, wit
   pytest     python -m pytest -m gpu: the test suite's GPU-marked tests                     -> pytest_gpu.log
   parity     KernelOps(CupyRunner()) against the NumPy backend (cpu_fallback.select.topk_select and the
              scatter twin) to the byte, on large random inputs (up to --max-n elements)
-  cases      the emulated test cases (benchmarks/kernel_cases.py) on the device: every kernel against its twin,
+  cases      the emulated test cases (gpu_codec/testing/kernel_cases.py) on the device: every kernel against its twin,
              buffer by buffer, exactly as tests/test_emulated_kernels.py runs them on the CPU emulator
   sanitizer  compute-sanitizer memcheck, racecheck and synccheck over --workload, a short run that launches
              every kernel at least once and checks its output                            -> sanitizer_<tool>.log

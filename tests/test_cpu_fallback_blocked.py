@@ -13,9 +13,9 @@ from gpu_codec.cpu_fallback.elementwise import DT_F64, decoded, delta, nonfinite
 
 import gpu_codec
 from gpu_codec.errors import InvalidInputError
-from tests.common import load_benchmark, use_backend
+from gpu_codec.testing import kernel_cases as kc
+from tests.common import use_backend
 
-kc = load_benchmark("kernel_cases.py")
 TOPK = kc.topk_cases()
 
 
