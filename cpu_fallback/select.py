@@ -12,16 +12,13 @@ import math
 
 import numpy as np
 
+from gpu_codec.constants import index_dtype
+
 from .elementwise import DT_F64, decoded, delta, nonfinite, score_key, scores_f32
 
 SAMPLE = 1 << 16
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
 _INF_BITS = np.uint32(0x7F800000)
-
-
-def index_dtype(numel: int) -> np.dtype:
-    """uint32 where every flat index of the tensor fits, else uint64."""
-    return np.dtype("<u4") if numel <= (1 << 32) else np.dtype("<u8")
 
 
 def _keys(t, new, base, res, dt, crit, ext, ext_dt):

@@ -11,7 +11,7 @@ caller's kind on the caller's device.
 """
 
 from . import clara, fl4health, flower, openfl  # the seed APIs; torch, flwr and cryptography load on first use
-from .backend import backend_info, get_backend, reset_backend
+from .backends import backend_info, get_backend, reset_backend
 from .codecs import (
     Int8Blockwise,
     Nvcomp,

@@ -21,11 +21,11 @@ import numpy as np
 
 from . import dtypes
 from .arrays import Tensor, array_kind, from_backend, to_tensor
-from .backend import get_backend
+from .backends import Backend, get_backend
+from .dtypes import SCOPES
 from .errors import InvalidInputError, PayloadIndexError, PayloadLayoutError, PayloadLimitError
 from .format import TensorRecord, pack, packed_size, unpack
 
-SCOPES = ("global", "per_tensor")
 DEFAULT_MAX_ELEMENTS = 1 << 31
 
 ScoreFn = Callable[[Mapping[str, Any], Mapping[str, Any] | None], Mapping[str, Any]]
@@ -159,7 +159,7 @@ def _segments(numels: list[int], fraction: float, scope: str) -> tuple[list[list
     return [[t] for t in range(len(numels))], [kept_count(fraction, n) for n in numels]
 
 
-def _external_scores(score: ScoreFn, update, base, names, news, backend) -> tuple[list, list[int]]:
+def _external_scores(score: ScoreFn, update, base, names, news, backend: Backend) -> tuple[list, list[int]]:
     try:
         out = score(update, base)
     except Exception as e:

@@ -62,7 +62,8 @@ import numpy as np
 
 from . import adapt
 from . import engine as _engine
-from .backend import get_backend
+from .backends import get_backend
+from .dtypes import index_dtype
 from .errors import InvalidInputError, PayloadError, PayloadIndexError
 from .format import TensorRecord
 
@@ -588,7 +589,7 @@ def _load_sparse(model: Any, names: list, values: list, indices: list, shapes: l
             torch.float64: "float64",
         }.get(t.dtype, "float64")
         vd = np.float64 if logical == "float64" else np.float32
-        idt = np.uint32 if numel <= (1 << 32) else np.uint64
+        idt = index_dtype(numel)
         records.append(
             TensorRecord(
                 name, logical, shape, "coo", nnz, {"indices": flat[order].astype(idt), "values": v[order].astype(vd)}

@@ -9,8 +9,6 @@
 // NumPy twins: cpu_fallback/quantize.py (same bytes).
 #include "common.cuh"
 
-#define Q_F16 1
-#define Q_BF16 2
 #define FP16_MAX 65504.0f
 #define BF16_MAX_BITS 0x7F7F0000u
 #define TERNARY_CHUNK CHUNK

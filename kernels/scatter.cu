@@ -7,9 +7,6 @@
 // NumPy twins: cpu_fallback/kernels.py.
 #include "common.cuh"
 
-#define SCATTER_ZEROS 0  // out[idx] = v (out was zero-filled by the caller)
-#define SCATTER_ADD 1    // out[idx] = round(out[idx] + v)  (out holds a copy of base)
-
 template <typename IDX>
 __device__ __forceinline__ void scatter_impl(
     int nt, u64 total, const u64* ent_start, const i64* numel, const int* out_dtypes, const u64* out_ptrs,

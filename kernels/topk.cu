@@ -9,21 +9,6 @@
 // Each has a NumPy twin with the same name and arguments in cpu_fallback/kernels.py.
 #include "common.cuh"
 
-// Score criteria, shared with gpu_codec/_dtypes.py.
-#define CRIT_MAGNITUDE 0       // |w - w0 (+ residual)|
-#define CRIT_LARGEST_FINAL 1   // |w|
-#define CRIT_SMALLEST_FINAL 2  // -|w|
-#define CRIT_LARGEST_CHANGE 3  // |w - w0|
-#define CRIT_SMALLEST_CHANGE 4 // -|w - w0|
-#define CRIT_LARGEST_INCREASE 5  // |w| - |w0|
-#define CRIT_SMALLEST_INCREASE 6 // -(|w| - |w0|)
-#define CRIT_EXTERNAL 7        // a user score array per tensor
-
-// Residual rounding modes for error feedback: what the receiver will decode for a kept value.
-#define QMODE_EXACT 0
-#define QMODE_F16 1
-#define QMODE_BF16 2
-
 // The delta of element i (a null base reads as zeros, a null residual as none), in fp32 (fp32/fp16/bf16 tensors) or fp64 (fp64 tensors): (new - base) + residual.
 __device__ __forceinline__ double delta_f64(const void* nw, const void* bs, const void* rs, i64 i) {
     double d = ((const double*)nw)[i] - (bs ? ((const double*)bs)[i] : 0.0);
@@ -191,8 +176,6 @@ extern "C" __global__ void chunk_count(
         cnt[2 * c + 1] = E;
     }
 }
-
-#define SCAN_THREADS 1024
 
 __device__ __forceinline__ u64 chunk_take(const u32* cnt, const u64* eq_base, const u64* state, int s, i64 c)
 {

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 import gpu_codec
-from gpu_codec.backend import _gpu_probe
+from gpu_codec.backends import _gpu_probe
 
 HAS_GPU = _gpu_probe()[0]
 
 
 def has_emulator() -> bool:
     try:
-        import gpu_codec._emulator  # noqa: F401
+        import gpu_codec.backends.emulated  # noqa: F401
     except Exception:
         return False
     return True

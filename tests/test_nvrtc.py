@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from gpu_codec._sources import kernel_files, kernel_signatures, kernel_source
+from gpu_codec.backends.sources import kernel_files, kernel_signatures, kernel_source
 from tests.common import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from ..dtypes import index_dtype
 from ..errors import PayloadHeaderError, PayloadLayoutError
 from ..format import BUFFER_DTYPES, LAYOUTS, TensorRecord, register_layout
 
@@ -87,7 +88,7 @@ def canonical_dtype(allowed: tuple[str, ...], rec: TensorRecord) -> str:
     """The one dtype a buffer has inside a compressed blob (index width follows the element count)."""
     if len(allowed) == 1:
         return allowed[0]
-    return "uint32" if rec.numel <= (1 << 32) else "uint64"
+    return index_dtype(rec.numel).name
 
 
 def inner_record(rec: TensorRecord) -> TensorRecord:

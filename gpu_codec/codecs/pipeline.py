@@ -25,8 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from ..dtypes import value_dtype
-from ..cpu_fallback.select import index_dtype
+from ..backends.base import Backend
+from ..dtypes import index_dtype, value_dtype
 from ..errors import (
     CodecConfigError,
     InvalidInputError,
@@ -111,7 +111,7 @@ class Pipeline:
     def _coded(self) -> bool:
         return self.values is not None or self.indices is not None
 
-    def encode(self, records: list[TensorRecord], backend: Any, residual: list[Any] | None) -> list[TensorRecord]:
+    def encode(self, records: list[TensorRecord], backend: Backend, residual: list[Any] | None) -> list[TensorRecord]:
         """Turn the engine's ``coo`` (or ``dense``) records into this pipeline's encodings, on the backend.
 
         ``residual`` (lists over tensors, or None) receives ``value - decoded`` at every kept entry.
@@ -189,9 +189,8 @@ class Pipeline:
         ):
             raise PayloadLayoutError(f"{where(rec)}: int8 block {rec.codec['block']} differs from the pipeline's")
 
-    def decode(self, records: list[TensorRecord], backend: Any) -> list[TensorRecord]:
+    def decode(self, records: list[TensorRecord], backend: Backend) -> list[TensorRecord]:
         """Turn this pipeline's encodings back into ``coo``/``dense`` records with backend buffers."""
-        xp = backend.xp
         out = []
         for rec in records:
             if rec.encoding not in ENCODINGS:
@@ -203,7 +202,7 @@ class Pipeline:
                     rec = BytesCodec.decode_record(rec)
                 if rec.encoding in ("sparse", "dense_q"):
                     self._check_forms(rec)
-                    rec = _decode_forms(rec, xp, backend)
+                    rec = _decode_forms(rec, backend)
             except PayloadError as e:
                 msg = str(e)
                 raise type(e)(msg if msg.startswith(where(rec)) else f"{where(rec)}: {msg}") from None
@@ -211,15 +210,15 @@ class Pipeline:
         return out
 
 
-def _decode_forms(rec: TensorRecord, xp: Any, backend: Any) -> TensorRecord:
+def _decode_forms(rec: TensorRecord, backend: Backend) -> TensorRecord:
     bufs = {role: backend.asarray(a) for role, a in rec.buffers.items()}
     vd = np.dtype(value_dtype(rec.dtype))
     if rec.encoding == "dense_q":
-        vals = VALUE_FORMS[rec.codec["v"]].decode(rec, bufs, rec.numel, xp).astype(vd, copy=False)
+        vals = VALUE_FORMS[rec.codec["v"]].decode(rec, bufs, rec.numel, backend).astype(vd, copy=False)
         return TensorRecord(rec.name, rec.dtype, rec.shape, "dense", rec.numel, {"values": vals})
-    idx = INDEX_FORMS[rec.codec["i"]].decode(rec, bufs, rec.nnz, xp)
+    idx = INDEX_FORMS[rec.codec["i"]].decode(rec, bufs, rec.nnz, backend)
     idx = idx.astype(index_dtype(rec.numel), copy=False)
-    vals = VALUE_FORMS[rec.codec["v"]].decode(rec, bufs, rec.nnz, xp).astype(vd, copy=False)
+    vals = VALUE_FORMS[rec.codec["v"]].decode(rec, bufs, rec.nnz, backend).astype(vd, copy=False)
     return TensorRecord(rec.name, rec.dtype, rec.shape, "coo", rec.nnz, {"indices": idx, "values": vals})
 
 
@@ -235,7 +234,7 @@ def as_pipeline(pipeline: Any) -> Pipeline:
         raise type(e)(f"pipeline: {e}") from None
 
 
-def decode_records(pipeline_config: Any, records: list[TensorRecord], backend: Any) -> list[TensorRecord]:
+def decode_records(pipeline_config: Any, records: list[TensorRecord], backend: Backend) -> list[TensorRecord]:
     """The engine's decode hook: records of the codec encodings decoded per the header's pipeline."""
     if not any(r.encoding in ENCODINGS for r in records):
         return records

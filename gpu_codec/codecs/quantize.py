@@ -18,8 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..cpu_fallback import quantize as _q
-from . import _ops
+from ..backends.base import Backend
 from ._wire import VALUE_FORMS, Form, check_block, n_blocks, value_dtype_name
 from .base import Codec, check_choice, check_int
 from .registry import register_codec
@@ -36,7 +35,7 @@ class ValueCodec(Codec):
     tag = ""
 
     def encode_values(
-        self, values: list[Any], indices: list[Any], res: list[Any], backend: Any
+        self, values: list[Any], indices: list[Any], res: list[Any], backend: Backend
     ) -> list[tuple[dict, dict, dict]]:
         """Per tensor: (codec fields, buffers by role, buffer dtype names that differ from the array's)."""
         raise NotImplementedError
@@ -62,7 +61,7 @@ class Quantize(ValueCodec):
     def encode_values(self, values, indices, res, backend):
         if self.dtype == "float32":
             return [({}, {"values": v}, {}) for v in values]
-        out = _ops.cast16(backend, values, self.dtype, indices, res)
+        out = backend.cast16(values, self.dtype, indices, res)
         return [({}, {"values": o}, {"values": self.dtype}) for o in out]
 
 
@@ -81,7 +80,7 @@ class Int8Blockwise(ValueCodec):
         return False
 
     def encode_values(self, values, indices, res, backend):
-        qs, ss = _ops.int8(backend, values, self.block_size, indices, res)
+        qs, ss = backend.int8(values, self.block_size, indices, res)
         return [({"block": self.block_size}, {"values": q, "scales": s}, {}) for q, s in zip(qs, ss)]
 
 
@@ -92,16 +91,16 @@ def _float_layout(dtype: str | None):
     return layout
 
 
-def _decode_f32(rec, bufs, n, xp):
+def _decode_f32(rec, bufs, n, backend):
     return bufs["values"]
 
 
-def _decode_f16(rec, bufs, n, xp):
-    return _q.decode_f16(bufs["values"], xp)
+def _decode_f16(rec, bufs, n, backend):
+    return backend.decode_f16(bufs["values"])
 
 
-def _decode_bf16(rec, bufs, n, xp):
-    return _q.decode_bf16(bufs["values"], xp)
+def _decode_bf16(rec, bufs, n, backend):
+    return backend.decode_bf16(bufs["values"])
 
 
 def _int8_layout(rec, n):
@@ -109,8 +108,8 @@ def _int8_layout(rec, n):
     return {"values": (("int8",), n), "scales": (("float32",), n_blocks(n, b))}
 
 
-def _decode_int8(rec, bufs, n, xp):
-    return _q.int8_decode(bufs["values"], bufs["scales"], rec.codec["block"], xp)
+def _decode_int8(rec, bufs, n, backend):
+    return backend.int8_decode(bufs["values"], bufs["scales"], rec.codec["block"])
 
 
 VALUE_FORMS["f32"] = Form("f32", (), _float_layout(None), _decode_f32)

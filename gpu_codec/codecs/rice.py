@@ -20,9 +20,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..backends.base import Backend
 from ..cpu_fallback import rice as _rice
 from ..errors import PayloadHeaderError
-from . import _ops
 from ._wire import INDEX_FORMS, Form, is_int, where
 from .base import Codec
 from .registry import register_codec
@@ -34,7 +34,7 @@ class IndexCodec(Codec):
     stage = "indices"
     tag = ""
 
-    def encode_indices(self, indices: list[Any], numels: list[int], backend: Any) -> list[tuple[dict, dict, dict]]:
+    def encode_indices(self, indices: list[Any], numels: list[int], backend: Backend) -> list[tuple[dict, dict, dict]]:
         raise NotImplementedError
 
 
@@ -68,7 +68,7 @@ class RiceIndices(IndexCodec):
 
     def encode_indices(self, indices, numels, backend):
         ks = [_rice.rice_param(int(i.size), n) for i, n in zip(indices, numels)]
-        streams, bits = _ops.rice(backend, indices, ks)
+        streams, bits = backend.rice(indices, ks)
         return [({"k": k, "bits": b}, {"indices": s}, {}) for k, b, s in zip(ks, bits, streams)]
 
 
@@ -76,7 +76,7 @@ def _raw_layout(rec, n):
     return {"indices": (("uint32", "uint64"), n)}
 
 
-def _raw_decode(rec, bufs, n, xp):
+def _raw_decode(rec, bufs, n, backend):
     return bufs["indices"]
 
 
@@ -96,8 +96,8 @@ def _rice_layout(rec, n):
     return {"indices": (("uint8",), -(-bits // 8))}
 
 
-def _rice_decode(rec, bufs, n, xp):
-    return _rice.rice_decode(bufs["indices"], rec.codec["bits"], rec.codec["k"], n, rec.numel, xp)
+def _rice_decode(rec, bufs, n, backend):
+    return backend.rice_decode(bufs["indices"], rec.codec["bits"], rec.codec["k"], n, rec.numel)
 
 
 INDEX_FORMS["raw"] = Form("raw", (), _raw_layout, _raw_decode)

@@ -17,8 +17,6 @@ A kept value of exactly 0 is sent as +mu (one bit cannot say 0; error feedback c
 
 from __future__ import annotations
 
-from ..cpu_fallback import quantize as _q
-from . import _ops
 from ._wire import VALUE_FORMS, Form, check_mu, n_blocks
 from .quantize import ValueCodec
 from .registry import register_codec
@@ -39,7 +37,7 @@ class Ternary(ValueCodec):
         return False
 
     def encode_values(self, values, indices, res, backend):
-        signs, mus = _ops.ternary(backend, values, indices, res)
+        signs, mus = backend.ternary(values, indices, res)
         return [({"mu": float(mu)}, {"signs": s}, {}) for s, mu in zip(signs, mus)]
 
 
@@ -48,8 +46,8 @@ def _layout(rec, n):
     return {"signs": (("uint8",), n_blocks(n, 8))}
 
 
-def _decode(rec, bufs, n, xp):
-    return _q.ternary_decode(bufs["signs"], rec.codec["mu"], n, xp)
+def _decode(rec, bufs, n, backend):
+    return backend.ternary_decode(bufs["signs"], rec.codec["mu"], n)
 
 
 VALUE_FORMS["ternary"] = Form("ternary", ("mu",), _layout, _decode)

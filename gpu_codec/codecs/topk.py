@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from .. import dtypes
-from ..engine import SCOPES
+from ..dtypes import SCOPES
 from .base import Codec, check_choice, check_fraction
 from .registry import register_codec
 

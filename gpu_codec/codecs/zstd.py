@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from ..backends.base import Backend
 from ..errors import PayloadLayoutError, PayloadLimitError
 from ..format import TensorRecord
 from ._wire import inner_record, raw_layout, split_raw, where
@@ -45,14 +46,14 @@ class BytesCodec(Codec):
     def lossless(self) -> bool:
         return True
 
-    def _compress(self, flat: Any, sizes: list[int], backend: Any) -> list[bytes]:
+    def _compress(self, flat: Any, sizes: list[int], backend: Backend) -> list[bytes]:
         """Compress each record's slice of ``flat`` (uint8, in the backend's memory)."""
         raise NotImplementedError
 
     def _extra(self) -> dict:
         return {}
 
-    def encode_records(self, records: list[TensorRecord], backend: Any) -> list[TensorRecord]:
+    def encode_records(self, records: list[TensorRecord], backend: Backend) -> list[TensorRecord]:
         flat, sizes = gather(records, backend)
         out = []
         for rec, n, z in zip(records, sizes, self._compress(flat, sizes, backend)):
@@ -81,7 +82,7 @@ class BytesCodec(Codec):
         return inner
 
 
-def gather(records: list[TensorRecord], backend: Any) -> tuple[Any, list[int]]:
+def gather(records: list[TensorRecord], backend: Backend) -> tuple[Any, list[int]]:
     """Every record's buffers concatenated in layout order into one uint8 array in the backend's memory, and
     each record's byte count."""
     parts, sizes = [], []
@@ -98,7 +99,7 @@ def gather(records: list[TensorRecord], backend: Any) -> tuple[Any, list[int]]:
     return flat, sizes
 
 
-def split_host(flat: Any, sizes: list[int], backend: Any) -> list[bytes]:
+def split_host(flat: Any, sizes: list[int], backend: Backend) -> list[bytes]:
     blob = np.asarray(backend.to_host(flat)).tobytes()  # the one device-to-host copy of this stage
     out, a = [], 0
     for n in sizes:

@@ -1,6 +1,6 @@
 // Host shim: just enough CUDA for g++ (C++20) to compile gpu_codec's kernels/*.cu unchanged and run them on the CPU.
 //
-// The emulator (gpu_codec/_emulator.py) compiles each kernels/*.cu, with this header first and a generated
+// The emulator (gpu_codec/backends/emulated.py) compiles each kernels/*.cu, with this header first and a generated
 // launcher per `extern "C" __global__` kernel after it, into one shared library. emu_runtime.cpp runs a launch:
 //
 //   * blocks run one after another, in an order the launch chooses (forward, reverse or shuffled);
@@ -262,7 +262,7 @@ static __forceinline__ void emu_syncwarp(const char* file, int line, unsigned ma
 
 // --------------------------------------------------------------------------------------------- launch glue
 namespace emu {
-// One launch, filled in by the Python side (gpu_codec/_emulator.py mirrors this layout with ctypes).
+// One launch, filled in by the Python side (gpu_codec/backends/emulated.py mirrors this layout with ctypes).
 struct LaunchConfig {
     unsigned int grid[3];
     unsigned int block[3];

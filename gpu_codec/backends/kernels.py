@@ -1,11 +1,13 @@
-"""Wrappers that run the kernels of kernels/*.cu through a *runner*.
+"""Every kernel launch of kernels/*.cu, in one place, driven by a *runner*.
 
-A runner has ``xp`` (the array module its memory lives in), ``launch(name, grid, block, args)``, ``ptr(array)``
-and ``to_host(array)``. The GPU backend's runner is CuPy (:mod:`gpu_codec._cupy_runtime`); the emulated
-backend's runner executes the same CUDA sources on the CPU (:mod:`gpu_codec._emulator`). Both go through the
-code below, so the emulated backend exercises exactly what the GPU backend launches.
+A runner (:class:`~gpu_codec.backends.base.Runner`) has ``xp`` (the array module its memory lives in),
+``launch(name, grid, block, args)``, ``ptr(array)`` and ``to_host(array)``. The GPU backend's runner is CuPy
+(:mod:`gpu_codec.backends.cupy`); the emulated backend's runner executes the same CUDA sources on the CPU
+(:mod:`gpu_codec.backends.emulated`). Both go through :class:`KernelOps` below, so the emulated backend exercises
+exactly what the GPU backend launches.
 
-The only device-to-host copies here are small: one error word after scoring and the per-tensor kept counts.
+The only device-to-host copies here are small: one error word after scoring and after a scatter, the per-tensor
+kept counts, ternary mu and Rice bit counts.
 """
 
 from __future__ import annotations
@@ -15,14 +17,22 @@ from typing import Any
 
 import numpy as np
 
-from .cpu_fallback.select import index_dtype
+from ..constants import (
+    BLOCK,
+    CHUNK,
+    DT_F32,
+    DT_F64,
+    NO_SEG_THRESHOLD,
+    Q_BF16,
+    Q_F16,
+    RICE_SCAN_THREADS,
+    SCAN_THREADS,
+    U64_MAX,
+    index_dtype,
+)
+from .base import Runner, scatter_args
 
-BLOCK = 256
-ITEMS = 16
-CHUNK = BLOCK * ITEMS
-SCAN_THREADS = 1024
-U64_MAX = 0xFFFFFFFFFFFFFFFF
-NO_SEG_THRESHOLD = 0xFFFFFFFF  # threshold of a segment with k = 0: above every finite key
+__all__ = ["CHUNK", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
 
 
 class TensorTables:
@@ -53,38 +63,36 @@ def initial_state(ks: list[int]) -> np.ndarray:
     return st
 
 
-def scatter_args(xp: Any, indices: list, values: list):
-    """Concatenate per-tensor entries as the scatter kernels take them: (total, ent_start (host u64), indices
-    (u32, or u64 if any tensor needs it), vals32, vals64); ``None`` when there is no entry."""
-    counts = [int(i.size) for i in indices]
-    total = sum(counts)
-    if total == 0:
-        return None
-    ent_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)
-    wide = any(i.dtype == np.uint64 for i in indices)
-    idx = xp.concatenate([i.astype(np.uint64 if wide else np.uint32, copy=False) for i in indices])
-    if all(v.dtype != np.float64 for v in values):
-        vals32, vals64 = xp.concatenate([v.astype(np.float32, copy=False) for v in values]), xp.zeros(1, np.float64)
-    elif all(v.dtype == np.float64 for v in values):
-        vals32, vals64 = xp.zeros(1, np.float32), xp.concatenate(values)
-    else:
-        vals32 = xp.concatenate([v if v.dtype == np.float32 else xp.zeros(v.size, np.float32) for v in values])
-        vals64 = xp.concatenate([v if v.dtype == np.float64 else xp.zeros(v.size, np.float64) for v in values])
-    return total, ent_start, idx, vals32, vals64
+def _offsets(counts: list[int]) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.uint64)
+
+
+def _split(flat: Any, counts: list[int]) -> list[Any]:
+    out, a = [], 0
+    for c in counts:
+        out.append(flat[a : a + c])
+        a += c
+    return out
 
 
 class KernelOps:
-    """Top-k selection and scatter, composed from the kernels."""
+    """Every op of the :class:`~gpu_codec.backends.base.Backend` protocol that runs kernels, composed from them."""
 
-    def __init__(self, runner: Any):
+    def __init__(self, runner: Runner):
         self.runner = runner
         self.xp = runner.xp
 
     def _up(self, host: np.ndarray):
         return self.xp.asarray(host)
 
-    def _ptrs(self, arrays) -> Any:
-        return self._up(np.asarray([self.runner.ptr(a) if a is not None else 0 for a in arrays], dtype=np.uint64))
+    def _ptrs(self, arrays, *, skip_empty: bool = False) -> Any:
+        """A device table of the arrays' addresses (0 for None, and for empty arrays with ``skip_empty``)."""
+        return self._up(
+            np.asarray(
+                [self.runner.ptr(a) if a is not None and not (skip_empty and a.size == 0) else 0 for a in arrays],
+                dtype=np.uint64,
+            )
+        )
 
     def topk_select(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """Same contract as :func:`gpu_codec.cpu_fallback.select.topk_select`, on the runner's memory."""
@@ -154,8 +162,8 @@ class KernelOps:
         K = int(sum(ks))
         wide = any(index_dtype(int(n)) == np.uint64 for n in tb.numel)
         idx = xp.empty(max(K, 1), dtype=np.uint64 if wide else np.uint32)
-        has64 = any(int(d) == 3 for d in dtypes)
-        has32 = any(int(d) != 3 for d in dtypes)
+        has64 = any(int(d) == DT_F64 for d in dtypes)
+        has32 = any(int(d) != DT_F64 for d in dtypes)
         vals32 = xp.empty(max(K, 1) if has32 else 1, dtype=np.float32)
         vals64 = xp.empty(max(K, 1) if has64 else 1, dtype=np.float64)
         if grid:
@@ -212,7 +220,7 @@ class KernelOps:
             it = idx[a : a + c]
             want = index_dtype(int(tb.numel[t]))
             indices.append(it if it.dtype == want else it.astype(want))
-            values.append((vals64 if int(dtypes[t]) == 3 else vals32)[a : a + c])
+            values.append((vals64 if int(dtypes[t]) == DT_F64 else vals32)[a : a + c])
             a += c
         if a != K:
             raise AssertionError(f"kernels kept {a} entries, expected {K}")
@@ -252,3 +260,134 @@ class KernelOps:
         )
         bad = int(run.to_host(err)[0])
         return None if bad == U64_MAX else bad
+
+    def _entry_tables(self, values, indices, res):
+        counts = [int(v.size) for v in values]
+        return (
+            counts,
+            np.int32(len(values)),
+            self._up(_offsets(counts)),
+            self._up(np.asarray([DT_F64 if v.dtype == np.float64 else DT_F32 for v in values], np.int32)),
+            self._ptrs(values, skip_empty=True),
+            self._up(np.asarray([0 if i is None else np.dtype(i.dtype).itemsize for i in indices], np.int32)),
+            self._ptrs(indices, skip_empty=True),
+            self._ptrs(res, skip_empty=True),
+        )
+
+    def cast16(self, values, dtype: str, indices, res) -> list[Any]:
+        mode = Q_F16 if dtype == "float16" else Q_BF16
+        counts, nt, ent, vdt, vp, iw, ip, rp = self._entry_tables(values, indices, res)
+        total = sum(counts)
+        out = self.xp.empty(max(total, 1), dtype=np.uint16)
+        if total:
+            self.runner.launch(
+                "quantize_cast",
+                -(-total // BLOCK),
+                BLOCK,
+                (nt, np.uint64(total), ent, vdt, vp, iw, ip, rp, np.int32(mode), out),
+            )
+        return _split(out, counts)
+
+    def int8(self, values, block, indices, res) -> tuple[list[Any], list[Any]]:
+        counts, nt, ent, vdt, vp, iw, ip, rp = self._entry_tables(values, indices, res)
+        nblk = [-(-c // block) for c in counts]
+        out = self.xp.empty(max(sum(counts), 1), dtype=np.int8)
+        scales = self.xp.empty(max(sum(nblk), 1), dtype=np.float32)
+        if sum(nblk):
+            self.runner.launch(
+                "quantize_int8",
+                sum(nblk),
+                BLOCK,
+                (nt, self._up(_offsets(nblk)), ent, np.int32(block), vdt, vp, iw, ip, rp, out, scales),
+            )
+        return _split(out, counts), _split(scales, nblk)
+
+    def ternary(self, values, indices, res) -> tuple[list[Any], np.ndarray]:
+        counts, nt, ent, vdt, vp, iw, ip, rp = self._entry_tables(values, indices, res)
+        tb = TensorTables(counts, [0] * len(counts), 1)
+        nwords = [-(-c // 32) for c in counts]
+        word_off = _offsets(nwords)
+        words = self.xp.zeros(max(sum(nwords), 1), dtype=np.uint32)
+        partial = self.xp.zeros(max(tb.nchunks, 1), dtype=np.float64)
+        mu = self.xp.zeros(max(len(counts), 1), dtype=np.float32)
+        cs = self._up(tb.chunk_start)
+        if tb.nchunks:
+            self.runner.launch(
+                "ternary_partial", tb.nchunks, BLOCK, (nt, cs, ent, vdt, vp, self._up(word_off), partial, words)
+            )
+        self.runner.launch("ternary_mu", -(-len(counts) // 256), 256, (nt, cs, ent, partial, mu))
+        if any(r is not None for r in res) and sum(counts):
+            self.runner.launch(
+                "ternary_fixup",
+                -(-sum(counts) // BLOCK),
+                BLOCK,
+                (nt, np.uint64(sum(counts)), ent, vdt, vp, iw, ip, rp, mu),
+            )
+        signs = [
+            words[int(word_off[t]) : int(word_off[t + 1])].view(np.uint8)[: -(-c // 8)] for t, c in enumerate(counts)
+        ]
+        return signs, self.runner.to_host(mu)[: len(counts)].astype(np.float32)
+
+    def rice(self, indices, ks) -> tuple[list[Any], list[int]]:
+        xp, run = self.xp, self.runner
+        counts = [int(i.size) for i in indices]
+        wide = any(i.dtype == np.uint64 for i in indices)
+        idx = [i.astype(np.uint64) if wide and i.dtype != np.uint64 else i for i in indices]
+        tb = TensorTables(counts, [0] * len(counts), 1)
+        nt, ent, d_ks = np.int32(len(counts)), self._up(_offsets(counts)), self._up(np.asarray(ks, np.int32))
+        cs, ip = self._up(tb.chunk_start), self._ptrs(idx, skip_empty=True)
+        sfx = "u64" if wide else "u32"
+        bits = [0] * len(counts)
+        chunk_base = xp.zeros(max(tb.nchunks, 1), dtype=np.uint64)
+        if tb.nchunks:
+            chunk_q = xp.zeros(tb.nchunks, dtype=np.uint64)
+            tbits = xp.zeros(len(counts), dtype=np.uint64)
+            run.launch("rice_count_" + sfx, tb.nchunks, BLOCK, (nt, cs, ent, d_ks, ip, chunk_q))
+            run.launch(
+                "rice_scan", 1, RICE_SCAN_THREADS, (nt, np.int64(tb.nchunks), cs, ent, d_ks, chunk_q, chunk_base, tbits)
+            )
+            bits = [int(b) for b in run.to_host(tbits)]
+        nwords = [-(-b // 32) for b in bits]
+        word_off = _offsets(nwords)
+        words = xp.zeros(max(sum(nwords), 1), dtype=np.uint32)
+        if tb.nchunks:
+            run.launch(
+                "rice_write_" + sfx, tb.nchunks, BLOCK, (nt, cs, ent, d_ks, ip, chunk_base, self._up(word_off), words)
+            )
+        streams = [
+            words[int(word_off[t]) : int(word_off[t + 1])].view(np.uint8)[: -(-b // 8)] for t, b in enumerate(bits)
+        ]
+        return streams, bits
+
+
+class KernelBackendBase:
+    """The ops of a kernel backend (GPU or emulated): each one a :class:`KernelOps` launch sequence."""
+
+    name: str
+    on_device: bool
+
+    def __init__(self, runner: Runner):
+        self.runner = runner
+        self.xp = runner.xp
+        self.ops = KernelOps(runner)
+
+    def to_host(self, a: Any) -> np.ndarray:
+        return self.runner.to_host(a)
+
+    def topk_select(self, *args):
+        return self.ops.topk_select(*args)
+
+    def scatter(self, *args):
+        return self.ops.scatter(*args)
+
+    def cast16(self, values, dtype, indices, res):
+        return self.ops.cast16(values, dtype, indices, res)
+
+    def int8(self, values, block, indices, res):
+        return self.ops.int8(values, block, indices, res)
+
+    def ternary(self, values, indices, res):
+        return self.ops.ternary(values, indices, res)
+
+    def rice(self, indices, ks):
+        return self.ops.rice(indices, ks)

@@ -1,4 +1,5 @@
-"""Backend choice: the GPU (CuPy kernels), the NumPy fallback, or the emulated GPU (kernels run on the CPU).
+"""The backends and their choice: the GPU (CuPy kernels), the NumPy fallback, or the emulated GPU (kernels run
+on the CPU).
 
 The GPU is chosen when CuPy imports and a CUDA device is usable; otherwise the NumPy backend, said once in a log
 line. ``GPU_CODEC_BACKEND=cpu|gpu|emulated`` forces one; forcing ``gpu`` where none is usable raises
@@ -12,7 +13,6 @@ True
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import threading
@@ -20,9 +20,8 @@ from typing import Any
 
 import numpy as np
 
-from .cpu_fallback import kernels as _twins
-from .cpu_fallback import select as _select
-from .errors import BackendUnavailableError, InvalidInputError
+from ..errors import BackendUnavailableError, InvalidInputError
+from .base import Backend
 
 logger = logging.getLogger("gpu_codec")
 
@@ -30,84 +29,8 @@ ENV = "GPU_CODEC_BACKEND"
 _CHOICES = ("cpu", "gpu", "emulated")
 
 
-class NumpyBackend:
-    """Host memory, NumPy arithmetic: :mod:`gpu_codec.cpu_fallback`."""
-
-    name = "cpu"
-    xp = np
-    on_device = False
-
-    def asarray(self, a: Any) -> np.ndarray:
-        if isinstance(a, np.ndarray):
-            return a
-        if type(a).__module__.startswith("cupy"):
-            return a.get()
-        return np.asarray(a)
-
-    def to_host(self, a: Any) -> np.ndarray:
-        return np.asarray(a)
-
-    def stream(self, tensors) -> contextlib.AbstractContextManager:
-        return contextlib.nullcontext()
-
-    def topk_select(self, *args):
-        return _select.topk_select(*args)
-
-    def scatter(self, outs, out_dtypes, numels, indices, values, mode):
-        from ._kernel_ops import U64_MAX, scatter_args
-
-        packed = scatter_args(np, indices, values)
-        if packed is None:
-            return None
-        total, ent_start, idx, vals32, vals64 = packed
-        err = np.full(1, U64_MAX, dtype=np.uint64)
-        _twins._scatter(len(outs), total, ent_start, numels, out_dtypes, outs, idx, vals32, vals64, mode, err)
-        bad = int(err[0])
-        return None if bad == U64_MAX else bad
-
-
-class KernelBackend:
-    """The kernels of kernels/*.cu, launched through a runner (CuPy on a GPU, or the host emulator)."""
-
-    def __init__(self, name: str, runner: Any):
-        from ._kernel_ops import KernelOps
-
-        self.name = name
-        self.runner = runner
-        self.xp = runner.xp
-        self.on_device = name == "gpu"
-        self._ops = KernelOps(runner)
-
-    def asarray(self, a: Any):
-        if self.on_device:
-            return self.xp.asarray(a)
-        if type(a).__module__.startswith("cupy"):
-            return a.get()
-        return np.asarray(a)
-
-    def to_host(self, a: Any) -> np.ndarray:
-        return self.runner.to_host(a)
-
-    def stream(self, tensors) -> contextlib.AbstractContextManager:
-        """Run on the caller's current torch stream when any input is a CUDA torch tensor."""
-        if not self.on_device:
-            return contextlib.nullcontext()
-        for t in tensors:
-            if t is not None and t.kind == "torch" and getattr(t.device, "type", "") == "cuda":
-                import torch
-
-                return self.xp.cuda.ExternalStream(torch.cuda.current_stream(t.device).cuda_stream)
-        return contextlib.nullcontext()
-
-    def topk_select(self, *args):
-        return self._ops.topk_select(*args)
-
-    def scatter(self, *args):
-        return self._ops.scatter(*args)
-
-
 _lock = threading.Lock()
-_cache: dict[str, Any] = {}
+_cache: dict[str, Backend] = {}
 _info: dict[str, Any] = {}
 
 
@@ -150,33 +73,39 @@ def _nvml_info() -> dict[str, Any]:
         return {"nvml_error": f"{type(e).__name__}: {e}"}
 
 
-def _choose() -> Any:
+def _numpy_backend() -> Backend:
+    from .numpy import NumpyBackend
+
+    return NumpyBackend()
+
+
+def _choose() -> Backend:
     forced = os.environ.get(ENV, "").strip().lower()
     if forced and forced not in _CHOICES:
         raise InvalidInputError(f"{ENV} must be one of {', '.join(_CHOICES)}, got {forced!r}")
     if forced == "cpu":
         _info.update(backend="cpu", reason=f"forced by {ENV}=cpu")
-        return NumpyBackend()
+        return _numpy_backend()
     if forced == "emulated":
-        from ._emulator import EmulatorRunner
+        from .emulated import EmulatedBackend
 
         _info.update(backend="emulated", reason=f"forced by {ENV}=emulated: kernels/*.cu run on the CPU")
-        return KernelBackend("emulated", EmulatorRunner())
+        return EmulatedBackend()
     ok, why = _gpu_probe()
     if ok:
-        from ._cupy_runtime import CupyRunner
+        from .cupy import GpuBackend
 
         _info.update(backend="gpu", reason=why if not forced else f"forced by {ENV}=gpu; {why}")
         _info["device"] = _nvml_info()
-        return KernelBackend("gpu", CupyRunner())
+        return GpuBackend()
     if forced == "gpu":
         raise BackendUnavailableError(f"{ENV}=gpu but no GPU backend is usable: {why}")
     _info.update(backend="cpu", reason=f"{why}; using the NumPy fallback")
     logger.info("gpu_codec: %s", _info["reason"])
-    return NumpyBackend()
+    return _numpy_backend()
 
 
-def get_backend() -> Any:
+def get_backend() -> Backend:
     """The backend in use (chosen on first call, then cached; :func:`reset_backend` chooses again)."""
     key = os.environ.get(ENV, "").strip().lower()
     with _lock:
@@ -204,6 +133,7 @@ def backend_info() -> dict[str, Any]:
     get_backend()
     key = os.environ.get(ENV, "").strip().lower()
     info = dict(_info_by_key[key])
+    info.update(get_backend().info())
     info["numpy"] = np.__version__
     try:
         import cupy
@@ -212,3 +142,6 @@ def backend_info() -> dict[str, Any]:
     except Exception:
         info["cupy"] = None
     return info
+
+
+__all__ = ["ENV", "Backend", "backend_info", "get_backend", "reset_backend"]

@@ -1,0 +1,89 @@
+"""The NumPy backend: host memory, the twins of :mod:`gpu_codec.cpu_fallback` (the same bytes as the kernels)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from ..constants import U64_MAX
+from ..cpu_fallback import kernels as _twins
+from ..cpu_fallback import quantize as _q
+from ..cpu_fallback import rice as _rice
+from ..cpu_fallback import select as _select
+from .base import scatter_args
+from .decode import ArrayDecoders
+
+
+class NumpyBackend(ArrayDecoders):
+    """Host memory, NumPy arithmetic: :mod:`gpu_codec.cpu_fallback`."""
+
+    name = "cpu"
+    xp = np
+    on_device = False
+
+    def asarray(self, a: Any) -> np.ndarray:
+        if isinstance(a, np.ndarray):
+            return a
+        if type(a).__module__.startswith("cupy"):
+            return a.get()
+        return np.asarray(a)
+
+    def to_host(self, a: Any) -> np.ndarray:
+        return np.asarray(a)
+
+    def stream(self, tensors) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def info(self) -> dict[str, Any]:
+        return {"allocator": "numpy"}
+
+    def topk_select(self, *args):
+        return _select.topk_select(*args)
+
+    def scatter(self, outs, out_dtypes, numels, indices, values, mode):
+        packed = scatter_args(np, indices, values)
+        if packed is None:
+            return None
+        total, ent_start, idx, vals32, vals64 = packed
+        err = np.full(1, U64_MAX, dtype=np.uint64)
+        _twins._scatter(len(outs), total, ent_start, numels, out_dtypes, outs, idx, vals32, vals64, mode, err)
+        bad = int(err[0])
+        return None if bad == U64_MAX else bad
+
+    def cast16(self, values, dtype, indices, res):
+        enc, dec = (_q.cast_f16, _q.decode_f16) if dtype == "float16" else (_q.cast_bf16, _q.decode_bf16)
+        out = []
+        for v, i, r in zip(values, indices, res):
+            bits = enc(v)
+            _q.fix_residual(r, i, v, dec(bits))
+            out.append(bits)
+        return out
+
+    def int8(self, values, block, indices, res):
+        qs, ss = [], []
+        for v, i, r in zip(values, indices, res):
+            q, s = _q.int8_absmax(v, block)
+            _q.fix_residual(r, i, v, _q.int8_decode(q, s, block))
+            qs.append(q)
+            ss.append(s)
+        return qs, ss
+
+    def ternary(self, values, indices, res):
+        signs, mus = [], []
+        for v, i, r in zip(values, indices, res):
+            mu = _q.ternary_mu(v)
+            s = _q.ternary_signs(v)
+            _q.fix_residual(r, i, v, _q.ternary_decode(s, mu, v.size))
+            signs.append(s)
+            mus.append(mu)
+        return signs, np.asarray(mus, dtype=np.float32)
+
+    def rice(self, indices, ks):
+        streams, bits = [], []
+        for i, kk in zip(indices, ks):
+            s, b = _rice.rice_encode(i, kk)
+            streams.append(s)
+            bits.append(b)
+        return streams, bits
