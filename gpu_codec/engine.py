@@ -349,10 +349,11 @@ def decompress(
     # decode quantized values, coded indices and lossless stages as the header says
     from .codecs.pipeline import decode_records
 
-    records = decode_records(payload.pipeline, records, backend)
     kind, device = _output_kind(like, base_tensors)
     outs, out_dtypes, idx_list, val_list = [], [], [], []
+    # one device, one stream and one allocator for the decode and the scatter (the GPU backend syncs on exit)
     with backend.stream(base_tensors or []):
+        records = decode_records(payload.pipeline, records, backend)
         for i, r in enumerate(records):
             if r.encoding not in ("coo", "dense"):
                 raise PayloadLayoutError(f"tensor {r.name!r}: encoding {r.encoding!r} cannot be decoded by the engine")
@@ -366,7 +367,7 @@ def decompress(
             outs.append(out)
             vals = backend.asarray(r.buffers["values"])
             if r.encoding == "dense":
-                idx = backend.xp.arange(r.numel, dtype=np.uint32 if r.numel <= 1 << 32 else np.uint64)
+                idx = backend.xp.arange(r.numel, dtype=dtypes.index_dtype(r.numel))
             else:
                 idx = backend.asarray(r.buffers["indices"])
             idx_list.append(idx)

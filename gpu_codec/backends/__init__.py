@@ -35,6 +35,7 @@ _info: dict[str, Any] = {}
 
 
 def _gpu_probe() -> tuple[bool, str]:
+    """Whether the GPU backend can run here: CuPy imports, a CUDA device is usable and NVRTC loads."""
     try:
         import cupy
     except Exception as e:
@@ -45,28 +46,78 @@ def _gpu_probe() -> tuple[bool, str]:
         return False, f"CuPy {cupy.__version__} finds no usable CUDA device ({e})"
     if n < 1:
         return False, f"CuPy {cupy.__version__} finds no CUDA device"
-    return True, f"CuPy {cupy.__version__} with {n} CUDA device(s)"
+    ok, nv = _nvrtc_probe()
+    if not ok:
+        return False, f"CuPy {cupy.__version__} with {n} CUDA device(s), but NVRTC cannot be loaded ({nv})"
+    return True, f"CuPy {cupy.__version__} with {n} CUDA device(s), {nv}"
+
+
+def _nvrtc_probe() -> tuple[bool, str]:
+    try:
+        from .nvrtc import nvrtc_version
+
+        major, minor = nvrtc_version()
+    except Exception as e:
+        return False, f"{type(e).__name__}: {e}"
+    return True, f"NVRTC {major}.{minor}"
+
+
+def format_uuid(raw: Any) -> str:
+    """A CUDA device UUID (16 bytes, as ``cudaDeviceProp.uuid``) as NVML writes it, without its prefix.
+
+    >>> format_uuid(bytes(range(16)))
+    '00010203-0405-0607-0809-0a0b0c0d0e0f'
+    """
+    if isinstance(raw, str):
+        return raw.split("-", 1)[1] if raw[:4] in ("GPU-", "MIG-") else raw
+    h = bytes(raw).hex()
+    if len(h) != 32:
+        raise ValueError(f"a CUDA UUID has 16 bytes, got {len(h) // 2}")
+    return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def _nvml_handle(pynvml: Any, uuid: str) -> tuple[Any, bool]:
+    """NVML's handle of the device (or MIG instance) with CUDA UUID ``uuid``: (handle, is a MIG instance)."""
+    for prefix in ("GPU-", "MIG-"):
+        try:
+            h = pynvml.nvmlDeviceGetHandleByUUID(prefix + uuid)
+        except Exception:
+            continue
+        try:
+            mig = bool(pynvml.nvmlDeviceIsMigDeviceHandle(h))
+        except Exception:
+            mig = prefix == "MIG-"
+        return h, mig
+    raise LookupError(f"NVML knows no device with UUID {uuid} (as GPU- or MIG-)")
 
 
 def _nvml_info() -> dict[str, Any]:
+    """NVML's view of the current CUDA device, found by UUID (CUDA ordinals differ from NVML's under
+    CUDA_VISIBLE_DEVICES); a MIG instance is reported as itself, with its parent GPU's name."""
     try:
+        import cupy
         import pynvml
 
+        dev = cupy.cuda.Device().id
+        uuid = format_uuid(cupy.cuda.runtime.getDeviceProperties(dev)["uuid"])
         pynvml.nvmlInit()
         try:
-            import cupy
-
-            h = pynvml.nvmlDeviceGetHandleByIndex(cupy.cuda.Device().id)
+            h, mig = _nvml_handle(pynvml, uuid)
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             name = pynvml.nvmlDeviceGetName(h)
-            return {
+            out = {
+                "cuda_device": dev,
+                "uuid": uuid,
+                "mig": mig,
                 "name": name.decode() if isinstance(name, bytes) else name,
                 "memory_total_bytes": int(mem.total),
                 "driver": str(pynvml.nvmlSystemGetDriverVersion()),
                 "cuda_driver_version": int(pynvml.nvmlSystemGetCudaDriverVersion()),
-                "sm_clock_max_mhz": int(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_SM)),
-                "mem_clock_max_mhz": int(pynvml.nvmlDeviceGetMaxClockInfo(h, pynvml.NVML_CLOCK_MEM)),
             }
+            clock_handle = pynvml.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(h) if mig else h
+            out["sm_clock_max_mhz"] = int(pynvml.nvmlDeviceGetMaxClockInfo(clock_handle, pynvml.NVML_CLOCK_SM))
+            out["mem_clock_max_mhz"] = int(pynvml.nvmlDeviceGetMaxClockInfo(clock_handle, pynvml.NVML_CLOCK_MEM))
+            return out
         finally:
             pynvml.nvmlShutdown()
     except Exception as e:
