@@ -13,9 +13,11 @@ True
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -159,6 +161,8 @@ def _choose() -> Backend:
 def get_backend() -> Backend:
     """The backend in use (chosen on first call, then cached; :func:`reset_backend` chooses again)."""
     key = os.environ.get(ENV, "").strip().lower()
+    if _override:
+        return _override[-1]
     with _lock:
         b = _cache.get(key)
         if b is None:
@@ -172,6 +176,22 @@ def get_backend() -> Backend:
 _info_by_key: dict[str, dict[str, Any]] = {}
 
 
+_override: list[Backend] = []
+
+
+@contextlib.contextmanager
+def using_backend(backend: Backend) -> Iterator[Backend]:
+    """Run the library on ``backend`` inside the block (tools that measure a backend they built themselves,
+    e.g. an emulator that counts memory traffic)."""
+    if not isinstance(backend, Backend):
+        raise InvalidInputError(f"using_backend needs a Backend, got {type(backend).__name__}")
+    _override.append(backend)
+    try:
+        yield backend
+    finally:
+        _override.pop()
+
+
 def reset_backend() -> None:
     """Forget the cached choice (tests use it after changing ``GPU_CODEC_BACKEND``)."""
     with _lock:
@@ -181,10 +201,12 @@ def reset_backend() -> None:
 
 def backend_info() -> dict[str, Any]:
     """What backend is in use and why, with NVML device details when a GPU is there."""
-    get_backend()
-    key = os.environ.get(ENV, "").strip().lower()
-    info = dict(_info_by_key[key])
-    info.update(get_backend().info())
+    b = get_backend()
+    if _override:
+        info = {"backend": b.name, "reason": "set by using_backend"}
+    else:
+        info = dict(_info_by_key[os.environ.get(ENV, "").strip().lower()])
+    info.update(b.info())
     info["numpy"] = np.__version__
     try:
         import cupy
@@ -195,4 +217,4 @@ def backend_info() -> dict[str, Any]:
     return info
 
 
-__all__ = ["ENV", "Backend", "backend_info", "get_backend", "reset_backend"]
+__all__ = ["ENV", "Backend", "backend_info", "get_backend", "reset_backend", "using_backend"]

@@ -29,6 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+import weakref
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -69,6 +70,20 @@ CXX_FLAGS = (
 )
 LINK_FLAGS = ("-shared", "-pthread", "-Wl,-z,noexecstack")
 SCHEDULES = {"forward": 0, "reverse": 1, "shuffle": 2}
+# The traffic-counting build: GCC's address instrumentation in call mode on the kernel units only, so every
+# global load and store calls a hook in emu_runtime.cpp (no shadow memory, no redzones, no globals registry).
+TRACE_FLAGS = (
+    "-fsanitize=kernel-address",
+    "-fasan-shadow-offset=0x7fff8000",
+    "--param",
+    "asan-instrumentation-with-call-threshold=0",
+    "--param",
+    "asan-stack=0",
+    "--param",
+    "asan-globals=0",
+    "-DEMU_TRACE",
+)
+SECTOR = 32  # bytes: the unit of DRAM traffic counted per launch
 _ABI = 1
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([A-Za-z0-9_./-]+)"\s*$')
@@ -260,6 +275,7 @@ def build_library(
     *,
     package: bool = True,
     cxx: str | None = None,
+    trace: bool = False,
     cache_dir: str | os.PathLike | None = None,
 ) -> tuple[Path, dict[str, tuple[tuple[str, str], ...]]]:
     """Build (or find in the cache) the emulator library; returns its path and the kernel signatures in it.
@@ -297,6 +313,7 @@ def build_library(
                 "cxx_id": _compiler_id(cxx),
                 "machine": platform.machine(),
                 "flags": CXX_FLAGS + LINK_FLAGS + defines,
+                "trace": TRACE_FLAGS if trace else (),
                 "shim": shim,
                 "runtime": runtime,
                 "units": units,
@@ -330,7 +347,8 @@ def build_library(
             srcs = ["emu_runtime.cpp", *units]
 
             def compile_one(src: str) -> tuple[str, subprocess.CompletedProcess]:
-                cmd = [*cxx.split(), *CXX_FLAGS, *defines, "-I.", "-c", src, "-o", src[:-4] + ".o"]
+                extra = () if not trace else ("-DEMU_TRACE",) if src == "emu_runtime.cpp" else TRACE_FLAGS
+                cmd = [*cxx.split(), *CXX_FLAGS, *defines, *extra, "-I.", "-c", src, "-o", src[:-4] + ".o"]
                 return src, subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
 
             with ThreadPoolExecutor(max_workers=max(1, min(len(srcs), os.cpu_count() or 1))) as ex:
@@ -437,11 +455,16 @@ class EmulatorRunner:
         seed: int = 0,
         poison: int | None = 0xA5,
         cxx: str | None = None,
+        trace: bool = False,
     ):
         if schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
         self.schedule, self.seed, self.poison = schedule, int(seed), poison
-        self.library, sigs = build_library(sources, package=package, cxx=cxx)
+        self.library, sigs = build_library(sources, package=package, cxx=cxx, trace=trace)
+        self.trace = trace
+        self.traffic: list[dict[str, Any]] = []  # per launch, with trace=True: sectors read / written
+        # address -> (bytes, owner) of every live array handed to a kernel (trace=True)
+        self._buffers: dict[tuple[int, int], Any] = {}
         self._dll = _load(self.library)
         self.signatures = sigs
         self._args = {k: tuple(_Arg(ct, n) for ct, n in v) for k, v in sigs.items()}
@@ -481,6 +504,8 @@ class EmulatorRunner:
                 if a.writable and not v.flags.writeable:
                     raise TypeError(f"{name}: argument {a.name} ({a.ctype}) is written but the array is read-only")
                 values.append(ctypes.c_void_p(v.ctypes.data))
+                if self.trace:
+                    self._note(v)
             else:
                 if not isinstance(v, np.generic) or v.dtype != a.dtype:
                     raise TypeError(
@@ -500,7 +525,16 @@ class EmulatorRunner:
         cfg.schedule = SCHEDULES[self.schedule]
         cfg.poison = -1 if self.poison is None else int(self.poison) & 0xFF
         cfg.seed = self.seed + sum(self.launch_counts.values())
+        if self.trace:
+            ranges = self._live_ranges()
+            self._dll.emu_trace_begin(ranges.ctypes.data_as(ctypes.c_void_p), ctypes.c_int(len(ranges)))
         rc = fn(ctypes.byref(cfg), argv)
+        if self.trace:
+            out = (ctypes.c_ulonglong * 3)()
+            self._dll.emu_trace_end(out)
+            self.traffic.append(
+                {"kernel": name, "read_bytes": SECTOR * out[0], "write_bytes": SECTOR * out[1], "grid": _dims(grid)}
+            )
         del values
         self.launch_counts[name] += 1
         self.last_stats = {
@@ -512,9 +546,22 @@ class EmulatorRunner:
         if rc != 0:
             raise EmulatorError(f"{name}<<<{_dims(grid)}, {_dims(block)}>>>: {cfg.error.decode(errors='replace')}")
 
+    def _note(self, a: np.ndarray) -> None:
+        owner = a
+        while isinstance(owner.base, np.ndarray):
+            owner = owner.base
+        self._buffers[(int(a.ctypes.data), int(a.nbytes))] = weakref.ref(owner)
+
+    def _live_ranges(self) -> np.ndarray:
+        live = {k: r for k, r in self._buffers.items() if r() is not None}
+        self._buffers = live
+        return np.asarray([(a, a + n) for a, n in live] or [(0, 0)], dtype=np.uint64)
+
     def ptr(self, a: Any) -> int:
         if not isinstance(a, np.ndarray):
             raise TypeError(f"the emulated runner works on NumPy arrays, got {type(a).__name__}")
+        if self.trace:
+            self._note(a)
         return int(a.ctypes.data)
 
     def to_host(self, a: Any) -> np.ndarray:
