@@ -7,9 +7,10 @@ arrays passed to it and those named in its address tables). Bytes per element = 
 written) / dense elements, summed over the launches of one call: the DRAM traffic of a GPU whose L2 keeps
 nothing between launches and everything within one.
 
-Counted: the kernels of kernels/*.cu. Not seen: array-library work between launches (CuPy or NumPy copies,
-fills and concatenations the engine does, e.g. decompress's copy of the base, or the index table a dense
-record gets); they are listed per op in ``GLUE`` with their bytes per element, and added to ``total``.
+Counted: the kernels of kernels/*.cu. Not seen by the emulator: array-library work between launches (CuPy or
+NumPy copies, fills and concatenations the engine does, e.g. a sparse decompress's copy of the base); it is
+added analytically (``glue_bytes_per_element``, see ``sparse_decompress_glue``). Host-to-device uploads of the
+payload are transfers, not counted.
 
     python benchmarks/traffic.py                 # n = 2^16, writes benchmarks/results/traffic.json
     python benchmarks/traffic.py --n 8192 --quick
@@ -77,10 +78,9 @@ def _measured(backend: EmulatedBackend, fn) -> tuple[Any, list[dict]]:
     return result, run.traffic[start:]
 
 
-def _record(op: str, launches: list[dict], n: int, **fields) -> dict:
+def _record(op: str, launches: list[dict], n: int, glue: float = 0.0, **fields) -> dict:
     read = sum(r["read_bytes"] for r in launches)
     write = sum(r["write_bytes"] for r in launches)
-    glue = GLUE.get(op, 0.0)
     rec = {
         "op": op,
         **fields,
@@ -98,11 +98,11 @@ def _record(op: str, launches: list[dict], n: int, **fields) -> dict:
     return rec
 
 
-# Array-library work between launches, bytes per dense element (fp32), as the engine does it today.
-GLUE = {
-    "decompress": 8.0,  # out = base.copy(): read and write the base once before the scatter adds the entries
-    "decompress_dense": 12.0,  # the base copy (8) and writing the index table arange(n) a dense record gets (4)
-}
+# Array-library work between launches, bytes per dense element (fp32), as the engine does it: a sparse decode
+# onto a base copies the base (read and write, 8) and concatenates the entries' indices and values (16 per entry).
+# A dense decode has none (dense_apply reads base and values in place).
+def sparse_decompress_glue(n: int, k: int) -> float:
+    return 8.0 + 16.0 * k / n
 
 
 def compress_records(backend, n: int, fractions, tensor_counts, residuals=(False, True)) -> list[dict]:
@@ -128,10 +128,11 @@ def decompress_records(backend, n: int) -> list[dict]:
     with using_backend(backend):
         sparse = gpu_codec.compress(new, base, fraction=0.01).to_bytes()
         dense = gpu_codec.compress(new, base, fraction=None).to_bytes()
+    k = gpu_codec.Payload.from_bytes(sparse).tensors[0].nnz
     _, sl = _measured(backend, lambda: gpu_codec.decompress(sparse, base=base))
     _, dl = _measured(backend, lambda: gpu_codec.decompress(dense, base=base))
     return [
-        _record("decompress", sl, n, fraction=0.01, residual=False, tensors=1),
+        _record("decompress", sl, n, sparse_decompress_glue(n, k), fraction=0.01, residual=False, tensors=1),
         _record("decompress_dense", dl, n, fraction=None, residual=False, tensors=1),
     ]
 

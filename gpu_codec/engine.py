@@ -22,6 +22,7 @@ import numpy as np
 from . import dtypes
 from .arrays import Tensor, array_kind, from_backend, to_tensor
 from .backends import Backend, get_backend
+from .constants import SCATTER_ADD, SCATTER_ZEROS
 from .dtypes import SCOPES
 from .errors import InvalidInputError, PayloadIndexError, PayloadLayoutError, PayloadLimitError
 from .format import TensorRecord, pack, packed_size, unpack
@@ -354,35 +355,42 @@ def decompress(
     # one device, one stream and one allocator for the decode and the scatter (the GPU backend syncs on exit)
     with backend.stream(base_tensors or []):
         records = decode_records(payload.pipeline, records, backend)
-        for i, r in enumerate(records):
+        for r in records:
             if r.encoding not in ("coo", "dense"):
                 raise PayloadLayoutError(f"tensor {r.name!r}: encoding {r.encoding!r} cannot be decoded by the engine")
-            if base_tensors is not None:
-                out = backend.asarray(base_tensors[i].data).copy()
-                out_dtypes.append(dtypes.code(r.dtype))
-            else:
-                vd = dtypes.value_dtype(r.dtype)
-                out = backend.xp.zeros(r.numel, dtype=np.dtype(vd))
-                out_dtypes.append(dtypes.code(vd))
-            outs.append(out)
-            vals = backend.asarray(r.buffers["values"])
-            if r.encoding == "dense":
-                idx = backend.xp.arange(r.numel, dtype=dtypes.index_dtype(r.numel))
-            else:
-                idx = backend.asarray(r.buffers["indices"])
-            idx_list.append(idx)
-            val_list.append(vals)
-        mode = 1 if base_tensors is not None else 0
-        bad = backend.scatter(outs, out_dtypes, [r.numel for r in records], idx_list, val_list, mode)
+        mode = SCATTER_ADD if base_tensors is not None else SCATTER_ZEROS
+        bases = [backend.asarray(b.data) for b in base_tensors] if base_tensors is not None else [None] * len(records)
+        for r in records:
+            out_dtypes.append(dtypes.code(r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)))
+            val_list.append(backend.asarray(r.buffers["values"]))
+        if records and all(r.encoding == "dense" for r in records):
+            # every element is sent: one pass reads base and values where they lie and writes the output
+            for r in records:
+                logical = r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)
+                outs.append(backend.xp.empty(r.numel, dtype=dtypes.storage_dtype(logical)))
+            counts = [r.numel for r in records]
+            bad = backend.dense_apply(outs, out_dtypes, bases, val_list, mode)
+        else:
+            for i, r in enumerate(records):
+                if base_tensors is not None:
+                    outs.append(bases[i].copy())
+                else:
+                    outs.append(backend.xp.zeros(r.numel, dtype=np.dtype(dtypes.value_dtype(r.dtype))))
+                if r.encoding == "dense":
+                    idx_list.append(backend.xp.arange(r.numel, dtype=dtypes.index_dtype(r.numel)))
+                else:
+                    idx_list.append(backend.asarray(r.buffers["indices"]))
+            counts = [int(idx.size) for idx in idx_list]
+            bad = backend.scatter(outs, out_dtypes, [r.numel for r in records], idx_list, val_list, mode)
     if bad is not None:
         a = 0
-        for r, idx in zip(records, idx_list):
-            if bad < a + int(idx.size):
+        for r, c in zip(records, counts):
+            if bad < a + c:
                 raise PayloadIndexError(
                     f"tensor {r.name!r}: sparse index at entry {bad - a} is out of range, "
                     "repeated or not increasing, or its value is not finite; nothing was decoded"
                 )
-            a += int(idx.size)
+            a += c
         raise PayloadIndexError("a sparse index is out of range, repeated or not increasing, or a value is not finite")
     result = {}
     for i, (r, out) in enumerate(zip(records, outs)):

@@ -66,6 +66,13 @@ def test_benchmark_measures_todays_compress(traffic, tmp_path):
     assert (tmp_path / "t.json").read_text().startswith("[")
 
 
+def test_dense_decode_and_apply_within_target(traffic):
+    (rec,) = [r for r in traffic.decompress_records(traffic.traced_backend(), 8192) if r["op"] == "decompress_dense"]
+    assert rec["kernels"].keys() == {"dense_apply"} and rec["glue_bytes_per_element"] == 0
+    floor = traffic.FLOORS["decompress_dense"]
+    assert floor <= rec["bytes_per_element"] <= traffic.TARGETS["dense_apply_over_floor"] * floor
+
+
 @pytest.mark.xfail(strict=True, reason="the fused one-pass selection is not implemented yet: compress is ~37 B/elem")
 def test_traffic_targets(traffic):
     assert traffic.check_targets(traffic.run(8192, quick=True)) == []

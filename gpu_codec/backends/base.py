@@ -87,6 +87,18 @@ class Backend(Protocol):
         """Write kept entries into dense outputs; the lowest bad entry position, or None."""
         ...
 
+    def dense_apply(
+        self,
+        outs: list[Array],
+        out_dtypes: list[int],
+        bases: list[Array | None],
+        values: list[Array],
+        mode: int,
+    ) -> int | None:
+        """Dense records (every element sent) into fresh outputs: values (mode 0) or base + values (mode 1),
+        read in place; the lowest entry with a non-finite value, or None."""
+        ...
+
     # --- value and index codecs (encode) -----------------------------------------------------------------
 
     def cast16(self, values: list[Array], dtype: str, indices: list[Any], res: list[Any]) -> list[Array]:
@@ -122,6 +134,11 @@ class Backend(Protocol):
         ...
 
 
+def dense_values(values: list, out_dtypes: list[int], f64_code: int) -> list:
+    """Each tensor's values in the dtype dense_apply reads: fp64 for fp64 outputs, else fp32 (no copy if so)."""
+    return [v.astype(np.float64 if dt == f64_code else np.float32, copy=False) for v, dt in zip(values, out_dtypes)]
+
+
 def scatter_args(xp: Any, indices: list, values: list):
     """Concatenate per-tensor entries as the scatter kernels (and their twins) take them: (total, ent_start
     (host u64), indices (u32, or u64 if any tensor needs it), vals32, vals64); ``None`` when there is no entry."""
@@ -142,4 +159,4 @@ def scatter_args(xp: Any, indices: list, values: list):
     return total, ent_start, idx, vals32, vals64
 
 
-__all__ = ["Array", "Backend", "Runner", "scatter_args"]
+__all__ = ["Array", "Backend", "Runner", "dense_values", "scatter_args"]

@@ -30,7 +30,7 @@ from ..constants import (
     U64_MAX,
     index_dtype,
 )
-from .base import Runner, scatter_args
+from .base import Runner, dense_values, scatter_args
 
 __all__ = ["CHUNK", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
 
@@ -261,6 +261,33 @@ class KernelOps:
         bad = int(run.to_host(err)[0])
         return None if bad == U64_MAX else bad
 
+    def dense_apply(self, outs, out_dtypes, bases, values, mode):
+        """Dense records into fresh outputs, reading bases and values in place; the lowest bad entry or None."""
+        counts = [int(o.size) for o in outs]
+        total = sum(counts)
+        if total == 0:
+            return None
+        vals = dense_values(values, out_dtypes, DT_F64)
+        err = self._up(np.full(1, U64_MAX, dtype=np.uint64))
+        self.runner.launch(
+            "dense_apply",
+            math.ceil(total / BLOCK),
+            BLOCK,
+            (
+                np.int32(len(outs)),
+                np.uint64(total),
+                self._up(_offsets(counts)),
+                self._up(np.asarray(out_dtypes, np.int32)),
+                self._ptrs(outs, skip_empty=True),
+                self._ptrs(bases, skip_empty=True),
+                self._ptrs(vals, skip_empty=True),
+                np.int32(mode),
+                err,
+            ),
+        )
+        bad = int(self.runner.to_host(err)[0])
+        return None if bad == U64_MAX else bad
+
     def _entry_tables(self, values, indices, res):
         counts = [int(v.size) for v in values]
         return (
@@ -379,6 +406,9 @@ class KernelBackendBase:
 
     def scatter(self, *args):
         return self.ops.scatter(*args)
+
+    def dense_apply(self, outs, out_dtypes, bases, values, mode):
+        return self.ops.dense_apply(outs, out_dtypes, bases, values, mode)
 
     def cast16(self, values, dtype, indices, res):
         return self.ops.cast16(values, dtype, indices, res)

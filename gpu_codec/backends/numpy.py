@@ -7,12 +7,13 @@ from typing import Any
 
 import numpy as np
 
-from ..constants import U64_MAX
+from ..constants import DT_F64, U64_MAX
+from ..cpu_fallback import dense as _dense
 from ..cpu_fallback import kernels as _twins
 from ..cpu_fallback import quantize as _q
 from ..cpu_fallback import rice as _rice
 from ..cpu_fallback import select as _select
-from .base import scatter_args
+from .base import dense_values, scatter_args
 from .decode import ArrayDecoders
 
 
@@ -49,6 +50,15 @@ class NumpyBackend(ArrayDecoders):
         total, ent_start, idx, vals32, vals64 = packed
         err = np.full(1, U64_MAX, dtype=np.uint64)
         _twins._scatter(len(outs), total, ent_start, numels, out_dtypes, outs, idx, vals32, vals64, mode, err)
+        bad = int(err[0])
+        return None if bad == U64_MAX else bad
+
+    def dense_apply(self, outs, out_dtypes, bases, values, mode):
+        counts = [int(o.size) for o in outs]
+        ent_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)
+        err = np.full(1, U64_MAX, dtype=np.uint64)
+        vals = dense_values(values, out_dtypes, DT_F64)
+        _dense.dense_apply(len(outs), sum(counts), ent_start, out_dtypes, outs, bases, vals, mode, err)
         bad = int(err[0])
         return None if bad == U64_MAX else bad
 
