@@ -16,8 +16,8 @@ payload are transfers, not counted.
     python benchmarks/traffic.py --n 8192 --quick
 
 Floors: compress reads new and base (8 B/elem in fp32), with error feedback also reads and writes the residual
-(16); sparse decompress onto a base reads and writes the output (8); dense decode and apply reads the base and
-the values and writes the output (12).
+(16); dense compress also writes every value (12); sparse decompress onto a base reads and writes the output
+(8); dense decode and apply reads the base and the values and writes the output (12).
 """
 
 from __future__ import annotations
@@ -39,7 +39,13 @@ from gpu_codec.backends.emulated import EmulatedBackend, EmulatorRunner
 
 ROOT = Path(__file__).resolve().parent
 TARGETS = {"compress": 10.0, "compress_residual": 18.0, "dense_apply_over_floor": 1.2}
-FLOORS = {"compress": 8.0, "compress_residual": 16.0, "decompress": 8.0, "decompress_dense": 12.0}
+FLOORS = {
+    "compress": 8.0,
+    "compress_residual": 16.0,
+    "compress_dense": 12.0,  # read new and base, write the values
+    "decompress": 8.0,
+    "decompress_dense": 12.0,
+}
 
 
 def traced_backend() -> EmulatedBackend:
@@ -123,6 +129,24 @@ def compress_records(backend, n: int, fractions, tensor_counts, residuals=(False
     return out
 
 
+def dense_compress_records(backend, n: int) -> list[dict]:
+    """compress(fraction=None): every value sent (a residual, when kept, is zeroed by a fill after the pass)."""
+    new, base = update(n, 1)
+    out = []
+    for residual in (False, True):
+        ef = gpu_codec.ErrorFeedback() if residual else None
+
+        def call(ef=ef):
+            return gpu_codec.compress(new, base, fraction=None, residual=ef)
+
+        if ef is not None:
+            _measured(backend, call)
+        _, launches = _measured(backend, call)
+        glue = 4.0 if residual else 0.0  # res_out.fill(0): a write of the residual
+        out.append(_record("compress_dense", launches, n, glue, fraction=None, residual=residual, tensors=1))
+    return out
+
+
 def decompress_records(backend, n: int) -> list[dict]:
     new, base = update(n, 1)
     with using_backend(backend):
@@ -167,6 +191,7 @@ def run(n: int = 1 << 16, quick: bool = False) -> list[dict]:
     counts = (1,) if quick else (1, 300)
     return [
         *compress_records(backend, n, fractions, counts),
+        *dense_compress_records(backend, n),
         *decompress_records(backend, n),
         *codec_records(backend, n),
     ]

@@ -1,4 +1,5 @@
-"""NumPy twin of ``dense_apply`` (kernels/scatter.cu): dense records written onto their base, or into zeros."""
+"""NumPy twins of the dense-mode kernels: ``dense_delta`` (kernels/topk.cu, every element kept) and ``dense_apply``
+(kernels/scatter.cu, dense records written onto their base, or into zeros)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import numpy as np
 
 from gpu_codec.constants import DT_F64, SCATTER_ADD
 
-from .elementwise import load_f32, store_from_f32
+from .elementwise import delta, load_f32, nonfinite, scores_f32, store_from_f32
 
 
 def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs, mode, err):
@@ -36,3 +37,34 @@ def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs,
         else:
             new = store_from_f32(load_f32(base, dt) + v if add else v, dt)
         out[ok] = new[ok]
+
+
+def dense_delta(
+    nt,
+    chunk_start,
+    elem_off,
+    numel,
+    dtypes,
+    new_ptrs,
+    base_ptrs,
+    res_ptrs,
+    score_ptrs,
+    score_dtypes,
+    crit,
+    vals32,
+    vals64,
+    err,
+):
+    """Twin of ``dense_delta`` (kernels/topk.cu): every element's delta at ``elem_off[t]`` in ``vals32`` (``vals64``
+    for fp64 tensors), and the lowest tensor with a non-finite delta or score in ``err[0]``."""
+    for t in range(int(nt)):
+        n = int(numel[t])
+        if n == 0:
+            continue
+        dt = int(dtypes[t])
+        d = delta(new_ptrs[t], base_ptrs[t], res_ptrs[t], dt)
+        s = scores_f32(int(crit), new_ptrs[t], base_ptrs[t], d, dt, score_ptrs[t], int(score_dtypes[t]))
+        off = int(elem_off[t])
+        (vals64 if dt == DT_F64 else vals32)[off : off + n] = d
+        if nonfinite(d) or nonfinite(s):
+            err[0] = min(int(err[0]), t)

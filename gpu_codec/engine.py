@@ -268,13 +268,16 @@ def compress(
         res_in, res_out, qmode = [None] * nt, [None] * nt, 0
         if residual is not None:
             res_in, res_out, qmode = residual._bind(names, news, backend)
-        if dense:  # keep every entry of every tensor
-            segments, ks = [[t] for t in range(nt)], [t.numel for t in news]
+        if dense:  # every entry of every tensor, in one pass (no keys, no selection)
+            if qmode != 0:
+                raise AssertionError("dense mode sends every value exactly; the codecs round and fix the residual")
+            values, bad = backend.dense_delta(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit)
+            indices = [None] * nt
         else:
             segments, ks = _segments([t.numel for t in news], fraction, scope)
-        indices, values, bad = backend.topk_select(
-            new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks, qmode
-        )
+            indices, values, bad = backend.topk_select(
+                new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks, qmode
+            )
         if bad is not None:
             raise InvalidInputError(
                 f"tensor {names[bad]!r}: the update, its delta against base or its score holds "

@@ -89,6 +89,55 @@ extern "C" __global__ void score_keys(
     if (bad) atomicMin(err, (u64)t);
 }
 
+// Dense mode (every element kept): the values in one pass, without keys. vals32/vals64[elem_off[t] + i] = delta
+// of element i of tensor t; the same checks as score_keys (a non-finite delta or score records the lowest
+// offending tensor in *err). The caller discards the values if *err was set, and only then touches a residual.
+extern "C" __global__ void dense_delta(
+    int nt, const i64* chunk_start, const i64* elem_off, const i64* numel, const int* dtypes,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, float* vals32, double* vals64, u64* err)
+{
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const i64 n = numel[t];
+    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+    const int dt = dtypes[t];
+    const void* nw = (const void*)new_ptrs[t];
+    const void* bs = (const void*)base_ptrs[t];
+    const void* rs = (const void*)res_ptrs[t];
+    const void* sc = (const void*)score_ptrs[t];
+    const int sdt = score_dtypes[t];
+    const i64 off = elem_off[t];
+    bool bad = false;
+    for (int j = 0; j < ITEMS; ++j) {
+        const i64 i = e0 + (i64)j * BLOCK + threadIdx.x;
+        if (i >= n) break;
+        float s;
+        if (dt == DT_F64) {
+            const double d = delta_f64(nw, bs, rs, i);
+            bad |= !finite_f64(d);
+            if (crit == CRIT_EXTERNAL) {
+                s = load_f32(sc, sdt, i);
+            } else {
+                const double w = ((const double*)nw)[i], w0 = bs ? ((const double*)bs)[i] : 0.0;
+                s = (float)criterion_f64(crit, w, w0, d);
+            }
+            vals64[off + i] = d;
+        } else {
+            const float d = delta_f32(nw, bs, rs, dt, i);
+            bad |= !finite_f32(d);
+            if (crit == CRIT_EXTERNAL) {
+                s = load_f32(sc, sdt, i);
+            } else {
+                s = criterion_f32(crit, load_f32(nw, dt, i), bs ? load_f32(bs, dt, i) : 0.0f, d);
+            }
+            vals32[off + i] = d;
+        }
+        bad |= !finite_f32(s);
+    }
+    if (bad) atomicMin(err, (u64)t);
+}
+
 // One radix digit (8 bits at `shift`) of the keys that still match their segment's prefix.
 // state holds 2 u64 per segment: [prefix, k_remaining]; hist holds 256 u64 per segment.
 extern "C" __global__ void radix_hist(

@@ -75,3 +75,49 @@ def test_dense_payload_decodes_onto_base(backend):
         and out["b"].tolist() == (base["b"].astype(np.float32) + d_b).astype(np.float16).tolist()
     )
     assert delta["a"].tolist() == d_a.tolist() and delta["b"].shape == (7, 9)
+
+
+def _delta_case(seed: int, bad: bool):
+    rng = np.random.default_rng(seed)
+    dts = [DT_F32, DT_F16, DT_BF16, DT_F64, DT_F32]
+    sizes = [5000, 1, 700, 300, 0]
+    new, base, res = [], [], []
+    for dt, n in zip(dts, sizes):
+        w = rng.standard_normal(n).astype(np.float32)
+        w0 = rng.standard_normal(n).astype(np.float32)
+        if dt == DT_BF16:
+            w, w0 = (w.view(np.uint32) >> 16).astype(np.uint16), (w0.view(np.uint32) >> 16).astype(np.uint16)
+        else:
+            w, w0 = w.astype(STORAGE[dt]), w0.astype(STORAGE[dt])
+        new.append(w)
+        base.append(w0)
+        vd = np.float64 if dt == DT_F64 else np.float32
+        res.append(rng.standard_normal(n).astype(vd) * 1e-3)
+    if bad:
+        new[3][17] = np.inf
+    return dts, new, base, res
+
+
+def _delta(backend, case, crit):
+    dts, new, base, res = case
+    res = [r.copy() for r in res]  # the output aliases the input, as error feedback does
+    vals, bad = backend.dense_delta(new, base, res, res, dts, [None] * len(dts), [0] * len(dts), crit)
+    return bad, None if vals is None else [v.tobytes() for v in vals], [r.tobytes() for r in res]
+
+
+@pytest.mark.skipif(not has_emulator(), reason="emulated backend not built")
+@pytest.mark.parametrize("schedule", ["forward", "reverse", "shuffle"])
+def test_dense_delta_matches_twin_and_spares_the_residual_on_bad_input(schedule):
+    from gpu_codec.backends.emulated import EmulatedBackend, EmulatorRunner
+
+    emu = EmulatedBackend(EmulatorRunner(schedule=schedule, seed=9))
+    for crit in (0, 5):
+        for bad in (False, True):
+            case = _delta_case(2, bad)
+            want = _delta(NumpyBackend(), case, crit)
+            assert _delta(emu, case, crit) == want
+            if bad:
+                assert want[0] == 3 and want[1] is None
+                assert want[2] == [r.tobytes() for r in case[3]]  # residual untouched
+            else:
+                assert want[0] is None and all(not np.frombuffer(r, np.uint8).any() for r in want[2])

@@ -73,6 +73,13 @@ def test_dense_decode_and_apply_within_target(traffic):
     assert floor <= rec["bytes_per_element"] <= traffic.TARGETS["dense_apply_over_floor"] * floor
 
 
+def test_dense_compress_in_one_pass(traffic):
+    rec, rec_res = traffic.dense_compress_records(traffic.traced_backend(), 8192)
+    assert rec["kernels"].keys() == {"dense_delta"} and rec["kernels"]["dense_delta"]["launches"] == 1
+    assert rec["bytes_per_element"] == pytest.approx(traffic.FLOORS["compress_dense"], abs=0.1)
+    assert rec_res["bytes_per_element"] == pytest.approx(traffic.FLOORS["compress_dense"] + 8, abs=0.1)
+
+
 @pytest.mark.xfail(strict=True, reason="the fused one-pass selection is not implemented yet: compress is ~37 B/elem")
 def test_traffic_targets(traffic):
     assert traffic.check_targets(traffic.run(8192, quick=True)) == []

@@ -75,6 +75,22 @@ class Backend(Protocol):
         """(indices, values, None) of the exact top-k per segment, or (None, None, first bad tensor)."""
         ...
 
+    def dense_delta(
+        self,
+        new: list[Array],
+        base: list[Array | None],
+        res: list[Array | None],
+        res_out: list[Array | None],
+        dtypes: list[int],
+        ext_scores: list[Array | None],
+        ext_dtypes: list[int],
+        crit: int,
+    ) -> tuple[list[Array] | None, int | None]:
+        """Dense mode (every element kept, the residual's rounding exact): (values, None) with each tensor's delta
+        (fp32, fp64 for fp64 tensors) and every ``res_out`` set to zero, or (None, first bad tensor) with the
+        residuals untouched. The same checks as :meth:`topk_select`."""
+        ...
+
     def scatter(
         self,
         outs: list[Array],
@@ -134,6 +150,22 @@ class Backend(Protocol):
         ...
 
 
+def flat_tables(numels: list[int], dtypes: list[int], f64_code: int) -> tuple[np.ndarray, int, int]:
+    """(element offsets, fp32 buffer size, fp64 buffer size) of a tensor list's values laid out at their element
+    offsets (as dense_delta writes them); a buffer no tensor uses has one slot."""
+    off = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)])[:-1].astype(np.int64)
+    total = max(sum(numels), 1)
+    has64 = any(d == f64_code for d in dtypes)
+    has32 = any(d != f64_code for d in dtypes)
+    return off, total if has32 else 1, total if has64 else 1
+
+
+def split_values(
+    vals32: Any, vals64: Any, numels: list[int], dtypes: list[int], off: np.ndarray, f64_code: int
+) -> list:
+    return [(vals64 if d == f64_code else vals32)[int(o) : int(o) + n] for n, d, o in zip(numels, dtypes, off)]
+
+
 def dense_values(values: list, out_dtypes: list[int], f64_code: int) -> list:
     """Each tensor's values in the dtype dense_apply reads: fp64 for fp64 outputs, else fp32 (no copy if so)."""
     return [v.astype(np.float64 if dt == f64_code else np.float32, copy=False) for v, dt in zip(values, out_dtypes)]
@@ -159,4 +191,4 @@ def scatter_args(xp: Any, indices: list, values: list):
     return total, ent_start, idx, vals32, vals64
 
 
-__all__ = ["Array", "Backend", "Runner", "dense_values", "scatter_args"]
+__all__ = ["Array", "Backend", "Runner", "dense_values", "flat_tables", "scatter_args", "split_values"]

@@ -30,7 +30,7 @@ from ..constants import (
     U64_MAX,
     index_dtype,
 )
-from .base import Runner, dense_values, scatter_args
+from .base import Runner, dense_values, flat_tables, scatter_args, split_values
 
 __all__ = ["CHUNK", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
 
@@ -226,6 +226,44 @@ class KernelOps:
             raise AssertionError(f"kernels kept {a} entries, expected {K}")
         return indices, values, None
 
+    def dense_delta(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit):
+        """Dense mode in one pass over the inputs (see :meth:`gpu_codec.backends.base.Backend.dense_delta`)."""
+        xp, run = self.xp, self.runner
+        numels = [int(a.size) for a in new]
+        tb = TensorTables(numels, [0] * len(new), 1)
+        off, n32, n64 = flat_tables(numels, dtypes, DT_F64)
+        vals32, vals64 = xp.empty(n32, np.float32), xp.empty(n64, np.float64)
+        err = self._up(np.full(1, U64_MAX, dtype=np.uint64))
+        if tb.nchunks:
+            run.launch(
+                "dense_delta",
+                tb.nchunks,
+                BLOCK,
+                (
+                    np.int32(len(new)),
+                    self._up(tb.chunk_start),
+                    self._up(tb.elem_off),
+                    self._up(tb.numel),
+                    self._up(np.asarray(dtypes, dtype=np.int32)),
+                    self._ptrs(new),
+                    self._ptrs(base),
+                    self._ptrs(res),
+                    self._ptrs(ext_scores),
+                    self._up(np.asarray(ext_dtypes, dtype=np.int32)),
+                    np.int32(crit),
+                    vals32,
+                    vals64,
+                    err,
+                ),
+            )
+            bad = int(run.to_host(err)[0])
+            if bad != U64_MAX:
+                return None, bad
+        for r in res_out:
+            if r is not None:
+                r.fill(0)  # every entry is kept and sent exactly: d - decoded(d) = +0.0
+        return split_values(vals32, vals64, numels, dtypes, off, DT_F64), None
+
     def scatter(self, outs, out_dtypes, numels, indices, values, mode):
         """Write kept entries into dense outputs; returns the lowest bad entry position or None.
 
@@ -409,6 +447,9 @@ class KernelBackendBase:
 
     def dense_apply(self, outs, out_dtypes, bases, values, mode):
         return self.ops.dense_apply(outs, out_dtypes, bases, values, mode)
+
+    def dense_delta(self, *args):
+        return self.ops.dense_delta(*args)
 
     def cast16(self, values, dtype, indices, res):
         return self.ops.cast16(values, dtype, indices, res)

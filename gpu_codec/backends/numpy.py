@@ -13,7 +13,7 @@ from ..cpu_fallback import kernels as _twins
 from ..cpu_fallback import quantize as _q
 from ..cpu_fallback import rice as _rice
 from ..cpu_fallback import select as _select
-from .base import dense_values, scatter_args
+from .base import dense_values, flat_tables, scatter_args, split_values
 from .decode import ArrayDecoders
 
 
@@ -42,6 +42,21 @@ class NumpyBackend(ArrayDecoders):
 
     def topk_select(self, *args):
         return _select.topk_select(*args)
+
+    def dense_delta(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit):
+        numels = [int(a.size) for a in new]
+        off, n32, n64 = flat_tables(numels, dtypes, DT_F64)
+        vals32, vals64 = np.empty(n32, np.float32), np.empty(n64, np.float64)
+        err = np.full(1, U64_MAX, dtype=np.uint64)
+        _dense.dense_delta(
+            len(new), None, off, numels, dtypes, new, base, res, ext_scores, ext_dtypes, crit, vals32, vals64, err
+        )
+        if int(err[0]) != U64_MAX:
+            return None, int(err[0])
+        for r in res_out:
+            if r is not None:
+                r[...] = 0  # every entry is kept and sent exactly: d - decoded(d) = +0.0
+        return split_values(vals32, vals64, numels, dtypes, off, DT_F64), None
 
     def scatter(self, outs, out_dtypes, numels, indices, values, mode):
         packed = scatter_args(np, indices, values)
