@@ -827,7 +827,7 @@ def quant_stepwise(runner, case: QuantCase) -> list[str]:
             BLOCK,
             (nt32, up(chunk_start), up(ent_start), up(vdt), p_vals, up(word_off), partial, words),
         )
-    runner.launch("ternary_mu", (nt + 255) // 256, 256, (nt32, up(chunk_start), up(ent_start), partial, mu))
+    runner.launch("ternary_mu", max(nt, 1), BLOCK, (nt32, up(chunk_start), up(ent_start), partial, mu))
     runner.launch(
         "ternary_fixup",
         (total + BLOCK - 1) // BLOCK,

@@ -380,7 +380,8 @@ class KernelOps:
             self.runner.launch(
                 "ternary_partial", tb.nchunks, BLOCK, (nt, cs, ent, vdt, vp, self._up(word_off), partial, words)
             )
-        self.runner.launch("ternary_mu", -(-len(counts) // 256), 256, (nt, cs, ent, partial, mu))
+        if counts:
+            self.runner.launch("ternary_mu", len(counts), BLOCK, (nt, cs, ent, partial, mu))
         if any(r is not None for r in res) and sum(counts):
             self.runner.launch(
                 "ternary_fixup",
