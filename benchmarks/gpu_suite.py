@@ -48,7 +48,7 @@ def _ensure_importable() -> None:
     try:
         import gpu_codec.kernels
 
-        import gpu_codec._kernel_ops  # noqa: F401
+        import gpu_codec.backends.kernels  # noqa: F401
 
         return
     except ImportError:
@@ -102,10 +102,10 @@ class CountingRunner:
 
 def make_runner(kind: str):
     if kind == "emulated":
-        from gpu_codec._emulator import EmulatorRunner
+        from gpu_codec.backends.emulated import EmulatorRunner
 
         return EmulatorRunner()
-    from gpu_codec._cupy_runtime import CupyRunner
+    from gpu_codec.backends.cupy import CupyRunner
 
     return CupyRunner()
 
@@ -454,7 +454,7 @@ def workload(runner_kind: str) -> int:
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice", (300, 5000, 0), (30000, 9000, 10)))
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice_u64", (300, 5000), (1 << 36, 9000), wide=True))
     _sync(inner)
-    from gpu_codec._sources import kernel_signatures
+    from gpu_codec.backends.sources import kernel_signatures
 
     missing = sorted(set(kernel_signatures()) - set(r.counts))
     print("launches:", json.dumps(dict(sorted(r.counts.items()))))

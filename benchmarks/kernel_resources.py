@@ -23,7 +23,9 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 
-OPTIONS = ("-std=c++17", "-DBLOCK=256", "-DITEMS=16")  # gpu_codec/_cupy_runtime.py COMPILE_OPTIONS, less --fmad
+from gpu_codec.constants import compile_options
+
+OPTIONS = compile_options()  # exactly what every device compile of the package uses
 DEFAULT_ARCHS = ("sm_80", "sm_90")
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)' for '([^']+)'")
@@ -147,7 +149,9 @@ def _ptx(source: str, name: str, arch: str, extra: tuple[str, ...] = ()) -> str:
 
     prog = nvrtc.createProgram(source, name, [], [])
     try:
-        nvrtc.compileProgram(prog, [*OPTIONS, f"--gpu-architecture={arch.replace('sm_', 'compute_')}", *extra])
+        # an --fmad in extra replaces the package's own (the contraction audit compiles with both settings)
+        base = [o for o in OPTIONS if not (o.startswith("--fmad") and any(e.startswith("--fmad") for e in extra))]
+        nvrtc.compileProgram(prog, [*base, f"--gpu-architecture={arch.replace('sm_', 'compute_')}", *extra])
         ptx = nvrtc.getPTX(prog)
     finally:
         nvrtc.destroyProgram(prog)
@@ -176,7 +180,7 @@ def contraction_hazards(source: str, name: str, arch: str = "sm_90") -> dict[str
     without ``--fmad=false``: the multiplies left unrounded, and the FMAs that only -fmad=true creates.
     ``__fmul_rn`` / ``__fadd_rn`` (or ``--fmad=false``) never fuse; an explicit ``fmaf`` is not reported.
     """
-    fast = _per_entry(_ptx(source, name, arch))
+    fast = _per_entry(_ptx(source, name, arch, ("--fmad=true",)))
     exact = _per_entry(_ptx(source, name, arch, ("--fmad=false",)))
     out: dict[str, list[str]] = {}
     for k, lines in fast.items():
@@ -207,7 +211,7 @@ def nvcc_compile(files: dict[str, str], name: str, arch: str, nvcc: str = "nvcc"
 
 def collect(archs=DEFAULT_ARCHS, tools=("nvrtc",), sources: dict[str, str] | None = None, nvcc: str = "nvcc") -> Report:
     """Compile every source for every arch with every tool; rows per function, problems found."""
-    from gpu_codec._sources import kernel_files, kernel_signatures, kernel_source
+    from gpu_codec.backends.sources import kernel_files, kernel_signatures, kernel_source
 
     rep = Report()
     if sources is None:
@@ -304,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(rep.rows))
     hazards = {}
     if have_nvrtc:
-        from gpu_codec._sources import kernel_files, kernel_source
+        from gpu_codec.backends.sources import kernel_files, kernel_source
 
         for f in kernel_files():
             hazards.update(contraction_hazards(kernel_source(f), f))

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-DT_F32, DT_F16, DT_BF16, DT_F64 = 0, 1, 2, 3
-CRIT_EXTERNAL = 7
-QMODE_EXACT, QMODE_F16, QMODE_BF16 = 0, 1, 2
+from gpu_codec.constants import CRIT_EXTERNAL, DT_BF16, DT_F16, DT_F32, DT_F64, QMODE_EXACT, QMODE_F16
 
 
 def bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:

@@ -2,7 +2,7 @@
 
 Where a kernel takes a table of device addresses (``new_ptrs``, ``out_ptrs``, ...), its twin takes the list of
 arrays those addresses point to (``None`` for a null address). Scalars and small tables are the same NumPy
-arrays the GPU wrapper (gpu_codec/_kernel_ops.py) uploads. Outputs are written into the arrays passed in, as
+arrays the GPU wrapper (gpu_codec/backends/kernels.py) uploads. Outputs are written into the arrays passed in, as
 the kernels do. These twins are what the emulated and GPU backends are tested against; the NumPy backend itself
 runs the faster composition in :mod:`cpu_fallback.select`, which gives the same bytes.
 """

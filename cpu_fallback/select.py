@@ -18,6 +18,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from gpu_codec.constants import index_dtype
+
 from .elementwise import DT_F32, DT_F64, decoded, delta, nonfinite, score_key, scores_f32
 from .parallel import parallel_map, thread_count
 
@@ -32,11 +34,6 @@ _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits
 _INF_BITS = np.uint32(0x7F800000)
 _ABS = np.uint32(0x7FFFFFFF)
 _ZERO32 = np.float32(0.0)
-
-
-def index_dtype(numel: int) -> np.dtype:
-    """uint32 where every flat index of the tensor fits, else uint64."""
-    return np.dtype("<u4") if numel <= (1 << 32) else np.dtype("<u8")
 
 
 def _keys(t, new, base, res, dt, crit, ext, ext_dt):

@@ -18,7 +18,7 @@ import importlib
 from typing import Any
 
 from .aggregate import Aggregator, aggregate
-from .backend import backend_info, get_backend, reset_backend
+from .backends import backend_info, get_backend, reset_backend
 from .codecs import (
     Int8Blockwise,
     Nvcomp,

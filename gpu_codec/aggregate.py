@@ -31,7 +31,7 @@ import numpy as np
 from . import dtypes
 from . import engine as _engine
 from .arrays import from_backend, to_tensor
-from .backend import get_backend
+from .backends import get_backend
 from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError
 from .format import TensorRecord
 

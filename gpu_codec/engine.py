@@ -21,9 +21,10 @@ import numpy as np
 
 from . import dtypes
 from .arrays import Tensor, array_kind, from_backend, to_tensor
-from .backend import get_backend
+from .backends import Backend, get_backend
 from .codecs import SCOPES, as_pipeline, check_fraction, decode_records, wire_layouts
-from .errors import InvalidInputError, PayloadIndexError, PayloadLayoutError, PayloadLimitError
+from .constants import SCATTER_ADD, SCATTER_ZEROS
+from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError
 from .format import TensorRecord, header_size, pack, packed_size, unpack
 
 DEFAULT_MAX_ELEMENTS = 1 << 31
@@ -174,7 +175,7 @@ def _segments(numels: list[int], fraction: float, scope: str) -> tuple[list[list
     return [[t] for t in range(len(numels))], [kept_count(fraction, n) for n in numels]
 
 
-def _external_scores(score: ScoreFn, update, base, names, news, backend) -> tuple[list, list[int]]:
+def _external_scores(score: ScoreFn, update, base, names, news, backend: Backend) -> tuple[list, list[int]]:
     try:
         out = score(update, base)
     except Exception as e:
@@ -280,13 +281,16 @@ def compress(
         res_in, res_out, qmode = [None] * nt, [None] * nt, 0
         if residual is not None:
             res_in, res_out, qmode = residual._bind(names, news, backend)
-        if dense:  # keep every entry of every tensor
-            segments, ks = [[t] for t in range(nt)], [t.numel for t in news]
+        if dense:  # every entry of every tensor, in one pass (no keys, no selection)
+            if qmode != 0:
+                raise AssertionError("dense mode sends every value exactly; the codecs round and fix the residual")
+            values, bad = backend.dense_delta(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit)
+            indices = [None] * nt
         else:
             segments, ks = _segments([t.numel for t in news], fraction, scope)
-        indices, values, bad = backend.topk_select(
-            new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks, qmode
-        )
+            indices, values, bad = backend.topk_select(
+                new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks, qmode
+            )
         if bad is not None:
             raise InvalidInputError(
                 f"tensor {names[bad]!r}: the update, its delta against base or its score holds "
@@ -397,7 +401,7 @@ def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[s
     return like, None
 
 
-def decoded_records(payload: Payload, backend: Any) -> list[TensorRecord]:
+def decoded_records(payload: Payload, backend: Backend) -> list[TensorRecord]:
     """The payload's records decoded by its own pipeline to ``coo``/``dense`` buffers on ``backend`` (quantized
     values, coded indices, lossless stages), as :func:`decompress` and :mod:`gpu_codec.aggregate` take them.
     Indices and values are not checked here: the caller checks them before use."""
@@ -445,37 +449,44 @@ def decompress(
         total = sum(r.numel for r in records)
         if total > max_elements:
             raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
-    records = decoded_records(payload, backend)
     kind, device = _output_kind(like, base_tensors)
     outs, out_dtypes, idx_list, val_list = [], [], [], []
+    # one device, one stream and one allocator for the decode and the scatter (the GPU backend syncs on exit)
     with backend.stream(base_tensors or []):
-        for i, r in enumerate(records):
-            if base_tensors is not None:
-                out = backend.asarray(base_tensors[i].data).copy()
-                out_dtypes.append(dtypes.code(r.dtype))
-            else:
-                vd = dtypes.value_dtype(r.dtype)
-                out = backend.xp.zeros(r.numel, dtype=np.dtype(vd))
-                out_dtypes.append(dtypes.code(vd))
-            outs.append(out)
-            vals = backend.asarray(r.buffers["values"])
-            if r.encoding == "dense":
-                idx = backend.xp.arange(r.numel, dtype=np.uint32 if r.numel <= 1 << 32 else np.uint64)
-            else:
-                idx = backend.asarray(r.buffers["indices"])
-            idx_list.append(idx)
-            val_list.append(vals)
-        mode = 1 if base_tensors is not None else 0
-        bad = backend.scatter(outs, out_dtypes, [r.numel for r in records], idx_list, val_list, mode)
+        records = decoded_records(payload, backend)
+        mode = SCATTER_ADD if base_tensors is not None else SCATTER_ZEROS
+        bases = [backend.asarray(b.data) for b in base_tensors] if base_tensors is not None else [None] * len(records)
+        for r in records:
+            out_dtypes.append(dtypes.code(r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)))
+            val_list.append(backend.asarray(r.buffers["values"]))
+        if records and all(r.encoding == "dense" for r in records):
+            # every element is sent: one pass reads base and values where they lie and writes the output
+            for r in records:
+                logical = r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)
+                outs.append(backend.xp.empty(r.numel, dtype=dtypes.storage_dtype(logical)))
+            counts = [r.numel for r in records]
+            bad = backend.dense_apply(outs, out_dtypes, bases, val_list, mode)
+        else:
+            for i, r in enumerate(records):
+                if base_tensors is not None:
+                    outs.append(bases[i].copy())
+                else:
+                    outs.append(backend.xp.zeros(r.numel, dtype=np.dtype(dtypes.value_dtype(r.dtype))))
+                if r.encoding == "dense":
+                    idx_list.append(backend.xp.arange(r.numel, dtype=dtypes.index_dtype(r.numel)))
+                else:
+                    idx_list.append(backend.asarray(r.buffers["indices"]))
+            counts = [int(idx.size) for idx in idx_list]
+            bad = backend.scatter(outs, out_dtypes, [r.numel for r in records], idx_list, val_list, mode)
     if bad is not None:
         a = 0
-        for r, idx in zip(records, idx_list):
-            if bad < a + int(idx.size):
+        for r, c in zip(records, counts):
+            if bad < a + c:
                 raise PayloadIndexError(
                     f"tensor {r.name!r}: sparse index at entry {bad - a} is out of range, "
                     "repeated or not increasing, or its value is not finite; nothing was decoded"
                 )
-            a += int(idx.size)
+            a += c
         raise PayloadIndexError("a sparse index is out of range, repeated or not increasing, or a value is not finite")
     result = {}
     for i, (r, out) in enumerate(zip(records, outs)):

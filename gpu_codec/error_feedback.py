@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
-from .backend import get_backend
+from .backends import Backend, get_backend
 from .errors import InvalidInputError, PayloadLayoutError
 from .format import TensorRecord, pack, unpack
 
@@ -62,7 +62,7 @@ class ErrorFeedback:
 
     # --- engine hooks ---------------------------------------------------------------------------------------------
 
-    def _bind(self, names: list[str], news: list[Any], backend: Any) -> tuple[list[Any], list[Any], int]:
+    def _bind(self, names: list[str], news: list[Any], backend: Backend) -> tuple[list[Any], list[Any], int]:
         """(residual in, residual out, rounding mode) per tensor: arrays on the backend, out aliasing in.
 
         The value codecs fix kept entries themselves, so the engine's own rounding mode stays exact (0).

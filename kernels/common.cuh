@@ -5,25 +5,89 @@
 // the NumPy twins in cpu_fallback/.
 #pragma once
 
+// Every shared constant (launch sizes, dtype codes, criteria, modes) comes from gpu_codec/constants.py as a -D
+// flag (constants.compile_options()); none has a default here, so a compile that misses one stops.
 #ifndef BLOCK
-#define BLOCK 256
+#error "BLOCK must be defined: compile with gpu_codec.constants.compile_options()"
 #endif
 #ifndef ITEMS
-#define ITEMS 16
+#error "ITEMS must be defined: compile with gpu_codec.constants.compile_options()"
 #endif
-#define CHUNK (BLOCK * ITEMS)
-#define WARPS (BLOCK / 32)
+#ifndef CHUNK
+#error "CHUNK must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef WARPS
+#error "WARPS must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef SCAN_THREADS
+#error "SCAN_THREADS must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef RICE_SCAN_THREADS
+#error "RICE_SCAN_THREADS must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef DT_F32
+#error "DT_F32 must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef DT_F16
+#error "DT_F16 must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef DT_BF16
+#error "DT_BF16 must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef DT_F64
+#error "DT_F64 must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef CRIT_MAGNITUDE
+#error "CRIT_MAGNITUDE must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef CRIT_LARGEST_FINAL
+#error "CRIT_LARGEST_FINAL must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef CRIT_SMALLEST_FINAL
+#error "CRIT_SMALLEST_FINAL must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef CRIT_LARGEST_CHANGE
+#error "CRIT_LARGEST_CHANGE must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef CRIT_SMALLEST_CHANGE
+#error "CRIT_SMALLEST_CHANGE must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef CRIT_LARGEST_INCREASE
+#error "CRIT_LARGEST_INCREASE must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef CRIT_SMALLEST_INCREASE
+#error "CRIT_SMALLEST_INCREASE must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef CRIT_EXTERNAL
+#error "CRIT_EXTERNAL must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef QMODE_EXACT
+#error "QMODE_EXACT must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef QMODE_F16
+#error "QMODE_F16 must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef QMODE_BF16
+#error "QMODE_BF16 must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef Q_F16
+#error "Q_F16 must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef Q_BF16
+#error "Q_BF16 must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef SCATTER_ZEROS
+#error "SCATTER_ZEROS must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef SCATTER_ADD
+#error "SCATTER_ADD must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
 
 typedef unsigned int u32;
 typedef unsigned long long u64;
 typedef long long i64;
 typedef unsigned short u16;
 
-// Logical dtype codes, shared with gpu_codec/_dtypes.py.
-#define DT_F32 0
-#define DT_F16 1
-#define DT_BF16 2
-#define DT_F64 3
 
 __device__ __forceinline__ float f16_bits_to_float(u16 h) {
     u32 sign = (u32)(h & 0x8000u) << 16;

@@ -9,8 +9,6 @@
 // NumPy twins: cpu_fallback/quantize.py (same bytes).
 #include "common.cuh"
 
-#define Q_F16 1
-#define Q_BF16 2
 #define FP16_MAX 65504.0f
 #define BF16_MAX_BITS 0x7F7F0000u
 #define TERNARY_CHUNK CHUNK
@@ -149,24 +147,23 @@ extern "C" __global__ void ternary_partial(
     if (threadIdx.x == 0) partial[c] = sh[0];
 }
 
-// Ternary pass 2, one thread per tensor: finish the pairwise tree over the tensor's chunk sums (an odd node
-// passes up unchanged, as if paired with zeros) and mu[t] = (float)(sum / n), 0 for an empty tensor.
+// Ternary pass 2, one block per tensor: finish the pairwise tree over the tensor's chunk sums in parallel, level by
+// level in place (node j of level L sits at index j * 2^L; a node without a partner passes up unchanged, as if
+// paired with zeros: the tree of cpu_fallback/quantize.pairwise_sum), then mu[t] = (float)(sum / n), 0 for an
+// empty tensor.
 extern "C" __global__ void ternary_mu(int nt, const i64* chunk_start, const u64* ent_start, double* partial,
                                       float* mu)
 {
-    const int t = blockIdx.x * blockDim.x + threadIdx.x;
-    if (t >= nt) return;
+    const int t = blockIdx.x;
+    if (t >= nt) return;  // uniform across the block
     double* p = partial + chunk_start[t];
-    i64 m = chunk_start[t + 1] - chunk_start[t];
+    const i64 m = chunk_start[t + 1] - chunk_start[t];
     const u64 n = ent_start[t + 1] - ent_start[t];
-    if (m == 0) { mu[t] = 0.0f; return; }
-    while (m > 1) {
-        const i64 h = m >> 1;
-        for (i64 i = 0; i < h; ++i) p[i] = p[2 * i] + p[2 * i + 1];
-        if (m & 1) p[h] = p[m - 1];
-        m = h + (m & 1);
+    for (i64 s = 1; s < m; s <<= 1) {
+        for (i64 i = threadIdx.x; 2 * s * i + s < m; i += blockDim.x) p[2 * s * i] += p[2 * s * i + s];
+        __syncthreads();
     }
-    mu[t] = (float)(p[0] / (double)n);
+    if (threadIdx.x == 0) mu[t] = m == 0 ? 0.0f : (float)(p[0] / (double)n);
 }
 
 // Ternary pass 3 (error feedback only): residual[index] = v - (v < 0 ? -mu : mu).

@@ -12,8 +12,6 @@
 // NumPy twin: cpu_fallback/rice.py (same bytes).
 #include "common.cuh"
 
-#define RICE_SCAN_THREADS 1024
-
 template <typename IDX>
 __device__ __forceinline__ u64 rice_gap(const IDX* idx, u64 l) {
     return l == 0 ? (u64)idx[0] : (u64)idx[l] - (u64)idx[l - 1] - 1ull;

@@ -7,9 +7,6 @@
 // NumPy twins: cpu_fallback/kernels.py.
 #include "common.cuh"
 
-#define SCATTER_ZEROS 0  // out[idx] = v (out was zero-filled by the caller)
-#define SCATTER_ADD 1    // out[idx] = round(out[idx] + v)  (out holds a copy of base)
-
 template <typename IDX>
 __device__ __forceinline__ void scatter_impl(
     int nt, u64 total, const u64* ent_start, const i64* numel, const int* out_dtypes, const u64* out_ptrs,
@@ -45,4 +42,30 @@ extern "C" __global__ void scatter_u64(
     const u64* idx, const float* vals32, const double* vals64, int mode, u64* err)
 {
     scatter_impl<u64>(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, vals64, mode, err);
+}
+
+// Dense records (every element sent, entry j of tensor t is element j - ent_start[t]): out = v (SCATTER_ZEROS) or
+// round(base + v) (SCATTER_ADD). Values, bases and outputs are read in place through address tables (values fp64
+// for fp64 outputs, else fp32): no copy of the base, no concatenation, no index table. A non-finite value records
+// the lowest such entry in *err and writes nothing, as in scatter_*.
+extern "C" __global__ void dense_apply(
+    int nt, u64 total, const u64* ent_start, const int* out_dtypes, const u64* out_ptrs, const u64* base_ptrs,
+    const u64* val_ptrs, int mode, u64* err)
+{
+    const u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= total) return;
+    const int t = tensor_of_entry(ent_start, nt, j);
+    const i64 i = (i64)(j - ent_start[t]);
+    const int dt = out_dtypes[t];
+    void* out = (void*)out_ptrs[t];
+    const void* base = (const void*)base_ptrs[t];
+    if (dt == DT_F64) {
+        const double v = ((const double*)val_ptrs[t])[i];
+        if (!finite_f64(v)) { atomicMin(err, j); return; }
+        ((double*)out)[i] = mode == SCATTER_ADD ? ((const double*)base)[i] + v : v;
+    } else {
+        const float v = ((const float*)val_ptrs[t])[i];
+        if (!finite_f32(v)) { atomicMin(err, j); return; }
+        store_f32(out, dt, i, mode == SCATTER_ADD ? load_f32(base, dt, i) + v : v);
+    }
 }

@@ -9,21 +9,6 @@
 // Each has a NumPy twin with the same name and arguments in cpu_fallback/kernels.py.
 #include "common.cuh"
 
-// Score criteria, shared with gpu_codec/_dtypes.py.
-#define CRIT_MAGNITUDE 0       // |w - w0 (+ residual)|
-#define CRIT_LARGEST_FINAL 1   // |w|
-#define CRIT_SMALLEST_FINAL 2  // -|w|
-#define CRIT_LARGEST_CHANGE 3  // |w - w0|
-#define CRIT_SMALLEST_CHANGE 4 // -|w - w0|
-#define CRIT_LARGEST_INCREASE 5  // |w| - |w0|
-#define CRIT_SMALLEST_INCREASE 6 // -(|w| - |w0|)
-#define CRIT_EXTERNAL 7        // a user score array per tensor
-
-// Residual rounding modes for error feedback: what the receiver will decode for a kept value.
-#define QMODE_EXACT 0
-#define QMODE_F16 1
-#define QMODE_BF16 2
-
 // The delta of element i (a null base reads as zeros, a null residual as none), in fp32 (fp32/fp16/bf16 tensors) or fp64 (fp64 tensors): (new - base) + residual.
 __device__ __forceinline__ double delta_f64(const void* nw, const void* bs, const void* rs, i64 i) {
     double d = ((const double*)nw)[i] - (bs ? ((const double*)bs)[i] : 0.0);
@@ -100,6 +85,55 @@ extern "C" __global__ void score_keys(
         }
         bad |= !finite_f32(s);
         out[i] = score_key(s);
+    }
+    if (bad) atomicMin(err, (u64)t);
+}
+
+// Dense mode (every element kept): the values in one pass, without keys. vals32/vals64[elem_off[t] + i] = delta
+// of element i of tensor t; the same checks as score_keys (a non-finite delta or score records the lowest
+// offending tensor in *err). The caller discards the values if *err was set, and only then touches a residual.
+extern "C" __global__ void dense_delta(
+    int nt, const i64* chunk_start, const i64* elem_off, const i64* numel, const int* dtypes,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, float* vals32, double* vals64, u64* err)
+{
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const i64 n = numel[t];
+    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+    const int dt = dtypes[t];
+    const void* nw = (const void*)new_ptrs[t];
+    const void* bs = (const void*)base_ptrs[t];
+    const void* rs = (const void*)res_ptrs[t];
+    const void* sc = (const void*)score_ptrs[t];
+    const int sdt = score_dtypes[t];
+    const i64 off = elem_off[t];
+    bool bad = false;
+    for (int j = 0; j < ITEMS; ++j) {
+        const i64 i = e0 + (i64)j * BLOCK + threadIdx.x;
+        if (i >= n) break;
+        float s;
+        if (dt == DT_F64) {
+            const double d = delta_f64(nw, bs, rs, i);
+            bad |= !finite_f64(d);
+            if (crit == CRIT_EXTERNAL) {
+                s = load_f32(sc, sdt, i);
+            } else {
+                const double w = ((const double*)nw)[i], w0 = bs ? ((const double*)bs)[i] : 0.0;
+                s = (float)criterion_f64(crit, w, w0, d);
+            }
+            vals64[off + i] = d;
+        } else {
+            const float d = delta_f32(nw, bs, rs, dt, i);
+            bad |= !finite_f32(d);
+            if (crit == CRIT_EXTERNAL) {
+                s = load_f32(sc, sdt, i);
+            } else {
+                s = criterion_f32(crit, load_f32(nw, dt, i), bs ? load_f32(bs, dt, i) : 0.0f, d);
+            }
+            vals32[off + i] = d;
+        }
+        bad |= !finite_f32(s);
     }
     if (bad) atomicMin(err, (u64)t);
 }
@@ -191,8 +225,6 @@ extern "C" __global__ void chunk_count(
         cnt[2 * c + 1] = E;
     }
 }
-
-#define SCAN_THREADS 1024
 
 __device__ __forceinline__ u64 chunk_take(const u32* cnt, const u64* eq_base, const u64* state, int s, i64 c)
 {

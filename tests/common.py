@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from gpu_codec.backend import _gpu_probe
+from gpu_codec.backends import gpu_probe
 from gpu_codec.testing import (  # noqa: F401 - re-exported for the test modules
     as_numpy,
     bf16_to_f32,
@@ -18,10 +18,40 @@ from gpu_codec.testing import (  # noqa: F401 - re-exported for the test modules
     use_backend,
 )
 
-HAS_GPU = _gpu_probe()[0]
+HAS_GPU = gpu_probe()[0]
+
+
+def has_emulator() -> bool:
+    """Whether the emulated backend can be built here: it needs a C++20 compiler (g++ or clang++)."""
+    from gpu_codec.backends import emulated
+
+    try:
+        emulated._compiler()
+    except emulated.EmulatorUnavailableError:
+        return False
+    return True
+
+
+HAS_EMULATOR = has_emulator()
 
 BACKENDS = [
     pytest.param("cpu", id="cpu"),
-    pytest.param("emulated", id="emulated"),
+    pytest.param("emulated", id="emulated", marks=pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler")),
     pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]),
 ]
+
+
+def load_benchmark(filename: str):
+    """Import ``benchmarks/<filename>`` as a module (for the tests of the benchmark scripts themselves)."""
+    import importlib.util
+    import pathlib
+    import sys
+
+    name = f"gpu_codec_bench_{pathlib.Path(filename).stem}"
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / filename
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod  # dataclasses look their module up
+        spec.loader.exec_module(mod)
+    return sys.modules[name]

@@ -14,6 +14,7 @@ import pytest
 
 import gpu_codec
 from gpu_codec import ErrorFeedback, Int8Blockwise, Quantize, RiceIndices, Ternary, Zstd
+from gpu_codec.constants import compile_options
 
 from .common import HAS_GPU, as_numpy, use_backend
 
@@ -106,8 +107,6 @@ def test_rice_wide_indices_and_sparse_extremes(backend):
     and extreme gaps: first and last element, large k."""
     from gpu_codec.cpu_fallback import rice as twin
 
-    from gpu_codec.codecs import _ops
-
     cases = [
         np.array([0, 1, 2, 3], np.uint64),
         np.array([5, (1 << 35) + 7], np.uint64),
@@ -118,7 +117,7 @@ def test_rice_wide_indices_and_sparse_extremes(backend):
     numels = [4, 1 << 36, 1 << 36, 10, 1 << 33]
     ks = [twin.rice_param(c.size, n) for c, n in zip(cases, numels)]
     with use_backend(backend) as be:
-        streams, bits = _ops.rice(be, [be.asarray(c) for c in cases], ks)
+        streams, bits = be.rice([be.asarray(c) for c in cases], ks)
         streams = [as_numpy(s) for s in streams]
     for c, n, k, s, b in zip(cases, numels, ks, streams, bits):
         ws, wb = twin.rice_encode(c, k)
@@ -137,11 +136,11 @@ def test_nvrtc_compiles_without_warnings(fname):
         nvrtc.getVersion()
     except Exception as e:
         pytest.skip(f"NVRTC not available: {e}")
-    from gpu_codec._sources import kernel_source
+    from gpu_codec.backends.sources import kernel_source
 
     prog = nvrtc.createProgram(kernel_source(fname), fname, [], [])
     try:
-        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90", "-std=c++17", "-DBLOCK=256", "-DITEMS=16"])
+        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90", *compile_options()])
     finally:
         log = nvrtc.getProgramLog(prog)
         nvrtc.destroyProgram(prog)
@@ -153,15 +152,13 @@ def test_nvcc_no_register_spills(fname, tmp_path):
     nvcc = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if os.path.exists("/usr/local/bin/nvcc") else None)
     if nvcc is None:
         pytest.skip("nvcc not available")
-    from gpu_codec._sources import _files
+    from gpu_codec.backends.sources import _files
 
     src = _files().joinpath(fname)
     cmd = [
         nvcc,
         "-arch=sm_90",
-        "-std=c++17",
-        "-DBLOCK=256",
-        "-DITEMS=16",
+        *compile_options(),
         "-Xptxas",
         "-v",
         "-cubin",

@@ -1,4 +1,4 @@
-"""The CUDA kernels of kernels/*.cu executed on the CPU (gpu_codec._emulator), compared to the byte with their
+"""The CUDA kernels of kernels/*.cu executed on the CPU (gpu_codec.backends.emulated), compared to the byte with their
 NumPy twins (cpu_fallback/), plus tests of the emulator itself: barrier and warp-lockstep semantics, shared
 memory, atomics, the errors it reports, and planted bugs it must catch.
 
@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from gpu_codec import _emulator as emu
-from gpu_codec._sources import kernel_files, kernel_signatures
-from gpu_codec.backend import _gpu_probe
+from gpu_codec.backends import emulated as emu
+from gpu_codec.backends import gpu_probe
+from gpu_codec.backends.sources import kernel_files, kernel_signatures
 from gpu_codec.testing import kernel_cases as kc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def _needs_compiler(request):
     pytest.skip("no C++20 compiler (g++/clang++) for the emulator")
 
 
-HAS_GPU = _gpu_probe()[0]
+HAS_GPU = gpu_probe()[0]
 RUNNERS = [
     pytest.param("emulated", id="emulated"),
     pytest.param("gpu", id="gpu", marks=[pytest.mark.gpu, pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")]),
@@ -57,7 +57,7 @@ RUNNERS = [
 @pytest.fixture(scope="module", params=RUNNERS)
 def runner(request):
     if request.param == "gpu":
-        from gpu_codec._cupy_runtime import CupyRunner
+        from gpu_codec.backends.cupy import CupyRunner
 
         return CupyRunner()
     if not HAS_CXX:
@@ -156,7 +156,7 @@ def test_codecs_independent_of_schedule(schedule):
 
 def test_scatter_reports_lowest_bad_entry(emulated):
     """The planted bad entries are found, and the lowest one wins over a later one in the last tensor."""
-    from gpu_codec._kernel_ops import KernelOps
+    from gpu_codec.backends.kernels import KernelOps
 
     for case in SCATTER:
         if case.bad == "none":
@@ -184,7 +184,7 @@ def test_every_kernel_is_exercised():
 
 
 def test_emulated_backend_is_selectable(monkeypatch):
-    from gpu_codec import backend
+    from gpu_codec import backends as backend
 
     monkeypatch.setenv(backend.ENV, "emulated")
     backend.reset_backend()
@@ -616,7 +616,7 @@ def test_planted_off_by_one_in_scatter_bounds_is_caught():
     out = backing[:n]
     idx = np.array([3, 500, n], np.uint32)
     vals = np.array([1.0, 2.0, 3.0], np.float32)
-    from gpu_codec._kernel_ops import KernelOps
+    from gpu_codec.backends.kernels import KernelOps
 
     assert KernelOps(emu.EmulatorRunner()).scatter([out.copy()], [0], [n], [idx], [vals], 0) == 2
     assert KernelOps(r).scatter([out], [0], [n], [idx], [vals], 0) is None  # the bug: no error reported ...

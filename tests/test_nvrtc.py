@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from gpu_codec._sources import kernel_files, kernel_signatures, kernel_source
+from gpu_codec.backends import nvrtc
+from gpu_codec.backends.sources import kernel_files, kernel_signatures, kernel_source
+from gpu_codec.constants import compile_options
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "benchmarks" / "kernel_resources.py"
@@ -48,10 +50,41 @@ HAVE_NVCC = shutil.which(os.environ.get("NVCC", "nvcc")) is not None
 @pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("fname", kernel_files())
 def test_compiles_with_empty_log(fname, arch):
-    """The exact options of the CuPy runner, plus the target: a clean compile leaves an empty program log."""
-    ok, log = kr.nvrtc_compile(kernel_source(fname), fname, arch)
-    assert ok, log
+    """The runtime's own compile (gpu_codec.backends.nvrtc, what the GPU backend loads): a CUBIN, and a clean
+    compile leaves an empty program log."""
+    image, log = nvrtc.compile_source(kernel_source(fname), fname, arch)
+    assert image[:4] == b"\x7fELF", f"{fname}: not a CUBIN"
     assert log.strip() == "", f"NVRTC says for {fname} ({arch}):\n{log}"
+
+
+def test_runtime_and_ci_compile_with_the_same_options():
+    for arch in ARCHS:
+        assert nvrtc.options_for(arch) == (*compile_options(), f"--gpu-architecture={arch}")
+    assert compile_options() == kr.OPTIONS
+    assert "-ftz=false" in compile_options() and "--fmad=false" in compile_options()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_ptx_keeps_subnormals(arch):
+    """No flush-to-zero anywhere: a .ftz instruction would flush subnormals where the NumPy twins keep them."""
+    for f in kernel_files():
+        ptx = nvrtc.ptx_of(kernel_source(f), f, arch)
+        assert ".entry" in ptx
+        bad = [ln.strip() for ln in ptx.splitlines() if ".ftz" in ln]
+        assert bad == [], f"{f} ({arch}): {bad[:5]}"
+
+
+def test_ftz_check_is_not_vacuous():
+    """CuPy's RawModule(code=...) appends -ftz=true after the caller's options; that compile shows .ftz, ours not."""
+    import inspect
+
+    import cupy
+
+    assert "'-ftz=true'" in inspect.getsource(cupy.cuda.compiler._compile_with_cache_cuda)
+    probe = 'extern "C" __global__ void d(const float* a, float* o) { o[0] = fabsf(a[0] - a[1]); }'
+    ours = nvrtc.ptx_of(probe, "probe.cu", "sm_90")
+    cupys, _ = nvrtc.compile_source(probe, "probe.cu", "compute_90", ("-ftz=true",))
+    assert ".ftz" not in ours and ".ftz" in cupys.decode(errors="replace")
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -45,7 +45,7 @@ class Form:
 
     ``tag`` is what a record's codec dict says (``"v"`` or ``"i"``), ``fields`` the codec-dict keys the form
     uses, ``layout(rec, n)`` the buffers it needs for ``n`` entries (raising ``PayloadHeaderError`` on a bad
-    field), ``decode(rec, bufs, n, xp)`` the fp32/fp64 values (or flat indices) as an array of ``xp``.
+    field), ``decode(rec, bufs, n, backend)`` the fp32/fp64 values (or flat indices) as a backend array.
     """
 
     tag: str

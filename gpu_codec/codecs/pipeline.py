@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..backends.base import Backend
 from ..dtypes import index_dtype, value_dtype
 from ..errors import (
     CodecConfigError,
@@ -110,7 +111,7 @@ class Pipeline:
     def _coded(self) -> bool:
         return self.values is not None or self.indices is not None
 
-    def encode(self, records: list[TensorRecord], backend: Any, residual: list[Any] | None) -> list[TensorRecord]:
+    def encode(self, records: list[TensorRecord], backend: Backend, residual: list[Any] | None) -> list[TensorRecord]:
         """Turn the engine's ``coo`` (or ``dense``) records into this pipeline's encodings, on the backend.
 
         ``residual`` (lists over tensors, or None) receives ``value - decoded`` at every kept entry.
@@ -193,7 +194,7 @@ class Pipeline:
         ):
             raise PayloadLayoutError(f"{where(rec)}: int8 block {rec.codec['block']} differs from the pipeline's")
 
-    def decode(self, records: list[TensorRecord], backend: Any) -> list[TensorRecord]:
+    def decode(self, records: list[TensorRecord], backend: Backend) -> list[TensorRecord]:
         """Turn this pipeline's encodings back into ``coo``/``dense`` records with backend buffers.
 
         Every record must be what this pipeline writes (a ``coo`` record in a payload whose pipeline has an
@@ -216,17 +217,16 @@ class Pipeline:
         return out
 
 
-def _decode_forms(rec: TensorRecord, backend: Any) -> TensorRecord:
-    xp = backend.xp
+def _decode_forms(rec: TensorRecord, backend: Backend) -> TensorRecord:
     bufs = {role: backend.asarray(a) for role, a in rec.buffers.items()}
     vd = np.dtype(value_dtype(rec.dtype))
     vform = value_forms()[rec.codec["v"]]
     if rec.encoding == "dense_q":
-        vals = vform.decode(rec, bufs, rec.numel, xp).astype(vd, copy=False)
+        vals = vform.decode(rec, bufs, rec.numel, backend).astype(vd, copy=False)
         return TensorRecord(rec.name, rec.dtype, rec.shape, "dense", rec.numel, {"values": vals})
-    idx = index_forms()[rec.codec["i"]].decode(rec, bufs, rec.nnz, xp)
+    idx = index_forms()[rec.codec["i"]].decode(rec, bufs, rec.nnz, backend)
     idx = idx.astype(index_dtype(rec.numel), copy=False)
-    vals = vform.decode(rec, bufs, rec.nnz, xp).astype(vd, copy=False)
+    vals = vform.decode(rec, bufs, rec.nnz, backend).astype(vd, copy=False)
     return TensorRecord(rec.name, rec.dtype, rec.shape, "coo", rec.nnz, {"indices": idx, "values": vals})
 
 
@@ -242,7 +242,7 @@ def as_pipeline(pipeline: Any) -> Pipeline:
         raise type(e)(f"pipeline: {e}") from None
 
 
-def decode_records(pipeline_config: Any, records: list[TensorRecord], backend: Any) -> list[TensorRecord]:
+def decode_records(pipeline_config: Any, records: list[TensorRecord], backend: Backend) -> list[TensorRecord]:
     """The engine's decode hook: every record decoded (and checked) per the header's pipeline."""
     try:
         pipe = Pipeline.from_config(pipeline_config)

@@ -16,10 +16,8 @@ Kernels: kernels/quantize.cu; NumPy twins: cpu_fallback/quantize.py.
 
 from __future__ import annotations
 
-from ..cpu_fallback import quantize as _q
 from ..errors import PayloadHeaderError
 from ..format import TensorRecord
-from . import _ops
 from .base import Form, ValueCodec, check_choice, check_int
 from .wire import is_int, n_blocks, value_dtype_name, where
 
@@ -34,16 +32,16 @@ def _float_layout(dtype: str | None):
     return layout
 
 
-def _decode_f32(rec, bufs, n, xp):
+def _decode_f32(rec, bufs, n, backend):
     return bufs["values"]
 
 
-def _decode_f16(rec, bufs, n, xp):
-    return _q.decode_f16(bufs["values"], xp)
+def _decode_f16(rec, bufs, n, backend):
+    return backend.decode_f16(bufs["values"])
 
 
-def _decode_bf16(rec, bufs, n, xp):
-    return _q.decode_bf16(bufs["values"], xp)
+def _decode_bf16(rec, bufs, n, backend):
+    return backend.decode_bf16(bufs["values"])
 
 
 def check_block(rec: TensorRecord) -> int:
@@ -58,8 +56,8 @@ def _int8_layout(rec, n):
     return {"values": (("int8",), n), "scales": (("float32",), n_blocks(n, b))}
 
 
-def _decode_int8(rec, bufs, n, xp):
-    return _q.int8_decode(bufs["values"], bufs["scales"], rec.codec["block"], xp)
+def _decode_int8(rec, bufs, n, backend):
+    return backend.int8_decode(bufs["values"], bufs["scales"], rec.codec["block"])
 
 
 class Quantize(ValueCodec):
@@ -86,7 +84,7 @@ class Quantize(ValueCodec):
     def encode_values(self, values, indices, res, backend):
         if self.dtype == "float32":
             return [({}, {"values": v}, {}) for v in values]
-        out = _ops.cast16(backend, values, self.dtype, indices, res)
+        out = backend.cast16(values, self.dtype, indices, res)
         return [({}, {"values": o}, {"values": self.dtype}) for o in out]
 
 
@@ -104,7 +102,7 @@ class Int8Blockwise(ValueCodec):
         return False
 
     def encode_values(self, values, indices, res, backend):
-        qs, ss = _ops.int8(backend, values, self.block_size, indices, res)
+        qs, ss = backend.int8(values, self.block_size, indices, res)
         return [({"block": self.block_size}, {"values": q, "scales": s}, {}) for q, s in zip(qs, ss)]
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from ..cpu_fallback import rice as _rice
 from ..errors import PayloadHeaderError
-from . import _ops
 from .base import Form, IndexCodec
 from .wire import is_int, where
 
@@ -29,7 +28,7 @@ def _raw_layout(rec, n):
     return {"indices": (("uint32", "uint64"), n)}
 
 
-def _raw_decode(rec, bufs, n, xp):
+def _raw_decode(rec, bufs, n, backend):
     return bufs["indices"]
 
 
@@ -49,8 +48,8 @@ def _rice_layout(rec, n):
     return {"indices": (("uint8",), -(-bits // 8))}
 
 
-def _rice_decode(rec, bufs, n, xp):
-    return _rice.rice_decode(bufs["indices"], rec.codec["bits"], rec.codec["k"], n, rec.numel, xp)
+def _rice_decode(rec, bufs, n, backend):
+    return backend.rice_decode(bufs["indices"], rec.codec["bits"], rec.codec["k"], n, rec.numel)
 
 
 class RawIndices(IndexCodec):
@@ -82,5 +81,5 @@ class RiceIndices(IndexCodec):
 
     def encode_indices(self, indices, numels, backend):
         ks = [_rice.rice_param(int(i.size), n) for i, n in zip(indices, numels)]
-        streams, bits = _ops.rice(backend, indices, ks)
+        streams, bits = backend.rice(indices, ks)
         return [({"k": k, "bits": b}, {"indices": s}, {}) for k, b, s in zip(ks, bits, streams)]

@@ -19,10 +19,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..cpu_fallback import quantize as _q
 from ..errors import PayloadHeaderError
 from ..format import TensorRecord
-from . import _ops
 from .base import Form, ValueCodec
 from .wire import n_blocks, where
 
@@ -46,8 +44,8 @@ def _layout(rec, n):
     return {"signs": (("uint8",), n_blocks(n, 8))}
 
 
-def _decode(rec, bufs, n, xp):
-    return _q.ternary_decode(bufs["signs"], rec.codec["mu"], n, xp)
+def _decode(rec, bufs, n, backend):
+    return backend.ternary_decode(bufs["signs"], rec.codec["mu"], n)
 
 
 class Ternary(ValueCodec):
@@ -64,5 +62,5 @@ class Ternary(ValueCodec):
         return False
 
     def encode_values(self, values, indices, res, backend):
-        signs, mus = _ops.ternary(backend, values, indices, res)
+        signs, mus = backend.ternary(values, indices, res)
         return [({"mu": float(mu)}, {"signs": s}, {}) for s, mu in zip(signs, mus)]

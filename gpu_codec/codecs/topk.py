@@ -15,10 +15,9 @@ from typing import Any
 import numpy as np
 
 from .. import dtypes
+from ..dtypes import SCOPES
 from ..errors import CodecConfigError, InvalidInputError
 from .base import Codec, check_choice
-
-SCOPES = ("global", "per_tensor")
 
 
 def check_fraction(value: Any, name: str = "fraction", error: type[Exception] = InvalidInputError) -> float:

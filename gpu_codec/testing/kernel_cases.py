@@ -16,10 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from gpu_codec._kernel_ops import BLOCK, CHUNK, SCAN_THREADS, U64_MAX, KernelOps, TensorTables, initial_state
+from gpu_codec.backends.kernels import BLOCK, CHUNK, SCAN_THREADS, U64_MAX, KernelOps, TensorTables, initial_state
+from gpu_codec.constants import index_dtype
 from gpu_codec.cpu_fallback import kernels as twins
 from gpu_codec.cpu_fallback.elementwise import f32_to_bf16_bits
-from gpu_codec.cpu_fallback.select import index_dtype, topk_select
+from gpu_codec.cpu_fallback.select import topk_select
 
 DT = {"f32": 0, "f16": 1, "bf16": 2, "f64": 3}
 _FILL32 = 0xDEADBEEF  # written into outputs before a launch, so that stray or missing writes show
@@ -453,7 +454,7 @@ def make_scatter_inputs(case: ScatterCase) -> dict[str, Any]:
 
 def scatter_vs_reference(runner, case: ScatterCase) -> list[str]:
     """KernelOps(runner).scatter against the NumPy backend's scatter (the twin of the scatter kernels)."""
-    from gpu_codec.backend import NumpyBackend
+    from gpu_codec.backends.numpy import NumpyBackend
 
     inp = make_scatter_inputs(case)
     up = _uploader(runner)
@@ -827,7 +828,7 @@ def quant_stepwise(runner, case: QuantCase) -> list[str]:
             BLOCK,
             (nt32, up(chunk_start), up(ent_start), up(vdt), p_vals, up(word_off), partial, words),
         )
-    runner.launch("ternary_mu", (nt + 255) // 256, 256, (nt32, up(chunk_start), up(ent_start), partial, mu))
+    runner.launch("ternary_mu", max(nt, 1), BLOCK, (nt32, up(chunk_start), up(ent_start), partial, mu))
     runner.launch(
         "ternary_fixup",
         (total + BLOCK - 1) // BLOCK,

@@ -1,6 +1,6 @@
 // Host shim: just enough CUDA for g++ (C++20) to compile gpu_codec's kernels/*.cu unchanged and run them on the CPU.
 //
-// The emulator (gpu_codec/_emulator.py) compiles each kernels/*.cu, with this header first and a generated
+// The emulator (gpu_codec/backends/emulated.py) compiles each kernels/*.cu, with this header first and a generated
 // launcher per `extern "C" __global__` kernel after it, into one shared library. emu_runtime.cpp runs a launch:
 //
 //   * blocks run one after another, in an order the launch chooses (forward, reverse or shuffled);
@@ -171,26 +171,37 @@ static __forceinline__ T max(T a, T b) { return a < b ? b : a; }
 
 // -------------------------------------------------------------------------------------------------- atomics
 // Fibers never interleave inside an atomic, but these are real atomics anyway (and work on any address).
+// In the traffic-counting build (EMU_TRACE) an atomic reports its read and its write, as the compiler's
+// instrumentation does for plain loads and stores (it does not instrument atomics).
+#ifdef EMU_TRACE
+extern "C" void emu_trace_access(const void* p, unsigned long size, int write);
+#define EMU_TRACE_RMW(p) (emu_trace_access((p), sizeof(*(p)), 0), emu_trace_access((p), sizeof(*(p)), 1))
+#else
+#define EMU_TRACE_RMW(p) ((void)0)
+#endif
 #define EMU_ATOMIC_RMW(T)                                                                                  \
-    static __forceinline__ T atomicAdd(T* p, T v) { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); } \
-    static __forceinline__ T atomicSub(T* p, T v) { return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); } \
-    static __forceinline__ T atomicAnd(T* p, T v) { return __atomic_fetch_and(p, v, __ATOMIC_SEQ_CST); } \
-    static __forceinline__ T atomicOr(T* p, T v) { return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }   \
-    static __forceinline__ T atomicXor(T* p, T v) { return __atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST); } \
-    static __forceinline__ T atomicExch(T* p, T v) { return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); } \
+    static __forceinline__ T atomicAdd(T* p, T v) { EMU_TRACE_RMW(p); return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); } \
+    static __forceinline__ T atomicSub(T* p, T v) { EMU_TRACE_RMW(p); return __atomic_fetch_sub(p, v, __ATOMIC_SEQ_CST); } \
+    static __forceinline__ T atomicAnd(T* p, T v) { EMU_TRACE_RMW(p); return __atomic_fetch_and(p, v, __ATOMIC_SEQ_CST); } \
+    static __forceinline__ T atomicOr(T* p, T v) { EMU_TRACE_RMW(p); return __atomic_fetch_or(p, v, __ATOMIC_SEQ_CST); }   \
+    static __forceinline__ T atomicXor(T* p, T v) { EMU_TRACE_RMW(p); return __atomic_fetch_xor(p, v, __ATOMIC_SEQ_CST); } \
+    static __forceinline__ T atomicExch(T* p, T v) { EMU_TRACE_RMW(p); return __atomic_exchange_n(p, v, __ATOMIC_SEQ_CST); } \
     static __forceinline__ T atomicMin(T* p, T v) {                                                        \
+        EMU_TRACE_RMW(p);                                                                                  \
         T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);                                                      \
         while (v < old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) { \
         }                                                                                                  \
         return old;                                                                                        \
     }                                                                                                      \
     static __forceinline__ T atomicMax(T* p, T v) {                                                        \
+        EMU_TRACE_RMW(p);                                                                                  \
         T old = __atomic_load_n(p, __ATOMIC_SEQ_CST);                                                      \
         while (v > old && !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) { \
         }                                                                                                  \
         return old;                                                                                        \
     }                                                                                                      \
     static __forceinline__ T atomicCAS(T* p, T cmp, T v) {                                                 \
+        EMU_TRACE_RMW(p);                                                                                  \
         __atomic_compare_exchange_n(p, &cmp, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);                \
         return cmp;                                                                                        \
     }
@@ -202,6 +213,7 @@ EMU_ATOMIC_RMW(unsigned long long)
 
 template <typename F, typename U>
 static __forceinline__ F emu_atomic_fadd(F* p, F v) {
+    EMU_TRACE_RMW(p);
     U old = __atomic_load_n((U*)p, __ATOMIC_SEQ_CST);
     for (;;) {
         F f;
@@ -262,7 +274,7 @@ static __forceinline__ void emu_syncwarp(const char* file, int line, unsigned ma
 
 // --------------------------------------------------------------------------------------------- launch glue
 namespace emu {
-// One launch, filled in by the Python side (gpu_codec/_emulator.py mirrors this layout with ctypes).
+// One launch, filled in by the Python side (gpu_codec/backends/emulated.py mirrors this layout with ctypes).
 struct LaunchConfig {
     unsigned int grid[3];
     unsigned int block[3];

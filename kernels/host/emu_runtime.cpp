@@ -410,6 +410,11 @@ unsigned long long warp_collective(int kind, unsigned mask, unsigned long long v
     return mine;
 }
 
+#ifdef EMU_TRACE
+void trace_enter();
+void trace_exit();
+#endif
+
 int launch(LaunchConfig* cfg, KernelThunk thunk, void* args) {
     std::lock_guard<std::mutex> lock(g_mutex);
     cfg->error[0] = 0;
@@ -434,6 +439,9 @@ int launch(LaunchConfig* cfg, KernelThunk thunk, void* args) {
     run.ready.reserve(run.nthreads * 2);
     run.rng.seed(cfg->seed);
     R = &run;
+#ifdef EMU_TRACE
+    trace_enter();  // only the kernel's own accesses count, not the launcher's reading of its arguments
+#endif
     g_grid_dim = {cfg->grid[0], cfg->grid[1], cfg->grid[2]};
     g_block_dim = {cfg->block[0], cfg->block[1], cfg->block[2]};
     std::vector<unsigned long long> blocks(nblocks);
@@ -451,6 +459,9 @@ int launch(LaunchConfig* cfg, KernelThunk thunk, void* args) {
     }
     g_current = nullptr;
     R = nullptr;
+#ifdef EMU_TRACE
+    trace_exit();
+#endif
     return rc;
 }
 
@@ -460,3 +471,92 @@ EMU_EXPORT int emu_abi_version() { return 1; }
 EMU_EXPORT unsigned long long emu_shared_bytes() {
     return (unsigned long long)(__stop_emu_shared - __start_emu_shared) - sizeof emu_shared_anchor;
 }
+
+// ------------------------------------------------------------------------------------ global-memory traffic
+// The traffic-counting build compiles the kernel sources (not this file) with GCC's address instrumentation in
+// call mode (-fsanitize=kernel-address --param asan-instrumentation-with-call-threshold=0): every load and
+// store of a kernel calls __asan_{load,store}N_noabort(address), defined here. An access counts when it falls
+// in one of the launch's buffers (registered by the Python side: the arrays passed and the arrays named in
+// address tables); shared memory, fiber stacks and the runtime's own variables are never such a buffer. Each
+// launch reports the distinct 32-byte sectors it read and wrote.
+#ifdef EMU_TRACE
+#include <unordered_set>
+
+namespace {
+std::vector<std::pair<uintptr_t, uintptr_t>> g_ranges;  // [begin, end), sorted, disjoint
+std::unordered_set<unsigned long long> g_read, g_written;
+bool g_armed = false, g_tracing = false;
+
+bool in_buffer(uintptr_t a) {
+    auto it = std::upper_bound(g_ranges.begin(), g_ranges.end(), std::make_pair(a, UINTPTR_MAX));
+    if (it == g_ranges.begin()) return false;
+    --it;
+    return a >= it->first && a < it->second;
+}
+}  // namespace
+
+extern "C" void emu_trace_access(const void* p, unsigned long size, int write) {
+    if (!g_tracing || size == 0) return;
+    const uintptr_t a = (uintptr_t)p;
+    if (!in_buffer(a)) return;
+    auto& set = write ? g_written : g_read;
+    for (unsigned long long s = a >> 5, e = (a + size - 1) >> 5; s <= e; ++s) set.insert(s);
+}
+
+#define EMU_ASAN_HOOKS(N)                                                                                   \
+    extern "C" __attribute__((visibility("default"))) void __asan_load##N##_noabort(uintptr_t a) {        \
+        emu_trace_access((const void*)a, N, 0);                                                            \
+    }                                                                                                      \
+    extern "C" __attribute__((visibility("default"))) void __asan_store##N##_noabort(uintptr_t a) {       \
+        emu_trace_access((const void*)a, N, 1);                                                            \
+    }
+EMU_ASAN_HOOKS(1)
+EMU_ASAN_HOOKS(2)
+EMU_ASAN_HOOKS(4)
+EMU_ASAN_HOOKS(8)
+EMU_ASAN_HOOKS(16)
+#undef EMU_ASAN_HOOKS
+extern "C" __attribute__((visibility("default"))) void __asan_loadN_noabort(uintptr_t a, uintptr_t n) {
+    emu_trace_access((const void*)a, n, 0);
+}
+extern "C" __attribute__((visibility("default"))) void __asan_storeN_noabort(uintptr_t a, uintptr_t n) {
+    emu_trace_access((const void*)a, n, 1);
+}
+extern "C" __attribute__((visibility("default"))) void __asan_handle_no_return() {}
+
+// ranges: n pairs (begin, end) of the launch's buffers, any order, may overlap.
+EMU_EXPORT void emu_trace_begin(const unsigned long long* ranges, int n) {
+    std::vector<std::pair<uintptr_t, uintptr_t>> r;
+    for (int i = 0; i < n; ++i)
+        if (ranges[2 * i + 1] > ranges[2 * i]) r.emplace_back((uintptr_t)ranges[2 * i], (uintptr_t)ranges[2 * i + 1]);
+    std::sort(r.begin(), r.end());
+    g_ranges.clear();
+    for (auto& x : r) {
+        if (!g_ranges.empty() && x.first <= g_ranges.back().second) {
+            g_ranges.back().second = std::max(g_ranges.back().second, x.second);
+        } else {
+            g_ranges.push_back(x);
+        }
+    }
+    g_read.clear();
+    g_written.clear();
+    g_armed = true;
+}
+namespace emu {
+void trace_enter() { g_tracing = g_armed; }
+void trace_exit() { g_tracing = false; }
+}  // namespace emu
+
+// out: sectors read, sectors written, sectors touched (read or written).
+EMU_EXPORT void emu_trace_end(unsigned long long* out) {
+    g_armed = g_tracing = false;
+    unsigned long long both = 0;
+    for (unsigned long long s : g_written) both += g_read.count(s);
+    out[0] = g_read.size();
+    out[1] = g_written.size();
+    out[2] = g_read.size() + g_written.size() - both;
+}
+EMU_EXPORT int emu_traced() { return 1; }
+#else
+EMU_EXPORT int emu_traced() { return 0; }
+#endif

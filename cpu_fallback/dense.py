@@ -1,0 +1,70 @@
+"""NumPy twins of the dense-mode kernels: ``dense_delta`` (kernels/topk.cu, every element kept) and ``dense_apply``
+(kernels/scatter.cu, dense records written onto their base, or into zeros)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gpu_codec.constants import DT_F64, SCATTER_ADD
+
+from .elementwise import delta, load_f32, nonfinite, scores_f32, store_from_f32
+
+
+def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs, mode, err):
+    """out[t] = v (mode 0) or round(base[t] + v) (mode 1) for every element; the lowest non-finite entry goes to
+    ``err[0]`` and writes nothing. The ``*_ptrs`` are lists of arrays (None for no base).
+
+    >>> out, err = np.zeros(3, np.float32), np.full(1, 2**64 - 1, np.uint64)
+    >>> dense_apply(1, 3, np.array([0, 3], np.uint64), [0], [out], [np.ones(3, np.float32)],
+    ...             [np.array([1, np.inf, 2], np.float32)], 1, err)
+    >>> out.tolist(), int(err[0])
+    ([2.0, 0.0, 3.0], 1)
+    """
+    es = np.asarray(ent_start, dtype=np.uint64)
+    for t in range(int(nt)):
+        a, b = int(es[t]), int(es[t + 1])
+        if b <= a:
+            continue
+        dt = int(out_dtypes[t])
+        v = val_ptrs[t]
+        ok = np.isfinite(v)
+        if not ok.all():
+            err[0] = min(int(err[0]), a + int(np.flatnonzero(~ok)[0]))
+        out, base = out_ptrs[t], base_ptrs[t]
+        add = int(mode) == SCATTER_ADD
+        if dt == DT_F64:
+            new = base + v if add else v
+        else:
+            new = store_from_f32(load_f32(base, dt) + v if add else v, dt)
+        out[ok] = new[ok]
+
+
+def dense_delta(
+    nt,
+    chunk_start,
+    elem_off,
+    numel,
+    dtypes,
+    new_ptrs,
+    base_ptrs,
+    res_ptrs,
+    score_ptrs,
+    score_dtypes,
+    crit,
+    vals32,
+    vals64,
+    err,
+):
+    """Twin of ``dense_delta`` (kernels/topk.cu): every element's delta at ``elem_off[t]`` in ``vals32`` (``vals64``
+    for fp64 tensors), and the lowest tensor with a non-finite delta or score in ``err[0]``."""
+    for t in range(int(nt)):
+        n = int(numel[t])
+        if n == 0:
+            continue
+        dt = int(dtypes[t])
+        d = delta(new_ptrs[t], base_ptrs[t], res_ptrs[t], dt)
+        s = scores_f32(int(crit), new_ptrs[t], base_ptrs[t], d, dt, score_ptrs[t], int(score_dtypes[t]))
+        off = int(elem_off[t])
+        (vals64 if dt == DT_F64 else vals32)[off : off + n] = d
+        if nonfinite(d) or nonfinite(s):
+            err[0] = min(int(err[0]), t)

@@ -1,0 +1,194 @@
+"""The backend contract: every op declared once (bitsandbytes style), implemented per backend.
+
+Each op takes lists over tensors of backend arrays. For the codec ops: kept values (fp32, fp64 for fp64
+tensors), kept indices (``None`` for a dense tensor) and error-feedback residuals (``None`` where there is
+none). Every backend gives the same bytes: the NumPy backend runs the twins in :mod:`gpu_codec.cpu_fallback`,
+the kernel backends (GPU, emulated) launch kernels/*.cu through :mod:`gpu_codec.backends.kernels`.
+
+Layers point down only: adapters -> engine -> codecs -> backends -> kernels / twins.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+Array = Any  # an array of the backend's ``xp`` (NumPy or CuPy)
+
+
+@runtime_checkable
+class Runner(Protocol):
+    """What :class:`~gpu_codec.backends.kernels.KernelOps` launches kernels through (CuPy, or the emulator)."""
+
+    xp: Any
+
+    def launch(self, name: str, grid: Any, block: Any, args: tuple) -> None: ...
+
+    def ptr(self, a: Array) -> int: ...
+
+    def to_host(self, a: Array) -> np.ndarray: ...
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """A place to compute: its memory (``xp``), conversions, a stream scope, and every op."""
+
+    name: str
+    xp: Any
+    on_device: bool
+
+    def asarray(self, a: Any) -> Array:
+        """``a`` in this backend's memory (no copy where it is there already)."""
+        ...
+
+    def to_host(self, a: Array) -> np.ndarray:
+        """A host NumPy copy of ``a``."""
+        ...
+
+    def stream(self, tensors: Sequence[Any]) -> contextlib.AbstractContextManager:
+        """The scope in which every kernel, copy and decode of one call runs (the caller's stream)."""
+        ...
+
+    def info(self) -> dict[str, Any]:
+        """What this backend says about itself in ``backend_info()`` (allocator, stream, device)."""
+        ...
+
+    # --- selection and reconstruction -------------------------------------------------------------------
+
+    def topk_select(
+        self,
+        new: list[Array],
+        base: list[Array | None],
+        res: list[Array | None],
+        res_out: list[Array | None],
+        dtypes: list[int],
+        ext_scores: list[Array | None],
+        ext_dtypes: list[int],
+        crit: int,
+        segments: list[list[int]],
+        ks: list[int],
+        qmode: int,
+    ) -> tuple[list[Array] | None, list[Array] | None, int | None]:
+        """(indices, values, None) of the exact top-k per segment, or (None, None, first bad tensor)."""
+        ...
+
+    def dense_delta(
+        self,
+        new: list[Array],
+        base: list[Array | None],
+        res: list[Array | None],
+        res_out: list[Array | None],
+        dtypes: list[int],
+        ext_scores: list[Array | None],
+        ext_dtypes: list[int],
+        crit: int,
+    ) -> tuple[list[Array] | None, int | None]:
+        """Dense mode (every element kept, the residual's rounding exact): (values, None) with each tensor's delta
+        (fp32, fp64 for fp64 tensors) and every ``res_out`` set to zero, or (None, first bad tensor) with the
+        residuals untouched. The same checks as :meth:`topk_select`."""
+        ...
+
+    def scatter(
+        self,
+        outs: list[Array],
+        out_dtypes: list[int],
+        numels: list[int],
+        indices: list[Array],
+        values: list[Array],
+        mode: int,
+    ) -> int | None:
+        """Write kept entries into dense outputs; the lowest bad entry position, or None."""
+        ...
+
+    def dense_apply(
+        self,
+        outs: list[Array],
+        out_dtypes: list[int],
+        bases: list[Array | None],
+        values: list[Array],
+        mode: int,
+    ) -> int | None:
+        """Dense records (every element sent) into fresh outputs: values (mode 0) or base + values (mode 1),
+        read in place; the lowest entry with a non-finite value, or None."""
+        ...
+
+    # --- value and index codecs (encode) -----------------------------------------------------------------
+
+    def cast16(self, values: list[Array], dtype: str, indices: list[Any], res: list[Any]) -> list[Array]:
+        """fp16 / bf16 bit patterns (uint16) of every tensor's values, clamped; residual fixed where given."""
+        ...
+
+    def int8(
+        self, values: list[Array], block: int, indices: list[Any], res: list[Any]
+    ) -> tuple[list[Array], list[Array]]:
+        """Blockwise absmax int8 of every tensor's values: (q per tensor, scales per tensor)."""
+        ...
+
+    def ternary(self, values: list[Array], indices: list[Any], res: list[Any]) -> tuple[list[Array], np.ndarray]:
+        """Ternary (STC) of every tensor's values: (packed sign bits per tensor, host fp32 mu per tensor)."""
+        ...
+
+    def rice(self, indices: list[Array], ks: list[int]) -> tuple[list[Array], list[int]]:
+        """Rice streams (uint8) and their bit counts for every tensor's ascending indices."""
+        ...
+
+    # --- decode ----------------------------------------------------------------------------------------------
+
+    def decode_f16(self, bits: Array) -> Array: ...
+
+    def decode_bf16(self, bits: Array) -> Array: ...
+
+    def int8_decode(self, q: Array, scales: Array, block: int) -> Array: ...
+
+    def ternary_decode(self, signs: Array, mu: float, n: int) -> Array: ...
+
+    def rice_decode(self, stream: Array, bits: int, k: int, nnz: int, numel: int) -> Array:
+        """Ascending indices from a Rice stream, validated completely (PayloadError on any inconsistency)."""
+        ...
+
+
+def flat_tables(numels: list[int], dtypes: list[int], f64_code: int) -> tuple[np.ndarray, int, int]:
+    """(element offsets, fp32 buffer size, fp64 buffer size) of a tensor list's values laid out at their element
+    offsets (as dense_delta writes them); a buffer no tensor uses has one slot."""
+    off = np.concatenate([[0], np.cumsum(numels, dtype=np.int64)])[:-1].astype(np.int64)
+    total = max(sum(numels), 1)
+    has64 = any(d == f64_code for d in dtypes)
+    has32 = any(d != f64_code for d in dtypes)
+    return off, total if has32 else 1, total if has64 else 1
+
+
+def split_values(
+    vals32: Any, vals64: Any, numels: list[int], dtypes: list[int], off: np.ndarray, f64_code: int
+) -> list:
+    return [(vals64 if d == f64_code else vals32)[int(o) : int(o) + n] for n, d, o in zip(numels, dtypes, off)]
+
+
+def dense_values(values: list, out_dtypes: list[int], f64_code: int) -> list:
+    """Each tensor's values in the dtype dense_apply reads: fp64 for fp64 outputs, else fp32 (no copy if so)."""
+    return [v.astype(np.float64 if dt == f64_code else np.float32, copy=False) for v, dt in zip(values, out_dtypes)]
+
+
+def scatter_args(xp: Any, indices: list, values: list):
+    """Concatenate per-tensor entries as the scatter kernels (and their twins) take them: (total, ent_start
+    (host u64), indices (u32, or u64 if any tensor needs it), vals32, vals64); ``None`` when there is no entry."""
+    counts = [int(i.size) for i in indices]
+    total = sum(counts)
+    if total == 0:
+        return None
+    ent_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)
+    wide = any(i.dtype == np.uint64 for i in indices)
+    idx = xp.concatenate([i.astype(np.uint64 if wide else np.uint32, copy=False) for i in indices])
+    if all(v.dtype != np.float64 for v in values):
+        vals32, vals64 = xp.concatenate([v.astype(np.float32, copy=False) for v in values]), xp.zeros(1, np.float64)
+    elif all(v.dtype == np.float64 for v in values):
+        vals32, vals64 = xp.zeros(1, np.float32), xp.concatenate(values)
+    else:
+        vals32 = xp.concatenate([v if v.dtype == np.float32 else xp.zeros(v.size, np.float32) for v in values])
+        vals64 = xp.concatenate([v if v.dtype == np.float64 else xp.zeros(v.size, np.float64) for v in values])
+    return total, ent_start, idx, vals32, vals64
+
+
+__all__ = ["Array", "Backend", "Runner", "dense_values", "flat_tables", "scatter_args", "split_values"]

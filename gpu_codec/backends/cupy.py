@@ -1,0 +1,176 @@
+"""The GPU backend: kernels/*.cu compiled by NVRTC (:mod:`.nvrtc`), loaded and launched through CuPy.
+
+One call of the library (a compress, a decompress) runs inside :meth:`GpuBackend.stream`:
+
+- on the CUDA device of its inputs (inputs on two devices are an :class:`~gpu_codec.errors.InvalidInputError`);
+- on the caller's current torch stream when an input is a CUDA torch tensor (wrapped with
+  ``cupy.cuda.Stream.from_external``, the CUDA stream protocol), else on CuPy's current stream;
+- with torch's caching allocator for every temporary and output when the inputs are torch tensors (CuPy's pool
+  would keep them where torch cannot reuse them), CuPy's pool otherwise;
+- and it synchronizes that stream before handing back, so a later ``Payload.to_bytes()`` (a copy on another
+  stream) never reads unfinished words.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidInputError
+from .decode import ArrayDecoders
+from .kernels import KernelBackendBase
+from .nvrtc import cached_image, target_for
+from .sources import kernel_signatures, kernel_source
+
+
+class CupyRunner:
+    """Loads each kernel source once per device (NVRTC image through ``cupy.cuda.function.Module``)."""
+
+    def __init__(self) -> None:
+        import cupy
+
+        self.xp = cupy
+        self._cupy = cupy
+        self._lock = threading.Lock()
+        self._modules: dict[tuple[int, str], Any] = {}
+        self._functions: dict[tuple[int, str], Any] = {}
+
+    def _module(self, dev: int, fname: str) -> Any:
+        mod = self._modules.get((dev, fname))
+        if mod is None:
+            from cupy.cuda import function
+
+            cc = int(self._cupy.cuda.Device(dev).compute_capability)
+            arch, _ = target_for(cc)
+            image = cached_image(kernel_source(fname), fname, arch)
+            if not arch.startswith("sm_") and not image.endswith(b"\x00"):
+                image += b"\x00"  # the driver reads PTX as a C string
+            mod = function.Module()
+            mod.load(image)
+            self._modules[(dev, fname)] = mod
+        return mod
+
+    def _function(self, name: str):
+        dev = self._cupy.cuda.Device().id
+        fn = self._functions.get((dev, name))
+        if fn is None:
+            with self._lock:
+                fn = self._module(dev, kernel_signatures()[name][0]).get_function(name)
+                self._functions[(dev, name)] = fn
+        return fn
+
+    def launch(self, name: str, grid: int, block: int, args: tuple) -> None:
+        self._function(name)((int(grid),), (int(block),), args)
+
+    def ptr(self, a: Any) -> int:
+        return int(a.data.ptr)
+
+    def to_host(self, a: Any) -> np.ndarray:
+        return self._cupy.asnumpy(a)
+
+
+def device_of(tensors: Sequence[Any]) -> int | None:
+    """The one CUDA device id the inputs live on (None when none is on a GPU); inputs on two devices raise
+    :class:`~gpu_codec.errors.InvalidInputError`. ``tensors`` are :class:`gpu_codec.arrays.Tensor` (or None)."""
+    seen: dict[int, str] = {}
+    for t in tensors:
+        if t is None:
+            continue
+        dev = None
+        if t.kind == "torch" and getattr(t.device, "type", "") == "cuda":
+            dev = t.device.index if t.device.index is not None else _torch_current_device()
+        elif t.kind == "cupy" and t.device is not None:
+            dev = int(t.device)
+        if dev is not None:
+            seen.setdefault(int(dev), str(t.device))
+    if len(seen) > 1:
+        raise InvalidInputError(
+            "inputs are on different CUDA devices ("
+            + ", ".join(f"{d}: {where}" for d, where in sorted(seen.items()))
+            + "); move them to one device"
+        )
+    return next(iter(seen), None)
+
+
+def _torch_current_device() -> int:
+    import torch
+
+    return int(torch.cuda.current_device())
+
+
+def _has_torch_cuda(tensors: Sequence[Any]) -> bool:
+    return any(t is not None and t.kind == "torch" and getattr(t.device, "type", "") == "cuda" for t in tensors)
+
+
+def torch_malloc_free() -> tuple[Any, Any]:
+    """(malloc(size, device_id) -> ptr, free(ptr, device_id)) on torch's caching allocator, each allocation
+    tied to the current torch stream of its device (the stream the call runs on)."""
+    import torch
+
+    def malloc(size: int, device_id: int) -> int:
+        return int(torch.cuda.caching_allocator_alloc(size, device_id, torch.cuda.current_stream(device_id)))
+
+    def free(ptr: int, device_id: int) -> None:
+        torch.cuda.caching_allocator_delete(ptr)
+
+    return malloc, free
+
+
+def torch_allocator() -> Any:
+    """A CuPy allocator (``cupy.cuda.using_allocator``) that takes its memory from torch's caching allocator."""
+    import cupy
+
+    return cupy.cuda.memory.PythonFunctionAllocator(*torch_malloc_free()).malloc
+
+
+def caller_stream(device_id: int) -> Any:
+    """The caller's current torch stream on ``device_id`` as a CuPy stream (the CUDA stream protocol, which
+    replaces the deprecated ``cupy.cuda.ExternalStream`` in CuPy 14)."""
+    import cupy
+    import torch
+
+    return cupy.cuda.Stream.from_external(torch.cuda.current_stream(device_id))
+
+
+class GpuBackend(ArrayDecoders, KernelBackendBase):
+    """The kernels on a CUDA device, through CuPy."""
+
+    name = "gpu"
+    on_device = True
+
+    def __init__(self, runner: CupyRunner | None = None):
+        super().__init__(runner or CupyRunner())
+        self._last_allocator = "cupy"
+
+    def asarray(self, a: Any) -> Any:
+        return self.xp.asarray(a)
+
+    def info(self) -> dict[str, Any]:
+        return {
+            "allocator": "torch caching allocator for torch CUDA inputs, CuPy's memory pool otherwise",
+            "last_allocator": self._last_allocator,
+            "stream": "the caller's current torch stream for torch CUDA inputs, CuPy's current stream otherwise",
+            "compile": "NVRTC with gpu_codec.constants.compile_options() (IEEE subnormals, no FMA contraction)",
+        }
+
+    @contextlib.contextmanager
+    def stream(self, tensors: Sequence[Any]) -> Iterator[None]:
+        """Device, stream and allocator of one call (see the module docstring); synchronizes on the way out."""
+        cupy = self.xp
+        dev = device_of(tensors)
+        with contextlib.ExitStack() as stack:
+            if dev is not None:
+                stack.enter_context(cupy.cuda.Device(dev))
+            dev_id = cupy.cuda.Device().id
+            if _has_torch_cuda(tensors):
+                stack.enter_context(caller_stream(dev_id))
+                stack.enter_context(cupy.cuda.using_allocator(torch_allocator()))
+                self._last_allocator = "torch"
+            else:
+                self._last_allocator = "cupy"
+            yield
+            cupy.cuda.get_current_stream().synchronize()

@@ -1,0 +1,33 @@
+"""The decoders every backend shares: vectorized array code written once for any ``xp`` (NumPy or CuPy).
+
+They live with the twins (:mod:`gpu_codec.cpu_fallback.quantize`, :mod:`gpu_codec.cpu_fallback.rice`) because
+they are the inverse of what the twins encode; a backend runs them on its own memory through ``self.xp``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..cpu_fallback import quantize as _q
+from ..cpu_fallback import rice as _rice
+
+
+class ArrayDecoders:
+    """The decode ops of :class:`~gpu_codec.backends.base.Backend`, on ``self.xp``."""
+
+    xp: Any
+
+    def decode_f16(self, bits: Any) -> Any:
+        return _q.decode_f16(bits, self.xp)
+
+    def decode_bf16(self, bits: Any) -> Any:
+        return _q.decode_bf16(bits, self.xp)
+
+    def int8_decode(self, q: Any, scales: Any, block: int) -> Any:
+        return _q.int8_decode(q, scales, block, self.xp)
+
+    def ternary_decode(self, signs: Any, mu: float, n: int) -> Any:
+        return _q.ternary_decode(signs, mu, n, self.xp)
+
+    def rice_decode(self, stream: Any, bits: int, k: int, nnz: int, numel: int) -> Any:
+        return _rice.rice_decode(stream, bits, k, nnz, numel, self.xp)

@@ -1,0 +1,114 @@
+"""The NumPy backend: host memory, the twins of :mod:`gpu_codec.cpu_fallback` (the same bytes as the kernels)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import numpy as np
+
+from ..constants import DT_F64, U64_MAX
+from ..cpu_fallback import dense as _dense
+from ..cpu_fallback import kernels as _twins
+from ..cpu_fallback import quantize as _q
+from ..cpu_fallback import rice as _rice
+from ..cpu_fallback import select as _select
+from .base import dense_values, flat_tables, scatter_args, split_values
+from .decode import ArrayDecoders
+
+
+class NumpyBackend(ArrayDecoders):
+    """Host memory, NumPy arithmetic: :mod:`gpu_codec.cpu_fallback`."""
+
+    name = "cpu"
+    xp = np
+    on_device = False
+
+    def asarray(self, a: Any) -> np.ndarray:
+        if isinstance(a, np.ndarray):
+            return a
+        if type(a).__module__.startswith("cupy"):
+            return a.get()
+        return np.asarray(a)
+
+    def to_host(self, a: Any) -> np.ndarray:
+        return np.asarray(a)
+
+    def stream(self, tensors) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def info(self) -> dict[str, Any]:
+        return {"allocator": "numpy"}
+
+    def topk_select(self, *args):
+        return _select.topk_select(*args)
+
+    def dense_delta(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit):
+        numels = [int(a.size) for a in new]
+        off, n32, n64 = flat_tables(numels, dtypes, DT_F64)
+        vals32, vals64 = np.empty(n32, np.float32), np.empty(n64, np.float64)
+        err = np.full(1, U64_MAX, dtype=np.uint64)
+        _dense.dense_delta(
+            len(new), None, off, numels, dtypes, new, base, res, ext_scores, ext_dtypes, crit, vals32, vals64, err
+        )
+        if int(err[0]) != U64_MAX:
+            return None, int(err[0])
+        for r in res_out:
+            if r is not None:
+                r[...] = 0  # every entry is kept and sent exactly: d - decoded(d) = +0.0
+        return split_values(vals32, vals64, numels, dtypes, off, DT_F64), None
+
+    def scatter(self, outs, out_dtypes, numels, indices, values, mode):
+        packed = scatter_args(np, indices, values)
+        if packed is None:
+            return None
+        total, ent_start, idx, vals32, vals64 = packed
+        err = np.full(1, U64_MAX, dtype=np.uint64)
+        _twins._scatter(len(outs), total, ent_start, numels, out_dtypes, outs, idx, vals32, vals64, mode, err)
+        bad = int(err[0])
+        return None if bad == U64_MAX else bad
+
+    def dense_apply(self, outs, out_dtypes, bases, values, mode):
+        counts = [int(o.size) for o in outs]
+        ent_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)
+        err = np.full(1, U64_MAX, dtype=np.uint64)
+        vals = dense_values(values, out_dtypes, DT_F64)
+        _dense.dense_apply(len(outs), sum(counts), ent_start, out_dtypes, outs, bases, vals, mode, err)
+        bad = int(err[0])
+        return None if bad == U64_MAX else bad
+
+    def cast16(self, values, dtype, indices, res):
+        enc, dec = (_q.cast_f16, _q.decode_f16) if dtype == "float16" else (_q.cast_bf16, _q.decode_bf16)
+        out = []
+        for v, i, r in zip(values, indices, res):
+            bits = enc(v)
+            _q.fix_residual(r, i, v, dec(bits))
+            out.append(bits)
+        return out
+
+    def int8(self, values, block, indices, res):
+        qs, ss = [], []
+        for v, i, r in zip(values, indices, res):
+            q, s = _q.int8_absmax(v, block)
+            _q.fix_residual(r, i, v, _q.int8_decode(q, s, block))
+            qs.append(q)
+            ss.append(s)
+        return qs, ss
+
+    def ternary(self, values, indices, res):
+        signs, mus = [], []
+        for v, i, r in zip(values, indices, res):
+            mu = _q.ternary_mu(v)
+            s = _q.ternary_signs(v)
+            _q.fix_residual(r, i, v, _q.ternary_decode(s, mu, v.size))
+            signs.append(s)
+            mus.append(mu)
+        return signs, np.asarray(mus, dtype=np.float32)
+
+    def rice(self, indices, ks):
+        streams, bits = [], []
+        for i, kk in zip(indices, ks):
+            s, b = _rice.rice_encode(i, kk)
+            streams.append(s)
+            bits.append(b)
+        return streams, bits

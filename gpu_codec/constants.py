@@ -1,0 +1,107 @@
+"""The one home of the numbers shared by Python and the kernels: launch sizes, dtype codes, criteria, modes.
+
+The kernels (kernels/*.cu) define none of these: every one comes from here as a ``-D`` flag
+(:func:`compile_options`), and kernels/common.cuh stops the compile with ``#error`` where one is missing. The
+CuPy runner, the emulator, the NVRTC tests and benchmarks/kernel_resources.py all compile with these flags.
+
+>>> CHUNK == BLOCK * ITEMS
+True
+>>> "-DBLOCK=256" in compile_options()
+True
+>>> index_dtype(1 << 32), index_dtype((1 << 32) + 1)
+(dtype('uint32'), dtype('uint64'))
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+# Launch sizes: a block of BLOCK threads handles a chunk of CHUNK = BLOCK * ITEMS elements that never straddles
+# a tensor; the single-block scans run SCAN_THREADS threads.
+BLOCK = 256
+ITEMS = 16
+CHUNK = BLOCK * ITEMS
+WARPS = BLOCK // 32
+SCAN_THREADS = 1024
+RICE_SCAN_THREADS = 1024
+
+U64_MAX = 0xFFFFFFFFFFFFFFFF  # "no error" in the kernels' error words
+NO_SEG_THRESHOLD = 0xFFFFFFFF  # threshold of a segment with k = 0: above every finite key
+
+# Logical dtype codes of the tensors the kernels read and write.
+DT_F32, DT_F16, DT_BF16, DT_F64 = 0, 1, 2, 3
+
+# Score criteria (fl4health's six, plus the default magnitude of the delta) and user scores.
+CRIT_MAGNITUDE = 0  # |w - w0 (+ residual)|
+CRIT_LARGEST_FINAL = 1  # |w|
+CRIT_SMALLEST_FINAL = 2  # -|w|
+CRIT_LARGEST_CHANGE = 3  # |w - w0|
+CRIT_SMALLEST_CHANGE = 4  # -|w - w0|
+CRIT_LARGEST_INCREASE = 5  # |w| - |w0|
+CRIT_SMALLEST_INCREASE = 6  # -(|w| - |w0|)
+CRIT_EXTERNAL = 7  # a user score array per tensor
+
+# Residual rounding modes (error feedback): what the receiver decodes for a kept value.
+QMODE_EXACT, QMODE_F16, QMODE_BF16 = 0, 1, 2
+# quantize_cast's target (the same codes as the residual modes it implies).
+Q_F16, Q_BF16 = QMODE_F16, QMODE_BF16
+# Scatter modes: write into zeros, or add onto a copy of the base.
+SCATTER_ZEROS, SCATTER_ADD = 0, 1
+
+_DEFINE_NAMES = (
+    "BLOCK",
+    "ITEMS",
+    "CHUNK",
+    "WARPS",
+    "SCAN_THREADS",
+    "RICE_SCAN_THREADS",
+    "DT_F32",
+    "DT_F16",
+    "DT_BF16",
+    "DT_F64",
+    "CRIT_MAGNITUDE",
+    "CRIT_LARGEST_FINAL",
+    "CRIT_SMALLEST_FINAL",
+    "CRIT_LARGEST_CHANGE",
+    "CRIT_SMALLEST_CHANGE",
+    "CRIT_LARGEST_INCREASE",
+    "CRIT_SMALLEST_INCREASE",
+    "CRIT_EXTERNAL",
+    "QMODE_EXACT",
+    "QMODE_F16",
+    "QMODE_BF16",
+    "Q_F16",
+    "Q_BF16",
+    "SCATTER_ZEROS",
+    "SCATTER_ADD",
+)
+
+
+def defines() -> dict[str, int]:
+    """Every constant the kernels take, by macro name."""
+    g = globals()
+    return {name: int(g[name]) for name in _DEFINE_NAMES}
+
+
+def define_flags() -> tuple[str, ...]:
+    """The ``-D`` flags of :func:`defines`."""
+    return tuple(f"-D{k}={v}" for k, v in defines().items())
+
+
+# Language, and no multiply-add contraction (--fmad=false) so the device rounds exactly where the NumPy twins
+# do; subnormals are kept (-ftz=false), divisions and square roots are IEEE-rounded.
+BASE_OPTIONS = ("-std=c++17", "--fmad=false", "-ftz=false", "-prec-div=true", "-prec-sqrt=true")
+
+
+def compile_options() -> tuple[str, ...]:
+    """The NVRTC options every device compile of kernels/*.cu uses (the runtime and the CI compile test alike),
+    less the target architecture."""
+    return (*BASE_OPTIONS, *define_flags())
+
+
+def index_dtype(numel: int) -> np.dtype:
+    """The flat-index dtype of a tensor of ``numel`` elements: uint32 where every index fits, else uint64."""
+    return np.dtype("<u4") if numel <= (1 << 32) else np.dtype("<u8")
+
+
+__all__ = [name for name in globals() if name.isupper()] + ["compile_options", "define_flags", "defines", "index_dtype"]
