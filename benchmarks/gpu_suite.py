@@ -290,6 +290,7 @@ class Suite:
             ("topk_stepwise_u64", kc.topk_cases()[::4], lambda r, c: kc.topk_stepwise(r, c, wide=True)),
             ("scatter", kc.scatter_cases(), kc.scatter_vs_reference),
             ("scatter_stepwise", kc.scatter_cases(), kc.scatter_stepwise),
+            ("dense", kc.topk_cases(), kc.dense_vs_reference),
             ("quantize", kc.quant_cases(), kc.quant_stepwise),
             ("rice", kc.rice_cases(), kc.rice_stepwise),
         ]
@@ -451,6 +452,7 @@ def workload(runner_kind: str) -> int:
     m += kc.quant_stepwise(
         r, kc.QuantCase("workload_quant", (3000, 700, 0), ("f32", "f64", "f32"), ("u32", "u64", "dense"))
     )
+    m += kc.dense_vs_reference(r, topk)
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice", (300, 5000, 0), (30000, 9000, 10)))
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice_u64", (300, 5000), (1 << 36, 9000), wide=True))
     _sync(inner)

@@ -86,6 +86,12 @@ def test_topk_select_matches_cpu_backend(runner, case):
 
 
 @pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
+def test_dense_kernels_match_twins(runner, case):
+    """dense_delta and dense_apply (dense mode) against their twins on every top-k case: values, residuals, errors."""
+    assert kc.dense_vs_reference(runner, case) == []
+
+
+@pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
 def test_topk_kernels_match_twins_stepwise(runner, case):
     """Each top-k kernel on its own against its twin, every intermediate buffer compared after every launch."""
     assert kc.topk_stepwise(runner, case) == []
@@ -179,6 +185,7 @@ def test_every_kernel_is_exercised():
     kc.quant_stepwise(r, QUANT[0])
     kc.rice_stepwise(r, RICE[0])
     kc.rice_stepwise(r, RICE[1])
+    assert kc.dense_vs_reference(r, TOPK[0]) == []
     missing = set(kernel_signatures()) - set(r.launch_counts)
     assert not missing, f"kernels without emulated test cases: {sorted(missing)}"
 

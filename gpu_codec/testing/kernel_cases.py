@@ -217,6 +217,42 @@ def topk_vs_reference(runner, case: TopkCase) -> list[str]:
     return out
 
 
+def dense_vs_reference(runner, case: TopkCase) -> list[str]:
+    """Dense mode: KernelOps(runner).dense_delta and dense_apply (onto the base and into zeros) against the NumPy
+    backend's twins (cpu_fallback/dense.py), residuals included."""
+    from gpu_codec.backends.numpy import NumpyBackend
+
+    inp = make_topk_inputs(case)
+    up = _uploader(runner)
+    d = {k: [up(a) for a in inp[k]] for k in ("new", "base", "res", "ext")}
+    h = {k: [None if a is None else a.copy() for a in inp[k]] for k in ("new", "base", "res", "ext")}
+    args = (inp["dtypes"], None, inp["ext_dtypes"], inp["crit"])
+    gv, gbad = KernelOps(runner).dense_delta(d["new"], d["base"], d["res"], d["res"], args[0], d["ext"], *args[2:])
+    wv, wbad = NumpyBackend().dense_delta(h["new"], h["base"], h["res"], h["res"], args[0], h["ext"], *args[2:])
+    out: list[str] = []
+    if gbad != wbad:
+        return [f"{case.name}: dense bad tensor {gbad} != {wbad}"]
+    for t in range(len(case.sizes)):
+        if h["res"][t] is not None:
+            _cmp(f"{case.name}: dense residual[{t}]", runner.to_host(d["res"][t]), h["res"][t], out)
+    if wbad is not None:
+        return out
+    for t in range(len(case.sizes)):
+        _cmp(f"{case.name}: dense values[{t}]", runner.to_host(gv[t]), wv[t], out)
+    for mode, bases in ((1, inp["base"]), (0, [None] * len(case.sizes))):
+        if mode == 1 and any(b is None for b in bases):
+            continue
+        outs_h = [np.zeros_like(n) for n in inp["new"]]
+        outs_d = [up(o) for o in outs_h]
+        gb = KernelOps(runner).dense_apply(outs_d, inp["dtypes"], [up(b) for b in bases], [up(v) for v in wv], mode)
+        wb = NumpyBackend().dense_apply(outs_h, inp["dtypes"], bases, wv, mode)
+        if gb != wb:
+            out.append(f"{case.name}: dense_apply mode {mode} bad entry {gb} != {wb}")
+        for t in range(len(case.sizes)):
+            _cmp(f"{case.name}: dense_apply mode {mode} out[{t}]", runner.to_host(outs_d[t]), outs_h[t], out)
+    return out
+
+
 def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     """Every top-k kernel launched on its own and compared, buffer by buffer, with its twin after each launch.
 
