@@ -32,7 +32,6 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ..cpu_fallback.rice import rice_param
 from ..errors import (
     InvalidInputError,
     PayloadChecksumError,
@@ -64,6 +63,7 @@ from .common import (
     is_int,
     loads_json,
     req,
+    rice_param,
 )
 
 VERSION = 2
