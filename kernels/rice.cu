@@ -101,16 +101,38 @@ extern "C" __global__ void rice_scan(int nt, i64 nchunks, const i64* chunk_start
         if (chunk_start[t + 1] > chunk_start[t]) chunk_base[chunk_start[t]] = 0;
 }
 
-// Set `nbits` (<= 64) bits of `v` at stream bit position `pos` (the stream is zeroed by the caller).
-__device__ __forceinline__ void rice_put(u32* words, u64 pos, u64 v, int nbits) {
-    while (nbits > 0) {
-        const int off = (int)(pos & 31ull);
-        const int take = 32 - off < nbits ? 32 - off : nbits;
-        const u32 piece = (u32)(v & (take == 32 ? 0xFFFFFFFFull : ((1ull << take) - 1ull)));
-        if (piece) atomicOr(&words[pos >> 5], piece << off);
-        v >>= take;
-        pos += (u64)take;
-        nbits -= take;
+// OR `bits` into words[word] for every lane with `has`, with one atomicOr per run of lanes that target the same
+// word (a segmented OR scan over the warp; the last lane of a run writes). Every lane of the warp must call it.
+// Correct whatever the words (OR is idempotent and commutative); fewest atomics when they rise with the lane.
+__device__ __forceinline__ void warp_or(u32* words, u64 word, u32 bits, bool has) {
+    const int lane = threadIdx.x & 31;
+    if (!has) { word = ~0ull; bits = 0u; }
+    for (int d = 1; d < 32; d <<= 1) {
+        const u64 w_up = __shfl_up_sync(0xFFFFFFFFu, word, d);
+        const u32 b_up = __shfl_up_sync(0xFFFFFFFFu, bits, d);
+        if (lane >= d && w_up == word) bits |= b_up;
+    }
+    const u64 w_next = __shfl_down_sync(0xFFFFFFFFu, word, 1);
+    if (has && bits && (lane == 31 || w_next != word)) atomicOr(&words[word], bits);
+}
+
+// Set `nbits` (< 64) bits of `v` at stream bit position `pos` for every lane with `valid` (the stream is zeroed
+// by the caller): at most three word pieces per lane, each OR-ed in warp-aggregated. Every lane must call it.
+__device__ __forceinline__ void rice_put_warp(u32* words, u64 pos, u64 v, int nbits, bool valid) {
+    for (int j = 0; j < 3; ++j) {
+        const bool has = valid && nbits > 0;
+        u32 piece = 0u;
+        int off = 0;
+        const u64 word = pos >> 5;
+        if (has) {
+            off = (int)(pos & 31ull);
+            const int take = 32 - off < nbits ? 32 - off : nbits;
+            piece = (u32)(v & (take == 32 ? 0xFFFFFFFFull : ((1ull << take) - 1ull)));
+            v >>= take;
+            pos += (u64)take;
+            nbits -= take;
+        }
+        warp_or(words, word, piece << off, has);
     }
 }
 
@@ -137,11 +159,9 @@ __device__ __forceinline__ void rice_write_impl(int nt, const i64* chunk_start, 
         const u64 q = g >> k;
         const u64 len = valid ? q + 1ull : 0ull;
         const u64 before = block_exclusive_scan(len, sh, BLOCK);
-        if (valid) {
-            if (k > 0) rice_put(w, l * (u64)k, g, k);
-            const u64 one = ubase + run + before + q;
-            atomicOr(&w[one >> 5], 1u << (u32)(one & 31ull));
-        }
+        if (k > 0) rice_put_warp(w, l * (u64)k, g, k, valid);  // k is uniform: one tensor per block
+        const u64 one = ubase + run + before + q;
+        warp_or(w, one >> 5, 1u << (u32)(one & 31ull), valid);
         if (threadIdx.x == BLOCK - 1) sh[0] = before + len;
         __syncthreads();
         run += sh[0];

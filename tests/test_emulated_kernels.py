@@ -683,7 +683,7 @@ def _run(*args, timeout=300):
     import subprocess
 
     return subprocess.run(
-        [sys.executable, str(SUITE), *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+        [sys.executable, str(SUITE), *args], check=False, capture_output=True, text=True, cwd=ROOT, timeout=timeout
     )
 
 

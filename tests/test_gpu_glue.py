@@ -50,7 +50,16 @@ def test_caller_stream_wraps_torch_stream_without_deprecation(monkeypatch):
     s = gpu.caller_stream(1)
     assert isinstance(s, cupy.cuda.Stream) and s.ptr == 0xBEEF and seen == [1]
     src = Path(gpu.__file__).read_text()
-    assert "ExternalStream(" not in src and "RawModule(code" not in src
+    assert "RawModule(code" not in src
+
+
+def test_caller_stream_on_cupy_13(monkeypatch):
+    """CuPy 13 (allowed by the extras' lower bound) has no Stream.from_external: ExternalStream, with the device."""
+    made = []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _FakeTorchStream(0xCAFE))
+    monkeypatch.setattr(cupy.cuda, "Stream", type("Stream13", (), {}))
+    monkeypatch.setattr(cupy.cuda, "ExternalStream", lambda ptr, dev: made.append((ptr, dev)) or "ext")
+    assert gpu.caller_stream(3) == "ext" and made == [(0xCAFE, 3)]
 
 
 def test_torch_allocator_functions(monkeypatch):

@@ -128,12 +128,16 @@ def torch_allocator() -> Any:
 
 
 def caller_stream(device_id: int) -> Any:
-    """The caller's current torch stream on ``device_id`` as a CuPy stream (the CUDA stream protocol, which
-    replaces the deprecated ``cupy.cuda.ExternalStream`` in CuPy 14)."""
+    """The caller's current torch stream on ``device_id`` as a CuPy stream: ``Stream.from_external`` (the CUDA
+    stream protocol) from CuPy 14, which deprecates ``cupy.cuda.ExternalStream``; ExternalStream on CuPy 13."""
     import cupy
     import torch
 
-    return cupy.cuda.Stream.from_external(torch.cuda.current_stream(device_id))
+    s = torch.cuda.current_stream(device_id)
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:  # CuPy 13, where ExternalStream is the supported way and not deprecated
+        return cupy.cuda.ExternalStream(s.cuda_stream, device_id)
+    return from_external(s)
 
 
 class GpuBackend(ArrayDecoders, KernelBackendBase):

@@ -260,7 +260,7 @@ _version_cache: dict[str, str] = {}
 def _compiler_id(cxx: str) -> str:
     if cxx not in _version_cache:
         try:
-            r = subprocess.run(cxx.split() + ["--version"], capture_output=True, text=True, timeout=60)
+            r = subprocess.run(cxx.split() + ["--version"], check=False, capture_output=True, text=True, timeout=60)
             _version_cache[cxx] = r.stdout.strip()
         except (OSError, subprocess.SubprocessError) as e:
             raise EmulatorUnavailableError(f"cannot run the C++ compiler {cxx!r}: {e}") from e
@@ -349,7 +349,7 @@ def build_library(
             def compile_one(src: str) -> tuple[str, subprocess.CompletedProcess]:
                 extra = () if not trace else ("-DEMU_TRACE",) if src == "emu_runtime.cpp" else TRACE_FLAGS
                 cmd = [*cxx.split(), *CXX_FLAGS, *defines, *extra, "-I.", "-c", src, "-o", src[:-4] + ".o"]
-                return src, subprocess.run(cmd, cwd=tmp, capture_output=True, text=True)
+                return src, subprocess.run(cmd, check=False, cwd=tmp, capture_output=True, text=True)
 
             with ThreadPoolExecutor(max_workers=max(1, min(len(srcs), os.cpu_count() or 1))) as ex:
                 results = list(ex.map(compile_one, srcs))
@@ -360,6 +360,7 @@ def build_library(
                     )
             r = subprocess.run(
                 [*cxx.split(), *LINK_FLAGS, "-o", "libgpu_codec_emu.so", *(s[:-4] + ".o" for s in srcs)],
+                check=False,
                 cwd=tmp,
                 capture_output=True,
                 text=True,
