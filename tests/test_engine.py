@@ -236,7 +236,7 @@ def test_bad_inputs_raise_clear_errors():
 
 def test_overflowing_delta_is_rejected():
     big = np.finfo(np.float32).max
-    with pytest.raises(InvalidInputError, match="'w'.*non-finite"):
+    with pytest.raises(InvalidInputError, match=r"'w'.*non-finite"):
         gpu_codec.compress({"w": np.array([big], np.float32)}, {"w": np.array([-big], np.float32)})
 
 

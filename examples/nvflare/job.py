@@ -4,8 +4,8 @@
 
 ``--mode``: ``none`` (no filter), ``gpu_codec`` (top-k of each client's update through fp16 + Rice + zstd, error
 feedback, and the global model down as fp16 + zstd) or ``fp16`` (NVFlare's own ``ModelQuantizer`` /
-``ModelDequantizer``, which import bitsandbytes). Every mode puts a :class:`gpu_codec.nvflare.SizeMeter` last in each chain, so the sizes
-of the serialized shareables land in ``<workspace>/sizes.jsonl``.
+``ModelDequantizer``, which import bitsandbytes). Every mode puts a :class:`gpu_codec.nvflare.SizeMeter` last in
+each chain, so the sizes of the serialized shareables land in ``<workspace>/sizes.jsonl``.
 """
 
 from __future__ import annotations
