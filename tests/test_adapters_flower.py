@@ -8,7 +8,7 @@ import pytest
 import gpu_codec
 from gpu_codec.errors import InvalidInputError, PayloadError
 from gpu_codec.flower import _GUARD, STYPE_GPU_CODEC, Array, ArrayRecord, ParametersRecord
-from tests.common import HAS_GPU, use_backend
+from tests.common import HAS_GPU, dense_from, reference_topk, use_backend
 
 ADAPTER_BACKENDS = [
     pytest.param("cpu", id="cpu"),
@@ -17,17 +17,10 @@ ADAPTER_BACKENDS = [
 
 
 def ref_topk(update: dict, fraction: float) -> dict:
-    names = list(update)
-    d = np.concatenate([update[n].astype(np.float32).reshape(-1) for n in names])
-    k = gpu_codec.kept_count(fraction, d.size)
-    keep = np.lexsort((np.arange(d.size), -np.abs(d)))[:k]
-    kept = np.zeros_like(d)
-    kept[keep] = d[keep]
-    out, a = {}, 0
-    for n in names:
-        out[n] = kept[a : a + update[n].size].reshape(update[n].shape)
-        a += update[n].size
-    return out
+    """The dense top-k delta of fp32 tensors, from the shared reference."""
+    f32 = {n: np.asarray(v, np.float32) for n, v in update.items()}
+    ref = reference_topk(f32, None, fraction)
+    return dense_from(ref, {n: v.shape for n, v in f32.items()}, dict.fromkeys(f32, "float32"))
 
 
 def update_and_base(seed=0):
@@ -202,8 +195,6 @@ def test_torch_state_dicts_on_their_device(backend):
 
 
 def test_codec_stages_in_a_record():
-    if not hasattr(gpu_codec, "get_codec"):
-        pytest.skip("gpu_codec.codecs is not present")
     new, base = update_and_base(4)
     rec = ParametersRecord.compressed(
         new, base, fraction=0.1, pipeline=[{"id": "quantize", "dtype": "bfloat16"}, {"id": "zstd", "level": 1}]
