@@ -240,9 +240,7 @@ def _as_torch(x: Any) -> Any:
 
     if isinstance(x, torch.Tensor):
         return x
-    if type(x).__module__.startswith("cupy"):
-        return torch.from_dlpack(x)
-    return torch.as_tensor(np.asarray(x))
+    return adapt.backend_to_torch(x if type(x).__module__.startswith("cupy") else np.asarray(x))
 
 
 # ---------------------------------------------------------------- score functions (fl4health's, exactly)

@@ -7,9 +7,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import numpy as np
-
-from ..arrays import array_kind
+from ..arrays import array_kind, backend_to_torch
 from ..errors import InvalidInputError
 from .context import DataContext
 from .processors import decode_payload, payload_of
@@ -66,6 +64,7 @@ class DictModelReaderWriter(ModelProcessor):
 
     ``exclude_vars`` (a regular expression, as in Clara configs) names variables never read nor written.
 
+    >>> import numpy as np
     >>> rw = DictModelReaderWriter()
     >>> rw.initialize({"w": np.zeros(2, np.float32), "b": np.zeros(1, np.float32)})
     >>> rw.apply_model({"w": np.ones(2, np.float32), "unknown": np.ones(1)})
@@ -186,11 +185,7 @@ def torch_module_of(fitter: Any, who: str) -> Any:
 
 
 def to_torch_on(value: Any, device: Any) -> Any:
-    import torch
 
-    kind = array_kind(value)
-    if kind == "torch":
+    if array_kind(value) == "torch":
         return value.to(device) if value.device != device else value
-    if kind == "cupy":
-        return torch.from_dlpack(value).to(device)
-    return torch.from_numpy(np.ascontiguousarray(value)).to(device)
+    return backend_to_torch(value, device)
