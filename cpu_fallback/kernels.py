@@ -189,10 +189,12 @@ def _scatter(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, val
         out = out_ptrs[t]
         if dt == DT_F64:
             v = vals64[a:b][ok]
-            out[ii] = out[ii] + v if int(mode) == 1 else v
+            with np.errstate(over="ignore"):
+                out[ii] = out[ii] + v if int(mode) == 1 else v
         else:
             v = vals32[a:b][ok]
-            out[ii] = store_from_f32(load_f32(out[ii], dt) + v if int(mode) == 1 else v, dt)
+            with np.errstate(over="ignore"):  # IEEE overflow to inf, as on the device; the caller checks
+                out[ii] = store_from_f32(load_f32(out[ii], dt) + v if int(mode) == 1 else v, dt)
 
 
 def scatter_u32(*args):

@@ -247,6 +247,7 @@ def _compiler_id(cxx: str) -> str:
 
 
 _build_lock = threading.Lock()
+_launch_lock = threading.Lock()
 
 
 def build_library(
@@ -493,10 +494,12 @@ class EmulatorRunner:
         cfg.block[:] = _dims(block)
         cfg.schedule = SCHEDULES[self.schedule]
         cfg.poison = -1 if self.poison is None else int(self.poison) & 0xFF
-        cfg.seed = self.seed + sum(self.launch_counts.values())
-        rc = fn(ctypes.byref(cfg), argv)
+        # the native runtime's scheduler state is process-wide: one launch at a time, whatever the thread
+        with _launch_lock:
+            cfg.seed = self.seed + sum(self.launch_counts.values())
+            rc = fn(ctypes.byref(cfg), argv)
+            self.launch_counts[name] += 1
         del values
-        self.launch_counts[name] += 1
         self.last_stats = {
             "blocks": int(cfg.blocks_run),
             "barriers": int(cfg.barriers),

@@ -121,7 +121,7 @@ def gather(records: list[TensorRecord], backend: Any, layouts: Mapping[str, Layo
     return flat, sizes
 
 
-def bounded_decompress(data: bytes, raw: int, what: str) -> bytes:
+def bounded_decompress(data: bytes | memoryview, raw: int, what: str) -> bytes:
     """Decompress one zstd frame of exactly ``raw`` bytes, never allocating more than that."""
     try:
         params = zstandard.get_frame_parameters(data)

@@ -60,7 +60,8 @@ def encode_wrapped(
 def decode_wrapped(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> TensorRecord:
     """The inner record (NumPy buffers) of a ``zstd`` or ``nvcomp`` record: both hold standard zstd frames."""
     inner = inner_record(rec)
-    raw = bounded_decompress(bytes(np.asarray(rec.buffers["compressed"])), int(rec.codec["raw"]), where(rec))
+    frame = memoryview(np.ascontiguousarray(rec.buffers["compressed"]))  # no copy of the compressed bytes
+    raw = bounded_decompress(frame, int(rec.codec["raw"]), where(rec))
     inner.buffers = split_raw(inner, raw, layouts)
     return inner
 
