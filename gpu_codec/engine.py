@@ -41,7 +41,7 @@ from .format import (
 )
 
 DEFAULT_MAX_OUTPUT_BYTES = 4 << 30  # decompress's cap on the dense output a payload may declare
-# Entries written per scatter: a 64th of the tensor, within these bounds, so the temporaries of a chunk (about
+# Entries written per scatter: a 256th of the tensor, within these bounds, so the temporaries of a chunk (about
 # 40 bytes per entry on the host) stay a small share of the output; on the GPU a launch has a fixed cost.
 DECODE_CHUNK = (1 << 14, 1 << 20)
 DECODE_CHUNK_DEVICE = (1 << 20, 1 << 24)
@@ -524,7 +524,7 @@ def _check_cap(records: list[TensorRecord], with_base: bool, max_output_bytes: A
 
 
 def _chunk(nnz: int, bounds: tuple[int, int]) -> int:
-    return min(bounds[1], max(bounds[0], nnz // 64))
+    return min(bounds[1], max(bounds[0], nnz // 256))
 
 
 def _check_indices(d: Any, numel: int, xp: Any, chunk: int) -> None:
