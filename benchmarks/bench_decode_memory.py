@@ -1,6 +1,6 @@
 """Peak memory of decompress against the dense output it declares, for each pipeline.
 
-For each pipeline (raw top-k, fp16 + Rice + zstd, dense int8 + zstd, ternary) and each model size, a payload is
+For each pipeline (raw top-k, fp16 + Rice + zstd, dense int8 + zstd, ternary, dense fp32 + zstd) and each size, a payload is
 made from a synthetic update, then decompressed with and without a base while memory is traced:
 
 * host (NumPy backend): ``tracemalloc`` peak during the call (NumPy reports its buffers to it; the payload bytes
@@ -36,6 +36,7 @@ PIPELINES = {
     "fp16 + rice + zstd (top-k 1%)": dict(fraction=0.01, pipeline=[Quantize("float16"), RiceIndices(), Zstd()]),
     "int8/256 dense + zstd": dict(fraction=None, pipeline=[Int8Blockwise(256), Zstd()]),
     "ternary (top-k 1%)": dict(fraction=0.01, pipeline=[Ternary()]),
+    "fp32 dense + zstd": dict(fraction=None, pipeline=[Zstd()]),
 }
 
 

@@ -146,6 +146,9 @@ MEMORY_CASES = {
     "int8_dense_zstd": dict(fraction=None, pipeline=[Int8Blockwise(256), Zstd()]),
     "ternary": dict(fraction=0.01, pipeline=[Ternary()]),
     "fp16_dense": dict(fraction=None, pipeline=[Quantize("float16")]),
+    "fp16_dense_zstd": dict(fraction=None, pipeline=[Quantize("float16"), Zstd()]),
+    "f32_dense_zstd": dict(fraction=None, pipeline=[Zstd()]),
+    "ternary_dense_zstd": dict(fraction=None, pipeline=[Ternary(), Zstd()]),
 }
 
 
@@ -170,6 +173,74 @@ def test_peak_memory_within_1_5x_of_the_declared_output(case, with_base):
         tracemalloc.stop()
     assert set(out) == set(u)
     assert peak <= 1.5 * declared, f"peak {peak} bytes for a {declared}-byte output ({peak / declared:.2f}x)"
+
+
+# ------------------------------------------------------------------------------------------ streamed zstd frames
+
+
+def _dense_zstd(stages):
+    rng = np.random.default_rng(9)
+    return gpu_codec.compress({"w": rng.standard_normal(5000).astype(np.float32)}, fraction=None, pipeline=list(stages))
+
+
+def _set_frame(blob: bytes, frame: bytes, raw: int | None = None) -> bytes:
+    h, _ = split_payload(blob)
+    t = h["tensors"][0]
+    t["codec"]["zbytes"] = len(frame)
+    if raw is not None:
+        t["codec"]["raw"] = raw
+    t["buffers"][0]["nbytes"] = len(frame)
+    h["data_length"] = len(frame)
+    return build_payload(h, frame)
+
+
+@pytest.mark.parametrize(
+    "stages", [(Int8Blockwise(16), Zstd()), (Zstd(),), (Ternary(), Zstd())], ids=["int8", "f32", "ternary"]
+)
+def test_streamed_dense_frames_are_bounded_and_checked(stages):
+    blob = _dense_zstd(stages).to_bytes()
+    h, data = split_payload(blob)
+    raw = h["tensors"][0]["codec"]["raw"]
+    frame = bytes(data[: h["tensors"][0]["codec"]["zbytes"]])
+    assert gpu_codec.decompress(blob)["w"].size == 5000
+    cases = {
+        "trailing bytes": (frame + b"xx", PayloadError),
+        "second frame": (frame + zstandard.ZstdCompressor().compress(b"\0"), PayloadError),
+        "truncated": (frame[:-3], PayloadError),
+        "garbage": (b"\x28\xb5\x2f\xfd" + b"\xff" * 40, PayloadError),
+        "declares more": (zstandard.ZstdCompressor().compress(b"\0" * (raw + 1)), PayloadLimitError),
+        "no size, shorter": (
+            zstandard.ZstdCompressor(write_content_size=False).compress(b"\1" * (raw - 5)),
+            PayloadError,
+        ),
+        "no size, bomb": (
+            zstandard.ZstdCompressor(level=19, write_content_size=False).compress(b"\0" * (64 * raw)),
+            PayloadError,
+        ),
+    }
+    for name, (f, exc) in cases.items():
+        with pytest.raises(exc):
+            gpu_codec.decompress(_set_frame(blob, f))
+            pytest.fail(name)
+    # a frame without a content size but of the right content decodes like the original
+    plain = zstandard.ZstdDecompressor().decompress(frame)
+    nocs = zstandard.ZstdCompressor(write_content_size=False, write_checksum=True).compress(plain)
+    assert gpu_codec.decompress(_set_frame(blob, nocs))["w"].tobytes() == gpu_codec.decompress(blob)["w"].tobytes()
+
+
+def test_frame_size_walker_matches_zstandard():
+    from gpu_codec.codecs.wire import zstd_frame_size
+
+    for level, n, kw in [
+        (1, 0, {}),
+        (3, 1000, {}),
+        (19, 300_000, {"write_checksum": True}),
+        (1, 5, {"write_content_size": False}),
+    ]:
+        f = zstandard.ZstdCompressor(level=level, **kw).compress(
+            np.random.default_rng(n).bytes(n // 2) + b"\0" * (n // 2)
+        )
+        assert zstd_frame_size(f + b"junk", "t") == len(f)
 
 
 # ------------------------------------------------------------------------------------------ overflow of the base

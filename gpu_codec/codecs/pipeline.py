@@ -36,12 +36,12 @@ from ..errors import (
     PayloadLayoutError,
     UnknownCodecError,
 )
-from ..format import TensorRecord
+from ..format import BUFFER_DTYPES, TensorRecord
 from .base import STAGES, Codec
 from .quantize import Quantize
 from .registry import get_codec, index_forms, value_forms, wire_layouts
 from .rice import RawIndices
-from .wire import CODED, where
+from .wire import CODED, FrameStream, StreamedBuffer, inner_record, raw_layout, where
 from .zstd import decode_wrapped, encode_wrapped
 
 
@@ -217,13 +217,14 @@ class Pipeline:
             self._expect(rec)
             try:
                 if self.bytes is not None:
-                    rec = decode_wrapped(rec, layouts)
+                    rec = _unwrap(rec, layouts)
                 if rec.encoding in CODED:
                     self._check_forms(rec)
-                yield _decoded(rec, backend)
+                d = _decoded(rec, backend)
             except PayloadError as e:
                 msg = str(e)
                 raise type(e)(msg if msg.startswith(where(rec)) else f"{where(rec)}: {msg}") from None
+            yield d
 
 
 @dataclass
@@ -243,6 +244,28 @@ class Decoded:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+
+def _unwrap(rec: TensorRecord, layouts: Any) -> TensorRecord:
+    """The inner record of a ``zstd``/``nvcomp`` record. A dense tensor's buffers stay in the frame and are
+    decompressed a slice at a time (its first buffer holds one item per element; the small ones after it, such
+    as int8 scales, are kept); a sparse tensor's, a few bytes per kept entry, are decompressed at once."""
+    inner = inner_record(rec)
+    if inner.encoding not in ("dense", "dense_q"):
+        return decode_wrapped(rec, layouts)
+    parts = raw_layout(inner, layouts)
+    head = parts[0][2] * BUFFER_DTYPES[parts[0][1]].itemsize
+    frame = memoryview(np.ascontiguousarray(rec.buffers["compressed"]))
+    stream = FrameStream(frame, int(rec.codec["raw"]), head, where(rec))
+    role, dt, count = parts[0]
+    inner.buffers[role] = StreamedBuffer(stream, 0, BUFFER_DTYPES[dt], count)
+    inner.buffer_dtypes[role] = dt
+    off = 0
+    for role, dt, count in parts[1:]:
+        inner.buffers[role] = np.frombuffer(stream.tail, BUFFER_DTYPES[dt], count, off)
+        inner.buffer_dtypes[role] = dt
+        off += count * BUFFER_DTYPES[dt].itemsize
+    return inner
 
 
 def _slicer(a_full: Any, backend: Any, dtype: Any = None) -> Callable[[int, int], Any]:
