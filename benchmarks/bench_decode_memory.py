@@ -1,7 +1,7 @@
 """Peak memory of decompress against the dense output it declares, for each pipeline.
 
-For each pipeline (raw top-k, fp16 + Rice + zstd, dense int8 + zstd, ternary, dense fp32 + zstd) and each size, a payload is
-made from a synthetic update, then decompressed with and without a base while memory is traced:
+For each pipeline (raw top-k, fp16 + Rice + zstd, dense int8 + zstd, ternary, dense fp32 + zstd) and each size,
+a payload is made from a synthetic update, then decompressed with and without a base while memory is traced:
 
 * host (NumPy backend): ``tracemalloc`` peak during the call (NumPy reports its buffers to it; the payload bytes
   themselves are held by the caller and not counted), over the declared dense output bytes;
