@@ -28,6 +28,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 import zlib
 from pathlib import Path
 
@@ -154,6 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
     os.environ.setdefault("GPU_CODEC_BACKEND", "cpu")
+    warnings.simplefilter("error")  # as the test suite runs: a warning on hostile input is a finding too
     engine = a.engine
     if engine == "auto":
         try:

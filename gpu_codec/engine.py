@@ -551,7 +551,9 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
         _check_indices(d, numel, xp, chunk)
     if base is not None:
         logical, mode = d.dtype, 1
-        out = backend.asarray(base.data).copy()
+        out = backend.asarray(base.data)
+        if type(out) is type(base.data):  # the caller's memory (not an upload): never written
+            out = out.copy()
     else:
         logical, mode = dtypes.value_dtype(d.dtype), 0
         out = xp.zeros(numel, dtype=dtypes.storage_dtype(logical))

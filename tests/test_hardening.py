@@ -228,6 +228,17 @@ def test_streamed_dense_frames_are_bounded_and_checked(stages):
     assert gpu_codec.decompress(_set_frame(blob, nocs))["w"].tobytes() == gpu_codec.decompress(blob)["w"].tobytes()
 
 
+@pytest.mark.parametrize("scale", [3.0e38, np.inf, np.nan])
+def test_hostile_int8_scales_are_refused_without_a_warning(scale):
+    blob = gpu_codec.compress({"w": np.ones(64, np.float32)}, fraction=None, pipeline=[Int8Blockwise(16)]).to_bytes()
+    h, data = split_payload(blob)
+    b = h["tensors"][0]["buffers"][1]
+    d = bytearray(data)
+    d[b["offset"] : b["offset"] + 4] = np.float32(scale).tobytes()
+    with pytest.raises(PayloadIndexError, match="not finite"):  # filterwarnings=error: no RuntimeWarning first
+        gpu_codec.decompress(build_payload(h, bytes(d)))
+
+
 def test_frame_size_walker_matches_zstandard():
     from gpu_codec.codecs.wire import zstd_frame_size
 

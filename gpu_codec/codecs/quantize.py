@@ -16,6 +16,8 @@ Kernels: kernels/quantize.cu; NumPy twins: cpu_fallback/quantize.py.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..cpu_fallback import quantize as _q
 from ..errors import PayloadHeaderError
 from ..format import TensorRecord
@@ -68,7 +70,8 @@ def _int8_unit(rec):
 
 
 def _decode_int8(rec, bufs, n, xp):
-    return _q.int8_decode(bufs["values"], bufs["scales"], rec.codec["block"], xp)
+    with np.errstate(over="ignore", invalid="ignore"):  # hostile scales give inf, which the scatter refuses
+        return _q.int8_decode(bufs["values"], bufs["scales"], rec.codec["block"], xp)
 
 
 class Quantize(ValueCodec):
