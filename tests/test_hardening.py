@@ -239,6 +239,20 @@ def test_hostile_int8_scales_are_refused_without_a_warning(scale):
         gpu_codec.decompress(build_payload(h, bytes(d)))
 
 
+@pytest.mark.parametrize("bits", [0x7E00, 0x7C00, 0xFC00, 0x7C01, 0xFD00])
+@pytest.mark.parametrize("fraction", [None, 0.5], ids=["dense", "sparse"])
+def test_non_finite_fp16_values_of_an_fp64_tensor_are_refused_without_a_warning(bits, fraction):
+    """Found by the fuzz driver: widening a hostile fp16 (signalling) NaN warned before the scatter refused it."""
+    u = {"w": np.arange(1.0, 9.0)}
+    blob = gpu_codec.compress(u, fraction=fraction, pipeline=[Quantize("float16")]).to_bytes()
+    h, data = split_payload(blob)
+    b = h["tensors"][0]["buffers"][-1]
+    d = bytearray(data)
+    d[b["offset"] : b["offset"] + 2] = bits.to_bytes(2, "little")
+    with pytest.raises(PayloadIndexError, match="not finite"):
+        gpu_codec.decompress(build_payload(h, bytes(d)))
+
+
 def test_frame_size_walker_matches_zstandard():
     from gpu_codec.codecs.wire import zstd_frame_size
 

@@ -276,6 +276,12 @@ def _slicer(a_full: Any, backend: Any, dtype: Any = None) -> Callable[[int, int]
     return part
 
 
+def _quiet():
+    # a hostile payload's values may be inf or NaN, or overflow when widened: the scatter refuses them, with an
+    # error of ours, so NumPy's floating-point warnings on the way are noise
+    return np.errstate(over="ignore", invalid="ignore")
+
+
 def _decoded(rec: TensorRecord, backend: Any) -> Decoded:
     vd = np.dtype(value_dtype(rec.dtype))
     head = (rec.name, rec.dtype, tuple(rec.shape), rec.nnz)
@@ -290,13 +296,15 @@ def _decoded(rec: TensorRecord, backend: Any) -> Decoded:
 
         def values(a: int, b: int) -> Any:
             bufs = {role: backend.asarray(x) for role, x in vform.slice(rec, host, a, b).items()}
-            return vform.decode(rec, bufs, b - a, xp).astype(vd, copy=False)
+            with _quiet():
+                return vform.decode(rec, bufs, b - a, xp).astype(vd, copy=False)
 
         return Decoded(*head, values, None, vform.step(rec))
     bufs = {role: backend.asarray(a) for role, a in rec.buffers.items()}
     idx = index_forms()[rec.codec["i"]].decode(rec, bufs, rec.nnz, xp)
     idx = idx.astype(index_dtype(rec.numel), copy=False)
-    vals = vform.decode(rec, bufs, rec.nnz, xp).astype(vd, copy=False)
+    with _quiet():
+        vals = vform.decode(rec, bufs, rec.nnz, xp).astype(vd, copy=False)
     del bufs
     return Decoded(*head, _slicer(vals, backend), _slicer(idx, backend))
 
