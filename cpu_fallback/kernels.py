@@ -193,10 +193,11 @@ def _first_bad(idx, vals, a, numel, chunk):
 def _apply(out, idx, vals, dt, mode, chunk):
     s, e = chunk
     ii, v = idx[s:e], vals[s:e]
-    if dt == DT_F64:
-        out[ii] = out[ii] + v if mode == 1 else v
-    else:
-        out[ii] = store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)
+    with np.errstate(over="ignore"):  # IEEE overflow to inf, as on the device; the caller checks
+        if dt == DT_F64:
+            out[ii] = out[ii] + v if mode == 1 else v
+        else:
+            out[ii] = store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)
 
 
 def _scatter_checked(a, b, numel, dt, out, idx, vals32, vals64, mode):
@@ -206,12 +207,13 @@ def _scatter_checked(a, b, numel, dt, out, idx, vals32, vals64, mode):
     bad |= ~np.isfinite(vals64[a:b] if dt == DT_F64 else vals32[a:b])
     ok = np.flatnonzero(~bad)
     ii = i[ok].astype(np.int64)
-    if dt == DT_F64:
-        v = vals64[a:b][ok]
-        out[ii] = out[ii] + v if mode == 1 else v
-    else:
-        v = vals32[a:b][ok]
-        out[ii] = store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)
+    with np.errstate(over="ignore"):  # IEEE overflow to inf, as on the device; the caller checks
+        if dt == DT_F64:
+            v = vals64[a:b][ok]
+            out[ii] = out[ii] + v if mode == 1 else v
+        else:
+            v = vals32[a:b][ok]
+            out[ii] = store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)
 
 
 def _scatter(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, vals64, mode, err):

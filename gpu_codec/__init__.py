@@ -45,6 +45,7 @@ from .errors import (  # every error class stays reachable as gpu_codec.<Name>
     PayloadIndexError,
     PayloadLayoutError,
     PayloadLimitError,
+    PayloadValueError,
     UnknownCodecError,
     UnsupportedVersionError,
 )

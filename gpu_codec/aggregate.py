@@ -32,7 +32,7 @@ from . import dtypes
 from . import engine as _engine
 from .arrays import from_backend, to_tensor
 from .backends import get_backend
-from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError
+from .errors import InvalidInputError, PayloadIndexError
 from .format import TensorRecord
 
 LIMB_BITS = 18
@@ -104,8 +104,9 @@ class Aggregator:
         the first payload fixes them and the result is the mean delta (fp32, fp64 for fp64 tensors).
     like
         Output kind without a base: ``"numpy"`` (default), ``"cupy"`` or ``"torch"``.
-    max_elements
-        Cap on the dense elements the first payload may ask for when there is no base to check it against.
+    max_output_bytes
+        Cap on the dense output a payload declares (elements x output itemsize), checked before it is decoded,
+        as in :func:`gpu_codec.decompress` (default 4 GiB; ``None``: no cap).
 
     A payload that does not match, fails to decode, holds a bad index or a non-finite value, or comes with a bad
     weight raises a :class:`~gpu_codec.errors.GpuCodecError` and leaves the accumulator as it was.
@@ -128,13 +129,13 @@ class Aggregator:
         base: Mapping[str, Any] | None = None,
         *,
         like: str | None = None,
-        max_elements: int = _engine.DEFAULT_MAX_ELEMENTS,
+        max_output_bytes: int | None = _engine.DEFAULT_MAX_OUTPUT_BYTES,
     ) -> None:
         if like is not None and like not in ("numpy", "cupy", "torch"):
             raise InvalidInputError(f"like must be 'numpy', 'cupy' or 'torch', got {like!r}")
         self._backend = get_backend()
         self._like = like
-        self._max_elements = int(max_elements)
+        self._max_output_bytes = max_output_bytes
         self._base = None
         self._template: _Template | None = None
         if base is not None:
@@ -173,12 +174,8 @@ class Aggregator:
                 raise InvalidInputError(f"{what}: expected a gpu_codec Payload or its bytes, got {type(payload)}")
             payload = _engine.Payload.from_bytes(payload)
         template = self._template
+        _engine.check_output_cap(payload.tensors, self._base is not None, self._max_output_bytes)
         if template is None:
-            total = sum(r.numel for r in payload.tensors)
-            if total > self._max_elements:
-                raise PayloadLimitError(
-                    f"{what} asks for {total} dense elements, over max_elements={self._max_elements}"
-                )
             template = _Template([(r.name, tuple(r.shape), r.dtype) for r in payload.tensors])
         template.check(payload.tensors, what)
         backend = self._backend
@@ -296,7 +293,7 @@ def aggregate(
     base: Mapping[str, Any] | None = None,
     *,
     like: str | None = None,
-    max_elements: int = _engine.DEFAULT_MAX_ELEMENTS,
+    max_output_bytes: int | None = _engine.DEFAULT_MAX_OUTPUT_BYTES,
 ) -> dict[str, Any]:
     """Weighted mean of compressed updates, computed from their sparse form.
 
@@ -309,7 +306,7 @@ def aggregate(
         One non-negative weight per payload (e.g. FedAvg's example counts); ``None``: equal weights.
     base
         Optional global model: the result is then ``base + mean delta``, in the base's dtypes, kind and device.
-    like, max_elements
+    like, max_output_bytes
         As for :class:`Aggregator`.
 
     Returns
@@ -328,7 +325,7 @@ def aggregate(
         weights = [1.0] * len(payloads)
     elif len(weights) != len(payloads):
         raise InvalidInputError(f"{len(weights)} weights for {len(payloads)} payloads")
-    agg = Aggregator(base, like=like, max_elements=max_elements)
+    agg = Aggregator(base, like=like, max_output_bytes=max_output_bytes)
     for p, w in zip(payloads, weights):
         agg.add(p, w)
     return agg.result()

@@ -78,6 +78,13 @@ def to_tensor(x: Any, name: str) -> Tensor:
     if kind == "torch":
         import torch
 
+        if x.layout != torch.strided:
+            raise InvalidInputError(f"tensor {name!r}: a {x.layout} torch tensor is not supported; pass a dense one")
+        if x.device.type not in ("cpu", "cuda"):
+            raise InvalidInputError(
+                f"tensor {name!r}: a torch tensor on device {x.device.type!r} holds no data gpu_codec can read "
+                "(expected 'cpu' or 'cuda')"
+            )
         logical = _TORCH_LOGICAL.get(str(x.dtype), str(x.dtype).replace("torch.", ""))
         shape = tuple(int(s) for s in x.shape)
         t = x.detach()
@@ -102,7 +109,10 @@ def to_tensor(x: Any, name: str) -> Tensor:
         logical = _NP_TO_LOGICAL.get(dt, dt.name)
         data = cupy.ascontiguousarray(x).reshape(-1)
         return Tensor(data, logical, tuple(x.shape), "cupy", x.device.id)
-    arr = np.asarray(x)
+    try:
+        arr = np.asarray(x)
+    except (ValueError, TypeError) as e:
+        raise InvalidInputError(f"tensor {name!r}: not convertible to an array ({e})") from None
     dt = arr.dtype
     if dt.name == "bfloat16":  # ml_dtypes
         logical = "bfloat16"

@@ -12,7 +12,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any, NamedTuple
@@ -22,12 +25,29 @@ import numpy as np
 from . import dtypes
 from .arrays import Tensor, array_kind, from_backend, to_tensor
 from .backends import Backend, get_backend
-from .codecs import SCOPES, as_pipeline, check_fraction, decode_records, wire_layouts
+from .codecs import SCOPES, as_pipeline, check_fraction, decoder_for, wire_layouts
 from .constants import SCATTER_ADD, SCATTER_ZEROS
-from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError
-from .format import TensorRecord, header_size, pack, packed_size, unpack
+from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError, PayloadValueError
+from .format import (
+    MAX_HEADER_BYTES,
+    MAX_NAME,
+    MAX_NDIM,
+    MAX_TENSOR_ELEMENTS,
+    MAX_TENSORS,
+    TensorRecord,
+    header_size,
+    pack,
+    packed_size,
+    unpack,
+)
 
-DEFAULT_MAX_ELEMENTS = 1 << 31
+DEFAULT_MAX_OUTPUT_BYTES = 4 << 30  # decompress's cap on the dense output a payload may declare
+# Entries written per scatter: a 256th of the tensor, within these bounds, so the temporaries of a chunk (about
+# 40 bytes per entry on the host) stay a small share of the output; on the GPU a launch has a fixed cost.
+DECODE_CHUNK = (1 << 14, 1 << 20)
+DECODE_CHUNK_DEVICE = (1 << 20, 1 << 24)
+MAX_METADATA_DEPTH = 64  # nesting levels of metadata containers
+MAX_METADATA_INT = 10**40  # the header parser rejects longer integers
 
 ScoreFn = Callable[[Mapping[str, Any], Mapping[str, Any] | None], Mapping[str, Any]]
 
@@ -39,6 +59,80 @@ def kept_count(fraction: float, n: int) -> int:
     (1, 2, 7, 0)
     """
     return min(n, math.ceil(Fraction(repr(float(fraction))) * n))
+
+
+def _check_json(value: Any, path: str, depth: int) -> Any:
+    if depth > MAX_METADATA_DEPTH:
+        raise InvalidInputError(f"metadata{path}: nested deeper than {MAX_METADATA_DEPTH} levels")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if not -MAX_METADATA_INT < value < MAX_METADATA_INT:
+            raise InvalidInputError(f"metadata{path}: integer with more than 40 digits")
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInputError(f"metadata{path}: {value!r} is not a finite number (JSON cannot hold it)")
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return [_check_json(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidInputError(f"metadata{path}: key {k!r} is a {type(k).__name__}; JSON keys are strings")
+            out[k] = _check_json(v, f"{path}[{k!r}]", depth + 1)
+        return out
+    raise InvalidInputError(
+        f"metadata{path}: a {type(value).__module__}.{type(value).__name__} is not a JSON value "
+        "(use None, bool, int, float, str, list or dict; convert NumPy scalars with .item())"
+    )
+
+
+def check_metadata(metadata: Any) -> dict[str, Any]:
+    """Metadata as the header will store it: a dict of JSON values (str keys, finite floats, integers of at most
+    40 digits, at most 64 levels deep, small enough for the header). Raises InvalidInputError otherwise.
+
+    >>> check_metadata({"round": 3, "lr": 0.1, "tags": ("a", "b")})
+    {'round': 3, 'lr': 0.1, 'tags': ['a', 'b']}
+    >>> check_metadata({"loss": float("nan")})
+    Traceback (most recent call last):
+    ...
+    gpu_codec.errors.InvalidInputError: metadata['loss']: nan is not a finite number (JSON cannot hold it)
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidInputError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    out = _check_json(metadata, "", 0)
+    size = len(json.dumps(out, separators=(",", ":"), ensure_ascii=True))
+    if size > MAX_HEADER_BYTES // 2:
+        raise InvalidInputError(
+            f"metadata is {size} bytes as JSON, over {MAX_HEADER_BYTES // 2} (half the header limit of "
+            f"{MAX_HEADER_BYTES} bytes); send large data as tensors"
+        )
+    return out
+
+
+def _check_limits(name: Any, shape: tuple[int, ...]) -> None:
+    """A tensor the reader will accept: the wire format's name, rank and element limits."""
+    if not isinstance(name, str) or not name:
+        raise InvalidInputError(f"tensor names must be non-empty strings, got {name!r}")
+    if len(name) > MAX_NAME:
+        raise InvalidInputError(f"tensor {name[:40]!r}...: name of {len(name)} characters, the limit is {MAX_NAME}")
+    if len(shape) > MAX_NDIM:
+        raise InvalidInputError(f"tensor {name!r}: {len(shape)} dimensions, the wire format allows {MAX_NDIM}")
+    if math.prod(s for s in shape if s) > MAX_TENSOR_ELEMENTS:
+        raise InvalidInputError(f"tensor {name!r}: shape {shape} exceeds {MAX_TENSOR_ELEMENTS} elements")
+
+
+def _check_header_size(payload: Payload) -> None:
+    header = payload.header_nbytes
+    if header > MAX_HEADER_BYTES:
+        raise InvalidInputError(
+            f"the payload header would be {header} bytes, over the reader's limit of {MAX_HEADER_BYTES}: "
+            f"{len(payload.tensors)} tensors, their names and the metadata do not fit"
+        )
 
 
 def _as_mapping(x: Any, what: str) -> Mapping[str, Any]:
@@ -53,9 +147,10 @@ def _check_tensors(
     names = list(update.keys())
     if not names:
         raise InvalidInputError("the update is empty: nothing to compress")
+    if len(names) > MAX_TENSORS:
+        raise InvalidInputError(f"the update has {len(names)} tensors, the wire format allows {MAX_TENSORS}")
     for n in names:
-        if not isinstance(n, str) or not n:
-            raise InvalidInputError(f"tensor names must be non-empty strings, got {n!r}")
+        _check_limits(n, ())
     if base is not None:
         missing = [n for n in names if n not in base]
         extra = [n for n in base if n not in update]
@@ -67,6 +162,7 @@ def _check_tensors(
     news, bases = [], []
     for n in names:
         t = to_tensor(update[n], n)
+        _check_limits(n, t.shape)
         if t.dtype not in dtypes.FLOAT_DTYPES:
             raise InvalidInputError(
                 f"tensor {n!r}: dtype {t.dtype} is not a float dtype (float32, float16, "
@@ -113,7 +209,7 @@ class Payload:
         >>> blob[:8], blob[8], len(blob) == p.nbytes, len(p.to_bytes(version=1)) > len(blob)
         (b'GPUCODEC', 2, True, True)
         """
-        return pack(
+        blob = pack(
             self.tensors,
             pipeline=self.pipeline,
             metadata=self.metadata,
@@ -121,6 +217,12 @@ class Payload:
             version=version,
             cache=self._wire_cache,
         )
+        if blob[8] == 1 and int.from_bytes(blob[12:16], "little") > MAX_HEADER_BYTES:
+            raise InvalidInputError(
+                f"a version-1 header for {len(self.tensors)} tensors would be over the reader's limit of "
+                f"{MAX_HEADER_BYTES} bytes; write version 2 (the default), whose tensor table is compact"
+            )
+        return blob
 
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Payload:
@@ -265,13 +367,23 @@ def compress(
         crit, score_name = dtypes.CRITERIA[score], score
     else:
         raise InvalidInputError(f"score must be a callable or one of {sorted(dtypes.CRITERIA)}, got {score!r}")
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise InvalidInputError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    metadata = check_metadata(metadata)
+    if dense and pipe.indices is not None:
+        raise InvalidInputError(
+            f"the {pipe.indices.codec_id!r} index stage needs a sparse (top-k) update; "
+            "fraction=None encodes every tensor densely, with no indices"
+        )
+    from .error_feedback import ErrorFeedback
+
+    if residual is not None and not isinstance(residual, ErrorFeedback):
+        raise InvalidInputError(f"residual must be a gpu_codec.ErrorFeedback or None, got {type(residual).__name__}")
     names, news, bases = _check_tensors(update, base)
     backend = get_backend()
     nt = len(news)
     dtype_codes = [dtypes.code(t.dtype) for t in news]
-    with backend.stream(news + bases):
+    session = residual._session(names, news, backend) if residual is not None else contextlib.nullcontext()
+    # the residual is held from reading to storing, and stored only once the payload is complete
+    with backend.stream(news + bases), session as binding:
         new_arrays = [backend.asarray(t.data) for t in news]
         base_arrays = [backend.asarray(b.data) if b is not None else None for b in bases]
         if crit == dtypes.CRIT_EXTERNAL:
@@ -279,8 +391,8 @@ def compress(
         else:
             ext, ext_dt = [None] * nt, [0] * nt
         res_in, res_out, qmode = [None] * nt, [None] * nt, 0
-        if residual is not None:
-            res_in, res_out, qmode = residual._bind(names, news, backend)
+        if binding is not None:
+            res_in, res_out, qmode = binding.res_in, binding.res_out, binding.qmode
         if dense:  # every entry of every tensor, in one pass (no keys, no selection)
             if qmode != 0:
                 raise AssertionError("dense mode sends every value exactly; the codecs round and fix the residual")
@@ -296,20 +408,21 @@ def compress(
                 f"tensor {names[bad]!r}: the update, its delta against base or its score holds "
                 "a non-finite value (inf or NaN)"
             )
-        if residual is not None:
-            residual._commit(res_out)
-    records = []
-    for n, t, idx, val in zip(names, news, indices, values):
-        if dense:
-            records.append(TensorRecord(n, t.dtype, t.shape, "dense", t.numel, {"values": val}))
-            continue
-        records.append(TensorRecord(n, t.dtype, t.shape, "coo", int(idx.size), {"indices": idx, "values": val}))
-    pipeline_cfg = [] if dense else [{"id": "topk", "fraction": fraction, "scope": scope, "score": score_name}]
-    # value, index and lossless stages, on the backend; they fix the kept residuals
-    with backend.stream(news + bases):
-        records = pipe.encode(records, backend, res_out if residual is not None else None)
-    pipeline_cfg += pipe.after_topk()
-    return Payload(records, pipeline_cfg, dict(metadata or {}), backend=backend.name)
+        records = []
+        for n, t, idx, val in zip(names, news, indices, values):
+            if dense:
+                records.append(TensorRecord(n, t.dtype, t.shape, "dense", t.numel, {"values": val}))
+                continue
+            records.append(TensorRecord(n, t.dtype, t.shape, "coo", int(idx.size), {"indices": idx, "values": val}))
+        pipeline_cfg = [] if dense else [{"id": "topk", "fraction": fraction, "scope": scope, "score": score_name}]
+        # value, index and lossless stages, on the backend; they fix the kept residuals
+        records = pipe.encode(records, backend, res_out if binding is not None else None)
+        pipeline_cfg += pipe.after_topk()
+        payload = Payload(records, pipeline_cfg, metadata, backend=backend.name)
+        _check_header_size(payload)
+        if binding is not None:
+            residual._commit(binding, backend)
+    return payload
 
 
 class SparseEntries(NamedTuple):
@@ -343,8 +456,9 @@ def encode_coo(
     """
     if not isinstance(entries, Mapping) or not entries:
         raise InvalidInputError("encode_coo takes a non-empty mapping of name -> SparseEntries")
-    if metadata is not None and not isinstance(metadata, Mapping):
-        raise InvalidInputError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    if len(entries) > MAX_TENSORS:
+        raise InvalidInputError(f"{len(entries)} tensors, the wire format allows {MAX_TENSORS}")
+    metadata = check_metadata(metadata)
     pipe = as_pipeline(pipeline)
     if pipe.topk is not None:
         raise InvalidInputError("encode_coo encodes given entries: leave the topk stage out of its pipeline")
@@ -364,6 +478,7 @@ def encode_coo(
             raise InvalidInputError(f"tensor {name!r}: shape {e.shape!r} is not a tuple of integers") from None
         if any(s < 0 for s in shape):
             raise InvalidInputError(f"tensor {name!r}: shape {shape} has a negative dimension")
+        _check_limits(name, shape)
         numel = math.prod(shape)
         idx = backend.asarray(to_tensor(e.indices, name).data).reshape(-1)
         val = backend.asarray(to_tensor(e.values, name).data).reshape(-1)
@@ -388,7 +503,9 @@ def encode_coo(
     with backend.stream([]):
         records = pipe.encode(records, backend, None)
     head = [dict(selection)] if selection is not None else []
-    return Payload(records, head + pipe.after_topk(), dict(metadata or {}), backend=backend.name)
+    payload = Payload(records, head + pipe.after_topk(), metadata, backend=backend.name)
+    _check_header_size(payload)
+    return payload
 
 
 def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[str, Any]:
@@ -401,11 +518,104 @@ def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[s
     return like, None
 
 
+def _output_itemsize(r: TensorRecord, with_base: bool) -> int:
+    logical = r.dtype if with_base else dtypes.value_dtype(r.dtype)
+    return dtypes.storage_dtype(logical).itemsize
+
+
+def _all_finite(x: Any, logical: str, xp: Any) -> bool:
+    if logical == "bfloat16":  # uint16 bit patterns: exponent all ones is inf or NaN
+        return not bool(xp.any((x & 0x7F80) == 0x7F80))
+    return bool(xp.all(xp.isfinite(x)))
+
+
+def check_output_cap(
+    records: list[TensorRecord], with_base: bool, max_output_bytes: Any, max_elements: Any = None
+) -> None:
+    """Refuse (``PayloadLimitError``) a payload whose declared dense output is over the cap, before anything is
+    decompressed or allocated: :func:`decompress`'s check, shared with :mod:`gpu_codec.aggregate`."""
+    if max_elements is not None:
+        total = sum(r.numel for r in records)
+        if total > max_elements:
+            raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
+    if max_output_bytes is None:
+        return
+    declared = sum(r.numel * _output_itemsize(r, with_base) for r in records)
+    if declared > max_output_bytes:
+        raise PayloadLimitError(
+            f"payload declares {declared} bytes of dense output ({len(records)} tensors), over "
+            f"max_output_bytes={max_output_bytes}; pass a larger cap (or None) to accept it"
+        )
+
+
+def _chunk(nnz: int, bounds: tuple[int, int]) -> int:
+    return min(bounds[1], max(bounds[0], nnz // 256))
+
+
+def _check_indices(d: Any, numel: int, xp: Any, chunk: int) -> None:
+    """Every index of a sparse tensor in range and strictly ascending, before its output exists."""
+    last = -1
+    for a in range(0, d.nnz, chunk):
+        i = d.indices(a, min(a + chunk, d.nnz))
+        first, end = int(i[0]), int(i[-1])
+        ok = first > last and end < numel and (i.size < 2 or bool(xp.all(i[1:] > i[:-1])))
+        if not ok:
+            raise PayloadIndexError(
+                f"tensor {d.name!r}: a sparse index in entries [{a}, {a + int(i.size)}) is out of range [0, {numel}), "
+                "repeated or not increasing; nothing was decoded"
+            )
+        last = end
+
+
+def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, int]) -> Any:
+    """One tensor's dense output (a new array: the base is copied, never written), filled a chunk at a time."""
+    xp = backend.xp
+    numel = d.numel
+    chunk = _chunk(d.nnz, bounds)
+    if d.indices is not None:
+        _check_indices(d, numel, xp, chunk)
+    logical = d.dtype if base is not None else dtypes.value_dtype(d.dtype)
+    mode = SCATTER_ADD if base is not None else SCATTER_ZEROS
+    code = dtypes.code(logical)
+    dense = d.indices is None
+    base_arr = backend.asarray(base.data) if base is not None else None
+    if dense:  # every element sent: one pass per slice reads base and values in place and writes the output
+        out = xp.empty(numel, dtype=dtypes.storage_dtype(logical))
+    elif base_arr is not None:
+        out = base_arr.copy()  # a new array: the caller's base is never written
+    else:
+        out = xp.zeros(numel, dtype=dtypes.storage_dtype(logical))
+    step = max(d.step, chunk // d.step * d.step)
+    for a in range(0, d.nnz, step):
+        b = min(a + step, d.nnz)
+        vals = d.values(a, b)
+        if dense:
+            idx = None
+            part = None if base_arr is None else base_arr[a:b]
+            bad = backend.dense_apply([out[a:b]], [code], [part], [vals], mode)
+        else:
+            idx = d.indices(a, b)
+            bad = backend.scatter([out], [code], [numel], [idx], [vals], mode)
+        if bad is not None:
+            raise PayloadIndexError(
+                f"tensor {d.name!r}: sparse index at entry {a + bad} is out of range, repeated or not "
+                "increasing, or its value is not finite; nothing was decoded"
+            )
+        # a finite delta can still take the base past its dtype's range (fp16: 60000 + 60000 = inf)
+        if mode == SCATTER_ADD and not _all_finite(out[a:b] if dense else out[idx], logical, xp):
+            raise PayloadValueError(
+                f"tensor {d.name!r}: adding the update to the base gives inf or NaN in {logical} (a delta past the "
+                "dtype's range, or a non-finite base entry); nothing was decoded and the base is unchanged"
+            )
+        del vals, idx
+    return out
+
+
 def decoded_records(payload: Payload, backend: Backend) -> list[TensorRecord]:
     """The payload's records decoded by its own pipeline to ``coo``/``dense`` buffers on ``backend`` (quantized
-    values, coded indices, lossless stages), as :func:`decompress` and :mod:`gpu_codec.aggregate` take them.
-    Indices and values are not checked here: the caller checks them before use."""
-    return decode_records(payload.pipeline, payload.tensors, backend)
+    values, coded indices, lossless stages), all at once, as :mod:`gpu_codec.aggregate` takes them. Indices and
+    values are not checked here: the caller checks them before use (:func:`decompress` streams instead)."""
+    return decoder_for(payload.pipeline).decode(payload.tensors, backend)
 
 
 def decompress(
@@ -413,21 +623,71 @@ def decompress(
     base: Mapping[str, Any] | None = None,
     *,
     like: str | None = None,
-    max_elements: int = DEFAULT_MAX_ELEMENTS,
+    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
+    max_elements: int | None = None,
 ) -> dict[str, Any]:
     """Rebuild dense tensors from a payload (bytes or :class:`Payload`).
 
-    With ``base``: ``base + delta`` per tensor, rounded to the base's dtype, returned as the base's kind on its
-    device. Without: the dense delta (fp32, fp64 for fp64 tensors) as NumPy, or as ``like`` ('numpy', 'cupy',
-    'torch'). ``max_elements`` caps the dense elements a payload may ask for when there is no base to check it
-    against. Indices are checked on the device (or by the NumPy twin) before use; a bad payload raises a
-    :class:`~gpu_codec.errors.PayloadError` and returns nothing.
+    Parameters
+    ----------
+    payload
+        The bytes :meth:`Payload.to_bytes` wrote (treated as hostile), or a :class:`Payload`.
+    base
+        Mapping name -> array with exactly the payload's names, shapes and dtypes. With it the result is
+        ``base + delta`` per tensor, rounded to the base's dtype, as the base's kind on its device; the base itself
+        is never written. Without it, the dense delta (fp32, fp64 for fp64 tensors).
+    like
+        Kind of the result without a base: ``'numpy'`` (default), ``'cupy'`` or ``'torch'``.
+    max_output_bytes
+        Cap on the bytes of dense output the payload declares (the sum over its tensors of elements x output
+        itemsize: the base's dtype with a base, fp32/fp64 without), checked before anything is decompressed or
+        allocated. Default 4 GiB; ``None`` removes the cap.
+    max_elements
+        Deprecated (a cap on elements, which ignored the dtype): use ``max_output_bytes``.
+
+    Returns
+    -------
+    dict
+        name -> dense tensor, in the payload's order.
+
+    Raises
+    ------
+    PayloadError
+        A subclass naming the tensor and the problem: a malformed payload, an output over the cap
+        (``PayloadLimitError``), an index out of range or not increasing or a non-finite value
+        (``PayloadIndexError``), a sum with the base that is not finite in its dtype (``PayloadValueError``).
+        Nothing is returned and the base is unchanged.
+
+    Notes
+    -----
+    Decoding streams: one tensor is decoded, checked and written into its output before the next is decoded,
+    and a dense tensor a slice at a time, so peak memory stays near the output's size (the payload itself
+    aside). Every header count and offset is checked when the payload is parsed; a tensor's indices are checked
+    before its output is allocated; values are checked as they are written.
+
+    >>> import numpy as np, gpu_codec
+    >>> blob = gpu_codec.compress({"w": np.ones((1000, 1000), np.float32)}, fraction=0.001).to_bytes()
+    >>> decompress(blob, max_output_bytes=1 << 20)
+    Traceback (most recent call last):
+    ...
+    gpu_codec.errors.PayloadLimitError: payload declares 4000000 bytes of dense output (1 tensors), over ...
+    >>> int(np.count_nonzero(decompress(blob)["w"]))
+    1000
     """
+    if max_elements is not None:
+        warnings.warn(
+            "decompress(max_elements=...) is deprecated: use max_output_bytes, which counts bytes and applies "
+            "with or without a base",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    cap = max_output_bytes
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
+        raise InvalidInputError(f"max_output_bytes must be a non-negative integer or None, got {max_output_bytes!r}")
     if not isinstance(payload, Payload):
         payload = Payload.from_bytes(payload)
     records = payload.tensors
     names = [r.name for r in records]
-    backend = get_backend()
     base_tensors = None
     if base is not None:
         base = _as_mapping(base, "base")
@@ -445,49 +705,15 @@ def decompress(
                     f"tensor {r.name!r}: base is {b.dtype}{list(b.shape)}, the payload holds {r.dtype}{list(r.shape)}"
                 )
             base_tensors.append(b)
-    else:
-        total = sum(r.numel for r in records)
-        if total > max_elements:
-            raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
     kind, device = _output_kind(like, base_tensors)
-    outs, out_dtypes, idx_list, val_list = [], [], [], []
-    # one device, one stream and one allocator for the decode and the scatter (the GPU backend syncs on exit)
+    check_output_cap(records, base_tensors is not None, max_output_bytes, max_elements)
+    pipe = decoder_for(payload.pipeline)
+    backend = get_backend()
+    bounds = DECODE_CHUNK_DEVICE if backend.on_device else DECODE_CHUNK
+    outs = []
     with backend.stream(base_tensors or []):
-        records = decoded_records(payload, backend)
-        mode = SCATTER_ADD if base_tensors is not None else SCATTER_ZEROS
-        bases = [backend.asarray(b.data) for b in base_tensors] if base_tensors is not None else [None] * len(records)
-        for r in records:
-            out_dtypes.append(dtypes.code(r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)))
-            val_list.append(backend.asarray(r.buffers["values"]))
-        if records and all(r.encoding == "dense" for r in records):
-            # every element is sent: one pass reads base and values where they lie and writes the output
-            for r in records:
-                logical = r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)
-                outs.append(backend.xp.empty(r.numel, dtype=dtypes.storage_dtype(logical)))
-            counts = [r.numel for r in records]
-            bad = backend.dense_apply(outs, out_dtypes, bases, val_list, mode)
-        else:
-            for i, r in enumerate(records):
-                if base_tensors is not None:
-                    outs.append(bases[i].copy())
-                else:
-                    outs.append(backend.xp.zeros(r.numel, dtype=np.dtype(dtypes.value_dtype(r.dtype))))
-                if r.encoding == "dense":
-                    idx_list.append(backend.xp.arange(r.numel, dtype=dtypes.index_dtype(r.numel)))
-                else:
-                    idx_list.append(backend.asarray(r.buffers["indices"]))
-            counts = [int(idx.size) for idx in idx_list]
-            bad = backend.scatter(outs, out_dtypes, [r.numel for r in records], idx_list, val_list, mode)
-    if bad is not None:
-        a = 0
-        for r, c in zip(records, counts):
-            if bad < a + c:
-                raise PayloadIndexError(
-                    f"tensor {r.name!r}: sparse index at entry {bad - a} is out of range, "
-                    "repeated or not increasing, or its value is not finite; nothing was decoded"
-                )
-            a += c
-        raise PayloadIndexError("a sparse index is out of range, repeated or not increasing, or a value is not finite")
+        for i, d in enumerate(pipe.decode_stream(records, backend)):
+            outs.append(_decode_one(d, base_tensors[i] if base_tensors is not None else None, backend, bounds))
     result = {}
     for i, (r, out) in enumerate(zip(records, outs)):
         logical = r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)

@@ -20,24 +20,58 @@ after quantizing, on the GPU and the CPU alike). It saves and loads in gpu_codec
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from . import dtypes
 from .backends import Backend, get_backend
-from .errors import InvalidInputError, PayloadLayoutError
+from .errors import InvalidInputError, PayloadLayoutError, PayloadValueError
 from .format import TensorRecord, pack, unpack
 
 _KIND = "gpu_codec.ErrorFeedback"
 
 
+class _Binding:
+    """One compress call's view of the state: residuals in (the stored arrays, read only), residuals out (fresh
+    arrays the selection writes), and what to store once the call has succeeded."""
+
+    def __init__(self, entries: list[tuple[str, str, tuple[int, ...]]], res_in: list[Any], res_out: list[Any]):
+        self.entries = entries
+        self.res_in = res_in
+        self.res_out = res_out
+        self.qmode = 0  # the value codecs fix kept entries themselves, so the engine's rounding stays exact
+        self.committed = False
+
+
 class ErrorFeedback:
-    """Per-client residual state for :func:`gpu_codec.compress` (``residual=``)."""
+    """Per-client residual state for :func:`gpu_codec.compress` (``residual=``).
+
+    Thread safe: a compress call holds the state's lock from reading the residual to storing the new one, so
+    threads sharing one state take turns (each sees the residual the previous call left). A call that fails
+    (bad input, a pipeline that cannot encode the update, metadata too large) leaves the residual as it was:
+    the new residual is written to fresh arrays and stored only when the call succeeds. On the GPU, the next
+    call's stream waits for the kernels that wrote the stored residual.
+
+    >>> import numpy as np, gpu_codec
+    >>> ef = ErrorFeedback()
+    >>> u = {"w": np.array([4.0, 1.0], np.float32)}
+    >>> _ = gpu_codec.compress(u, fraction=None, pipeline=[gpu_codec.RiceIndices()], residual=ef)
+    Traceback (most recent call last):
+    ...
+    gpu_codec.errors.InvalidInputError: the 'rice' index stage needs a sparse (top-k) update; ...
+    >>> len(ef)                                  # the failed call stored nothing
+    0
+    """
 
     def __init__(self) -> None:
         self._state: dict[str, tuple[Any, str, tuple[int, ...]]] = {}  # name -> (flat array, dtype, shape)
+        self._lock = threading.RLock()
+        self._ready: Any = None  # GPU: an event recorded on the stream that wrote the stored residual
 
     def __len__(self) -> int:
         return len(self._state)
@@ -46,28 +80,37 @@ class ErrorFeedback:
         return name in self._state
 
     def names(self) -> list[str]:
-        return list(self._state)
+        with self._lock:
+            return list(self._state)
 
     def reset(self) -> None:
         """Forget every residual."""
-        self._state.clear()
+        with self._lock:
+            self._state.clear()
+            self._ready = None
 
     def residual(self, name: str) -> np.ndarray:
         """A host copy of one tensor's residual, in the tensor's shape."""
-        if name not in self._state:
-            raise KeyError(name)
-        a, _, shape = self._state[name]
-        host = a.get() if type(a).__module__.startswith("cupy") else np.asarray(a)
-        return np.array(host).reshape(shape)
+        with self._lock:
+            if name not in self._state:
+                raise KeyError(name)
+            a, _, shape = self._state[name]
+            host = a.get() if type(a).__module__.startswith("cupy") else np.asarray(a)
+            return np.array(host).reshape(shape)
 
     # --- engine hooks ---------------------------------------------------------------------------------------------
 
-    def _bind(self, names: list[str], news: list[Any], backend: Backend) -> tuple[list[Any], list[Any], int]:
-        """(residual in, residual out, rounding mode) per tensor: arrays on the backend, out aliasing in.
+    @contextlib.contextmanager
+    def _session(self, names: list[str], news: list[Any], backend: Backend) -> Iterator[_Binding]:
+        """Hold the state for one compress call: yields a :class:`_Binding`; its residuals are stored only if
+        the caller calls :meth:`_commit` on it before the block ends (an exception stores nothing)."""
+        with self._lock:
+            if self._ready is not None and getattr(backend, "on_device", False):
+                backend.xp.cuda.get_current_stream().wait_event(self._ready)
+            yield self._bind(names, news, backend)
 
-        The value codecs fix kept entries themselves, so the engine's own rounding mode stays exact (0).
-        """
-        res_in, res_out = [], []
+    def _bind(self, names: list[str], news: list[Any], backend: Backend) -> _Binding:
+        res_in, res_out, entries = [], [], []
         for n, t in zip(names, news):
             vd = np.dtype(dtypes.value_dtype(t.dtype))
             cur = self._state.get(n)
@@ -78,33 +121,44 @@ class ErrorFeedback:
                         f"tensor {n!r}: error-feedback residual is {dt}{list(shape)}, the update "
                         f"is {t.dtype}{list(t.shape)}; reset() the state to start over"
                     )
-                a = backend.asarray(a)
-                res_in.append(a)
-                res_out.append(a)
+                res_in.append(backend.asarray(a))
             else:
                 res_in.append(None)
-                res_out.append(backend.xp.empty(t.numel, dtype=vd))
-        self._pending = [(n, t.dtype, tuple(t.shape)) for n, t in zip(names, news)]
-        return res_in, res_out, 0
+            res_out.append(backend.xp.empty(t.numel, dtype=vd))  # every element is rewritten by the selection
+            entries.append((n, t.dtype, tuple(t.shape)))
+        return _Binding(entries, res_in, res_out)
 
-    def _commit(self, res_out: list[Any]) -> None:
-        for (n, dt, shape), a in zip(self._pending, res_out):
+    def _commit(self, binding: _Binding, backend: Backend) -> None:
+        """Store a successful call's residuals (the caller holds the lock through :meth:`_session`)."""
+        if binding.committed:
+            raise RuntimeError("an error-feedback binding was committed twice")
+        for (n, dt, shape), a in zip(binding.entries, binding.res_out):
             self._state[n] = (a, dt, shape)
-        self._pending = []
+        binding.committed = True
+        if getattr(backend, "on_device", False):
+            ev = backend.xp.cuda.Event(disable_timing=True)
+            ev.record()
+            self._ready = ev
 
     # --- persistence ----------------------------------------------------------------------------------------------
 
-    def to_bytes(self) -> bytes:
-        """The state as a gpu_codec payload of ``dense`` records (checksummed; no pickle)."""
-        recs = [
-            TensorRecord(n, dt, shape, "dense", int(np.prod(shape, dtype=np.int64)), {"values": a})
-            for n, (a, dt, shape) in self._state.items()
-        ]
-        return pack(recs, pipeline=[], metadata={"kind": _KIND})
+    def to_bytes(self, version: int | None = None) -> bytes:
+        """The state as a gpu_codec payload of ``dense`` records (checksummed; no pickle); ``version=1`` writes
+        the version-1 container, which readers before version 2 understand."""
+        with self._lock:
+            recs = [
+                TensorRecord(n, dt, shape, "dense", int(np.prod(shape, dtype=np.int64)), {"values": a})
+                for n, (a, dt, shape) in self._state.items()
+            ]
+            return pack(recs, pipeline=[], metadata={"kind": _KIND}, version=version)
 
     @classmethod
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> ErrorFeedback:
-        """Rebuild a state saved by :meth:`to_bytes` (validated as any payload; arrays land on the backend)."""
+        """Rebuild a state saved by :meth:`to_bytes` (validated as any payload; arrays land on the backend).
+
+        A residual holding NaN or inf is rejected (:class:`~gpu_codec.errors.PayloadValueError`): it would
+        poison every later update of that client.
+        """
         header, records = unpack(blob)
         if header.get("metadata", {}).get("kind") != _KIND:
             raise PayloadLayoutError("this payload is not a saved ErrorFeedback state")
@@ -113,7 +167,10 @@ class ErrorFeedback:
         for r in records:
             if r.encoding != "dense":
                 raise PayloadLayoutError(f"tensor {r.name!r}: a saved residual must be 'dense', got {r.encoding!r}")
-            ef._state[r.name] = (backend.asarray(np.array(r.buffers["values"])), r.dtype, tuple(r.shape))
+            values = np.array(r.buffers["values"])
+            if not np.isfinite(values).all():
+                raise PayloadValueError(f"tensor {r.name!r}: the saved residual holds a non-finite value (inf or NaN)")
+            ef._state[r.name] = (backend.asarray(values), r.dtype, tuple(r.shape))
         return ef
 
     def save(self, path: str | os.PathLike) -> None:

@@ -23,6 +23,7 @@ __all__ = [
     "PayloadIndexError",
     "PayloadLayoutError",
     "PayloadLimitError",
+    "PayloadValueError",
     "UnknownCodecError",
     "UnsupportedVersionError",
 ]
@@ -78,3 +79,8 @@ class PayloadLimitError(PayloadError):
 
 class PayloadIndexError(PayloadError):
     """A sparse index out of range, repeated, or not strictly increasing."""
+
+
+class PayloadValueError(PayloadError):
+    """A value that is not finite, or a finite delta that takes the base out of its dtype's range (fp16
+    60000 + 60000): the result would be inf, so nothing is decoded and the base is left as it was."""

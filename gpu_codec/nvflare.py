@@ -45,6 +45,7 @@ from typing import Any
 from . import adapt
 from . import engine as _engine
 from .arrays import array_kind
+from .engine import DEFAULT_MAX_OUTPUT_BYTES
 from .errors import GpuCodecError, InvalidInputError, PayloadError
 
 __all__ = [
@@ -139,7 +140,7 @@ def decompress_params(
     *,
     like: str | None = None,
     device: Any = None,
-    max_elements: int | None = None,
+    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
 ) -> dict[str, Any]:
     """Undo :func:`compress_params`: dense arrays in their own dtypes, as ``like`` (default: the sender's kind,
     NumPy or torch) on ``device`` (torch only), plus the entries that were passed through.
@@ -153,7 +154,7 @@ def decompress_params(
     kind = like or (meta or {}).get("kind") or "numpy"
     if kind not in ("numpy", "torch", "cupy"):
         raise InvalidInputError(f"like must be 'numpy', 'torch' or 'cupy', got {kind!r}")
-    kw = {} if max_elements is None else {"max_elements": max_elements}
+    kw = {"max_output_bytes": max_output_bytes}
     dense = _engine.decompress(payload, like=kind, **kw)
     out = {}
     for r in payload.tensors:
@@ -331,13 +332,13 @@ def _engine_ef() -> Any:
 
 
 class _Decompressing(DXOFilter):
-    def __init__(self, like: str | None, device: Any, max_elements: int | None) -> None:
+    def __init__(self, like: str | None, device: Any, max_output_bytes: int | None) -> None:
         super().__init__(supported_data_kinds=list(_UPDATE_KINDS), data_kinds_to_filter=list(_UPDATE_KINDS))
         if like not in (None, "numpy", "torch", "cupy"):
             raise InvalidInputError(f"like must be None, 'numpy', 'torch' or 'cupy', got {like!r}")
         self.like = like
         self.device = device
-        self.max_elements = max_elements
+        self.max_output_bytes = max_output_bytes
 
     def _decompress(self, dxo: Any) -> Any:
         info = dxo.get_meta_prop(META_KEY)
@@ -346,7 +347,7 @@ class _Decompressing(DXOFilter):
                 raise PayloadError(f"the DXO holds {PAYLOAD_KEY!r} but its meta does not say it is compressed")
             return None  # an uncompressed DXO: nothing to undo
         like = self.like or info.get("kind") or "numpy"
-        dense = decompress_params(dxo.data, info, like=like, device=self.device, max_elements=self.max_elements)
+        dense = decompress_params(dxo.data, info, like=like, device=self.device, max_output_bytes=self.max_output_bytes)
         meta = {k: v for k, v in _meta_copy(dxo).items() if k != META_KEY}
         if meta.get(MetaKey.PROCESSED_ALGORITHM) == ALGORITHM:
             del meta[MetaKey.PROCESSED_ALGORITHM]
@@ -369,12 +370,15 @@ class UpdateDecompressor(_Decompressing):
         The array kind handed on: None (the sender's kind), ``"numpy"`` or ``"torch"``.
     device
         For torch output: where the tensors go (None: the CPU).
-    max_elements
-        Cap on the dense elements one payload may ask for (the reader's default when None).
+    max_output_bytes
+        Cap on the dense output one payload may declare, as in :func:`gpu_codec.decompress` (4 GiB by default;
+        None: no cap).
     """
 
-    def __init__(self, like: str | None = None, device: Any = None, max_elements: int | None = None) -> None:
-        super().__init__(like, device, max_elements)
+    def __init__(
+        self, like: str | None = None, device: Any = None, max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
+    ) -> None:
+        super().__init__(like, device, max_output_bytes)
 
     def process_dxo(self, dxo: Any, shareable: Any, fl_ctx: Any) -> Any:
         return self._decompress(dxo)
@@ -429,8 +433,10 @@ class ModelDecompressor(_Decompressing):
     """Client-side task-data filter: undo :class:`ModelCompressor` (``like`` / ``device`` as for
     :class:`UpdateDecompressor`; a CUDA ``device`` puts the received model straight on the GPU)."""
 
-    def __init__(self, like: str | None = None, device: Any = None, max_elements: int | None = None) -> None:
-        super().__init__(like, device, max_elements)
+    def __init__(
+        self, like: str | None = None, device: Any = None, max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES
+    ) -> None:
+        super().__init__(like, device, max_output_bytes)
 
     def process_dxo(self, dxo: Any, shareable: Any, fl_ctx: Any) -> Any:
         return self._decompress(dxo)

@@ -154,8 +154,8 @@ def test_limits_and_empty():
         aggregate([p], [0.0])
     with pytest.raises(InvalidInputError, match="2 weights for 1"):
         aggregate([p], [1.0, 2.0])
-    with pytest.raises(PayloadLimitError, match="max_elements"):
-        aggregate([p], max_elements=3)
+    with pytest.raises(PayloadLimitError, match="max_output_bytes"):
+        aggregate([p], max_output_bytes=12)
     assert MAX_PAYLOADS * (1 << 17) < 1 << 31
 
 

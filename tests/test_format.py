@@ -215,9 +215,11 @@ def test_every_error_is_a_value_error_of_ours():
         assert issubclass(exc, E.PayloadError) and issubclass(exc, ValueError)
 
 
-def test_max_elements_guards_allocation():
+def test_max_output_bytes_guards_allocation():
     blob = gpu_codec.compress({"w": np.ones(1000, np.float32)}, fraction=0.01).to_bytes()
-    with pytest.raises(E.PayloadLimitError, match="max_elements"):
+    with pytest.raises(E.PayloadLimitError, match="max_output_bytes"):
+        gpu_codec.decompress(blob, max_output_bytes=3999)
+    with pytest.warns(DeprecationWarning), pytest.raises(E.PayloadLimitError, match="max_elements"):
         gpu_codec.decompress(blob, max_elements=999)
 
 
@@ -269,7 +271,7 @@ def test_header_fuzz_only_raises_our_errors(case):
             node[p[-1]] = junk
             blob = build_payload(h, data)
             with contextlib.suppress(E.PayloadError):
-                gpu_codec.decompress(blob, max_elements=1 << 20)
+                gpu_codec.decompress(blob, max_output_bytes=8 << 20)
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -81,7 +81,7 @@ def resealed(blob: bytes) -> bytes:
 
 def decode_or_payload_error(blob: bytes) -> str:
     try:
-        out = gpu_codec.decompress(blob, max_elements=1 << 20)
+        out = gpu_codec.decompress(blob, max_output_bytes=8 << 20)
     except E.PayloadError as e:
         return type(e).__name__
     assert all(np.isfinite(np.asarray(v)).all() for v in out.values())

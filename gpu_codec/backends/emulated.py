@@ -268,6 +268,7 @@ def _compiler_id(cxx: str) -> str:
 
 
 _build_lock = threading.Lock()
+_launch_lock = threading.Lock()
 
 
 def build_library(
@@ -525,19 +526,21 @@ class EmulatorRunner:
         cfg.block[:] = _dims(block)
         cfg.schedule = SCHEDULES[self.schedule]
         cfg.poison = -1 if self.poison is None else int(self.poison) & 0xFF
-        cfg.seed = self.seed + sum(self.launch_counts.values())
-        if self.trace:
-            ranges = self._live_ranges()
-            self._dll.emu_trace_begin(ranges.ctypes.data_as(ctypes.c_void_p), ctypes.c_int(len(ranges)))
-        rc = fn(ctypes.byref(cfg), argv)
-        if self.trace:
-            out = (ctypes.c_ulonglong * 3)()
-            self._dll.emu_trace_end(out)
-            self.traffic.append(
-                {"kernel": name, "read_bytes": SECTOR * out[0], "write_bytes": SECTOR * out[1], "grid": _dims(grid)}
-            )
+        # the native runtime's scheduler state is process-wide: one launch at a time, whatever the thread
+        with _launch_lock:
+            cfg.seed = self.seed + sum(self.launch_counts.values())
+            if self.trace:
+                ranges = self._live_ranges()
+                self._dll.emu_trace_begin(ranges.ctypes.data_as(ctypes.c_void_p), ctypes.c_int(len(ranges)))
+            rc = fn(ctypes.byref(cfg), argv)
+            if self.trace:
+                out = (ctypes.c_ulonglong * 3)()
+                self._dll.emu_trace_end(out)
+                self.traffic.append(
+                    {"kernel": name, "read_bytes": SECTOR * out[0], "write_bytes": SECTOR * out[1], "grid": _dims(grid)}
+                )
+            self.launch_counts[name] += 1
         del values
-        self.launch_counts[name] += 1
         self.last_stats = {
             "blocks": int(cfg.blocks_run),
             "barriers": int(cfg.barriers),
@@ -581,7 +584,7 @@ class EmulatedBackend(ArrayDecoders, KernelBackendBase):
     def asarray(self, a: Any) -> np.ndarray:
         if type(a).__module__.startswith("cupy"):
             return a.get()
-        return np.asarray(a)
+        return np.require(np.asarray(a), requirements="A")  # kernels load whole words: aligned memory only
 
     def info(self) -> dict[str, Any]:
         return {"allocator": "numpy"}

@@ -14,7 +14,7 @@ built-in codecs and gathers their wire layouts.
 
 from .base import BytesCodec, Codec, IndexCodec, ValueCodec
 from .nvcomp import Nvcomp
-from .pipeline import Pipeline, as_pipeline, decode_records
+from .pipeline import Decoded, Pipeline, as_pipeline, decode_records, decoder_for
 from .quantize import Int8Blockwise, Quantize
 from .registry import get_codec, register_codec, registered_codecs, wire_layouts
 from .rice import RiceIndices
@@ -26,6 +26,7 @@ __all__ = [
     "SCOPES",
     "BytesCodec",
     "Codec",
+    "Decoded",
     "IndexCodec",
     "Int8Blockwise",
     "Nvcomp",
@@ -39,6 +40,7 @@ __all__ = [
     "as_pipeline",
     "check_fraction",
     "decode_records",
+    "decoder_for",
     "get_codec",
     "register_codec",
     "registered_codecs",

@@ -46,12 +46,26 @@ class Form:
     ``tag`` is what a record's codec dict says (``"v"`` or ``"i"``), ``fields`` the codec-dict keys the form
     uses, ``layout(rec, n)`` the buffers it needs for ``n`` entries (raising ``PayloadHeaderError`` on a bad
     field), ``decode(rec, bufs, n, backend)`` the fp32/fp64 values (or flat indices) as a backend array.
+    ``part(rec, bufs, a, b)`` gives the buffers of entries ``[a, b)`` alone, for ``a`` a multiple of
+    ``unit(rec)``, so a dense tensor decodes a slice at a time (default: every buffer holds one item per entry).
     """
 
     tag: str
     fields: tuple[str, ...]
     layout: Callable[[TensorRecord, int], Layout]
     decode: Callable[..., Any]
+    part: Callable[[TensorRecord, dict, int, int], dict] | None = None
+    unit: Callable[[TensorRecord], int] | None = None
+
+    def slice(self, rec: TensorRecord, bufs: dict, a: int, b: int) -> dict:
+        """The buffers of entries ``[a, b)``."""
+        if self.part is not None:
+            return self.part(rec, bufs, a, b)
+        return {role: buf[a:b] for role, buf in bufs.items()}
+
+    def step(self, rec: TensorRecord) -> int:
+        """Slices must start at a multiple of this."""
+        return 1 if self.unit is None else self.unit(rec)
 
 
 class Codec:

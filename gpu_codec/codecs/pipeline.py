@@ -19,7 +19,9 @@ the payload alone; every tensor record also says how it is encoded, and the two 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from dataclasses import dataclass
 from itertools import pairwise
 from typing import Any
 
@@ -35,12 +37,12 @@ from ..errors import (
     PayloadLayoutError,
     UnknownCodecError,
 )
-from ..format import TensorRecord
+from ..format import BUFFER_DTYPES, TensorRecord
 from .base import STAGES, Codec
 from .quantize import Quantize
 from .registry import get_codec, index_forms, value_forms, wire_layouts
 from .rice import RawIndices
-from .wire import CODED, where
+from .wire import CODED, FrameStream, StreamedBuffer, inner_record, raw_layout, where
 from .zstd import decode_wrapped, encode_wrapped
 
 
@@ -200,34 +202,112 @@ class Pipeline:
         Every record must be what this pipeline writes (a ``coo`` record in a payload whose pipeline has an
         index stage is a :class:`~gpu_codec.errors.PayloadLayoutError`, as is any other mismatch).
         """
-        layouts = wire_layouts()
         out = []
+        for d in self.decode_stream(records, backend):
+            idx = None if d.indices is None else d.indices(0, d.nnz)
+            vals = d.values(0, d.nnz)
+            bufs = {"values": vals} if idx is None else {"indices": idx, "values": vals}
+            out.append(TensorRecord(d.name, d.dtype, d.shape, "dense" if idx is None else "coo", d.nnz, bufs))
+        return out
+
+    def decode_stream(self, records: list[TensorRecord], backend: Backend) -> Iterator[Decoded]:
+        """Decode one record at a time (the engine scatters each before the next is decoded, so the temporaries
+        of only one tensor are alive at once). A dense tensor's values are decoded a slice at a time."""
+        layouts = wire_layouts()
         for rec in records:
             self._expect(rec)
             try:
                 if self.bytes is not None:
-                    rec = decode_wrapped(rec, layouts)
+                    rec = _unwrap(rec, layouts)
                 if rec.encoding in CODED:
                     self._check_forms(rec)
-                    rec = _decode_forms(rec, backend)
+                d = _decoded(rec, backend)
             except PayloadError as e:
                 msg = str(e)
                 raise type(e)(msg if msg.startswith(where(rec)) else f"{where(rec)}: {msg}") from None
-            out.append(rec)
-        return out
+            yield d
 
 
-def _decode_forms(rec: TensorRecord, backend: Backend) -> TensorRecord:
-    bufs = {role: backend.asarray(a) for role, a in rec.buffers.items()}
+@dataclass
+class Decoded:
+    """One tensor's entries, decoded on demand: ``values(a, b)`` are entries ``[a, b)`` as fp32 (fp64 for fp64
+    tensors) backend arrays, ``indices(a, b)`` their flat positions (``None`` for a dense tensor, where entry
+    ``l`` is element ``l``). ``a`` must be a multiple of ``step``."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nnz: int
+    values: Callable[[int, int], Any]
+    indices: Callable[[int, int], Any] | None
+    step: int = 1
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def _unwrap(rec: TensorRecord, layouts: Any) -> TensorRecord:
+    """The inner record of a ``zstd``/``nvcomp`` record. A dense tensor's buffers stay in the frame and are
+    decompressed a slice at a time (its first buffer holds one item per element; the small ones after it, such
+    as int8 scales, are kept); a sparse tensor's, a few bytes per kept entry, are decompressed at once."""
+    inner = inner_record(rec)
+    if inner.encoding not in ("dense", "dense_q") or rec.frame is not None:
+        # sparse, or a slice of a frame shared by all tensors (wire format v2), which is read whole
+        return decode_wrapped(rec, layouts)
+    parts = raw_layout(inner, layouts)
+    head = parts[0][2] * BUFFER_DTYPES[parts[0][1]].itemsize
+    frame = memoryview(np.ascontiguousarray(rec.buffers["compressed"]))
+    stream = FrameStream(frame, int(rec.codec["raw"]), head, where(rec))
+    role, dt, count = parts[0]
+    inner.buffers[role] = StreamedBuffer(stream, 0, BUFFER_DTYPES[dt], count)
+    inner.buffer_dtypes[role] = dt
+    off = 0
+    for role, dt, count in parts[1:]:
+        inner.buffers[role] = np.frombuffer(stream.tail, BUFFER_DTYPES[dt], count, off)
+        inner.buffer_dtypes[role] = dt
+        off += count * BUFFER_DTYPES[dt].itemsize
+    return inner
+
+
+def _slicer(a_full: Any, backend: Backend, dtype: Any = None) -> Callable[[int, int], Any]:
+    def part(a: int, b: int) -> Any:
+        x = backend.asarray(a_full[a:b])
+        return x if dtype is None else x.astype(dtype, copy=False)
+
+    return part
+
+
+def _quiet():
+    # a hostile payload's values may be inf or NaN, or overflow when widened: the scatter refuses them, with an
+    # error of ours, so NumPy's floating-point warnings on the way are noise
+    return np.errstate(over="ignore", invalid="ignore")
+
+
+def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
     vd = np.dtype(value_dtype(rec.dtype))
+    head = (rec.name, rec.dtype, tuple(rec.shape), rec.nnz)
+    if rec.encoding == "coo":
+        return Decoded(*head, _slicer(rec.buffers["values"], backend), _slicer(rec.buffers["indices"], backend))
+    if rec.encoding == "dense":
+        return Decoded(*head, _slicer(rec.buffers["values"], backend), None)
     vform = value_forms()[rec.codec["v"]]
     if rec.encoding == "dense_q":
-        vals = vform.decode(rec, bufs, rec.numel, backend).astype(vd, copy=False)
-        return TensorRecord(rec.name, rec.dtype, rec.shape, "dense", rec.numel, {"values": vals})
+        host = dict(rec.buffers)
+
+        def values(a: int, b: int) -> Any:
+            bufs = {role: backend.asarray(x) for role, x in vform.slice(rec, host, a, b).items()}
+            with _quiet():
+                return vform.decode(rec, bufs, b - a, backend).astype(vd, copy=False)
+
+        return Decoded(*head, values, None, vform.step(rec))
+    bufs = {role: backend.asarray(a) for role, a in rec.buffers.items()}
     idx = index_forms()[rec.codec["i"]].decode(rec, bufs, rec.nnz, backend)
     idx = idx.astype(index_dtype(rec.numel), copy=False)
-    vals = vform.decode(rec, bufs, rec.nnz, backend).astype(vd, copy=False)
-    return TensorRecord(rec.name, rec.dtype, rec.shape, "coo", rec.nnz, {"indices": idx, "values": vals})
+    with _quiet():
+        vals = vform.decode(rec, bufs, rec.nnz, backend).astype(vd, copy=False)
+    del bufs
+    return Decoded(*head, _slicer(vals, backend), _slicer(idx, backend))
 
 
 def as_pipeline(pipeline: Any) -> Pipeline:
@@ -242,10 +322,15 @@ def as_pipeline(pipeline: Any) -> Pipeline:
         raise type(e)(f"pipeline: {e}") from None
 
 
-def decode_records(pipeline_config: Any, records: list[TensorRecord], backend: Backend) -> list[TensorRecord]:
-    """The engine's decode hook: every record decoded (and checked) per the header's pipeline."""
+def decoder_for(pipeline_config: Any) -> Pipeline:
+    """The pipeline a payload's header names (PayloadHeaderError if it cannot be rebuilt)."""
     try:
-        pipe = Pipeline.from_config(pipeline_config)
+        return Pipeline.from_config(pipeline_config)
     except (UnknownCodecError, CodecConfigError) as e:
         raise PayloadHeaderError(f"the payload's pipeline cannot be rebuilt: {e}") from None
-    return pipe.decode(records, backend)
+
+
+def decode_records(pipeline_config: Any, records: list[TensorRecord], backend: Backend) -> list[TensorRecord]:
+    """Every record decoded (and checked) per the header's pipeline, all at once (the engine streams instead,
+    with :meth:`Pipeline.decode_stream`)."""
+    return decoder_for(pipeline_config).decode(records, backend)

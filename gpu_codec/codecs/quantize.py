@@ -16,6 +16,8 @@ Kernels: kernels/quantize.cu; NumPy twins: cpu_fallback/quantize.py.
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..errors import PayloadHeaderError
 from ..format import TensorRecord
 from .base import Form, ValueCodec, check_choice, check_int
@@ -56,8 +58,18 @@ def _int8_layout(rec, n):
     return {"values": (("int8",), n), "scales": (("float32",), n_blocks(n, b))}
 
 
+def _int8_part(rec, bufs, a, b):
+    blk = rec.codec["block"]
+    return {"values": bufs["values"][a:b], "scales": bufs["scales"][a // blk : n_blocks(b, blk)]}
+
+
+def _int8_unit(rec):
+    return rec.codec["block"]
+
+
 def _decode_int8(rec, bufs, n, backend):
-    return backend.int8_decode(bufs["values"], bufs["scales"], rec.codec["block"])
+    with np.errstate(over="ignore", invalid="ignore"):  # hostile scales give inf, which the scatter refuses
+        return backend.int8_decode(bufs["values"], bufs["scales"], rec.codec["block"])
 
 
 class Quantize(ValueCodec):
@@ -92,7 +104,7 @@ class Int8Blockwise(ValueCodec):
     """int8 with one float32 absmax scale per block of ``block_size`` kept values (bitsandbytes-style)."""
 
     codec_id = "int8"
-    forms = (Form("int8", ("block",), _int8_layout, _decode_int8),)
+    forms = (Form("int8", ("block",), _int8_layout, _decode_int8, _int8_part, _int8_unit),)
 
     def __init__(self, block_size: int = 256):
         self.block_size = check_int("int8", "block_size", block_size, 1, 1 << 20)

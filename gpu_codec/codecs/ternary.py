@@ -44,6 +44,10 @@ def _layout(rec, n):
     return {"signs": (("uint8",), n_blocks(n, 8))}
 
 
+def _part(rec, bufs, a, b):
+    return {"signs": bufs["signs"][a // 8 : n_blocks(b, 8)]}
+
+
 def _decode(rec, bufs, n, backend):
     return backend.ternary_decode(bufs["signs"], rec.codec["mu"], n)
 
@@ -52,7 +56,7 @@ class Ternary(ValueCodec):
     """Sign bits plus one fp32 magnitude per tensor (``"mu"`` in the tensor's codec dict)."""
 
     codec_id = "ternary"
-    forms = (Form("ternary", ("mu",), _layout, _decode),)
+    forms = (Form("ternary", ("mu",), _layout, _decode, _part, lambda rec: 8),)
 
     def __init__(self) -> None:
         pass

@@ -23,10 +23,11 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
+import zstandard
 
-from ..errors import PayloadHeaderError, PayloadLayoutError
+from ..errors import PayloadHeaderError, PayloadLayoutError, PayloadLimitError
 from ..format import BASE_LAYOUTS, BUFFER_DTYPES, LayoutRule, TensorRecord
-from ..format.common import canonical_dtype, compress_bound
+from ..format.common import MAX_WINDOW, canonical_dtype, compress_bound
 from .base import BytesCodec, Form, Layout
 
 CODED = ("sparse", "dense_q")  # the encodings of a pipeline with a value or an index stage
@@ -150,3 +151,130 @@ def build_layouts(
     for enc in wrappers:
         layouts[enc] = wrapped
     return layouts
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+
+
+def zstd_frame_size(data: Any, what: str) -> int:
+    """The exact length of the zstd frame at the start of ``data``, from its header and block headers (RFC 8878
+    section 3.1.1), without decompressing anything. A reserved bit, a reserved block type or a truncated frame is
+    a PayloadLayoutError."""
+    mv = memoryview(data).cast("B")
+    n = len(mv)
+
+    def need(end: int) -> None:
+        if end > n:
+            raise PayloadLayoutError(f"{what}: zstd frame is truncated")
+
+    need(5)
+    if int.from_bytes(mv[0:4], "little") != _ZSTD_MAGIC:
+        raise PayloadLayoutError(f"{what}: compressed buffer is not a zstd frame")
+    fhd = mv[4]
+    if fhd & 0x08:
+        raise PayloadLayoutError(f"{what}: zstd frame header sets a reserved bit")
+    single = bool(fhd & 0x20)
+    fcs = {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fhd >> 6]
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + fcs
+    while True:
+        need(pos + 3)
+        bh = int.from_bytes(mv[pos : pos + 3], "little")
+        btype, size = (bh >> 1) & 3, bh >> 3
+        if btype == 3:
+            raise PayloadLayoutError(f"{what}: zstd block of reserved type")
+        pos += 3 + (1 if btype == 1 else size)
+        need(pos)
+        if bh & 1:
+            break
+    return pos + (4 if fhd & 0x04 else 0)
+
+
+class FrameStream:
+    """The content of one zstd frame, read a range at a time and never held whole (bounded like
+    :func:`bounded_decompress`: the frame must declare exactly ``raw`` bytes, fill ``data`` with nothing after it,
+    use a window of at most MAX_WINDOW and decompress to exactly ``raw`` bytes).
+
+    Construction reads the frame once, front to back, to check it and to keep its bytes from ``keep_from`` on
+    (``tail``: the small buffers that follow a dense tensor's values); :meth:`read` then decompresses again up to
+    the range asked for (sequential ranges cost one pass in all).
+    """
+
+    PIECE = 1 << 20
+
+    def __init__(self, data: Any, raw: int, keep_from: int, what: str):
+        self.data, self.raw, self.what = data, raw, what
+        try:
+            params = zstandard.get_frame_parameters(data)
+        except zstandard.ZstdError as e:
+            raise PayloadLayoutError(f"{what}: compressed buffer is not a zstd frame ({e})") from None
+        cs = params.content_size
+        if cs != zstandard.CONTENTSIZE_UNKNOWN and cs != raw:
+            exc = PayloadLimitError if cs > raw else PayloadLayoutError
+            raise exc(f"{what}: zstd frame declares {cs} bytes, the tensor's encoding implies {raw}")
+        if params.window_size > MAX_WINDOW:
+            raise PayloadLimitError(f"{what}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW}")
+        if zstd_frame_size(data, what) != len(memoryview(data).cast("B")):
+            raise PayloadLayoutError(f"{what}: bytes after the zstd frame")
+        self._open()
+        self._skip(keep_from)
+        self.tail = self._take(raw - keep_from)
+        if self._reader.read(1):
+            raise PayloadLayoutError(f"{what}: zstd frame decompresses to more than {raw} bytes")
+        self._open()
+
+    def _open(self) -> None:
+        dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+        self._reader = dctx.stream_reader(self.data, read_size=1 << 16, read_across_frames=False)
+        self.pos = 0
+
+    def _take(self, n: int) -> bytes:
+        parts, got = [], 0
+        try:
+            while got < n:
+                b = self._reader.read(min(self.PIECE, n - got))
+                if not b:
+                    break
+                parts.append(b)
+                got += len(b)
+        except zstandard.ZstdError as e:
+            raise PayloadLayoutError(f"{self.what}: zstd frame does not decompress to {self.raw} bytes ({e})") from None
+        if got != n:
+            raise PayloadLayoutError(f"{self.what}: zstd frame ended {n - got} bytes early")
+        self.pos += n
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def _skip(self, n: int) -> None:
+        while n > 0:
+            k = min(self.PIECE, n)
+            self._take(k)
+            n -= k
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the content."""
+        if start < self.pos:
+            self._open()
+        self._skip(start - self.pos)
+        return self._take(end - start)
+
+
+class StreamedBuffer:
+    """A 1-D buffer of ``count`` items of ``dtype`` at byte ``offset`` of a :class:`FrameStream`: slicing it
+    decompresses just that range (a NumPy array, read only)."""
+
+    def __init__(self, stream: FrameStream, offset: int, dtype: np.dtype, count: int):
+        self.stream, self.offset, self.dtype, self.count = stream, offset, np.dtype(dtype), count
+
+    @property
+    def size(self) -> int:
+        return self.count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        a, b, step = s.indices(self.count)
+        if step != 1:
+            raise IndexError("a streamed buffer is read in contiguous ranges")
+        b = max(a, b)
+        it = self.dtype.itemsize
+        return np.frombuffer(self.stream.read(self.offset + a * it, self.offset + b * it), self.dtype)

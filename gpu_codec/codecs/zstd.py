@@ -65,7 +65,8 @@ def decode_wrapped(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> Tens
     if rec.frame is not None:
         raw = rec.frame.read(where(rec))
     else:
-        raw = bounded_decompress(bytes(np.asarray(rec.buffers["compressed"])), int(rec.codec["raw"]), where(rec))
+        frame = memoryview(np.ascontiguousarray(rec.buffers["compressed"]))  # no copy of the compressed bytes
+        raw = bounded_decompress(frame, int(rec.codec["raw"]), where(rec))
     inner.buffers = split_raw(inner, raw, layouts)
     return inner
 

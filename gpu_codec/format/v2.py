@@ -78,6 +78,7 @@ FLAG_TABLE_ZSTD = 0x02
 DATA_SHIFT = 2  # bits 2-3: the data mode
 DATA_RECORDS, DATA_ZSTD, DATA_PLAIN = 0, 1, 2
 DATA_MODES = ("records", "zstd", "plain")
+SHARED_FRAME_MAX = 1 << 20  # the largest raw size the writer puts in one shared frame (or stores plainly)
 
 # one-byte codes, fixed forever (a new value is appended, never reordered)
 DTYPE_CODES = ("float32", "float16", "bfloat16", "float64")
@@ -484,17 +485,21 @@ def _wrapped_data(records, level: int, cache: dict | None, force: int | None) ->
             _compress(raw, level) if r.frame is not None else np.asarray(r.buffers["compressed"]).tobytes()
             for r, raw in zip(records, raws)
         ]
-        joint = _compress(joint_raw, level)
+        # a shared frame is read whole by the receiver: offered for small payloads only, where the per-frame
+        # overhead matters and reading it whole costs little (a large one keeps the per-tensor, streamed frames)
+        joint = _compress(joint_raw, level) if len(joint_raw) <= SHARED_FRAME_MAX else None
         return joint_raw, joint, frames
 
     joint_raw, joint, frames = _cached(cache, "wrapped", (ident, level), compute, refs)
     per = sum(len(f) + len(uvarint(len(f))) for f in frames)
-    options = [(len(joint_raw), DATA_PLAIN), (len(joint), DATA_ZSTD), (per, DATA_RECORDS)]
+    options = [(per, DATA_RECORDS)]
+    if joint is not None:
+        options += [(len(joint_raw), DATA_PLAIN), (len(joint), DATA_ZSTD)]
     _, mode = min(options) if force is None else (0, force)
     if mode == DATA_PLAIN:
         return mode, [joint_raw], [None] * len(records)
     if mode == DATA_ZSTD:
-        return mode, [joint], [None] * len(records)
+        return mode, [joint if joint is not None else _compress(joint_raw, level)], [None] * len(records)
     return mode, frames, [len(f) for f in frames]
 
 
@@ -695,8 +700,9 @@ def header_size(
 
 
 def _view(mv: memoryview, dt: str, count: int, off: int) -> np.ndarray:
-    a = np.frombuffer(mv, dtype=BUFFER_DTYPES[dt], count=count, offset=off)
-    return a if a.flags.aligned else a.copy()
+    # a view, aligned or not (v2 has no padding): NumPy reads unaligned arrays, and the decoder streams it a
+    # slice at a time, so copying it whole here would cost as much memory as the buffer itself
+    return np.frombuffer(mv, dtype=BUFFER_DTYPES[dt], count=count, offset=off)
 
 
 def _read_name(t: _Reader, earlier: list[bytes]) -> bytes:
