@@ -133,6 +133,8 @@ def _split(flat: Any, counts: list[int]) -> list[Any]:
 class KernelOps:
     """Every op of the :class:`~gpu_codec.backends.base.Backend` protocol that runs kernels, composed from them."""
 
+    _force_fallback = ""  # tests only: "miss" (lo above every key) or "overflow" (empty candidate regions)
+
     def __init__(self, runner: Runner, fused: bool | None = None):
         self.runner = runner
         self.xp = runner.xp
@@ -140,7 +142,6 @@ class KernelOps:
         self.fused = os.environ.get(FUSED_ENV, "1") != "0" if fused is None else fused
         self.fused_fallbacks = 0  # fused selections that ran the unfused passes (bracket miss or overflow)
         self.fused_selections = 0  # fused selections that completed without the fallback
-        self._force_fallback = ""  # tests only: "miss" (lo above every key) or "overflow" (empty regions)
 
     def _up(self, host: np.ndarray):
         return self.xp.asarray(host)
