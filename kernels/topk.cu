@@ -519,6 +519,12 @@ extern "C" __global__ void fused_scan(
     }
 }
 
+// Candidates of chunk c held in its region (all of them unless the region overflowed).
+__device__ __forceinline__ u32 cand_len(const u64* cand_off, const u32* cand_cnt, i64 c) {
+    const u64 cap = cand_off[c + 1] - cand_off[c];
+    return (u64)cand_cnt[c] < cap ? cand_cnt[c] : (u32)cap;
+}
+
 // Exact radix select on the candidates, one block (BLOCK threads) per segment s over chunks
 // [seg_chunks[s], seg_chunks[s + 1]); state as radix_pick leaves it: [T, take_eq] (k = 0: [~0, 0] unchanged).
 extern "C" __global__ void cand_select(
@@ -536,7 +542,7 @@ extern "C" __global__ void cand_select(
         const u32 prefix = (u32)sh_prefix;
         for (i64 c = seg_chunks[s]; c < seg_chunks[s + 1]; ++c) {
             const u64 base = cand_off[c];
-            const u32 m = cand_cnt[c];
+            const u32 m = cand_len(cand_off, cand_cnt, c);
             for (u32 j = threadIdx.x; j < m; j += BLOCK) {
                 const u32 key = cand_key[base + j];
                 if (shift == 24 || (key >> (shift + 8)) == (prefix >> (shift + 8)))
@@ -570,7 +576,7 @@ extern "C" __global__ void cand_count(
     const int t = tensor_of_chunk(chunk_start, nt, c);
     const u32 T = (u32)state[2 * seg_of[t]];
     const u64 base = cand_off[c];
-    const u32 m = cand_cnt[c];
+    const u32 m = cand_len(cand_off, cand_cnt, c);
     u32 g = 0, e = 0;
     for (u32 j = threadIdx.x; j < m; j += BLOCK) {
         const u32 key = cand_key[base + j];
@@ -614,7 +620,7 @@ __device__ __forceinline__ void cand_write_impl(
     const void* bs = (const void*)base_ptrs[t];
     const void* rs = (const void*)res_ptrs[t];
     const u64 base = cand_off[c];
-    const u32 m = cand_cnt[c];
+    const u32 m = cand_len(cand_off, cand_cnt, c);
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 lt_mask = (1u << lane) - 1u;
     u64 eq_seen = eq_base[c];

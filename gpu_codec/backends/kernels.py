@@ -134,6 +134,7 @@ class KernelOps:
     """Every op of the :class:`~gpu_codec.backends.base.Backend` protocol that runs kernels, composed from them."""
 
     _force_fallback = ""  # tests only: "miss" (lo above every key) or "overflow" (empty candidate regions)
+    _force_wide = False  # tests only: the fused path writes 64-bit indices whatever the sizes
 
     def __init__(self, runner: Runner, fused: bool | None = None):
         self.runner = runner
@@ -399,7 +400,7 @@ class KernelOps:
             (nt32, np.int64(grid), d_cs, d_so, self._up(tb.seg_first_chunk), state, cnt, eq_base, out_base, counts),
         )
         K = int(sum(ks))
-        wide = any(index_dtype(n) == np.uint64 for n in numels)
+        wide = self._force_wide or any(index_dtype(n) == np.uint64 for n in numels)
         sfx = "u64" if wide else "u32"
         idx = xp.empty(max(K, 1), dtype=np.uint64 if wide else np.uint32)
         has64 = any(int(d) == DT_F64 for d in dtypes)

@@ -423,6 +423,128 @@ def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     return out
 
 
+class _FilledNumpy:
+    """NumPy whose ``empty`` fills every byte with 0xA5: unwritten slots are equal in two runs, stray writes show."""
+
+    def __getattr__(self, name):
+        return getattr(np, name)
+
+    @staticmethod
+    def empty(shape, dtype=np.float64):
+        a = np.empty(shape, dtype=dtype)
+        a.view(np.uint8)[...] = 0xA5
+        return a
+
+
+class TwinRunner:
+    """A runner whose launches call the NumPy twins (cpu_fallback.kernels and cpu_fallback.fused): tables of
+    addresses (arguments named ``*_ptrs``) become the lists of arrays they point to."""
+
+    def __init__(self):
+        self.xp = _FilledNumpy()
+        self._arrays: dict[int, np.ndarray] = {}
+
+    def ptr(self, a) -> int:
+        addr = int(a.__array_interface__["data"][0])
+        self._arrays[addr] = a
+        return addr
+
+    def to_host(self, a) -> np.ndarray:
+        return np.array(a, copy=True)
+
+    def launch(self, name, grid, block, args) -> None:
+        from gpu_codec.backends.sources import kernel_signatures
+        from gpu_codec.cpu_fallback import fused
+
+        params = kernel_signatures()[name][1]
+        conv = [
+            [self._arrays[int(p)] if int(p) else None for p in a] if pname.endswith("_ptrs") else a
+            for (_, pname), a in zip(params, args)
+        ]
+        (getattr(fused, name) if hasattr(fused, name) else getattr(twins, name))(*conv)
+
+
+class RecordingRunner:
+    """Wraps a runner: after every launch, a host copy of each array argument that is not a table of addresses
+    (name, [arrays])."""
+
+    def __init__(self, inner, xp=None):
+        self.inner = inner
+        self.xp = xp if xp is not None else inner.xp
+        self.log: list[tuple[str, list[np.ndarray]]] = []
+
+    def ptr(self, a) -> int:
+        return self.inner.ptr(a)
+
+    def to_host(self, a) -> np.ndarray:
+        return self.inner.to_host(a)
+
+    def launch(self, name, grid, block, args) -> None:
+        from gpu_codec.backends.sources import kernel_signatures
+
+        self.inner.launch(name, grid, block, args)
+        params = kernel_signatures()[name][1]
+        keep = [a for (_, p), a in zip(params, args) if not isinstance(a, np.generic) and not p.endswith("_ptrs")]
+        self.log.append((name, [self.inner.to_host(a) for a in keep]))
+
+
+def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str = "") -> list[str]:
+    """The fused selection (KernelOps with fused=True) on ``runner`` and on the twins, launch by launch: every
+    array argument compared after every launch, then the outputs and residuals; both against the NumPy backend.
+
+    ``force``: "miss" or "overflow" forces the fallback to the unfused passes; ``wide`` 64-bit indices."""
+    from gpu_codec.backends.kernels import KernelOps as Ops
+
+    inp = make_topk_inputs(case)
+    out: list[str] = []
+    results, logs, ops_used = [], [], []
+    host_xp = _FilledNumpy()
+    for rr in (RecordingRunner(runner, host_xp if runner.xp is np else None), RecordingRunner(TwinRunner())):
+        up = _uploader(rr)
+        d = {k: [up(a) for a in inp[k]] for k in ("new", "base", "res", "ext")}
+        d_ro = _res_out(inp, d["res"], up)
+        ops = Ops(rr, fused=True)
+        ops._force_fallback, ops._force_wide = force, wide
+        common = (inp["dtypes"], d["ext"], inp["ext_dtypes"], inp["crit"], inp["segments"], inp["ks"], inp["qmode"])
+        gi, gv, gbad = ops.topk_select(d["new"], d["base"], d["res"], d_ro, *common)
+        results.append((gi, gv, gbad, d_ro, rr))
+        logs.append(rr.log)
+        ops_used.append(ops)
+    (gi, gv, gbad, g_ro, gr), (wi, wv, wbad, w_ro, wr) = results
+    names = [n for n, _ in logs[0]]
+    if names != [n for n, _ in logs[1]]:
+        return [f"{case.name}: launches {names} != {[n for n, _ in logs[1]]}"]
+    for step, ((name, ga), (_, wa)) in enumerate(zip(*logs)):
+        if name in ("score_keys", "fused_scan", "sample_keys") and gbad is not None:
+            continue  # keys of rejected inputs may hold NaN patterns that differ by device
+        for j, (g, w) in enumerate(zip(ga, wa)):
+            _cmp(f"{case.name}: launch {step} {name} array argument {j}", g, w, out)
+    if out:
+        return out
+    if gbad != wbad:
+        return [f"{case.name}: bad tensor {gbad} != {wbad}"]
+    if force and ops_used[0].fused_fallbacks != 1 and gbad is None and sum(inp["ks"]) > 0:
+        out.append(f"{case.name}: forced {force} did not fall back")
+    h = {k: [None if a is None else a.copy() for a in inp[k]] for k in ("new", "base", "res", "ext")}
+    h_ro = _res_out(inp, h["res"], np.copy)
+    ri, rv, rbad = topk_select(h["new"], h["base"], h["res"], h_ro, inp["dtypes"], h["ext"], *common[2:])
+    if rbad != gbad:
+        return [f"{case.name}: bad tensor {gbad} != reference {rbad}"]
+    if gbad is not None:
+        for t in range(len(case.sizes)):  # nothing written to a residual read in place
+            if inp["res_out"] == "alias" and h["res"][t] is not None:
+                _cmp(f"{case.name}: residual after error [{t}]", gr.to_host(g_ro[t]), inp["res"][t], out)
+        return out
+    for t in range(len(case.sizes)):
+        for tag, got in (("kernels", (gi, gv, g_ro, gr)), ("twins", (wi, wv, w_ro, wr))):
+            i_, v_, ro_, rr_ = got
+            _cmp(f"{case.name}: {tag} indices[{t}]", rr_.to_host(i_[t]), ri[t], out)
+            _cmp(f"{case.name}: {tag} values[{t}]", rr_.to_host(v_[t]), rv[t], out)
+            if h_ro[t] is not None:
+                _cmp(f"{case.name}: {tag} res_out[{t}]", rr_.to_host(ro_[t]), h_ro[t], out)
+    return out
+
+
 # -------------------------------------------------------------------------------------------------- scatter
 
 
