@@ -288,6 +288,7 @@ class Suite:
             ("topk", kc.topk_cases(), kc.topk_vs_reference),
             ("topk_stepwise", kc.topk_cases(), kc.topk_stepwise),
             ("topk_stepwise_u64", kc.topk_cases()[::4], lambda r, c: kc.topk_stepwise(r, c, wide=True)),
+            ("topk_fused", kc.topk_cases(), kc.topk_fused_stepwise),
             ("scatter", kc.scatter_cases(), kc.scatter_vs_reference),
             ("scatter_stepwise", kc.scatter_cases(), kc.scatter_stepwise),
             ("dense", kc.topk_cases(), kc.dense_vs_reference),
@@ -442,6 +443,9 @@ def workload(runner_kind: str) -> int:
     m += kc.topk_stepwise(r, topk)
     m += kc.topk_stepwise(r, topk.with_(name="workload_u64", scope="tensor", res_out="alias"), wide=True)
     m += kc.topk_vs_reference(r, topk.with_(name="workload_ops", pattern="ties"))
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused"))
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_u64", scope="tensor", res_out="alias"), wide=True)
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_miss"), force="miss")
     m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter", (3000, 700), ("f16", "f64"), mode=1))
     m += kc.scatter_stepwise(
         r,

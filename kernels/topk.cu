@@ -554,9 +554,9 @@ extern "C" __global__ void cand_select(
             u64 k_rem = sh_k;
             u32 p = prefix;
             for (int b = 255; b >= 0; --b) {
-                const u64 cnt = h[b];
-                if (k_rem <= cnt) { p |= ((u32)b) << shift; break; }
-                k_rem -= cnt;
+                const u64 hb = h[b];
+                if (k_rem <= hb) { p |= ((u32)b) << shift; break; }
+                k_rem -= hb;
             }
             sh_prefix = p;
             sh_k = k_rem;
@@ -591,7 +591,7 @@ extern "C" __global__ void cand_count(
     if (lane == 0) { sg[warp] = g; se[warp] = e; }
     __syncthreads();
     if (threadIdx.x == 0) {
-        u32 G = 0, E = 0;
+        u32 G = 0u, E = 0u;
         for (int w = 0; w < WARPS; ++w) { G += sg[w]; E += se[w]; }
         cnt[2 * c] = G;
         cnt[2 * c + 1] = E;

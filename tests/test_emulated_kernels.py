@@ -110,6 +110,53 @@ def test_chunk_write_u64_matches_twin(runner, case):
     assert kc.topk_stepwise(runner, case, wide=True) == []
 
 
+@pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
+def test_fused_topk_matches_twins_stepwise(runner, case):
+    """The fused selection (sample_keys, fused_scan, cand_select, cand_count, chunk_scan, cand_write, residual_delta,
+    kept_fix) against the twins of cpu_fallback/fused.py launch by launch, and against the NumPy backend."""
+    assert kc.topk_fused_stepwise(runner, case) == []
+
+
+@pytest.mark.parametrize("force", ["miss", "overflow"])
+@pytest.mark.parametrize("case", WIDE, ids=[c.name for c in WIDE])
+def test_fused_topk_fallback_is_exact(runner, case, force):
+    """A bracket that misses (fewer candidates than k) or an overflowing candidate region runs the unfused passes:
+    counted in KernelOps.fused_fallbacks, and the result is the same to the byte."""
+    assert kc.topk_fused_stepwise(runner, case, force=force) == []
+
+
+@pytest.mark.parametrize("case", WIDE, ids=[c.name for c in WIDE])
+def test_fused_cand_write_u64_matches_twin(runner, case):
+    assert kc.topk_fused_stepwise(runner, case, wide=True) == []
+
+
+def test_fused_fallback_is_counted(emulated):
+    from gpu_codec.backends.kernels import KernelOps
+
+    case = TOPK[0]
+    inp = kc.make_topk_inputs(case)
+    args = (inp["new"], inp["base"], inp["res"], [None] * len(inp["new"]), inp["dtypes"], inp["ext"])
+    args += (inp["ext_dtypes"], inp["crit"], inp["segments"], inp["ks"], inp["qmode"])
+    ops = KernelOps(emulated, fused=True)
+    want = ops.topk_select(*args)
+    assert (ops.fused_selections, ops.fused_fallbacks) == (1, 0)
+    ops._force_fallback = "miss"
+    got = ops.topk_select(*args)
+    assert (ops.fused_selections, ops.fused_fallbacks) == (1, 1)
+    for a, b in zip(want[0] + want[1], got[0] + got[1]):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_unfused_topk_matches_cpu_backend(emulated, monkeypatch):
+    """GPU_CODEC_FUSED_SELECT=0 selects the unfused passes (also the fused path's fallback)."""
+    from gpu_codec.backends.kernels import FUSED_ENV, KernelOps
+
+    monkeypatch.setenv(FUSED_ENV, "0")
+    assert KernelOps(emulated).fused is False
+    for case in TOPK[::4]:
+        assert kc.topk_vs_reference(emulated, case) == []
+
+
 @pytest.mark.parametrize("schedule", ["reverse", "shuffle"])
 @pytest.mark.parametrize("case", TOPK[::3], ids=[c.name for c in TOPK[::3]])
 def test_topk_independent_of_schedule(schedule, case):
@@ -117,6 +164,7 @@ def test_topk_independent_of_schedule(schedule, case):
     r = emu.EmulatorRunner(schedule=schedule, seed=7)
     assert kc.topk_stepwise(r, case) == []
     assert kc.topk_vs_reference(r, case) == []
+    assert kc.topk_fused_stepwise(r, case) == []
 
 
 @pytest.mark.parametrize("case", SCATTER, ids=[c.name for c in SCATTER])
@@ -180,6 +228,9 @@ def test_every_kernel_is_exercised():
     r = emu.EmulatorRunner()
     kc.topk_stepwise(r, TOPK[0])
     kc.topk_stepwise(r, TOPK[0], wide=True)
+    alias = next(c for c in TOPK if c.res_out == "alias" and c.qmode)
+    kc.topk_fused_stepwise(r, alias)
+    kc.topk_fused_stepwise(r, next(c for c in TOPK if c.res_out == "new"), wide=True)
     kc.scatter_stepwise(r, SCATTER[0])
     kc.scatter_stepwise(r, SCATTER[1])
     kc.quant_stepwise(r, QUANT[0])
@@ -606,6 +657,13 @@ def _caught(runner, cases) -> list[str]:
 
 
 BUG_CASES = [c for c in TOPK if c.name in ("pattern_ties", "k_all_global", "crit_0_ties", "mixed_tensor")]
+
+
+def test_planted_off_by_one_in_cand_select_is_caught():
+    r = emu.EmulatorRunner(_mutate("topk.cu", "if (k_rem <= hb)", "if (k_rem < hb)"), package=False)
+    assert [m for c in BUG_CASES for m in kc.topk_fused_stepwise(emu.EmulatorRunner(), c)] == []  # control
+    found = [m for c in BUG_CASES for m in kc.topk_fused_stepwise(r, c)]
+    assert any("cand_select" in m for m in found), "an off-by-one in cand_select went unnoticed"
 
 
 def test_planted_off_by_one_in_radix_pick_is_caught():
