@@ -130,6 +130,16 @@ def test_fused_cand_write_u64_matches_twin(runner, case):
     assert kc.topk_fused_stepwise(runner, case, wide=True) == []
 
 
+REJECT = [c for c in TOPK if c.name.startswith("reject_")]
+
+
+@pytest.mark.parametrize("res_out", ["alias", "new"])
+@pytest.mark.parametrize("case", REJECT, ids=[c.name for c in REJECT])
+def test_fused_topk_rejects_nonfinite_without_touching_the_residual(runner, case, res_out):
+    """A non-finite delta or score: the lowest bad tensor is reported and a residual read in place is unchanged."""
+    assert kc.topk_fused_stepwise(runner, case.with_(res=True, res_out=res_out)) == []
+
+
 def test_fused_fallback_is_counted(emulated):
     from gpu_codec.backends.kernels import KernelOps
 
