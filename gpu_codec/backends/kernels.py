@@ -38,8 +38,10 @@ SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
 SAMPLE_DENSITY = 32  # about one sampled element in SAMPLE_DENSITY
 SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (their bracket is exact)
-CAP_MARGIN = 1.25  # candidate region of a chunk: its sampled estimate times this, plus CAP_SLACK
-CAP_SLACK = 16
+CAP_SIGMAS = 5.0  # candidate region of a chunk: the expected count plus this many standard deviations
+CAP_MARGIN = 1.25  # (times this where the chunk's own sample says it holds more than its tensor's rate)
+CAP_SLACK = 4
+CAP_PRIOR = 256  # the segment's rate counts as this many samples of each tensor's
 NO_LO = 1 << 32  # lo of a segment with k = 0: above every key
 
 __all__ = ["CHUNK", "FUSED_ENV", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
@@ -118,6 +120,16 @@ def bracket(sample: np.ndarray, n: int, k: int, whole: bool) -> int:
     return int(np.partition(sample, ms - 1 - pick)[ms - 1 - pick])
 
 
+def region_caps(lens: np.ndarray, hit: np.ndarray, above: np.ndarray, stride: int, seg_rate: float) -> np.ndarray:
+    """Candidate slots per chunk of a sampled tensor: its expected count (the tensor's sampled rate, drawn towards
+    the segment's where the tensor has few samples, or the chunk's own sample where that is clearly higher) plus
+    CAP_SIGMAS standard deviations and CAP_SLACK."""
+    rate = (float(np.count_nonzero(above)) + CAP_PRIOR * seg_rate) / (above.size + CAP_PRIOR)
+    mean = np.maximum(lens * rate, hit * (float(stride) / SAMPLE_RUN))
+    mean = np.where(mean > 2.0 * lens * rate, mean * CAP_MARGIN, lens * rate)
+    return np.minimum(lens, np.ceil(mean + CAP_SIGMAS * np.sqrt(mean)).astype(np.int64) + CAP_SLACK)
+
+
 def _offsets(counts: list[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.uint64)
 
@@ -143,6 +155,7 @@ class KernelOps:
         self.fused = os.environ.get(FUSED_ENV, "1") != "0" if fused is None else fused
         self.fused_fallbacks = 0  # fused selections that ran the unfused passes (bracket miss or overflow)
         self.fused_selections = 0  # fused selections that completed without the fallback
+        self.fused_workspace_bytes = 0  # scratch bytes of the last fused selection (sample, candidates, tables)
 
     def _up(self, host: np.ndarray):
         return self.xp.asarray(host)
@@ -340,6 +353,8 @@ class KernelOps:
                 lo[s] = bracket(keys, n, k, n <= SAMPLE_ALL)
             if self._force_fallback == "miss":
                 lo[s] = NO_LO - 1
+            seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])]
+            seg_rate = float(np.count_nonzero(seg_keys >= lo[s])) / max(1, seg_keys.size)
             for t in seg:
                 c0, nch = int(tb.chunk_start[t]), int(tb.chunk_start[t + 1] - tb.chunk_start[t])
                 lens = np.minimum(CHUNK, numels[t] - CHUNK * np.arange(nch, dtype=np.int64))
@@ -349,12 +364,12 @@ class KernelOps:
                 a = int(samp_off[t])
                 m = int(samp_off[t + 1]) - a
                 pos = sample_positions(numels[t], m, int(stride[t]))
-                hit = np.bincount(pos[host_sample[a : a + m] >= lo[s]] // CHUNK, minlength=nch)[:nch]
+                above = host_sample[a : a + m] >= lo[s]
+                hit = np.bincount(pos[above] // CHUNK, minlength=nch)[:nch]
                 if int(stride[t]) == SAMPLE_RUN:  # sampled whole: the counts are exact
                     caps[c0 : c0 + nch] = hit
                 else:
-                    est = np.ceil(hit * (float(stride[t]) / SAMPLE_RUN) * CAP_MARGIN).astype(np.int64) + CAP_SLACK
-                    caps[c0 : c0 + nch] = np.minimum(lens, est)
+                    caps[c0 : c0 + nch] = region_caps(lens, hit, above, int(stride[t]), seg_rate)
         if self._force_fallback == "overflow":
             caps[:] = 0
         cand_off = _offsets(caps.tolist())
@@ -364,6 +379,8 @@ class KernelOps:
         cand_idx = xp.empty(max(ncap, 1), dtype=np.uint16)
         cand_key = xp.empty(max(ncap, 1), dtype=np.uint32)
         status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(nseg, np.uint64)]))
+        # scratch of this selection beyond its inputs and outputs (kept for the workspace tests)
+        self.fused_workspace_bytes = ns * 4 + ncap * 6 + grid * (8 + 4 + 8 + 8 + 8) + 8 * (nseg + 2)
         # 2) one pass over every element; the residual is written here where it is not also the residual read
         early = [
             ro if ro is not None and (r is None or self.runner.ptr(r) != self.runner.ptr(ro)) else None
