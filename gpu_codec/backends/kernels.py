@@ -36,7 +36,7 @@ from .base import Runner, dense_values, flat_tables, scatter_args, split_values
 FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
 SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32)
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
-SAMPLE_DENSITY = 32  # about one sampled element in SAMPLE_DENSITY
+SAMPLE_DENSITY = 64  # about one sampled element in SAMPLE_DENSITY
 SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (their bracket is exact)
 CAP_SIGMAS = 5.0  # candidate region of a chunk: the expected count plus this many standard deviations
 CAP_MARGIN = 1.25  # (times this where the chunk's own sample says it holds more than its tensor's rate)
@@ -116,7 +116,7 @@ def bracket(sample: np.ndarray, n: int, k: int, whole: bool) -> int:
         pick = k - 1
     else:
         r = k * ms / n
-        pick = min(ms - 1, int(r + 3.0 * math.sqrt(r) + 2))
+        pick = min(ms - 1, int(r + 2.5 * math.sqrt(r) + 1))
     return int(np.partition(sample, ms - 1 - pick)[ms - 1 - pick])
 
 
