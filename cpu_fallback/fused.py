@@ -58,13 +58,18 @@ def fused_scan(
     crit,
     early_ptrs,
     lo,
-    cand_off,
+    grp_start,
+    grp_off,
+    cand_base,
     cand_cnt,
     cand_idx,
     cand_key,
     status,
 ):
-    for t in range(int(nt)):
+    nt = int(nt)
+    cs = np.asarray(chunk_start[: nt + 1], dtype=np.int64)
+    gs = np.asarray(grp_start, dtype=np.int64)
+    for t in range(nt):
         n = int(numel[t])
         if n == 0:
             continue
@@ -76,32 +81,35 @@ def fused_scan(
             early_ptrs[t][:] = d
         sel = key.astype(np.uint64) >= np.uint64(int(lo[s]))
         c0, c1 = _chunks(chunk_start, t)
-        for c in range(c0, c1):
-            e0 = (c - c0) * CHUNK
-            local = np.flatnonzero(sel[e0 : min(n, e0 + CHUNK)])
-            base, cap = int(cand_off[c]), int(cand_off[c + 1]) - int(cand_off[c])
-            m = min(cap, local.size)
-            cand_idx[base : base + m] = local[:m].astype(np.uint16)
-            cand_key[base : base + m] = key[e0 + local[:m]]
-            cand_cnt[c] = local.size
-            if local.size > cap:
+        for g in range(int(np.searchsorted(gs, c0)), int(np.searchsorted(gs, c1))):
+            base, cap = int(grp_off[g]), int(grp_off[g + 1]) - int(grp_off[g])
+            pos = 0
+            for c in range(int(gs[g]), int(gs[g + 1])):
+                e0 = (c - int(cs[t])) * CHUNK
+                local = np.flatnonzero(sel[e0 : min(n, e0 + CHUNK)])
+                a, b = min(pos, cap), min(pos + local.size, cap)
+                cand_idx[base + a : base + b] = local[: b - a].astype(np.uint16)
+                cand_key[base + a : base + b] = key[e0 + local[: b - a]]
+                cand_base[c] = base + a
+                cand_cnt[c] = b - a
+                pos += local.size
+            if pos > cap:
                 status[1] += np.uint64(1)
-            status[2 + s] += np.uint64(local.size)
+            status[2 + s] += np.uint64(pos)
 
 
-def _cands(cand_off, cand_cnt, c):
-    base = int(cand_off[c])
-    return base, min(int(cand_cnt[c]), int(cand_off[c + 1]) - base)
+def _cands(cand_base, cand_cnt, c):
+    return int(cand_base[c]), int(cand_cnt[c])
 
 
-def cand_select(nseg, seg_chunks, cand_off, cand_cnt, cand_key, state):
+def cand_select(nseg, seg_chunks, cand_base, cand_cnt, cand_key, state):
     for s in range(int(nseg)):
         k_rem = int(state[2 * s + 1])
         if k_rem == 0:
             continue
         parts = []
         for c in range(int(seg_chunks[s]), int(seg_chunks[s + 1])):
-            base, m = _cands(cand_off, cand_cnt, c)
+            base, m = _cands(cand_base, cand_cnt, c)
             parts.append(cand_key[base : base + m])
         keys = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
         prefix = int(state[2 * s])
@@ -117,12 +125,12 @@ def cand_select(nseg, seg_chunks, cand_off, cand_cnt, cand_key, state):
         state[2 * s + 1] = k_rem
 
 
-def cand_count(nt, chunk_start, seg_of, cand_off, cand_cnt, cand_key, state, cnt):
+def cand_count(nt, chunk_start, seg_of, cand_base, cand_cnt, cand_key, state, cnt):
     for t in range(int(nt)):
         T = np.uint32(int(state[2 * int(seg_of[t])]))
         c0, c1 = _chunks(chunk_start, t)
         for c in range(c0, c1):
-            base, m = _cands(cand_off, cand_cnt, c)
+            base, m = _cands(cand_base, cand_cnt, c)
             k = cand_key[base : base + m]
             cnt[2 * c] = np.count_nonzero(k > T)
             cnt[2 * c + 1] = np.count_nonzero(k == T)
@@ -136,7 +144,7 @@ def _cand_write(
     new_ptrs,
     base_ptrs,
     res_ptrs,
-    cand_off,
+    cand_base,
     cand_cnt,
     cand_idx,
     cand_key,
@@ -153,7 +161,7 @@ def _cand_write(
         c0, c1 = _chunks(chunk_start, t)
         dt = int(dtypes[t])
         for c in range(c0, c1):
-            base, m = _cands(cand_off, cand_cnt, c)
+            base, m = _cands(cand_base, cand_cnt, c)
             k = cand_key[base : base + m]
             eq = k == T
             eq_rank = int(eq_base[c]) + np.cumsum(eq, dtype=np.int64) - eq

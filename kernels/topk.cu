@@ -444,23 +444,24 @@ extern "C" __global__ void sample_keys(
 
 // One pass over every element: key and checks (status[0] = lowest tensor with a non-finite delta or score,
 // initialised to ~0), residual = delta into early_ptrs[t] where non-zero, and the elements whose key is at least
-// lo[seg] (lo = 2^32: none) compacted in index order into chunk c's region [cand_off[c], cand_off[c + 1]):
-// cand_idx = index within the chunk, cand_key = key. cand_cnt[c] = candidates of chunk c (may exceed the region:
-// then only the first fit and status[1] counts the chunk); status[2 + s] += candidates of segment s.
+// lo[seg] (lo = 2^32: none) compacted in index order. Block g handles the chunks [grp_start[g], grp_start[g + 1])
+// of one tensor into the region [grp_off[g], grp_off[g + 1]): cand_idx = index within the chunk, cand_key = key;
+// chunk c's candidates start at cand_base[c] and cand_cnt[c] of them were stored. A region too small stores what
+// fits and counts in status[1]; status[2 + s] += candidates of segment s (stored or not).
 extern "C" __global__ void fused_scan(
     int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
     const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
-    int crit, const u64* early_ptrs, const u64* lo, const u64* cand_off, u32* cand_cnt, u16* cand_idx,
-    u32* cand_key, u64* status)
+    int crit, const u64* early_ptrs, const u64* lo, const i64* grp_start, const u64* grp_off, u64* cand_base,
+    u32* cand_cnt, u16* cand_idx, u32* cand_key, u64* status)
 {
     __shared__ u32 wsel[WARPS];
     __shared__ u32 tot;
-    const i64 c = blockIdx.x;
-    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const i64 g = blockIdx.x;
+    const i64 c_first = grp_start[g], c_end = grp_start[g + 1];
+    const int t = tensor_of_chunk(chunk_start, nt, c_first);
     const int s = seg_of[t];
     const u64 L = lo[s];
     const i64 n = numel[t];
-    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
     const int dt = dtypes[t];
     const void* nw = (const void*)new_ptrs[t];
     const void* bs = (const void*)base_ptrs[t];
@@ -468,67 +469,69 @@ extern "C" __global__ void fused_scan(
     const void* sc = (const void*)score_ptrs[t];
     void* ep = (void*)early_ptrs[t];
     const int sdt = score_dtypes[t];
-    const u64 base = cand_off[c];
-    const u64 cap = cand_off[c + 1] - base;
+    const u64 base = grp_off[g];
+    const u64 cap = grp_off[g + 1] - base;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 lt_mask = (1u << lane) - 1u;
     u64 pos = 0;
     bool bad_any = false;
-    for (int j = 0; j < ITEMS; ++j) {
-        const i64 i0 = e0 + (i64)j * BLOCK;
-        if (i0 >= n) break;  // uniform across the block
-        const i64 i = i0 + threadIdx.x;
-        const bool valid = i < n;
-        u32 key = 0;
-        if (valid) {
-            bool bad;
-            float d32 = 0.0f;
-            double d64 = 0.0;
-            key = element_key(nw, bs, rs, sc, dt, sdt, crit, i, bad, d32, d64);
-            bad_any |= bad;
-            if (ep) {
-                if (dt == DT_F64) ((double*)ep)[i] = d64;
-                else ((float*)ep)[i] = d32;
+    for (i64 c = c_first; c < c_end; ++c) {
+        const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+        const u64 pos0 = pos;
+        for (int j = 0; j < ITEMS; ++j) {
+            const i64 i0 = e0 + (i64)j * BLOCK;
+            if (i0 >= n) break;  // uniform across the block
+            const i64 i = i0 + threadIdx.x;
+            const bool valid = i < n;
+            u32 key = 0;
+            if (valid) {
+                bool bad;
+                float d32 = 0.0f;
+                double d64 = 0.0;
+                key = element_key(nw, bs, rs, sc, dt, sdt, crit, i, bad, d32, d64);
+                bad_any |= bad;
+                if (ep) {
+                    if (dt == DT_F64) ((double*)ep)[i] = d64;
+                    else ((float*)ep)[i] = d32;
+                }
             }
-        }
-        const bool sel = valid && (u64)key >= L;
-        const u32 bsel = __ballot_sync(0xFFFFFFFFu, sel);
-        if (lane == 0) wsel[warp] = __popc(bsel);
-        __syncthreads();
-        u32 before = __popc(bsel & lt_mask);
-        for (int w = 0; w < warp; ++w) before += wsel[w];
-        const u64 slot = pos + before;
-        if (sel && slot < cap) {
-            cand_idx[base + slot] = (u16)(i - e0);
-            cand_key[base + slot] = key;
+            const bool sel = valid && (u64)key >= L;
+            const u32 bsel = __ballot_sync(0xFFFFFFFFu, sel);
+            if (lane == 0) wsel[warp] = __popc(bsel);
+            __syncthreads();
+            u32 before = __popc(bsel & lt_mask);
+            for (int w = 0; w < warp; ++w) before += wsel[w];
+            const u64 slot = pos + before;
+            if (sel && slot < cap) {
+                cand_idx[base + slot] = (u16)(i - e0);
+                cand_key[base + slot] = key;
+            }
+            if (threadIdx.x == 0) {
+                u32 a = 0;
+                for (int w = 0; w < WARPS; ++w) a += wsel[w];
+                tot = a;
+            }
+            __syncthreads();
+            pos += tot;
+            __syncthreads();
         }
         if (threadIdx.x == 0) {
-            u32 a = 0;
-            for (int w = 0; w < WARPS; ++w) a += wsel[w];
-            tot = a;
+            const u64 a = pos0 < cap ? pos0 : cap, b = pos < cap ? pos : cap;
+            cand_base[c] = base + a;
+            cand_cnt[c] = (u32)(b - a);
         }
-        __syncthreads();
-        pos += tot;
-        __syncthreads();
     }
     if (bad_any) atomicMin(&status[0], (u64)t);
     if (threadIdx.x == 0) {
-        cand_cnt[c] = (u32)pos;
         if (pos > cap) atomicAdd(&status[1], 1ull);
         if (pos) atomicAdd(&status[2 + s], pos);
     }
 }
 
-// Candidates of chunk c held in its region (all of them unless the region overflowed).
-__device__ __forceinline__ u32 cand_len(const u64* cand_off, const u32* cand_cnt, i64 c) {
-    const u64 cap = cand_off[c + 1] - cand_off[c];
-    return (u64)cand_cnt[c] < cap ? cand_cnt[c] : (u32)cap;
-}
-
 // Exact radix select on the candidates, one block (BLOCK threads) per segment s over chunks
 // [seg_chunks[s], seg_chunks[s + 1]); state as radix_pick leaves it: [T, take_eq] (k = 0: [~0, 0] unchanged).
 extern "C" __global__ void cand_select(
-    int nseg, const i64* seg_chunks, const u64* cand_off, const u32* cand_cnt, const u32* cand_key, u64* state)
+    int nseg, const i64* seg_chunks, const u64* cand_base, const u32* cand_cnt, const u32* cand_key, u64* state)
 {
     __shared__ u32 h[256];
     __shared__ u64 sh_prefix, sh_k;
@@ -541,8 +544,8 @@ extern "C" __global__ void cand_select(
         __syncthreads();
         const u32 prefix = (u32)sh_prefix;
         for (i64 c = seg_chunks[s]; c < seg_chunks[s + 1]; ++c) {
-            const u64 base = cand_off[c];
-            const u32 m = cand_len(cand_off, cand_cnt, c);
+            const u64 base = cand_base[c];
+            const u32 m = cand_cnt[c];
             for (u32 j = threadIdx.x; j < m; j += BLOCK) {
                 const u32 key = cand_key[base + j];
                 if (shift == 24 || (key >> (shift + 8)) == (prefix >> (shift + 8)))
@@ -568,15 +571,15 @@ extern "C" __global__ void cand_select(
 
 // Per chunk, over its candidates: how many keys are above the segment's threshold, and how many equal it.
 extern "C" __global__ void cand_count(
-    int nt, const i64* chunk_start, const int* seg_of, const u64* cand_off, const u32* cand_cnt,
+    int nt, const i64* chunk_start, const int* seg_of, const u64* cand_base, const u32* cand_cnt,
     const u32* cand_key, const u64* state, u32* cnt)
 {
     __shared__ u32 sg[WARPS], se[WARPS];
     const i64 c = blockIdx.x;
     const int t = tensor_of_chunk(chunk_start, nt, c);
     const u32 T = (u32)state[2 * seg_of[t]];
-    const u64 base = cand_off[c];
-    const u32 m = cand_len(cand_off, cand_cnt, c);
+    const u64 base = cand_base[c];
+    const u32 m = cand_cnt[c];
     u32 g = 0, e = 0;
     for (u32 j = threadIdx.x; j < m; j += BLOCK) {
         const u32 key = cand_key[base + j];
@@ -604,7 +607,7 @@ template <typename IDX>
 __device__ __forceinline__ void cand_write_impl(
     int nt, const i64* chunk_start, const int* dtypes, const int* seg_of,
     const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs,
-    const u64* cand_off, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
+    const u64* cand_base, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
     const u64* state, const u64* eq_base, const u64* out_base, IDX* out_idx, float* vals32, double* vals64)
 {
     __shared__ u32 wsel[WARPS], weq[WARPS];
@@ -619,8 +622,8 @@ __device__ __forceinline__ void cand_write_impl(
     const void* nw = (const void*)new_ptrs[t];
     const void* bs = (const void*)base_ptrs[t];
     const void* rs = (const void*)res_ptrs[t];
-    const u64 base = cand_off[c];
-    const u32 m = cand_len(cand_off, cand_cnt, c);
+    const u64 base = cand_base[c];
+    const u32 m = cand_cnt[c];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const u32 lt_mask = (1u << lane) - 1u;
     u64 eq_seen = eq_base[c];
@@ -665,20 +668,20 @@ __device__ __forceinline__ void cand_write_impl(
 extern "C" __global__ void cand_write_u32(
     int nt, const i64* chunk_start, const int* dtypes, const int* seg_of,
     const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs,
-    const u64* cand_off, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
+    const u64* cand_base, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
     const u64* state, const u64* eq_base, const u64* out_base, u32* out_idx, float* vals32, double* vals64)
 {
-    cand_write_impl<u32>(nt, chunk_start, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, cand_off, cand_cnt, cand_idx,
+    cand_write_impl<u32>(nt, chunk_start, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, cand_base, cand_cnt, cand_idx,
                          cand_key, state, eq_base, out_base, out_idx, vals32, vals64);
 }
 
 extern "C" __global__ void cand_write_u64(
     int nt, const i64* chunk_start, const int* dtypes, const int* seg_of,
     const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs,
-    const u64* cand_off, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
+    const u64* cand_base, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
     const u64* state, const u64* eq_base, const u64* out_base, u64* out_idx, float* vals32, double* vals64)
 {
-    cand_write_impl<u64>(nt, chunk_start, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, cand_off, cand_cnt, cand_idx,
+    cand_write_impl<u64>(nt, chunk_start, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, cand_base, cand_cnt, cand_idx,
                          cand_key, state, eq_base, out_base, out_idx, vals32, vals64);
 }
 

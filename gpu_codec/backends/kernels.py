@@ -41,6 +41,8 @@ SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (their bra
 CAP_SIGMAS = 5.0  # candidate region of a chunk: the expected count plus this many standard deviations
 CAP_MARGIN = 1.25  # (times this where the chunk's own sample says it holds more than its tensor's rate)
 CAP_SLACK = 4
+RATE_SIGMAS = 4.0
+CAP_GROUP = 4  # chunks per fused_scan block (one candidate region each: relatively less spread than a chunk's)
 CAP_PRIOR = 256  # the segment's rate counts as this many samples of each tensor's
 NO_LO = 1 << 32  # lo of a segment with k = 0: above every key
 
@@ -121,12 +123,16 @@ def bracket(sample: np.ndarray, n: int, k: int, whole: bool) -> int:
 
 
 def region_caps(lens: np.ndarray, hit: np.ndarray, above: np.ndarray, stride: int, seg_rate: float) -> np.ndarray:
-    """Candidate slots per chunk of a sampled tensor: its expected count (the tensor's sampled rate, drawn towards
-    the segment's where the tensor has few samples, or the chunk's own sample where that is clearly higher) plus
-    CAP_SIGMAS standard deviations and CAP_SLACK."""
-    rate = (float(np.count_nonzero(above)) + CAP_PRIOR * seg_rate) / (above.size + CAP_PRIOR)
-    mean = np.maximum(lens * rate, hit * (float(stride) / SAMPLE_RUN))
-    mean = np.where(mean > 2.0 * lens * rate, mean * CAP_MARGIN, lens * rate)
+    """Candidate slots per region (CAP_GROUP chunks of ``lens`` elements) of a sampled tensor: the expected count
+    plus CAP_SIGMAS standard deviations and CAP_SLACK. Expected: the tensor's sampled rate (drawn towards the
+    segment's where the tensor has few samples, and raised by RATE_SIGMAS of its own spread), or the region's own
+    sample where that is significantly higher."""
+    hits = float(np.count_nonzero(above)) + CAP_PRIOR * seg_rate
+    rate = (hits + RATE_SIGMAS * math.sqrt(hits) + 1.0) / (above.size + CAP_PRIOR)  # the rate is a sample's too
+    scale = float(stride) / SAMPLE_RUN
+    expect_hits = lens * rate / scale
+    local = hit > expect_hits + CAP_SIGMAS * np.sqrt(expect_hits) + 3
+    mean = np.where(local, hit * scale * CAP_MARGIN, lens * rate)
     return np.minimum(lens, np.ceil(mean + CAP_SIGMAS * np.sqrt(mean)).astype(np.int64) + CAP_SLACK)
 
 
@@ -340,47 +346,51 @@ class KernelOps:
             )
             host_sample = run.to_host(sample)
         lo = np.zeros(max(nseg, 1), np.uint64)
-        caps = np.zeros(grid, np.int64)
+        grp_start, caps = [], []  # fused_scan's blocks: CAP_GROUP chunks of one tensor each, and their regions
         for s, (seg, k) in enumerate(zip(segments, ks)):
             n = sum(numels[t] for t in seg)
             if k <= 0:
                 lo[s] = NO_LO
-                continue
-            if k >= n:
+            elif k >= n:
                 lo[s] = 0
             else:
                 keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])]
                 lo[s] = bracket(keys, n, k, n <= SAMPLE_ALL)
-            if self._force_fallback == "miss":
+            if self._force_fallback == "miss" and k > 0:
                 lo[s] = NO_LO - 1
-            seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])]
+            seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])] if seg else host_sample[:0]
             seg_rate = float(np.count_nonzero(seg_keys >= lo[s])) / max(1, seg_keys.size)
             for t in seg:
                 c0, nch = int(tb.chunk_start[t]), int(tb.chunk_start[t + 1] - tb.chunk_start[t])
-                lens = np.minimum(CHUNK, numels[t] - CHUNK * np.arange(nch, dtype=np.int64))
-                if lo[s] == 0:
-                    caps[c0 : c0 + nch] = lens
-                    continue
-                a = int(samp_off[t])
-                m = int(samp_off[t + 1]) - a
-                pos = sample_positions(numels[t], m, int(stride[t]))
-                above = host_sample[a : a + m] >= lo[s]
-                hit = np.bincount(pos[above] // CHUNK, minlength=nch)[:nch]
-                if int(stride[t]) == SAMPLE_RUN:  # sampled whole: the counts are exact
-                    caps[c0 : c0 + nch] = hit
+                ng = -(-nch // CAP_GROUP)
+                grp_start += range(c0, c0 + nch, CAP_GROUP)
+                glen = np.minimum(CAP_GROUP * CHUNK, numels[t] - CAP_GROUP * CHUNK * np.arange(ng, dtype=np.int64))
+                if k <= 0:
+                    caps += [0] * ng
+                elif lo[s] == 0:
+                    caps += glen.tolist()
                 else:
-                    caps[c0 : c0 + nch] = region_caps(lens, hit, above, int(stride[t]), seg_rate)
+                    a = int(samp_off[t])
+                    m = int(samp_off[t + 1]) - a
+                    pos = sample_positions(numels[t], m, int(stride[t]))
+                    above = host_sample[a : a + m] >= lo[s]
+                    hit = np.bincount(pos[above] // (CAP_GROUP * CHUNK), minlength=ng)[:ng]
+                    if int(stride[t]) == SAMPLE_RUN:  # sampled whole: the counts are exact
+                        caps += hit.tolist()
+                    else:
+                        caps += region_caps(glen, hit, above, int(stride[t]), seg_rate).tolist()
+        grp_start.append(grid)
         if self._force_fallback == "overflow":
-            caps[:] = 0
-        cand_off = _offsets(caps.tolist())
-        ncap = int(cand_off[-1])
-        d_cand_off = self._up(cand_off)
+            caps = [0] * len(caps)
+        grp_off = _offsets(caps)
+        ncap, ngrp = int(grp_off[-1]), len(caps)
+        cand_base = xp.zeros(grid, dtype=np.uint64)
         cand_cnt = xp.zeros(grid, dtype=np.uint32)
         cand_idx = xp.empty(max(ncap, 1), dtype=np.uint16)
         cand_key = xp.empty(max(ncap, 1), dtype=np.uint32)
         status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(nseg, np.uint64)]))
         # scratch of this selection beyond its inputs and outputs (kept for the workspace tests)
-        self.fused_workspace_bytes = ns * 4 + ncap * 6 + grid * (8 + 4 + 8 + 8 + 8) + 8 * (nseg + 2)
+        self.fused_workspace_bytes = ns * 4 + ncap * 6 + grid * (8 + 4 + 8 + 8 + 8) + 16 * ngrp + 8 * (nseg + 2)
         # 2) one pass over every element; the residual is written here where it is not also the residual read
         early = [
             ro if ro is not None and (r is None or self.runner.ptr(r) != self.runner.ptr(ro)) else None
@@ -388,10 +398,11 @@ class KernelOps:
         ]
         run.launch(
             "fused_scan",
-            grid,
+            ngrp,
             BLOCK,
             (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32, self._ptrs(early))
-            + (self._up(lo), d_cand_off, cand_cnt, cand_idx, cand_key, status),
+            + (self._up(lo), self._up(np.asarray(grp_start, np.int64)), self._up(grp_off), cand_base, cand_cnt)
+            + (cand_idx, cand_key, status),
         )
         st = run.to_host(status)
         if int(st[0]) != U64_MAX:
@@ -403,10 +414,10 @@ class KernelOps:
         seg_chunks = np.zeros(nseg + 1, np.int64)
         for s, seg in enumerate(segments):
             seg_chunks[s + 1] = tb.chunk_start[seg[-1] + 1] if seg else seg_chunks[s]
-        run.launch("cand_select", max(nseg, 1), BLOCK, (np.int32(nseg), self._up(seg_chunks), d_cand_off)
+        run.launch("cand_select", max(nseg, 1), BLOCK, (np.int32(nseg), self._up(seg_chunks), cand_base)
                    + (cand_cnt, cand_key, state))
         cnt = xp.zeros(2 * grid, dtype=np.uint32)
-        run.launch("cand_count", grid, BLOCK, (nt32, d_cs, d_so, d_cand_off, cand_cnt, cand_key, state, cnt))
+        run.launch("cand_count", grid, BLOCK, (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, cnt))
         eq_base = xp.zeros(grid, dtype=np.uint64)
         out_base = xp.zeros(grid + 1, dtype=np.uint64)
         counts = xp.zeros(nt, dtype=np.uint64)
@@ -427,7 +438,7 @@ class KernelOps:
             "cand_write_" + sfx,
             grid,
             BLOCK,
-            (nt32, d_cs, d_dt, d_so, p_new, p_base, p_res, d_cand_off, cand_cnt, cand_idx, cand_key, state, eq_base)
+            (nt32, d_cs, d_dt, d_so, p_new, p_base, p_res, cand_base, cand_cnt, cand_idx, cand_key, state, eq_base)
             + (out_base, idx, vals32, vals64),
         )
         host_counts = run.to_host(counts).astype(np.int64)
