@@ -126,7 +126,7 @@ class Suite:
         self.out.mkdir(parents=True, exist_ok=True)
         self.t0 = time.monotonic()
         self.summary: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "runner": args.runner, "steps": {}}
-        self.log_f = open(self.out / "suite.log", "w")
+        self.log_f = open(self.out / "suite.log", "w")  # noqa: SIM115 (open for the whole run, closed at its end)
 
     def log(self, msg: str) -> None:
         print(msg, flush=True)
@@ -194,7 +194,7 @@ class Suite:
         except ImportError as e:
             info["cupy_error"] = str(e)
         if shutil.which("nvidia-smi"):
-            r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True)
+            r = subprocess.run(["nvidia-smi", "-L"], check=False, capture_output=True, text=True)
             info["nvidia_smi"] = r.stdout.strip()
         info["compute_sanitizer"] = self.sanitizer_path()
         info["nvcc"] = shutil.which("nvcc")
@@ -232,7 +232,13 @@ class Suite:
         with open(logp, "w") as f:
             try:
                 r = subprocess.run(
-                    self.pytest_command(), cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT, timeout=timeout
+                    self.pytest_command(),
+                    check=False,
+                    cwd=ROOT,
+                    env=_env(),
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    timeout=timeout,
                 )
                 rc = r.returncode
             except subprocess.TimeoutExpired:
@@ -359,7 +365,13 @@ class Suite:
             timeout = max(30.0, min(300.0, self.left()))
             try:
                 r = subprocess.run(
-                    self.sanitizer_command(tool), cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=timeout
+                    self.sanitizer_command(tool),
+                    check=False,
+                    cwd=ROOT,
+                    env=_env(),
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
                 )
                 text, rc = r.stdout + r.stderr, r.returncode
             except subprocess.TimeoutExpired as e:

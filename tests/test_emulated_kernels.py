@@ -814,3 +814,19 @@ def test_gpu_suite_commands_and_log_parsing(tmp_path):
     assert race == {"errors": 1, "hazards": 3, "summary_found": True}
     assert gs.parse_sanitizer("Segmentation fault")["summary_found"] is False
     s.log_f.close()
+
+
+def test_fused_workspace_is_small():
+    """Sample, candidate regions and per-chunk tables of the fused selection at fraction 0.01 on 2^24 fp32 elements
+    (sized on the host from the sample, so the twins give the same sizes): under 3.5% of the update's bytes
+    (2.9% at 2^26, where the sample weighs less)."""
+    from gpu_codec.backends.kernels import KernelOps
+
+    n = 1 << 24
+    rng = np.random.default_rng(1)
+    new = rng.standard_normal(n, dtype=np.float32)
+    base = new + rng.standard_normal(n, dtype=np.float32) * np.float32(0.1)
+    ops = KernelOps(kc.TwinRunner(), fused=True)
+    ops.topk_select([new], [base], [None], [None], [0], [None], [0], 0, [[0]], [n // 100], 0)
+    assert (ops.fused_selections, ops.fused_fallbacks) == (1, 0)
+    assert 0 < ops.fused_workspace_bytes <= 0.035 * 4 * n

@@ -414,8 +414,12 @@ class KernelOps:
         seg_chunks = np.zeros(nseg + 1, np.int64)
         for s, seg in enumerate(segments):
             seg_chunks[s + 1] = tb.chunk_start[seg[-1] + 1] if seg else seg_chunks[s]
-        run.launch("cand_select", max(nseg, 1), BLOCK, (np.int32(nseg), self._up(seg_chunks), cand_base)
-                   + (cand_cnt, cand_key, state))
+        run.launch(
+            "cand_select",
+            max(nseg, 1),
+            BLOCK,
+            (np.int32(nseg), self._up(seg_chunks), cand_base) + (cand_cnt, cand_key, state),
+        )
         cnt = xp.zeros(2 * grid, dtype=np.uint32)
         run.launch("cand_count", grid, BLOCK, (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, cnt))
         eq_base = xp.zeros(grid, dtype=np.uint64)
