@@ -528,7 +528,7 @@ extern "C" __global__ void fused_scan(
     }
 }
 
-// Exact radix select on the candidates, one block (BLOCK threads) per segment s over chunks
+// Exact radix select on the candidates, one block (SCAN_THREADS threads, a chunk each in turn) per segment s over chunks
 // [seg_chunks[s], seg_chunks[s + 1]); state as radix_pick leaves it: [T, take_eq] (k = 0: [~0, 0] unchanged).
 extern "C" __global__ void cand_select(
     int nseg, const i64* seg_chunks, const u64* cand_base, const u32* cand_cnt, const u32* cand_key, u64* state)
@@ -540,13 +540,13 @@ extern "C" __global__ void cand_select(
     __syncthreads();
     if (sh_k == 0) return;  // uniform across the block
     for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += BLOCK) h[b] = 0;
+        for (int b = threadIdx.x; b < 256; b += SCAN_THREADS) h[b] = 0;
         __syncthreads();
         const u32 prefix = (u32)sh_prefix;
-        for (i64 c = seg_chunks[s]; c < seg_chunks[s + 1]; ++c) {
+        for (i64 c = seg_chunks[s] + threadIdx.x; c < seg_chunks[s + 1]; c += SCAN_THREADS) {  // a chunk a thread
             const u64 base = cand_base[c];
             const u32 m = cand_cnt[c];
-            for (u32 j = threadIdx.x; j < m; j += BLOCK) {
+            for (u32 j = 0; j < m; ++j) {
                 const u32 key = cand_key[base + j];
                 if (shift == 24 || (key >> (shift + 8)) == (prefix >> (shift + 8)))
                     atomicAdd(&h[(key >> shift) & 255u], 1u);

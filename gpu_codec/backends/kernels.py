@@ -417,7 +417,7 @@ class KernelOps:
         run.launch(
             "cand_select",
             max(nseg, 1),
-            BLOCK,
+            SCAN_THREADS,
             (np.int32(nseg), self._up(seg_chunks), cand_base) + (cand_cnt, cand_key, state),
         )
         cnt = xp.zeros(2 * grid, dtype=np.uint32)
