@@ -830,3 +830,18 @@ def test_fused_workspace_is_small():
     ops.topk_select([new], [base], [None], [None], [0], [None], [0], 0, [[0]], [n // 100], 0)
     assert (ops.fused_selections, ops.fused_fallbacks) == (1, 0)
     assert 0 < ops.fused_workspace_bytes <= 0.035 * 4 * n
+
+
+def test_large_segment_kept_whole_runs_unfused(emulated):
+    """k = n on a segment larger than SAMPLE_ALL: the unfused passes (no candidate per element), the same bytes."""
+    from gpu_codec.backends.kernels import SAMPLE_ALL, KernelOps
+
+    case = kc.TopkCase("whole_and_sparse", (SAMPLE_ALL + 5, 3000), ("f32", "f16"), scope="tensor", k="all")
+    assert kc.topk_vs_reference(emulated, case) == []
+    inp = kc.make_topk_inputs(case)
+    ops = KernelOps(emulated, fused=True)
+    args = (inp["new"], inp["base"], inp["res"], [None, None], inp["dtypes"], inp["ext"], inp["ext_dtypes"])
+    ops.topk_select(*args, inp["crit"], inp["segments"], inp["ks"], inp["qmode"])
+    assert (ops.fused_selections, ops.fused_fallbacks) == (0, 0)
+    ops.topk_select(*args, inp["crit"], inp["segments"], [inp["ks"][0] - 1, inp["ks"][1]], inp["qmode"])
+    assert (ops.fused_selections, ops.fused_fallbacks) == (1, 0)

@@ -118,7 +118,9 @@ def bracket(sample: np.ndarray, n: int, k: int, whole: bool) -> int:
         pick = k - 1
     else:
         r = k * ms / n
-        pick = min(ms - 1, int(r + 2.5 * math.sqrt(r) + 1))
+        pick = int(r + 2.5 * math.sqrt(r) + 1)
+        if pick >= ms - 1:
+            return 0  # the sample cannot bracket so low: every element is a candidate
     return int(np.partition(sample, ms - 1 - pick)[ms - 1 - pick])
 
 
@@ -178,7 +180,9 @@ class KernelOps:
     def topk_select(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """Same contract as :func:`gpu_codec.cpu_fallback.select.topk_select`, on the runner's memory."""
         _check_segments(segments, len(new))
-        if self.fused:
+        sizes = [sum(int(new[t].size) for t in seg) for seg in segments]
+        # a large segment kept whole would make every element a candidate: the unfused passes skip its selection
+        if self.fused and not any(k >= n > SAMPLE_ALL for n, k in zip(sizes, ks)):
             got = self._topk_fused(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode)
             if got is not None:
                 return got
