@@ -5,8 +5,9 @@
 // tables of device addresses (u64) with a logical dtype code per tensor (common.cuh). A "segment" is the set of
 // tensors that share one threshold: all of them for global scope, one tensor each for per-tensor scope.
 //
-// Passes: score_keys -> 4 x (radix_hist, radix_pick) -> chunk_count -> chunk_scan -> chunk_write_{u32,u64}.
-// Each has a NumPy twin with the same name and arguments in cpu_fallback/kernels.py.
+// Unfused passes: score_keys -> 4 x (radix_hist, radix_pick) -> chunk_count -> chunk_scan -> chunk_write_{u32,u64}.
+// Each has a NumPy twin with the same name and arguments in cpu_fallback/kernels.py. They are exact for any input;
+// the fused selection at the end of this file reads the inputs once and falls back to them when its bracket misses.
 #include "common.cuh"
 
 // The delta of element i (a null base reads as zeros, a null residual as none), in fp32 (fp32/fp16/bf16 tensors) or fp64 (fp64 tensors): (new - base) + residual.

@@ -6,7 +6,8 @@ A runner (:class:`~gpu_codec.backends.base.Runner`) has ``xp`` (the array module
 (:mod:`gpu_codec.backends.emulated`). Both go through :class:`KernelOps` below, so the emulated backend exercises
 exactly what the GPU backend launches.
 
-The only device-to-host copies here are small: one error word after scoring and after a scatter, the per-tensor
+The only device-to-host copies here are small: one error word after scoring and after a scatter, the sampled keys
+of the fused selection (at most SAMPLE_MAX per segment) and its status words (one per segment), the per-tensor
 kept counts, ternary mu and Rice bit counts.
 """
 
