@@ -336,7 +336,7 @@ class KernelOps:
         d_dt, d_so = self._up(np.asarray(dtypes, np.int32)), self._up(tb.seg_of)
         p_new, p_base, p_res, p_ext = self._ptrs(new), self._ptrs(base), self._ptrs(res), self._ptrs(ext_scores)
         d_ext_dt = self._up(np.asarray(ext_dtypes, np.int32))
-        # 1) the sample and, on the host, lo per segment and a candidate region per chunk
+        # 1) the sample and, on the host, lo per segment and a candidate region per group of CAP_GROUP chunks
         samp_off, stride = sample_plan(numels, segments, ks)
         ns = int(samp_off[-1])
         host_sample = np.zeros(0, np.uint32)
@@ -354,16 +354,15 @@ class KernelOps:
         grp_start, caps = [], []  # fused_scan's blocks: CAP_GROUP chunks of one tensor each, and their regions
         for s, (seg, k) in enumerate(zip(segments, ks)):
             n = sum(numels[t] for t in seg)
+            seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])] if seg else host_sample[:0]
             if k <= 0:
                 lo[s] = NO_LO
             elif k >= n:
                 lo[s] = 0
             else:
-                keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])]
-                lo[s] = bracket(keys, n, k, n <= SAMPLE_ALL)
+                lo[s] = bracket(seg_keys, n, k, n <= SAMPLE_ALL)
             if self._force_fallback == "miss" and k > 0:
                 lo[s] = NO_LO - 1
-            seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])] if seg else host_sample[:0]
             seg_rate = float(np.count_nonzero(seg_keys >= lo[s])) / max(1, seg_keys.size)
             for t in seg:
                 c0, nch = int(tb.chunk_start[t]), int(tb.chunk_start[t + 1] - tb.chunk_start[t])
