@@ -126,7 +126,7 @@ class Suite:
         self.out.mkdir(parents=True, exist_ok=True)
         self.t0 = time.monotonic()
         self.summary: dict = {"started": time.strftime("%Y-%m-%dT%H:%M:%S"), "runner": args.runner, "steps": {}}
-        self.log_f = open(self.out / "suite.log", "w")  # noqa: SIM115 - open for the whole run of the suite
+        self.log_f = open(self.out / "suite.log", "w")  # noqa: SIM115 (open for the whole run, closed at its end)
 
     def log(self, msg: str) -> None:
         print(msg, flush=True)
@@ -194,7 +194,7 @@ class Suite:
         except ImportError as e:
             info["cupy_error"] = str(e)
         if shutil.which("nvidia-smi"):
-            r = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+            r = subprocess.run(["nvidia-smi", "-L"], check=False, capture_output=True, text=True)
             info["nvidia_smi"] = r.stdout.strip()
         info["compute_sanitizer"] = self.sanitizer_path()
         info["nvcc"] = shutil.which("nvcc")
@@ -233,12 +233,12 @@ class Suite:
             try:
                 r = subprocess.run(
                     self.pytest_command(),
+                    check=False,
                     cwd=ROOT,
                     env=_env(),
                     stdout=f,
                     stderr=subprocess.STDOUT,
                     timeout=timeout,
-                    check=False,
                 )
                 rc = r.returncode
             except subprocess.TimeoutExpired:
@@ -294,6 +294,7 @@ class Suite:
             ("topk", kc.topk_cases(), kc.topk_vs_reference),
             ("topk_stepwise", kc.topk_cases(), kc.topk_stepwise),
             ("topk_stepwise_u64", kc.topk_cases()[::4], lambda r, c: kc.topk_stepwise(r, c, wide=True)),
+            ("topk_fused", kc.topk_cases(), kc.topk_fused_stepwise),
             ("scatter", kc.scatter_cases(), kc.scatter_vs_reference),
             ("scatter_stepwise", kc.scatter_cases(), kc.scatter_stepwise),
             ("dense", kc.topk_cases(), kc.dense_vs_reference),
@@ -365,12 +366,12 @@ class Suite:
             try:
                 r = subprocess.run(
                     self.sanitizer_command(tool),
+                    check=False,
                     cwd=ROOT,
                     env=_env(),
                     capture_output=True,
                     text=True,
                     timeout=timeout,
-                    check=False,
                 )
                 text, rc = r.stdout + r.stderr, r.returncode
             except subprocess.TimeoutExpired as e:
@@ -454,6 +455,9 @@ def workload(runner_kind: str) -> int:
     m += kc.topk_stepwise(r, topk)
     m += kc.topk_stepwise(r, topk.with_(name="workload_u64", scope="tensor", res_out="alias"), wide=True)
     m += kc.topk_vs_reference(r, topk.with_(name="workload_ops", pattern="ties"))
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused"))
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_u64", scope="tensor", res_out="alias"), wide=True)
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_miss"), force="miss")
     m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter", (3000, 700), ("f16", "f64"), mode=1))
     m += kc.scatter_stepwise(
         r,

@@ -5,8 +5,9 @@
 // tables of device addresses (u64) with a logical dtype code per tensor (common.cuh). A "segment" is the set of
 // tensors that share one threshold: all of them for global scope, one tensor each for per-tensor scope.
 //
-// Passes: score_keys -> 4 x (radix_hist, radix_pick) -> chunk_count -> chunk_scan -> chunk_write_{u32,u64}.
-// Each has a NumPy twin with the same name and arguments in cpu_fallback/kernels.py.
+// Unfused passes: score_keys -> 4 x (radix_hist, radix_pick) -> chunk_count -> chunk_scan -> chunk_write_{u32,u64}.
+// Each has a NumPy twin with the same name and arguments in cpu_fallback/kernels.py. They are exact for any input;
+// the fused selection at the end of this file reads the inputs once and falls back to them when its bracket misses.
 #include "common.cuh"
 
 // The delta of element i (a null base reads as zeros, a null residual as none), in fp32 (fp32/fp16/bf16 tensors) or fp64 (fp64 tensors): (new - base) + residual.
@@ -382,4 +383,365 @@ extern "C" __global__ void chunk_write_u64(
 {
     chunk_write_impl<u64>(nt, chunk_start, elem_off, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs,
                           res_out_ptrs, qmode, keys, state, eq_base, out_base, out_idx, vals32, vals64);
+}
+
+// ------------------------------------------------------------------------------------------------------------
+// Fused selection: the full tensors are read once.
+//
+// sample_keys -> (host: a low bracket lo per segment and candidate capacities per chunk from the sample) ->
+// fused_scan (one pass: delta, key, checks, residual = delta where written early, in-order compaction of the
+// keys >= lo into a per-chunk region) -> cand_select (exact radix select on the candidates, one block per
+// segment) -> cand_count -> chunk_scan -> cand_write_{u32,u64} -> [residual_delta] -> kept_fix_{u32,u64}.
+// If a segment has fewer than k candidates (the bracket missed) or a chunk overflows its region, the caller
+// runs the unfused passes above instead, which are exact for any input.
+// Twins with the same names and arguments are in cpu_fallback/fused.py.
+
+// The fp32 score key of element i and whether its delta or score is non-finite; the delta goes to d32 or d64.
+__device__ __forceinline__ u32 element_key(const void* nw, const void* bs, const void* rs, const void* sc, int dt,
+                                           int sdt, int crit, i64 i, bool& bad, float& d32, double& d64)
+{
+    float s;
+    if (dt == DT_F64) {
+        d64 = delta_f64(nw, bs, rs, i);
+        bad = !finite_f64(d64);
+        if (crit == CRIT_EXTERNAL) {
+            s = load_f32(sc, sdt, i);
+        } else {
+            const double w = ((const double*)nw)[i], w0 = bs ? ((const double*)bs)[i] : 0.0;
+            s = (float)criterion_f64(crit, w, w0, d64);
+        }
+    } else {
+        d32 = delta_f32(nw, bs, rs, dt, i);
+        bad = !finite_f32(d32);
+        if (crit == CRIT_EXTERNAL) {
+            s = load_f32(sc, sdt, i);
+        } else {
+            s = criterion_f32(crit, load_f32(nw, dt, i), bs ? load_f32(bs, dt, i) : 0.0f, d32);
+        }
+    }
+    bad |= !finite_f32(s);
+    return score_key(s);
+}
+
+// keys[j] = key of sample slot j. Slot j of tensor t (samp_off[t] <= j < samp_off[t + 1]) is element
+// (r / run) * stride[t] + r % run with r = j - samp_off[t]: runs of `run` consecutive elements, one run every
+// stride[t] elements. Non-finite values are not reported here (fused_scan checks every element).
+extern "C" __global__ void sample_keys(
+    int nt, u64 total, const u64* samp_off, const i64* stride, int run, const int* dtypes,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, u32* keys)
+{
+    const u64 j = (u64)blockIdx.x * BLOCK + threadIdx.x;
+    if (j >= total) return;
+    const int t = tensor_of_entry(samp_off, nt, j);
+    const i64 r = (i64)(j - samp_off[t]);
+    const i64 i = (r / run) * stride[t] + r % run;
+    bool bad;
+    float d32;
+    double d64;
+    keys[j] = element_key((const void*)new_ptrs[t], (const void*)base_ptrs[t], (const void*)res_ptrs[t],
+                          (const void*)score_ptrs[t], dtypes[t], score_dtypes[t], crit, i, bad, d32, d64);
+}
+
+// One pass over every element: key and checks (status[0] = lowest tensor with a non-finite delta or score,
+// initialised to ~0), residual = delta into early_ptrs[t] where non-zero, and the elements whose key is at least
+// lo[seg] (lo = 2^32: none) compacted in index order. Block g handles the chunks [grp_start[g], grp_start[g + 1])
+// of one tensor into the region [grp_off[g], grp_off[g + 1]): cand_idx = index within the chunk, cand_key = key;
+// chunk c's candidates start at cand_base[c] and cand_cnt[c] of them were stored. A region too small stores what
+// fits and counts in status[1]; status[2 + s] += candidates of segment s (stored or not).
+extern "C" __global__ void fused_scan(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, const u64* early_ptrs, const u64* lo, const i64* grp_start, const u64* grp_off, u64* cand_base,
+    u32* cand_cnt, u16* cand_idx, u32* cand_key, u64* status)
+{
+    __shared__ u32 wsel[WARPS];
+    __shared__ u32 tot;
+    const i64 g = blockIdx.x;
+    const i64 c_first = grp_start[g], c_end = grp_start[g + 1];
+    const int t = tensor_of_chunk(chunk_start, nt, c_first);
+    const int s = seg_of[t];
+    const u64 L = lo[s];
+    const i64 n = numel[t];
+    const int dt = dtypes[t];
+    const void* nw = (const void*)new_ptrs[t];
+    const void* bs = (const void*)base_ptrs[t];
+    const void* rs = (const void*)res_ptrs[t];
+    const void* sc = (const void*)score_ptrs[t];
+    void* ep = (void*)early_ptrs[t];
+    const int sdt = score_dtypes[t];
+    const u64 base = grp_off[g];
+    const u64 cap = grp_off[g + 1] - base;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lt_mask = (1u << lane) - 1u;
+    u64 pos = 0;
+    bool bad_any = false;
+    for (i64 c = c_first; c < c_end; ++c) {
+        const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+        const u64 pos0 = pos;
+        for (int j = 0; j < ITEMS; ++j) {
+            const i64 i0 = e0 + (i64)j * BLOCK;
+            if (i0 >= n) break;  // uniform across the block
+            const i64 i = i0 + threadIdx.x;
+            const bool valid = i < n;
+            u32 key = 0;
+            if (valid) {
+                bool bad;
+                float d32 = 0.0f;
+                double d64 = 0.0;
+                key = element_key(nw, bs, rs, sc, dt, sdt, crit, i, bad, d32, d64);
+                bad_any |= bad;
+                if (ep) {
+                    if (dt == DT_F64) ((double*)ep)[i] = d64;
+                    else ((float*)ep)[i] = d32;
+                }
+            }
+            const bool sel = valid && (u64)key >= L;
+            const u32 bsel = __ballot_sync(0xFFFFFFFFu, sel);
+            if (lane == 0) wsel[warp] = __popc(bsel);
+            __syncthreads();
+            u32 before = __popc(bsel & lt_mask);
+            for (int w = 0; w < warp; ++w) before += wsel[w];
+            const u64 slot = pos + before;
+            if (sel && slot < cap) {
+                cand_idx[base + slot] = (u16)(i - e0);
+                cand_key[base + slot] = key;
+            }
+            if (threadIdx.x == 0) {
+                u32 a = 0;
+                for (int w = 0; w < WARPS; ++w) a += wsel[w];
+                tot = a;
+            }
+            __syncthreads();
+            pos += tot;
+            __syncthreads();
+        }
+        if (threadIdx.x == 0) {
+            const u64 a = pos0 < cap ? pos0 : cap, b = pos < cap ? pos : cap;
+            cand_base[c] = base + a;
+            cand_cnt[c] = (u32)(b - a);
+        }
+    }
+    if (bad_any) atomicMin(&status[0], (u64)t);
+    if (threadIdx.x == 0) {
+        if (pos > cap) atomicAdd(&status[1], 1ull);
+        if (pos) atomicAdd(&status[2 + s], pos);
+    }
+}
+
+// Exact radix select on the candidates, one block (SCAN_THREADS threads, a chunk each in turn) per segment s over chunks
+// [seg_chunks[s], seg_chunks[s + 1]); state as radix_pick leaves it: [T, take_eq] (k = 0: [~0, 0] unchanged).
+extern "C" __global__ void cand_select(
+    int nseg, const i64* seg_chunks, const u64* cand_base, const u32* cand_cnt, const u32* cand_key, u64* state)
+{
+    __shared__ u32 h[256];
+    __shared__ u64 sh_prefix, sh_k;
+    const int s = blockIdx.x;
+    if (threadIdx.x == 0) { sh_prefix = state[2 * s]; sh_k = state[2 * s + 1]; }
+    __syncthreads();
+    if (sh_k == 0) return;  // uniform across the block
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += SCAN_THREADS) h[b] = 0;
+        __syncthreads();
+        const u32 prefix = (u32)sh_prefix;
+        for (i64 c = seg_chunks[s] + threadIdx.x; c < seg_chunks[s + 1]; c += SCAN_THREADS) {  // a chunk a thread
+            const u64 base = cand_base[c];
+            const u32 m = cand_cnt[c];
+            for (u32 j = 0; j < m; ++j) {
+                const u32 key = cand_key[base + j];
+                if (shift == 24 || (key >> (shift + 8)) == (prefix >> (shift + 8)))
+                    atomicAdd(&h[(key >> shift) & 255u], 1u);
+            }
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u64 k_rem = sh_k;
+            u32 p = prefix;
+            for (int b = 255; b >= 0; --b) {
+                const u64 hb = h[b];
+                if (k_rem <= hb) { p |= ((u32)b) << shift; break; }
+                k_rem -= hb;
+            }
+            sh_prefix = p;
+            sh_k = k_rem;
+        }
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) { state[2 * s] = sh_prefix; state[2 * s + 1] = sh_k; }
+}
+
+// Per chunk, over its candidates: how many keys are above the segment's threshold, and how many equal it.
+extern "C" __global__ void cand_count(
+    int nt, const i64* chunk_start, const int* seg_of, const u64* cand_base, const u32* cand_cnt,
+    const u32* cand_key, const u64* state, u32* cnt)
+{
+    __shared__ u32 sg[WARPS], se[WARPS];
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const u32 T = (u32)state[2 * seg_of[t]];
+    const u64 base = cand_base[c];
+    const u32 m = cand_cnt[c];
+    u32 g = 0, e = 0;
+    for (u32 j = threadIdx.x; j < m; j += BLOCK) {
+        const u32 key = cand_key[base + j];
+        g += key > T;
+        e += key == T;
+    }
+    for (int o = 16; o > 0; o >>= 1) {
+        g += __shfl_down_sync(0xFFFFFFFFu, g, o);
+        e += __shfl_down_sync(0xFFFFFFFFu, e, o);
+    }
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    if (lane == 0) { sg[warp] = g; se[warp] = e; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 G = 0u, E = 0u;
+        for (int w = 0; w < WARPS; ++w) { G += sg[w]; E += se[w]; }
+        cnt[2 * c] = G;
+        cnt[2 * c + 1] = E;
+    }
+}
+
+// Ordered write of the kept candidates (as chunk_write, over the candidates only): index and delta (recomputed
+// from new, base and the residual read, which nothing has overwritten yet) at out_base[c] onwards.
+template <typename IDX>
+__device__ __forceinline__ void cand_write_impl(
+    int nt, const i64* chunk_start, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs,
+    const u64* cand_base, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
+    const u64* state, const u64* eq_base, const u64* out_base, IDX* out_idx, float* vals32, double* vals64)
+{
+    __shared__ u32 wsel[WARPS], weq[WARPS];
+    __shared__ u32 tot[2];
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const int s = seg_of[t];
+    const u32 T = (u32)state[2 * s];
+    const u64 take = state[2 * s + 1];
+    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+    const int dt = dtypes[t];
+    const void* nw = (const void*)new_ptrs[t];
+    const void* bs = (const void*)base_ptrs[t];
+    const void* rs = (const void*)res_ptrs[t];
+    const u64 base = cand_base[c];
+    const u32 m = cand_cnt[c];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lt_mask = (1u << lane) - 1u;
+    u64 eq_seen = eq_base[c];
+    u64 pos = out_base[c];
+    for (u32 j0 = 0; j0 < m; j0 += BLOCK) {  // uniform across the block
+        const u32 j = j0 + threadIdx.x;
+        const bool valid = j < m;
+        const u32 key = valid ? cand_key[base + j] : 0u;
+        const bool gt = valid && key > T;
+        const bool eq = valid && key == T;
+        const u32 beq = __ballot_sync(0xFFFFFFFFu, eq);
+        if (lane == 0) weq[warp] = __popc(beq);
+        __syncthreads();
+        u32 eq_before = __popc(beq & lt_mask);
+        for (int w = 0; w < warp; ++w) eq_before += weq[w];
+        const bool sel = gt || (eq && eq_seen + eq_before < take);
+        const u32 bsel = __ballot_sync(0xFFFFFFFFu, sel);
+        if (lane == 0) wsel[warp] = __popc(bsel);
+        __syncthreads();
+        u32 sel_before = __popc(bsel & lt_mask);
+        for (int w = 0; w < warp; ++w) sel_before += wsel[w];
+        if (sel) {
+            const u64 slot = pos + sel_before;
+            const i64 i = e0 + (i64)cand_idx[base + j];
+            out_idx[slot] = (IDX)i;
+            if (dt == DT_F64) vals64[slot] = delta_f64(nw, bs, rs, i);
+            else vals32[slot] = delta_f32(nw, bs, rs, dt, i);
+        }
+        if (threadIdx.x == 0) {
+            u32 a = 0, b = 0;
+            for (int w = 0; w < WARPS; ++w) { a += wsel[w]; b += weq[w]; }
+            tot[0] = a;
+            tot[1] = b;
+        }
+        __syncthreads();
+        pos += tot[0];
+        eq_seen += tot[1];
+        __syncthreads();
+    }
+}
+
+extern "C" __global__ void cand_write_u32(
+    int nt, const i64* chunk_start, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs,
+    const u64* cand_base, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
+    const u64* state, const u64* eq_base, const u64* out_base, u32* out_idx, float* vals32, double* vals64)
+{
+    cand_write_impl<u32>(nt, chunk_start, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, cand_base, cand_cnt, cand_idx,
+                         cand_key, state, eq_base, out_base, out_idx, vals32, vals64);
+}
+
+extern "C" __global__ void cand_write_u64(
+    int nt, const i64* chunk_start, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs,
+    const u64* cand_base, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
+    const u64* state, const u64* eq_base, const u64* out_base, u64* out_idx, float* vals32, double* vals64)
+{
+    cand_write_impl<u64>(nt, chunk_start, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, cand_base, cand_cnt, cand_idx,
+                         cand_key, state, eq_base, out_base, out_idx, vals32, vals64);
+}
+
+// residual = delta of every element of t where res_out_ptrs[t] is non-zero (it may alias res_ptrs[t]): the late
+// residual write, for residuals that fused_scan could not write early because they are read in place.
+extern "C" __global__ void residual_delta(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* res_out_ptrs)
+{
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    void* ro = (void*)res_out_ptrs[t];
+    if (!ro) return;
+    const i64 n = numel[t];
+    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+    const int dt = dtypes[t];
+    const void* nw = (const void*)new_ptrs[t];
+    const void* bs = (const void*)base_ptrs[t];
+    const void* rs = (const void*)res_ptrs[t];
+    for (int j = 0; j < ITEMS; ++j) {
+        const i64 i = e0 + (i64)j * BLOCK + threadIdx.x;
+        if (i >= n) break;
+        if (dt == DT_F64) ((double*)ro)[i] = delta_f64(nw, bs, rs, i);
+        else ((float*)ro)[i] = delta_f32(nw, bs, rs, dt, i);
+    }
+}
+
+// The residual of every kept entry: res_out[idx] = v - decoded(v), entries ent_start[t] .. ent_start[t + 1] of
+// the output belonging to tensor t (tensors without a residual output are skipped).
+template <typename IDX>
+__device__ __forceinline__ void kept_fix_impl(
+    int nt, u64 total, const u64* ent_start, const int* dtypes, const u64* res_out_ptrs, int qmode,
+    const IDX* idx, const float* vals32, const double* vals64)
+{
+    const u64 j = (u64)blockIdx.x * BLOCK + threadIdx.x;
+    if (j >= total) return;
+    const int t = tensor_of_entry(ent_start, nt, j);
+    void* ro = (void*)res_out_ptrs[t];
+    if (!ro) return;
+    const u64 i = (u64)idx[j];
+    if (dtypes[t] == DT_F64) {
+        const double d = vals64[j];
+        ((double*)ro)[i] = d - decoded_f64(d, qmode);
+    } else {
+        const float d = vals32[j];
+        ((float*)ro)[i] = d - decoded_f32(d, qmode);
+    }
+}
+
+extern "C" __global__ void kept_fix_u32(
+    int nt, u64 total, const u64* ent_start, const int* dtypes, const u64* res_out_ptrs, int qmode,
+    const u32* idx, const float* vals32, const double* vals64)
+{
+    kept_fix_impl<u32>(nt, total, ent_start, dtypes, res_out_ptrs, qmode, idx, vals32, vals64);
+}
+
+extern "C" __global__ void kept_fix_u64(
+    int nt, u64 total, const u64* ent_start, const int* dtypes, const u64* res_out_ptrs, int qmode,
+    const u64* idx, const float* vals32, const double* vals64)
+{
+    kept_fix_impl<u64>(nt, total, ent_start, dtypes, res_out_ptrs, qmode, idx, vals32, vals64);
 }

@@ -110,6 +110,63 @@ def test_chunk_write_u64_matches_twin(runner, case):
     assert kc.topk_stepwise(runner, case, wide=True) == []
 
 
+@pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
+def test_fused_topk_matches_twins_stepwise(runner, case):
+    """The fused selection (sample_keys, fused_scan, cand_select, cand_count, chunk_scan, cand_write, residual_delta,
+    kept_fix) against the twins of cpu_fallback/fused.py launch by launch, and against the NumPy backend."""
+    assert kc.topk_fused_stepwise(runner, case) == []
+
+
+@pytest.mark.parametrize("force", ["miss", "overflow"])
+@pytest.mark.parametrize("case", WIDE, ids=[c.name for c in WIDE])
+def test_fused_topk_fallback_is_exact(runner, case, force):
+    """A bracket that misses (fewer candidates than k) or an overflowing candidate region runs the unfused passes:
+    counted in KernelOps.fused_fallbacks, and the result is the same to the byte."""
+    assert kc.topk_fused_stepwise(runner, case, force=force) == []
+
+
+@pytest.mark.parametrize("case", WIDE, ids=[c.name for c in WIDE])
+def test_fused_cand_write_u64_matches_twin(runner, case):
+    assert kc.topk_fused_stepwise(runner, case, wide=True) == []
+
+
+REJECT = [c for c in TOPK if c.name.startswith("reject_")]
+
+
+@pytest.mark.parametrize("res_out", ["alias", "new"])
+@pytest.mark.parametrize("case", REJECT, ids=[c.name for c in REJECT])
+def test_fused_topk_rejects_nonfinite_without_touching_the_residual(runner, case, res_out):
+    """A non-finite delta or score: the lowest bad tensor is reported and a residual read in place is unchanged."""
+    assert kc.topk_fused_stepwise(runner, case.with_(res=True, res_out=res_out)) == []
+
+
+def test_fused_fallback_is_counted(emulated):
+    from gpu_codec.backends.kernels import KernelOps
+
+    case = TOPK[0]
+    inp = kc.make_topk_inputs(case)
+    args = (inp["new"], inp["base"], inp["res"], [None] * len(inp["new"]), inp["dtypes"], inp["ext"])
+    args += (inp["ext_dtypes"], inp["crit"], inp["segments"], inp["ks"], inp["qmode"])
+    ops = KernelOps(emulated, fused=True)
+    want = ops.topk_select(*args)
+    assert (ops.fused_selections, ops.fused_fallbacks) == (1, 0)
+    ops._force_fallback = "miss"
+    got = ops.topk_select(*args)
+    assert (ops.fused_selections, ops.fused_fallbacks) == (1, 1)
+    for a, b in zip(want[0] + want[1], got[0] + got[1]):
+        assert a.tobytes() == b.tobytes()
+
+
+def test_unfused_topk_matches_cpu_backend(emulated, monkeypatch):
+    """GPU_CODEC_FUSED_SELECT=0 selects the unfused passes (also the fused path's fallback)."""
+    from gpu_codec.backends.kernels import FUSED_ENV, KernelOps
+
+    monkeypatch.setenv(FUSED_ENV, "0")
+    assert KernelOps(emulated).fused is False
+    for case in TOPK[::4]:
+        assert kc.topk_vs_reference(emulated, case) == []
+
+
 @pytest.mark.parametrize("schedule", ["reverse", "shuffle"])
 @pytest.mark.parametrize("case", TOPK[::3], ids=[c.name for c in TOPK[::3]])
 def test_topk_independent_of_schedule(schedule, case):
@@ -117,6 +174,7 @@ def test_topk_independent_of_schedule(schedule, case):
     r = emu.EmulatorRunner(schedule=schedule, seed=7)
     assert kc.topk_stepwise(r, case) == []
     assert kc.topk_vs_reference(r, case) == []
+    assert kc.topk_fused_stepwise(r, case) == []
 
 
 @pytest.mark.parametrize("case", SCATTER, ids=[c.name for c in SCATTER])
@@ -180,6 +238,9 @@ def test_every_kernel_is_exercised():
     r = emu.EmulatorRunner()
     kc.topk_stepwise(r, TOPK[0])
     kc.topk_stepwise(r, TOPK[0], wide=True)
+    alias = next(c for c in TOPK if c.res_out == "alias" and c.qmode)
+    kc.topk_fused_stepwise(r, alias)
+    kc.topk_fused_stepwise(r, next(c for c in TOPK if c.res_out == "new"), wide=True)
     kc.scatter_stepwise(r, SCATTER[0])
     kc.scatter_stepwise(r, SCATTER[1])
     kc.quant_stepwise(r, QUANT[0])
@@ -608,6 +669,13 @@ def _caught(runner, cases) -> list[str]:
 BUG_CASES = [c for c in TOPK if c.name in ("pattern_ties", "k_all_global", "crit_0_ties", "mixed_tensor")]
 
 
+def test_planted_off_by_one_in_cand_select_is_caught():
+    r = emu.EmulatorRunner(_mutate("topk.cu", "if (k_rem <= hb)", "if (k_rem < hb)"), package=False)
+    assert [m for c in BUG_CASES for m in kc.topk_fused_stepwise(emu.EmulatorRunner(), c)] == []  # control
+    found = [m for c in BUG_CASES for m in kc.topk_fused_stepwise(r, c)]
+    assert any("cand_select" in m for m in found), "an off-by-one in cand_select went unnoticed"
+
+
 def test_planted_off_by_one_in_radix_pick_is_caught():
     r = emu.EmulatorRunner(_mutate("topk.cu", "if (k_rem <= cnt)", "if (k_rem < cnt)"), package=False)
     assert _caught(emu.EmulatorRunner(), BUG_CASES) == []  # control: the real source passes
@@ -746,3 +814,34 @@ def test_gpu_suite_commands_and_log_parsing(tmp_path):
     assert race == {"errors": 1, "hazards": 3, "summary_found": True}
     assert gs.parse_sanitizer("Segmentation fault")["summary_found"] is False
     s.log_f.close()
+
+
+def test_fused_workspace_is_small():
+    """Sample, candidate regions and per-chunk tables of the fused selection at fraction 0.01 on 2^24 fp32 elements
+    (sized on the host from the sample, so the twins give the same sizes): under 3.5% of the update's bytes
+    (2.9% at 2^26, where the sample weighs less)."""
+    from gpu_codec.backends.kernels import KernelOps
+
+    n = 1 << 24
+    rng = np.random.default_rng(1)
+    new = rng.standard_normal(n, dtype=np.float32)
+    base = new + rng.standard_normal(n, dtype=np.float32) * np.float32(0.1)
+    ops = KernelOps(kc.TwinRunner(), fused=True)
+    ops.topk_select([new], [base], [None], [None], [0], [None], [0], 0, [[0]], [n // 100], 0)
+    assert (ops.fused_selections, ops.fused_fallbacks) == (1, 0)
+    assert 0 < ops.fused_workspace_bytes <= 0.035 * 4 * n
+
+
+def test_large_segment_kept_whole_runs_unfused(emulated):
+    """k = n on a segment larger than SAMPLE_ALL: the unfused passes (no candidate per element), the same bytes."""
+    from gpu_codec.backends.kernels import SAMPLE_ALL, KernelOps
+
+    case = kc.TopkCase("whole_and_sparse", (SAMPLE_ALL + 5, 3000), ("f32", "f16"), scope="tensor", k="all")
+    assert kc.topk_vs_reference(emulated, case) == []
+    inp = kc.make_topk_inputs(case)
+    ops = KernelOps(emulated, fused=True)
+    args = (inp["new"], inp["base"], inp["res"], [None, None], inp["dtypes"], inp["ext"], inp["ext_dtypes"])
+    ops.topk_select(*args, inp["crit"], inp["segments"], inp["ks"], inp["qmode"])
+    assert (ops.fused_selections, ops.fused_fallbacks) == (0, 0)
+    ops.topk_select(*args, inp["crit"], inp["segments"], [inp["ks"][0] - 1, inp["ks"][1]], inp["qmode"])
+    assert (ops.fused_selections, ops.fused_fallbacks) == (1, 0)

@@ -6,13 +6,15 @@ A runner (:class:`~gpu_codec.backends.base.Runner`) has ``xp`` (the array module
 (:mod:`gpu_codec.backends.emulated`). Both go through :class:`KernelOps` below, so the emulated backend exercises
 exactly what the GPU backend launches.
 
-The only device-to-host copies here are small: one error word after scoring and after a scatter, the per-tensor
+The only device-to-host copies here are small: one error word after scoring and after a scatter, the sampled keys
+of the fused selection (at most SAMPLE_MAX per segment) and its status words (one per segment), the per-tensor
 kept counts, ternary mu and Rice bit counts.
 """
 
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -32,7 +34,20 @@ from ..constants import (
 )
 from .base import Runner, dense_values, flat_tables, scatter_args, split_values
 
-__all__ = ["CHUNK", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
+FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
+SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32)
+SAMPLE_MAX = 1 << 16  # most sampled keys per segment
+SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem of reads per input
+SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (their bracket is exact)
+CAP_SIGMAS = 5.0  # candidate region of a chunk: the expected count plus this many standard deviations
+CAP_MARGIN = 1.25  # (times this where the chunk's own sample says it holds more than its tensor's rate)
+CAP_SLACK = 4
+RATE_SIGMAS = 4.0
+CAP_GROUP = 4  # chunks per fused_scan block (one candidate region each: relatively less spread than a chunk's)
+CAP_PRIOR = 256  # the segment's rate counts as this many samples of each tensor's
+NO_LO = 1 << 32  # lo of a segment with k = 0: above every key
+
+__all__ = ["CHUNK", "FUSED_ENV", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
 
 
 class TensorTables:
@@ -63,6 +78,67 @@ def initial_state(ks: list[int]) -> np.ndarray:
     return st
 
 
+def _check_segments(segments, nt: int) -> None:
+    # chunk_scan ranks ties over a segment's chunks in launch order: a segment must be a run of tensors
+    flat = [t for seg in segments for t in seg]
+    if flat != list(range(nt)) or any(list(seg) != list(range(seg[0], seg[0] + len(seg))) for seg in segments if seg):
+        raise ValueError(f"segments must be consecutive runs covering tensors 0..{nt - 1} in order")
+
+
+def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray]:
+    """Per tensor: (sample offsets, nt + 1 entries; sampling stride). A segment of n elements is sampled in runs
+    of SAMPLE_RUN consecutive elements, one run every stride elements (whole when n <= SAMPLE_ALL or k is 0 or n)."""
+    nt = len(numels)
+    stride = np.full(nt, SAMPLE_RUN, np.int64)
+    fixed = [False] * nt
+    for seg, k in zip(segments, ks):
+        n = sum(numels[t] for t in seg)
+        for t in seg:
+            fixed[t] = k <= 0 or k >= n  # nothing to bracket: lo is fixed
+        if n <= SAMPLE_ALL or k <= 0 or k >= n:
+            continue
+        ms = min(SAMPLE_MAX, max(SAMPLE_RUN, n // SAMPLE_DENSITY))
+        for t in seg:
+            stride[t] = max(SAMPLE_RUN, SAMPLE_RUN * (n // ms))
+    counts = [
+        0 if fixed[t] else numels[t] // int(stride[t]) * SAMPLE_RUN + min(SAMPLE_RUN, numels[t] % int(stride[t]))
+        for t in range(nt)
+    ]
+    return _offsets(counts), stride
+
+
+def sample_positions(n: int, count: int, stride: int) -> np.ndarray:
+    r = np.arange(count, dtype=np.int64)
+    return (r // SAMPLE_RUN) * stride + r % SAMPLE_RUN
+
+
+def bracket(sample: np.ndarray, n: int, k: int, whole: bool) -> int:
+    """lo: a key at or below the k-th largest of the segment with high probability (exact when sampled whole)."""
+    ms = sample.size
+    if whole:
+        pick = k - 1
+    else:
+        r = k * ms / n
+        pick = int(r + 2.5 * math.sqrt(r) + 1)
+        if pick >= ms - 1:
+            return 0  # the sample cannot bracket so low: every element is a candidate
+    return int(np.partition(sample, ms - 1 - pick)[ms - 1 - pick])
+
+
+def region_caps(lens: np.ndarray, hit: np.ndarray, above: np.ndarray, stride: int, seg_rate: float) -> np.ndarray:
+    """Candidate slots per region (CAP_GROUP chunks of ``lens`` elements) of a sampled tensor: the expected count
+    plus CAP_SIGMAS standard deviations and CAP_SLACK. Expected: the tensor's sampled rate (drawn towards the
+    segment's where the tensor has few samples, and raised by RATE_SIGMAS of its own spread), or the region's own
+    sample where that is significantly higher."""
+    hits = float(np.count_nonzero(above)) + CAP_PRIOR * seg_rate
+    rate = (hits + RATE_SIGMAS * math.sqrt(hits) + 1.0) / (above.size + CAP_PRIOR)  # the rate is a sample's too
+    scale = float(stride) / SAMPLE_RUN
+    expect_hits = lens * rate / scale
+    local = hit > expect_hits + CAP_SIGMAS * np.sqrt(expect_hits) + 3
+    mean = np.where(local, hit * scale * CAP_MARGIN, lens * rate)
+    return np.minimum(lens, np.ceil(mean + CAP_SIGMAS * np.sqrt(mean)).astype(np.int64) + CAP_SLACK)
+
+
 def _offsets(counts: list[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.uint64)
 
@@ -78,9 +154,17 @@ def _split(flat: Any, counts: list[int]) -> list[Any]:
 class KernelOps:
     """Every op of the :class:`~gpu_codec.backends.base.Backend` protocol that runs kernels, composed from them."""
 
-    def __init__(self, runner: Runner):
+    _force_fallback = ""  # tests only: "miss" (lo above every key) or "overflow" (empty candidate regions)
+    _force_wide = False  # tests only: the fused path writes 64-bit indices whatever the sizes
+
+    def __init__(self, runner: Runner, fused: bool | None = None):
         self.runner = runner
         self.xp = runner.xp
+        # the fused one-read selection (_topk_fused); GPU_CODEC_FUSED_SELECT=0 selects the unfused passes
+        self.fused = os.environ.get(FUSED_ENV, "1") != "0" if fused is None else fused
+        self.fused_fallbacks = 0  # fused selections that ran the unfused passes (bracket miss or overflow)
+        self.fused_selections = 0  # fused selections that completed without the fallback
+        self.fused_workspace_bytes = 0  # scratch bytes of the last fused selection (sample, candidates, tables)
 
     def _up(self, host: np.ndarray):
         return self.xp.asarray(host)
@@ -96,18 +180,24 @@ class KernelOps:
 
     def topk_select(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """Same contract as :func:`gpu_codec.cpu_fallback.select.topk_select`, on the runner's memory."""
+        _check_segments(segments, len(new))
+        sizes = [sum(int(new[t].size) for t in seg) for seg in segments]
+        # a large segment kept whole would make every element a candidate: the unfused passes skip its selection
+        if self.fused and not any(k >= n > SAMPLE_ALL for n, k in zip(sizes, ks)):
+            got = self._topk_fused(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode)
+            if got is not None:
+                return got
+            self.fused_fallbacks += 1
+        return self._topk_unfused(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode)
+
+    def _topk_unfused(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
+        """score_keys, four radix passes over every key, chunk_count, chunk_scan, chunk_write: exact for any input."""
         xp, run = self.xp, self.runner
         nt = len(new)
         seg_of = [0] * nt
         for s, seg in enumerate(segments):
             for t in seg:
                 seg_of[t] = s
-        # chunk_scan ranks ties over a segment's chunks in launch order: a segment must be a run of tensors
-        flat = [t for seg in segments for t in seg]
-        if flat != list(range(nt)) or any(
-            list(seg) != list(range(seg[0], seg[0] + len(seg))) for seg in segments if seg
-        ):
-            raise ValueError(f"segments must be consecutive runs covering tensors 0..{nt - 1} in order")
         tb = TensorTables([int(a.size) for a in new], seg_of, len(segments))
         d_chunk_start, d_elem_off, d_numel = self._up(tb.chunk_start), self._up(tb.elem_off), self._up(tb.numel)
         d_seg_of = self._up(tb.seg_of)
@@ -219,6 +309,169 @@ class KernelOps:
             c = int(host_counts[t])
             it = idx[a : a + c]
             want = index_dtype(int(tb.numel[t]))
+            indices.append(it if it.dtype == want else it.astype(want))
+            values.append((vals64 if int(dtypes[t]) == DT_F64 else vals32)[a : a + c])
+            a += c
+        if a != K:
+            raise AssertionError(f"kernels kept {a} entries, expected {K}")
+        return indices, values, None
+
+    def _topk_fused(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
+        """The selection reading the full tensors once (kernels/topk.cu, "Fused selection"); None where the
+        bracket missed or a candidate region overflowed (the caller then runs the unfused passes)."""
+        xp, run = self.xp, self.runner
+        nt = len(new)
+        numels = [int(a.size) for a in new]
+        seg_of = [0] * nt
+        for s, seg in enumerate(segments):
+            for t in seg:
+                seg_of[t] = s
+        nseg = len(segments)
+        tb = TensorTables(numels, seg_of, nseg)
+        grid = tb.nchunks
+        if grid == 0:
+            return None
+        nt32, crit32 = np.int32(nt), np.int32(crit)
+        d_cs, d_nm = self._up(tb.chunk_start), self._up(tb.numel)
+        d_dt, d_so = self._up(np.asarray(dtypes, np.int32)), self._up(tb.seg_of)
+        p_new, p_base, p_res, p_ext = self._ptrs(new), self._ptrs(base), self._ptrs(res), self._ptrs(ext_scores)
+        d_ext_dt = self._up(np.asarray(ext_dtypes, np.int32))
+        # 1) the sample and, on the host, lo per segment and a candidate region per group of CAP_GROUP chunks
+        samp_off, stride = sample_plan(numels, segments, ks)
+        ns = int(samp_off[-1])
+        host_sample = np.zeros(0, np.uint32)
+        if ns:
+            sample = xp.empty(ns, dtype=np.uint32)
+            run.launch(
+                "sample_keys",
+                -(-ns // BLOCK),
+                BLOCK,
+                (nt32, np.uint64(ns), self._up(samp_off), self._up(stride), np.int32(SAMPLE_RUN), d_dt, p_new, p_base)
+                + (p_res, p_ext, d_ext_dt, crit32, sample),
+            )
+            host_sample = run.to_host(sample)
+        lo = np.zeros(max(nseg, 1), np.uint64)
+        grp_start, caps = [], []  # fused_scan's blocks: CAP_GROUP chunks of one tensor each, and their regions
+        for s, (seg, k) in enumerate(zip(segments, ks)):
+            n = sum(numels[t] for t in seg)
+            seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])] if seg else host_sample[:0]
+            if k <= 0:
+                lo[s] = NO_LO
+            elif k >= n:
+                lo[s] = 0
+            else:
+                lo[s] = bracket(seg_keys, n, k, n <= SAMPLE_ALL)
+            if self._force_fallback == "miss" and k > 0:
+                lo[s] = NO_LO - 1
+            seg_rate = float(np.count_nonzero(seg_keys >= lo[s])) / max(1, seg_keys.size)
+            for t in seg:
+                c0, nch = int(tb.chunk_start[t]), int(tb.chunk_start[t + 1] - tb.chunk_start[t])
+                ng = -(-nch // CAP_GROUP)
+                grp_start += range(c0, c0 + nch, CAP_GROUP)
+                glen = np.minimum(CAP_GROUP * CHUNK, numels[t] - CAP_GROUP * CHUNK * np.arange(ng, dtype=np.int64))
+                if k <= 0:
+                    caps += [0] * ng
+                elif lo[s] == 0:
+                    caps += glen.tolist()
+                else:
+                    a = int(samp_off[t])
+                    m = int(samp_off[t + 1]) - a
+                    pos = sample_positions(numels[t], m, int(stride[t]))
+                    above = host_sample[a : a + m] >= lo[s]
+                    hit = np.bincount(pos[above] // (CAP_GROUP * CHUNK), minlength=ng)[:ng]
+                    if int(stride[t]) == SAMPLE_RUN:  # sampled whole: the counts are exact
+                        caps += hit.tolist()
+                    else:
+                        caps += region_caps(glen, hit, above, int(stride[t]), seg_rate).tolist()
+        grp_start.append(grid)
+        if self._force_fallback == "overflow":
+            caps = [0] * len(caps)
+        grp_off = _offsets(caps)
+        ncap, ngrp = int(grp_off[-1]), len(caps)
+        cand_base = xp.zeros(grid, dtype=np.uint64)
+        cand_cnt = xp.zeros(grid, dtype=np.uint32)
+        cand_idx = xp.empty(max(ncap, 1), dtype=np.uint16)
+        cand_key = xp.empty(max(ncap, 1), dtype=np.uint32)
+        status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(nseg, np.uint64)]))
+        # scratch of this selection beyond its inputs and outputs (kept for the workspace tests)
+        self.fused_workspace_bytes = ns * 4 + ncap * 6 + grid * (8 + 4 + 8 + 8 + 8) + 16 * ngrp + 8 * (nseg + 2)
+        # 2) one pass over every element; the residual is written here where it is not also the residual read
+        early = [
+            ro if ro is not None and (r is None or self.runner.ptr(r) != self.runner.ptr(ro)) else None
+            for r, ro in zip(res, res_out)
+        ]
+        run.launch(
+            "fused_scan",
+            ngrp,
+            BLOCK,
+            (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32, self._ptrs(early))
+            + (self._up(lo), self._up(np.asarray(grp_start, np.int64)), self._up(grp_off), cand_base, cand_cnt)
+            + (cand_idx, cand_key, status),
+        )
+        st = run.to_host(status)
+        if int(st[0]) != U64_MAX:
+            return None, None, int(st[0])
+        if int(st[1]) or any(int(st[2 + s]) < k for s, k in enumerate(ks)):
+            return None  # a region overflowed or the bracket missed
+        # 3) exact selection on the candidates, then the ordered write of the kept entries
+        state = self._up(initial_state(ks))
+        seg_chunks = np.zeros(nseg + 1, np.int64)
+        for s, seg in enumerate(segments):
+            seg_chunks[s + 1] = tb.chunk_start[seg[-1] + 1] if seg else seg_chunks[s]
+        run.launch(
+            "cand_select",
+            max(nseg, 1),
+            SCAN_THREADS,
+            (np.int32(nseg), self._up(seg_chunks), cand_base) + (cand_cnt, cand_key, state),
+        )
+        cnt = xp.zeros(2 * grid, dtype=np.uint32)
+        run.launch("cand_count", grid, BLOCK, (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, cnt))
+        eq_base = xp.zeros(grid, dtype=np.uint64)
+        out_base = xp.zeros(grid + 1, dtype=np.uint64)
+        counts = xp.zeros(nt, dtype=np.uint64)
+        run.launch(
+            "chunk_scan",
+            1,
+            SCAN_THREADS,
+            (nt32, np.int64(grid), d_cs, d_so, self._up(tb.seg_first_chunk), state, cnt, eq_base, out_base, counts),
+        )
+        K = int(sum(ks))
+        wide = self._force_wide or any(index_dtype(n) == np.uint64 for n in numels)
+        sfx = "u64" if wide else "u32"
+        idx = xp.empty(max(K, 1), dtype=np.uint64 if wide else np.uint32)
+        has64 = any(int(d) == DT_F64 for d in dtypes)
+        vals32 = xp.empty(max(K, 1) if any(int(d) != DT_F64 for d in dtypes) else 1, dtype=np.float32)
+        vals64 = xp.empty(max(K, 1) if has64 else 1, dtype=np.float64)
+        run.launch(
+            "cand_write_" + sfx,
+            grid,
+            BLOCK,
+            (nt32, d_cs, d_dt, d_so, p_new, p_base, p_res, cand_base, cand_cnt, cand_idx, cand_key, state, eq_base)
+            + (out_base, idx, vals32, vals64),
+        )
+        host_counts = run.to_host(counts).astype(np.int64)
+        # 4) residuals read in place are written now that nothing reads them; then the kept entries' residuals
+        late = [ro if ro is not None and e is None else None for ro, e in zip(res_out, early)]
+        if any(r is not None for r in late):
+            run.launch("residual_delta", grid, BLOCK, (nt32, d_cs, d_nm, d_dt, p_new, p_base, p_res, self._ptrs(late)))
+        if K and any(r is not None for r in res_out):
+            run.launch(
+                "kept_fix_" + sfx,
+                -(-K // BLOCK),
+                BLOCK,
+                (nt32, np.uint64(K), self._up(_offsets(host_counts.tolist())), d_dt, self._ptrs(res_out))
+                + (np.int32(qmode), idx, vals32, vals64),
+            )
+        self.fused_selections += 1
+        return self._split_output(idx, vals32, vals64, host_counts, numels, dtypes, K)
+
+    def _split_output(self, idx, vals32, vals64, host_counts, numels, dtypes, K):
+        indices, values = [], []
+        a = 0
+        for t in range(len(numels)):
+            c = int(host_counts[t])
+            it = idx[a : a + c]
+            want = index_dtype(numels[t])
             indices.append(it if it.dtype == want else it.astype(want))
             values.append((vals64 if int(dtypes[t]) == DT_F64 else vals32)[a : a + c])
             a += c

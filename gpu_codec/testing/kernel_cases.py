@@ -423,6 +423,146 @@ def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     return out
 
 
+class _Filled:
+    """An array module whose ``empty`` fills every byte with 0xA5: unwritten slots are equal in two runs, and
+    stray writes show."""
+
+    def __init__(self, xp=np):
+        self._xp = xp
+
+    def __getattr__(self, name):
+        return getattr(self._xp, name)
+
+    def empty(self, shape, dtype=np.float64):
+        a = self._xp.empty(shape, dtype=dtype)
+        a.view(np.uint8)[...] = 0xA5
+        return a
+
+
+class TwinRunner:
+    """A runner whose launches call the NumPy twins (cpu_fallback.kernels and cpu_fallback.fused): tables of
+    addresses (arguments named ``*_ptrs``) become the lists of arrays they point to."""
+
+    def __init__(self):
+        self.xp = _Filled()
+        self._arrays: dict[int, np.ndarray] = {}
+
+    def ptr(self, a) -> int:
+        addr = int(a.__array_interface__["data"][0])
+        self._arrays[addr] = a
+        return addr
+
+    def to_host(self, a) -> np.ndarray:
+        return np.array(a, copy=True)
+
+    def launch(self, name, grid, block, args) -> None:
+        from gpu_codec.backends.sources import kernel_signatures
+        from gpu_codec.cpu_fallback import fused
+
+        params = kernel_signatures()[name][1]
+        conv = [
+            [self._arrays[int(p)] if int(p) else None for p in a] if pname.endswith("_ptrs") else a
+            for (_, pname), a in zip(params, args)
+        ]
+        (getattr(fused, name) if hasattr(fused, name) else getattr(twins, name))(*conv)
+
+
+class _Stop(Exception):
+    """A launch's buffers differ from the twins': stop before later kernels run on inconsistent inputs."""
+
+
+class RecordingRunner:
+    """Wraps a runner: after every launch, a host copy of each array argument that is not a table of addresses
+    (name, [arrays]). With ``expect`` (another RecordingRunner's log), each launch is compared with the same launch
+    there and the first difference stops the run (raises _Stop)."""
+
+    def __init__(self, inner, xp=None, expect=None, label=""):
+        self.inner = inner
+        self.xp = xp if xp is not None else inner.xp
+        self.log: list[tuple[str, list[np.ndarray]]] = []
+        self.expect, self.label = expect, label
+        self.skip_keys = False  # keys of rejected inputs may hold NaN patterns that differ by device
+
+    def ptr(self, a) -> int:
+        return self.inner.ptr(a)
+
+    def to_host(self, a) -> np.ndarray:
+        return self.inner.to_host(a)
+
+    def launch(self, name, grid, block, args) -> None:
+        from gpu_codec.backends.sources import kernel_signatures
+
+        self.inner.launch(name, grid, block, args)
+        params = kernel_signatures()[name][1]
+        keep = [a for (_, p), a in zip(params, args) if not isinstance(a, np.generic) and not p.endswith("_ptrs")]
+        step = len(self.log)
+        self.log.append((name, [self.inner.to_host(a) for a in keep]))
+        if self.expect is None:
+            return
+        if step >= len(self.expect) or self.expect[step][0] != name:
+            want = self.expect[step][0] if step < len(self.expect) else "no launch"
+            raise _Stop(f"{self.label}: launch {step} is {name}, the twins launched {want}")
+        if self.skip_keys and name in ("score_keys", "fused_scan", "sample_keys"):
+            return
+        out: list[str] = []
+        for j, (g, w) in enumerate(zip(self.log[step][1], self.expect[step][1])):
+            _cmp(f"{self.label}: launch {step} {name} array argument {j}", g, w, out)
+        if out:
+            raise _Stop("; ".join(out))
+
+
+def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str = "") -> list[str]:
+    """The fused selection (KernelOps with fused=True) on the twins, then on ``runner`` launch by launch: every
+    array argument compared after every launch (the first difference stops the run), then the outputs and
+    residuals of both against the NumPy backend.
+
+    ``force``: "miss" or "overflow" forces the fallback to the unfused passes; ``wide`` 64-bit indices."""
+    from gpu_codec.backends.kernels import KernelOps as Ops
+
+    inp = make_topk_inputs(case)
+    h = {k: [None if a is None else a.copy() for a in inp[k]] for k in ("new", "base", "res", "ext")}
+    h_ro = _res_out(inp, h["res"], np.copy)
+    ri, rv, rbad = topk_select(h["new"], h["base"], h["res"], h_ro, inp["dtypes"], h["ext"], *_rest(inp))
+    twin = RecordingRunner(TwinRunner())
+    dev = RecordingRunner(runner, _Filled(runner.xp), expect=twin.log, label=case.name)
+    dev.skip_keys = rbad is not None
+    results = []
+    for rr in (twin, dev):
+        up = _uploader(rr)
+        d = {k: [up(a) for a in inp[k]] for k in ("new", "base", "res", "ext")}
+        d_ro = _res_out(inp, d["res"], up)
+        ops = Ops(rr, fused=True)
+        ops._force_fallback, ops._force_wide = force, wide
+        try:
+            gi, gv, gbad = ops.topk_select(d["new"], d["base"], d["res"], d_ro, inp["dtypes"], d["ext"], *_rest(inp))
+        except _Stop as e:
+            return [str(e)]
+        results.append((gi, gv, gbad, d_ro, rr, ops))
+    out: list[str] = []
+    if len(dev.log) != len(twin.log):
+        return [f"{case.name}: {len(dev.log)} launches, the twins made {len(twin.log)}"]
+    for tag, (gi, gv, gbad, g_ro, rr, ops) in zip(("twins", "kernels"), results):
+        if gbad != rbad:
+            out.append(f"{case.name}: {tag} bad tensor {gbad} != reference {rbad}")
+            continue
+        if force and ops.fused_selections:
+            out.append(f"{case.name}: {tag} forced {force} completed the fused selection")
+        for t in range(len(case.sizes)):
+            if rbad is not None:
+                if inp["res_out"] == "alias" and h["res"][t] is not None:  # nothing written to it on error
+                    _cmp(f"{case.name}: {tag} residual after error [{t}]", rr.to_host(g_ro[t]), inp["res"][t], out)
+                continue
+            _cmp(f"{case.name}: {tag} indices[{t}]", rr.to_host(gi[t]), ri[t], out)
+            _cmp(f"{case.name}: {tag} values[{t}]", rr.to_host(gv[t]), rv[t], out)
+            if h_ro[t] is not None:
+                _cmp(f"{case.name}: {tag} res_out[{t}]", rr.to_host(g_ro[t]), h_ro[t], out)
+    return out
+
+
+def _rest(inp: dict) -> tuple:
+    return (inp["ext_dtypes"], inp["crit"], inp["segments"], inp["ks"], inp["qmode"])
+
+
 # -------------------------------------------------------------------------------------------------- scatter
 
 

@@ -1,0 +1,216 @@
+"""NumPy twins of the fused selection kernels of kernels/topk.cu: same names, same arguments, same bytes.
+
+As in :mod:`cpu_fallback.kernels`, a table of device addresses (``new_ptrs``, ``early_ptrs``, ...) is passed as
+the list of arrays it points to (``None`` for a null address), and outputs are written into the arrays passed in.
+The NumPy backend itself selects with :mod:`cpu_fallback.select`; these twins are what the emulated and GPU
+backends' fused path is checked against.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .elementwise import DT_F64, decoded, delta, nonfinite, score_key, scores_f32
+from .kernels import CHUNK
+
+
+def _keys(t, idx, new_ptrs, base_ptrs, res_ptrs, score_ptrs, score_dtypes, dtypes, crit):
+    """(delta, key, bad) of tensor t at positions ``idx`` (all of it for None)."""
+
+    def at(a):
+        return None if a is None else (a if idx is None else a[idx])
+
+    dt = int(dtypes[t])
+    d = delta(at(new_ptrs[t]), at(base_ptrs[t]), at(res_ptrs[t]), dt)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = scores_f32(int(crit), at(new_ptrs[t]), at(base_ptrs[t]), d, dt, at(score_ptrs[t]), int(score_dtypes[t]))
+        return d, score_key(s), nonfinite(d) or nonfinite(s)
+
+
+def sample_keys(
+    nt, total, samp_off, stride, run, dtypes, new_ptrs, base_ptrs, res_ptrs, score_ptrs, score_dtypes, crit, keys
+):
+    run = int(run)
+    for t in range(int(nt)):
+        a, b = int(samp_off[t]), int(samp_off[t + 1])
+        if b <= a:
+            continue
+        r = np.arange(b - a, dtype=np.int64)
+        pos = (r // run) * int(stride[t]) + r % run
+        keys[a:b] = _keys(t, pos, new_ptrs, base_ptrs, res_ptrs, score_ptrs, score_dtypes, dtypes, crit)[1]
+
+
+def _chunks(chunk_start, t):
+    return int(chunk_start[t]), int(chunk_start[t + 1])
+
+
+def fused_scan(
+    nt,
+    chunk_start,
+    numel,
+    dtypes,
+    seg_of,
+    new_ptrs,
+    base_ptrs,
+    res_ptrs,
+    score_ptrs,
+    score_dtypes,
+    crit,
+    early_ptrs,
+    lo,
+    grp_start,
+    grp_off,
+    cand_base,
+    cand_cnt,
+    cand_idx,
+    cand_key,
+    status,
+):
+    nt = int(nt)
+    cs = np.asarray(chunk_start[: nt + 1], dtype=np.int64)
+    gs = np.asarray(grp_start, dtype=np.int64)
+    for t in range(nt):
+        n = int(numel[t])
+        if n == 0:
+            continue
+        s = int(seg_of[t])
+        d, key, bad = _keys(t, None, new_ptrs, base_ptrs, res_ptrs, score_ptrs, score_dtypes, dtypes, crit)
+        if bad:
+            status[0] = min(int(status[0]), t)
+        if early_ptrs[t] is not None:
+            early_ptrs[t][:] = d
+        sel = key.astype(np.uint64) >= np.uint64(int(lo[s]))
+        c0, c1 = _chunks(chunk_start, t)
+        for g in range(int(np.searchsorted(gs, c0)), int(np.searchsorted(gs, c1))):
+            base, cap = int(grp_off[g]), int(grp_off[g + 1]) - int(grp_off[g])
+            pos = 0
+            for c in range(int(gs[g]), int(gs[g + 1])):
+                e0 = (c - int(cs[t])) * CHUNK
+                local = np.flatnonzero(sel[e0 : min(n, e0 + CHUNK)])
+                a, b = min(pos, cap), min(pos + local.size, cap)
+                cand_idx[base + a : base + b] = local[: b - a].astype(np.uint16)
+                cand_key[base + a : base + b] = key[e0 + local[: b - a]]
+                cand_base[c] = base + a
+                cand_cnt[c] = b - a
+                pos += local.size
+            if pos > cap:
+                status[1] += np.uint64(1)
+            status[2 + s] += np.uint64(pos)
+
+
+def _cands(cand_base, cand_cnt, c):
+    return int(cand_base[c]), int(cand_cnt[c])
+
+
+def cand_select(nseg, seg_chunks, cand_base, cand_cnt, cand_key, state):
+    for s in range(int(nseg)):
+        k_rem = int(state[2 * s + 1])
+        if k_rem == 0:
+            continue
+        parts = []
+        for c in range(int(seg_chunks[s]), int(seg_chunks[s + 1])):
+            base, m = _cands(cand_base, cand_cnt, c)
+            parts.append(cand_key[base : base + m])
+        keys = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+        prefix = int(state[2 * s])
+        for shift in (24, 16, 8, 0):
+            k = keys if shift == 24 else keys[(keys >> np.uint32(shift + 8)) == np.uint32(prefix >> (shift + 8))]
+            h = np.bincount((k >> np.uint32(shift)) & np.uint32(255), minlength=256)
+            for b in range(255, -1, -1):
+                if k_rem <= int(h[b]):
+                    prefix |= b << shift
+                    break
+                k_rem -= int(h[b])
+        state[2 * s] = prefix
+        state[2 * s + 1] = k_rem
+
+
+def cand_count(nt, chunk_start, seg_of, cand_base, cand_cnt, cand_key, state, cnt):
+    for t in range(int(nt)):
+        T = np.uint32(int(state[2 * int(seg_of[t])]))
+        c0, c1 = _chunks(chunk_start, t)
+        for c in range(c0, c1):
+            base, m = _cands(cand_base, cand_cnt, c)
+            k = cand_key[base : base + m]
+            cnt[2 * c] = np.count_nonzero(k > T)
+            cnt[2 * c + 1] = np.count_nonzero(k == T)
+
+
+def _cand_write(
+    nt,
+    chunk_start,
+    dtypes,
+    seg_of,
+    new_ptrs,
+    base_ptrs,
+    res_ptrs,
+    cand_base,
+    cand_cnt,
+    cand_idx,
+    cand_key,
+    state,
+    eq_base,
+    out_base,
+    out_idx,
+    vals32,
+    vals64,
+):
+    for t in range(int(nt)):
+        s = int(seg_of[t])
+        T, take = np.uint32(int(state[2 * s])), int(state[2 * s + 1])
+        c0, c1 = _chunks(chunk_start, t)
+        dt = int(dtypes[t])
+        for c in range(c0, c1):
+            base, m = _cands(cand_base, cand_cnt, c)
+            k = cand_key[base : base + m]
+            eq = k == T
+            eq_rank = int(eq_base[c]) + np.cumsum(eq, dtype=np.int64) - eq
+            sel = (k > T) | (eq & (eq_rank < take))
+            i = (c - c0) * CHUNK + cand_idx[base : base + m][sel].astype(np.int64)
+            o = int(out_base[c])
+            out_idx[o : o + i.size] = i.astype(out_idx.dtype)
+            if i.size == 0:
+                continue
+            d = delta(
+                new_ptrs[t][i],
+                None if base_ptrs[t] is None else base_ptrs[t][i],
+                None if res_ptrs[t] is None else res_ptrs[t][i],
+                dt,
+            )
+            (vals64 if dt == DT_F64 else vals32)[o : o + i.size] = d
+
+
+def cand_write_u32(*args):
+    _cand_write(*args)
+
+
+def cand_write_u64(*args):
+    _cand_write(*args)
+
+
+def residual_delta(nt, chunk_start, numel, dtypes, new_ptrs, base_ptrs, res_ptrs, res_out_ptrs):
+    for t in range(int(nt)):
+        ro = res_out_ptrs[t]
+        if ro is None or int(numel[t]) == 0:
+            continue
+        with np.errstate(over="ignore", invalid="ignore"):
+            ro[:] = delta(new_ptrs[t], base_ptrs[t], res_ptrs[t], int(dtypes[t]))
+
+
+def _kept_fix(nt, total, ent_start, dtypes, res_out_ptrs, qmode, idx, vals32, vals64):
+    for t in range(int(nt)):
+        a, b = int(ent_start[t]), int(ent_start[t + 1])
+        ro = res_out_ptrs[t]
+        if ro is None or b <= a:
+            continue
+        v = (vals64 if int(dtypes[t]) == DT_F64 else vals32)[a:b]
+        with np.errstate(over="ignore", invalid="ignore"):
+            ro[idx[a:b].astype(np.int64)] = v - decoded(v, int(qmode))
+
+
+def kept_fix_u32(*args):
+    _kept_fix(*args)
+
+
+def kept_fix_u64(*args):
+    _kept_fix(*args)
