@@ -13,6 +13,11 @@ gpu_codec costs, header included. The dense baseline is lossless, so its delta i
 are those of a ``fraction=None`` payload of the same update (one per client per round; the size depends only on
 the tensor names and shapes).
 
+A second learning rate (0.05, half the default) checks how much the gap depends on it; at that rate the
+remedies of :mod:`gpu_codec.schedules` are measured too: Deep Gradient Compression's warm-up of the kept fraction
+(4% down to 1% over the first 4 rounds) and server momentum (FedAvgM, beta 0.5), the latter against a dense run
+with the same server momentum.
+
 Accuracy is on the test set after each round; "acc @R" is the mean of rounds R-4..R, then mean +- std over
 seeds. Run: ``python benchmarks/fl_convergence.py`` (CPU, one thread; writes benchmarks/results/fl_convergence
 .json, .md and .png). ``--models``, ``--configs``, ``--seeds`` and ``--rounds`` pick a subset; ``--merge`` adds
@@ -60,6 +65,8 @@ class Config:
     lossless_dense: bool = False  # the exact delta is applied; bytes are those of the payload
     lr: float | None = None  # local learning rate; None: the study's
     baseline: str = "dense"  # the configuration its accuracy and bytes are compared with
+    warmup: tuple[float, int] | None = None  # DGC warm-up of the kept fraction: (start fraction, rounds)
+    server_momentum: float = 0.0  # FedAvgM's beta; 0: plain FedAvg
 
 
 CONFIGS: dict[str, Config] = {
@@ -72,10 +79,36 @@ CONFIGS: dict[str, Config] = {
     ),
     "top10_ef_fp16": Config("top-10% + EF + fp16 + Rice + zstd", 0.10, True, _fp16_rice_zstd),
     "dense_int8": Config("dense int8/256 + zstd", None, False, lambda: [Int8Blockwise(block_size=256), Zstd(level=3)]),
-    # sensitivity: the same comparison with half the local learning rate
+    # half the local learning rate: plain error feedback, then the remedies of gpu_codec.schedules
     "dense_lr05": Config("dense fp32, lr 0.05", None, lossless_dense=True, lr=0.05, baseline="dense_lr05"),
     "top1_ef_fp16_lr05": Config(
         "top-1% + EF + fp16 + Rice + zstd, lr 0.05", 0.01, True, _fp16_rice_zstd, lr=0.05, baseline="dense_lr05"
+    ),
+    "dense_sm_lr05": Config(
+        "dense fp32, server momentum 0.5, lr 0.05",
+        None,
+        lossless_dense=True,
+        lr=0.05,
+        baseline="dense_sm_lr05",
+        server_momentum=0.5,
+    ),
+    "top1_ef_fp16_sm_lr05": Config(
+        "top-1% + EF + fp16 + Rice + zstd, server momentum 0.5, lr 0.05",
+        0.01,
+        True,
+        _fp16_rice_zstd,
+        lr=0.05,
+        baseline="dense_sm_lr05",
+        server_momentum=0.5,
+    ),
+    "top1_ef_fp16_warmup_lr05": Config(
+        "top-1% + EF + fp16 + Rice + zstd, warm-up 4% → 1% over 4 rounds, lr 0.05",
+        0.01,
+        True,
+        _fp16_rice_zstd,
+        lr=0.05,
+        baseline="dense_lr05",
+        warmup=(0.04, 4),
     ),
 }
 CORE = list(CONFIGS)
@@ -147,6 +180,12 @@ def federated_run(
 
     torch.set_num_threads(1)
     lr = cfg.lr if cfg.lr is not None else lr
+    if cfg.warmup or cfg.server_momentum:
+        from gpu_codec import schedules
+
+        server = schedules.ServerMomentum(cfg.server_momentum) if cfg.server_momentum else None
+    else:
+        server = None
     rng = np.random.default_rng(seed)
     parts = dirichlet_partition(data["ytr"], n_clients, alpha, rng)
     weights = np.array([p.size for p in parts], dtype=np.float64)
@@ -161,7 +200,10 @@ def federated_run(
     gen = torch.Generator().manual_seed(seed)
     acc, up_bytes = [], []
     t0 = time.perf_counter()
-    for _ in range(rounds):
+    for rnd in range(rounds):
+        fraction = cfg.fraction
+        if cfg.warmup and fraction is not None:
+            fraction = schedules.warmup_fraction(rnd, fraction, start=cfg.warmup[0], rounds=cfg.warmup[1])
         agg = {k: np.zeros_like(v) for k, v in glob.items()}
         sent = 0
         for c, idx in enumerate(parts):
@@ -181,14 +223,14 @@ def federated_run(
                 for k in agg:
                     agg[k] += weights[c] * (new[k] - glob[k])
                 continue
-            payload = gpu_codec.compress(
-                new, base=glob, fraction=cfg.fraction, residual=efs[c], pipeline=cfg.pipeline()
-            )
+            payload = gpu_codec.compress(new, base=glob, fraction=fraction, residual=efs[c], pipeline=cfg.pipeline())
             blob = payload.to_bytes()
             sent += len(blob)
             delta = gpu_codec.decompress(blob)
             for k in agg:
                 agg[k] += weights[c] * delta[k]
+        if server is not None:
+            agg = server.step(agg)
         for k in glob:
             glob[k] = glob[k] + agg[k]
         net.load_state_dict({k: torch.from_numpy(v.copy()) for k, v in glob.items()})
