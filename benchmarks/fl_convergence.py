@@ -307,15 +307,19 @@ def markdown(rows: list[dict], at: tuple[int, ...], params: dict[str, int]) -> s
 
 
 def plot(runs: list[dict], path: Path) -> None:
+    """Accuracy against cumulative bytes: one panel per model and local learning rate."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = [m for m in MODELS if any(r["model"] == m for r in runs)]
-    fig, axes = plt.subplots(1, len(models), figsize=(6.5 * len(models), 4.5), squeeze=False)
-    for ax, model in zip(axes[0], models):
-        names = sorted({r["config"] for r in runs if r["model"] == model}, key=_order)
+    panels = sorted({(r["model"], r["lr"]) for r in runs}, key=lambda p: (list(MODELS).index(p[0]), -p[1]))
+    ncol = len({m for m, _ in panels})
+    nrow = -(-len(panels) // ncol)
+    fig, axes = plt.subplots(nrow, ncol, figsize=(6.5 * ncol, 4.5 * nrow), squeeze=False)
+    order = sorted(panels, key=lambda p: (-p[1], list(MODELS).index(p[0])))  # rows: learning rate; columns: model
+    for ax, (model, lr) in zip(axes.flat, order):
+        names = sorted({r["config"] for r in runs if r["model"] == model and r["lr"] == lr}, key=_order)
         for name in names:
             rs = [r for r in runs if r["model"] == model and r["config"] == name]
             n = min(len(r["acc"]) for r in rs)
@@ -325,12 +329,15 @@ def plot(runs: list[dict], path: Path) -> None:
         ax.set_xscale("log")
         ax.set_xlabel("cumulative bytes uploaded (all clients)")
         ax.set_ylabel("test accuracy (%), mean over seeds")
-        ax.set_title(f"{model} MLP ({n_params(MODELS[model]):,} params), digits, 10 non-IID clients")
+        ax.set_title(f"{model} MLP ({n_params(MODELS[model]):,} params), local lr {lr:g}", fontsize=10)
         ax.set_ylim(50, 100)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7, loc="lower right")
+    for ax in list(axes.flat)[len(order) :]:
+        ax.set_visible(False)
+    fig.suptitle("digits, 10 non-IID clients (Dirichlet 0.5), FedAvg, 1 local epoch")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
@@ -343,6 +350,7 @@ def machine_info() -> dict:
         "platform": platform.platform(),
         "processor": platform.processor(),
         "cpu_count": os.cpu_count(),
+        "load_average": os.getloadavg(),  # other work on the machine stretches the run times, not the results
         "numpy": np.__version__,
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
