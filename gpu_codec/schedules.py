@@ -21,13 +21,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .codecs import check_fraction
 from .errors import InvalidInputError
 
 
 def _check_fraction(name: str, f: Any) -> float:
-    if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < float(f) <= 1.0:
-        raise InvalidInputError(f"{name} must be a number in (0, 1], got {f!r}")
-    return float(f)
+    return check_fraction(f, name)
 
 
 def warmup_fraction(round_index: int, target: float, *, start: float, rounds: int) -> float:
