@@ -14,7 +14,7 @@ Steps, in order (each recorded in OUTDIR/summary.json as pass / fail / skip, wit
              every kernel at least once and checks its output                            -> sanitizer_<tool>.log
   resources  registers, shared memory and spills from ptxas (benchmarks/kernel_resources.py) -> resources.txt
 A human-readable log goes to OUTDIR/suite.log. The exit status is 1 if any step failed. Steps stop being started
-once --budget-s seconds have passed (the device tool gives a command 10 minutes).
+once --budget-s seconds have passed (540 by default), so a run under a time limit still writes its summary.
 
 --runner emulated runs the steps that do not need a GPU (cases, parity on small inputs, the workload) on the CPU
 emulator instead: CPU CI tests the suite itself that way (tests/test_emulated_kernels.py).
