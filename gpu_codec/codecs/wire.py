@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ..errors import PayloadHeaderError, PayloadLayoutError, PayloadLimitError
+from ..errors import PayloadHeaderError, PayloadLayoutError
 from ..format import BASE_LAYOUTS, BUFFER_DTYPES, LayoutRule, TensorRecord
-from ..format.common import MAX_WINDOW, canonical_dtype, compress_bound
+from ..format.common import MAX_WINDOW, canonical_dtype, check_frame, compress_bound
 from .base import BytesCodec, Form, Layout
 
 CODED = ("sparse", "dense_q")  # the encodings of a pipeline with a value or an index stage
@@ -203,16 +203,7 @@ class FrameStream:
 
     def __init__(self, data: Any, raw: int, keep_from: int, what: str):
         self.data, self.raw, self.what = data, raw, what
-        try:
-            params = zstandard.get_frame_parameters(data)
-        except zstandard.ZstdError as e:
-            raise PayloadLayoutError(f"{what}: compressed buffer is not a zstd frame ({e})") from None
-        cs = params.content_size
-        if cs != zstandard.CONTENTSIZE_UNKNOWN and cs != raw:
-            exc = PayloadLimitError if cs > raw else PayloadLayoutError
-            raise exc(f"{what}: zstd frame declares {cs} bytes, the tensor's encoding implies {raw}")
-        if params.window_size > MAX_WINDOW:
-            raise PayloadLimitError(f"{what}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW}")
+        check_frame(data, raw, what)
         if zstd_frame_size(data, what) != len(memoryview(data).cast("B")):
             raise PayloadLayoutError(f"{what}: bytes after the zstd frame")
         self._open()
