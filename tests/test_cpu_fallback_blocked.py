@@ -213,7 +213,9 @@ def test_compress_allocates_no_full_size_temporary(monkeypatch, threads):
         finally:
             tracemalloc.stop()
     assert p.nnz == gpu_codec.kept_count(0.01, n)
-    buffers = int(threads) * sel.BLOCK * 6 + (64 << 10)
+    # per thread: its block buffer, and the candidates of the task it holds (above the sampled bracket: a few
+    # per cent of a task's elements at fraction 0.01, 6 bytes each) until the tasks are joined
+    buffers = int(threads) * (sel.BLOCK + sel.TASK // 32) * 6 + (64 << 10)
     assert peak < 0.05 * new.nbytes + buffers, f"peak {peak} bytes for a {new.nbytes}-byte update"
 
 
