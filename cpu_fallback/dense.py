@@ -7,7 +7,7 @@ import numpy as np
 
 from gpu_codec.constants import DT_F64, SCATTER_ADD
 
-from .elementwise import delta, load_f32, nonfinite, scores_f32, store_from_f32
+from .elementwise import load_f32, store_from_f32, tensor_delta_scores
 
 
 def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs, mode, err):
@@ -61,10 +61,8 @@ def dense_delta(
         n = int(numel[t])
         if n == 0:
             continue
-        dt = int(dtypes[t])
-        d = delta(new_ptrs[t], base_ptrs[t], res_ptrs[t], dt)
-        s = scores_f32(int(crit), new_ptrs[t], base_ptrs[t], d, dt, score_ptrs[t], int(score_dtypes[t]))
+        dt, d, _, bad = tensor_delta_scores(t, new_ptrs, base_ptrs, res_ptrs, dtypes, crit, score_ptrs, score_dtypes)
         off = int(elem_off[t])
         (vals64 if dt == DT_F64 else vals32)[off : off + n] = d
-        if nonfinite(d) or nonfinite(s):
+        if bad:
             err[0] = min(int(err[0]), t)

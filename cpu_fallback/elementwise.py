@@ -154,3 +154,17 @@ def decoded(d: np.ndarray, qmode: int) -> np.ndarray:
     if qmode == QMODE_F16:
         return f32_to_f16(d).astype(np.float32)
     return bf16_bits_to_f32(f32_to_bf16_bits(d))
+
+
+def tensor_delta_scores(t, new_ptrs, base_ptrs, res_ptrs, dtypes, crit, score_ptrs, score_dtypes, idx=None):
+    """(dtype code, delta, fp32 scores, bad) of tensor ``t`` (at positions ``idx``; all of it for None): the
+    per-tensor front of every selection twin (``score_keys``, ``dense_delta``, ``fused_scan``, ``sample_keys``)."""
+
+    def at(a):
+        return None if a is None else (a if idx is None else a[idx])
+
+    dt = int(dtypes[t])
+    d = delta(at(new_ptrs[t]), at(base_ptrs[t]), at(res_ptrs[t]), dt)
+    with np.errstate(over="ignore", invalid="ignore"):
+        s = scores_f32(int(crit), at(new_ptrs[t]), at(base_ptrs[t]), d, dt, at(score_ptrs[t]), int(score_dtypes[t]))
+    return dt, d, s, nonfinite(d) or nonfinite(s)

@@ -10,21 +10,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from .elementwise import DT_F64, decoded, delta, nonfinite, score_key, scores_f32
+from .elementwise import DT_F64, decoded, delta, score_key, tensor_delta_scores
 from .kernels import CHUNK
 
 
 def _keys(t, idx, new_ptrs, base_ptrs, res_ptrs, score_ptrs, score_dtypes, dtypes, crit):
     """(delta, key, bad) of tensor t at positions ``idx`` (all of it for None)."""
-
-    def at(a):
-        return None if a is None else (a if idx is None else a[idx])
-
-    dt = int(dtypes[t])
-    d = delta(at(new_ptrs[t]), at(base_ptrs[t]), at(res_ptrs[t]), dt)
-    with np.errstate(over="ignore", invalid="ignore"):
-        s = scores_f32(int(crit), at(new_ptrs[t]), at(base_ptrs[t]), d, dt, at(score_ptrs[t]), int(score_dtypes[t]))
-        return d, score_key(s), nonfinite(d) or nonfinite(s)
+    _, d, s, bad = tensor_delta_scores(t, new_ptrs, base_ptrs, res_ptrs, dtypes, crit, score_ptrs, score_dtypes, idx)
+    return d, score_key(s), bad
 
 
 def sample_keys(

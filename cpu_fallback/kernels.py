@@ -13,7 +13,15 @@ from functools import partial
 
 import numpy as np
 
-from .elementwise import DT_F64, decoded, delta, load_f32, nonfinite, score_key, scores_f32, store_from_f32
+from .elementwise import (
+    DT_F64,
+    decoded,
+    delta,
+    load_f32,
+    score_key,
+    store_from_f32,
+    tensor_delta_scores,
+)
 from .parallel import parallel_map
 
 BLOCK = 256
@@ -33,12 +41,10 @@ def score_keys(
         n = int(numel[t])
         if n == 0:
             continue
-        dt = int(dtypes[t])
-        d = delta(new_ptrs[t], base_ptrs[t], res_ptrs[t], dt)
-        s = scores_f32(int(crit), new_ptrs[t], base_ptrs[t], d, dt, score_ptrs[t], int(score_dtypes[t]))
+        _, _, s, bad = tensor_delta_scores(t, new_ptrs, base_ptrs, res_ptrs, dtypes, crit, score_ptrs, score_dtypes)
         off = int(elem_off[t])
         keys[off : off + n] = score_key(s)
-        if nonfinite(d) or nonfinite(s):
+        if bad:
             err[0] = min(int(err[0]), t)
 
 
