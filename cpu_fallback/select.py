@@ -1,20 +1,24 @@
 """The NumPy backend's exact top-k: the same selection as the kernels, composed for speed on a CPU.
 
-A strided sample brackets the threshold from below (``lo``). One pass over cache-sized blocks, spread over the
-thread pool, computes each block's delta and keys while they sit in cache and keeps only the candidates: the
-entries whose key is above ``lo`` (local index and delta), and a count of those equal to ``lo``. Each input byte
-crosses from memory once and nothing of full size is allocated. Exact selection (``np.partition``) then runs on
-the candidates; if the threshold turns out to be ``lo`` itself, the blocks holding the needed entries equal to
-``lo`` are computed again. If the bracket misses (fewer than k entries at or above ``lo``), the pass runs again
-with the lowest key as ``lo``, so the result is always exact. Ties at the threshold are taken lowest flat index
-first, tensor order first for global scope, exactly as ``chunk_write`` does on the device; results are combined
-in block order, so they do not depend on the thread count.
+A sample (runs of RUN consecutive elements spread over every tensor) brackets the threshold from below (``lo``).
+One pass over cache-sized blocks, spread over the thread pool, computes each block's delta and keys while the
+block sits in cache (on the |delta| path the key is made in place in the delta's buffer) and keeps only the
+candidates: the entries whose key is above ``lo`` (their deltas computed again from the inputs, still in cache,
+and a 16-bit index in their sub-block), and a count of those equal to ``lo``. Each input byte crosses from memory
+once; the blocks are as large as fits in a share of the update's bytes (BUFFER_SHARE, all threads together), so
+that few NumPy calls are made per element. Exact selection (``np.partition``) then runs on the candidates; if the
+threshold turns out to be ``lo`` itself, the blocks holding the needed entries equal to ``lo`` are computed again.
+If the bracket misses (fewer than k entries at or above ``lo``), it is lowered (further down the sample, at last
+the lowest key) and the pass runs again, so the result is always exact. Ties at the threshold are taken lowest
+flat index first, tensor order first for global scope, exactly as ``chunk_write`` does on the device; results
+are combined in block order, so they do not depend on the thread count.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,11 +27,16 @@ from gpu_codec.constants import index_dtype
 from .elementwise import DT_F32, DT_F64, decoded, delta, nonfinite, score_key, scores_f32
 from .parallel import parallel_map, thread_count
 
-SAMPLE = 1 << 16  # sampled keys: one every SAMPLE_STRIDE elements, at least SAMPLE_MIN, at most SAMPLE
+SAMPLE = 1 << 16  # sampled keys: about one element in SAMPLE_STRIDE, at least SAMPLE_MIN, at most SAMPLE
 SAMPLE_MIN = 1 << 12
 SAMPLE_STRIDE = 128
-BLOCK = 1 << 16  # elements per block (at most 2^16: candidates keep a uint16 index in their block); stays in L2
-MIN_BLOCK = 1 << 12
+RUN = 8  # the sample takes runs of RUN consecutive elements (one 32-byte sector of fp32), as the kernels do
+BLOCK = 1 << 18  # most elements per block: its buffers stay in a core's L2 (a larger block means fewer calls)
+MIN_BLOCK = 1 << 13
+BUFFER_SHARE = 0.02  # the block buffers of all threads together: at most this share of the update's bytes
+BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison
+SCORE_BLOCK = 1 << 16  # most elements per block where the score is not |delta| (its temporaries are per block)
+SUB = 1 << 16  # candidates keep a uint16 index within a sub-block of SUB elements, and a count per sub-block
 MIN_TASK = 1 << 20  # fewer elements than this per task are not worth a thread (measured: 2^18 was 3x slower at 1M)
 TASK = 1 << 20  # most elements per pool task (a task's candidates are joined once)
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
@@ -37,7 +46,7 @@ _ZERO32 = np.float32(0.0)
 
 
 def _keys(t, new, base, res, dt, crit, ext, ext_dt):
-    """(delta, sortable key array, bad) for one tensor (or a strided view of one)."""
+    """(delta, sortable key array, bad) for one tensor (or a view of one)."""
     d = delta(new, base, res, dt)
     if crit in (0, 3) and dt != DT_F64:
         raw = np.abs(d).view(np.uint32)
@@ -52,7 +61,7 @@ def _keys(t, new, base, res, dt, crit, ext, ext_dt):
 
 @dataclass
 class _Call:
-    """One topk_select call's inputs."""
+    """One topk_select call's inputs, and the block buffers its tasks share."""
 
     new: list
     base: list
@@ -62,6 +71,9 @@ class _Call:
     ext: list
     ext_dt: list
     crit: int
+    block: int = BLOCK
+    _free: list = field(default_factory=list)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def fast(self, t: int) -> bool:
         """The key is |delta|'s fp32 bits: no score array, and non-finite deltas are exactly the keys >= inf."""
@@ -72,6 +84,54 @@ class _Call:
         r, w = self.res[t], self.res_out[t]
         return w is not None and (r is None or not np.may_share_memory(r, w))
 
+    def step(self, t: int) -> int:
+        """Elements per block of tensor t: scores other than |delta| need temporaries of their own per block."""
+        return self.block if self.fast(t) else min(self.block, SCORE_BLOCK)
+
+    def buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """A block's delta and comparison buffers: at most one set per running task, reused by the next."""
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+        return np.empty(self.block, np.float32), np.empty(self.block, np.bool_)
+
+    def give_back(self, bufs: tuple[np.ndarray, np.ndarray]) -> None:
+        with self._lock:
+            self._free.append(bufs)
+
+    def release(self) -> None:
+        """Free the block buffers (between the phases of a call: they are not needed while joining)."""
+        with self._lock:
+            self._free.clear()
+
+    def values(self, t: int, s: int, e: int, ci: np.ndarray) -> np.ndarray:
+        """The deltas at block positions ``ci`` of elements [s, e), computed again from the inputs (the block is
+        still in cache); element-wise, so the same bits as the whole-block delta."""
+
+        def at(x):
+            return x[s:e].take(ci) if x is not None else None
+
+        base, res = self.base[t], self.res[t]
+        if self.dtypes[t] != DT_F32:
+            return delta(at(self.new[t]), at(base), at(res), self.dtypes[t])
+        v = at(self.new[t])
+        if base is not None:
+            np.subtract(v, at(base), out=v)
+        if res is not None:
+            np.add(v, at(res), out=v)
+        return v
+
+
+def block_size(nbytes: int, threads: int) -> int:
+    """Elements per block: the largest power of two whose buffers, one set per thread, stay within BUFFER_SHARE
+    of the update's ``nbytes`` (between MIN_BLOCK and BLOCK).
+
+    >>> block_size(4 << 24, 2), block_size(4 << 26, 2), block_size(4 << 20, 2)
+    (131072, 262144, 8192)
+    """
+    fit = int(BUFFER_SHARE * nbytes / (BLOCK_BYTES * max(1, threads)))
+    return max(MIN_BLOCK, min(BLOCK, 1 << max(0, fit.bit_length() - 1)))
+
 
 @dataclass
 class _Part:
@@ -80,159 +140,179 @@ class _Part:
     t: int
     a: int
     b: int
-    idx: np.ndarray | None = None  # uint16, relative to the block (6 bytes a candidate with its fp32 delta)
-    counts: np.ndarray | None = None  # candidates per block
+    idx: np.ndarray | None = None  # uint16, relative to the sub-block (6 bytes a candidate with its fp32 delta)
+    counts: np.ndarray | None = None  # candidates per sub-block of SUB elements
     d: np.ndarray | None = None  # deltas
     key: np.ndarray | None = None  # keys (None on the fast path: derived from d)
     neq: int = 0  # entries with key == lo
     bad: bool = False
-    block: int = 0
 
     def keys(self) -> np.ndarray:
         return self.key if self.key is not None else np.bitwise_and(self.d.view(np.uint32), _ABS)
 
     def rel(self) -> np.ndarray:
         """uint32 index of each candidate relative to a."""
-        starts = np.arange(self.counts.size, dtype=np.uint32) * np.uint32(self.block)
+        starts = np.arange(self.counts.size, dtype=np.uint32) * np.uint32(SUB)
         return self.idx.astype(np.uint32) + np.repeat(starts, self.counts)
 
 
-class _Blocks:
-    """Delta and keys of one block at a time, in buffers reused across the blocks of a task."""
-
-    def __init__(self, c: _Call, t: int, size: int, lo: np.uint32):
-        self.c, self.t, self.lo = c, t, lo
-        self.fast = c.fast(t)
-        if self.fast:
-            self.dbuf = np.empty(size, np.float32)
-            self.below = np.empty(size, np.bool_)
-            self.above = np.empty(size, np.bool_)
-            self.lof = np.array([lo], np.uint32).view(np.float32)[0]  # lo <= inf: a number
-
-    def delta_keys(self, s: int, e: int, write_res: bool) -> tuple[np.ndarray, np.ndarray | None, bool | None]:
-        """(delta, keys, bad) of elements [s, e); on the fast path keys and bad are None (|delta| is the key)."""
-        c, t = self.c, self.t
-        new, base, res, dt = c.new[t][s:e], c.base[t], c.res[t], c.dtypes[t]
-        base = base[s:e] if base is not None else None
-        res = res[s:e] if res is not None else None
-        if self.fast:
-            d = self.dbuf[: e - s]
-            if dt == DT_F32:
-                np.subtract(new, base if base is not None else _ZERO32, out=d)
-                if res is not None:
-                    np.add(d, res, out=d)
-            else:
-                d[...] = delta(new, base, res, dt)
-            if write_res:
-                c.res_out[t][s:e] = d
-            return d, None, None
-        d = delta(new, base, res, dt)
+def _block_keys(c: _Call, t: int, s: int, e: int, dbuf: np.ndarray, write_res: bool):
+    """Keys of elements [s, e) of tensor t, and whether a delta or score there is non-finite (None on the fast
+    path, where the keys themselves tell). On the fast path the keys are |delta|'s bits, made in place in
+    ``dbuf``; the residual (the delta) is written first where asked."""
+    new, base, res, dt = c.new[t][s:e], c.base[t], c.res[t], c.dtypes[t]
+    base = base[s:e] if base is not None else None
+    res = res[s:e] if res is not None else None
+    if c.fast(t):
+        d = dbuf[: e - s]
+        if dt == DT_F32:
+            np.subtract(new, base if base is not None else _ZERO32, out=d)
+            if res is not None:
+                np.add(d, res, out=d)
+        else:
+            d[...] = delta(new, base, res, dt)
         if write_res:
             c.res_out[t][s:e] = d
-        ext = c.ext[t][s:e] if c.ext[t] is not None else None
-        sc = scores_f32(c.crit, new, base, d, dt, ext, c.ext_dt[t])
-        bad = nonfinite(d) or nonfinite(sc)
-        k = np.ascontiguousarray(sc).view(np.uint32) if c.crit in _NONNEG else score_key(sc)
-        return d, k, bad
-
-    def at_least(self, d: np.ndarray, k: np.ndarray | None) -> np.ndarray:
-        """Positions with key >= lo. Fast path: not (-lo < d < lo), on fp32 compares; NaN is a candidate."""
-        if not self.fast:
-            return (k >= self.lo).nonzero()[0]
-        m, a = self.below[: d.size], self.above[: d.size]
-        np.less(d, self.lof, out=m)
-        np.greater(d, -self.lof, out=a)
-        np.logical_and(m, a, out=m)
-        np.logical_not(m, out=m)
-        return m.nonzero()[0]
+        k = d.view(np.uint32)
+        np.bitwise_and(k, _ABS, out=k)  # |delta|: a NaN stays above inf, so it is a candidate and is seen
+        return k, None
+    d = delta(new, base, res, dt)
+    if write_res:
+        c.res_out[t][s:e] = d
+    ext = c.ext[t][s:e] if c.ext[t] is not None else None
+    sc = scores_f32(c.crit, new, base, d, dt, ext, c.ext_dt[t])
+    bad = nonfinite(d) or nonfinite(sc)
+    k = np.ascontiguousarray(sc).view(np.uint32) if c.crit in _NONNEG else score_key(sc)
+    return k, bad
 
 
 def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     """Candidates (key > lo) of one task, the count of keys == lo, and whether a delta or score is non-finite."""
     t, a, b = part.t, part.a, part.b
-    blk = _Blocks(c, t, min(part.block, b - a), lo)
-    idx, ds, ks, cnt = [], [], [], []
-    bad = False
-    with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
-        for s in range(a, b, part.block):
-            d, k, bad_b = blk.delta_keys(s, min(b, s + part.block), write_res)
-            ci = blk.at_least(d, k)
-            idx.append(ci.astype(np.uint16))
-            cnt.append(ci.size)
-            ds.append(d[ci])
-            if not blk.fast:
-                bad = bad or bad_b
-                ks.append(k[ci])
-    join = np.concatenate if len(idx) > 1 else (lambda xs: xs[0])
-    ci, d = join(idx), join(ds)
-    key = join(ks) if ks else np.bitwise_and(d.view(np.uint32), _ABS)
-    if blk.fast:  # lo <= inf: every non-finite delta is at or above lo
+    fast, block = c.fast(t), c.step(t)
+    pos, ds, ks, bad = [], [], [], False
+    dbuf, mask = bufs = c.buffers()
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
+            for s in range(a, b, block):
+                e = min(b, s + block)
+                k, bad_b = _block_keys(c, t, s, e, dbuf, write_res)
+                m = mask[: e - s]
+                np.greater_equal(k, lo, out=m)
+                ci = m.nonzero()[0]
+                ds.append(c.values(t, s, e, ci))
+                if not fast:
+                    bad = bad or bad_b
+                    ks.append(k.take(ci))
+                ci = ci.astype(np.uint32)
+                ci += np.uint32(s - a)
+                pos.append(ci)
+    finally:
+        c.give_back(bufs)
+    rel, d, key = _join(pos), _join(ds), _join(ks) if ks else None
+    if key is None:
+        key = np.bitwise_and(d.view(np.uint32), _ABS)
+    if fast:  # lo <= inf: every non-finite delta is at or above lo
         bad = key.size > 0 and bool(key.max() >= _INF_BITS)
     gt = key > lo
-    counts = np.bincount(np.repeat(np.arange(len(cnt)), cnt)[gt], minlength=len(cnt))
-    kept = ci[gt]
-    return _Part(t, a, b, kept, counts, d[gt], None if blk.fast else key[gt], gt.size - kept.size, bad, part.block)
+    key = None if fast else key[gt]
+    kept = rel[gt]
+    del rel
+    counts = np.bincount(kept // np.uint32(SUB), minlength=-(-(b - a) // SUB))
+    np.remainder(kept, np.uint32(SUB), out=kept)
+    return _Part(t, a, b, kept.astype(np.uint16), counts, d[gt], key, gt.size - kept.size, bad)
+
+
+def _join(xs: list) -> np.ndarray:
+    """The arrays of a list joined, the list emptied (its arrays are freed as soon as they are copied)."""
+    out = np.concatenate(xs) if len(xs) > 1 else xs[0]
+    xs.clear()
+    return out
 
 
 def _equal(c: _Call, part: _Part, lo: np.uint32, need: int) -> tuple[np.ndarray, np.ndarray]:
     """The first ``need`` entries of a task whose key equals lo: (uint32 index relative to a, delta)."""
     t, a, b = part.t, part.a, part.b
-    blk = _Blocks(c, t, min(part.block, b - a), lo)
     idx, ds = [], []
-    with np.errstate(over="ignore", invalid="ignore"):
-        for s in range(a, b, part.block):
-            if need <= 0:
-                break
-            d, k, _ = blk.delta_keys(s, min(b, s + part.block), False)
-            if k is None:
-                k = np.bitwise_and(d.view(np.uint32), _ABS)
-            ci = np.flatnonzero(k == lo)[:need]
-            need -= ci.size
-            idx.append((ci + (s - a)).astype(np.uint32))
-            ds.append(d[ci])
+    dbuf, _ = bufs = c.buffers()
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            for s in range(a, b, c.step(t)):
+                if need <= 0:
+                    break
+                e = min(b, s + c.step(t))
+                k, _ = _block_keys(c, t, s, e, dbuf, False)
+                ci = np.flatnonzero(k == lo)[:need]
+                need -= ci.size
+                ds.append(c.values(t, s, e, ci))
+                idx.append((ci + (s - a)).astype(np.uint32))
+    finally:
+        c.give_back(bufs)
     return np.concatenate(idx), np.concatenate(ds)
 
 
 def _write_residual(c: _Call, part: _Part) -> None:
     """residual = delta over a task's range, block by block (used where the residual read is overwritten)."""
-    blk = _Blocks(c, part.t, min(part.block, part.b - part.a), np.uint32(0))
-    with np.errstate(over="ignore", invalid="ignore"):
-        for s in range(part.a, part.b, part.block):
-            blk.delta_keys(s, min(part.b, s + part.block), True)
+    dbuf, _ = bufs = c.buffers()
+    try:
+        with np.errstate(over="ignore", invalid="ignore"):
+            step = c.step(part.t)
+            for s in range(part.a, part.b, step):
+                _block_keys(c, part.t, s, min(part.b, s + step), dbuf, True)
+    finally:
+        c.give_back(bufs)
 
 
 def _tasks(c: _Call, seg: list[int], n: int) -> list[_Part]:
     per = max(1, 4 * thread_count())
-    block = min(BLOCK, max(MIN_BLOCK, 1 << max(0, n // 64 - 1).bit_length()))  # buffers stay small beside n
-    span = min(TASK, max(MIN_TASK, block, -(-n // per)))
-    span = -(-span // block) * block
+    span = min(TASK, max(MIN_TASK, c.block, -(-n // per)))
+    span = -(-span // c.block) * c.block
     parts = []
     for t in seg:
         m = c.new[t].size
-        parts += [_Part(t, a, min(m, a + span), block=block) for a in range(0, m, span)]
+        parts += [_Part(t, a, min(m, a + span)) for a in range(0, m, span)]
     return parts
 
 
-def _bracket(c: _Call, seg: list[int], n: int, k: int) -> np.uint32:
-    """A key at or below the k-th largest with high probability, from a strided sample."""
-    stride = max(1, n // min(SAMPLE, max(SAMPLE_MIN, n // SAMPLE_STRIDE)))
+def _runs(x, stride: int):
+    """Runs of RUN consecutive elements of flat ``x``, one every ``stride`` (a view), and the tail's first run."""
+    if x is None:
+        return None, None
+    rows = x.size // stride
+    return x[: rows * stride].reshape(rows, stride)[:, :RUN], x[rows * stride : rows * stride + RUN]
 
-    def view(x):
-        return x[::stride] if x is not None else None
 
+def _stride(n: int) -> int:
+    """Elements from one sampled run to the next in a segment of n: about n / SAMPLE_STRIDE sampled, between
+    SAMPLE_MIN and SAMPLE."""
+    ms = min(SAMPLE, max(SAMPLE_MIN, n // SAMPLE_STRIDE))
+    return max(RUN, n // -(-ms // RUN))
+
+
+def _sample(c: _Call, seg: list[int], n: int) -> np.ndarray:
+    """Keys of a sample of the segment: runs of RUN elements spread evenly over every tensor."""
+    stride = _stride(n)
     keys = []
     with np.errstate(over="ignore", invalid="ignore"):
         for t in seg:
-            args = (view(c.new[t]), view(c.base[t]), view(c.res[t]), c.dtypes[t], c.crit, view(c.ext[t]))
-            keys.append(_keys(t, *args, c.ext_dt[t])[1])
-    sample = np.concatenate(keys)
-    del keys
+            views = [_runs(x, stride) for x in (c.new[t], c.base[t], c.res[t], c.ext[t])]
+            for part in (0, 1):
+                nw, bs, rs, ex = (v[part] for v in views)
+                if nw.size:
+                    keys.append(_keys(t, nw, bs, rs, c.dtypes[t], c.crit, ex, c.ext_dt[t])[1].ravel())
+    return np.concatenate(keys)
+
+
+def _bracket(sample: np.ndarray, n: int, k: int, widen: int, crit: int) -> np.uint32:
+    """A key at or below the k-th largest with high probability, from the sample; each ``widen`` step reaches
+    four times as far below the sample's estimate (after a miss)."""
     ms = sample.size
     r = k * ms / n
-    pick = min(ms - 1, int(r + 4.0 * math.sqrt(r) + 32))
-    sample.partition(ms - 1 - pick)
-    lo = sample[ms - 1 - pick]
-    if c.crit in (0, 3):
+    pick = int(r + (4 << (2 * widen)) * math.sqrt(r) + (32 << (2 * widen)))
+    if pick >= ms - 1:
+        return np.uint32(0)
+    lo = np.partition(sample, ms - 1 - pick)[ms - 1 - pick]
+    if crit in (0, 3):
         lo = min(lo, _INF_BITS)  # so every non-finite delta is a candidate and is seen
     return np.uint32(lo)
 
@@ -240,35 +320,42 @@ def _bracket(c: _Call, seg: list[int], n: int, k: int) -> np.uint32:
 def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int, indices: list, values: list) -> None:
     """The k largest keys among the parts' entries, written to ``indices`` and ``values`` tensor by tensor.
 
-    Each part's candidates are freed once copied, so the candidates and the output are never held twice.
+    Parts are counted and copied on the pool, each into its own slice of the output; each part's candidates are
+    freed once copied, so the candidates and the output are never held twice.
     """
     g = sum(p.idx.size for p in parts)
-    thr, takes, extras, counts = None, [0] * len(parts), [None] * len(parts), []
+    thr, takes, extras = None, [0] * len(parts), [None] * len(parts)
     if g >= k:  # the threshold is above lo: every entry at it is a candidate
         keys = np.concatenate([p.keys() for p in parts]) if len(parts) > 1 else parts[0].keys().copy()
         keys.partition(g - k)
         thr = keys[g - k]
         take = k - int(np.count_nonzero(keys > thr))
         del keys
-        for i, p in enumerate(parts):
+
+        def count(p: _Part) -> tuple[int, int]:
             kp = p.keys()
-            if take:
-                takes[i] = min(take, int(np.count_nonzero(kp == thr)))
-                take -= takes[i]
-            counts.append(int(np.count_nonzero(kp > thr)) + takes[i])
+            return int(np.count_nonzero(kp > thr)), int(np.count_nonzero(kp == thr)) if take else 0
+
+        above, equal = zip(*parallel_map(count, parts))
+        for i in range(len(parts)):  # ties at the threshold: lowest index first, in part order
+            takes[i] = min(take, equal[i])
+            take -= takes[i]
+        counts = [a + t for a, t in zip(above, takes)]
     else:  # the threshold is lo: every candidate, then the first entries equal to lo
-        need = k - g
+        need, counts = k - g, []
         for i, p in enumerate(parts):
             if need and p.neq:
                 extras[i] = _equal(c, p, lo, min(need, p.neq))
                 need -= extras[i][0].size
             counts.append(p.idx.size + (extras[i][0].size if extras[i] is not None else 0))
+    offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
     for t in seg:
         mine = [i for i, p in enumerate(parts) if p.t == t]
+        start = offsets[mine[0]] if mine else 0
         idx = np.empty(sum(counts[i] for i in mine), index_dtype(c.new[t].size))
         val = np.empty(idx.size, np.float64 if c.dtypes[t] == DT_F64 else np.float32)
-        o = 0
-        for i in mine:
+
+        def copy(i: int, idx=idx, val=val, start=start) -> None:
             p = parts[i]
             if thr is not None:
                 kp = p.keys()
@@ -282,24 +369,35 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
                 pi, pd = pi[order], np.concatenate([p.d, extras[i][1]])[order]
             else:
                 pi, pd = p.rel(), p.d
+            o = offsets[i] - start
             dst = idx[o : o + pi.size]
             dst[...] = pi
             dst += idx.dtype.type(p.a)
             val[o : o + pi.size] = pd
-            o += pi.size
             p.idx = p.d = p.key = None
+
+        parallel_map(copy, mine)
         indices[t], values[t] = idx, val
 
 
 def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Part], np.uint32]:
-    """Scan a segment's tasks; returns the parts and lo."""
-    lo = _bracket(c, seg, n, k)
+    """Scan a segment's tasks; returns the parts and lo. A bracket that misses (fewer than k entries at or above
+    it) is lowered and the scan runs again, down to the lowest key, where every entry is a candidate."""
+    sample = _sample(c, seg, n)
     tasks = _tasks(c, seg, n)
-    parts = parallel_map(lambda p: _scan(c, p, lo, c.writes_residual_early(p.t)), tasks)
-    if not any(p.bad for p in parts) and sum(p.idx.size + p.neq for p in parts) < k:  # the bracket missed
-        lo = np.uint32(0)
-        parts = parallel_map(lambda p: _scan(c, p, lo, False), tasks)
-    return parts, lo
+    lo, widen = None, 0
+    while True:
+        prev, lo = lo, _bracket(sample, n, k, widen, c.crit)
+        if prev is not None and lo >= prev:
+            lo = np.uint32(0)
+        early = prev is None  # a rescan does not write the residual again
+        parts = parallel_map(
+            lambda p, lo=lo, early=early: _scan(c, p, lo, early and c.writes_residual_early(p.t)), tasks
+        )
+        c.release()
+        if any(p.bad for p in parts) or lo == 0 or sum(p.idx.size + p.neq for p in parts) >= k:
+            return parts, lo
+        widen += 1
 
 
 def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
@@ -314,6 +412,7 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     when a value is non-finite. The result does not depend on ``GPU_CODEC_THREADS``.
     """
     c = _Call(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit)
+    c.block = block_size(sum(x.nbytes for x in new), thread_count())
     nt = len(new)
     indices, values = [None] * nt, [None] * nt
     sparse, bad, full = [], [], {}
@@ -338,8 +437,10 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     for seg, parts, lo, k in sparse:
         _finish(c, seg, parts, lo, k, indices, values)
         late = [p for p in parts if res_out[p.t] is not None and not c.writes_residual_early(p.t)]
+        c.release()
         if late:  # after _finish: it may read the residual again
             parallel_map(lambda p: _write_residual(c, p), late)
+            c.release()
     for t in range(nt):
         r = res_out[t]
         if r is None:

@@ -85,8 +85,13 @@ def assert_same(inp: dict, got: tuple) -> None:
 
 @pytest.fixture
 def tiny_blocks(monkeypatch):
-    """Blocks of 64 elements, tasks of 256 and a strided sample: every path of the blocked scan on small inputs."""
+    """Blocks of 64 elements (sub-blocks of 16), tasks of 256 and a sample of runs: every path of the blocked scan
+    on small inputs."""
     monkeypatch.setattr(sel, "BLOCK", 64)
+    monkeypatch.setattr(sel, "MIN_BLOCK", 64)
+    monkeypatch.setattr(sel, "SCORE_BLOCK", 32)
+    monkeypatch.setattr(sel, "SUB", 16)
+    monkeypatch.setattr(sel, "RUN", 4)
     monkeypatch.setattr(sel, "TASK", 256)
     monkeypatch.setattr(sel, "MIN_TASK", 64)
     monkeypatch.setattr(sel, "SAMPLE", 32)
@@ -132,6 +137,43 @@ def test_bracket_that_misses_or_lands_on_the_threshold(tiny_blocks, monkeypatch,
     got = run_blocked(inp)
     assert calls and want[2] is None
     assert_same(inp, got)
+
+
+def test_a_sample_that_misses_is_widened(monkeypatch):
+    """Every sampled element above every other but a band: the first bracket misses (too few entries at or above
+    it), the second, reaching four times as far down the sample, holds, so the scan runs twice, not down to the
+    lowest key; the result is exact."""
+    monkeypatch.setattr(sel, "SAMPLE", 4096)
+    monkeypatch.setattr(sel, "SAMPLE_MIN", 1024)
+    monkeypatch.setattr(sel, "SAMPLE_STRIDE", 16)
+    monkeypatch.setenv(parallel.ENV, "2")
+    n, k = 100_000, 1_000
+    stride = sel._stride(n)
+    rows, tail = sel._runs(np.arange(n), stride)
+    sampled = np.concatenate([rows.ravel(), tail])
+    rng = np.random.default_rng(4)
+    new = (rng.random(n) * 1e-3).astype(np.float32)
+    new[sampled] = 1000 + rng.permutation(sampled.size).astype(np.float32)
+    top = 1000.0 + sampled.size
+    others = rng.choice(np.setdiff1d(np.arange(n), sampled), 2000, replace=False)
+    new[others] = rng.uniform(top - 250, top - 150, others.size).astype(np.float32)
+    inp = {"new": [new], "base": [None], "res": [None], "dtypes": [0], "ext": [None], "ext_dtypes": [0], "crit": 0}
+    inp.update(segments=[[0]], ks=[k], qmode=0, res_out="none")
+    scans, brackets = [], []
+    scan, bracket = sel._scan, sel._bracket
+    monkeypatch.setattr(sel, "_scan", lambda c, p, lo, w: scans.append(int(lo)) or scan(c, p, lo, w))
+    monkeypatch.setattr(sel, "_bracket", lambda *a: brackets.append(bracket(*a)) or brackets[-1])
+    got = run_blocked(inp)
+    assert len(brackets) == 2 and 0 < brackets[1] < brackets[0], brackets
+    assert sorted(set(scans)) == sorted(int(b) for b in brackets)
+    assert_same(inp, got)
+
+
+def test_bracket_widens_down_to_the_lowest_key():
+    sample = np.random.default_rng(0).permutation(50_000).astype(np.uint32)
+    los = [int(sel._bracket(sample.copy(), 10**6, 10_000, w, 0)) for w in range(6)]
+    assert all(a > b for a, b in zip(los, los[1:-1] + [0])), los
+    assert 50_000 - 1000 < los[0] < 50_000 - 500 and los[-1] == 0
 
 
 @pytest.mark.parametrize("crit", [0, 1, 4, 7])
