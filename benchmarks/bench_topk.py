@@ -2,9 +2,11 @@
 ``np.subtract(new, base, out=)`` pass (the memory floor's yardstick), the NumPy pipeline (subtract, abs,
 argpartition, sort indices, gather) and the torch pipeline (sub, abs, topk, sort, gather), all measured in the same
 run on the same inputs, round-robin. On the NumPy backend also: compress with one thread ("x thr" is the speed-up
-of all threads over one); the same speed-up for a trivially parallel blocked np.subtract on the same pool
-("(numpy)", a gauge of the cores free at that moment); the peak extra memory (tracemalloc, % of the dense
-update); and the throughput of the value codecs and of Rice coding. Prints ratios and writes JSON (and a plot).
+of all threads over one); the same speed-up for two trivially parallel loads on the same pool, gauges of what the
+machine gives at that moment: a blocked np.subtract ("(mem)", bound by memory bandwidth) and cache-resident
+NumPy calls ("(cpu)", bound by the cores and the interpreter lock); the peak extra memory (tracemalloc, % of the
+dense update); and the throughput of the value codecs and of Rice coding. Prints ratios (of medians; the JSON
+also has each timing's least disturbed sample) and writes JSON (and a plot).
 
     python benchmarks/bench_topk.py                       # CPU: N = 1e6 .. 2^26
     python benchmarks/bench_topk.py --sizes 1e8 1e9       # on a GPU (inputs live on the device)
@@ -151,6 +153,22 @@ def blocked_subtract(new, base) -> None:
     parallel.parallel_map(part, range(0, new.size, step))
 
 
+def compute_probe() -> None:
+    """A fixed amount of cache-resident NumPy work (a few calls per 32K elements, like the selection's blocks) in
+    items on the pool: its speed-up from one thread to all shows how much parallel compute the machine gives at
+    that moment, apart from memory bandwidth."""
+
+    def item(_: int) -> None:
+        x = np.linspace(1.0, 2.0, 1 << 15, dtype=np.float32)
+        m = np.empty(x.size, np.bool_)
+        for _ in range(8):
+            np.sqrt(x, out=x)
+            np.greater_equal(x, np.float32(1.5), out=m)
+            m.nonzero()
+
+    parallel.parallel_map(item, range(64))
+
+
 def codec_rates(idx: np.ndarray, vals: np.ndarray, numel: int, repeat: int) -> dict:
     """GB/s of each value codec (fp32 values in) and of Rice coding (uint32 indices in, or decoded out)."""
     nb_v, nb_i = vals.nbytes, idx.size * 4
@@ -199,6 +217,8 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
         timed["numpy_s"] = lambda: numpy_pipeline(new, base, k)
         timed["probe_s"] = lambda: blocked_subtract(new, base)
         timed["probe_1thread_s"] = lambda: with_threads(1, lambda: blocked_subtract(new, base))
+        timed["probe_compute_s"] = compute_probe
+        timed["probe_compute_1thread_s"] = lambda: with_threads(1, compute_probe)
     payload = ours()
     timed["decompress_s"] = lambda: gpu_codec.decompress(payload, base=bas)
     if torch_too:
@@ -227,6 +247,7 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
             sync()
             samples[key].append(time.perf_counter() - t0)
     row.update({key: statistics.median(v) for key, v in samples.items()})
+    row["min"] = {key: min(v) for key, v in samples.items()}  # the least disturbed sample of each
     t_ours = row["ours_s"]
     row["ours_gb_per_s"] = 8 * n / t_ours / 1e9
     row["x_subtract"] = t_ours / row["subtract_s"]
@@ -234,6 +255,9 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
     row["x_torch"] = row["torch_s"] / t_ours if "torch_s" in row else None
     row["x_threads"] = row["ours_1thread_s"] / t_ours if "ours_1thread_s" in row else None
     row["x_threads_probe"] = row["probe_1thread_s"] / row["probe_s"] if "probe_s" in row else None
+    row["x_threads_compute"] = (
+        row["probe_compute_1thread_s"] / row["probe_compute_s"] if "probe_compute_s" in row else None
+    )
     if on_cpu:
         row["peak_extra_bytes"] = peak_extra_bytes(ours)
         row["peak_extra_pct"] = 100.0 * row["peak_extra_bytes"] / new.nbytes
@@ -252,7 +276,7 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
     print(f"backend {be.name}; {threads} threads; fraction {fraction}; median of {repeat}; load {load0[0]:.2f}")
     print(
         f"{'N':>12} {'sub ms':>8} {'ours ms':>8} {'1 thr ms':>8} {'numpy ms':>9} {'torch ms':>9} {'x sub':>6} "
-        f"{'x numpy':>7} {'x torch':>7} {'x thr':>6} {'(numpy)':>7} {'decomp ms':>9} {'peak %':>6}"
+        f"{'x numpy':>7} {'x torch':>7} {'x thr':>6} {'(mem)':>6} {'(cpu)':>6} {'decomp ms':>9} {'peak %':>6}"
     )
     for n in sizes:
         row = measure(n, fraction, repeat, torch_too, be.name)
@@ -266,7 +290,8 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
             f"{n:>12,} {f(row['subtract_s'])} {f(t_ours)} {f(row.get('ours_1thread_s'))} "
             f"{f(row.get('numpy_s'), fmt='9.1f')} {f(row.get('torch_s'), fmt='9.1f')} "
             f"{f(row['x_subtract'], 1, '6.2f')} {f(row['x_numpy'], 1, '7.2f')} {f(row['x_torch'], 1, '7.2f')} "
-            f"{f(row['x_threads'], 1, '6.2f')} {f(row['x_threads_probe'], 1, '7.2f')} "
+            f"{f(row['x_threads'], 1, '6.2f')} {f(row['x_threads_probe'], 1, '6.2f')} "
+            f"{f(row['x_threads_compute'], 1, '6.2f')} "
             f"{f(row['decompress_s'], fmt='9.1f')} "
             f"{f(row.get('peak_extra_pct'), 1, '6.2f')}"
         )

@@ -38,7 +38,7 @@ BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place)
 SCORE_BLOCK = 1 << 16  # most elements per block where the score is not |delta| (its temporaries are per block)
 SUB = 1 << 16  # candidates keep a uint16 index within a sub-block of SUB elements, and a count per sub-block
 MIN_TASK = 1 << 20  # fewer elements than this per task are not worth a thread (measured: 2^18 was 3x slower at 1M)
-TASK = 1 << 20  # most elements per pool task (a task's candidates are joined once)
+TASK = 1 << 22  # most elements per pool task (a task's candidates are joined once, and copied out once)
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
 _INF_BITS = np.uint32(0x7F800000)
 _ABS = np.uint32(0x7FFFFFFF)
@@ -189,24 +189,16 @@ def _block_keys(c: _Call, t: int, s: int, e: int, dbuf: np.ndarray, write_res: b
 def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     """Candidates (key > lo) of one task, the count of keys == lo, and whether a delta or score is non-finite."""
     t, a, b = part.t, part.a, part.b
-    fast, block = c.fast(t), c.step(t)
-    pos, ds, ks, bad = [], [], [], False
+    fast = c.fast(t)
+    pos, ds, ks = [], [], []
     dbuf, mask = bufs = c.buffers()
     try:
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
-            for s in range(a, b, block):
-                e = min(b, s + block)
-                k, bad_b = _block_keys(c, t, s, e, dbuf, write_res)
-                m = mask[: e - s]
-                np.greater_equal(k, lo, out=m)
-                ci = m.nonzero()[0]
-                ds.append(c.values(t, s, e, ci))
-                if not fast:
-                    bad = bad or bad_b
-                    ks.append(k.take(ci))
-                ci = ci.astype(np.uint32)
-                ci += np.uint32(s - a)
-                pos.append(ci)
+            if fast and c.dtypes[t] == DT_F32:
+                _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, ds)
+                bad = False
+            else:
+                bad = _scan_blocks(c, t, a, b, lo, write_res, dbuf, mask, pos, ds, ks)
     finally:
         c.give_back(bufs)
     rel, d, key = _join(pos), _join(ds), _join(ks) if ks else None
@@ -221,6 +213,59 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     counts = np.bincount(kept // np.uint32(SUB), minlength=-(-(b - a) // SUB))
     np.remainder(kept, np.uint32(SUB), out=kept)
     return _Part(t, a, b, kept.astype(np.uint16), counts, d[gt], key, gt.size - kept.size, bad)
+
+
+def _scan_blocks(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, ds, ks) -> bool:
+    """The scan of elements [a, b) of any tensor and criterion, block by block: appends each block's candidate
+    positions (relative to a), deltas and (but on the |delta| path) keys; returns whether any is non-finite."""
+    fast, block, bad = c.fast(t), c.step(t), False
+    for s in range(a, b, block):
+        e = min(b, s + block)
+        k, bad_b = _block_keys(c, t, s, e, dbuf, write_res)
+        m = mask[: e - s]
+        np.greater_equal(k, lo, out=m)
+        ci = m.nonzero()[0]
+        ds.append(c.values(t, s, e, ci))
+        if not fast:
+            bad = bad or bad_b
+            ks.append(k.take(ci))
+        ci = ci.astype(np.uint32)
+        ci += np.uint32(s - a)
+        pos.append(ci)
+    return bad
+
+
+def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, ds) -> None:
+    """The |delta| scan of an fp32 tensor's elements [a, b): ``_block_keys``, the comparison and ``values``, with
+    as few NumPy calls per block as the result allows (each call is a turn at the interpreter lock)."""
+    rng = slice(a, b)
+    new, base, res = c.new[t][rng], c.base[t], c.res[t]
+    base = base[rng] if base is not None else None
+    res = res[rng] if res is not None else None
+    out = c.res_out[t][rng] if write_res else None
+    block = c.block
+    for s in range(0, b - a, block):
+        e = min(b - a, s + block)
+        d, m, x = dbuf[: e - s], mask[: e - s], new[s:e]
+        y = base[s:e] if base is not None else _ZERO32
+        np.subtract(x, y, out=d)
+        if res is not None:
+            np.add(d, res[s:e], out=d)
+        if out is not None:
+            out[s:e] = d
+        k = d.view(np.uint32)
+        np.bitwise_and(k, _ABS, out=k)
+        np.greater_equal(k, lo, out=m)
+        ci = m.nonzero()[0]
+        v = x.take(ci)
+        if base is not None:
+            np.subtract(v, y.take(ci), out=v)
+        if res is not None:
+            np.add(v, res[s:e].take(ci), out=v)
+        ds.append(v)
+        ci = ci.astype(np.uint32)
+        ci += np.uint32(s)
+        pos.append(ci)
 
 
 def _join(xs: list) -> np.ndarray:
@@ -362,7 +407,14 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
                 sel = kp > thr
                 if takes[i]:
                     sel[np.flatnonzero(kp == thr)[: takes[i]]] = True
-                pi, pd = p.rel()[sel], p.d[sel]
+                j = sel.nonzero()[0]  # faster than masks: two gathers
+                del kp, sel
+                pi, pd = p.idx.take(j), p.d.take(j)
+                subs = np.searchsorted(j, np.cumsum(p.counts)[:-1])  # where each sub-block's entries start
+                pi = pi.astype(np.uint32)
+                pi += np.repeat(
+                    np.arange(p.counts.size, dtype=np.uint32) * np.uint32(SUB), np.diff(subs, prepend=0, append=j.size)
+                )
             elif extras[i] is not None:
                 pi = np.concatenate([p.rel(), extras[i][0]])
                 order = np.argsort(pi, kind="stable")
