@@ -643,7 +643,7 @@ def _name_entries(names: tuple) -> list[bytes]:
     return out
 
 
-def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, version) -> bytes:
+def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, version=VERSION) -> bytes:
     if not isinstance(pipeline, list) or len(pipeline) > MAX_STAGES:
         raise Unrepresentable("pipeline")
     t = bytearray(uvarint(len(pipeline)))
