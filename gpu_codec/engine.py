@@ -200,8 +200,10 @@ class Payload:
 
     def to_bytes(self, version: int | None = None) -> bytes:
         """Serialize: wire format v2 (``version=None`` or 2; v1 for records v2 cannot describe, which no
-        built-in codec makes), or v1 on request (``version=1``, for readers that predate v2). On the GPU path
-        this is the one device-to-host copy.
+        built-in codec makes; v3 where an ``nvcomp`` tensor is more than one zstd frame, more than 16 MiB of
+        encoded bytes), or v1 or v2 on request (``version=1`` or ``2``, for readers that predate the later
+        versions: a tensor of several frames is then compressed again, on the CPU, as one). On the GPU path this
+        is the one device-to-host copy.
 
         >>> import numpy as np, gpu_codec
         >>> p = gpu_codec.compress({"w": np.arange(100, dtype=np.float32)}, fraction=0.05)

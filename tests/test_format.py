@@ -117,7 +117,7 @@ def _buf(h, t=0, b=0):
 HOSTILE = {
     "empty": (lambda h, d: b"", E.PayloadHeaderError, "shorter"),
     "bad magic": (lambda h, d: b"NOTCODEC" + valid_blob()[8:], E.PayloadHeaderError, "magic"),
-    "version 3": (lambda h, d: build_payload(h, bytes(d), version=3), E.UnsupportedVersionError, "version 3"),
+    "version 4": (lambda h, d: build_payload(h, bytes(d), version=4), E.UnsupportedVersionError, "version 4"),
     "version 0": (lambda h, d: build_payload(h, bytes(d), version=0), E.UnsupportedVersionError, "version 0"),
     "bad checksum": (lambda h, d: build_payload(h, bytes(d), fix_crc=False), E.PayloadChecksumError, "checksum"),
     "truncated": (lambda h, d: valid_blob()[:-9], E.PayloadError, None),

@@ -304,9 +304,9 @@ def _flip_crc(h, b):
     return blob[:-1] + bytes([blob[-1] ^ 1])
 
 
-def _version_3(h, b):
+def _version_4(h, b):
     blob = join(h, b)
-    return blob[:8] + struct.pack("<I", 3) + blob[12:]
+    return blob[:8] + struct.pack("<I", 4) + blob[12:]
 
 
 def _pad_gap(h, b):
@@ -375,7 +375,7 @@ def _wrong_inner_dtype(h, b):
 
 REJECT = {
     "crc": (_edit("topk_global_v1.bin", _flip_crc), "checksum"),
-    "unknown version 3": (_edit("topk_global_v1.bin", _version_3), "version"),
+    "unknown version 4": (_edit("topk_global_v1.bin", _version_4), "version"),
     "non-zero gap byte": (_edit("fp16_rice_v1.bin", _pad_gap), "layout"),
     "coo index out of range": (_edit("topk_global_v1.bin", _coo_index), "index"),
     "coo index repeated": (_edit("topk_global_v1.bin", _coo_repeat), "index"),

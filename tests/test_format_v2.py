@@ -279,7 +279,7 @@ def test_records_v2_cannot_describe_fall_back_to_v1():
     with pytest.raises(E.InvalidInputError, match="v2 cannot hold"):
         pack([rec], pipeline=[], version=2)
     with pytest.raises(E.InvalidInputError, match="version must be"):
-        pack([rec], pipeline=[], version=3)
+        pack([rec], pipeline=[], version=4)
 
 
 def test_pipeline_stages_without_a_code_travel_as_json():
@@ -466,7 +466,7 @@ def test_metadata_json_is_strict(meta):
 def test_version_and_flags():
     good = join_v2(0, one_tensor_table([2]), b"")
     unpack(good)
-    for version in (0, 3, 2**32 - 1):
+    for version in (0, 4, 2**32 - 1):
         with pytest.raises(E.UnsupportedVersionError, match=f"version {version} "):
             unpack(resealed(good[:8] + struct.pack("<I", version) + good[12:]))
     for flags in (0x10, 0x80, 0x0C):

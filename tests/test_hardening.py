@@ -259,7 +259,7 @@ def test_non_finite_fp16_values_of_an_fp64_tensor_are_refused_without_a_warning(
 
 
 def test_frame_size_walker_matches_zstandard():
-    from gpu_codec.codecs.wire import zstd_frame_size
+    from gpu_codec.format.common import zstd_frame_size
 
     for level, n, kw in [
         (1, 0, {}),

@@ -170,6 +170,9 @@ class BytesCodec(Codec):
     stage = "bytes"
     encoding: ClassVar[str] = ""
     fields: ClassVar[tuple[str, ...]] = ()  # codec-dict keys of the wrapper beyond inner, ic, raw and zbytes
+    # raw bytes per zstd frame of the records it writes (wire format v3 holds records of several frames); None:
+    # one frame per record, whatever its size
+    chunk: ClassVar[int | None] = None
 
     @property
     def lossless(self) -> bool:

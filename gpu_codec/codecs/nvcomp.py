@@ -1,15 +1,19 @@
 """nvCOMP on the GPU as a lossless stage (the ``nvcomp`` wire encoding): optional extra ``nvcomp12`` or
 ``nvcomp13`` (``pip install 'gpu_codec[nvcomp12]'``).
 
-Each tensor's buffers are compressed on the device with nvCOMP's zstd in RAW bitstream mode, which writes a
-standard zstd frame; so any machine decodes it, on the CPU with zstandard (bounded exactly as the ``zstd``
-stage). Only the compressed bytes come to the host. Encoding needs the GPU backend and nvCOMP; elsewhere it
-raises :class:`~gpu_codec.errors.BackendUnavailableError` naming the extra to install (the ``zstd`` stage
-does the same job on the CPU). The bytes are nvCOMP's, so they differ from the ``zstd`` stage's.
-RAW mode compresses each tensor's buffers as a single chunk (nvCOMP limits a zstd chunk to 16 MiB).
+Each tensor's buffers are cut into chunks of :attr:`Nvcomp.chunk` bytes (16 MiB, the most nvCOMP's zstd takes
+in one chunk), and every chunk of every tensor is compressed in one batched nvCOMP call on the caller's stream,
+with nvCOMP's zstd in RAW bitstream mode, which writes a standard zstd frame per chunk; so any machine decodes
+them, on the CPU with zstandard (bounded as the ``zstd`` stage). The compressed chunks are gathered on the device
+and come to the host in one copy. A tensor of more than one chunk needs wire format v3, which
+:meth:`~gpu_codec.Payload.to_bytes` then writes; smaller ones keep version 2. Encoding needs the GPU backend and
+nvCOMP; elsewhere it raises :class:`~gpu_codec.errors.BackendUnavailableError` naming the extra to install (the
+``zstd`` stage does the same job on the CPU). The bytes are nvCOMP's, so they differ from the ``zstd`` stage's.
 
 >>> Nvcomp().get_config()
 {'id': 'nvcomp', 'algorithm': 'zstd'}
+>>> plan_chunks([5, 0, 9], chunk=4)
+([(0, 4), (4, 1), (5, 4), (9, 4), (13, 1)], [2, 0, 3])
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import zstandard
 
 from ..errors import BackendUnavailableError, PayloadHeaderError
 from ..format import TensorRecord
+from ..format.common import MAX_CHUNK_LOG2
 from .base import BytesCodec, check_choice
 from .wire import where
 
@@ -27,6 +32,10 @@ EXTRA_HINT = (
     "the 'nvcomp' stage needs the GPU backend and nvCOMP: pip install 'gpu_codec[nvcomp12]' (CUDA 12) or "
     "'gpu_codec[nvcomp13]' (CUDA 13); the 'zstd' stage compresses on the CPU instead"
 )
+
+# The frame of an empty tensor (nvCOMP is given no empty chunk): magic, a single-segment descriptor with a
+# one-byte content size of 0, and one empty raw block, the last.
+EMPTY_FRAME = bytes.fromhex("28b52ffd2000010000")
 
 
 def _nvcomp_module() -> Any:
@@ -37,12 +46,70 @@ def _nvcomp_module() -> Any:
     return nvcomp
 
 
+def plan_chunks(sizes: list[int], chunk: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """The chunks to compress when tensors of ``sizes`` bytes lie back to back: (offset, length) of each chunk of
+    each tensor, in order, every one ``chunk`` bytes but a tensor's last, and each tensor's chunk count (0 for an
+    empty tensor, whose frame is :data:`EMPTY_FRAME`).
+
+    >>> plan_chunks([8, 9], chunk=8)
+    ([(0, 8), (8, 8), (16, 1)], [1, 2])
+    """
+    spans, counts, a = [], [], 0
+    for n in sizes:
+        starts = range(a, a + n, chunk)
+        spans += [(s, min(chunk, a + n - s)) for s in starts]
+        counts.append(len(starts))
+        a += n
+    return spans, counts
+
+
+def declare_content_size(frame: bytes, n: int) -> bytes:
+    """A zstd frame of ``n`` bytes of content that declares its content size (wire format v3 requires it): the
+    frame itself if it does, else the same frame with a 4-byte Frame_Content_Size field added to its header
+    (RFC 8878 section 3.1.1.1; nothing else changes, the blocks included).
+
+    >>> f = zstandard.ZstdCompressor(write_content_size=False).compress(b"abc" * 100)
+    >>> g = declare_content_size(f, 300)
+    >>> zstandard.get_frame_parameters(g).content_size, zstandard.ZstdDecompressor().decompress(g) == b"abc" * 100
+    (300, True)
+    """
+    cs = zstandard.get_frame_parameters(frame).content_size
+    if cs == n:
+        return frame
+    if cs != zstandard.CONTENTSIZE_UNKNOWN or n >= 1 << 32:
+        raise AssertionError(f"a zstd frame of {n} bytes declares {cs}")
+    # no content size: the descriptor's size flag is 0 and the frame is not single-segment, so a window
+    # descriptor follows it, then the dictionary id (0 to 4 bytes); the size field goes after those
+    fhd = frame[4]
+    at = 6 + (0, 1, 2, 4)[fhd & 3]
+    return frame[:4] + bytes([fhd | 0x80]) + frame[5:at] + n.to_bytes(4, "little") + frame[at:]
+
+
+def assemble(blob: bytes, comp_sizes: list[int], spans: list[tuple[int, int]], counts: list[int]) -> list[bytes]:
+    """Each tensor's compressed buffer from the compressed chunks, back to back in ``blob`` (``comp_sizes`` bytes
+    each, in the order of ``spans`` from :func:`plan_chunks`): its frames, each declaring its content size, in
+    order; :data:`EMPTY_FRAME` for an empty tensor."""
+    if len(comp_sizes) != len(spans) or sum(comp_sizes) != len(blob) or sum(counts) != len(spans):
+        raise AssertionError(f"{len(comp_sizes)} compressed chunks of {len(blob)} bytes for {len(spans)} chunks")
+    frames, a = [], 0
+    for (_, n), z in zip(spans, comp_sizes):
+        frames.append(declare_content_size(blob[a : a + z], n))
+        a += z
+    out, i = [], 0
+    for c in counts:
+        out.append(b"".join(frames[i : i + c]) if c else EMPTY_FRAME)
+        i += c
+    return out
+
+
 class Nvcomp(BytesCodec):
-    """nvCOMP ``algorithm`` (``"zstd"``: standard zstd frames) on the GPU over each tensor's buffers."""
+    """nvCOMP ``algorithm`` (``"zstd"``: standard zstd frames, one per chunk of :attr:`chunk` bytes) on the GPU
+    over each tensor's buffers."""
 
     codec_id = "nvcomp"
     encoding = "nvcomp"
     fields = ("algo",)
+    chunk = 1 << MAX_CHUNK_LOG2  # nvCOMP's zstd compresses at most 16 MiB per chunk
 
     def __init__(self, algorithm: str = "zstd"):
         self.algorithm = check_choice("nvcomp", "algorithm", algorithm, ("zstd",))
@@ -65,13 +132,18 @@ class Nvcomp(BytesCodec):
 
     def _compress_on_device(self, nv, flat, sizes, backend):  # pragma: no cover - needs a GPU with nvCOMP
         xp = backend.xp
-        codec = nv.Codec(algorithm="Zstd", bitstream_kind=nv.BitstreamKind.RAW)
-        out, a = [], 0
-        for n in sizes:
-            if n == 0:
-                out.append(zstandard.ZstdCompressor(write_checksum=False).compress(b""))
-                continue
-            comp = codec.encode(nv.as_array(flat[a : a + n]))
-            out.append(xp.asnumpy(xp.asarray(comp)).tobytes())  # only the compressed bytes leave the device
-            a += n
-        return out
+        spans, counts = plan_chunks(sizes, self.chunk)
+        blob, comp_sizes = b"", []
+        if spans:
+            stream = xp.cuda.get_current_stream()  # the caller's: GpuBackend.stream made it current
+            codec = nv.Codec(
+                algorithm="Zstd",
+                bitstream_kind=nv.BitstreamKind.RAW,
+                device_id=xp.cuda.Device().id,
+                cuda_stream=stream.ptr,
+            )
+            comp = codec.encode([nv.as_array(flat[a : a + n]) for a, n in spans])  # one batched call
+            parts = [xp.asarray(c).view(xp.uint8).reshape(-1) for c in comp]
+            comp_sizes = [int(p.size) for p in parts]
+            blob = backend.to_host(xp.concatenate(parts)).tobytes()  # the one device-to-host copy
+        return assemble(blob, comp_sizes, spans, counts)

@@ -42,7 +42,7 @@ from .base import STAGES, Codec
 from .quantize import Quantize
 from .registry import get_codec, index_forms, value_forms, wire_layouts
 from .rice import RawIndices
-from .wire import CODED, FrameStream, StreamedBuffer, inner_record, raw_layout, where
+from .wire import CODED, StreamedBuffer, inner_record, open_stream, raw_layout, where
 from .zstd import decode_wrapped, encode_wrapped
 
 
@@ -258,7 +258,7 @@ def _unwrap(rec: TensorRecord, layouts: Any) -> TensorRecord:
     parts = raw_layout(inner, layouts)
     head = parts[0][2] * BUFFER_DTYPES[parts[0][1]].itemsize
     frame = memoryview(np.ascontiguousarray(rec.buffers["compressed"]))
-    stream = FrameStream(frame, int(rec.codec["raw"]), head, where(rec))
+    stream = open_stream(frame, int(rec.codec["raw"]), rec.chunk, head, where(rec))
     role, dt, count = parts[0]
     inner.buffers[role] = StreamedBuffer(stream, 0, BUFFER_DTYPES[dt], count)
     inner.buffer_dtypes[role] = dt

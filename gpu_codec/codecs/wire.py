@@ -9,7 +9,9 @@
     Every element of a tensor (``compress(..., fraction=None)``) in one of the value forms.
 ``zstd``, ``nvcomp``
     One ``compressed`` uint8 buffer holding the tensor's buffers of encoding ``"inner"`` (codec ``"ic"``)
-    concatenated without padding; ``"raw"`` is their exact size, ``"zbytes"`` the compressed size.
+    concatenated without padding; ``"raw"`` is their exact size, ``"zbytes"`` the compressed size. The buffer is
+    one zstd frame, or (an ``nvcomp`` record whose ``chunk`` is set, wire format v3) one frame per ``chunk`` raw
+    bytes, back to back.
 
 Every rule computes exact buffer sizes from nnz, numel and the codec fields, and rejects fields that are
 missing, mistyped, out of range or inconsistent (a Rice bit count outside what nnz and numel allow, a raw size
@@ -27,7 +29,17 @@ import zstandard
 
 from ..errors import PayloadHeaderError, PayloadLayoutError
 from ..format import BASE_LAYOUTS, BUFFER_DTYPES, LayoutRule, TensorRecord
-from ..format.common import MAX_WINDOW, canonical_dtype, check_frame, compress_bound
+from ..format.common import (
+    MAX_WINDOW,
+    canonical_dtype,
+    check_chunk,
+    check_frame,
+    compress_bound,
+    frame_raw_size,
+    frames_bound,
+    split_frames,
+    zstd_frame_size,
+)
 from .base import BytesCodec, Form, Layout
 
 CODED = ("sparse", "dense_q")  # the encodings of a pipeline with a value or an index stage
@@ -82,7 +94,7 @@ def raw_nbytes(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> int:
     return sum(count * BUFFER_DTYPES[dt].itemsize for _, dt, count in raw_layout(rec, layouts))
 
 
-def split_raw(rec: TensorRecord, raw: bytes, layouts: Mapping[str, LayoutRule]) -> dict[str, np.ndarray]:
+def split_raw(rec: TensorRecord, raw: bytes | bytearray, layouts: Mapping[str, LayoutRule]) -> dict[str, np.ndarray]:
     out, off = {}, 0
     for role, dt, count in raw_layout(rec, layouts):
         out[role] = np.frombuffer(raw, dtype=BUFFER_DTYPES[dt], count=count, offset=off)
@@ -140,9 +152,15 @@ def build_layouts(
                 f"{where(rec)}: declared raw size {raw!r} is not the {expect} bytes that encoding "
                 f"{inner.encoding!r} implies for nnz {rec.nnz} of {rec.numel}"
             )
-        if not is_int(zb) or not 0 < zb <= compress_bound(raw):
+        if rec.chunk is None:
+            bound = compress_bound(raw)
+        elif cls.chunk is None:
+            raise PayloadHeaderError(f"{where(rec)}: a {rec.encoding!r} tensor is one zstd frame, not chunked")
+        else:
+            bound = frames_bound(raw, check_chunk(rec.chunk, where(rec)))
+        if not is_int(zb) or not 0 < zb <= bound:
             raise PayloadLayoutError(
-                f"{where(rec)}: compressed size {zb!r} is outside (0, {compress_bound(raw)}] for {raw} raw bytes"
+                f"{where(rec)}: compressed size {zb!r} is outside (0, {bound}] for {raw} raw bytes"
             )
         return {"compressed": (("uint8",), zb)}
 
@@ -151,42 +169,6 @@ def build_layouts(
     for enc in wrappers:
         layouts[enc] = wrapped
     return layouts
-
-
-_ZSTD_MAGIC = 0xFD2FB528
-
-
-def zstd_frame_size(data: Any, what: str) -> int:
-    """The exact length of the zstd frame at the start of ``data``, from its header and block headers (RFC 8878
-    section 3.1.1), without decompressing anything. A reserved bit, a reserved block type or a truncated frame is
-    a PayloadLayoutError."""
-    mv = memoryview(data).cast("B")
-    n = len(mv)
-
-    def need(end: int) -> None:
-        if end > n:
-            raise PayloadLayoutError(f"{what}: zstd frame is truncated")
-
-    need(5)
-    if int.from_bytes(mv[0:4], "little") != _ZSTD_MAGIC:
-        raise PayloadLayoutError(f"{what}: compressed buffer is not a zstd frame")
-    fhd = mv[4]
-    if fhd & 0x08:
-        raise PayloadLayoutError(f"{what}: zstd frame header sets a reserved bit")
-    single = bool(fhd & 0x20)
-    fcs = {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fhd >> 6]
-    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + fcs
-    while True:
-        need(pos + 3)
-        bh = int.from_bytes(mv[pos : pos + 3], "little")
-        btype, size = (bh >> 1) & 3, bh >> 3
-        if btype == 3:
-            raise PayloadLayoutError(f"{what}: zstd block of reserved type")
-        pos += 3 + (1 if btype == 1 else size)
-        need(pos)
-        if bh & 1:
-            break
-    return pos + (4 if fhd & 0x04 else 0)
 
 
 class FrameStream:
@@ -211,12 +193,16 @@ class FrameStream:
         self.tail = self._take(raw - keep_from)
         if self._reader.read(1):
             raise PayloadLayoutError(f"{what}: zstd frame decompresses to more than {raw} bytes")
-        self._open()
+        self.close()
 
     def _open(self) -> None:
         dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
         self._reader = dctx.stream_reader(self.data, read_size=1 << 16, read_across_frames=False)
         self.pos = 0
+
+    def close(self) -> None:
+        """Drop the decompression context (a later :meth:`read` opens a new one)."""
+        self._reader, self.pos = None, 0
 
     def _take(self, n: int) -> bytes:
         parts, got = [], 0
@@ -242,17 +228,58 @@ class FrameStream:
 
     def read(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the content."""
-        if start < self.pos:
+        if self._reader is None or start < self.pos:
             self._open()
         self._skip(start - self.pos)
         return self._take(end - start)
+
+
+class ChunkedFrameStream:
+    """The content of a chunked ``nvcomp`` buffer (wire format v3), read a range at a time like a
+    :class:`FrameStream`: one FrameStream per frame, each checked once when this is built (``tail`` collects their
+    bytes from ``keep_from`` on), and only the frame being read holds a decompression context."""
+
+    def __init__(self, data: Any, raw: int, chunk: int, keep_from: int, what: str):
+        mv = memoryview(data).cast("B")
+        self.chunk = chunk
+        self.frames: list[FrameStream] = []
+        tails = []
+        for i, (a, b) in enumerate(split_frames(mv, raw, chunk, what)):
+            size = frame_raw_size(raw, chunk, i)
+            keep = min(size, max(0, keep_from - i * chunk))
+            s = FrameStream(mv[a:b], size, keep, f"{what}, frame {i}")
+            tails.append(s.tail)
+            self.frames.append(s)
+        self.tail = tails[0] if len(tails) == 1 else b"".join(tails)
+        self._current: FrameStream | None = None
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the content."""
+        parts = []
+        while start < end:
+            i = start // self.chunk
+            s = self.frames[i]
+            if self._current is not None and self._current is not s:
+                self._current.close()
+            self._current = s
+            stop = min(end, (i + 1) * self.chunk)
+            parts.append(s.read(start - i * self.chunk, stop - i * self.chunk))
+            start = stop
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def open_stream(data: Any, raw: int, chunk: int | None, keep_from: int, what: str) -> FrameStream | ChunkedFrameStream:
+    """A :class:`FrameStream` over one frame (``chunk`` None) or a :class:`ChunkedFrameStream`."""
+    if chunk is None:
+        return FrameStream(data, raw, keep_from, what)
+    return ChunkedFrameStream(data, raw, chunk, keep_from, what)
 
 
 class StreamedBuffer:
     """A 1-D buffer of ``count`` items of ``dtype`` at byte ``offset`` of a :class:`FrameStream`: slicing it
     decompresses just that range (a NumPy array, read only)."""
 
-    def __init__(self, stream: FrameStream, offset: int, dtype: np.dtype, count: int):
+    def __init__(self, stream: FrameStream | ChunkedFrameStream, offset: int, dtype: np.dtype, count: int):
         self.stream, self.offset, self.dtype, self.count = stream, offset, np.dtype(dtype), count
 
     @property

@@ -28,7 +28,7 @@ import numpy as np
 import zstandard
 
 from ..format import LayoutRule, TensorRecord
-from ..format.common import bounded_decompress
+from ..format.common import bounded_decompress, decompress_frames
 from .base import BytesCodec, check_int
 from .wire import gather, inner_record, split_raw, where
 
@@ -54,19 +54,26 @@ def encode_wrapped(
         if rec.codec:
             fields["ic"] = rec.codec
         buf = {"compressed": np.frombuffer(z, np.uint8)}
-        out.append(TensorRecord(rec.name, rec.dtype, rec.shape, codec.encoding, rec.nnz, buf, fields))
+        out.append(
+            TensorRecord(rec.name, rec.dtype, rec.shape, codec.encoding, rec.nnz, buf, fields, chunk=codec.chunk)
+        )
     return out
 
 
 def decode_wrapped(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> TensorRecord:
     """The inner record (NumPy buffers) of a ``zstd`` or ``nvcomp`` record: both hold standard zstd frames, one
-    per record or (wire format v2) one shared by every record of the payload, decompressed here on first use."""
+    per record, one per chunk of an ``nvcomp`` record (wire format v3), or (wire format v2) one shared by every
+    record of the payload, decompressed here on first use."""
     inner = inner_record(rec)
     if rec.frame is not None:
         raw = rec.frame.read(where(rec))
     else:
         frame = memoryview(np.ascontiguousarray(rec.buffers["compressed"]))  # no copy of the compressed bytes
-        raw = bounded_decompress(frame, int(rec.codec["raw"]), where(rec))
+        n = int(rec.codec["raw"])
+        if rec.chunk is None:
+            raw = bounded_decompress(frame, n, where(rec))
+        else:
+            raw = decompress_frames(frame, n, rec.chunk, where(rec))
     inner.buffers = split_raw(inner, raw, layouts)
     return inner
 

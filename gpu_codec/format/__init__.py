@@ -1,11 +1,13 @@
 """The wire format: a versioned, self-describing, checksummed container (see docs/FORMAT.md).
 
 :func:`pack` writes version 2 (a compact binary tensor table, a few bytes per tensor) wherever its table can
-describe the records, which holds for every built-in codec; otherwise, or when asked with ``version=1``, it
-writes version 1 (a JSON header). :func:`unpack` reads both. Both start with the magic ``GPUCODEC`` and a u32 LE
-version, and end with a zlib CRC-32 of every byte before it. The reader treats every payload as hostile: it caps
-the header, whitelists dtypes and encodings, bounds shapes and element counts, requires every buffer to have
-exactly the length the tensor's encoding implies, and checks the checksum. Nothing is ever unpickled.
+describe the records, which holds for every built-in codec; version 3 (version 2 whose ``nvcomp`` tensors may be
+several zstd frames, one per chunk of at most 16 MiB) only where an ``nvcomp`` tensor needs more than one frame;
+otherwise, or when asked with ``version=1``, version 1 (a JSON header). :func:`unpack` reads all three. All start
+with the magic ``GPUCODEC`` and a u32 LE version, and end with a zlib CRC-32 of every byte before it. The reader
+treats every payload as hostile: it caps the header, whitelists dtypes and encodings, bounds shapes and element
+counts, requires every buffer to have exactly the length the tensor's encoding implies, and checks the checksum.
+Nothing is ever unpickled.
 
 >>> import numpy as np
 >>> rec = TensorRecord("w", "float32", (4,), "coo", 1,
@@ -48,39 +50,60 @@ from .common import (
     TensorRecord,
     bounded_decompress,
     compress_bound,
+    decompress_frames,
 )
 
-VERSION = v2.VERSION  # what pack writes
-VERSIONS = (1, 2)  # what unpack reads
+VERSION = v2.VERSION  # what pack writes, unless an nvcomp tensor needs several frames (then v2.CHUNKED)
+VERSIONS = (1, 2, 3)  # what unpack reads
 _MAGIC_VERSION = struct.Struct("<8sI")
 
 
-def _v1_records(tensors: list[TensorRecord], pipeline: list) -> list[TensorRecord]:
-    """Records v1 can hold: a record that shares a v2 frame gets a zstd frame of its own."""
-    if not any(r.frame is not None for r in tensors):
+def _one_frame(r: TensorRecord, level: int, shared: bool) -> TensorRecord:
+    """``r`` as one zstd frame of its own (zstandard on the CPU, at ``level``) where it shares a v2 frame
+    (``shared``) or is several nvcomp frames; else ``r`` itself."""
+    what = f"tensor {r.name!r}"
+    if r.frame is not None and shared:
+        raw = r.frame.read(what)
+    elif v2.multi_frame(r):
+        comp = np.ascontiguousarray(np.asarray(r.buffers["compressed"]))
+        raw = decompress_frames(comp, r.codec["raw"], r.chunk, what)
+    else:
+        return r
+    z = v2._compress(bytes(raw), level)
+    bufs = {"compressed": np.frombuffer(z, np.uint8)}
+    return TensorRecord(r.name, r.dtype, r.shape, r.encoding, r.nnz, bufs, {**r.codec, "zbytes": len(z)})
+
+
+def _single_frame_records(tensors: list[TensorRecord], pipeline: list, shared: bool) -> list[TensorRecord]:
+    """Records an older version can hold: v1 (``shared``) has no shared frame, and neither v1 nor v2 has an
+    nvcomp record of several frames; such a record gets one zstd frame of its own, compressed on the CPU (the
+    decompressed bytes are what the format fixes, not the compressor)."""
+    if not any((shared and r.frame is not None) or v2.multi_frame(r) for r in tensors):
         return tensors
     level = v2._zstd_level(pipeline)
-    out = []
-    for r in tensors:
-        if r.frame is not None:
-            z = v2._compress(r.frame.read(f"tensor {r.name!r}"), level)
-            bufs = {"compressed": np.frombuffer(z, np.uint8)}
-            r = TensorRecord(r.name, r.dtype, r.shape, r.encoding, r.nnz, bufs, {**r.codec, "zbytes": len(z)})
-        out.append(r)
-    return out
+    return [_one_frame(r, level, shared) for r in tensors]
+
+
+def _v1_records(tensors: list[TensorRecord], pipeline: list) -> list[TensorRecord]:
+    return _single_frame_records(tensors, pipeline, shared=True)
 
 
 def _plan(tensors, pipeline, metadata, layouts, version, cache):
-    """The v2 plan, or None where v1 must be written."""
-    if version not in (None, 1, 2):
-        raise InvalidInputError(f"version must be 1 or 2 (or None: 2 where possible), got {version!r}")
+    """The v2 or v3 plan, or None where v1 must be written."""
+    if version not in (None, 1, 2, 3):
+        raise InvalidInputError(
+            f"version must be 1, 2 or 3 (or None: the lowest that holds the records), got {version!r}"
+        )
     if version == 1:
         return None
+    if version == 2:
+        tensors = _single_frame_records(tensors, pipeline, shared=False)
+    chosen = version or (v2.CHUNKED if any(v2.multi_frame(r) for r in tensors) else v2.VERSION)
     try:
-        return v2.plan(tensors, pipeline, metadata, layouts, cache)
+        return v2.plan(tensors, pipeline, metadata, layouts, cache, version=chosen)
     except v2.Unrepresentable as e:
-        if version == 2:
-            raise InvalidInputError(f"wire format v2 cannot hold these records: {e}") from None
+        if version is not None:
+            raise InvalidInputError(f"wire format v{version} cannot hold these records: {e}") from None
         return None
 
 
@@ -93,7 +116,8 @@ def pack(
     version: int | None = None,
     cache: dict | None = None,
 ) -> bytes:
-    """Serialize tensor records: version 2 where its table can describe them (``version=None``), else version 1.
+    """Serialize tensor records (``version=None``): version 2 where its table can describe them, version 3 where
+    an nvcomp record is several frames, else version 1. ``version=1`` or ``2`` gives such a record one frame.
 
     ``layouts`` are the layout rules of the records' encodings (default: ``coo`` and ``dense``;
     :meth:`gpu_codec.Payload.to_bytes` passes every encoding the codecs declare). Device buffers are gathered on
@@ -147,7 +171,7 @@ def payload_version(blob: bytes | bytearray | memoryview) -> int:
         raise PayloadHeaderError(f"bad magic {bytes(magic)!r}: not a gpu_codec payload")
     if version not in VERSIONS:
         raise UnsupportedVersionError(
-            f"payload format version {version} is not supported (this reader knows versions 1 and 2)"
+            f"payload format version {version} is not supported (this reader knows versions 1, 2 and 3)"
         )
     return version
 
@@ -155,7 +179,7 @@ def payload_version(blob: bytes | bytearray | memoryview) -> int:
 def unpack(
     blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None
 ) -> tuple[dict, list[TensorRecord]]:
-    """Validate a payload (version 1 or 2) completely and return (header, records).
+    """Validate a payload (version 1, 2 or 3) completely and return (header, records).
 
     Records hold NumPy views of their buffers; a ``zstd`` record of a v2 payload whose bytes stage ran over all
     tensors at once holds its share of that frame in ``frame`` instead, decompressed when it is decoded.

@@ -1,4 +1,4 @@
-"""What both wire format versions share: the tensor record, the dtype whitelists, the limits, the container's own
+"""What the wire format versions share: the tensor record, the dtype whitelists, the limits, the container's own
 layout rules, strict JSON, the shape check and bounded zstd frames."""
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ MAX_NAME = 1024
 MAX_TENSOR_ELEMENTS = 1 << 40
 MAX_WINDOW = 1 << 27  # the largest zstd window a reader accepts
 MAX_INT_DIGITS = 40  # a header integer longer than this is junk (every bounded field fits in 20 digits)
+# v3: an nvcomp tensor's raw bytes are cut into chunks of 2^16 to 2^24 bytes (nvCOMP's zstd takes at most 16 MiB
+# per chunk), one zstd frame each
+MIN_CHUNK_LOG2, MAX_CHUNK_LOG2 = 16, 24
 
 TENSOR_DTYPES = ("float32", "float16", "bfloat16", "float64")
 # Buffer dtype name -> NumPy storage dtype (bfloat16 travels as its uint16 bit pattern).
@@ -86,6 +89,8 @@ class TensorRecord:
     ``codec`` holds per-tensor codec parameters (JSON values) that the encoding's layout rule may use.
     ``frame`` is set instead of buffers on a ``zstd`` record read from a v2 payload whose bytes stage ran over
     all tensors as one frame: the record's share of that frame, decompressed when the record is decoded.
+    ``chunk`` is set on an ``nvcomp`` record whose ``compressed`` buffer is a sequence of zstd frames of ``chunk``
+    raw bytes each, the last one shorter (wire format v3); None: one frame (versions 1 and 2).
     """
 
     name: str
@@ -97,6 +102,7 @@ class TensorRecord:
     codec: dict[str, Any] = field(default_factory=dict)
     buffer_dtypes: dict[str, str] = field(default_factory=dict)
     frame: FrameSlice | None = None
+    chunk: int | None = None
 
     @property
     def numel(self) -> int:
@@ -230,9 +236,46 @@ def compress_bound(raw: int) -> int:
     return raw + (raw >> 8) + ((128 << 10) - raw >> 11 if raw < (128 << 10) else 0) + 32
 
 
-def check_frame(data: bytes | memoryview, raw: int, what: str) -> None:
+def frame_count(raw: int, chunk: int) -> int:
+    """How many zstd frames hold ``raw`` bytes cut into chunks of ``chunk`` bytes: one per chunk, and one (empty)
+    frame for no bytes at all.
+
+    >>> frame_count(0, 65536), frame_count(65536, 65536), frame_count(65537, 65536)
+    (1, 1, 2)
+    """
+    return max(1, -(-raw // chunk))
+
+
+def frame_raw_size(raw: int, chunk: int, i: int) -> int:
+    """The content size of frame ``i`` of :func:`frame_count`: ``chunk``, or what is left for the last frame."""
+    return min(chunk, raw - i * chunk)
+
+
+def frames_bound(raw: int, chunk: int) -> int:
+    """An upper bound on the frames of ``raw`` bytes in chunks of ``chunk`` bytes: each frame's
+    :func:`compress_bound`.
+
+    >>> frames_bound(100, 65536) == compress_bound(100), frames_bound(65537, 65536)
+    (True, 65952)
+    """
+    n = frame_count(raw, chunk)
+    return (n - 1) * compress_bound(chunk) + compress_bound(frame_raw_size(raw, chunk, n - 1))
+
+
+def check_chunk(chunk: Any, what: str) -> int:
+    """A chunk size: a power of two from 2^MIN_CHUNK_LOG2 to 2^MAX_CHUNK_LOG2 (PayloadHeaderError otherwise)."""
+    ok = is_int(chunk) and chunk > 0 and chunk & (chunk - 1) == 0
+    if not ok or not MIN_CHUNK_LOG2 <= chunk.bit_length() - 1 <= MAX_CHUNK_LOG2:
+        raise PayloadHeaderError(
+            f"{what}: chunk size {chunk!r} is not a power of two from 2^{MIN_CHUNK_LOG2} to 2^{MAX_CHUNK_LOG2}"
+        )
+    return chunk
+
+
+def check_frame(data: bytes | memoryview, raw: int, what: str) -> int:
     """Check a zstd frame's header without decompressing: it declares exactly ``raw`` bytes of content (or none)
-    and a window within :data:`MAX_WINDOW`."""
+    and a window within :data:`MAX_WINDOW`. Returns the declared size (``zstandard.CONTENTSIZE_UNKNOWN`` if
+    none)."""
     try:
         params = zstandard.get_frame_parameters(data)
     except zstandard.ZstdError as e:
@@ -243,6 +286,7 @@ def check_frame(data: bytes | memoryview, raw: int, what: str) -> None:
         raise exc(f"{what}: zstd frame declares {cs} bytes, the tensor's encoding implies {raw}")
     if params.window_size > MAX_WINDOW:
         raise PayloadLimitError(f"{what}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW}")
+    return cs
 
 
 def bounded_decompress(data: bytes, raw: int, what: str) -> bytes:
@@ -256,4 +300,78 @@ def bounded_decompress(data: bytes, raw: int, what: str) -> bytes:
         raise PayloadLayoutError(f"{what}: zstd frame does not decompress to {raw} bytes ({e})") from None
     if len(out) != raw:
         raise PayloadLayoutError(f"{what}: zstd frame decompressed to {len(out)} bytes, expected {raw}")
+    return out
+
+
+_ZSTD_MAGIC = 0xFD2FB528
+
+
+def zstd_frame_size(data: Any, what: str) -> int:
+    """The exact length of the zstd frame at the start of ``data``, from its header and block headers (RFC 8878
+    section 3.1.1), without decompressing anything. A reserved bit, a reserved block type or a truncated frame is
+    a PayloadLayoutError."""
+    mv = memoryview(data).cast("B")
+    n = len(mv)
+
+    def need(end: int) -> None:
+        if end > n:
+            raise PayloadLayoutError(f"{what}: zstd frame is truncated")
+
+    need(5)
+    if int.from_bytes(mv[0:4], "little") != _ZSTD_MAGIC:
+        raise PayloadLayoutError(f"{what}: compressed buffer is not a zstd frame")
+    fhd = mv[4]
+    if fhd & 0x08:
+        raise PayloadLayoutError(f"{what}: zstd frame header sets a reserved bit")
+    single = bool(fhd & 0x20)
+    fcs = {0: 1 if single else 0, 1: 2, 2: 4, 3: 8}[fhd >> 6]
+    pos = 5 + (0 if single else 1) + (0, 1, 2, 4)[fhd & 3] + fcs
+    while True:
+        need(pos + 3)
+        bh = int.from_bytes(mv[pos : pos + 3], "little")
+        btype, size = (bh >> 1) & 3, bh >> 3
+        if btype == 3:
+            raise PayloadLayoutError(f"{what}: zstd block of reserved type")
+        pos += 3 + (1 if btype == 1 else size)
+        need(pos)
+        if bh & 1:
+            break
+    return pos + (4 if fhd & 0x04 else 0)
+
+
+def split_frames(data: Any, raw: int, chunk: int, what: str) -> list[tuple[int, int]]:
+    """The byte range of each zstd frame of a chunked ``nvcomp`` buffer (wire format v3), from the frame and block
+    headers alone: exactly :func:`frame_count` frames back to back, filling ``data`` with nothing after the last,
+    frame ``i`` declaring a content size of exactly :func:`frame_raw_size` bytes (the chunk size; the last frame,
+    what is left). Nothing is decompressed; a frame that breaks a rule is a PayloadLayoutError (a
+    PayloadLimitError if it declares more).
+    """
+    mv = memoryview(data).cast("B")
+    n, count = len(mv), frame_count(raw, chunk)
+    out, pos = [], 0
+    for i in range(count):
+        if pos == n:
+            raise PayloadLayoutError(
+                f"{what}: {i} zstd frames, where {raw} raw bytes in chunks of {chunk} make {count}"
+            )
+        frame, at = mv[pos:], f"{what}, frame {i}"
+        if check_frame(frame, frame_raw_size(raw, chunk, i), at) == zstandard.CONTENTSIZE_UNKNOWN:
+            raise PayloadLayoutError(f"{at}: the zstd frame does not declare its content size")
+        end = pos + zstd_frame_size(frame, at)
+        out.append((pos, end))
+        pos = end
+    if pos != n:
+        raise PayloadLayoutError(f"{what}: {n - pos} bytes after its {count} zstd frames")
+    return out
+
+
+def decompress_frames(data: Any, raw: int, chunk: int, what: str) -> bytearray:
+    """The ``raw`` bytes of a chunked ``nvcomp`` buffer (checked by :func:`split_frames`, each frame by
+    :func:`bounded_decompress`), allocating ``raw`` bytes and one frame's content."""
+    mv = memoryview(data).cast("B")
+    out, off = bytearray(raw), 0
+    for i, (a, b) in enumerate(split_frames(mv, raw, chunk, what)):
+        part = bounded_decompress(mv[a:b], frame_raw_size(raw, chunk, i), f"{what}, frame {i}")
+        out[off : off + len(part)] = part
+        off += len(part)
     return out

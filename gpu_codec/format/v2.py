@@ -1,4 +1,6 @@
-"""Wire format v2: a compact binary tensor table instead of a JSON header (see docs/FORMAT.md, "Version 2").
+"""Wire formats v2 and v3: a compact binary tensor table instead of a JSON header (see docs/FORMAT.md, "Version 2"
+and "Version 3"). Version 3 is version 2 with the ``nvcomp`` tensors cut into chunks of at most 16 MiB, one zstd
+frame each (nvCOMP compresses at most 16 MiB per chunk); the writer uses it only for a payload that needs it.
 
 Names are front-coded against the previous name, shapes and counts are varints, dtypes, encodings, value and
 index forms are one-byte codes, the pipeline is stored once (built-in stages as codes, others as JSON), the
@@ -44,11 +46,13 @@ from .common import (
     BASE_LAYOUTS,
     BUFFER_DTYPES,
     MAGIC,
+    MAX_CHUNK_LOG2,
     MAX_HEADER_BYTES,
     MAX_NAME,
     MAX_NDIM,
     MAX_TENSOR_ELEMENTS,
     MAX_TENSORS,
+    MIN_CHUNK_LOG2,
     FrameSlice,
     LayoutRule,
     SharedFrame,
@@ -60,6 +64,7 @@ from .common import (
     check_shape,
     compress_bound,
     dumps_json,
+    frames_bound,
     is_int,
     loads_json,
     req,
@@ -67,6 +72,7 @@ from .common import (
 )
 
 VERSION = 2
+CHUNKED = 3  # the version whose nvcomp tensors are a zstd frame per chunk
 _PREFIX = struct.Struct("<8sIB")  # magic, version, flags
 _CRC = struct.Struct("<I")
 _F32 = struct.Struct("<f")
@@ -503,6 +509,24 @@ def _wrapped_data(records, level: int, cache: dict | None, force: int | None) ->
     return mode, frames, [len(f) for f in frames]
 
 
+def multi_frame(rec: TensorRecord) -> bool:
+    """Whether a record is an ``nvcomp`` record of more than one frame (only version 3 holds it)."""
+    raw = rec.codec.get("raw")
+    return rec.encoding == "nvcomp" and rec.chunk is not None and is_int(raw) and raw > rec.chunk
+
+
+def _chunk_log2(rec: TensorRecord, version: int) -> int | None:
+    """The chunk size code a v3 nvcomp record carries (None for v2, which holds one frame per record)."""
+    if version == VERSION:
+        if multi_frame(rec):
+            raise Unrepresentable(f"tensor {rec.name!r}: {rec.codec['raw']} raw bytes in frames of {rec.chunk}")
+        return None
+    c = rec.chunk
+    if not is_int(c) or c <= 0 or c & (c - 1) or not MIN_CHUNK_LOG2 <= c.bit_length() - 1 <= MAX_CHUNK_LOG2:
+        raise Unrepresentable(f"tensor {rec.name!r}: nvcomp chunk size {c!r}")
+    return c.bit_length() - 1
+
+
 def plan(
     tensors: list[TensorRecord],
     pipeline: list[dict],
@@ -510,8 +534,10 @@ def plan(
     layouts: Mapping[str, LayoutRule] | None = None,
     cache: dict | None = None,
     data_mode: int | None = None,
+    version: int = VERSION,
 ) -> _Plan:
-    """Lay out a v2 payload; raises :class:`Unrepresentable` where only v1 can hold the records.
+    """Lay out a v2 (or, ``version=3``, v3) payload; raises :class:`Unrepresentable` where the version cannot
+    hold the records.
 
     ``data_mode`` forces how zstd records are laid out (``DATA_RECORDS``, ``DATA_ZSTD``, ``DATA_PLAIN``);
     by default the smallest is chosen."""
@@ -532,6 +558,8 @@ def plan(
         if form[0] in WRAPPERS:
             if not is_int(rec.codec["raw"]):
                 raise Unrepresentable("raw")
+            if form[0] == "nvcomp":
+                f = [*f, ("chunk", _chunk_log2(rec, version))]
             inner = _inner_of(rec)
             if sum(n * BUFFER_DTYPES[dt].itemsize for _, dt, n in _layout_of(inner, layouts)) != rec.codec["raw"]:
                 raise Unrepresentable(f"tensor {rec.name!r}: raw size")
@@ -550,7 +578,7 @@ def plan(
     mode, zbytes = DATA_RECORDS, [r.codec.get("zbytes") for r in tensors]
     if all_zstd:
         mode, parts, zbytes = _wrapped_data(tensors, _zstd_level(pipeline), cache, data_mode)
-    table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache)
+    table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, version)
     flags = (FLAG_METADATA if metadata else 0) | (mode << DATA_SHIFT)
     z = _cached(cache, "table", table, lambda: _compress_table(table))
     if len(z) + len(uvarint(len(table))) < len(table):
@@ -558,7 +586,7 @@ def plan(
         stored = uvarint(len(z)) + uvarint(len(table)) + z
     else:
         stored = uvarint(len(table)) + table
-    head = _PREFIX.pack(MAGIC, VERSION, flags) + stored
+    head = _PREFIX.pack(MAGIC, version, flags) + stored
     if len(table) > MAX_HEADER_BYTES:
         raise InvalidInputError(f"the tensor table is {len(table)} bytes, over the limit of {MAX_HEADER_BYTES}")
     data_len = sum(len(p) if isinstance(p, bytes) else int(p.size) * p.dtype.itemsize for p in parts)
@@ -615,7 +643,7 @@ def _name_entries(names: tuple) -> list[bytes]:
     return out
 
 
-def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache) -> bytes:
+def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, version=VERSION) -> bytes:
     if not isinstance(pipeline, list) or len(pipeline) > MAX_STAGES:
         raise Unrepresentable("pipeline")
     t = bytearray(uvarint(len(pipeline)))
@@ -646,7 +674,13 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache) -> b
         if base in ("coo", "sparse"):
             t += uvarint(rec.nnz)
         for name, value in f:
-            t += value if name == "mu" else uvarint(value)
+            if name == "mu":
+                t += value
+            elif name == "chunk":
+                if value is not None:
+                    t.append(value)
+            else:
+                t += uvarint(value)
         if form[0] in WRAPPERS and mode == DATA_RECORDS:
             if not is_int(zb) or zb < 1:
                 raise Unrepresentable("zbytes")
@@ -682,8 +716,9 @@ def pack(
     pipeline: list[dict],
     metadata: dict | None = None,
     layouts: Mapping[str, LayoutRule] | None = None,
+    version: int = VERSION,
 ) -> bytes:
-    return write(plan(tensors, pipeline, metadata, layouts))
+    return write(plan(tensors, pipeline, metadata, layouts, version=version))
 
 
 def header_size(
@@ -718,7 +753,7 @@ def _read_name(t: _Reader, earlier: list[bytes]) -> bytes:
     return ref[:p] + t.take(m, "a tensor name") + ref[len(ref) - q :]
 
 
-def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode: int):
+def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode: int, version: int):
     nb = _read_name(t, earlier)
     try:
         name = nb.decode("utf-8")
@@ -755,13 +790,23 @@ def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode:
         raw = sum(n * BUFFER_DTYPES[dt].itemsize for _, dt, n in _rule(rec, layouts, where))
         wc: dict[str, Any] = {"algo": "zstd"} if enc == "nvcomp" else {}
         wc.update(inner=base, raw=raw)
+        chunk = None
+        if enc == "nvcomp" and version == CHUNKED and mode == DATA_RECORDS:
+            log2 = t.u8("nvcomp chunk size")
+            req(
+                MIN_CHUNK_LOG2 <= log2 <= MAX_CHUNK_LOG2,
+                PayloadHeaderError,
+                f"{where}: nvcomp chunk size 2^{log2} is not from 2^{MIN_CHUNK_LOG2} to 2^{MAX_CHUNK_LOG2}",
+            )
+            chunk = 1 << log2
         if mode == DATA_RECORDS:
-            wc["zbytes"] = t.varint("compressed size", compress_bound(raw), PayloadLayoutError)
+            bound = compress_bound(raw) if chunk is None else frames_bound(raw, chunk)
+            wc["zbytes"] = t.varint("compressed size", bound, PayloadLayoutError)
         else:
             req(enc == "zstd", PayloadLayoutError, f"{where}: a shared frame holds only zstd records, not {enc!r}")
         if codec:
             wc["ic"] = codec
-        rec = TensorRecord(name, dtype, shape, enc, nnz, {}, wc)
+        rec = TensorRecord(name, dtype, shape, enc, nnz, {}, wc, chunk=chunk)
         if mode != DATA_RECORDS:
             return rec, nb, [("", "uint8", raw)]
     else:
@@ -784,12 +829,12 @@ def _rule(rec: TensorRecord, layouts, where: str) -> list[tuple[str, str, int]]:
 def unpack(
     blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None
 ) -> tuple[dict, list[TensorRecord]]:
-    """Validate a v2 payload completely; return (header, records). See :func:`gpu_codec.format.unpack`."""
+    """Validate a v2 or v3 payload completely; return (header, records). See :func:`gpu_codec.format.unpack`."""
     layouts = BASE_LAYOUTS if layouts is None else layouts
     mv = memoryview(blob).cast("B")
     n = len(mv)
     req(n >= MIN_SIZE, PayloadHeaderError, f"payload is {n} bytes, shorter than the smallest valid v2 payload")
-    _, _, flags = _PREFIX.unpack_from(mv, 0)
+    _, version, flags = _PREFIX.unpack_from(mv, 0)
     (stored,) = _CRC.unpack_from(mv, n - _CRC.size)
     computed = zlib.crc32(mv[: n - _CRC.size]) & 0xFFFFFFFF
     req(
@@ -821,7 +866,7 @@ def unpack(
     count = t.varint("tensor count", MAX_TENSORS, PayloadLimitError)
     records, layouts_of, names, earlier = [], [], set(), []
     for _ in range(count):
-        rec, nb, lay = _read_tensor(t, earlier, default, layouts, mode)
+        rec, nb, lay = _read_tensor(t, earlier, default, layouts, mode, version)
         earlier.append(nb)
         req(rec.name not in names, PayloadHeaderError, f"tensor {rec.name!r} appears twice")
         names.add(rec.name)
@@ -864,7 +909,7 @@ def unpack(
             off += size
     header = {
         "format": "gpu_codec",
-        "version": VERSION,
+        "version": version,
         "pipeline": pipeline,
         "metadata": metadata,
         "data": DATA_MODES[mode],
@@ -873,10 +918,11 @@ def unpack(
         "tensors": [
             {"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "encoding": r.encoding, "nnz": r.nnz}
             | ({"codec": r.codec} if r.codec else {})
+            | ({"chunk": r.chunk} if r.chunk is not None else {})
             for r in records
         ],
     }
     return header, records
 
 
-__all__ = ["VERSION", "header_size", "pack", "plan", "unpack", "uvarint"]
+__all__ = ["CHUNKED", "VERSION", "header_size", "multi_frame", "pack", "plan", "unpack", "uvarint"]
