@@ -22,6 +22,8 @@ import numpy as np
 from ..constants import (
     BLOCK,
     CHUNK,
+    CHUNK_SCAN_PART,
+    CHUNK_SCAN_THREADS,
     DT_F32,
     DT_F64,
     NO_SEG_THRESHOLD,
@@ -62,10 +64,10 @@ class TensorTables:
         self.elem_off = np.concatenate([[0], np.cumsum(self.numel)])[:-1].astype(np.int64)
         self.total = int(self.numel.sum())
         self.seg_of = np.asarray(seg_of, dtype=np.int32)
-        first = [0] * nseg
-        for t in range(self.nt - 1, -1, -1):
-            first[int(seg_of[t])] = int(self.chunk_start[t])
-        self.seg_first_chunk = np.asarray(first, dtype=np.int64)
+        # first chunk of each segment (seg_of is nondecreasing); an empty segment gets the next one's, so that the
+        # table is nondecreasing and the chunk scan finds a chunk's segment by binary search
+        first_tensor = np.searchsorted(self.seg_of, np.arange(nseg), side="left")
+        self.seg_first_chunk = self.chunk_start[first_tensor].astype(np.int64)
         self.nseg = nseg
 
 
@@ -79,7 +81,7 @@ def initial_state(ks: list[int]) -> np.ndarray:
 
 
 def _check_segments(segments, nt: int) -> None:
-    # chunk_scan ranks ties over a segment's chunks in launch order: a segment must be a run of tensors
+    # the chunk scan ranks ties over a segment's chunks in launch order: a segment must be a run of tensors
     flat = [t for seg in segments for t in seg]
     if flat != list(range(nt)) or any(list(seg) != list(range(seg[0], seg[0] + len(seg))) for seg in segments if seg):
         raise ValueError(f"segments must be consecutive runs covering tensors 0..{nt - 1} in order")
@@ -191,7 +193,8 @@ class KernelOps:
         return self._topk_unfused(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode)
 
     def _topk_unfused(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
-        """score_keys, four radix passes over every key, chunk_count, chunk_scan, chunk_write: exact for any input."""
+        """score_keys, four radix passes over every key, chunk_count, the chunk scan, chunk_write: exact for any
+        input."""
         xp, run = self.xp, self.runner
         nt = len(new)
         seg_of = [0] * nt
@@ -260,23 +263,7 @@ class KernelOps:
             run.launch(
                 "chunk_count", grid, BLOCK, (nt32, d_chunk_start, d_elem_off, d_numel, d_seg_of, keys, state, cnt)
             )
-            run.launch(
-                "chunk_scan",
-                1,
-                SCAN_THREADS,
-                (
-                    nt32,
-                    np.int64(grid),
-                    d_chunk_start,
-                    d_seg_of,
-                    self._up(tb.seg_first_chunk),
-                    state,
-                    cnt,
-                    eq_base,
-                    out_base,
-                    counts,
-                ),
-            )
+            self._chunk_scan(tb, d_chunk_start, state, cnt, eq_base, out_base, counts)
             run.launch(
                 "chunk_write_u64" if wide else "chunk_write_u32",
                 grid,
@@ -429,12 +416,7 @@ class KernelOps:
         eq_base = xp.zeros(grid, dtype=np.uint64)
         out_base = xp.zeros(grid + 1, dtype=np.uint64)
         counts = xp.zeros(nt, dtype=np.uint64)
-        run.launch(
-            "chunk_scan",
-            1,
-            SCAN_THREADS,
-            (nt32, np.int64(grid), d_cs, d_so, self._up(tb.seg_first_chunk), state, cnt, eq_base, out_base, counts),
-        )
+        self._chunk_scan(tb, d_cs, state, cnt, eq_base, out_base, counts)
         K = int(sum(ks))
         wide = self._force_wide or any(index_dtype(n) == np.uint64 for n in numels)
         sfx = "u64" if wide else "u32"
@@ -464,6 +446,21 @@ class KernelOps:
             )
         self.fused_selections += 1
         return self._split_output(idx, vals32, vals64, host_counts, numels, dtypes, K)
+
+    def _chunk_scan(self, tb: TensorTables, d_chunk_start, state, cnt, eq_base, out_base, counts) -> None:
+        """eq_base, out_base and counts from the per-chunk counts (kernels/topk.cu, "The chunk scan")."""
+        nblk = -(-tb.nchunks // CHUNK_SCAN_THREADS)
+        part = self.xp.empty(CHUNK_SCAN_PART * nblk, dtype=np.uint64)
+        nt, nch, nseg, sfc = np.int32(tb.nt), np.int64(tb.nchunks), np.int32(tb.nseg), self._up(tb.seg_first_chunk)
+        run = self.runner
+        run.launch("chunk_scan_reduce", nblk, CHUNK_SCAN_THREADS, (nch, nseg, sfc, cnt, part))
+        run.launch(
+            "chunk_scan_eq",
+            nblk,
+            CHUNK_SCAN_THREADS,
+            (nt, nch, d_chunk_start, nseg, sfc, state, cnt, part, eq_base, out_base),
+        )
+        run.launch("chunk_scan_out", nblk, CHUNK_SCAN_THREADS, (nt, nch, d_chunk_start, part, out_base, counts))
 
     def _split_output(self, idx, vals32, vals64, host_counts, numels, dtypes, K):
         indices, values = [], []
