@@ -857,9 +857,10 @@ def test_gpu_suite_commands_and_log_parsing(tmp_path):
 
 
 def test_fused_workspace_is_small():
-    """Sample, candidate regions and per-chunk tables of the fused selection at fraction 0.01 on 2^24 fp32 elements
-    (sized on the host from the sample, so the twins give the same sizes): under 3.5% of the update's bytes
-    (2.9% at 2^26, where the sample weighs less)."""
+    """The peak of the fused selection's scratch alive at once (the sample, freed before the candidate regions are
+    allocated; then the regions, per-chunk and O(tensors) tables) at fraction 0.01 on 2^24 fp32 elements: under
+    3% of the update's bytes. The sizes are planned on the host from the sample, so the twins give the same as a
+    device."""
     from gpu_codec.backends.kernels import KernelOps
 
     n = 1 << 24
@@ -869,7 +870,7 @@ def test_fused_workspace_is_small():
     ops = KernelOps(kc.TwinRunner(), fused=True)
     ops.topk_select([new], [base], [None], [None], [0], [None], [0], 0, [[0]], [n // 100], 0)
     assert (ops.fused_selections, ops.fused_fallbacks) == (1, 0)
-    assert 0 < ops.fused_workspace_bytes <= 0.035 * 4 * n
+    assert 0 < ops.fused_workspace_bytes <= 0.03 * 4 * n
 
 
 def test_large_segment_kept_whole_runs_unfused(emulated):

@@ -141,6 +141,52 @@ def region_caps(lens: np.ndarray, hit: np.ndarray, above: np.ndarray, stride: in
     return np.minimum(lens, np.ceil(mean + CAP_SIGMAS * np.sqrt(mean)).astype(np.int64) + CAP_SLACK)
 
 
+def candidate_plan(host_sample, samp_off, stride, numels, segments, ks, chunk_start, force_miss: bool = False):
+    """(lo per segment, fused_scan's blocks: CAP_GROUP chunks of one tensor each as their first chunks, and the
+    candidate slots of each) from the sampled keys, on the host. ``force_miss``: lo above every key (tests)."""
+    nseg = len(segments)
+    lo = np.zeros(max(nseg, 1), np.uint64)
+    grp_start: list[int] = []
+    caps: list[int] = []
+    for s, (seg, k) in enumerate(zip(segments, ks)):
+        n = sum(numels[t] for t in seg)
+        seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])] if seg else host_sample[:0]
+        if k <= 0:
+            lo[s] = NO_LO
+        elif k >= n:
+            lo[s] = 0
+        else:
+            lo[s] = bracket(seg_keys, n, k, n <= SAMPLE_ALL)
+        if force_miss and k > 0:
+            lo[s] = NO_LO - 1
+        seg_rate = float(np.count_nonzero(seg_keys >= lo[s])) / max(1, seg_keys.size)
+        for t in seg:
+            c0, nch = int(chunk_start[t]), int(chunk_start[t + 1] - chunk_start[t])
+            ng = -(-nch // CAP_GROUP)
+            grp_start += range(c0, c0 + nch, CAP_GROUP)
+            glen = np.minimum(CAP_GROUP * CHUNK, numels[t] - CAP_GROUP * CHUNK * np.arange(ng, dtype=np.int64))
+            if k <= 0:
+                caps += [0] * ng
+            elif lo[s] == 0:
+                caps += glen.tolist()
+            else:
+                a = int(samp_off[t])
+                m = int(samp_off[t + 1]) - a
+                pos = sample_positions(numels[t], m, int(stride[t]))
+                above = host_sample[a : a + m] >= lo[s]
+                hit = np.bincount(pos[above] // (CAP_GROUP * CHUNK), minlength=ng)[:ng]
+                if int(stride[t]) == SAMPLE_RUN:  # sampled whole: the counts are exact
+                    caps += hit.tolist()
+                else:
+                    caps += region_caps(glen, hit, above, int(stride[t]), seg_rate).tolist()
+    grp_start.append(int(chunk_start[len(numels)]))
+    return lo, grp_start, caps
+
+
+def _nbytes(*arrays) -> int:
+    return sum(int(a.nbytes) for a in arrays)
+
+
 def _offsets(counts: list[int]) -> np.ndarray:
     return np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.uint64)
 
@@ -166,7 +212,9 @@ class KernelOps:
         self.fused = os.environ.get(FUSED_ENV, "1") != "0" if fused is None else fused
         self.fused_fallbacks = 0  # fused selections that ran the unfused passes (bracket miss or overflow)
         self.fused_selections = 0  # fused selections that completed without the fallback
-        self.fused_workspace_bytes = 0  # scratch bytes of the last fused selection (sample, candidates, tables)
+        # peak bytes of scratch alive at once in the last fused selection (device memory beyond its inputs and
+        # outputs: the sample, then the candidate regions, per-chunk tables and O(tensors) tables)
+        self.fused_workspace_bytes = 0
 
     def _up(self, host: np.ndarray):
         return self.xp.asarray(host)
@@ -326,51 +374,24 @@ class KernelOps:
         # 1) the sample and, on the host, lo per segment and a candidate region per group of CAP_GROUP chunks
         samp_off, stride = sample_plan(numels, segments, ks)
         ns = int(samp_off[-1])
+        tables = _nbytes(d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt)  # live until the end
         host_sample = np.zeros(0, np.uint32)
+        peak = tables
         if ns:
-            sample = xp.empty(ns, dtype=np.uint32)
+            sample, d_off, d_stride = xp.empty(ns, dtype=np.uint32), self._up(samp_off), self._up(stride)
             run.launch(
                 "sample_keys",
                 -(-ns // BLOCK),
                 BLOCK,
-                (nt32, np.uint64(ns), self._up(samp_off), self._up(stride), np.int32(SAMPLE_RUN), d_dt, p_new, p_base)
+                (nt32, np.uint64(ns), d_off, d_stride, np.int32(SAMPLE_RUN), d_dt, p_new, p_base)
                 + (p_res, p_ext, d_ext_dt, crit32, sample),
             )
             host_sample = run.to_host(sample)
-        lo = np.zeros(max(nseg, 1), np.uint64)
-        grp_start, caps = [], []  # fused_scan's blocks: CAP_GROUP chunks of one tensor each, and their regions
-        for s, (seg, k) in enumerate(zip(segments, ks)):
-            n = sum(numels[t] for t in seg)
-            seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])] if seg else host_sample[:0]
-            if k <= 0:
-                lo[s] = NO_LO
-            elif k >= n:
-                lo[s] = 0
-            else:
-                lo[s] = bracket(seg_keys, n, k, n <= SAMPLE_ALL)
-            if self._force_fallback == "miss" and k > 0:
-                lo[s] = NO_LO - 1
-            seg_rate = float(np.count_nonzero(seg_keys >= lo[s])) / max(1, seg_keys.size)
-            for t in seg:
-                c0, nch = int(tb.chunk_start[t]), int(tb.chunk_start[t + 1] - tb.chunk_start[t])
-                ng = -(-nch // CAP_GROUP)
-                grp_start += range(c0, c0 + nch, CAP_GROUP)
-                glen = np.minimum(CAP_GROUP * CHUNK, numels[t] - CAP_GROUP * CHUNK * np.arange(ng, dtype=np.int64))
-                if k <= 0:
-                    caps += [0] * ng
-                elif lo[s] == 0:
-                    caps += glen.tolist()
-                else:
-                    a = int(samp_off[t])
-                    m = int(samp_off[t + 1]) - a
-                    pos = sample_positions(numels[t], m, int(stride[t]))
-                    above = host_sample[a : a + m] >= lo[s]
-                    hit = np.bincount(pos[above] // (CAP_GROUP * CHUNK), minlength=ng)[:ng]
-                    if int(stride[t]) == SAMPLE_RUN:  # sampled whole: the counts are exact
-                        caps += hit.tolist()
-                    else:
-                        caps += region_caps(glen, hit, above, int(stride[t]), seg_rate).tolist()
-        grp_start.append(grid)
+            peak = max(peak, tables + _nbytes(sample, d_off, d_stride))
+            del sample, d_off, d_stride  # freed before the candidate regions are allocated
+        lo, grp_start, caps = candidate_plan(
+            host_sample, samp_off, stride, numels, segments, ks, tb.chunk_start, self._force_fallback == "miss"
+        )
         if self._force_fallback == "overflow":
             caps = [0] * len(caps)
         grp_off = _offsets(caps)
@@ -379,23 +400,27 @@ class KernelOps:
         cand_cnt = xp.zeros(grid, dtype=np.uint32)
         cand_idx = xp.empty(max(ncap, 1), dtype=np.uint16)
         cand_key = xp.empty(max(ncap, 1), dtype=np.uint32)
+        cands = _nbytes(cand_base, cand_cnt, cand_idx, cand_key)  # live until cand_write
         status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(nseg, np.uint64)]))
-        # scratch of this selection beyond its inputs and outputs (kept for the workspace tests)
-        self.fused_workspace_bytes = ns * 4 + ncap * 6 + grid * (8 + 4 + 8 + 8 + 8) + 16 * ngrp + 8 * (nseg + 2)
         # 2) one pass over every element; the residual is written here where it is not also the residual read
         early = [
             ro if ro is not None and (r is None or self.runner.ptr(r) != self.runner.ptr(ro)) else None
             for r, ro in zip(res, res_out)
         ]
+        plan = (self._ptrs(early), self._up(lo), self._up(np.asarray(grp_start, np.int64)), self._up(grp_off))
         run.launch(
             "fused_scan",
             ngrp,
             BLOCK,
-            (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32, self._ptrs(early))
-            + (self._up(lo), self._up(np.asarray(grp_start, np.int64)), self._up(grp_off), cand_base, cand_cnt)
-            + (cand_idx, cand_key, status),
+            (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32)
+            + plan
+            + (cand_base, cand_cnt, cand_idx, cand_key, status),
         )
+        peak = max(peak, tables + cands + _nbytes(status, *plan))
+        self.fused_workspace_bytes = peak
+        del plan
         st = run.to_host(status)
+        del status
         if int(st[0]) != U64_MAX:
             return None, None, int(st[0])
         if int(st[1]) or any(int(st[2 + s]) < k for s, k in enumerate(ks)):
@@ -416,7 +441,9 @@ class KernelOps:
         eq_base = xp.zeros(grid, dtype=np.uint64)
         out_base = xp.zeros(grid + 1, dtype=np.uint64)
         counts = xp.zeros(nt, dtype=np.uint64)
-        self._chunk_scan(tb, d_cs, state, cnt, eq_base, out_base, counts)
+        scan = self._chunk_scan(tb, d_cs, state, cnt, eq_base, out_base, counts)
+        peak = max(peak, tables + cands + scan + _nbytes(state, cnt, eq_base, out_base, counts))
+        del cnt
         K = int(sum(ks))
         wide = self._force_wide or any(index_dtype(n) == np.uint64 for n in numels)
         sfx = "u64" if wide else "u32"
@@ -431,24 +458,33 @@ class KernelOps:
             (nt32, d_cs, d_dt, d_so, p_new, p_base, p_res, cand_base, cand_cnt, cand_idx, cand_key, state, eq_base)
             + (out_base, idx, vals32, vals64),
         )
+        del cand_base, cand_cnt, cand_idx, cand_key, state, eq_base, out_base
         host_counts = run.to_host(counts).astype(np.int64)
+        del counts
         # 4) residuals read in place are written now that nothing reads them; then the kept entries' residuals
         late = [ro if ro is not None and e is None else None for ro, e in zip(res_out, early)]
         if any(r is not None for r in late):
-            run.launch("residual_delta", grid, BLOCK, (nt32, d_cs, d_nm, d_dt, p_new, p_base, p_res, self._ptrs(late)))
+            p_late = self._ptrs(late)
+            run.launch("residual_delta", grid, BLOCK, (nt32, d_cs, d_nm, d_dt, p_new, p_base, p_res, p_late))
+            peak = max(peak, tables + _nbytes(p_late))
+            del p_late
         if K and any(r is not None for r in res_out):
+            ent, p_ro = self._up(_offsets(host_counts.tolist())), self._ptrs(res_out)
             run.launch(
                 "kept_fix_" + sfx,
                 -(-K // BLOCK),
                 BLOCK,
-                (nt32, np.uint64(K), self._up(_offsets(host_counts.tolist())), d_dt, self._ptrs(res_out))
-                + (np.int32(qmode), idx, vals32, vals64),
+                (nt32, np.uint64(K), ent, d_dt, p_ro) + (np.int32(qmode), idx, vals32, vals64),
             )
+            peak = max(peak, tables + _nbytes(ent, p_ro))
+            del ent, p_ro
+        self.fused_workspace_bytes = peak
         self.fused_selections += 1
         return self._split_output(idx, vals32, vals64, host_counts, numels, dtypes, K)
 
-    def _chunk_scan(self, tb: TensorTables, d_chunk_start, state, cnt, eq_base, out_base, counts) -> None:
-        """eq_base, out_base and counts from the per-chunk counts (kernels/topk.cu, "The chunk scan")."""
+    def _chunk_scan(self, tb: TensorTables, d_chunk_start, state, cnt, eq_base, out_base, counts) -> int:
+        """eq_base, out_base and counts from the per-chunk counts (kernels/topk.cu, "The chunk scan"); returns the
+        bytes of its own scratch (freed on return)."""
         nblk = -(-tb.nchunks // CHUNK_SCAN_THREADS)
         part = self.xp.empty(CHUNK_SCAN_PART * nblk, dtype=np.uint64)
         nt, nch, nseg, sfc = np.int32(tb.nt), np.int64(tb.nchunks), np.int32(tb.nseg), self._up(tb.seg_first_chunk)
@@ -461,6 +497,7 @@ class KernelOps:
             (nt, nch, d_chunk_start, nseg, sfc, state, cnt, part, eq_base, out_base),
         )
         run.launch("chunk_scan_out", nblk, CHUNK_SCAN_THREADS, (nt, nch, d_chunk_start, part, out_base, counts))
+        return int(part.nbytes) + int(sfc.nbytes)
 
     def _split_output(self, idx, vals32, vals64, host_counts, numels, dtypes, K):
         indices, values = [], []
