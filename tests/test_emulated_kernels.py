@@ -856,14 +856,15 @@ def test_gpu_suite_commands_and_log_parsing(tmp_path):
     s.log_f.close()
 
 
-def test_fused_workspace_is_small():
+@pytest.mark.parametrize("log2n", [22, 24])
+def test_fused_workspace_is_small(log2n):
     """The peak of the fused selection's scratch alive at once (the sample, freed before the candidate regions are
-    allocated; then the regions, per-chunk and O(tensors) tables) at fraction 0.01 on 2^24 fp32 elements: under
-    3% of the update's bytes. The sizes are planned on the host from the sample, so the twins give the same as a
-    device."""
+    allocated; then the regions, per-chunk and O(tensors) tables) at fraction 0.01 on 2^22 and 2^24 fp32 elements:
+    at most 3% of the update's bytes. The sizes are planned on the host from the sample, so the twins give the
+    same as a device; benchmarks/traffic.py reports 2^26 as well."""
     from gpu_codec.backends.kernels import KernelOps
 
-    n = 1 << 24
+    n = 1 << log2n
     rng = np.random.default_rng(1)
     new = rng.standard_normal(n, dtype=np.float32)
     base = new + rng.standard_normal(n, dtype=np.float32) * np.float32(0.1)
