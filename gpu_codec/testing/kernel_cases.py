@@ -486,7 +486,7 @@ def chunk_scan_inputs(case: ChunkScanCase) -> tuple[TensorTables, np.ndarray, np
         a, b = int(tb.seg_first_chunk[s]), int(tb.seg_first_chunk[s + 1]) if s + 1 < tb.nseg else tb.nchunks
         eq = int(cnt[2 * a + 1 : 2 * b : 2].sum())
         take = {"none": 0, "all": eq}.get(case.take, int(rng.integers(0, eq + 2)))
-        state[2 * s : 2 * s + 2] = (int(rng.integers(1, 1 << 32)), take)
+        state[2 * s : 2 * s + 2] = (int(rng.integers(1, 0xFFFFFFFF)), take)  # a threshold key, and k at it
     return tb, state, cnt
 
 
