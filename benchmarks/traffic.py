@@ -15,6 +15,10 @@ payload are transfers, not counted.
     python benchmarks/traffic.py                 # n = 2^16, writes benchmarks/results/traffic.json
     python benchmarks/traffic.py --n 8192 --quick
 
+Also the fused selection's workspace (the peak of its scratch alive at once) at fraction 0.01 on one fp32 tensor
+of 2^22, 2^24 and 2^26 elements, as a share of the dense bytes (target: at most 3%), computed with the NumPy
+twins (about 2 GB of host memory at 2^26).
+
 Floors: compress reads new and base (8 B/elem in fp32), with error feedback also reads and writes the residual
 (16); dense compress also writes every value (12); sparse decompress onto a base reads and writes the output
 (8); dense decode and apply reads the base and the values and writes the output (12).
@@ -38,7 +42,7 @@ from gpu_codec.backends import using_backend
 from gpu_codec.backends.emulated import EmulatedBackend, EmulatorRunner
 
 ROOT = Path(__file__).resolve().parent
-TARGETS = {"compress": 10.0, "compress_residual": 18.0, "dense_apply_over_floor": 1.2}
+TARGETS = {"compress": 10.0, "compress_residual": 18.0, "dense_apply_over_floor": 1.2, "fused_workspace": 0.03}
 FLOORS = {
     "compress": 8.0,
     "compress_residual": 16.0,
@@ -185,6 +189,35 @@ def codec_records(backend, n: int, fraction: float = 0.01) -> list[dict]:
     return out
 
 
+def workspace_records(log2_sizes=(22, 24, 26), fraction: float = 0.01) -> list[dict]:
+    """The fused selection's workspace (peak scratch alive at once) on one fp32 tensor per size, as a share of the
+    update's dense bytes. Run with the NumPy twins: the sizes are planned on the host from the sample, so every
+    runner allocates the same."""
+    from gpu_codec.backends.kernels import KernelOps
+    from gpu_codec.testing.kernel_cases import TwinRunner
+
+    out = []
+    for e in log2_sizes:
+        n = 1 << e
+        new, base = update(n, 1, seed=1)
+        ops = KernelOps(TwinRunner(), fused=True)
+        k = round(n * fraction)
+        ops.topk_select([new["t0"]], [base["t0"]], [None], [None], [0], [None], [0], 0, [[0]], [k], 0)
+        out.append(
+            {
+                "op": "fused_workspace",
+                "fraction": fraction,
+                "residual": False,
+                "tensors": 1,
+                "n": n,
+                "workspace_bytes": ops.fused_workspace_bytes,
+                "workspace_share": ops.fused_workspace_bytes / (4 * n),
+                "fallbacks": ops.fused_fallbacks,
+            }
+        )
+    return out
+
+
 def run(n: int = 1 << 16, quick: bool = False) -> list[dict]:
     backend = traced_backend()
     fractions = (0.01,) if quick else (0.01, 0.001)
@@ -208,6 +241,9 @@ def check_targets(records: list[dict]) -> list[str]:
                     f"compress (fraction {r['fraction']}, residual {r['residual']}, {r['tensors']} tensors): "
                     f"{r['bytes_per_element']:.2f} B/elem > {t}"
                 )
+        elif r["op"] == "fused_workspace":
+            if r["workspace_share"] > TARGETS["fused_workspace"] or r["fallbacks"]:
+                bad.append(f"fused workspace at n = {r['n']}: {100 * r['workspace_share']:.2f}% of the dense bytes")
         elif r["op"] == "decompress_dense":
             lim = TARGETS["dense_apply_over_floor"] * FLOORS["decompress_dense"]
             if r["bytes_per_element"] > lim:
@@ -218,6 +254,12 @@ def check_targets(records: list[dict]) -> list[str]:
 def _table(records: list[dict]) -> str:
     lines = [f"{'op':<18} {'fraction':>8} {'resid':>5} {'tensors':>7} {'B/elem':>8}  (kernels + glue)  per kernel"]
     for r in records:
+        if r["op"] == "fused_workspace":
+            lines.append(
+                f"{r['op']:<18} {r['fraction']!s:>8} {r['residual']!s:>5} {r['tensors']:>7} {'':>8}  "
+                f"n = 2^{r['n'].bit_length() - 1}: {100 * r['workspace_share']:.2f}% of the dense bytes"
+            )
+            continue
         per = ", ".join(f"{k} {v['bytes_per_element']:.2f}" for k, v in r["kernels"].items())
         lines.append(
             f"{r['op']:<18} {r['fraction']!s:>8} {r['residual']!s:>5} {r['tensors']:>7} {r['bytes_per_element']:>8.2f}"
@@ -232,9 +274,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fraction 0.01 and one tensor only")
     ap.add_argument("--json", default=str(ROOT / "results" / "traffic.json"), help="where to write the records")
     ap.add_argument("--check", action="store_true", help="exit 1 when a record is over its target")
+    ap.add_argument(
+        "--workspace",
+        default=None,
+        help="log2 sizes at which to report the fused selection's workspace (default 22,24,26, none with --quick)",
+    )
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     records = run(a.n, a.quick)
+    sizes = ("" if a.quick else "22,24,26") if a.workspace is None else a.workspace
+    records += workspace_records(tuple(int(e) for e in sizes.split(",") if e))
     print(_table(records))
     print(f"({time.perf_counter() - t0:.1f} s; counted by the emulator, 32-byte sectors per launch)")
     Path(a.json).parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,8 @@ from functools import partial
 
 import numpy as np
 
+from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS
+
 from .elementwise import (
     DT_F64,
     decoded,
@@ -98,18 +100,54 @@ def _tensor_of_chunk(chunk_start: np.ndarray, nt: int, nchunks: int) -> np.ndarr
     return np.searchsorted(np.asarray(chunk_start[:nt]), np.arange(nchunks), side="right") - 1
 
 
-def chunk_scan(nt, nchunks, chunk_start, seg_of, seg_first_chunk, state, cnt, eq_base, out_base, tensor_counts):
-    nt, nchunks = int(nt), int(nchunks)
+def _scan_blocks(nchunks: int) -> tuple[np.ndarray, np.ndarray]:
+    """First and end chunk of every chunk-scan block."""
+    c0 = np.arange(-(-nchunks // CHUNK_SCAN_THREADS), dtype=np.int64) * CHUNK_SCAN_THREADS
+    return c0, np.minimum(c0 + CHUNK_SCAN_THREADS, nchunks)
+
+
+def _prefix(x: np.ndarray) -> np.ndarray:
+    return np.concatenate([[0], np.cumsum(x, dtype=np.uint64)]).astype(np.uint64)
+
+
+def _seg_of_chunks(nseg: int, seg_first_chunk, chunks: np.ndarray) -> np.ndarray:
+    return np.searchsorted(np.asarray(seg_first_chunk[:nseg]), chunks, side="right") - 1
+
+
+def chunk_scan_reduce(nchunks, nseg, seg_first_chunk, cnt, part):
+    nchunks, nseg = int(nchunks), int(nseg)
+    c0, c1 = _scan_blocks(nchunks)
+    sfc = np.asarray(seg_first_chunk[:nseg], dtype=np.int64)
+    start = np.maximum(c0, sfc[_seg_of_chunks(nseg, sfc, c1 - 1)])
+    E = _prefix(cnt[1 : 2 * nchunks : 2])
+    part[0 : CHUNK_SCAN_PART * c0.size : CHUNK_SCAN_PART] = E[c1] - E[start]
+
+
+def chunk_scan_eq(nt, nchunks, chunk_start, nseg, seg_first_chunk, state, cnt, part, eq_base, out_base):
+    nt, nchunks, nseg = int(nt), int(nchunks), int(nseg)
     gt = cnt[0 : 2 * nchunks : 2].astype(np.uint64)
     eq = cnt[1 : 2 * nchunks : 2].astype(np.uint64)
-    E = np.concatenate([[0], np.cumsum(eq, dtype=np.uint64)]).astype(np.uint64)[:nchunks]
-    seg = np.asarray(seg_of)[_tensor_of_chunk(chunk_start, nt, nchunks)] if nchunks else np.zeros(0, np.int64)
-    eqb = E - E[np.asarray(seg_first_chunk)[seg]] if nchunks else E
+    sfc = np.asarray(seg_first_chunk[:nseg], dtype=np.int64)
+    seg = _seg_of_chunks(nseg, sfc, np.arange(nchunks))
+    E = _prefix(eq)
+    eqb = E[:nchunks] - E[sfc[seg]]
     eq_base[:nchunks] = eqb
-    take = np.asarray(state)[1::2][seg] if nchunks else np.zeros(0, np.uint64)
+    take = np.asarray(state)[1::2][seg]
     rest = np.where(take > eqb, take - eqb, 0).astype(np.uint64)
-    sel = gt + np.minimum(rest, eq)
-    ob = np.concatenate([[0], np.cumsum(sel, dtype=np.uint64)]).astype(np.uint64)
+    kept = gt + np.minimum(rest, eq)
+    out_base[:nchunks] = kept
+    K = _prefix(kept)
+    c0, c1 = _scan_blocks(nchunks)
+    cs = np.asarray(chunk_start, dtype=np.int64)
+    last_first = np.maximum(c0, cs[_tensor_of_chunk(cs, nt, nchunks)[c1 - 1]])
+    m = CHUNK_SCAN_PART * c0.size
+    part[1:m:CHUNK_SCAN_PART] = K[c1] - K[c0]
+    part[2:m:CHUNK_SCAN_PART] = K[c1] - K[last_first]
+
+
+def chunk_scan_out(nt, nchunks, chunk_start, part, out_base, tensor_counts):
+    nt, nchunks = int(nt), int(nchunks)
+    ob = _prefix(out_base[:nchunks])
     out_base[: nchunks + 1] = ob
     cs = np.asarray(chunk_start, dtype=np.int64)
     tensor_counts[:nt] = ob[cs[1 : nt + 1]] - ob[cs[:nt]]

@@ -17,12 +17,15 @@ from __future__ import annotations
 import numpy as np
 
 # Launch sizes: a block of BLOCK threads handles a chunk of CHUNK = BLOCK * ITEMS elements that never straddles
-# a tensor; the single-block scans run SCAN_THREADS threads.
+# a tensor; the single-block passes (cand_select per segment, rice_scan) run SCAN_THREADS and RICE_SCAN_THREADS
+# threads; the chunk scan of the top-k selection runs blocks of CHUNK_SCAN_THREADS threads, one chunk a thread.
 BLOCK = 256
 ITEMS = 16
 CHUNK = BLOCK * ITEMS
 WARPS = BLOCK // 32
 SCAN_THREADS = 1024
+CHUNK_SCAN_THREADS = 256
+CHUNK_SCAN_PART = 3  # u64 partials per chunk-scan block (kernels/topk.cu, "The chunk scan")
 RICE_SCAN_THREADS = 1024
 
 U64_MAX = 0xFFFFFFFFFFFFFFFF  # "no error" in the kernels' error words
@@ -54,6 +57,8 @@ _DEFINE_NAMES = (
     "CHUNK",
     "WARPS",
     "SCAN_THREADS",
+    "CHUNK_SCAN_THREADS",
+    "CHUNK_SCAN_PART",
     "RICE_SCAN_THREADS",
     "DT_F32",
     "DT_F16",

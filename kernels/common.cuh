@@ -22,6 +22,12 @@
 #ifndef SCAN_THREADS
 #error "SCAN_THREADS must be defined: compile with gpu_codec.constants.compile_options()"
 #endif
+#ifndef CHUNK_SCAN_THREADS
+#error "CHUNK_SCAN_THREADS must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
+#ifndef CHUNK_SCAN_PART
+#error "CHUNK_SCAN_PART must be defined: compile with gpu_codec.constants.compile_options()"
+#endif
 #ifndef RICE_SCAN_THREADS
 #error "RICE_SCAN_THREADS must be defined: compile with gpu_codec.constants.compile_options()"
 #endif

@@ -5,7 +5,8 @@
 // tables of device addresses (u64) with a logical dtype code per tensor (common.cuh). A "segment" is the set of
 // tensors that share one threshold: all of them for global scope, one tensor each for per-tensor scope.
 //
-// Unfused passes: score_keys -> 4 x (radix_hist, radix_pick) -> chunk_count -> chunk_scan -> chunk_write_{u32,u64}.
+// Unfused passes: score_keys -> 4 x (radix_hist, radix_pick) -> chunk_count -> the chunk scan (chunk_scan_reduce,
+// chunk_scan_eq, chunk_scan_out) -> chunk_write_{u32,u64}.
 // Each has a NumPy twin with the same name and arguments in cpu_fallback/kernels.py. They are exact for any input;
 // the fused selection at the end of this file reads the inputs once and falls back to them when its bracket misses.
 #include "common.cuh"
@@ -227,57 +228,127 @@ extern "C" __global__ void chunk_count(
     }
 }
 
-__device__ __forceinline__ u64 chunk_take(const u32* cnt, const u64* eq_base, const u64* state, int s, i64 c)
-{
-    const u64 take = state[2 * s + 1];
-    const u64 before = eq_base[c];
-    const u64 eq = cnt[2 * c + 1];
-    const u64 rest = take > before ? take - before : 0ull;
-    return (u64)cnt[2 * c] + (rest < eq ? rest : eq);
+// The chunk scan: eq_base[c] = equal keys of c's segment in its earlier chunks; out_base[c] = output position of
+// chunk c's first kept entry (nchunks + 1 entries, the last is the total); tensor_counts[t] = entries kept in t.
+// A reduce-then-scan over blocks of CHUNK_SCAN_THREADS chunks (one a thread) in three launches, chunk_scan_reduce
+// -> chunk_scan_eq -> chunk_scan_out, each reading only what the launches before it wrote, so that the blocks of
+// a launch are independent. part holds CHUNK_SCAN_PART = 3 u64 per block b: [3b] equal keys from the block's last
+// segment start (its first chunk if no segment starts in it) to its end; [3b + 1] entries kept in the block;
+// [3b + 2] entries kept in the block by the tensor of its last chunk. Each block folds the partials of the blocks
+// before it itself (no single-block pass in between). A segment's chunks are consecutive and seg_first_chunk is
+// nondecreasing (an empty segment has the next one's first chunk), so c's segment is the last s with
+// seg_first_chunk[s] <= c.
+#if CHUNK_SCAN_PART != 3
+#error "chunk_scan_* write 3 partials per block"
+#endif
+
+// Sum of v over the block, for every thread (sh: CHUNK_SCAN_THREADS entries).
+__device__ __forceinline__ u64 block_sum(u64 v, u64* sh) {
+    const u64 e = block_exclusive_scan(v, sh, CHUNK_SCAN_THREADS);
+    if (threadIdx.x == CHUNK_SCAN_THREADS - 1) sh[0] = e + v;
+    __syncthreads();
+    const u64 r = sh[0];
+    __syncthreads();
+    return r;
 }
 
-// One block of SCAN_THREADS threads. eq_base[c]: equal keys of c's segment in earlier chunks; out_base[c]:
-// output position of chunk c's first kept entry (nchunks + 1 entries, the last is the total);
-// tensor_counts[t]: entries kept in tensor t.
-extern "C" __global__ void chunk_scan(
-    int nt, i64 nchunks, const i64* chunk_start, const int* seg_of, const i64* seg_first_chunk,
-    const u64* state, const u32* cnt, u64* eq_base, u64* out_base, u64* tensor_counts)
+// Entries kept in a chunk with gt keys above its segment's threshold and eq equal to it, eq_before equal keys of
+// the segment in earlier chunks, and take equal keys to keep in the segment (lowest index first).
+__device__ __forceinline__ u64 chunk_take(u64 gt, u64 eq, u64 eq_before, u64 take) {
+    const u64 rest = take > eq_before ? take - eq_before : 0ull;
+    return gt + (rest < eq ? rest : eq);
+}
+
+// part[3b] of every block b.
+extern "C" __global__ void chunk_scan_reduce(
+    i64 nchunks, int nseg, const i64* seg_first_chunk, const u32* cnt, u64* part)
 {
-    __shared__ u64 sh[SCAN_THREADS];
-    const i64 per = (nchunks + SCAN_THREADS - 1) / SCAN_THREADS;
-    const i64 lo = (i64)threadIdx.x * per;
-    const i64 hi = lo + per < nchunks ? lo + per : nchunks;
-    // 1) unsegmented exclusive scan of the equal counts
-    u64 sum = 0;
-    for (i64 c = lo; c < hi; ++c) sum += cnt[2 * c + 1];
-    u64 run = block_exclusive_scan(sum, sh, SCAN_THREADS);
-    for (i64 c = lo; c < hi; ++c) { eq_base[c] = run; run += cnt[2 * c + 1]; }
+    __shared__ u64 sh[CHUNK_SCAN_THREADS];
+    const i64 b = blockIdx.x, c0 = b * CHUNK_SCAN_THREADS, c = c0 + threadIdx.x;
+    const i64 c1 = c0 + CHUNK_SCAN_THREADS < nchunks ? c0 + CHUNK_SCAN_THREADS : nchunks;
+    const i64 f = seg_first_chunk[tensor_of_chunk(seg_first_chunk, nseg, c1 - 1)];  // the block's last segment
+    const u64 eq = c < c1 && c >= f ? cnt[2 * c + 1] : 0u;
+    const u64 tail = block_sum(eq, sh);
+    if (threadIdx.x == 0) part[CHUNK_SCAN_PART * b] = tail;
+}
+
+// eq_base, part[3b + 1] and part[3b + 2]; out_base[c] = entries kept in chunk c (chunk_scan_out scans them).
+extern "C" __global__ void chunk_scan_eq(
+    int nt, i64 nchunks, const i64* chunk_start, int nseg, const i64* seg_first_chunk, const u64* state,
+    const u32* cnt, u64* part, u64* eq_base, u64* out_base)
+{
+    __shared__ u64 sh[CHUNK_SCAN_THREADS];
+    __shared__ u64 xs[CHUNK_SCAN_THREADS + 1];
+    const i64 b = blockIdx.x, c0 = b * CHUNK_SCAN_THREADS, c = c0 + threadIdx.x;
+    const i64 c1 = c0 + CHUNK_SCAN_THREADS < nchunks ? c0 + CHUNK_SCAN_THREADS : nchunks;
+    const bool valid = c < c1;
+    // equal keys of the block's first segment before c0: from its first chunk (in block bf) to the end of bf,
+    // then every block in between
+    const i64 bf = seg_first_chunk[tensor_of_chunk(seg_first_chunk, nseg, c0)] / CHUNK_SCAN_THREADS;
+    u64 acc = 0;
+    for (i64 q = bf + threadIdx.x; q < b; q += CHUNK_SCAN_THREADS) acc += part[CHUNK_SCAN_PART * q];
+    const u64 carry = block_sum(acc, sh);
+    const int s = valid ? tensor_of_chunk(seg_first_chunk, nseg, c) : 0;
+    const i64 f = seg_first_chunk[s];
+    const u64 gt = valid ? cnt[2 * c] : 0u, eq = valid ? cnt[2 * c + 1] : 0u;
+    const u64 ex = block_exclusive_scan(eq, sh, CHUNK_SCAN_THREADS);
+    xs[threadIdx.x] = ex;
     __syncthreads();
-    // 2) rebase onto each chunk's segment start; out_base is scratch here so that every thread reads the
-    //    segment starts before any is overwritten.
-    for (i64 c = lo; c < hi; ++c) {
-        const int t = tensor_of_chunk(chunk_start, nt, c);
-        out_base[c] = eq_base[c] - eq_base[seg_first_chunk[seg_of[t]]];
+    const u64 before = f >= c0 ? ex - xs[f - c0] : carry + ex;
+    const u64 kept = valid ? chunk_take(gt, eq, before, state[2 * s + 1]) : 0ull;
+    if (valid) {
+        eq_base[c] = before;
+        out_base[c] = kept;
     }
     __syncthreads();
-    for (i64 c = lo; c < hi; ++c) eq_base[c] = out_base[c];
+    const u64 kx = block_exclusive_scan(kept, sh, CHUNK_SCAN_THREADS);
+    xs[threadIdx.x] = kx;
+    if (threadIdx.x == CHUNK_SCAN_THREADS - 1) xs[CHUNK_SCAN_THREADS] = kx + kept;
     __syncthreads();
-    // 3) exclusive scan of the kept counts
-    u64 total_sel = 0;
-    for (i64 c = lo; c < hi; ++c) {
-        const int t = tensor_of_chunk(chunk_start, nt, c);
-        total_sel += chunk_take(cnt, eq_base, state, seg_of[t], c);
+    if (threadIdx.x == 0) {
+        const i64 ft = chunk_start[tensor_of_chunk(chunk_start, nt, c1 - 1)];
+        part[CHUNK_SCAN_PART * b + 1] = xs[CHUNK_SCAN_THREADS];
+        part[CHUNK_SCAN_PART * b + 2] = xs[CHUNK_SCAN_THREADS] - xs[ft > c0 ? ft - c0 : 0];
     }
-    run = block_exclusive_scan(total_sel, sh, SCAN_THREADS);
-    for (i64 c = lo; c < hi; ++c) {
-        const int t = tensor_of_chunk(chunk_start, nt, c);
-        out_base[c] = run;
-        run += chunk_take(cnt, eq_base, state, seg_of[t], c);
+}
+
+// out_base (from the per-chunk kept counts chunk_scan_eq left there) and tensor_counts.
+extern "C" __global__ void chunk_scan_out(
+    int nt, i64 nchunks, const i64* chunk_start, const u64* part, u64* out_base, u64* tensor_counts)
+{
+    __shared__ u64 sh[CHUNK_SCAN_THREADS];
+    __shared__ u64 xs[CHUNK_SCAN_THREADS + 1];
+    const i64 b = blockIdx.x, c0 = b * CHUNK_SCAN_THREADS, c = c0 + threadIdx.x;
+    const bool valid = c < nchunks;
+    // the tensor of the block's first chunk, if it starts in an earlier block bs, kept part[3bs + 2] there and
+    // everything in the blocks in between
+    const i64 bs = chunk_start[tensor_of_chunk(chunk_start, nt, c0)] / CHUNK_SCAN_THREADS;
+    u64 acc = 0, mid = 0;
+    for (i64 q = threadIdx.x; q < b; q += CHUNK_SCAN_THREADS) {
+        const u64 k = part[CHUNK_SCAN_PART * q + 1];
+        acc += k;
+        if (q > bs) mid += k;
     }
-    if (threadIdx.x == SCAN_THREADS - 1) out_base[nchunks] = run;
+    const u64 base = block_sum(acc, sh);
+    const u64 head = bs < b ? part[CHUNK_SCAN_PART * bs + 2] + block_sum(mid, sh) : 0ull;
+    const u64 kept = valid ? out_base[c] : 0ull;
+    const u64 kx = block_exclusive_scan(kept, sh, CHUNK_SCAN_THREADS);
+    xs[threadIdx.x] = kx;
+    if (threadIdx.x == CHUNK_SCAN_THREADS - 1) xs[CHUNK_SCAN_THREADS] = kx + kept;
     __syncthreads();
-    for (int t = threadIdx.x; t < nt; t += SCAN_THREADS)
-        tensor_counts[t] = out_base[chunk_start[t + 1]] - out_base[chunk_start[t]];
+    if (!valid) return;
+    out_base[c] = base + kx;
+    // tensor t is counted by its last chunk; empty tensors by the chunk that follows them (the last chunk for
+    // those at the end)
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const i64 ft = chunk_start[t];
+    const u64 upto = xs[threadIdx.x + 1];  // kept in the block up to and including chunk c
+    if (c == nchunks - 1) out_base[nchunks] = base + upto;
+    if (c + 1 == chunk_start[t + 1]) tensor_counts[t] = ft >= c0 ? upto - xs[ft - c0] : head + upto;
+    if (c == ft)
+        for (int e = t - 1; e >= 0 && chunk_start[e] == c; --e) tensor_counts[e] = 0;
+    if (c == nchunks - 1)
+        for (int e = nt - 1; e > t; --e) tensor_counts[e] = 0;
 }
 
 // Round-trip a kept value through what the receiver decodes, for the error-feedback residual.
@@ -391,7 +462,7 @@ extern "C" __global__ void chunk_write_u64(
 // sample_keys -> (host: a low bracket lo per segment and candidate capacities per chunk from the sample) ->
 // fused_scan (one pass: delta, key, checks, residual = delta where written early, in-order compaction of the
 // keys >= lo into a per-chunk region) -> cand_select (exact radix select on the candidates, one block per
-// segment) -> cand_count -> chunk_scan -> cand_write_{u32,u64} -> [residual_delta] -> kept_fix_{u32,u64}.
+// segment) -> cand_count -> the chunk scan -> cand_write_{u32,u64} -> [residual_delta] -> kept_fix_{u32,u64}.
 // If a segment has fewer than k candidates (the bracket missed) or a chunk overflows its region, the caller
 // runs the unfused passes above instead, which are exact for any input.
 // Twins with the same names and arguments are in cpu_fallback/fused.py.

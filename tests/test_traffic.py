@@ -95,3 +95,11 @@ def test_traffic_targets(traffic):
     """compress at 1% within 10 B/elem, and within 18 with error feedback, at N = 2^16 (the per-call overhead of
     the sample and the candidates is amortized from about that size on)."""
     assert traffic.check_targets(traffic.run(1 << 16, quick=True)) == []
+
+
+def test_benchmark_reports_the_fused_workspace(traffic):
+    (r,) = traffic.workspace_records((18,))
+    assert r["op"] == "fused_workspace" and r["n"] == 1 << 18 and r["fallbacks"] == 0
+    assert 0 < r["workspace_share"] == r["workspace_bytes"] / (4 << 18)
+    assert traffic.check_targets([{**r, "workspace_share": 0.031}]) != []
+    assert "2^18" in traffic._table([r])

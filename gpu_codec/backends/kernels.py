@@ -22,6 +22,8 @@ import numpy as np
 from ..constants import (
     BLOCK,
     CHUNK,
+    CHUNK_SCAN_PART,
+    CHUNK_SCAN_THREADS,
     DT_F32,
     DT_F64,
     NO_SEG_THRESHOLD,
@@ -39,7 +41,11 @@ SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
 SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem of reads per input
 SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (their bracket is exact)
-CAP_SIGMAS = 5.0  # candidate region of a chunk: the expected count plus this many standard deviations
+# candidate region of a chunk: the expected count plus this many standard deviations (with the rate's own margin
+# an i.i.d. tensor overflows a region in about 1e-6 of selections at 2^22 to 1e-4 at 2^30, far below the 0.6% at
+# which the bracket misses)
+CAP_SIGMAS = 4.5
+LOCAL_SIGMAS = 5.0  # a region whose own sample is this many standard deviations above its tensor's rate is local
 CAP_MARGIN = 1.25  # (times this where the chunk's own sample says it holds more than its tensor's rate)
 CAP_SLACK = 4
 RATE_SIGMAS = 4.0
@@ -62,10 +68,10 @@ class TensorTables:
         self.elem_off = np.concatenate([[0], np.cumsum(self.numel)])[:-1].astype(np.int64)
         self.total = int(self.numel.sum())
         self.seg_of = np.asarray(seg_of, dtype=np.int32)
-        first = [0] * nseg
-        for t in range(self.nt - 1, -1, -1):
-            first[int(seg_of[t])] = int(self.chunk_start[t])
-        self.seg_first_chunk = np.asarray(first, dtype=np.int64)
+        # first chunk of each segment (seg_of is nondecreasing); an empty segment gets the next one's, so that the
+        # table is nondecreasing and the chunk scan finds a chunk's segment by binary search
+        first_tensor = np.searchsorted(self.seg_of, np.arange(nseg), side="left")
+        self.seg_first_chunk = self.chunk_start[first_tensor].astype(np.int64)
         self.nseg = nseg
 
 
@@ -79,7 +85,7 @@ def initial_state(ks: list[int]) -> np.ndarray:
 
 
 def _check_segments(segments, nt: int) -> None:
-    # chunk_scan ranks ties over a segment's chunks in launch order: a segment must be a run of tensors
+    # the chunk scan ranks ties over a segment's chunks in launch order: a segment must be a run of tensors
     flat = [t for seg in segments for t in seg]
     if flat != list(range(nt)) or any(list(seg) != list(range(seg[0], seg[0] + len(seg))) for seg in segments if seg):
         raise ValueError(f"segments must be consecutive runs covering tensors 0..{nt - 1} in order")
@@ -129,14 +135,60 @@ def region_caps(lens: np.ndarray, hit: np.ndarray, above: np.ndarray, stride: in
     """Candidate slots per region (CAP_GROUP chunks of ``lens`` elements) of a sampled tensor: the expected count
     plus CAP_SIGMAS standard deviations and CAP_SLACK. Expected: the tensor's sampled rate (drawn towards the
     segment's where the tensor has few samples, and raised by RATE_SIGMAS of its own spread), or the region's own
-    sample where that is significantly higher."""
+    sample where that is LOCAL_SIGMAS above it."""
     hits = float(np.count_nonzero(above)) + CAP_PRIOR * seg_rate
     rate = (hits + RATE_SIGMAS * math.sqrt(hits) + 1.0) / (above.size + CAP_PRIOR)  # the rate is a sample's too
     scale = float(stride) / SAMPLE_RUN
     expect_hits = lens * rate / scale
-    local = hit > expect_hits + CAP_SIGMAS * np.sqrt(expect_hits) + 3
+    local = hit > expect_hits + LOCAL_SIGMAS * np.sqrt(expect_hits) + 3
     mean = np.where(local, hit * scale * CAP_MARGIN, lens * rate)
     return np.minimum(lens, np.ceil(mean + CAP_SIGMAS * np.sqrt(mean)).astype(np.int64) + CAP_SLACK)
+
+
+def candidate_plan(host_sample, samp_off, stride, numels, segments, ks, chunk_start, force_miss: bool = False):
+    """(lo per segment, fused_scan's blocks: CAP_GROUP chunks of one tensor each as their first chunks, and the
+    candidate slots of each) from the sampled keys, on the host. ``force_miss``: lo above every key (tests)."""
+    nseg = len(segments)
+    lo = np.zeros(max(nseg, 1), np.uint64)
+    grp_start: list[int] = []
+    caps: list[int] = []
+    for s, (seg, k) in enumerate(zip(segments, ks)):
+        n = sum(numels[t] for t in seg)
+        seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])] if seg else host_sample[:0]
+        if k <= 0:
+            lo[s] = NO_LO
+        elif k >= n:
+            lo[s] = 0
+        else:
+            lo[s] = bracket(seg_keys, n, k, n <= SAMPLE_ALL)
+        if force_miss and k > 0:
+            lo[s] = NO_LO - 1
+        seg_rate = float(np.count_nonzero(seg_keys >= lo[s])) / max(1, seg_keys.size)
+        for t in seg:
+            c0, nch = int(chunk_start[t]), int(chunk_start[t + 1] - chunk_start[t])
+            ng = -(-nch // CAP_GROUP)
+            grp_start += range(c0, c0 + nch, CAP_GROUP)
+            glen = np.minimum(CAP_GROUP * CHUNK, numels[t] - CAP_GROUP * CHUNK * np.arange(ng, dtype=np.int64))
+            if k <= 0:
+                caps += [0] * ng
+            elif lo[s] == 0:
+                caps += glen.tolist()
+            else:
+                a = int(samp_off[t])
+                m = int(samp_off[t + 1]) - a
+                pos = sample_positions(numels[t], m, int(stride[t]))
+                above = host_sample[a : a + m] >= lo[s]
+                hit = np.bincount(pos[above] // (CAP_GROUP * CHUNK), minlength=ng)[:ng]
+                if int(stride[t]) == SAMPLE_RUN:  # sampled whole: the counts are exact
+                    caps += hit.tolist()
+                else:
+                    caps += region_caps(glen, hit, above, int(stride[t]), seg_rate).tolist()
+    grp_start.append(int(chunk_start[len(numels)]))
+    return lo, grp_start, caps
+
+
+def _nbytes(*arrays) -> int:
+    return sum(int(a.nbytes) for a in arrays)
 
 
 def _offsets(counts: list[int]) -> np.ndarray:
@@ -164,7 +216,9 @@ class KernelOps:
         self.fused = os.environ.get(FUSED_ENV, "1") != "0" if fused is None else fused
         self.fused_fallbacks = 0  # fused selections that ran the unfused passes (bracket miss or overflow)
         self.fused_selections = 0  # fused selections that completed without the fallback
-        self.fused_workspace_bytes = 0  # scratch bytes of the last fused selection (sample, candidates, tables)
+        # peak bytes of scratch alive at once in the last fused selection (device memory beyond its inputs and
+        # outputs: the sample, then the candidate regions, per-chunk tables and O(tensors) tables)
+        self.fused_workspace_bytes = 0
 
     def _up(self, host: np.ndarray):
         return self.xp.asarray(host)
@@ -191,7 +245,8 @@ class KernelOps:
         return self._topk_unfused(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode)
 
     def _topk_unfused(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
-        """score_keys, four radix passes over every key, chunk_count, chunk_scan, chunk_write: exact for any input."""
+        """score_keys, four radix passes over every key, chunk_count, the chunk scan, chunk_write: exact for any
+        input."""
         xp, run = self.xp, self.runner
         nt = len(new)
         seg_of = [0] * nt
@@ -260,23 +315,7 @@ class KernelOps:
             run.launch(
                 "chunk_count", grid, BLOCK, (nt32, d_chunk_start, d_elem_off, d_numel, d_seg_of, keys, state, cnt)
             )
-            run.launch(
-                "chunk_scan",
-                1,
-                SCAN_THREADS,
-                (
-                    nt32,
-                    np.int64(grid),
-                    d_chunk_start,
-                    d_seg_of,
-                    self._up(tb.seg_first_chunk),
-                    state,
-                    cnt,
-                    eq_base,
-                    out_base,
-                    counts,
-                ),
-            )
+            self._chunk_scan(tb, d_chunk_start, state, cnt, eq_base, out_base, counts)
             run.launch(
                 "chunk_write_u64" if wide else "chunk_write_u32",
                 grid,
@@ -339,51 +378,24 @@ class KernelOps:
         # 1) the sample and, on the host, lo per segment and a candidate region per group of CAP_GROUP chunks
         samp_off, stride = sample_plan(numels, segments, ks)
         ns = int(samp_off[-1])
+        tables = _nbytes(d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt)  # live until the end
         host_sample = np.zeros(0, np.uint32)
+        peak = tables
         if ns:
-            sample = xp.empty(ns, dtype=np.uint32)
+            sample, d_off, d_stride = xp.empty(ns, dtype=np.uint32), self._up(samp_off), self._up(stride)
             run.launch(
                 "sample_keys",
                 -(-ns // BLOCK),
                 BLOCK,
-                (nt32, np.uint64(ns), self._up(samp_off), self._up(stride), np.int32(SAMPLE_RUN), d_dt, p_new, p_base)
+                (nt32, np.uint64(ns), d_off, d_stride, np.int32(SAMPLE_RUN), d_dt, p_new, p_base)
                 + (p_res, p_ext, d_ext_dt, crit32, sample),
             )
             host_sample = run.to_host(sample)
-        lo = np.zeros(max(nseg, 1), np.uint64)
-        grp_start, caps = [], []  # fused_scan's blocks: CAP_GROUP chunks of one tensor each, and their regions
-        for s, (seg, k) in enumerate(zip(segments, ks)):
-            n = sum(numels[t] for t in seg)
-            seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])] if seg else host_sample[:0]
-            if k <= 0:
-                lo[s] = NO_LO
-            elif k >= n:
-                lo[s] = 0
-            else:
-                lo[s] = bracket(seg_keys, n, k, n <= SAMPLE_ALL)
-            if self._force_fallback == "miss" and k > 0:
-                lo[s] = NO_LO - 1
-            seg_rate = float(np.count_nonzero(seg_keys >= lo[s])) / max(1, seg_keys.size)
-            for t in seg:
-                c0, nch = int(tb.chunk_start[t]), int(tb.chunk_start[t + 1] - tb.chunk_start[t])
-                ng = -(-nch // CAP_GROUP)
-                grp_start += range(c0, c0 + nch, CAP_GROUP)
-                glen = np.minimum(CAP_GROUP * CHUNK, numels[t] - CAP_GROUP * CHUNK * np.arange(ng, dtype=np.int64))
-                if k <= 0:
-                    caps += [0] * ng
-                elif lo[s] == 0:
-                    caps += glen.tolist()
-                else:
-                    a = int(samp_off[t])
-                    m = int(samp_off[t + 1]) - a
-                    pos = sample_positions(numels[t], m, int(stride[t]))
-                    above = host_sample[a : a + m] >= lo[s]
-                    hit = np.bincount(pos[above] // (CAP_GROUP * CHUNK), minlength=ng)[:ng]
-                    if int(stride[t]) == SAMPLE_RUN:  # sampled whole: the counts are exact
-                        caps += hit.tolist()
-                    else:
-                        caps += region_caps(glen, hit, above, int(stride[t]), seg_rate).tolist()
-        grp_start.append(grid)
+            peak = max(peak, tables + _nbytes(sample, d_off, d_stride))
+            del sample, d_off, d_stride  # freed before the candidate regions are allocated
+        lo, grp_start, caps = candidate_plan(
+            host_sample, samp_off, stride, numels, segments, ks, tb.chunk_start, self._force_fallback == "miss"
+        )
         if self._force_fallback == "overflow":
             caps = [0] * len(caps)
         grp_off = _offsets(caps)
@@ -392,23 +404,27 @@ class KernelOps:
         cand_cnt = xp.zeros(grid, dtype=np.uint32)
         cand_idx = xp.empty(max(ncap, 1), dtype=np.uint16)
         cand_key = xp.empty(max(ncap, 1), dtype=np.uint32)
+        cands = _nbytes(cand_base, cand_cnt, cand_idx, cand_key)  # live until cand_write
         status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(nseg, np.uint64)]))
-        # scratch of this selection beyond its inputs and outputs (kept for the workspace tests)
-        self.fused_workspace_bytes = ns * 4 + ncap * 6 + grid * (8 + 4 + 8 + 8 + 8) + 16 * ngrp + 8 * (nseg + 2)
         # 2) one pass over every element; the residual is written here where it is not also the residual read
         early = [
             ro if ro is not None and (r is None or self.runner.ptr(r) != self.runner.ptr(ro)) else None
             for r, ro in zip(res, res_out)
         ]
+        plan = (self._ptrs(early), self._up(lo), self._up(np.asarray(grp_start, np.int64)), self._up(grp_off))
         run.launch(
             "fused_scan",
             ngrp,
             BLOCK,
-            (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32, self._ptrs(early))
-            + (self._up(lo), self._up(np.asarray(grp_start, np.int64)), self._up(grp_off), cand_base, cand_cnt)
-            + (cand_idx, cand_key, status),
+            (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32)
+            + plan
+            + (cand_base, cand_cnt, cand_idx, cand_key, status),
         )
+        peak = max(peak, tables + cands + _nbytes(status, *plan))
+        self.fused_workspace_bytes = peak
+        del plan
         st = run.to_host(status)
+        del status
         if int(st[0]) != U64_MAX:
             return None, None, int(st[0])
         if int(st[1]) or any(int(st[2 + s]) < k for s, k in enumerate(ks)):
@@ -429,12 +445,9 @@ class KernelOps:
         eq_base = xp.zeros(grid, dtype=np.uint64)
         out_base = xp.zeros(grid + 1, dtype=np.uint64)
         counts = xp.zeros(nt, dtype=np.uint64)
-        run.launch(
-            "chunk_scan",
-            1,
-            SCAN_THREADS,
-            (nt32, np.int64(grid), d_cs, d_so, self._up(tb.seg_first_chunk), state, cnt, eq_base, out_base, counts),
-        )
+        scan = self._chunk_scan(tb, d_cs, state, cnt, eq_base, out_base, counts)
+        peak = max(peak, tables + cands + scan + _nbytes(state, cnt, eq_base, out_base, counts))
+        del cnt
         K = int(sum(ks))
         wide = self._force_wide or any(index_dtype(n) == np.uint64 for n in numels)
         sfx = "u64" if wide else "u32"
@@ -449,21 +462,46 @@ class KernelOps:
             (nt32, d_cs, d_dt, d_so, p_new, p_base, p_res, cand_base, cand_cnt, cand_idx, cand_key, state, eq_base)
             + (out_base, idx, vals32, vals64),
         )
+        del cand_base, cand_cnt, cand_idx, cand_key, state, eq_base, out_base
         host_counts = run.to_host(counts).astype(np.int64)
+        del counts
         # 4) residuals read in place are written now that nothing reads them; then the kept entries' residuals
         late = [ro if ro is not None and e is None else None for ro, e in zip(res_out, early)]
         if any(r is not None for r in late):
-            run.launch("residual_delta", grid, BLOCK, (nt32, d_cs, d_nm, d_dt, p_new, p_base, p_res, self._ptrs(late)))
+            p_late = self._ptrs(late)
+            run.launch("residual_delta", grid, BLOCK, (nt32, d_cs, d_nm, d_dt, p_new, p_base, p_res, p_late))
+            peak = max(peak, tables + _nbytes(p_late))
+            del p_late
         if K and any(r is not None for r in res_out):
+            ent, p_ro = self._up(_offsets(host_counts.tolist())), self._ptrs(res_out)
             run.launch(
                 "kept_fix_" + sfx,
                 -(-K // BLOCK),
                 BLOCK,
-                (nt32, np.uint64(K), self._up(_offsets(host_counts.tolist())), d_dt, self._ptrs(res_out))
-                + (np.int32(qmode), idx, vals32, vals64),
+                (nt32, np.uint64(K), ent, d_dt, p_ro) + (np.int32(qmode), idx, vals32, vals64),
             )
+            peak = max(peak, tables + _nbytes(ent, p_ro))
+            del ent, p_ro
+        self.fused_workspace_bytes = peak
         self.fused_selections += 1
         return self._split_output(idx, vals32, vals64, host_counts, numels, dtypes, K)
+
+    def _chunk_scan(self, tb: TensorTables, d_chunk_start, state, cnt, eq_base, out_base, counts) -> int:
+        """eq_base, out_base and counts from the per-chunk counts (kernels/topk.cu, "The chunk scan"); returns the
+        bytes of its own scratch (freed on return)."""
+        nblk = -(-tb.nchunks // CHUNK_SCAN_THREADS)
+        part = self.xp.empty(CHUNK_SCAN_PART * nblk, dtype=np.uint64)
+        nt, nch, nseg, sfc = np.int32(tb.nt), np.int64(tb.nchunks), np.int32(tb.nseg), self._up(tb.seg_first_chunk)
+        run = self.runner
+        run.launch("chunk_scan_reduce", nblk, CHUNK_SCAN_THREADS, (nch, nseg, sfc, cnt, part))
+        run.launch(
+            "chunk_scan_eq",
+            nblk,
+            CHUNK_SCAN_THREADS,
+            (nt, nch, d_chunk_start, nseg, sfc, state, cnt, part, eq_base, out_base),
+        )
+        run.launch("chunk_scan_out", nblk, CHUNK_SCAN_THREADS, (nt, nch, d_chunk_start, part, out_base, counts))
+        return int(part.nbytes) + int(sfc.nbytes)
 
     def _split_output(self, idx, vals32, vals64, host_counts, numels, dtypes, K):
         indices, values = [], []

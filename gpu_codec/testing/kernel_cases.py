@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from gpu_codec.backends.kernels import BLOCK, CHUNK, SCAN_THREADS, U64_MAX, KernelOps, TensorTables, initial_state
-from gpu_codec.constants import index_dtype
+from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS, index_dtype
 from gpu_codec.cpu_fallback import kernels as twins
 from gpu_codec.cpu_fallback.elementwise import f32_to_bf16_bits
 from gpu_codec.cpu_fallback.select import topk_select
@@ -351,16 +351,7 @@ def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     eq_base = pair(np.full(grid + _PAD, U64_MAX, np.uint64))
     out_base = pair(np.full(grid + 1 + _PAD, U64_MAX, np.uint64))
     counts = pair(np.full(nt + _PAD, U64_MAX, np.uint64))
-    sfc = tb.seg_first_chunk
-    runner.launch(
-        "chunk_scan",
-        1,
-        SCAN_THREADS,
-        (nt32, np.int64(grid), up(cs), up(so), up(sfc), state[0], cnt[0], eq_base[0], out_base[0], counts[0]),
-    )
-    twins.chunk_scan(nt32, np.int64(grid), cs, so, sfc, state[1], cnt[1], eq_base[1], out_base[1], counts[1])
-    for nm_, p in (("eq_base", eq_base), ("out_base", out_base), ("tensor_counts", counts)):
-        _cmp(f"{case.name}: chunk_scan {nm_}", runner.to_host(p[0]), p[1], out)
+    out += chunk_scan_stepwise(runner, case.name, tb, state, cnt, eq_base, out_base, counts)
     if out:
         return out
     K = int(sum(inp["ks"]))
@@ -420,6 +411,119 @@ def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     for t in range(nt):
         if h_ro[t] is not None:
             _cmp(f"{case.name}: {name} res_out[{t}]", runner.to_host(d_ro[t]), h_ro[t], out)
+    return out
+
+
+def chunk_scan_stepwise(runner, name: str, tb: TensorTables, state, cnt, eq_base, out_base, counts) -> list[str]:
+    """chunk_scan_reduce, chunk_scan_eq and chunk_scan_out launched on their own against their twins, every
+    buffer compared after every launch. The array arguments are (device, host) pairs; the host ones are updated
+    by the twins."""
+    up = _uploader(runner)
+    out: list[str] = []
+    nblk = -(-tb.nchunks // CHUNK_SCAN_THREADS)
+    host_part = np.full(CHUNK_SCAN_PART * nblk + _PAD, U64_MAX, np.uint64)
+    part = (up(host_part), host_part.copy())
+    nt32, nch, nseg = np.int32(tb.nt), np.int64(tb.nchunks), np.int32(tb.nseg)
+    cs, sfc = tb.chunk_start, tb.seg_first_chunk
+    steps = (
+        ("chunk_scan_reduce", (nch, nseg, sfc, cnt, part), (part,)),
+        ("chunk_scan_eq", (nt32, nch, cs, nseg, sfc, state, cnt, part, eq_base, out_base), (part, eq_base, out_base)),
+        ("chunk_scan_out", (nt32, nch, cs, part, out_base, counts), (out_base, counts)),
+    )
+    for kernel, args, outputs in steps:
+        dev = [a[0] if isinstance(a, tuple) else up(a) if isinstance(a, np.ndarray) else a for a in args]
+        host = [a[1] if isinstance(a, tuple) else a for a in args]
+        runner.launch(kernel, nblk, CHUNK_SCAN_THREADS, tuple(dev))
+        getattr(twins, kernel)(*host)
+        for j, p in enumerate(outputs):
+            _cmp(f"{name}: {kernel} output {j}", runner.to_host(p[0]), p[1], out)
+        if out:
+            return out
+    return out
+
+
+@dataclass(frozen=True)
+class ChunkScanCase:
+    """Per-chunk counts of many chunks, in tensors of ``chunks`` chunks each (0: empty) grouped into segments of
+    ``segs`` tensors each, for the chunk scan alone (no elements behind the chunks). ``take``: "random", "none"
+    (k = 0 segments: threshold above every key, nothing taken at it), "all" (every equal key taken)."""
+
+    name: str
+    chunks: tuple[int, ...]
+    segs: tuple[int, ...]
+    take: str = "random"
+    seed: int = 0
+
+
+def chunk_scan_cases() -> list[ChunkScanCase]:
+    """Tables that span several chunk-scan blocks: segments and tensors across block boundaries, a segment over
+    more than two blocks, empty tensors at the ends and at a boundary, one-chunk tensors and segments."""
+    S = CHUNK_SCAN_THREADS
+    rng = np.random.default_rng(5)
+    small = tuple(int(x) for x in rng.integers(0, 4, 400))
+    return [
+        ChunkScanCase("one_tensor", (3 * S + 7,), (1,)),
+        ChunkScanCase("exact_blocks", (S, S, 0, S), (1, 2, 1)),
+        ChunkScanCase("boundaries", (0, S - 1, 1, 2, S + 3, 0, 2 * S + 1, 5, 0), (2, 1, 3, 1, 2)),
+        ChunkScanCase("many_small_global", small, (len(small),)),
+        ChunkScanCase("many_small_tensor", small, (1,) * len(small), seed=1),
+        ChunkScanCase("many_small_runs", small, (7, 150, 1, 0, 3, 239), seed=2),
+        ChunkScanCase("take_none", (S + 9, 2 * S), (1, 1), take="none"),
+        ChunkScanCase("take_all", (5, 3 * S - 2), (2,), take="all"),
+    ]
+
+
+def chunk_scan_inputs(case: ChunkScanCase) -> tuple[TensorTables, np.ndarray, np.ndarray]:
+    """(tables, state, cnt): random counts of keys above and at each segment's threshold per chunk."""
+    rng = np.random.default_rng(case.seed)
+    seg_of = [s for s, m in enumerate(case.segs) for _ in range(m)]
+    assert len(seg_of) == len(case.chunks), case.name
+    tb = TensorTables([m * CHUNK for m in case.chunks], seg_of, len(case.segs))
+    cnt = rng.integers(0, 40, 2 * tb.nchunks).astype(np.uint32)
+    cnt[1::2][rng.random(tb.nchunks) < 0.3] = 0  # chunks without keys at the threshold
+    state = initial_state([1] * tb.nseg)
+    for s in range(tb.nseg):
+        a, b = int(tb.seg_first_chunk[s]), int(tb.seg_first_chunk[s + 1]) if s + 1 < tb.nseg else tb.nchunks
+        eq = int(cnt[2 * a + 1 : 2 * b : 2].sum())
+        take = {"none": 0, "all": eq}.get(case.take, int(rng.integers(0, eq + 2)))
+        state[2 * s : 2 * s + 2] = (int(rng.integers(1, 0xFFFFFFFF)), take)  # a threshold key, and k at it
+    return tb, state, cnt
+
+
+def chunk_scan_reference(tb: TensorTables, state: np.ndarray, cnt: np.ndarray) -> tuple[np.ndarray, ...]:
+    """eq_base, out_base and tensor counts chunk by chunk, from their definitions."""
+    seg = [int(tb.seg_of[t]) for t in range(tb.nt) for _ in range(int(tb.chunk_start[t + 1] - tb.chunk_start[t]))]
+    eq_base = np.zeros(tb.nchunks, np.uint64)
+    out_base = np.zeros(tb.nchunks + 1, np.uint64)
+    seen, pos = [0] * tb.nseg, 0
+    for c in range(tb.nchunks):
+        s, gt, eq = seg[c], int(cnt[2 * c]), int(cnt[2 * c + 1])
+        eq_base[c], out_base[c] = seen[s], pos
+        pos += gt + min(eq, max(0, int(state[2 * s + 1]) - seen[s]))
+        seen[s] += eq
+    out_base[tb.nchunks] = pos
+    counts = out_base[tb.chunk_start[1:]] - out_base[tb.chunk_start[:-1]]
+    return eq_base, out_base, counts
+
+
+def chunk_scan_vs_twins(runner, case: ChunkScanCase) -> list[str]:
+    """The chunk scan kernels launch by launch against their twins, and the result against its definition."""
+    tb, state, cnt = chunk_scan_inputs(case)
+    up = _uploader(runner)
+
+    def pair(host):
+        return up(host), host.copy()
+
+    eq_base = pair(np.full(tb.nchunks + _PAD, U64_MAX, np.uint64))
+    out_base = pair(np.full(tb.nchunks + 1 + _PAD, U64_MAX, np.uint64))
+    counts = pair(np.full(tb.nt + _PAD, U64_MAX, np.uint64))
+    out = chunk_scan_stepwise(runner, case.name, tb, pair(state), pair(cnt), eq_base, out_base, counts)
+    if out:
+        return out
+    for what, got, want in zip(
+        ("eq_base", "out_base", "tensor_counts"), (eq_base, out_base, counts), chunk_scan_reference(tb, state, cnt)
+    ):
+        _cmp(f"{case.name}: {what} against its definition", got[1][: want.size], want, out)
     return out
 
 
