@@ -62,15 +62,16 @@ def _executor(n: int) -> ThreadPoolExecutor:
         return _pool
 
 
-def parallel_map(fn: Callable[[T], R], items: Iterable[T]) -> list[R]:
-    """``[fn(x) for x in items]`` on the pool, results in item order; the calling thread works too.
+def parallel_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = None) -> list[R]:
+    """``[fn(x) for x in items]`` on the pool, results in item order; the calling thread works too. At most
+    ``workers`` threads (default: :func:`thread_count`) work on it.
 
     Items go to whichever thread asks next, so a pool thread that starts late (on a busy machine) delays
     nothing: the caller waits only for items already taken. An exception is raised for the lowest item that
     failed, after every item has finished.
     """
     items = list(items)
-    n = min(thread_count(), len(items))
+    n = min(thread_count() if workers is None else max(1, workers), len(items))
     if n <= 1:
         return [fn(x) for x in items]
     out: list = [None] * len(items)

@@ -34,6 +34,8 @@ RUN = 8  # the sample takes runs of RUN consecutive elements (one 32-byte sector
 BLOCK = 1 << 18  # most elements per block: its buffers stay in a core's L2 (a larger block means fewer calls)
 MIN_BLOCK = 1 << 13
 BUFFER_SHARE = 0.02  # the block buffers of all threads together: at most this share of the update's bytes
+PARALLEL_BLOCK = 1 << 17  # a call uses no more threads than leave each a block this large (smaller ones cost
+# more in turns at the interpreter lock than a second core gives back)
 BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison
 SCORE_BLOCK = 1 << 16  # most elements per block where the score is not |delta| (its temporaries are per block)
 SUB = 1 << 16  # candidates keep a uint16 index within a sub-block of SUB elements, and a count per sub-block
@@ -72,6 +74,7 @@ class _Call:
     ext_dt: list
     crit: int
     block: int = BLOCK
+    workers: int = 1
     _free: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -131,6 +134,19 @@ def block_size(nbytes: int, threads: int) -> int:
     """
     fit = int(BUFFER_SHARE * nbytes / (BLOCK_BYTES * max(1, threads)))
     return max(MIN_BLOCK, min(BLOCK, 1 << max(0, fit.bit_length() - 1)))
+
+
+def plan(nbytes: int, threads: int) -> tuple[int, int]:
+    """(threads, elements per block) for an update of ``nbytes``: as many of ``threads`` as still leave each a
+    block of PARALLEL_BLOCK elements (at least one), and the block size for that many.
+
+    >>> plan(4 << 24, 2), plan(4 << 22, 2), plan(4 << 26, 16)
+    ((2, 131072), (1, 65536), (8, 131072))
+    """
+    workers = max(1, threads)
+    while workers > 1 and block_size(nbytes, workers) < PARALLEL_BLOCK:
+        workers -= 1
+    return workers, block_size(nbytes, workers)
 
 
 @dataclass
@@ -309,7 +325,7 @@ def _write_residual(c: _Call, part: _Part) -> None:
 
 
 def _tasks(c: _Call, seg: list[int], n: int) -> list[_Part]:
-    per = max(1, 4 * thread_count())
+    per = max(1, 4 * c.workers)
     span = min(TASK, max(MIN_TASK, c.block, -(-n // per)))
     span = -(-span // c.block) * c.block
     parts = []
@@ -381,7 +397,7 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
             kp = p.keys()
             return int(np.count_nonzero(kp > thr)), int(np.count_nonzero(kp == thr)) if take else 0
 
-        above, equal = zip(*parallel_map(count, parts))
+        above, equal = zip(*parallel_map(count, parts, c.workers))
         for i in range(len(parts)):  # ties at the threshold: lowest index first, in part order
             takes[i] = min(take, equal[i])
             take -= takes[i]
@@ -428,7 +444,7 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
             val[o : o + pi.size] = pd
             p.idx = p.d = p.key = None
 
-        parallel_map(copy, mine)
+        parallel_map(copy, mine, c.workers)
         indices[t], values[t] = idx, val
 
 
@@ -444,7 +460,7 @@ def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Par
             lo = np.uint32(0)
         early = prev is None  # a rescan does not write the residual again
         parts = parallel_map(
-            lambda p, lo=lo, early=early: _scan(c, p, lo, early and c.writes_residual_early(p.t)), tasks
+            lambda p, lo=lo, early=early: _scan(c, p, lo, early and c.writes_residual_early(p.t)), tasks, c.workers
         )
         c.release()
         if any(p.bad for p in parts) or lo == 0 or sum(p.idx.size + p.neq for p in parts) >= k:
@@ -464,7 +480,7 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     when a value is non-finite. The result does not depend on ``GPU_CODEC_THREADS``.
     """
     c = _Call(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit)
-    c.block = block_size(sum(x.nbytes for x in new), thread_count())
+    c.workers, c.block = plan(sum(x.nbytes for x in new), thread_count())
     nt = len(new)
     indices, values = [None] * nt, [None] * nt
     sparse, bad, full = [], [], {}
@@ -491,7 +507,7 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
         late = [p for p in parts if res_out[p.t] is not None and not c.writes_residual_early(p.t)]
         c.release()
         if late:  # after _finish: it may read the residual again
-            parallel_map(lambda p: _write_residual(c, p), late)
+            parallel_map(lambda p: _write_residual(c, p), late, c.workers)
             c.release()
     for t in range(nt):
         r = res_out[t]

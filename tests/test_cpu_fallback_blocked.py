@@ -89,6 +89,7 @@ def tiny_blocks(monkeypatch):
     on small inputs."""
     monkeypatch.setattr(sel, "BLOCK", 64)
     monkeypatch.setattr(sel, "MIN_BLOCK", 64)
+    monkeypatch.setattr(sel, "PARALLEL_BLOCK", 64)
     monkeypatch.setattr(sel, "SCORE_BLOCK", 32)
     monkeypatch.setattr(sel, "SUB", 16)
     monkeypatch.setattr(sel, "RUN", 4)
@@ -139,7 +140,7 @@ def test_bracket_that_misses_or_lands_on_the_threshold(tiny_blocks, monkeypatch,
     assert_same(inp, got)
 
 
-def test_a_sample_that_misses_is_widened(monkeypatch):
+def test_a_sample_that_misses_is_widened(monkeypatch, small_parallel_blocks):
     """Every sampled element above every other but a band: the first bracket misses (too few entries at or above
     it), the second, reaching four times as far down the sample, holds, so the scan runs twice, not down to the
     lowest key; the result is exact."""
@@ -176,14 +177,22 @@ def test_bracket_widens_down_to_the_lowest_key():
     assert 50_000 - 1000 < los[0] < 50_000 - 500 and los[-1] == 0
 
 
+@pytest.fixture
+def small_parallel_blocks(monkeypatch):
+    """Threads even on small updates (by default a call uses no more threads than leave each 2^17-element
+    blocks)."""
+    monkeypatch.setattr(sel, "PARALLEL_BLOCK", sel.MIN_BLOCK)
+
+
 @pytest.mark.parametrize("crit", [0, 1, 4, 7])
-def test_thread_count_changes_no_byte(monkeypatch, crit):
+def test_thread_count_changes_no_byte(monkeypatch, small_parallel_blocks, crit):
     """1, 2 and 3 threads (and default-sized blocks): identical indices, values and residuals."""
     inp = _inputs(sizes=(300_000, 7, 140_003), crit=crit, k=0.02)
     outs = []
+    nbytes = sum(a.nbytes for a in inp["new"])
     for n in ("1", "2", "3"):
         monkeypatch.setenv(parallel.ENV, n)
-        assert parallel.thread_count() == int(n)
+        assert parallel.thread_count() == int(n) == sel.plan(nbytes, int(n))[0]
         outs.append(run_blocked(inp))
     assert outs[0][2] is None
     for got in outs[1:]:
@@ -192,7 +201,15 @@ def test_thread_count_changes_no_byte(monkeypatch, crit):
     assert_same(inp, outs[0])
 
 
-def test_compress_bytes_and_residual_independent_of_threads(monkeypatch):
+def test_threads_used_only_where_each_gets_a_large_block():
+    assert sel.plan(4 << 20, 2)[0] == 1  # 1M fp32: one thread
+    assert sel.plan(4 << 24, 2) == (2, sel.PARALLEL_BLOCK)
+    workers, block = sel.plan(4 << 26, 64)
+    assert 1 < workers < 64 and block >= sel.PARALLEL_BLOCK
+    assert workers * block * sel.BLOCK_BYTES <= sel.BUFFER_SHARE * (4 << 26)
+
+
+def test_compress_bytes_and_residual_independent_of_threads(monkeypatch, small_parallel_blocks):
     rng = np.random.default_rng(11)
     base = {
         "a": rng.standard_normal(400_000).astype(np.float32),
