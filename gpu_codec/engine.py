@@ -466,7 +466,7 @@ def encode_coo(
         raise InvalidInputError("encode_coo encodes given entries: leave the topk stage out of its pipeline")
     backend = get_backend()
     xp = backend.xp
-    records = []
+    wrapped = []
     for name, e in entries.items():
         if not isinstance(name, str) or not name:
             raise InvalidInputError(f"tensor names must be non-empty strings, got {name!r}")
@@ -481,28 +481,32 @@ def encode_coo(
         if any(s < 0 for s in shape):
             raise InvalidInputError(f"tensor {name!r}: shape {shape} has a negative dimension")
         _check_limits(name, shape)
-        numel = math.prod(shape)
-        idx = backend.asarray(to_tensor(e.indices, name).data).reshape(-1)
-        val = backend.asarray(to_tensor(e.values, name).data).reshape(-1)
-        if idx.dtype.kind not in "iu":
-            raise InvalidInputError(f"tensor {name!r}: indices must be integers, got {idx.dtype}")
-        if val.dtype.kind != "f" or idx.size != val.size:
-            raise InvalidInputError(
-                f"tensor {name!r}: values must be {idx.size} floats (one per index), got {val.dtype}[{val.size}]"
-            )
-        if idx.size:
-            lo, hi = int(idx.min()), int(idx.max())
-            if lo < 0 or hi >= numel or bool(xp.any(idx[1:] <= idx[:-1])):
+        wrapped.append((name, e.dtype, shape, to_tensor(e.indices, name), to_tensor(e.values, name)))
+    records = []
+    # every check, cast and stage runs on the inputs' device and the caller's stream
+    with backend.stream([t for w in wrapped for t in w[3:]]):
+        for name, dtype, shape, ti, tv in wrapped:
+            numel = math.prod(shape)
+            idx = backend.asarray(ti.data).reshape(-1)
+            val = backend.asarray(tv.data).reshape(-1)
+            if idx.dtype.kind not in "iu":
+                raise InvalidInputError(f"tensor {name!r}: indices must be integers, got {idx.dtype}")
+            if val.dtype.kind != "f" or idx.size != val.size:
                 raise InvalidInputError(
-                    f"tensor {name!r}: indices must be strictly ascending and inside [0, {numel}), "
-                    f"got a range [{lo}, {hi}]"
+                    f"tensor {name!r}: values must be {idx.size} floats (one per index), got {val.dtype}[{val.size}]"
                 )
-            if not bool(xp.all(xp.isfinite(val))):
-                raise InvalidInputError(f"tensor {name!r}: a value is not finite (inf or NaN)")
-        idx = idx.astype(dtypes.index_dtype(numel), copy=False)
-        val = val.astype(dtypes.value_dtype(e.dtype), copy=False)
-        records.append(TensorRecord(name, e.dtype, shape, "coo", int(idx.size), {"indices": idx, "values": val}))
-    with backend.stream([]):
+            if idx.size:
+                lo, hi = int(idx.min()), int(idx.max())
+                if lo < 0 or hi >= numel or bool(xp.any(idx[1:] <= idx[:-1])):
+                    raise InvalidInputError(
+                        f"tensor {name!r}: indices must be strictly ascending and inside [0, {numel}), "
+                        f"got a range [{lo}, {hi}]"
+                    )
+                if not bool(xp.all(xp.isfinite(val))):
+                    raise InvalidInputError(f"tensor {name!r}: a value is not finite (inf or NaN)")
+            idx = idx.astype(dtypes.index_dtype(numel), copy=False)
+            val = val.astype(dtypes.value_dtype(dtype), copy=False)
+            records.append(TensorRecord(name, dtype, shape, "coo", int(idx.size), {"indices": idx, "values": val}))
         records = pipe.encode(records, backend, None)
     head = [dict(selection)] if selection is not None else []
     payload = Payload(records, head + pipe.after_topk(), metadata, backend=backend.name)

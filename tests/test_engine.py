@@ -323,3 +323,39 @@ def test_random_mixed_dtype_models(backend):
         for r in p.tensors:
             np.testing.assert_array_equal(as_numpy(r.buffers["indices"]), ref[r.name][0], err_msg=f"{trial} {r.name}")
             assert as_numpy(r.buffers["values"]).tobytes() == ref[r.name][1].tobytes(), (trial, r.name)
+
+
+def test_encode_coo_runs_its_checks_and_stages_under_the_inputs_stream(monkeypatch):
+    """encode_coo hands every input to the backend's stream context (device, caller's stream, allocator), and
+    reads the entries only inside it."""
+    import contextlib
+
+    from gpu_codec.engine import SparseEntries, encode_coo
+
+    be = gpu_codec.get_backend()
+    seen, inside = [], []
+    asarray = be.asarray
+
+    @contextlib.contextmanager
+    def stream(tensors):
+        seen.append([t.data for t in tensors])
+        inside.append(True)
+        try:
+            yield
+        finally:
+            inside.pop()
+
+    def checked_asarray(a):
+        assert inside, "an entry was read outside the stream context"
+        return asarray(a)
+
+    monkeypatch.setattr(be, "stream", stream)
+    monkeypatch.setattr(be, "asarray", checked_asarray)
+    idx, val = np.array([1, 3]), np.array([0.5, -2.0], np.float32)
+    idx2, val2 = np.array([0]), np.array([1.0], np.float32)
+    p = encode_coo(
+        {"a": SparseEntries(idx, val, (2, 2), "float32"), "b": SparseEntries(idx2, val2, (3,), "float32")},
+        pipeline=[gpu_codec.Quantize("float16")],
+    )
+    assert len(seen) == 1 and [np.shares_memory(x, y) for x, y in zip(seen[0], (idx, val, idx2, val2))] == [True] * 4
+    assert gpu_codec.decompress(p.to_bytes())["a"].tolist() == [[0.0, 0.5], [0.0, -2.0]]
