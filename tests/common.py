@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import tracemalloc
+
 import pytest
 
 from gpu_codec.backends import gpu_probe
@@ -55,3 +58,15 @@ def load_benchmark(filename: str):
         sys.modules[name] = mod  # dataclasses look their module up
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+@contextlib.contextmanager
+def allocation_cap(limit: int):
+    """Fail when what runs inside allocates (as tracemalloc sees it) more than ``limit`` bytes at its peak."""
+    tracemalloc.start()
+    try:
+        yield
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < limit, f"allocated {peak} bytes at its peak (cap {limit})"

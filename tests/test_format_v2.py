@@ -4,10 +4,8 @@ no large allocation)."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import struct
-import tracemalloc
 import zlib
 
 import numpy as np
@@ -19,6 +17,7 @@ from gpu_codec import ErrorFeedback, Int8Blockwise, Quantize, RiceIndices, Terna
 from gpu_codec import errors as E
 from gpu_codec.codecs import wire_layouts
 from gpu_codec.format import pack, unpack, v1, v2
+from tests import common
 from tests.common import use_backend
 
 from .test_format import GOLDEN, GOLDEN_CASES, golden_inputs
@@ -88,15 +87,8 @@ def decode_or_payload_error(blob: bytes) -> str:
     return "decoded"
 
 
-@contextlib.contextmanager
 def allocation_cap(limit: int = 64 << 20):
-    tracemalloc.start()
-    try:
-        yield
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < limit, f"decoding hostile payloads allocated {peak} bytes at its peak"
+    return common.allocation_cap(limit)
 
 
 def test_surgery_identity():

@@ -6,7 +6,6 @@ zstd frames. nvCOMP itself runs only on a GPU machine."""
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import pathlib
 import struct
@@ -25,6 +24,7 @@ from gpu_codec.codecs.nvcomp import EMPTY_FRAME, Nvcomp, assemble, declare_conte
 from gpu_codec.format import unpack
 from gpu_codec.format.common import decompress_frames, frame_count, frames_bound, split_frames
 from gpu_codec.testing.nvcomp import chunk_frames, nvcomp_payload
+from tests import common
 from tests.common import use_backend
 
 from .test_format import GOLDEN, REGEN
@@ -258,15 +258,8 @@ def test_split_frames_reads_headers_only():
     assert all(b == a2 for (_, b), (a2, _) in itertools.pairwise(spans))
 
 
-@contextlib.contextmanager
 def allocation_cap(limit: int = 8 << 20):
-    tracemalloc.start()
-    try:
-        yield
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
-    assert peak < limit, f"decoding allocated {peak} bytes at its peak"
+    return common.allocation_cap(limit)
 
 
 def test_decoding_allocates_the_raw_size_and_one_chunk():
