@@ -29,6 +29,7 @@ import numpy as np
 
 import gpu_codec
 
+from ..dtypes import CRITERIA
 from ..errors import GpuCodecError, InvalidInputError
 from .checkpoints import (
     FORMATS,
@@ -45,15 +46,7 @@ from .checkpoints import (
 
 PROG = "gpu-codec"
 BACKEND_ENV = "GPU_CODEC_BACKEND"
-SCORES = (
-    "magnitude",
-    "largest_final_magnitude",
-    "smallest_final_magnitude",
-    "largest_magnitude_change",
-    "smallest_magnitude_change",
-    "largest_increase_in_magnitude",
-    "smallest_increase_in_magnitude",
-)
+SCORES = tuple(CRITERIA)  # the score names the engine knows, in its order
 STAGE_NAMES = ("raw", "fp32", "fp16", "bf16", "int8[:block]", "ternary", "rice", "zstd[:level]", "nvcomp")
 _DEMO_CODECS = {"raw": "raw", "fp16": "fp16,rice,zstd", "ternary": "ternary,rice,zstd"}
 
