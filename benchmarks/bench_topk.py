@@ -5,8 +5,9 @@ run on the same inputs, round-robin. On the NumPy backend also: compress with on
 of all threads over one); the same speed-up for two trivially parallel loads on the same pool, gauges of what the
 machine gives at that moment: a blocked np.subtract ("(mem)", bound by memory bandwidth) and cache-resident
 NumPy calls ("(cpu)", bound by the cores and the interpreter lock); the peak extra memory (tracemalloc, % of the
-dense update); and the throughput of the value codecs and of Rice coding. Prints ratios (of medians; the JSON
-also has each timing's least disturbed sample) and writes JSON (and a plot).
+dense update); and the throughput of the value codecs and of Rice coding. Prints ratios of medians, and "x sub" and
+"x thr" again from each timing's least disturbed sample ("min"; the JSON has every timing's), and writes JSON (and
+a plot).
 
     python benchmarks/bench_topk.py                       # CPU: N = 1e6 .. 2^26
     python benchmarks/bench_topk.py --sizes 1e8 1e9       # on a GPU (inputs live on the device)
@@ -254,6 +255,9 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
     row["x_numpy"] = row["numpy_s"] / t_ours if "numpy_s" in row else None
     row["x_torch"] = row["torch_s"] / t_ours if "torch_s" in row else None
     row["x_threads"] = row["ours_1thread_s"] / t_ours if "ours_1thread_s" in row else None
+    mins = row["min"]  # the same two ratios from each timing's least disturbed sample: a slow outlier in one
+    row["x_subtract_min"] = mins["ours_s"] / mins["subtract_s"]  # timing's median moves them less
+    row["x_threads_min"] = mins["ours_1thread_s"] / mins["ours_s"] if "ours_1thread_s" in mins else None
     row["x_threads_probe"] = row["probe_1thread_s"] / row["probe_s"] if "probe_s" in row else None
     row["x_threads_compute"] = (
         row["probe_compute_1thread_s"] / row["probe_compute_s"] if "probe_compute_s" in row else None
@@ -276,7 +280,8 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
     print(f"backend {be.name}; {threads} threads; fraction {fraction}; median of {repeat}; load {load0[0]:.2f}")
     print(
         f"{'N':>12} {'sub ms':>8} {'ours ms':>8} {'1 thr ms':>8} {'numpy ms':>9} {'torch ms':>9} {'x sub':>6} "
-        f"{'x numpy':>7} {'x torch':>7} {'x thr':>6} {'(mem)':>6} {'(cpu)':>6} {'decomp ms':>9} {'peak %':>6}"
+        f"{'x numpy':>7} {'x torch':>7} {'x thr':>6} {'(mem)':>6} {'(cpu)':>6} {'decomp ms':>9} {'peak %':>6} "
+        f"{'x sub min':>9} {'x thr min':>9}"
     )
     for n in sizes:
         row = measure(n, fraction, repeat, torch_too, be.name)
@@ -293,7 +298,8 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
             f"{f(row['x_threads'], 1, '6.2f')} {f(row['x_threads_probe'], 1, '6.2f')} "
             f"{f(row['x_threads_compute'], 1, '6.2f')} "
             f"{f(row['decompress_s'], fmt='9.1f')} "
-            f"{f(row.get('peak_extra_pct'), 1, '6.2f')}"
+            f"{f(row.get('peak_extra_pct'), 1, '6.2f')} "
+            f"{f(row['x_subtract_min'], 1, '9.2f')} {f(row['x_threads_min'], 1, '9.2f')}"
         )
     if on_cpu and rows:
         print(f"codecs at N = {rows[-1]['n']:,} (k = {rows[-1]['k']:,}), GB/s of fp32 values or uint32 indices:")
