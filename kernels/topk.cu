@@ -362,6 +362,42 @@ __device__ __forceinline__ double decoded_f64(double d, int qmode) {
     return (double)decoded_f32((float)d, qmode);
 }
 
+// One round of BLOCK entries in index order (chunk_write, cand_write): whether this thread's entry is kept (above
+// the threshold, or equal to it and among the first `take` equal entries of the segment, eq_seen of them before
+// this round) and how many kept entries of the round come before it. wsel and weq: WARPS entries of shared memory.
+__device__ __forceinline__ bool rank_select(
+    bool gt, bool eq, u64 eq_seen, u64 take, u32* wsel, u32* weq, u32& sel_before)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lt_mask = (1u << lane) - 1u;
+    const u32 beq = __ballot_sync(0xFFFFFFFFu, eq);
+    if (lane == 0) weq[warp] = __popc(beq);
+    __syncthreads();
+    u32 eq_before = __popc(beq & lt_mask);
+    for (int w = 0; w < warp; ++w) eq_before += weq[w];
+    const bool sel = gt || (eq && eq_seen + eq_before < take);
+    const u32 bsel = __ballot_sync(0xFFFFFFFFu, sel);
+    if (lane == 0) wsel[warp] = __popc(bsel);
+    __syncthreads();
+    sel_before = __popc(bsel & lt_mask);
+    for (int w = 0; w < warp; ++w) sel_before += wsel[w];
+    return sel;
+}
+
+// After a round of rank_select: every thread's pos and eq_seen move past the round's kept and equal entries.
+__device__ __forceinline__ void rank_advance(const u32* wsel, const u32* weq, u32* tot, u64& pos, u64& eq_seen) {
+    if (threadIdx.x == 0) {
+        u32 a = 0, b = 0;
+        for (int w = 0; w < WARPS; ++w) { a += wsel[w]; b += weq[w]; }
+        tot[0] = a;
+        tot[1] = b;
+    }
+    __syncthreads();
+    pos += tot[0];
+    eq_seen += tot[1];
+    __syncthreads();
+}
+
 // Ordered compaction: writes the kept entries of every chunk at out_base[c] onwards, flat index ascending,
 // ties at T taken lowest index first. Values go to vals32 (fp32/fp16/bf16 tensors) or vals64 (fp64 tensors)
 // at the same slot. If res_out_ptrs[t] is non-zero, the residual of every element of t is rewritten there:
@@ -388,8 +424,6 @@ __device__ __forceinline__ void chunk_write_impl(
     const void* rs = (const void*)res_ptrs[t];
     void* ro = (void*)res_out_ptrs[t];
     const u32* in = keys + elem_off[t];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 lt_mask = (1u << lane) - 1u;
     u64 eq_seen = eq_base[c];
     u64 pos = out_base[c];
     for (int j = 0; j < ITEMS; ++j) {
@@ -400,17 +434,8 @@ __device__ __forceinline__ void chunk_write_impl(
         const u32 key = valid ? in[i] : 0u;
         const bool gt = valid && key > T;
         const bool eq = valid && key == T;
-        const u32 beq = __ballot_sync(0xFFFFFFFFu, eq);
-        if (lane == 0) weq[warp] = __popc(beq);
-        __syncthreads();
-        u32 eq_before = __popc(beq & lt_mask);
-        for (int w = 0; w < warp; ++w) eq_before += weq[w];
-        const bool sel = gt || (eq && eq_seen + eq_before < take);
-        const u32 bsel = __ballot_sync(0xFFFFFFFFu, sel);
-        if (lane == 0) wsel[warp] = __popc(bsel);
-        __syncthreads();
-        u32 sel_before = __popc(bsel & lt_mask);
-        for (int w = 0; w < warp; ++w) sel_before += wsel[w];
+        u32 sel_before;
+        const bool sel = rank_select(gt, eq, eq_seen, take, wsel, weq, sel_before);
         if (valid && (sel || ro)) {
             const u64 slot = pos + sel_before;
             if (dt == DT_F64) {
@@ -423,16 +448,7 @@ __device__ __forceinline__ void chunk_write_impl(
                 if (ro) ((float*)ro)[i] = sel ? d - decoded_f32(d, qmode) : d;
             }
         }
-        if (threadIdx.x == 0) {
-            u32 a = 0, b = 0;
-            for (int w = 0; w < WARPS; ++w) { a += wsel[w]; b += weq[w]; }
-            tot[0] = a;
-            tot[1] = b;
-        }
-        __syncthreads();
-        pos += tot[0];
-        eq_seen += tot[1];
-        __syncthreads();
+        rank_advance(wsel, weq, tot, pos, eq_seen);
     }
 }
 
@@ -696,8 +712,6 @@ __device__ __forceinline__ void cand_write_impl(
     const void* rs = (const void*)res_ptrs[t];
     const u64 base = cand_base[c];
     const u32 m = cand_cnt[c];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 lt_mask = (1u << lane) - 1u;
     u64 eq_seen = eq_base[c];
     u64 pos = out_base[c];
     for (u32 j0 = 0; j0 < m; j0 += BLOCK) {  // uniform across the block
@@ -706,17 +720,8 @@ __device__ __forceinline__ void cand_write_impl(
         const u32 key = valid ? cand_key[base + j] : 0u;
         const bool gt = valid && key > T;
         const bool eq = valid && key == T;
-        const u32 beq = __ballot_sync(0xFFFFFFFFu, eq);
-        if (lane == 0) weq[warp] = __popc(beq);
-        __syncthreads();
-        u32 eq_before = __popc(beq & lt_mask);
-        for (int w = 0; w < warp; ++w) eq_before += weq[w];
-        const bool sel = gt || (eq && eq_seen + eq_before < take);
-        const u32 bsel = __ballot_sync(0xFFFFFFFFu, sel);
-        if (lane == 0) wsel[warp] = __popc(bsel);
-        __syncthreads();
-        u32 sel_before = __popc(bsel & lt_mask);
-        for (int w = 0; w < warp; ++w) sel_before += wsel[w];
+        u32 sel_before;
+        const bool sel = rank_select(gt, eq, eq_seen, take, wsel, weq, sel_before);
         if (sel) {
             const u64 slot = pos + sel_before;
             const i64 i = e0 + (i64)cand_idx[base + j];
@@ -724,16 +729,7 @@ __device__ __forceinline__ void cand_write_impl(
             if (dt == DT_F64) vals64[slot] = delta_f64(nw, bs, rs, i);
             else vals32[slot] = delta_f32(nw, bs, rs, dt, i);
         }
-        if (threadIdx.x == 0) {
-            u32 a = 0, b = 0;
-            for (int w = 0; w < WARPS; ++w) { a += wsel[w]; b += weq[w]; }
-            tot[0] = a;
-            tot[1] = b;
-        }
-        __syncthreads();
-        pos += tot[0];
-        eq_seen += tot[1];
-        __syncthreads();
+        rank_advance(wsel, weq, tot, pos, eq_seen);
     }
 }
 

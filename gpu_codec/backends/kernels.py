@@ -342,18 +342,7 @@ class KernelOps:
                 ),
             )
         host_counts = run.to_host(counts)[:nt].astype(np.int64) if grid else np.zeros(nt, np.int64)
-        indices, values = [], []
-        a = 0
-        for t in range(nt):
-            c = int(host_counts[t])
-            it = idx[a : a + c]
-            want = index_dtype(int(tb.numel[t]))
-            indices.append(it if it.dtype == want else it.astype(want))
-            values.append((vals64 if int(dtypes[t]) == DT_F64 else vals32)[a : a + c])
-            a += c
-        if a != K:
-            raise AssertionError(f"kernels kept {a} entries, expected {K}")
-        return indices, values, None
+        return self._split_output(idx, vals32, vals64, host_counts, tb.numel.tolist(), dtypes, K)
 
     def _topk_fused(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """The selection reading the full tensors once (kernels/topk.cu, "Fused selection"); None where the
