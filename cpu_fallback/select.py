@@ -33,14 +33,16 @@ SAMPLE_STRIDE = 128
 RUN = 8  # the sample takes runs of RUN consecutive elements (one 32-byte sector of fp32), as the kernels do
 BLOCK = 1 << 18  # most elements per block: its buffers stay in a core's L2 (a larger block means fewer calls)
 MIN_BLOCK = 1 << 13
+ALIGN = 1 << 12  # a block's elements are a multiple of ALIGN (16 KiB of fp32: whole pages and cache lines)
 BUFFER_SHARE = 0.02  # the block buffers of all threads together: at most this share of the update's bytes
 PARALLEL_BLOCK = 1 << 17  # a call uses no more threads than leave each a block this large (smaller ones cost
 # more in turns at the interpreter lock than a second core gives back)
 BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison
 SCORE_BLOCK = 1 << 16  # most elements per block where the score is not |delta| (its temporaries are per block)
 SUB = 1 << 16  # candidates keep a uint16 index within a sub-block of SUB elements, and a count per sub-block
-MIN_TASK = 1 << 20  # fewer elements than this per task are not worth a thread (measured: 2^18 was 3x slower at 1M)
-TASK = 1 << 21  # most elements per pool task (a task's candidates are joined once, and copied out once)
+TASK = 1 << 20  # elements per pool task, rounded up to whole blocks. Measured: 2^18 was 3x slower at 1M (too
+# many small joins); 2^21 was 4-8 % slower at 2^24 on 2 cores (a larger tail where one thread waits for the other)
+# and held more candidates in flight (peak memory 4.7-4.8 % against 4.4-4.6 % of the update's bytes)
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
 _INF_BITS = np.uint32(0x7F800000)
 _ABS = np.uint32(0x7FFFFFFF)
@@ -126,14 +128,14 @@ class _Call:
 
 
 def block_size(nbytes: int, threads: int) -> int:
-    """Elements per block: the largest power of two whose buffers, one set per thread, stay within BUFFER_SHARE
-    of the update's ``nbytes`` (between MIN_BLOCK and BLOCK).
+    """Elements per block: the largest multiple of ALIGN whose buffers, one set per thread, stay within
+    BUFFER_SHARE of the update's ``nbytes`` (between MIN_BLOCK and BLOCK).
 
-    >>> block_size(4 << 24, 2), block_size(4 << 26, 2), block_size(4 << 20, 2)
-    (131072, 262144, 8192)
+    >>> block_size(4 << 24, 2), block_size(4 << 26, 2), block_size(4 << 20, 2), block_size(4 * 30_000_000, 2)
+    (131072, 262144, 8192, 237568)
     """
     fit = int(BUFFER_SHARE * nbytes / (BLOCK_BYTES * max(1, threads)))
-    return max(MIN_BLOCK, min(BLOCK, 1 << max(0, fit.bit_length() - 1)))
+    return max(MIN_BLOCK, min(BLOCK, fit // ALIGN * ALIGN))
 
 
 def plan(nbytes: int, threads: int) -> tuple[int, int]:
@@ -324,10 +326,9 @@ def _write_residual(c: _Call, part: _Part) -> None:
         c.give_back(bufs)
 
 
-def _tasks(c: _Call, seg: list[int], n: int) -> list[_Part]:
-    per = max(1, 4 * c.workers)
-    span = min(TASK, max(MIN_TASK, c.block, -(-n // per)))
-    span = -(-span // c.block) * c.block
+def _tasks(c: _Call, seg: list[int]) -> list[_Part]:
+    """The pool's tasks: ranges of about TASK elements of each tensor, in whole blocks."""
+    span = -(-TASK // c.block) * c.block
     parts = []
     for t in seg:
         m = c.new[t].size
@@ -446,7 +447,7 @@ def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Par
     """Scan a segment's tasks; returns the parts and lo. A bracket that misses (fewer than k entries at or above
     it) is lowered and the scan runs again, down to the lowest key, where every entry is a candidate."""
     sample = _sample(c, seg, n)
-    tasks = _tasks(c, seg, n)
+    tasks = _tasks(c, seg)
     lo, widen = None, 0
     while True:
         prev, lo = lo, _bracket(sample, n, k, widen, c.crit)

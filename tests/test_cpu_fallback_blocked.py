@@ -94,7 +94,6 @@ def tiny_blocks(monkeypatch):
     monkeypatch.setattr(sel, "SUB", 16)
     monkeypatch.setattr(sel, "RUN", 4)
     monkeypatch.setattr(sel, "TASK", 256)
-    monkeypatch.setattr(sel, "MIN_TASK", 64)
     monkeypatch.setattr(sel, "SAMPLE", 32)
     monkeypatch.setattr(sel, "SAMPLE_MIN", 8)
     monkeypatch.setattr(sel, "SAMPLE_STRIDE", 16)
@@ -105,6 +104,27 @@ def tiny_blocks(monkeypatch):
 def test_blocked_matches_brute_force(tiny_blocks, case):
     inp = kc.make_topk_inputs(case)
     assert_same(inp, run_blocked(inp))
+
+
+@pytest.mark.parametrize("align", [12, 48, 80])
+def test_blocks_of_any_multiple_of_align(monkeypatch, align):
+    """Blocks that are no power of two, and that split sub-blocks (SUB = 16 here): the same bytes as the
+    definition, for every criterion path (|delta| on fp32 and bf16, and a score of its own)."""
+    monkeypatch.setattr(sel, "ALIGN", align)
+    monkeypatch.setattr(sel, "MIN_BLOCK", align)
+    monkeypatch.setattr(sel, "BLOCK", 200)
+    monkeypatch.setattr(sel, "SCORE_BLOCK", 100)
+    monkeypatch.setattr(sel, "SUB", 16)
+    monkeypatch.setattr(sel, "TASK", 300)
+    monkeypatch.setattr(sel, "PARALLEL_BLOCK", align)
+    monkeypatch.setattr(sel, "BUFFER_SHARE", 0.04)
+    monkeypatch.setenv(parallel.ENV, "3")
+    for crit in (0, 4):
+        inp = _inputs(sizes=(7_001, 33, 2_050), crit=crit, k=0.03, seed=align)
+        nbytes = sum(a.nbytes for a in inp["new"])
+        block = sel.plan(nbytes, 3)[1]
+        assert block % align == 0 and block & (block - 1) and block < 200, block  # not a power of two
+        assert_same(inp, run_blocked(inp))
 
 
 def _inputs(sizes=(70_000, 1_234, 50_001), crit=0, res_out="alias", k=0.01, seed=5, dtypes=None):
@@ -204,6 +224,10 @@ def test_thread_count_changes_no_byte(monkeypatch, small_parallel_blocks, crit):
 def test_threads_used_only_where_each_gets_a_large_block():
     assert sel.plan(4 << 20, 2)[0] == 1  # 1M fp32: one thread
     assert sel.plan(4 << 24, 2) == (2, sel.PARALLEL_BLOCK)
+    workers, block = sel.plan(4 * 30_000_000, 2)  # between powers of two: blocks fill the share in ALIGN steps
+    assert workers == 2 and block % sel.ALIGN == 0
+    assert workers * block * sel.BLOCK_BYTES <= sel.BUFFER_SHARE * 4 * 30_000_000
+    assert workers * (block + sel.ALIGN) * sel.BLOCK_BYTES > sel.BUFFER_SHARE * 4 * 30_000_000
     workers, block = sel.plan(4 << 26, 64)
     assert 1 < workers < 64 and block >= sel.PARALLEL_BLOCK
     assert workers * block * sel.BLOCK_BYTES <= sel.BUFFER_SHARE * (4 << 26)
