@@ -35,38 +35,11 @@ from gpu_codec.cpu_fallback import quantize as _q
 from gpu_codec.cpu_fallback import rice as _rice
 
 import gpu_codec
+from gpu_codec.cli.bench import numpy_topk as numpy_pipeline
+from gpu_codec.cli.bench import timeit
+from gpu_codec.cli.bench import torch_topk as torch_pipeline
 
 RESULTS = pathlib.Path(__file__).parent / "results"
-
-
-def timeit(fn, repeat: int, sync=lambda: None) -> float:
-    fn()
-    sync()  # warm-up (compiles kernels on first GPU use)
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def numpy_pipeline(new, base, k):
-    d = new - base
-    s = np.abs(d)
-    idx = np.argpartition(s, s.size - k)[s.size - k :]
-    idx.sort()
-    return idx, d[idx]
-
-
-def torch_pipeline(new, base, k):
-    import torch
-
-    d = torch.sub(new, base)
-    s = torch.abs(d)
-    _, idx = torch.topk(s, k, sorted=False)
-    idx, _ = torch.sort(idx)
-    return idx, d[idx]
 
 
 def cpu_info() -> dict:

@@ -139,7 +139,9 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def _timeit(fn: Callable[[], Any], repeat: int, sync: Callable[[], Any] = lambda: None) -> float:
+def timeit(fn: Callable[[], Any], repeat: int, sync: Callable[[], Any] = lambda: None) -> float:
+    """Median seconds of ``repeat`` calls of ``fn`` (``sync`` after each, e.g. a device synchronize), after one
+    warm-up call."""
     fn()
     sync()  # warm-up: the first GPU call compiles kernels
     ts = []
@@ -191,9 +193,9 @@ def time_case(backend: str, n: int, fraction: float, *, repeat: int, torch_too: 
         upd, bas = {"w": cupy.asarray(new)}, {"w": cupy.asarray(base)}
         sync = cupy.cuda.Device().synchronize
     row: dict[str, Any] = {"backend": backend, "n": n, "k": k, "fraction": fraction}
-    row["ours_s"] = _timeit(lambda: gpu_codec.compress(upd, bas, fraction=fraction), repeat, sync)
+    row["ours_s"] = timeit(lambda: gpu_codec.compress(upd, bas, fraction=fraction), repeat, sync)
     payload = gpu_codec.compress(upd, bas, fraction=fraction)
-    row["decompress_s"] = _timeit(lambda: gpu_codec.decompress(payload), repeat, sync)
+    row["decompress_s"] = timeit(lambda: gpu_codec.decompress(payload), repeat, sync)
     got = payload.tensors[0].buffers["indices"]
     got = np.asarray(got.get() if hasattr(got, "get") else got).astype(np.int64)
     idx, vals = numpy_topk(new, base, k)
@@ -201,16 +203,16 @@ def time_case(backend: str, n: int, fraction: float, *, repeat: int, torch_too: 
     if not row["selection_matches_numpy"] and np.unique(np.abs(vals)).size == vals.size:
         raise AssertionError(f"selection differs from the NumPy baseline at N={n}, fraction={fraction}")
     if backend == "cpu":
-        row["numpy_s"] = _timeit(lambda: numpy_topk(new, base, k), repeat)
+        row["numpy_s"] = timeit(lambda: numpy_topk(new, base, k), repeat)
     if torch_too:
         import torch
 
         if on_gpu and torch.cuda.is_available():
             tn, tb = torch.from_dlpack(upd["w"]), torch.from_dlpack(bas["w"])
-            row["torch_cuda_s"] = _timeit(lambda: torch_topk(tn, tb, k), repeat, torch.cuda.synchronize)
+            row["torch_cuda_s"] = timeit(lambda: torch_topk(tn, tb, k), repeat, torch.cuda.synchronize)
         elif backend == "cpu":
             tn, tb = torch.from_numpy(new), torch.from_numpy(base)
-            row["torch_s"] = _timeit(lambda: torch_topk(tn, tb, k), repeat)
+            row["torch_s"] = timeit(lambda: torch_topk(tn, tb, k), repeat)
     return row
 
 
