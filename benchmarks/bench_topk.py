@@ -35,9 +35,7 @@ from gpu_codec.cpu_fallback import quantize as _q
 from gpu_codec.cpu_fallback import rice as _rice
 
 import gpu_codec
-from gpu_codec.cli.bench import numpy_topk as numpy_pipeline
-from gpu_codec.cli.bench import timeit
-from gpu_codec.cli.bench import torch_topk as torch_pipeline
+from gpu_codec.cli.bench import numpy_topk, timeit, torch_topk
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -188,7 +186,7 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
     timed = {"subtract_s": lambda: xp.subtract(new, base, out=scratch), "ours_s": ours}
     if on_cpu:
         timed["ours_1thread_s"] = lambda: with_threads(1, ours)
-        timed["numpy_s"] = lambda: numpy_pipeline(new, base, k)
+        timed["numpy_s"] = lambda: numpy_topk(new, base, k)
         timed["probe_s"] = lambda: blocked_subtract(new, base)
         timed["probe_1thread_s"] = lambda: with_threads(1, lambda: blocked_subtract(new, base))
         timed["probe_compute_s"] = compute_probe
@@ -200,12 +198,12 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
 
         if on_gpu:
             tn, tb = torch.from_dlpack(new), torch.from_dlpack(base)
-            timed["torch_s"] = lambda: (torch_pipeline(tn, tb, k), torch.cuda.synchronize())
+            timed["torch_s"] = lambda: (torch_topk(tn, tb, k), torch.cuda.synchronize())
         else:
             tn, tb = torch.from_numpy(new), torch.from_numpy(base)
-            timed["torch_s"] = lambda: torch_pipeline(tn, tb, k)
+            timed["torch_s"] = lambda: torch_topk(tn, tb, k)
     # correctness against the baseline before timing it
-    idx, vals = numpy_pipeline(np.asarray(new.get() if on_gpu else new), np.asarray(base.get() if on_gpu else base), k)
+    idx, vals = numpy_topk(np.asarray(new.get() if on_gpu else new), np.asarray(base.get() if on_gpu else base), k)
     got = payload.tensors[0].buffers["indices"]
     got = got.get() if on_gpu else got
     if np.unique(np.abs(vals)).size == vals.size:  # no ties at the threshold: the index sets must agree

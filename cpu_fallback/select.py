@@ -170,8 +170,15 @@ class _Part:
 
     def rel(self) -> np.ndarray:
         """uint32 index of each candidate relative to a."""
-        starts = np.arange(self.counts.size, dtype=np.uint32) * np.uint32(SUB)
-        return self.idx.astype(np.uint32) + np.repeat(starts, self.counts)
+        return _rel(self.idx, self.counts)
+
+
+def _rel(idx: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """uint32 indices relative to a part's start, from uint16 ``idx`` within sub-blocks of SUB elements and the
+    number of entries in each sub-block (``counts``, in order)."""
+    out = idx.astype(np.uint32)
+    out += np.repeat(np.arange(counts.size, dtype=np.uint32) * np.uint32(SUB), counts)
+    return out
 
 
 def _block_keys(c: _Call, t: int, s: int, e: int, dbuf: np.ndarray, write_res: bool):
@@ -423,11 +430,9 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
             if sels[i] is not None:
                 j = sels[i].nonzero()[0]  # faster than masks: two gathers
                 sels[i] = None
-                pi, pd = p.idx.take(j), p.d.take(j)
-                ends = np.searchsorted(j, np.cumsum(p.counts))  # where each sub-block's entries end
-                ends[1:] -= ends[:-1].copy()
-                pi = pi.astype(np.uint32)
-                pi += np.repeat(np.arange(p.counts.size, dtype=np.uint32) * np.uint32(SUB), ends)
+                per_sub = np.searchsorted(j, np.cumsum(p.counts))  # where each sub-block's kept entries end,
+                per_sub[1:] -= per_sub[:-1]  # then how many each holds
+                pi, pd = _rel(p.idx.take(j), per_sub), p.d.take(j)
             elif extras[i] is not None:
                 pi = np.concatenate([p.rel(), extras[i][0]])
                 order = np.argsort(pi, kind="stable")
