@@ -1,17 +1,19 @@
 """The NumPy backend's exact top-k: the same selection as the kernels, composed for speed on a CPU.
 
-A sample (runs of RUN consecutive elements spread over every tensor) brackets the threshold from below (``lo``).
-One pass over cache-sized blocks, spread over the thread pool, computes each block's delta and keys while the
-block sits in cache (on the |delta| path the key is made in place in the delta's buffer) and keeps only the
-candidates: the entries whose key is above ``lo`` (their deltas computed again from the inputs, still in cache,
-and a 16-bit index in their sub-block), and a count of those equal to ``lo``. Each input byte crosses from memory
-once; the blocks are as large as fits in a share of the update's bytes (BUFFER_SHARE, all threads together), so
-that few NumPy calls are made per element. Exact selection (``np.partition``) then runs on the candidates; if the
-threshold turns out to be ``lo`` itself, the blocks holding the needed entries equal to ``lo`` are computed again.
-If the bracket misses (fewer than k entries at or above ``lo``), it is lowered (further down the sample, at last
-the lowest key) and the pass runs again, so the result is always exact. Ties at the threshold are taken lowest
-flat index first, tensor order first for global scope, exactly as ``chunk_write`` does on the device; results
-are combined in block order, so they do not depend on the thread count.
+A sample (runs of RUN consecutive elements spread over every tensor) brackets the threshold from below (``lo``). One
+pass over cache-sized blocks, spread over the thread pool, computes each block's delta and keys while the block sits
+in cache (on the |delta| path the key is made in place in the delta's buffer) and keeps only the candidates: the
+entries whose key is above ``lo`` (a 16-bit index in their sub-block, and their deltas, gathered again from the
+inputs once a task: only the candidates' cache lines are read twice), and a count of those equal to ``lo``. The
+blocks are as large as fits in a share of the update's bytes (BUFFER_SHARE, all threads together), so that few NumPy
+calls are made per element: with threads, every call is a turn at the interpreter lock, and a turn that has to wait
+for another thread costs far more than the call (the waiting thread sleeps until the kernel wakes it). Exact
+selection (``np.partition``) then runs on the candidates; if the threshold turns out to be ``lo`` itself, the blocks
+holding the needed entries equal to ``lo`` are computed again. If the bracket misses (fewer than k entries at or
+above ``lo``), it is lowered (further down the sample, at last the lowest key) and the pass runs again, so the
+result is always exact. Ties at the threshold are taken lowest flat index first, tensor order first for global
+scope, exactly as ``chunk_write`` does on the device; results are combined in block order, so they do not depend on
+the thread count.
 """
 
 from __future__ import annotations
@@ -40,9 +42,11 @@ PARALLEL_BLOCK = 1 << 17  # a call uses no more threads than leave each a block 
 BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison
 SCORE_BLOCK = 1 << 16  # most elements per block where the score is not |delta| (its temporaries are per block)
 SUB = 1 << 16  # candidates keep a uint16 index within a sub-block of SUB elements, and a count per sub-block
-TASK = 1 << 20  # elements per pool task, rounded up to whole blocks. Measured: 2^18 was 3x slower at 1M (too
-# many small joins); 2^21 was 4-8 % slower at 2^24 on 2 cores (a larger tail where one thread waits for the other)
-# and held more candidates in flight (peak memory 4.7-4.8 % against 4.4-4.6 % of the update's bytes)
+TASK = 1 << 21  # elements per pool task, rounded up to whole blocks: each task's joins and its share of the final
+# copy cost turns at the interpreter lock, so fewer, larger tasks are faster (measured at 2^24 on 2 cores: 2^21 took
+# 9 % less time than 2^20, 2^19 13 % more); a task holds about 12 bytes a candidate in flight at its peak
+MIN_TASK = 1 << 20  # ... but a call is split into at least TASK_SPLIT tasks where that leaves them MIN_TASK or more
+TASK_SPLIT = 8  # (in-flight candidates stay a small share of a smaller update: at 2^22 2^21 took 6 % of its bytes)
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
 _INF_BITS = np.uint32(0x7F800000)
 _ABS = np.uint32(0x7FFFFFFF)
@@ -215,34 +219,48 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     """Candidates (key > lo) of one task, the count of keys == lo, and whether a delta or score is non-finite."""
     t, a, b = part.t, part.a, part.b
     fast = c.fast(t)
-    pos, ds, ks = [], [], []
+    pos, starts, ds, ks = [], [], [], []
     dbuf, mask = bufs = c.buffers()
     try:
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
-            if fast and c.dtypes[t] == DT_F32:
-                _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, ds)
+            f32 = fast and c.dtypes[t] == DT_F32
+            if f32:
+                _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, starts)
                 bad = False
             else:
-                bad = _scan_blocks(c, t, a, b, lo, write_res, dbuf, mask, pos, ds, ks)
+                bad = _scan_blocks(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds, ks)
     finally:
         c.give_back(bufs)
-    rel, d, key = _join(pos), _join(ds), _join(ks) if ks else None
-    if key is None:
-        key = np.bitwise_and(d.view(np.uint32), _ABS)
+    # positions relative to a, ascending: uint32, and joined before they are shifted (one call a task, not one a
+    # block); the scan's transient memory is about 12 bytes a candidate at its peak
+    sizes = [x.size for x in pos]
+    rel = np.concatenate(pos, dtype=np.uint32, casting="unsafe") if len(pos) > 1 else pos[0].astype(np.uint32)
+    pos.clear()
+    rel += np.repeat(np.array(starts, np.uint32), sizes)
+    d = _values_f32(c, t, a, rel) if f32 else _join(ds)
+    key = _join(ks) if ks else np.bitwise_and(d.view(np.uint32), _ABS)
     if fast:  # lo <= inf: every non-finite delta is at or above lo
         bad = key.size > 0 and bool(key.max() >= _INF_BITS)
-    gt = key > lo
-    key = None if fast else key[gt]
-    kept = rel[gt]
-    del rel
-    counts = np.bincount(kept // np.uint32(SUB), minlength=-(-(b - a) // SUB))
-    np.remainder(kept, np.uint32(SUB), out=kept)
-    return _Part(t, a, b, kept.astype(np.uint16), counts, d[gt], key, gt.size - kept.size, bad)
+    eq = np.flatnonzero(key == lo)  # rare: dropping them beats copying the rest through a mask
+    if fast:
+        key = None
+    if eq.size:
+        rel, d = np.delete(rel, eq), np.delete(d, eq)
+        key = None if key is None else np.delete(key, eq)
+    ends = np.searchsorted(rel, np.arange(1, -(-(b - a) // SUB) + 1, dtype=np.int64) * SUB)
+    counts = np.empty_like(ends)
+    counts[0] = ends[0]
+    np.subtract(ends[1:], ends[:-1], out=counts[1:])
+    np.bitwise_and(rel, np.uint32(SUB - 1), out=rel)  # the index within its sub-block
+    return _Part(t, a, b, rel.astype(np.uint16), counts, d, key, int(eq.size), bad)
 
 
-def _scan_blocks(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, ds, ks) -> bool:
+def _scan_blocks(
+    c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds, ks
+) -> bool:
     """The scan of elements [a, b) of any tensor and criterion, block by block: appends each block's candidate
-    positions (relative to a), deltas and (but on the |delta| path) keys; returns whether any is non-finite."""
+    positions (in the block), its start (relative to a), the candidates' deltas and (but on the |delta| path) their
+    keys; returns whether any is non-finite."""
     fast, block, bad = c.fast(t), c.step(t), False
     for s in range(a, b, block):
         e = min(b, s + block)
@@ -254,15 +272,15 @@ def _scan_blocks(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: boo
         if not fast:
             bad = bad or bad_b
             ks.append(k.take(ci))
-        ci = ci.astype(np.uint32)
-        ci += np.uint32(s - a)
         pos.append(ci)
+        starts.append(s - a)
     return bad
 
 
-def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, ds) -> None:
-    """The |delta| scan of an fp32 tensor's elements [a, b): ``_block_keys``, the comparison and ``values``, with
-    as few NumPy calls per block as the result allows (each call is a turn at the interpreter lock)."""
+def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts) -> None:
+    """The |delta| scan of an fp32 tensor's elements [a, b): ``_block_keys`` and the comparison, with as few NumPy
+    calls per block as the result allows (each call is a turn at the interpreter lock, and a turn another thread
+    waits for costs far more than the call); appends each block's candidate positions and its start."""
     rng = slice(a, b)
     new, base, res = c.new[t][rng], c.base[t], c.res[t]
     base = base[rng] if base is not None else None
@@ -271,9 +289,8 @@ def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, 
     block = c.block
     for s in range(0, b - a, block):
         e = min(b - a, s + block)
-        d, m, x = dbuf[: e - s], mask[: e - s], new[s:e]
-        y = base[s:e] if base is not None else _ZERO32
-        np.subtract(x, y, out=d)
+        d, m = dbuf[: e - s], mask[: e - s]
+        np.subtract(new[s:e], base[s:e] if base is not None else _ZERO32, out=d)
         if res is not None:
             np.add(d, res[s:e], out=d)
         if out is not None:
@@ -281,16 +298,19 @@ def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, 
         k = d.view(np.uint32)
         np.bitwise_and(k, _ABS, out=k)
         np.greater_equal(k, lo, out=m)
-        ci = m.nonzero()[0]
-        v = x.take(ci)
-        if base is not None:
-            np.subtract(v, y.take(ci), out=v)
-        if res is not None:
-            np.add(v, res[s:e].take(ci), out=v)
-        ds.append(v)
-        ci = ci.astype(np.uint32)
-        ci += np.uint32(s)
-        pos.append(ci)
+        pos.append(m.nonzero()[0])
+        starts.append(s)
+
+
+def _values_f32(c: _Call, t: int, a: int, rel: np.ndarray) -> np.ndarray:
+    """The fp32 deltas at positions ``rel`` (relative to a) of tensor t, gathered from the inputs once a task
+    (three calls, not three a block); element-wise, so the same bits as the blocks' deltas."""
+    v = c.new[t][a:].take(rel)
+    if c.base[t] is not None:
+        np.subtract(v, c.base[t][a:].take(rel), out=v)
+    if c.res[t] is not None:
+        np.add(v, c.res[t][a:].take(rel), out=v)
+    return v
 
 
 def _join(xs: list) -> np.ndarray:
@@ -334,8 +354,11 @@ def _write_residual(c: _Call, part: _Part) -> None:
 
 
 def _tasks(c: _Call, seg: list[int]) -> list[_Part]:
-    """The pool's tasks: ranges of about TASK elements of each tensor, in whole blocks."""
-    span = -(-TASK // c.block) * c.block
+    """The pool's tasks: ranges of each tensor, in whole blocks, of TASK elements, or fewer (down to MIN_TASK)
+    where the segment has fewer than TASK_SPLIT times TASK elements."""
+    total = sum(c.new[t].size for t in seg)
+    span = max(MIN_TASK, min(TASK, total // TASK_SPLIT))
+    span = -(-span // c.block) * c.block
     parts = []
     for t in seg:
         m = c.new[t].size
@@ -372,18 +395,35 @@ def _sample(c: _Call, seg: list[int], n: int) -> np.ndarray:
     return np.concatenate(keys)
 
 
-def _bracket(sample: np.ndarray, n: int, k: int, widen: int, crit: int) -> np.uint32:
-    """A key at or below the k-th largest with high probability, from the sample; each ``widen`` step reaches
-    four times as far below the sample's estimate (after a miss)."""
+def _brackets(sample: np.ndarray, n: int, k: int, crit: int) -> list[np.uint32]:
+    """The brackets tried in turn, each a key at or below the k-th largest with high probability: the sample's
+    estimate, then (after a miss) each step reaching four times as far below it, and at last 0 (every key). One
+    partition of the sample gives them all, so the sample is freed before the scan.
+
+    >>> [int(x) for x in _brackets(np.arange(100_000, dtype=np.uint32), 10**7, 10**5, 0)]
+    [98841, 98366, 96464, 88856, 58426, 0]
+    """
     ms = sample.size
     r = k * ms / n
-    pick = int(r + (4 << (2 * widen)) * math.sqrt(r) + (32 << (2 * widen)))
-    if pick >= ms - 1:
-        return np.uint32(0)
-    lo = np.partition(sample, ms - 1 - pick)[ms - 1 - pick]
-    if crit in (0, 3):
-        lo = min(lo, _INF_BITS)  # so every non-finite delta is a candidate and is seen
-    return np.uint32(lo)
+    picks = []
+    while True:
+        w = len(picks)
+        pick = int(r + (4 << (2 * w)) * math.sqrt(r) + (32 << (2 * w)))
+        if pick >= ms - 1:
+            break
+        picks.append(pick)
+    out = []
+    if picks:
+        kth = [ms - 1 - p for p in picks]
+        part = np.partition(sample, kth)
+        for q in kth:
+            lo = int(part[q])
+            if crit in (0, 3):
+                lo = min(lo, int(_INF_BITS))  # so every non-finite delta is a candidate and is seen
+            if out and lo >= out[-1]:
+                break
+            out.append(lo)
+    return [np.uint32(x) for x in out if x > 0] + [np.uint32(0)]
 
 
 def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int, indices: list, values: list) -> None:
@@ -426,24 +466,28 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
         idx = np.empty(sum(counts[i] for i in mine), index_dtype(c.new[t].size))
         val = np.empty(idx.size, np.float64 if c.dtypes[t] == DT_F64 else np.float32)
         for i in mine:
-            p = parts[i]
-            if sels[i] is not None:
-                j = sels[i].nonzero()[0]  # faster than masks: two gathers
+            p, o = parts[i], offsets[i] - start
+            if sels[i] is not None:  # two gathers, straight into the output (faster than masks)
+                j = sels[i].nonzero()[0]
                 sels[i] = None
+                dst, ty = idx[o : o + j.size], idx.dtype.type
+                np.take(p.d, j, out=val[o : o + j.size], mode="clip")  # j is in range: no checked copy
+                dst[...] = p.idx.take(j, mode="clip")
                 per_sub = np.searchsorted(j, np.cumsum(p.counts))  # where each sub-block's kept entries end,
                 per_sub[1:] -= per_sub[:-1]  # then how many each holds
-                pi, pd = _rel(p.idx.take(j), per_sub), p.d.take(j)
-            elif extras[i] is not None:
-                pi = np.concatenate([p.rel(), extras[i][0]])
-                order = np.argsort(pi, kind="stable")
-                pi, pd = pi[order], np.concatenate([p.d, extras[i][1]])[order]
+                del j
+                dst += np.repeat(np.arange(per_sub.size, dtype=idx.dtype) * ty(SUB) + ty(p.a), per_sub)
             else:
-                pi, pd = p.rel(), p.d
-            o = offsets[i] - start
-            dst = idx[o : o + pi.size]
-            dst[...] = pi
-            dst += idx.dtype.type(p.a)
-            val[o : o + pi.size] = pd
+                if extras[i] is not None:
+                    pi = np.concatenate([p.rel(), extras[i][0]])
+                    order = np.argsort(pi, kind="stable")
+                    pi, pd = pi[order], np.concatenate([p.d, extras[i][1]])[order]
+                else:
+                    pi, pd = p.rel(), p.d
+                dst = idx[o : o + pi.size]
+                dst[...] = pi
+                dst += idx.dtype.type(p.a)
+                val[o : o + pi.size] = pd
             p.idx = p.d = p.key = None
         indices[t], values[t] = idx, val
 
@@ -451,21 +495,16 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
 def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Part], np.uint32]:
     """Scan a segment's tasks; returns the parts and lo. A bracket that misses (fewer than k entries at or above
     it) is lowered and the scan runs again, down to the lowest key, where every entry is a candidate."""
-    sample = _sample(c, seg, n)
+    ladder = _brackets(_sample(c, seg, n), n, k, c.crit)  # the sample itself is not held during the scan
     tasks = _tasks(c, seg)
-    lo, widen = None, 0
-    while True:
-        prev, lo = lo, _bracket(sample, n, k, widen, c.crit)
-        if prev is not None and lo >= prev:
-            lo = np.uint32(0)
-        early = prev is None  # a rescan does not write the residual again
-        parts = parallel_map(
-            lambda p, lo=lo, early=early: _scan(c, p, lo, early and c.writes_residual_early(p.t)), tasks, c.workers
+    for step, lo in enumerate(ladder):
+        parts = parallel_map(  # a rescan does not write the residual again
+            lambda p, lo=lo, early=step == 0: _scan(c, p, lo, early and c.writes_residual_early(p.t)), tasks, c.workers
         )
         c.release()
         if any(p.bad for p in parts) or lo == 0 or sum(p.idx.size + p.neq for p in parts) >= k:
             return parts, lo
-        widen += 1
+    raise AssertionError("the last bracket is 0, where every entry is a candidate")
 
 
 def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):

@@ -3,6 +3,7 @@ count, nothing written on error, and no full-size temporaries (a memory property
 
 from __future__ import annotations
 
+import itertools
 import tracemalloc
 
 import numpy as np
@@ -94,6 +95,7 @@ def tiny_blocks(monkeypatch):
     monkeypatch.setattr(sel, "SUB", 16)
     monkeypatch.setattr(sel, "RUN", 4)
     monkeypatch.setattr(sel, "TASK", 256)
+    monkeypatch.setattr(sel, "MIN_TASK", 128)
     monkeypatch.setattr(sel, "SAMPLE", 32)
     monkeypatch.setattr(sel, "SAMPLE_MIN", 8)
     monkeypatch.setattr(sel, "SAMPLE_STRIDE", 16)
@@ -106,6 +108,32 @@ def test_blocked_matches_brute_force(tiny_blocks, case):
     assert_same(inp, run_blocked(inp))
 
 
+@pytest.mark.parametrize(
+    ("sizes", "span"), [((1 << 24,), 1 << 21), ((1 << 22,), 1 << 20), ((3 << 21, 5 << 21), 1 << 21)]
+)
+def test_task_spans(sizes, span):
+    """Tasks of TASK elements, or of MIN_TASK where a segment has fewer than TASK_SPLIT x TASK (so that candidates in
+    flight stay a small share of a smaller update); whole blocks, every element in exactly one task."""
+    new = [np.broadcast_to(np.float32(0), (m,)) for m in sizes]  # sizes only: nothing is allocated
+    c = sel._Call(
+        new,
+        [None] * len(new),
+        [None] * len(new),
+        [None] * len(new),
+        [0] * len(new),
+        [None] * len(new),
+        [0] * len(new),
+        0,
+    )
+    c.block = 3 << 12
+    tasks = sel._tasks(c, list(range(len(new))))
+    want = -(-span // c.block) * c.block
+    assert {p.b - p.a for p in tasks if p.b < sizes[p.t]} == {want}
+    for t, m in enumerate(sizes):
+        mine = [(p.a, p.b) for p in tasks if p.t == t]
+        assert mine[0][0] == 0 and mine[-1][1] == m and all(x[1] == y[0] for x, y in itertools.pairwise(mine))
+
+
 @pytest.mark.parametrize("align", [12, 48, 80])
 def test_blocks_of_any_multiple_of_align(monkeypatch, align):
     """Blocks that are no power of two, and that split sub-blocks (SUB = 16 here): the same bytes as the
@@ -116,6 +144,7 @@ def test_blocks_of_any_multiple_of_align(monkeypatch, align):
     monkeypatch.setattr(sel, "SCORE_BLOCK", 100)
     monkeypatch.setattr(sel, "SUB", 16)
     monkeypatch.setattr(sel, "TASK", 300)
+    monkeypatch.setattr(sel, "MIN_TASK", 150)
     monkeypatch.setattr(sel, "PARALLEL_BLOCK", align)
     monkeypatch.setattr(sel, "BUFFER_SHARE", 0.04)
     monkeypatch.setenv(parallel.ENV, "3")
@@ -150,11 +179,11 @@ def test_bracket_that_misses_or_lands_on_the_threshold(tiny_blocks, monkeypatch,
     kth = np.sort(keys)[::-1][inp["ks"][0] - 1]
     calls = []
 
-    def bracket(*a):
+    def brackets(*a):
         calls.append(a)
-        return np.uint32(kth + 1000) if lo == "above_threshold" else np.uint32(kth)
+        return [np.uint32(kth + 1000) if lo == "above_threshold" else np.uint32(kth), np.uint32(0)]
 
-    monkeypatch.setattr(sel, "_bracket", bracket)
+    monkeypatch.setattr(sel, "_brackets", brackets)
     got = run_blocked(inp)
     assert calls and want[2] is None
     assert_same(inp, got)
@@ -180,21 +209,34 @@ def test_a_sample_that_misses_is_widened(monkeypatch, small_parallel_blocks):
     new[others] = rng.uniform(top - 250, top - 150, others.size).astype(np.float32)
     inp = {"new": [new], "base": [None], "res": [None], "dtypes": [0], "ext": [None], "ext_dtypes": [0], "crit": 0}
     inp.update(segments=[[0]], ks=[k], qmode=0, res_out="none")
-    scans, brackets = [], []
-    scan, bracket = sel._scan, sel._bracket
+    scans, ladders = [], []
+    scan, brackets = sel._scan, sel._brackets
     monkeypatch.setattr(sel, "_scan", lambda c, p, lo, w: scans.append(int(lo)) or scan(c, p, lo, w))
-    monkeypatch.setattr(sel, "_bracket", lambda *a: brackets.append(bracket(*a)) or brackets[-1])
+    monkeypatch.setattr(sel, "_brackets", lambda *a: ladders.append(brackets(*a)) or ladders[-1])
     got = run_blocked(inp)
-    assert len(brackets) == 2 and 0 < brackets[1] < brackets[0], brackets
-    assert sorted(set(scans)) == sorted(int(b) for b in brackets)
+    (ladder,) = ladders
+    assert len(ladder) > 2 and 0 < ladder[1] < ladder[0], ladder
+    assert sorted(set(scans)) == sorted(int(b) for b in ladder[:2])  # the first two brackets, not the lowest key
     assert_same(inp, got)
 
 
 def test_bracket_widens_down_to_the_lowest_key():
     sample = np.random.default_rng(0).permutation(50_000).astype(np.uint32)
-    los = [int(sel._bracket(sample.copy(), 10**6, 10_000, w, 0)) for w in range(6)]
-    assert all(a > b for a, b in zip(los, los[1:-1] + [0])), los
+    los = [int(x) for x in sel._brackets(sample, 10**6, 10_000, 0)]
+    assert len(los) > 3 and all(a > b for a, b in itertools.pairwise(los)), los
     assert 50_000 - 1000 < los[0] < 50_000 - 500 and los[-1] == 0
+    assert np.array_equal(sample, np.random.default_rng(0).permutation(50_000))  # the sample is not reordered
+
+
+def test_brackets_stop_where_widening_gains_nothing():
+    """Keys with few distinct values: a wider bracket that is not lower than the last is not tried (the next scan
+    takes every key), and a non-finite key never lifts the |delta| bracket above inf."""
+    sample = np.full(10_000, 7, np.uint32)
+    assert [int(x) for x in sel._brackets(sample, 10**6, 1_000, 0)] == [7, 0]
+    assert [int(x) for x in sel._brackets(np.full(10_000, 0xFFC00000, np.uint32), 10**6, 1_000, 0)] == [
+        int(sel._INF_BITS),
+        0,
+    ]
 
 
 @pytest.fixture
