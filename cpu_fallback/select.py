@@ -443,7 +443,14 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
     g = sum(p.idx.size for p in parts)
     thr, extras, sels = None, [None] * len(parts), [None] * len(parts)
     if g >= k:  # the threshold is above lo: every entry at it is a candidate
-        keys = np.concatenate([p.keys() for p in parts]) if len(parts) > 1 else parts[0].keys().copy()
+        keys, o = np.empty(g, np.uint32), 0
+        for p in parts:  # each part's keys made straight into the joined array
+            kp = keys[o : o + p.idx.size]
+            if p.key is not None:
+                kp[...] = p.key
+            else:
+                np.bitwise_and(p.d.view(np.uint32), _ABS, out=kp)
+            o += kp.size
         keys.partition(g - k)
         thr = keys[g - k]
         take = k - int(np.count_nonzero(keys > thr))
