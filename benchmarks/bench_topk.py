@@ -1,13 +1,13 @@
 """Time the whole compress (delta -> scores -> exact threshold -> ordered COO) and decompress, against one
 ``np.subtract(new, base, out=)`` pass (the memory floor's yardstick), the NumPy pipeline (subtract, abs,
 argpartition, sort indices, gather) and the torch pipeline (sub, abs, topk, sort, gather), all measured in the same
-run on the same inputs, round-robin. On the NumPy backend also: compress with one thread ("x thr" is the speed-up
-of all threads over one); the same speed-up for two trivially parallel loads on the same pool, gauges of what the
-machine gives at that moment: a blocked np.subtract ("(mem)", bound by memory bandwidth) and cache-resident
-NumPy calls ("(cpu)", bound by the cores and the interpreter lock); the peak extra memory (tracemalloc, % of the
-dense update); and the throughput of the value codecs and of Rice coding. Prints ratios of medians, and "x sub" and
-"x thr" again from each timing's least disturbed sample ("min"; the JSON has every timing's), and writes JSON (and
-a plot).
+run on the same inputs, round-robin (each round in a new order). On the NumPy backend also: compress with one thread
+("x thr" is the speed-up of all threads over one); the same speed-up for two trivially parallel loads on the same
+pool, gauges of what the machine gives at that moment: a blocked np.subtract ("(mem)", bound by memory bandwidth) and
+cache-resident NumPy calls ("(cpu)", bound by the cores and the interpreter lock); the peak extra memory
+(tracemalloc, % of the dense update); and the throughput of the value codecs and of Rice coding. Prints ratios of
+medians, and "x sub" and "x thr" again from each timing's least disturbed sample ("min"; the JSON has every
+timing's), and writes JSON (and a plot).
 
     python benchmarks/bench_topk.py                       # CPU: N = 1e6 .. 2^26
     python benchmarks/bench_topk.py --sizes 1e8 1e9       # on a GPU (inputs live on the device)
@@ -21,6 +21,7 @@ import json
 import os
 import pathlib
 import platform
+import random
 import statistics
 import sys
 import time
@@ -162,7 +163,8 @@ def codec_rates(idx: np.ndarray, vals: np.ndarray, numel: int, repeat: int) -> d
 
 
 def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str) -> dict:
-    """One row: every timing of size ``n``, taken round-robin so that load drifts hit all of them alike."""
+    """One row: every timing of size ``n``, taken round-robin so that load drifts hit all of them alike, each round
+    in a shuffled order so that none always follows the same timing."""
     on_gpu, on_cpu = be_name == "gpu", be_name == "cpu"
     rng = np.random.default_rng(n)
     base = rng.standard_normal(n, dtype=np.float32)
@@ -212,10 +214,13 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
     for fn in timed.values():
         fn()
     sync()
-    for _ in range(repeat):
-        for key, fn in timed.items():
+    order = list(timed)
+    shuffle = random.Random(n)  # each round in a new order: no timing always follows the same one (a timing run
+    for _ in range(repeat):  # right after another on the same inputs found them in cache, and ran up to 25 % faster)
+        shuffle.shuffle(order)
+        for key in order:
             t0 = time.perf_counter()
-            fn()
+            timed[key]()
             sync()
             samples[key].append(time.perf_counter() - t0)
     row.update({key: statistics.median(v) for key, v in samples.items()})
