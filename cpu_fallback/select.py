@@ -114,8 +114,8 @@ class _Call:
             self._free.clear()
 
     def values(self, t: int, s: int, e: int, ci: np.ndarray) -> np.ndarray:
-        """The deltas at block positions ``ci`` of elements [s, e), computed again from the inputs (the block is
-        still in cache); element-wise, so the same bits as the whole-block delta."""
+        """The deltas at positions ``ci`` of elements [s, e), gathered again from the inputs (a block's, or a whole
+        task's at its end); element-wise, so the same bits as the whole-block delta."""
 
         def at(x):
             return x[s:e].take(ci) if x is not None else None
@@ -169,19 +169,27 @@ class _Part:
     neq: int = 0  # entries with key == lo
     bad: bool = False
 
-    def keys(self) -> np.ndarray:
-        return self.key if self.key is not None else np.bitwise_and(self.d.view(np.uint32), _ABS)
+    def keys(self, out: np.ndarray | None = None) -> np.ndarray:
+        """The candidates' keys (into ``out`` where given)."""
+        if self.key is None:
+            return np.bitwise_and(self.d.view(np.uint32), _ABS, out=out)
+        if out is None:
+            return self.key
+        out[...] = self.key
+        return out
 
     def rel(self) -> np.ndarray:
         """uint32 index of each candidate relative to a."""
         return _rel(self.idx, self.counts)
 
 
-def _rel(idx: np.ndarray, counts: np.ndarray) -> np.ndarray:
-    """uint32 indices relative to a part's start, from uint16 ``idx`` within sub-blocks of SUB elements and the
-    number of entries in each sub-block (``counts``, in order)."""
-    out = idx.astype(np.uint32)
-    out += np.repeat(np.arange(counts.size, dtype=np.uint32) * np.uint32(SUB), counts)
+def _rel(idx: np.ndarray, counts: np.ndarray, out: np.ndarray | None = None, start: int = 0) -> np.ndarray:
+    """Indices relative to a part's start, plus ``start``, from uint16 ``idx`` within sub-blocks of SUB elements and
+    the number of entries in each sub-block (``counts``, in order): uint32, or into ``out`` (uint32 or uint64)."""
+    out = np.empty(idx.size, np.uint32) if out is None else out
+    ty = out.dtype.type
+    out[...] = idx
+    out += np.repeat(np.arange(counts.size, dtype=out.dtype) * ty(SUB) + ty(start), counts)
     return out
 
 
@@ -237,22 +245,19 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     rel = np.concatenate(pos, dtype=np.uint32, casting="unsafe") if len(pos) > 1 else pos[0].astype(np.uint32)
     pos.clear()
     rel += np.repeat(np.array(starts, np.uint32), sizes)
-    d = _values_f32(c, t, a, rel) if f32 else _join(ds)
+    d = c.values(t, a, b, rel) if f32 else _join(ds)
     key = _join(ks) if ks else np.bitwise_and(d.view(np.uint32), _ABS)
     if fast:  # lo <= inf: every non-finite delta is at or above lo
         bad = key.size > 0 and bool(key.max() >= _INF_BITS)
     eq = np.flatnonzero(key == lo)  # rare: dropping them beats copying the rest through a mask
-    if fast:
-        key = None
     if eq.size:
-        rel, d = np.delete(rel, eq), np.delete(d, eq)
-        key = None if key is None else np.delete(key, eq)
+        rel, d, key = np.delete(rel, eq), np.delete(d, eq), np.delete(key, eq)
     ends = np.searchsorted(rel, np.arange(1, -(-(b - a) // SUB) + 1, dtype=np.int64) * SUB)
     counts = np.empty_like(ends)
     counts[0] = ends[0]
     np.subtract(ends[1:], ends[:-1], out=counts[1:])
     np.bitwise_and(rel, np.uint32(SUB - 1), out=rel)  # the index within its sub-block
-    return _Part(t, a, b, rel.astype(np.uint16), counts, d, key, int(eq.size), bad)
+    return _Part(t, a, b, rel.astype(np.uint16), counts, d, None if fast else key, int(eq.size), bad)
 
 
 def _scan_blocks(
@@ -300,17 +305,6 @@ def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, 
         np.greater_equal(k, lo, out=m)
         pos.append(m.nonzero()[0])
         starts.append(s)
-
-
-def _values_f32(c: _Call, t: int, a: int, rel: np.ndarray) -> np.ndarray:
-    """The fp32 deltas at positions ``rel`` (relative to a) of tensor t, gathered from the inputs once a task
-    (three calls, not three a block); element-wise, so the same bits as the blocks' deltas."""
-    v = c.new[t][a:].take(rel)
-    if c.base[t] is not None:
-        np.subtract(v, c.base[t][a:].take(rel), out=v)
-    if c.res[t] is not None:
-        np.add(v, c.res[t][a:].take(rel), out=v)
-    return v
 
 
 def _join(xs: list) -> np.ndarray:
@@ -445,12 +439,7 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
     if g >= k:  # the threshold is above lo: every entry at it is a candidate
         keys, o = np.empty(g, np.uint32), 0
         for p in parts:  # each part's keys made straight into the joined array
-            kp = keys[o : o + p.idx.size]
-            if p.key is not None:
-                kp[...] = p.key
-            else:
-                np.bitwise_and(p.d.view(np.uint32), _ABS, out=kp)
-            o += kp.size
+            o += p.keys(out=keys[o : o + p.idx.size]).size
         keys.partition(g - k)
         thr = keys[g - k]
         take = k - int(np.count_nonzero(keys > thr))
@@ -483,24 +472,22 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
             if sels[i] is not None:  # two gathers, straight into the output (faster than masks)
                 j = sels[i].nonzero()[0]
                 sels[i] = None
-                dst, ty = idx[o : o + j.size], idx.dtype.type
                 np.take(p.d, j, out=val[o : o + j.size], mode="clip")  # j is in range: no checked copy
-                dst[...] = p.idx.take(j, mode="clip")
                 per_sub = np.searchsorted(j, np.cumsum(p.counts))  # where each sub-block's kept entries end,
                 per_sub[1:] -= per_sub[:-1]  # then how many each holds
-                del j
-                dst += np.repeat(np.arange(per_sub.size, dtype=idx.dtype) * ty(SUB) + ty(p.a), per_sub)
-            else:
-                if extras[i] is not None:
-                    pi = np.concatenate([p.rel(), extras[i][0]])
-                    order = np.argsort(pi, kind="stable")
-                    pi, pd = pi[order], np.concatenate([p.d, extras[i][1]])[order]
-                else:
-                    pi, pd = p.rel(), p.d
+                kept, j = p.idx.take(j, mode="clip"), None  # j freed before _rel's temporaries (the peak)
+                _rel(kept, per_sub, out=idx[o : o + kept.size], start=p.a)
+            elif extras[i] is not None:
+                pi = np.concatenate([p.rel(), extras[i][0]])
+                order = np.argsort(pi, kind="stable")
+                pi, pd = pi[order], np.concatenate([p.d, extras[i][1]])[order]
                 dst = idx[o : o + pi.size]
                 dst[...] = pi
                 dst += idx.dtype.type(p.a)
                 val[o : o + pi.size] = pd
+            else:
+                _rel(p.idx, p.counts, out=idx[o : o + p.idx.size], start=p.a)
+                val[o : o + p.d.size] = p.d
             p.idx = p.d = p.key = None
         indices[t], values[t] = idx, val
 
