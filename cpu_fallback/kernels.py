@@ -16,6 +16,7 @@ import numpy as np
 from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS
 
 from .elementwise import (
+    DT_BF16,
     DT_F64,
     decoded,
     delta,
@@ -279,6 +280,56 @@ def _scatter(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, val
             _scatter_checked(a, b, n, dt, out, idx, vals32, vals64, mode)
         else:
             parallel_map(partial(_apply, out, idx, vals, dt, mode), chunks)
+
+
+ONTO_BLOCK = 1 << 20  # elements per pool task of scatter_onto: copied, then its entries applied while in cache
+
+
+def scatter_onto(out, base, start, stop, dt, numel, idx, vals):
+    """``out[start:stop] = base[start:stop]``, then the entries ``idx`` (ascending, every one in [start, stop))
+    added to it as :func:`scatter_u32` mode 1 adds them, to the byte; in blocks of ONTO_BLOCK elements on the
+    thread pool, each block's entries applied while the block is in cache (a copy of the whole base first, then
+    the scatter, would read and write every kept entry's cache line from memory again).
+
+    Returns ``(bad, finite)``: the lowest entry (counted from 0) whose index is out of range or not above the
+    previous one, or whose value is not finite (``None`` if none; then nothing is written), and whether every
+    sum written is finite in the tensor's dtype.
+
+    >>> out, base = np.empty(6, np.float32), np.arange(6, dtype=np.float32)
+    >>> scatter_onto(out, base, 0, 6, 0, 6, np.array([1, 4], np.uint32), np.array([10, 20], np.float32))
+    (None, True)
+    >>> out.tolist()
+    [0.0, 11.0, 2.0, 3.0, 24.0, 5.0]
+    >>> scatter_onto(out, base, 0, 6, 0, 6, np.array([4, 1], np.uint32), np.array([1, 1], np.float32))
+    (1, True)
+    """
+    n = int(idx.size)
+    if n and (int(idx[0]) < start or int(idx[-1]) >= stop):
+        raise ValueError(f"entries [{int(idx[0])}, {int(idx[-1])}] are not within the range [{start}, {stop})")
+    v = vals if dt == DT_F64 else vals.astype(np.float32, copy=False)
+    chunks = [(s, min(n, s + SCATTER_CHUNK)) for s in range(0, n, SCATTER_CHUNK)]
+    bad = [f for f in parallel_map(partial(_first_bad, idx, v, 0, numel), chunks) if f is not None]
+    if bad:
+        return min(bad), True
+    firsts = np.arange(start, stop, ONTO_BLOCK, dtype=np.int64)
+    edges = np.searchsorted(idx, firsts.astype(idx.dtype)).tolist() + [n]  # each block's entries
+
+    def block(j: int) -> bool:
+        s = int(firsts[j])
+        o = out[s : min(stop, s + ONTO_BLOCK)]
+        o[...] = base[s : s + o.size]
+        a, b = edges[j], edges[j + 1]
+        if a == b:
+            return True
+        ii = idx[a:b] - idx.dtype.type(s)
+        with np.errstate(over="ignore"):  # IEEE overflow to inf, as on the device; reported through `finite`
+            w = o[ii] + v[a:b] if dt == DT_F64 else store_from_f32(load_f32(o[ii], dt) + v[a:b], dt)
+        o[ii] = w
+        if dt == DT_BF16:  # bit patterns: an exponent of all ones is inf or NaN
+            return not bool(np.any((w & np.uint16(0x7F80)) == np.uint16(0x7F80)))
+        return bool(np.isfinite(w).all())
+
+    return None, all(parallel_map(block, range(firsts.size)))
 
 
 def scatter_u32(*args):

@@ -25,6 +25,7 @@ import numpy as np
 from . import dtypes
 from .arrays import Tensor, array_kind, from_backend, to_tensor
 from .backends import Backend, get_backend
+from .backends.base import all_finite
 from .codecs import SCOPES, as_pipeline, check_fraction, decoder_for, wire_layouts
 from .constants import SCATTER_ADD, SCATTER_ZEROS
 from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError, PayloadValueError
@@ -529,12 +530,6 @@ def _output_itemsize(r: TensorRecord, with_base: bool) -> int:
     return dtypes.storage_dtype(logical).itemsize
 
 
-def _all_finite(x: Any, logical: str, xp: Any) -> bool:
-    if logical == "bfloat16":  # uint16 bit patterns: exponent all ones is inf or NaN
-        return not bool(xp.any((x & 0x7F80) == 0x7F80))
-    return bool(xp.all(xp.isfinite(x)))
-
-
 def check_output_cap(
     records: list[TensorRecord], with_base: bool, max_output_bytes: Any, max_elements: Any = None
 ) -> None:
@@ -574,7 +569,8 @@ def _check_indices(d: Any, numel: int, xp: Any, chunk: int) -> None:
 
 
 def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, int]) -> Any:
-    """One tensor's dense output (a new array: the base is copied, never written), filled a chunk at a time."""
+    """One tensor's dense output (a new array: the base is copied, never written), filled a chunk at a time; onto a
+    base, each chunk of entries copies the base up to its last index and adds them (``scatter_onto``)."""
     xp = backend.xp
     numel = d.numel
     chunk = _chunk(d.nnz, bounds)
@@ -585,20 +581,25 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
     code = dtypes.code(logical)
     dense = d.indices is None
     base_arr = backend.asarray(base.data) if base is not None else None
-    if dense:  # every element sent: one pass per slice reads base and values in place and writes the output
-        out = xp.empty(numel, dtype=dtypes.storage_dtype(logical))
-    elif base_arr is not None:
-        out = base_arr.copy()  # a new array: the caller's base is never written
-    else:
-        out = xp.zeros(numel, dtype=dtypes.storage_dtype(logical))
+    onto = not dense and base_arr is not None
+    # a new array (the caller's base is never written): zeros, or filled below from the base or the values
+    out = (xp.empty if dense or onto else xp.zeros)(numel, dtype=dtypes.storage_dtype(logical))
+    copied = 0  # onto a base: elements [0, copied) of out are written
     step = max(d.step, chunk // d.step * d.step)
     for a in range(0, d.nnz, step):
         b = min(a + step, d.nnz)
         vals = d.values(a, b)
+        finite = True
         if dense:
             idx = None
             part = None if base_arr is None else base_arr[a:b]
             bad = backend.dense_apply([out[a:b]], [code], [part], [vals], mode)
+            finite = bad is not None or mode != SCATTER_ADD or all_finite(out[a:b], code, xp)
+        elif onto:
+            idx = d.indices(a, b)  # checked ascending and in range: the last chunk copies the base to its end
+            stop = numel if b == d.nnz else int(idx[-1]) + 1
+            bad, finite = backend.scatter_onto(out, base_arr, copied, stop, code, numel, idx, vals)
+            copied = stop
         else:
             idx = d.indices(a, b)
             bad = backend.scatter([out], [code], [numel], [idx], [vals], mode)
@@ -608,12 +609,14 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
                 "increasing, or its value is not finite; nothing was decoded"
             )
         # a finite delta can still take the base past its dtype's range (fp16: 60000 + 60000 = inf)
-        if mode == SCATTER_ADD and not _all_finite(out[a:b] if dense else out[idx], logical, xp):
+        if not finite:
             raise PayloadValueError(
                 f"tensor {d.name!r}: adding the update to the base gives inf or NaN in {logical} (a delta past the "
                 "dtype's range, or a non-finite base entry); nothing was decoded and the base is unchanged"
             )
         del vals, idx
+    if onto and copied < numel:  # no entry at all: the base itself
+        out[copied:] = base_arr[copied:]
     return out
 
 

@@ -16,6 +16,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ..constants import DT_BF16
+
 Array = Any  # an array of the backend's ``xp`` (NumPy or CuPy)
 
 
@@ -103,6 +105,22 @@ class Backend(Protocol):
         """Write kept entries into dense outputs; the lowest bad entry position, or None."""
         ...
 
+    def scatter_onto(
+        self,
+        out: Array,
+        base: Array,
+        start: int,
+        stop: int,
+        out_dtype: int,
+        numel: int,
+        indices: Array,
+        values: Array,
+    ) -> tuple[int | None, bool]:
+        """``out[start:stop] = base[start:stop]`` with one tensor's entries (ascending, within [start, stop)) added
+        as :meth:`scatter` mode 1 adds them: (the lowest bad entry or None, whether every sum is finite in the
+        dtype). The same bytes as a copy of the base and :meth:`scatter`, which the kernel backends run."""
+        ...
+
     def dense_apply(
         self,
         outs: list[Array],
@@ -171,6 +189,17 @@ def dense_values(values: list, out_dtypes: list[int], f64_code: int) -> list:
     return [v.astype(np.float64 if dt == f64_code else np.float32, copy=False) for v, dt in zip(values, out_dtypes)]
 
 
+def all_finite(x: Array, out_dtype: int, xp: Any) -> bool:
+    """Whether every element of ``x``, a tensor's storage (bf16 as uint16 bit patterns), is finite.
+
+    >>> all_finite(np.array([0x3F80, 0x7F80], np.uint16), DT_BF16, np), all_finite(np.ones(2, np.float16), 1, np)
+    (False, True)
+    """
+    if out_dtype == DT_BF16:  # an exponent of all ones is inf or NaN
+        return not bool(xp.any((x & 0x7F80) == 0x7F80))
+    return bool(xp.all(xp.isfinite(x)))
+
+
 def scatter_args(xp: Any, indices: list, values: list):
     """Concatenate per-tensor entries as the scatter kernels (and their twins) take them: (total, ent_start
     (host u64), indices (u32, or u64 if any tensor needs it), vals32, vals64); ``None`` when there is no entry."""
@@ -191,4 +220,4 @@ def scatter_args(xp: Any, indices: list, values: list):
     return total, ent_start, idx, vals32, vals64
 
 
-__all__ = ["Array", "Backend", "Runner", "dense_values", "flat_tables", "scatter_args", "split_values"]
+__all__ = ["Array", "Backend", "Runner", "all_finite", "dense_values", "flat_tables", "scatter_args", "split_values"]

@@ -31,10 +31,11 @@ from ..constants import (
     Q_F16,
     RICE_SCAN_THREADS,
     SCAN_THREADS,
+    SCATTER_ADD,
     U64_MAX,
     index_dtype,
 )
-from .base import Runner, dense_values, flat_tables, scatter_args, split_values
+from .base import Runner, all_finite, dense_values, flat_tables, scatter_args, split_values
 
 FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
 SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32)
@@ -725,6 +726,11 @@ class KernelBackendBase:
 
     def scatter(self, *args):
         return self.ops.scatter(*args)
+
+    def scatter_onto(self, out, base, start, stop, out_dtype, numel, indices, values):
+        out[start:stop] = base[start:stop]
+        bad = self.ops.scatter([out], [out_dtype], [numel], [indices], [values], SCATTER_ADD)
+        return bad, bad is not None or all_finite(out[indices], out_dtype, self.xp)
 
     def dense_apply(self, outs, out_dtypes, bases, values, mode):
         return self.ops.dense_apply(outs, out_dtypes, bases, values, mode)

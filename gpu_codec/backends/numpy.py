@@ -68,6 +68,9 @@ class NumpyBackend(ArrayDecoders):
         bad = int(err[0])
         return None if bad == U64_MAX else bad
 
+    def scatter_onto(self, out, base, start, stop, out_dtype, numel, indices, values):
+        return _twins.scatter_onto(out, base, start, stop, out_dtype, numel, indices, values)
+
     def dense_apply(self, outs, out_dtypes, bases, values, mode):
         counts = [int(o.size) for o in outs]
         ent_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)
