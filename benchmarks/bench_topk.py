@@ -3,8 +3,10 @@
 argpartition, sort indices, gather) and the torch pipeline (sub, abs, topk, sort, gather), all measured in the same
 run on the same inputs, round-robin (each round in a new order). On the NumPy backend also: compress with one thread
 ("x thr" is the speed-up of all threads over one); the same speed-up for two trivially parallel loads on the same
-pool, gauges of what the machine gives at that moment: a blocked np.subtract ("(mem)", bound by memory bandwidth) and
-cache-resident NumPy calls ("(cpu)", bound by the cores and the interpreter lock); the peak extra memory
+pool, gauges of what the machine gives at that moment: the memory floor itself, new and base read once in blocks into
+a cache-resident buffer ("(mem)", bound by memory bandwidth: where one core already draws most of it, no pass at the
+floor can gain much from the others) and cache-resident NumPy calls ("(cpu)", bound by the cores and the interpreter
+lock); decompress onto the base, also as a multiple of the subtract pass ("dec/sub"); the peak extra memory
 (tracemalloc, % of the dense update); and the throughput of the value codecs and of Rice coding. Prints ratios of
 medians, and "x sub" and "x thr" again from each timing's least disturbed sample ("min"; the JSON has every
 timing's), and writes JSON (and a plot).
@@ -24,6 +26,7 @@ import platform
 import random
 import statistics
 import sys
+import threading
 import time
 import tracemalloc
 
@@ -113,15 +116,24 @@ def peak_extra_bytes(fn) -> int:
         tracemalloc.stop()
 
 
-def blocked_subtract(new, base) -> None:
-    """A trivially parallel NumPy loop on the thread pool: how much the machine's cores give at this moment."""
-    step = 1 << 20
+_thread_buffers = threading.local()
+
+
+def floor_pass(new, base) -> None:
+    """The memory floor as the selection meets it, on the thread pool: ``new`` and ``base`` read once, in blocks of
+    2^17 elements subtracted into a buffer each thread keeps (nothing of the tensor's size is written, no page is
+    touched for the first time). Its speed-up from one thread to all is what a second core adds to a pass bound by
+    memory bandwidth on this machine at this moment."""
+    step, block = 1 << 20, 1 << 17
 
     def part(a: int) -> None:
-        out = np.empty(min(step, new.size - a), new.dtype)
-        for s in range(a, a + out.size, 1 << 16):
-            e = min(a + out.size, s + (1 << 16))
-            np.subtract(new[s:e], base[s:e], out=out[s - a : e - a])
+        buf = getattr(_thread_buffers, "d", None)
+        if buf is None or buf.dtype != new.dtype:
+            buf = _thread_buffers.d = np.empty(block, new.dtype)
+        end = min(new.size, a + step)
+        for s in range(a, end, block):
+            e = min(end, s + block)
+            np.subtract(new[s:e], base[s:e], out=buf[: e - s])
 
     parallel.parallel_map(part, range(0, new.size, step))
 
@@ -189,8 +201,8 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
     if on_cpu:
         timed["ours_1thread_s"] = lambda: with_threads(1, ours)
         timed["numpy_s"] = lambda: numpy_topk(new, base, k)
-        timed["probe_s"] = lambda: blocked_subtract(new, base)
-        timed["probe_1thread_s"] = lambda: with_threads(1, lambda: blocked_subtract(new, base))
+        timed["probe_s"] = lambda: floor_pass(new, base)
+        timed["probe_1thread_s"] = lambda: with_threads(1, lambda: floor_pass(new, base))
         timed["probe_compute_s"] = compute_probe
         timed["probe_compute_1thread_s"] = lambda: with_threads(1, compute_probe)
     payload = ours()
@@ -231,6 +243,7 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
     row["x_numpy"] = row["numpy_s"] / t_ours if "numpy_s" in row else None
     row["x_torch"] = row["torch_s"] / t_ours if "torch_s" in row else None
     row["x_threads"] = row["ours_1thread_s"] / t_ours if "ours_1thread_s" in row else None
+    row["decompress_x_subtract"] = row["decompress_s"] / row["subtract_s"]
     mins = row["min"]  # the same two ratios from each timing's least disturbed sample: a slow outlier in one
     row["x_subtract_min"] = mins["ours_s"] / mins["subtract_s"]  # timing's median moves them less
     row["x_threads_min"] = mins["ours_1thread_s"] / mins["ours_s"] if "ours_1thread_s" in mins else None
@@ -257,7 +270,7 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
     print(
         f"{'N':>12} {'sub ms':>8} {'ours ms':>8} {'1 thr ms':>8} {'numpy ms':>9} {'torch ms':>9} {'x sub':>6} "
         f"{'x numpy':>7} {'x torch':>7} {'x thr':>6} {'(mem)':>6} {'(cpu)':>6} {'decomp ms':>9} {'peak %':>6} "
-        f"{'x sub min':>9} {'x thr min':>9}"
+        f"{'x sub min':>9} {'x thr min':>9} {'dec/sub':>7}"
     )
     for n in sizes:
         row = measure(n, fraction, repeat, torch_too, be.name)
@@ -275,7 +288,8 @@ def run(sizes: list[int], fraction: float, repeat: int, out: pathlib.Path | None
             f"{f(row['x_threads_compute'], 1, '6.2f')} "
             f"{f(row['decompress_s'], fmt='9.1f')} "
             f"{f(row.get('peak_extra_pct'), 1, '6.2f')} "
-            f"{f(row['x_subtract_min'], 1, '9.2f')} {f(row['x_threads_min'], 1, '9.2f')}"
+            f"{f(row['x_subtract_min'], 1, '9.2f')} {f(row['x_threads_min'], 1, '9.2f')} "
+            f"{f(row['decompress_x_subtract'], 1, '7.2f')}"
         )
     if on_cpu and rows:
         print(f"codecs at N = {rows[-1]['n']:,} (k = {rows[-1]['k']:,}), GB/s of fp32 values or uint32 indices:")
