@@ -5,7 +5,7 @@ low section holds the k low bits of every gap at fixed offsets ``l * k``; the un
 holds q zeros then a one per gap. Bits are numbered least significant first within little-endian bytes. Both
 sections decode with vectorized array code (the positions of the ones give every q), so the decoder runs the
 same on NumPy and CuPy and never loops over entries. On NumPy, encoding and the low fields of decoding work on
-64-bit words, in chunks of entries on the thread pool.
+bit arrays packed and unpacked by NumPy, in chunks of entries on the thread pool.
 
 >>> idx = np.array([3, 4, 90, 200], np.uint32)
 >>> k = rice_param(4, 256); k
@@ -23,6 +23,7 @@ gpu_codec.errors.PayloadIndexError: Rice stream decodes to index 200, beyond the
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -57,10 +58,69 @@ def _deposit(pos: np.ndarray, vals: np.ndarray) -> tuple[int, np.ndarray]:
     return first, words
 
 
+UNARY_DENSE = 32  # a chunk's unary bits are set in a bit array (one byte a bit) where they are at most this many a
+# entry; sparser ones (long gaps) are deposited into 64-bit words, so temporaries stay bounded for any gaps
+
+
+def _width(k: int) -> int:
+    """Bits of the narrowest unsigned integer that holds k bits."""
+    return next(w for w in (8, 16, 32, 64) if w >= k)
+
+
+def _pack_fields(v: np.ndarray, k: int) -> np.ndarray:
+    """The k low bits of each of ``v`` (uint64, below 2^k) side by side, least significant first, as bytes
+    (little-endian bit order). Groups of g fields whose g·k bits are whole bytes of one 64-bit word are OR-ed
+    into that word (g shifted columns), and its low bytes kept; other widths go through NumPy's bit unpacking.
+
+    >>> _pack_fields(np.array([5, 2, 7], np.uint64), 3).tolist()  # 101 010 111, from bit 0 up
+    [213, 1]
+    >>> v = np.arange(41, dtype=np.uint64) * np.uint64(2654435761)  # against bit-by-bit packing, both paths:
+    >>> def bitwise(x, k):
+    ...     return np.packbits(((x[:, None] >> np.arange(k, dtype=np.uint64)) & np.uint64(1)).astype(np.uint8).ravel(),
+    ...                        bitorder="little")
+    >>> all(np.array_equal(_pack_fields(v % np.uint64(1 << k), k), bitwise(v, k)) for k in (1, 6, 8, 9, 13, 40))
+    True
+    """
+    g = 8 // math.gcd(k, 8)  # fields in a group of whole bytes
+    if g * k > 64:
+        w = _width(k)
+        b = np.unpackbits(v.astype(f"<u{w // 8}").view(np.uint8), bitorder="little").reshape(-1, w)
+        return np.packbits(b[:, :k].ravel() if k < w else b.ravel(), bitorder="little")
+    m = v.size
+    rows = -(-m // g)
+    cols = np.zeros(rows * g, np.uint64)
+    cols[:m] = v
+    cols = cols.reshape(rows, g)
+    word = cols[:, 0].copy()
+    for j in range(1, g):
+        word |= cols[:, j] << np.uint64(j * k)
+    return word.view(np.uint8).reshape(rows, 8)[:, : g * k // 8].ravel()[: -(-(m * k) // 8)]
+
+
+def _unpack_fields(stream: np.ndarray, first: int, m: int, k: int) -> np.ndarray:
+    """Fields ``first`` to ``first + m`` of k bits each of ``stream`` bytes (as :func:`_pack_fields` writes them),
+    as int64: each read as 8 little-endian bytes from its first byte, shifted and masked (k <= 57).
+
+    >>> _unpack_fields(np.array([213, 1], np.uint8), 1, 2, 3).tolist()
+    [2, 7]
+    """
+    padded = np.zeros(stream.size + 8, np.uint8)  # every window of 8 bytes lies within it
+    padded[: stream.size] = stream
+    windows = np.ndarray((stream.size + 1,), "<u8", padded, strides=(1,))  # one unaligned word per byte
+    pos = np.arange(first, first + m, dtype=np.uint64) * np.uint64(k)
+    v = windows[(pos >> np.uint64(3)).astype(np.intp)]
+    v >>= pos & np.uint64(7)
+    v &= np.uint64((1 << k) - 1)
+    return v.astype(np.int64)
+
+
 def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
     """(stream bytes as uint8, bit count) for strictly increasing indices ``idx`` with parameter ``k``.
 
-    Chunks of entries are coded on the thread pool as 64-bit words; the bytes are the same for any chunking.
+    Chunks of CHUNK entries (a multiple of 8, so each chunk's low fields are whole bytes) are coded on the thread
+    pool: the low fields unpacked to bits and packed again k a field, the unary codes set in a bit array and packed
+    (or, where the gaps are long, deposited into 64-bit words); neighbouring chunks' unary bits may share a byte,
+    so the pieces are OR-ed in chunk order. The bytes are the same for any chunking.
     """
     from .parallel import parallel_map
 
@@ -84,39 +144,42 @@ def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
     uoff = np.concatenate(([0], np.cumsum(np.asarray(qsum, np.int64) + np.diff([a for a, _ in chunks] + [n]))))
 
     def code(j: int) -> list[tuple[int, np.ndarray]]:
+        """(first byte, bytes) of chunk j's low fields and unary codes."""
         a, b = chunks[j]
         g = chunk_gaps(a, b)
-        ones = np.cumsum((g >> kk) + np.uint64(1))
-        ones += np.uint64(ustart + int(uoff[j]))
-        ones -= np.uint64(1)  # every cumulative count is at least 1
-        out = [_deposit(ones, np.ones(b - a, np.uint64))]
-        if k:
-            pos = np.arange(a, b, dtype=np.uint64) * kk
-            out.append(_deposit(pos, g & np.uint64((1 << k) - 1)))
+        out = [(a * k // 8, _pack_fields(g & np.uint64((1 << k) - 1), k))] if k else []
+        first = ustart + int(uoff[j])  # the chunk's first unary bit
+        q = g >> kk
+        q += np.uint64(1)
+        ones = np.cumsum(q, dtype=np.int64)  # the unary bits set, from the chunk's first: at most 2^40 each
+        ones += first % 8 - 1  # every cumulative count is at least 1
+        span = int(ones[-1]) + 1
+        if span <= UNARY_DENSE * (b - a):
+            u = np.zeros(span, np.bool_)
+            u[ones] = True
+            out.append((first // 8, np.packbits(u, bitorder="little")))
+        else:
+            ones += first - first % 8
+            w, words = _deposit(ones.astype(np.uint64), np.ones(b - a, np.uint64))
+            out.append((w * 8, words.view(np.uint8)))
         return out
 
-    words = np.zeros(-(-bits // 64) + 2, np.uint64)
+    stream = np.zeros(-(-bits // 8) + 16, np.uint8)  # word deposits may run up to two words past the end
     for pieces in parallel_map(code, range(len(chunks))):
-        for first, w in pieces:  # neighbouring chunks may share a word: OR in chunk order
-            words[first : first + w.size] |= w
-    return words.view(np.uint8)[: -(-bits // 8)].copy(), bits
+        for first, piece in pieces:  # neighbouring chunks may share a byte: OR in chunk order
+            stream[first : first + piece.size] |= piece
+    return stream[: -(-bits // 8)].copy(), bits
 
 
 def _fields(stream: np.ndarray, nnz: int, k: int) -> np.ndarray:
-    """The k-bit low fields of the first nnz entries (int64), read as 64-bit words, in chunks on the pool."""
+    """The k-bit low fields of the first nnz entries (int64), in chunks of CHUNK entries (whole bytes) on the pool."""
     from .parallel import parallel_map
 
-    words = np.zeros(-(-stream.size // 8) + 2, np.uint64)
-    words.view(np.uint8)[: stream.size] = stream
-    kk, mask = np.uint64(k), np.uint64((1 << k) - 1)
     out = np.empty(nnz, np.int64)
 
     def read(a: int) -> None:
-        pos = np.arange(a, min(nnz, a + CHUNK), dtype=np.uint64) * kk
-        w, sh = pos >> np.uint64(6), pos & np.uint64(63)
-        lo = words[w] >> sh
-        lo |= (words[w + np.uint64(1)] << np.uint64(1)) << (np.uint64(63) - sh)  # a shift by 64 - sh
-        out[a : a + pos.size] = lo & mask
+        m = min(nnz, a + CHUNK) - a
+        out[a : a + m] = _unpack_fields(stream[a * k // 8 : -(-((a + m) * k) // 8)], 0, m, k)
 
     parallel_map(read, range(0, nnz, CHUNK))
     return out
