@@ -93,13 +93,30 @@ def pairwise_sum(a: np.ndarray) -> float:
     return float(x[0])
 
 
+def abs_pairwise_sum(v: np.ndarray) -> float:
+    """The sum of |v| in fp64 as :func:`pairwise_sum` adds it, in chunks of CODEC_CHUNK (a power of two) on the
+    pool: each chunk is a subtree of the one tree (the zeros padding a short chunk add nothing to sums of
+    non-negative values), and the chunks' sums are added as its upper levels.
+
+    >>> abs_pairwise_sum(np.array([1.0, 2.0**53, 1.0, 1.0, -1.0], np.float64)) == pairwise_sum(
+    ...     np.array([1.0, 2.0**53, 1.0, 1.0, 1.0]))
+    True
+    """
+    from .parallel import parallel_map
+
+    def part(c: tuple[int, int]) -> float:
+        x = v[c[0] : c[1]]
+        return pairwise_sum(np.abs(x if x.dtype == np.float64 else as_f32(x)).astype(np.float64))
+
+    return pairwise_sum(np.asarray(parallel_map(part, _chunks(v.size, CODEC_CHUNK)), np.float64))
+
+
 def ternary_mu(v: np.ndarray) -> np.float32:
     """mu = mean of |kept value| (sum in fp64, pairwise), rounded to fp32; 0 for no values."""
     v = np.asarray(v)
     if v.size == 0:
         return np.float32(0.0)
-    a = np.abs(v).astype(np.float64) if v.dtype == np.float64 else np.abs(v.astype(np.float32)).astype(np.float64)
-    return np.float32(np.float64(pairwise_sum(a)) / np.float64(v.size))
+    return np.float32(np.float64(abs_pairwise_sum(v)) / np.float64(v.size))
 
 
 def ternary_signs(v: np.ndarray) -> np.ndarray:
@@ -114,10 +131,92 @@ def ternary_decode(signs: Any, mu: float, n: int, xp: Any = np) -> Any:
     return xp.where(neg, -m, m).astype(xp.float32)
 
 
-def fix_residual(res: np.ndarray | None, idx: np.ndarray | None, v: np.ndarray, dec32: np.ndarray) -> None:
-    """residual[idx] = v - decoded (fp64 for fp64 tensors); ``idx`` None means entry l is element l."""
+def fix_residual(res: np.ndarray | None, idx: Any, v: np.ndarray, dec32: np.ndarray) -> None:
+    """residual[idx] = v - decoded (fp64 for fp64 tensors); ``idx`` None means entry l is element l, and a slice
+    the elements it names."""
     if res is None:
         return
     d = dec32.astype(np.float64) if v.dtype == np.float64 else dec32
     where = slice(0, v.size) if idx is None else idx
     res[where] = v - d
+
+
+# The encoders as the NumPy backend runs them: in chunks of CODEC_CHUNK entries (whole int8 blocks, whole sign
+# bytes) on the thread pool, each chunk encoded, decoded again and its residual fixed while it is in cache, so
+# temporaries are a chunk's, not the tensor's (with every element kept, a tensor's are the update's size).
+CODEC_CHUNK = 1 << 16  # a power of two: ternary_mu's pairwise tree splits at chunk boundaries
+
+
+def _chunks(n: int, step: int) -> list[tuple[int, int]]:
+    return [(s, min(n, s + step)) for s in range(0, n, step)]
+
+
+def _entries(idx: np.ndarray | None, s: int, e: int) -> Any:
+    """The elements entries [s, e) stand for: their indices, or (dense) the slice of elements s to e."""
+    return slice(s, e) if idx is None else idx[s:e]
+
+
+def encode_cast16(v: np.ndarray, dtype: str, idx: np.ndarray | None, res: np.ndarray | None) -> np.ndarray:
+    """fp16 or bf16 bit patterns of the values (:func:`cast_f16`, :func:`cast_bf16`), the residual fixed.
+
+    >>> encode_cast16(np.array([0.5, -70000.0], np.float32), "float16", None, None).tolist()
+    [14336, 64511]
+    """
+    from .parallel import parallel_map
+
+    enc, dec = (cast_f16, decode_f16) if dtype == "float16" else (cast_bf16, decode_bf16)
+    bits = np.empty(v.size, np.uint16)
+
+    def part(c: tuple[int, int]) -> None:
+        s, e = c
+        b = bits[s:e]
+        b[...] = enc(v[s:e])
+        fix_residual(res, _entries(idx, s, e), v[s:e], dec(b))
+
+    parallel_map(part, _chunks(v.size, CODEC_CHUNK))
+    return bits
+
+
+def encode_int8(
+    v: np.ndarray, block: int, idx: np.ndarray | None, res: np.ndarray | None
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`int8_absmax` of the values, in chunks of whole blocks, the residual fixed.
+
+    >>> [x.tolist() for x in encode_int8(np.array([1.0, -2.0, 0.0, 0.0], np.float32), 2, None, None)]
+    [[64, -127, 0, 0], [0.015748031437397003, 0.0]]
+    """
+    from .parallel import parallel_map
+
+    n = v.size
+    q, scales = np.empty(n, np.int8), np.empty(-(-n // block), np.float32)
+
+    def part(c: tuple[int, int]) -> None:
+        s, e = c
+        qq, ss = int8_absmax(v[s:e], block)
+        q[s:e], scales[s // block : s // block + ss.size] = qq, ss
+        fix_residual(res, _entries(idx, s, e), v[s:e], int8_decode(qq, ss, block))
+
+    parallel_map(part, _chunks(n, max(1, CODEC_CHUNK // block) * block))
+    return q, scales
+
+
+def encode_ternary(v: np.ndarray, idx: np.ndarray | None, res: np.ndarray | None) -> tuple[np.ndarray, np.float32]:
+    """(sign bits, mu) of the values (:func:`ternary_signs`, :func:`ternary_mu`), the residual fixed.
+
+    >>> signs, mu = encode_ternary(np.array([1.0, -2.0, 4.0], np.float32), None, None)
+    >>> signs.tolist(), float(mu)
+    ([2], 2.3333332538604736)
+    """
+    from .parallel import parallel_map
+
+    mu = ternary_mu(v)
+    signs = np.empty(-(-v.size // 8), np.uint8)
+
+    def part(c: tuple[int, int]) -> None:
+        s, e = c
+        sg = signs[s // 8 : -(-e // 8)]
+        sg[...] = ternary_signs(v[s:e])
+        fix_residual(res, _entries(idx, s, e), v[s:e], ternary_decode(sg, mu, e - s))
+
+    parallel_map(part, _chunks(v.size, CODEC_CHUNK))
+    return signs, mu

@@ -81,32 +81,15 @@ class NumpyBackend(ArrayDecoders):
         return None if bad == U64_MAX else bad
 
     def cast16(self, values, dtype, indices, res):
-        enc, dec = (_q.cast_f16, _q.decode_f16) if dtype == "float16" else (_q.cast_bf16, _q.decode_bf16)
-        out = []
-        for v, i, r in zip(values, indices, res):
-            bits = enc(v)
-            _q.fix_residual(r, i, v, dec(bits))
-            out.append(bits)
-        return out
+        return [_q.encode_cast16(v, dtype, i, r) for v, i, r in zip(values, indices, res)]
 
     def int8(self, values, block, indices, res):
-        qs, ss = [], []
-        for v, i, r in zip(values, indices, res):
-            q, s = _q.int8_absmax(v, block)
-            _q.fix_residual(r, i, v, _q.int8_decode(q, s, block))
-            qs.append(q)
-            ss.append(s)
-        return qs, ss
+        coded = [_q.encode_int8(v, block, i, r) for v, i, r in zip(values, indices, res)]
+        return [q for q, _ in coded], [s for _, s in coded]
 
     def ternary(self, values, indices, res):
-        signs, mus = [], []
-        for v, i, r in zip(values, indices, res):
-            mu = _q.ternary_mu(v)
-            s = _q.ternary_signs(v)
-            _q.fix_residual(r, i, v, _q.ternary_decode(s, mu, v.size))
-            signs.append(s)
-            mus.append(mu)
-        return signs, np.asarray(mus, dtype=np.float32)
+        coded = [_q.encode_ternary(v, i, r) for v, i, r in zip(values, indices, res)]
+        return [s for s, _ in coded], np.asarray([mu for _, mu in coded], dtype=np.float32)
 
     def rice(self, indices, ks):
         streams, bits = [], []
