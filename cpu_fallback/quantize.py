@@ -171,7 +171,8 @@ def encode_cast16(v: np.ndarray, dtype: str, idx: np.ndarray | None, res: np.nda
         s, e = c
         b = bits[s:e]
         b[...] = enc(v[s:e])
-        fix_residual(res, _entries(idx, s, e), v[s:e], dec(b))
+        if res is not None:
+            fix_residual(res, _entries(idx, s, e), v[s:e], dec(b))
 
     parallel_map(part, _chunks(v.size, CODEC_CHUNK))
     return bits
@@ -194,7 +195,8 @@ def encode_int8(
         s, e = c
         qq, ss = int8_absmax(v[s:e], block)
         q[s:e], scales[s // block : s // block + ss.size] = qq, ss
-        fix_residual(res, _entries(idx, s, e), v[s:e], int8_decode(qq, ss, block))
+        if res is not None:
+            fix_residual(res, _entries(idx, s, e), v[s:e], int8_decode(qq, ss, block))
 
     parallel_map(part, _chunks(n, max(1, CODEC_CHUNK // block) * block))
     return q, scales
@@ -216,7 +218,8 @@ def encode_ternary(v: np.ndarray, idx: np.ndarray | None, res: np.ndarray | None
         s, e = c
         sg = signs[s // 8 : -(-e // 8)]
         sg[...] = ternary_signs(v[s:e])
-        fix_residual(res, _entries(idx, s, e), v[s:e], ternary_decode(sg, mu, e - s))
+        if res is not None:
+            fix_residual(res, _entries(idx, s, e), v[s:e], ternary_decode(sg, mu, e - s))
 
     parallel_map(part, _chunks(v.size, CODEC_CHUNK))
     return signs, mu
