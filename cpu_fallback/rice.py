@@ -44,6 +44,12 @@ def gaps(idx: np.ndarray) -> np.ndarray:
 CHUNK = 1 << 16  # entries per pool task: temporaries stay a few MB whatever the count
 
 
+def _step() -> int:
+    """Entries per chunk: CHUNK rounded down to a multiple of 8 (at least 8), so that every chunk's low fields
+    start on a byte."""
+    return max(8, CHUNK - CHUNK % 8)
+
+
 def _deposit(pos: np.ndarray, vals: np.ndarray) -> tuple[int, np.ndarray]:
     """Bit fields ``vals`` (under 64 bits wide) placed at ascending, disjoint bit positions ``pos``, as uint64
     words from word ``pos[0] >> 6`` on: (first word, words). Fields never overlap, so summing them is OR-ing."""
@@ -117,7 +123,7 @@ def _unpack_fields(stream: np.ndarray, first: int, m: int, k: int) -> np.ndarray
 def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
     """(stream bytes as uint8, bit count) for strictly increasing indices ``idx`` with parameter ``k``.
 
-    Chunks of CHUNK entries (a multiple of 8, so each chunk's low fields are whole bytes) are coded on the thread
+    Chunks of entries (:func:`_step`: a multiple of 8, so each chunk's low fields are whole bytes) are coded on the
     pool: the low fields unpacked to bits and packed again k a field, the unary codes set in a bit array and packed
     (or, where the gaps are long, deposited into 64-bit words); neighbouring chunks' unary bits may share a byte,
     so the pieces are OR-ed in chunk order. The bytes are the same for any chunking.
@@ -129,7 +135,8 @@ def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
     if n == 0:
         return np.zeros(0, np.uint8), 0
     kk = np.uint64(k)
-    chunks = [(a, min(n, a + CHUNK)) for a in range(0, n, CHUNK)]
+    step = _step()
+    chunks = [(a, min(n, a + step)) for a in range(0, n, step)]
 
     def chunk_gaps(a: int, b: int) -> np.ndarray:
         g = i[a:b].astype(np.uint64)
@@ -172,16 +179,17 @@ def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
 
 
 def _fields(stream: np.ndarray, nnz: int, k: int) -> np.ndarray:
-    """The k-bit low fields of the first nnz entries (int64), in chunks of CHUNK entries (whole bytes) on the pool."""
+    """The k-bit low fields of the first nnz entries (int64), in chunks of whole bytes (:func:`_step`) on the pool."""
     from .parallel import parallel_map
 
     out = np.empty(nnz, np.int64)
 
     def read(a: int) -> None:
-        m = min(nnz, a + CHUNK) - a
+        m = min(nnz, a + step) - a
         out[a : a + m] = _unpack_fields(stream[a * k // 8 : -(-((a + m) * k) // 8)], 0, m, k)
 
-    parallel_map(read, range(0, nnz, CHUNK))
+    step = _step()
+    parallel_map(read, range(0, nnz, step))
     return out
 
 
