@@ -278,21 +278,28 @@ def _hist(key: np.ndarray, lo: np.uint32, in_place: bool = False) -> np.ndarray:
     return np.bincount(hb, minlength=HIST_BINS).astype(np.int32)  # held until _finish: 4 KB a part
 
 
-def _threshold(parts: list[_Part], lo: np.uint32, k: int) -> tuple[np.uint32, int]:
-    """(thr, take) for parts holding at least k candidates (every key above lo): thr is the k-th largest key, and
-    take how many entries equal to it are kept. The parts' histograms give the bin that holds it; only the keys
-    of that bin are gathered and partitioned.
+def _threshold(parts: list[_Part], lo: np.uint32, k: int) -> tuple[np.uint32, list[int], list[int]]:
+    """(thr, above, equal) for parts holding at least k candidates (every key above lo): thr is the k-th largest
+    key; above and equal say, part by part, how many of its keys are above thr and equal to it. The parts'
+    histograms give the bin that holds thr; only the keys of that bin are gathered and partitioned, and the counts
+    come from the bins above it and the bin's own keys.
 
     >>> keys = np.array([5, 0x20001, 0x20001, 0x30000, 0x7, 0x20009], np.uint32)
     >>> parts = [_Part(0, 0, 3, key=keys[:3], hist=_hist(keys[:3], np.uint32(1))),
     ...          _Part(0, 3, 6, key=keys[3:], hist=_hist(keys[3:], np.uint32(1)))]
-    >>> [(int(t), n) for t, n in (_threshold(parts, np.uint32(1), k) for k in (1, 2, 3, 4, 5))]
-    [(196608, 1), (131081, 1), (131073, 1), (131073, 2), (7, 1)]
+    >>> for k in (1, 2, 3, 5):
+    ...     thr, above, equal = _threshold(parts, np.uint32(1), k)
+    ...     print(hex(thr), above, equal)
+    0x30000 [0, 0] [0, 1]
+    0x20009 [0, 1] [0, 1]
+    0x20001 [0, 2] [2, 0]
+    0x7 [2, 2] [0, 1]
     """
-    top = np.cumsum(np.add.reduce([p.hist for p in parts])[::-1])  # keys at or above each bin, from the top
+    hists = [p.hist for p in parts]
+    top = np.cumsum(np.add.reduce(hists)[::-1])  # keys at or above each bin, from the top
     j = int(np.searchsorted(top, k))
-    above = int(top[j - 1]) if j else 0  # keys in the bins above the one that holds the k-th largest
-    first = ((int(lo) >> 16) + HIST_BINS - 1 - j) << 16  # that bin's lowest key; the top bin has no upper end
+    b = HIST_BINS - 1 - j  # the bin that holds the k-th largest
+    first = ((int(lo) >> 16) + b) << 16  # that bin's lowest key; the top bin has no upper end
     last = first + (1 << 16) if j and first + (1 << 16) <= 0xFFFFFFFF else None
     inbin = []
     for p in parts:
@@ -303,10 +310,11 @@ def _threshold(parts: list[_Part], lo: np.uint32, k: int) -> tuple[np.uint32, in
         inbin.append(kp[m])
         del kp, m
     kb = np.concatenate(inbin)
-    r = k - above  # the k-th largest is the r-th largest in the bin
+    r = k - (int(top[j - 1]) if j else 0)  # the k-th largest is the r-th largest in the bin
     kb.partition(kb.size - r)
     thr = kb[kb.size - r]
-    return thr, r - int(np.count_nonzero(kb > thr))
+    above = [int(h[b + 1 :].sum()) + int(np.count_nonzero(x > thr)) for h, x in zip(hists, inbin)]
+    return thr, above, [int(np.count_nonzero(x == thr)) for x in inbin]
 
 
 def _scan_blocks(
@@ -505,25 +513,20 @@ def _brackets(sample: np.ndarray, n: int, k: int, crit: int) -> list[np.uint32]:
 def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int, indices: list, values: list) -> None:
     """The k largest keys among the parts' entries, written to ``indices`` and ``values`` tensor by tensor.
 
-    Parts are counted, then copied each into its own slice of the output; each part's candidates are freed once
-    copied, so the candidates and the output are never held twice. This runs on the calling thread: it touches
+    The parts' counts come from :func:`_threshold`; each part is then copied into its own slice of the output and its
+    candidates freed, so the candidates and the output are never held twice. This runs on the calling thread: it touches
     about 1.2 k entries, and on the pool its many small calls cost more in turns at the interpreter lock than a
     second core gave back (measured at 2^24 and 2^26 on 2 cores).
     """
     g = sum(p.idx.size for p in parts)
-    thr, extras, sels = None, [None] * len(parts), [None] * len(parts)
+    thr, extras, ties = None, [None] * len(parts), None
     if g >= k:  # the threshold is above lo: every entry at it is a candidate
-        thr, take = _threshold(parts, lo, k)
-        counts = []
-        for i, p in enumerate(parts):  # ties at the threshold: lowest index first, in part order
-            kp = p.keys()
-            sels[i] = sel = kp > thr  # one byte a candidate, kept for the copy
-            if take:
-                eq = np.flatnonzero(kp == thr)[:take]
-                sel[eq] = True
-                take -= eq.size
-            counts.append(int(np.count_nonzero(sel)))
-            del kp
+        thr, above, equal = _threshold(parts, lo, k)
+        take, counts, ties = k - sum(above), [], []
+        for n_above, n_equal in zip(above, equal):  # ties at the threshold: lowest index first, in part order
+            ties.append(min(n_equal, take))
+            take -= ties[-1]
+            counts.append(n_above + ties[-1])
     else:  # the threshold is lo: every candidate, then the first entries equal to lo
         need, counts = k - g, []
         for i, p in enumerate(parts):
@@ -539,9 +542,12 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
         val = np.empty(idx.size, np.float64 if c.dtypes[t] == DT_F64 else np.float32)
         for i in mine:
             p, o = parts[i], offsets[i] - start
-            if sels[i] is not None:  # two gathers, straight into the output (faster than masks)
-                j = sels[i].nonzero()[0]
-                sels[i] = None
+            if ties is not None:  # two gathers, straight into the output (faster than masks)
+                kp = p.keys()
+                sel = kp > thr
+                if ties[i]:
+                    sel[np.flatnonzero(kp == thr)[: ties[i]]] = True
+                j, sel, kp = sel.nonzero()[0], None, None
                 np.take(p.d, j, out=val[o : o + j.size], mode="clip")  # j is in range: no checked copy
                 per_sub = np.searchsorted(j, np.cumsum(p.counts))  # where each sub-block's kept entries end,
                 per_sub[1:] -= per_sub[:-1]  # then how many each holds
