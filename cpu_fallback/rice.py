@@ -124,7 +124,7 @@ def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
     """(stream bytes as uint8, bit count) for strictly increasing indices ``idx`` with parameter ``k``.
 
     Chunks of entries (:func:`_step`: a multiple of 8, so each chunk's low fields are whole bytes) are coded on the
-    pool: the low fields unpacked to bits and packed again k a field, the unary codes set in a bit array and packed
+    pool: the low fields packed by :func:`_pack_fields`, the unary codes set in a bit array and packed
     (or, where the gaps are long, deposited into 64-bit words); neighbouring chunks' unary bits may share a byte,
     so the pieces are OR-ed in chunk order. The bytes are the same for any chunking.
     """
