@@ -16,8 +16,8 @@ import numpy as np
 from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS
 
 from .elementwise import (
-    DT_BF16,
     DT_F64,
+    all_finite,
     decoded,
     delta,
     load_f32,
@@ -25,7 +25,7 @@ from .elementwise import (
     store_from_f32,
     tensor_delta_scores,
 )
-from .parallel import parallel_map
+from .parallel import parallel_map, spans
 
 BLOCK = 256
 ITEMS = 16
@@ -235,14 +235,19 @@ def _first_bad(idx, vals, a, numel, chunk):
     return s + int(first[0]) if first.size else None
 
 
+def _written(out, ii, v, dt, mode):
+    """What the scatter writes at elements ``ii`` of ``out``: v (mode 0) or the element plus v (mode 1), in fp32
+    (fp64 for fp64 tensors) rounded to the storage; IEEE overflow to inf, as on the device (the caller checks)."""
+    with np.errstate(over="ignore"):
+        if dt == DT_F64:
+            return out[ii] + v if mode == 1 else v
+        return store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)
+
+
 def _apply(out, idx, vals, dt, mode, chunk):
     s, e = chunk
-    ii, v = idx[s:e], vals[s:e]
-    with np.errstate(over="ignore"):  # IEEE overflow to inf, as on the device; the caller checks
-        if dt == DT_F64:
-            out[ii] = out[ii] + v if mode == 1 else v
-        else:
-            out[ii] = store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)
+    ii = idx[s:e]
+    out[ii] = _written(out, ii, vals[s:e], dt, mode)
 
 
 def _scatter_checked(a, b, numel, dt, out, idx, vals32, vals64, mode):
@@ -252,13 +257,7 @@ def _scatter_checked(a, b, numel, dt, out, idx, vals32, vals64, mode):
     bad |= ~np.isfinite(vals64[a:b] if dt == DT_F64 else vals32[a:b])
     ok = np.flatnonzero(~bad)
     ii = i[ok].astype(np.int64)
-    with np.errstate(over="ignore"):  # IEEE overflow to inf, as on the device; the caller checks
-        if dt == DT_F64:
-            v = vals64[a:b][ok]
-            out[ii] = out[ii] + v if mode == 1 else v
-        else:
-            v = vals32[a:b][ok]
-            out[ii] = store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)
+    out[ii] = _written(out, ii, (vals64 if dt == DT_F64 else vals32)[a:b][ok], dt, mode)
 
 
 def _scatter(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, vals64, mode, err):
@@ -273,7 +272,7 @@ def _scatter(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, val
             continue
         n, dt, out = int(numel[t]), int(out_dtypes[t]), out_ptrs[t]
         vals = vals64 if dt == DT_F64 else vals32
-        chunks = [(s, min(b, s + SCATTER_CHUNK)) for s in range(a, b, SCATTER_CHUNK)]
+        chunks = spans(a, b, SCATTER_CHUNK)
         bad = [f for f in parallel_map(partial(_first_bad, idx, vals, a, n), chunks) if f is not None]
         if bad:
             err[0] = min(int(err[0]), *bad)
@@ -307,7 +306,7 @@ def scatter_onto(out, base, start, stop, dt, numel, idx, vals):
     if n and (int(idx[0]) < start or int(idx[-1]) >= stop):
         raise ValueError(f"entries [{int(idx[0])}, {int(idx[-1])}] are not within the range [{start}, {stop})")
     v = vals if dt == DT_F64 else vals.astype(np.float32, copy=False)
-    chunks = [(s, min(n, s + SCATTER_CHUNK)) for s in range(0, n, SCATTER_CHUNK)]
+    chunks = spans(0, n, SCATTER_CHUNK)
     bad = [f for f in parallel_map(partial(_first_bad, idx, v, 0, numel), chunks) if f is not None]
     if bad:
         return min(bad), True
@@ -322,12 +321,8 @@ def scatter_onto(out, base, start, stop, dt, numel, idx, vals):
         if a == b:
             return True
         ii = idx[a:b] - idx.dtype.type(s)
-        with np.errstate(over="ignore"):  # IEEE overflow to inf, as on the device; reported through `finite`
-            w = o[ii] + v[a:b] if dt == DT_F64 else store_from_f32(load_f32(o[ii], dt) + v[a:b], dt)
-        o[ii] = w
-        if dt == DT_BF16:  # bit patterns: an exponent of all ones is inf or NaN
-            return not bool(np.any((w & np.uint16(0x7F80)) == np.uint16(0x7F80)))
-        return bool(np.isfinite(w).all())
+        o[ii] = w = _written(o, ii, v[a:b], dt, 1)
+        return all_finite(w, dt)
 
     return None, all(parallel_map(block, range(firsts.size)))
 

@@ -62,6 +62,15 @@ def _executor(n: int) -> ThreadPoolExecutor:
         return _pool
 
 
+def spans(start: int, stop: int, step: int) -> list[tuple[int, int]]:
+    """[start, stop) cut into pieces of ``step`` (the last one shorter): the pool's items.
+
+    >>> spans(0, 10, 4)
+    [(0, 4), (4, 8), (8, 10)]
+    """
+    return [(s, min(stop, s + step)) for s in range(start, stop, step)]
+
+
 def parallel_map(fn: Callable[[T], R], items: Iterable[T], workers: int | None = None) -> list[R]:
     """``[fn(x) for x in items]`` on the pool, results in item order; the calling thread works too. At most
     ``workers`` threads (default: :func:`thread_count`) work on it.

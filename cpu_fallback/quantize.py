@@ -102,13 +102,13 @@ def abs_pairwise_sum(v: np.ndarray) -> float:
     ...     np.array([1.0, 2.0**53, 1.0, 1.0, 1.0]))
     True
     """
-    from .parallel import parallel_map
+    from .parallel import parallel_map, spans
 
     def part(c: tuple[int, int]) -> float:
         x = v[c[0] : c[1]]
         return pairwise_sum(np.abs(x if x.dtype == np.float64 else as_f32(x)).astype(np.float64))
 
-    return pairwise_sum(np.asarray(parallel_map(part, _chunks(v.size, CODEC_CHUNK)), np.float64))
+    return pairwise_sum(np.asarray(parallel_map(part, spans(0, v.size, CODEC_CHUNK)), np.float64))
 
 
 def ternary_mu(v: np.ndarray) -> np.float32:
@@ -147,13 +147,23 @@ def fix_residual(res: np.ndarray | None, idx: Any, v: np.ndarray, dec32: np.ndar
 CODEC_CHUNK = 1 << 16  # a power of two: ternary_mu's pairwise tree splits at chunk boundaries
 
 
-def _chunks(n: int, step: int) -> list[tuple[int, int]]:
-    return [(s, min(n, s + step)) for s in range(0, n, step)]
-
-
 def _entries(idx: np.ndarray | None, s: int, e: int) -> Any:
     """The elements entries [s, e) stand for: their indices, or (dense) the slice of elements s to e."""
     return slice(s, e) if idx is None else idx[s:e]
+
+
+def _encode_in_chunks(v: np.ndarray, idx: np.ndarray | None, res: np.ndarray | None, step: int, encode) -> None:
+    """``encode(s, e)`` on the pool for entries [s, e) in chunks of ``step``: it writes their code and returns a
+    function that gives them decoded, called only where a residual is fixed."""
+    from .parallel import parallel_map, spans
+
+    def part(c: tuple[int, int]) -> None:
+        s, e = c
+        dec = encode(s, e)
+        if res is not None:
+            fix_residual(res, _entries(idx, s, e), v[s:e], dec())
+
+    parallel_map(part, spans(0, v.size, step))
 
 
 def encode_cast16(v: np.ndarray, dtype: str, idx: np.ndarray | None, res: np.ndarray | None) -> np.ndarray:
@@ -162,19 +172,15 @@ def encode_cast16(v: np.ndarray, dtype: str, idx: np.ndarray | None, res: np.nda
     >>> encode_cast16(np.array([0.5, -70000.0], np.float32), "float16", None, None).tolist()
     [14336, 64511]
     """
-    from .parallel import parallel_map
-
     enc, dec = (cast_f16, decode_f16) if dtype == "float16" else (cast_bf16, decode_bf16)
     bits = np.empty(v.size, np.uint16)
 
-    def part(c: tuple[int, int]) -> None:
-        s, e = c
+    def encode(s: int, e: int):
         b = bits[s:e]
         b[...] = enc(v[s:e])
-        if res is not None:
-            fix_residual(res, _entries(idx, s, e), v[s:e], dec(b))
+        return lambda: dec(b)
 
-    parallel_map(part, _chunks(v.size, CODEC_CHUNK))
+    _encode_in_chunks(v, idx, res, CODEC_CHUNK, encode)
     return bits
 
 
@@ -186,19 +192,15 @@ def encode_int8(
     >>> [x.tolist() for x in encode_int8(np.array([1.0, -2.0, 0.0, 0.0], np.float32), 2, None, None)]
     [[64, -127, 0, 0], [0.015748031437397003, 0.0]]
     """
-    from .parallel import parallel_map
-
     n = v.size
     q, scales = np.empty(n, np.int8), np.empty(-(-n // block), np.float32)
 
-    def part(c: tuple[int, int]) -> None:
-        s, e = c
+    def encode(s: int, e: int):
         qq, ss = int8_absmax(v[s:e], block)
         q[s:e], scales[s // block : s // block + ss.size] = qq, ss
-        if res is not None:
-            fix_residual(res, _entries(idx, s, e), v[s:e], int8_decode(qq, ss, block))
+        return lambda: int8_decode(qq, ss, block)
 
-    parallel_map(part, _chunks(n, max(1, CODEC_CHUNK // block) * block))
+    _encode_in_chunks(v, idx, res, max(1, CODEC_CHUNK // block) * block, encode)
     return q, scales
 
 
@@ -209,17 +211,13 @@ def encode_ternary(v: np.ndarray, idx: np.ndarray | None, res: np.ndarray | None
     >>> signs.tolist(), float(mu)
     ([2], 2.3333332538604736)
     """
-    from .parallel import parallel_map
-
     mu = ternary_mu(v)
     signs = np.empty(-(-v.size // 8), np.uint8)
 
-    def part(c: tuple[int, int]) -> None:
-        s, e = c
+    def encode(s: int, e: int):
         sg = signs[s // 8 : -(-e // 8)]
         sg[...] = ternary_signs(v[s:e])
-        if res is not None:
-            fix_residual(res, _entries(idx, s, e), v[s:e], ternary_decode(sg, mu, e - s))
+        return lambda: ternary_decode(sg, mu, e - s)
 
-    parallel_map(part, _chunks(v.size, CODEC_CHUNK))
+    _encode_in_chunks(v, idx, res, CODEC_CHUNK, encode)
     return signs, mu

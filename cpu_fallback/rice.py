@@ -45,7 +45,7 @@ CHUNK = 1 << 16  # entries per pool task: temporaries stay a few MB whatever the
 
 
 def _step() -> int:
-    """Entries per chunk: CHUNK rounded down to a multiple of 8 (at least 8), so that every chunk's low fields
+    """Entries per encoder chunk: CHUNK rounded down to a multiple of 8 (at least 8), so that every chunk's low fields
     start on a byte."""
     return max(8, CHUNK - CHUNK % 8)
 
@@ -103,16 +103,20 @@ def _pack_fields(v: np.ndarray, k: int) -> np.ndarray:
     return word.view(np.uint8).reshape(rows, 8)[:, : g * k // 8].ravel()[: -(-(m * k) // 8)]
 
 
-def _unpack_fields(stream: np.ndarray, first: int, m: int, k: int) -> np.ndarray:
-    """Fields ``first`` to ``first + m`` of k bits each of ``stream`` bytes (as :func:`_pack_fields` writes them),
-    as int64: each read as 8 little-endian bytes from its first byte, shifted and masked (k <= 57).
+def _windows(stream: np.ndarray) -> np.ndarray:
+    """One unaligned little-endian 8-byte word starting at each byte of ``stream`` (zeros past its end)."""
+    padded = np.zeros(stream.size + 8, np.uint8)
+    padded[: stream.size] = stream
+    return np.ndarray((stream.size + 1,), "<u8", padded, strides=(1,))
 
-    >>> _unpack_fields(np.array([213, 1], np.uint8), 1, 2, 3).tolist()
+
+def _unpack_fields(windows: np.ndarray, first: int, m: int, k: int) -> np.ndarray:
+    """Fields ``first`` to ``first + m`` of k bits each (as :func:`_pack_fields` writes them), as int64: each read
+    through the window of its first byte (:func:`_windows`), shifted and masked (k <= 57).
+
+    >>> _unpack_fields(_windows(np.array([213, 1], np.uint8)), 1, 2, 3).tolist()
     [2, 7]
     """
-    padded = np.zeros(stream.size + 8, np.uint8)  # every window of 8 bytes lies within it
-    padded[: stream.size] = stream
-    windows = np.ndarray((stream.size + 1,), "<u8", padded, strides=(1,))  # one unaligned word per byte
     pos = np.arange(first, first + m, dtype=np.uint64) * np.uint64(k)
     v = windows[(pos >> np.uint64(3)).astype(np.intp)]
     v >>= pos & np.uint64(7)
@@ -128,15 +132,14 @@ def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
     (or, where the gaps are long, deposited into 64-bit words); neighbouring chunks' unary bits may share a byte,
     so the pieces are OR-ed in chunk order. The bytes are the same for any chunking.
     """
-    from .parallel import parallel_map
+    from .parallel import parallel_map, spans
 
     i = np.asarray(idx)
     n = i.size
     if n == 0:
         return np.zeros(0, np.uint8), 0
     kk = np.uint64(k)
-    step = _step()
-    chunks = [(a, min(n, a + step)) for a in range(0, n, step)]
+    chunks = spans(0, n, _step())
 
     def chunk_gaps(a: int, b: int) -> np.ndarray:
         g = i[a:b].astype(np.uint64)
@@ -179,17 +182,15 @@ def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
 
 
 def _fields(stream: np.ndarray, nnz: int, k: int) -> np.ndarray:
-    """The k-bit low fields of the first nnz entries (int64), in chunks of whole bytes (:func:`_step`) on the pool."""
-    from .parallel import parallel_map
+    """The k-bit low fields of the first nnz entries (int64), in chunks of CHUNK entries on the pool."""
+    from .parallel import parallel_map, spans
 
-    out = np.empty(nnz, np.int64)
+    windows, out = _windows(stream), np.empty(nnz, np.int64)
 
-    def read(a: int) -> None:
-        m = min(nnz, a + step) - a
-        out[a : a + m] = _unpack_fields(stream[a * k // 8 : -(-((a + m) * k) // 8)], 0, m, k)
+    def read(c: tuple[int, int]) -> None:
+        out[c[0] : c[1]] = _unpack_fields(windows, c[0], c[1] - c[0], k)
 
-    step = _step()
-    parallel_map(read, range(0, nnz, step))
+    parallel_map(read, spans(0, nnz, CHUNK))
     return out
 
 

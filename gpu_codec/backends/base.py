@@ -16,7 +16,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..constants import DT_BF16
+from ..cpu_fallback.elementwise import all_finite  # shared with the twins
 
 Array = Any  # an array of the backend's ``xp`` (NumPy or CuPy)
 
@@ -187,17 +187,6 @@ def split_values(
 def dense_values(values: list, out_dtypes: list[int], f64_code: int) -> list:
     """Each tensor's values in the dtype dense_apply reads: fp64 for fp64 outputs, else fp32 (no copy if so)."""
     return [v.astype(np.float64 if dt == f64_code else np.float32, copy=False) for v, dt in zip(values, out_dtypes)]
-
-
-def all_finite(x: Array, out_dtype: int, xp: Any) -> bool:
-    """Whether every element of ``x``, a tensor's storage (bf16 as uint16 bit patterns), is finite.
-
-    >>> all_finite(np.array([0x3F80, 0x7F80], np.uint16), DT_BF16, np), all_finite(np.ones(2, np.float16), 1, np)
-    (False, True)
-    """
-    if out_dtype == DT_BF16:  # an exponent of all ones is inf or NaN
-        return not bool(xp.any((x & 0x7F80) == 0x7F80))
-    return bool(xp.all(xp.isfinite(x)))
 
 
 def scatter_args(xp: Any, indices: list, values: list):
