@@ -255,7 +255,8 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     eq = np.flatnonzero(key == lo)  # rare: dropping them beats copying the rest through a mask
     if eq.size:
         rel, d, key = np.delete(rel, eq), np.delete(d, eq), np.delete(key, eq)
-    ends = np.searchsorted(rel, np.arange(1, -(-(b - a) // SUB) + 1, dtype=np.int64) * SUB)
+    # the sub-blocks' ends in rel's dtype (int64 ones would cast all of rel)
+    ends = np.searchsorted(rel, np.arange(1, -(-(b - a) // SUB) + 1, dtype=np.uint32) * np.uint32(SUB))
     counts = np.empty_like(ends)
     counts[0] = ends[0]
     np.subtract(ends[1:], ends[:-1], out=counts[1:])
@@ -341,31 +342,38 @@ def _scan_blocks(
 
 def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> None:
     """The |delta| scan of an fp32 tensor's elements [a, b): ``_block_keys`` and the comparison, with as few NumPy
-    calls per block as the result allows (each call is a turn at the interpreter lock, and a turn another thread
-    waits for costs far more than the call); appends each block's candidate positions, its start and the
-    candidates' deltas (gathered from the block's inputs while in cache: 9-12 % faster on one thread, 3-6 % on two,
-    than one gather from memory at the task's end, measured at 2^24 and 2^26 on an AMD EPYC with AVX-512)."""
-    rng = slice(a, b)
-    new, base, res = c.new[t][rng], c.base[t], c.res[t]
-    base = base[rng] if base is not None else None
-    res = res[rng] if res is not None else None
-    out = c.res_out[t][rng] if write_res else None
+    calls and as little Python between them per block as the result allows (each call is a turn at the interpreter
+    lock, and a turn another thread waits for costs far more than the call); appends each block's candidate
+    positions, its start and the candidates' deltas (gathered from the block's inputs while in cache: 9-12 % faster
+    on one thread, 3-6 % on two, than one gather from memory at the task's end, measured at 2^24 and 2^26 on an AMD
+    EPYC with AVX-512)."""
+    new, base, res = c.new[t], c.base[t], c.res[t]
+    out = c.res_out[t] if write_res else None
     block = c.block
-    for s in range(0, b - a, block):
-        e = min(b - a, s + block)
-        d, m = dbuf[: e - s], mask[: e - s]
-        np.subtract(new[s:e], base[s:e] if base is not None else _ZERO32, out=d)
+    sub, add, band, ge = np.subtract, np.add, np.bitwise_and, np.greater_equal
+    keep_pos, keep_start, keep_d = pos.append, starts.append, ds.append
+    for s in range(a, b, block):
+        e = min(b, s + block)
+        d, m = (dbuf, mask) if e - s == block else (dbuf[: e - s], mask[: e - s])
+        nv = new[s:e]
+        bv = base[s:e] if base is not None else _ZERO32
+        sub(nv, bv, out=d)
         if res is not None:
-            np.add(d, res[s:e], out=d)
+            add(d, res[s:e], out=d)
         if out is not None:
             out[s:e] = d
         k = d.view(np.uint32)
-        np.bitwise_and(k, _ABS, out=k)
-        np.greater_equal(k, lo, out=m)
+        band(k, _ABS, out=k)
+        ge(k, lo, out=m)
         ci = m.nonzero()[0]
-        ds.append(c.values(t, a + s, a + e, ci))  # while the block is in cache
-        pos.append(ci)
-        starts.append(s)
+        v = nv.take(ci)  # the candidates' deltas, element-wise as the block's (the same bits)
+        if base is not None:
+            sub(v, bv.take(ci), out=v)
+        if res is not None:
+            add(v, res[s:e].take(ci), out=v)
+        keep_d(v)
+        keep_pos(ci)
+        keep_start(s - a)
 
 
 def _join(xs: list) -> np.ndarray:
