@@ -40,7 +40,6 @@ LIMBS = 3
 MAX_PAYLOADS = (1 << (32 - LIMB_BITS)) - 1  # every limb sum stays within int32
 _BETA_MIN = -56 * LIMB_BITS  # grid floor (2^-1008): keeps every scale factor a normal fp64
 _C_MAX = 2.0**960  # weighted values at or above this would overflow the top limb's scale
-_CHUNK = 1 << 18
 
 __all__ = ["MAX_PAYLOADS", "Aggregator", "aggregate"]
 
@@ -237,16 +236,14 @@ class Aggregator:
         if cur is None or vals.size == 0:
             return  # nothing but zeros so far
         rem = vals.astype(np.float64) * w
+        qs = xp.empty((LIMBS, rem.size), dtype=np.int32)
         for j in range(LIMBS):
             e = cur + (LIMBS - 1 - j) * LIMB_BITS
             q = xp.rint(rem * math.ldexp(1.0, -e))
             if j < LIMBS - 1:
                 rem = rem - q * math.ldexp(1.0, e)  # exact: q * 2^e is within half a grid step of rem
-            row = limbs[j]
-            if idx is None:
-                row += q.astype(np.int32)
-            else:
-                row[idx] += q.astype(np.int32)
+            qs[j] = q
+        self._backend.limb_add(limbs, idx, qs)
 
     def mean_delta(self) -> dict[str, Any]:
         """The weighted mean delta per tensor as flat backend arrays (fp32; fp64 for fp64 tensors)."""
@@ -260,15 +257,13 @@ class Aggregator:
         for n, shape, dt in self._template.entries:
             numel = math.prod(shape)
             vd = np.dtype(dtypes.value_dtype(dt))
-            mean = xp.zeros(numel, dtype=vd)
             beta, limbs = self._beta.get(n), self._limbs.get(n)
-            if beta is not None:
-                for a in range(0, numel, _CHUNK):
-                    b = min(numel, a + _CHUNK)
-                    acc = limbs[0, a:b].astype(np.float64) * math.ldexp(1.0, beta + (LIMBS - 1) * LIMB_BITS)
-                    for j in range(1, LIMBS):
-                        acc += limbs[j, a:b].astype(np.float64) * math.ldexp(1.0, beta + (LIMBS - 1 - j) * LIMB_BITS)
-                    mean[a:b] = (acc / total).astype(vd)
+            if beta is None:
+                out[n] = xp.zeros(numel, dtype=vd)
+                continue
+            mean = xp.empty(numel, dtype=vd)
+            scales = [math.ldexp(1.0, beta + (LIMBS - 1 - j) * LIMB_BITS) for j in range(LIMBS)]
+            self._backend.limb_mean(limbs, scales, total, mean)  # in limb order, in fp64, then rounded once
             out[n] = mean
         return out
 

@@ -133,6 +133,18 @@ class Backend(Protocol):
         read in place; the lowest entry with a non-finite value, or None."""
         ...
 
+    # --- the aggregator's integer limbs (gpu_codec.aggregate) ---------------------------------------------------
+
+    def limb_add(self, limbs: Array, idx: Array | None, qs: Array) -> None:
+        """``limbs[j][idx] += qs[j]`` for every limb j (int32; ``idx`` ascending and distinct, or None: every
+        element)."""
+        ...
+
+    def limb_mean(self, limbs: Array, scales: list[float], total: float, out: Array) -> None:
+        """``out = (sum over j of limbs[j] * scales[j]) / total``: each step in fp64, in limb order, the last cast
+        to ``out``'s dtype."""
+        ...
+
     # --- value and index codecs (encode) -----------------------------------------------------------------
 
     def cast16(self, values: list[Array], dtype: str, indices: list[Any], res: list[Any]) -> list[Array]:

@@ -42,6 +42,7 @@ SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
 SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem of reads per input
 SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (their bracket is exact)
+LIMB_CHUNK = 1 << 18  # elements per step of limb_mean: its fp64 temporaries stay a few MiB
 # candidate region of a chunk: the expected count plus this many standard deviations (with the rate's own margin
 # an i.i.d. tensor overflows a region in about 1e-6 of selections at 2^22 to 1e-4 at 2^30, far below the 0.6% at
 # which the bracket misses)
@@ -731,6 +732,21 @@ class KernelBackendBase:
         out[start:stop] = base[start:stop]
         bad = self.ops.scatter([out], [out_dtype], [numel], [indices], [values], SCATTER_ADD)
         return bad, bad is not None or all_finite(out[indices], out_dtype, self.xp)
+
+    def limb_add(self, limbs, idx, qs):
+        for j in range(limbs.shape[0]):
+            if idx is None:
+                limbs[j] += qs[j]
+            else:
+                limbs[j, idx] += qs[j]
+
+    def limb_mean(self, limbs, scales, total, out):
+        for a in range(0, limbs.shape[1], LIMB_CHUNK):
+            b = min(limbs.shape[1], a + LIMB_CHUNK)
+            acc = limbs[0, a:b].astype(np.float64) * scales[0]
+            for j in range(1, limbs.shape[0]):
+                acc += limbs[j, a:b].astype(np.float64) * scales[j]
+            out[a:b] = (acc / total).astype(out.dtype)
 
     def dense_apply(self, outs, out_dtypes, bases, values, mode):
         return self.ops.dense_apply(outs, out_dtypes, bases, values, mode)

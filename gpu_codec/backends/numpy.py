@@ -10,6 +10,7 @@ import numpy as np
 from ..constants import DT_F64, U64_MAX
 from ..cpu_fallback import dense as _dense
 from ..cpu_fallback import kernels as _twins
+from ..cpu_fallback import limbs as _limbs
 from ..cpu_fallback import quantize as _q
 from ..cpu_fallback import rice as _rice
 from ..cpu_fallback import select as _select
@@ -67,6 +68,12 @@ class NumpyBackend(ArrayDecoders):
         _twins._scatter(len(outs), total, ent_start, numels, out_dtypes, outs, idx, vals32, vals64, mode, err)
         bad = int(err[0])
         return None if bad == U64_MAX else bad
+
+    def limb_add(self, limbs, idx, qs):
+        _limbs.limb_add(limbs, idx, qs)
+
+    def limb_mean(self, limbs, scales, total, out):
+        _limbs.limb_mean(limbs, scales, total, out)
 
     def scatter_onto(self, out, base, start, stop, out_dtype, numel, indices, values):
         return _twins.scatter_onto(out, base, start, stop, out_dtype, numel, indices, values)
