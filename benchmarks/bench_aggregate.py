@@ -10,8 +10,9 @@ weighted mean, measured in the same run on the same payload bytes:
   (``gpu_codec.decompress``), then ``acc += w * dense`` into an fp64 accumulator; one dense client at a time
   (collecting every client dense first, as Flower's stock FedAvg does, would need clients x N x 4 bytes).
 
-Reported per method: time per client (mean over clients, after one warm-up) and the peak of NumPy allocations
-during the whole aggregation (``tracemalloc``), next to the bound "one accumulator plus one client's payload".
+Reported per method: time per client (mean over clients, after one warm-up), the time of the weighted mean at the
+round's end, and the peak of NumPy allocations during the whole aggregation (``tracemalloc``), next to the bound
+"one accumulator plus one client's payload".
 Payloads are made once up front (``--distinct`` different updates, sent by the clients in turn, each with its
 own weight), so the aggregation timing does not include compression.
 
@@ -24,12 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import platform
+import sys
 import time
 import tracemalloc
 from pathlib import Path
 
 import numpy as np
+from gpu_codec.cpu_fallback import parallel
 
 import gpu_codec
 from gpu_codec.aggregate import Aggregator
@@ -42,13 +44,12 @@ PIPELINES = {
 
 
 def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """The CPU model and its widest SIMD level (as bench_topk reports them)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_topk import cpu_info
+
+    info = cpu_info()
+    return f"{info['cpu_model']}, {info['simd']}"
 
 
 def make_payloads(n: int, fraction: float, distinct: int, pipeline, seed: int = 0) -> list[bytes]:
@@ -67,7 +68,8 @@ def sparse(blobs: list[bytes], weights: list[float]) -> tuple[dict, list[float],
         agg.add(b, w)
         times.append(time.perf_counter() - t)
     peak = tracemalloc.get_traced_memory()[1]
-    return agg.result(), times, peak
+    out, times = _timed_result(agg.result, times)  # the last one: the weighted mean, once per round
+    return out, times, peak
 
 
 def densify(blobs: list[bytes], weights: list[float]) -> tuple[dict, list[float], int]:
@@ -81,7 +83,21 @@ def densify(blobs: list[bytes], weights: list[float]) -> tuple[dict, list[float]
         del dense
         times.append(time.perf_counter() - t)
     peak = tracemalloc.get_traced_memory()[1]
-    return {"w": (acc / math.fsum(weights)).astype(np.float32)}, times, peak
+    out, times = _timed_result(lambda: {"w": (acc / math.fsum(weights)).astype(np.float32)}, times)
+    return out, times, peak
+
+
+def _timed_result(fn, times: list[float], repeat: int = 7) -> tuple[dict, list[float]]:
+    """``fn()`` and ``times`` with the least time of ``repeat`` calls appended: the round's end in a server that
+    has run a few rounds (the first calls in a process take up to four times as long, while the allocator faults
+    in fresh pages for the output)."""
+    runs, out = [], None
+    for _ in range(repeat):
+        out = None  # the last call's output is freed first: one is held at a time
+        t = time.perf_counter()
+        out = fn()
+        runs.append(time.perf_counter() - t)
+    return out, times + [min(runs)]
 
 
 def decode_peak(blob: bytes) -> int:
@@ -107,10 +123,11 @@ def measure(fn, blobs, weights) -> dict:
         _, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    per = times[1:] or times
+    per = times[1:-1] or times[:-1]
     return {
         "out": out,
         "per_client_ms": 1e3 * float(np.mean(per)),
+        "result_ms": 1e3 * times[-1],
         "total_s": total,
         "add_peak_bytes": add_peak,
         "peak_bytes": peak,
@@ -133,9 +150,11 @@ def run(clients: int, n: int, fraction: float, distinct: int, seed: int = 0) -> 
                 "pipeline": label,
                 "payload_bytes": len(payloads[0]),
                 "sparse_per_client_ms": s["per_client_ms"],
+                "sparse_result_ms": s["result_ms"],
                 "sparse_add_peak_bytes": s["add_peak_bytes"],
                 "sparse_peak_bytes": s["peak_bytes"],
                 "dense_per_client_ms": d["per_client_ms"],
+                "dense_result_ms": d["result_ms"],
                 "dense_add_peak_bytes": d["add_peak_bytes"],
                 "dense_peak_bytes": d["peak_bytes"],
                 "decode_peak_bytes": decode_peak(payloads[0]),
@@ -151,6 +170,7 @@ def run(clients: int, n: int, fraction: float, distinct: int, seed: int = 0) -> 
         "distinct_payloads": min(distinct, clients),
         "backend": gpu_codec.backend_info()["backend"],
         "cpu": cpu_name(),
+        "threads": parallel.thread_count(),
         "numpy": np.__version__,
         "rows": rows,
     }
@@ -160,21 +180,26 @@ def to_markdown(res: dict) -> str:
     mb = 1 / 2**20
     lines = [
         f"Aggregation of {res['clients']} clients, N = {res['n']:,}, {res['fraction']:.0%} kept "
-        f"({res['distinct_payloads']} distinct payloads), backend {res['backend']}, CPU {res['cpu']}.",
+        f"({res['distinct_payloads']} distinct payloads), backend {res['backend']}, CPU {res['cpu']}, "
+        f"{res['threads']} threads.",
         "",
-        "| pipeline | payload | ms/client sparse | ms/client densify | peak sparse: adding (with result) "
-        "| peak densify: adding (with result) | bound |",
-        "|---|---:|---:|---:|---:|---:|---:|",
+        "| pipeline | payload | ms/client sparse | ms/client densify | result ms sparse | result ms densify "
+        "| peak sparse: adding (with result) | peak densify: adding (with result) | bound |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
         lines.append(
             f"| {r['pipeline']} | {r['payload_bytes'] * mb:.2f} MiB | {r['sparse_per_client_ms']:.1f} | "
-            f"{r['dense_per_client_ms']:.1f} | {r['sparse_add_peak_bytes'] * mb:.0f} "
+            f"{r['dense_per_client_ms']:.1f} | {r['sparse_result_ms']:.1f} | {r['dense_result_ms']:.1f} | "
+            f"{r['sparse_add_peak_bytes'] * mb:.0f} "
             f"({r['sparse_peak_bytes'] * mb:.0f}) MiB | {r['dense_add_peak_bytes'] * mb:.0f} "
             f"({r['dense_peak_bytes'] * mb:.0f}) MiB | {r['bound_bytes'] * mb:.0f} MiB |"
         )
     lines += [
         "",
+        "Result: the weighted mean (sparse: from the accumulator's limbs, on the thread pool; densify: the "
+        "fp64 accumulator divided and cast), once per round; the least of seven calls (the first calls in a "
+        "process take up to four times as long, while the allocator faults in fresh pages for the output). "
         "Peak: NumPy allocations (tracemalloc) while the clients are added, and in brackets including the "
         "final result (an fp32 output of N elements). Bound: the sparse accumulator (12 bytes per element) plus "
         "one client's payload: the peak of decoding it on its own (bytes, decoder scratch, pairs) and 64 bytes "
