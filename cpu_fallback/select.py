@@ -116,21 +116,25 @@ class _Call:
             self._free.clear()
 
     def values(self, t: int, s: int, e: int, ci: np.ndarray) -> np.ndarray:
-        """The deltas at positions ``ci`` of elements [s, e), gathered again from a block's inputs; element-wise, so
-        the same bits as the whole-block delta."""
+        """The deltas at positions ``ci`` of elements [s, e), gathered again from a block's inputs."""
 
         def at(x):
-            return x[s:e].take(ci) if x is not None else None
+            return x[s:e] if x is not None else None
 
-        base, res = self.base[t], self.res[t]
-        if self.dtypes[t] != DT_F32:
-            return delta(at(self.new[t]), at(base), at(res), self.dtypes[t])
-        v = at(self.new[t])
-        if base is not None:
-            np.subtract(v, at(base), out=v)
-        if res is not None:
-            np.add(v, at(res), out=v)
-        return v
+        return _gathered(ci, at(self.new[t]), at(self.base[t]), at(self.res[t]), self.dtypes[t])
+
+
+def _gathered(ci: np.ndarray, new: np.ndarray, base, res, dt: int) -> np.ndarray:
+    """The deltas at positions ``ci`` of a block's inputs (views; ``None`` where absent), element-wise, so the same
+    bits as the whole block's delta."""
+    if dt != DT_F32:
+        return delta(new.take(ci), *(x.take(ci) if x is not None else None for x in (base, res)), dt)
+    v = new.take(ci)
+    if base is not None:
+        np.subtract(v, base.take(ci), out=v)
+    if res is not None:
+        np.add(v, res.take(ci), out=v)
+    return v
 
 
 def block_size(nbytes: int, threads: int) -> int:
@@ -172,14 +176,9 @@ class _Part:
     bad: bool = False
     hist: np.ndarray | None = None  # the candidates per bin of their keys' top 16 bits (_hist)
 
-    def keys(self, out: np.ndarray | None = None) -> np.ndarray:
-        """The candidates' keys (into ``out`` where given)."""
-        if self.key is None:
-            return np.bitwise_and(self.d.view(np.uint32), _ABS, out=out)
-        if out is None:
-            return self.key
-        out[...] = self.key
-        return out
+    def keys(self) -> np.ndarray:
+        """The candidates' keys."""
+        return np.bitwise_and(self.d.view(np.uint32), _ABS) if self.key is None else self.key
 
     def rel(self) -> np.ndarray:
         """uint32 index of each candidate relative to a."""
@@ -356,22 +355,18 @@ def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, 
         e = min(b, s + block)
         d, m = (dbuf, mask) if e - s == block else (dbuf[: e - s], mask[: e - s])
         nv = new[s:e]
-        bv = base[s:e] if base is not None else _ZERO32
-        sub(nv, bv, out=d)
-        if res is not None:
-            add(d, res[s:e], out=d)
+        bv = base[s:e] if base is not None else None
+        rv = res[s:e] if res is not None else None
+        sub(nv, bv if bv is not None else _ZERO32, out=d)
+        if rv is not None:
+            add(d, rv, out=d)
         if out is not None:
             out[s:e] = d
         k = d.view(np.uint32)
         band(k, _ABS, out=k)
         ge(k, lo, out=m)
         ci = m.nonzero()[0]
-        v = nv.take(ci)  # the candidates' deltas, element-wise as the block's (the same bits)
-        if base is not None:
-            sub(v, bv.take(ci), out=v)
-        if res is not None:
-            add(v, res[s:e].take(ci), out=v)
-        keep_d(v)
+        keep_d(_gathered(ci, nv, bv, rv, DT_F32))
         keep_pos(ci)
         keep_start(s - a)
 
