@@ -49,14 +49,10 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-_turn = [0]
-
-
-def speedup(fn) -> float:
-    """One thread's time over all threads', taken back to back, in turn one first and all first (the second of
-    two runs can find the first one's data in cache)."""
-    _turn[0] ^= 1
-    if _turn[0]:
+def speedup(fn, one_first: bool) -> float:
+    """One thread's time over all threads', taken back to back, one thread first or all first (callers take
+    both in turn: the second of two runs can find the first one's data in cache)."""
+    if one_first:
         one = timed(lambda: with_threads(1, fn))
         return one / timed(fn)
     every = timed(fn)
@@ -101,8 +97,8 @@ def survey(new, base, fraction: float, seconds: float, per_tick: int) -> tuple[l
         gauges.append(
             {
                 "t": round(tick, 2),
-                "floor_x": statistics.median(speedup(floor) for _ in range(5)),
-                "short_x": statistics.median(speedup(compute_probe) for _ in range(3)),
+                "floor_x": statistics.median(speedup(floor, i % 2 == 0) for i in range(5)),
+                "short_x": statistics.median(speedup(compute_probe, i % 2 == 1) for i in range(3)),
                 "wake_us": wake_us(),
             }
         )

@@ -25,23 +25,36 @@ TASK = 1 << 20  # elements per pool task of a dense limb_add
 ADD_TASK = 1 << 15  # entries per pool task of limb_add
 
 
+def add_span(limbs, idx, qs, a: int, b: int) -> None:
+    """Entries [a, b) of :func:`limb_add`, with the arrays' own module (NumPy or CuPy): ``limbs[j][idx[a:b]] +=
+    qs[j, a:b]`` for every limb j (``idx`` None: elements a to b)."""
+    for j in range(limbs.shape[0]):
+        if idx is None:
+            limbs[j, a:b] += qs[j, a:b]
+        else:
+            limbs[j, idx[a:b]] += qs[j, a:b]
+
+
 def limb_add(limbs: np.ndarray, idx: np.ndarray | None, qs: np.ndarray) -> None:
     """``limbs[j][idx] += qs[j]`` for every limb j (``idx`` ascending and distinct; ``None``: every element,
     ``qs`` then holds one row of numel per limb). The entries are split into ranges on the pool: distinct
     indices make the ranges' writes disjoint, and int32 sums do not depend on the order.
     """
-    n = qs.shape[1]
+    parallel_map(lambda c: add_span(limbs, idx, qs, *c), spans(0, qs.shape[1], TASK if idx is None else ADD_TASK))
 
-    def part(span: tuple[int, int]) -> None:
-        a, b = span
-        for j in range(limbs.shape[0]):
-            if idx is None:
-                limbs[j, a:b] += qs[j, a:b]
-            else:
-                ii = idx[a:b]
-                limbs[j, ii] += qs[j, a:b]
 
-    parallel_map(part, spans(0, n, TASK if idx is None else ADD_TASK))
+def mean_span(limbs, scales: list[float], total: float, out, a: int, b: int, acc, term) -> None:
+    """Elements [a, b) of :func:`limb_mean`, with the arrays' own module (NumPy or CuPy), through two fp64 buffers
+    ``acc`` and ``term`` of at least b - a elements: the same steps, so the same bytes, for every backend."""
+    s, t = acc[: b - a], term[: b - a]
+    s[...] = limbs[0, a:b]  # int32 -> fp64: exact (a copy casts faster than the ufunc's own casting)
+    s *= scales[0]  # a power of two: exact
+    for j in range(1, limbs.shape[0]):
+        t[...] = limbs[j, a:b]
+        t *= scales[j]
+        s += t
+    s /= total
+    out[a:b] = s
 
 
 def limb_mean(limbs: np.ndarray, scales: list[float], total: float, out: np.ndarray) -> None:
@@ -56,15 +69,6 @@ def limb_mean(limbs: np.ndarray, scales: list[float], total: float, out: np.ndar
         acc = np.empty(min(BLOCK, span[1] - span[0]), np.float64)
         term = np.empty_like(acc)
         for a in range(span[0], span[1], BLOCK):
-            b = min(span[1], a + BLOCK)
-            s, t = acc[: b - a], term[: b - a]
-            s[...] = limbs[0, a:b]  # int32 -> fp64: exact (a copy casts faster than the ufunc's own casting)
-            s *= scales[0]  # a power of two: exact
-            for j in range(1, limbs.shape[0]):
-                t[...] = limbs[j, a:b]
-                t *= scales[j]
-                s += t
-            s /= total
-            out[a:b] = s
+            mean_span(limbs, scales, total, out, a, min(span[1], a + BLOCK), acc, term)
 
     parallel_map(task, spans(0, numel, step))

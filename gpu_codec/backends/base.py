@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..cpu_fallback.elementwise import all_finite  # shared with the twins
+from ..cpu_fallback.limbs import add_span, mean_span  # the limb passes' steps, shared with the twins
 
 Array = Any  # an array of the backend's ``xp`` (NumPy or CuPy)
 
@@ -221,4 +222,15 @@ def scatter_args(xp: Any, indices: list, values: list):
     return total, ent_start, idx, vals32, vals64
 
 
-__all__ = ["Array", "Backend", "Runner", "all_finite", "dense_values", "flat_tables", "scatter_args", "split_values"]
+__all__ = [
+    "Array",
+    "Backend",
+    "Runner",
+    "add_span",
+    "all_finite",
+    "dense_values",
+    "flat_tables",
+    "mean_span",
+    "scatter_args",
+    "split_values",
+]

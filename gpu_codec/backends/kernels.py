@@ -35,7 +35,7 @@ from ..constants import (
     U64_MAX,
     index_dtype,
 )
-from .base import Runner, all_finite, dense_values, flat_tables, scatter_args, split_values
+from .base import Runner, add_span, all_finite, dense_values, flat_tables, mean_span, scatter_args, split_values
 
 FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
 SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32)
@@ -734,19 +734,14 @@ class KernelBackendBase:
         return bad, bad is not None or all_finite(out[indices], out_dtype, self.xp)
 
     def limb_add(self, limbs, idx, qs):
-        for j in range(limbs.shape[0]):
-            if idx is None:
-                limbs[j] += qs[j]
-            else:
-                limbs[j, idx] += qs[j]
+        add_span(limbs, idx, qs, 0, qs.shape[1])
 
     def limb_mean(self, limbs, scales, total, out):
-        for a in range(0, limbs.shape[1], LIMB_CHUNK):
-            b = min(limbs.shape[1], a + LIMB_CHUNK)
-            acc = limbs[0, a:b].astype(np.float64) * scales[0]
-            for j in range(1, limbs.shape[0]):
-                acc += limbs[j, a:b].astype(np.float64) * scales[j]
-            out[a:b] = (acc / total).astype(out.dtype)
+        n = limbs.shape[1]
+        acc = limbs[0, : min(n, LIMB_CHUNK)].astype(np.float64)  # the two fp64 buffers, in the limbs' module
+        term = acc.copy()
+        for a in range(0, n, LIMB_CHUNK):
+            mean_span(limbs, scales, total, out, a, min(n, a + LIMB_CHUNK), acc, term)
 
     def dense_apply(self, outs, out_dtypes, bases, values, mode):
         return self.ops.dense_apply(outs, out_dtypes, bases, values, mode)
