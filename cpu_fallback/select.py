@@ -18,6 +18,7 @@ the thread count.
 
 from __future__ import annotations
 
+import bisect
 import math
 import threading
 from dataclasses import dataclass, field
@@ -94,6 +95,20 @@ class _Call:
         """The residual can be written during the scan: it does not share memory with the residual read."""
         r, w = self.res[t], self.res_out[t]
         return w is not None and (r is None or not np.may_share_memory(r, w))
+
+    def early(self, p: _Part) -> bool:
+        """The scan of part ``p`` writes its residuals (every tensor of a packed part can take it early)."""
+        return all(self.writes_residual_early(t) for t in p.ts) if p.ts is not None else self.writes_residual_early(p.t)
+
+    def late(self, p: _Part) -> bool:
+        """Part ``p``'s residuals are written after the selection (they share memory with the residuals read)."""
+        ts = p.ts if p.ts is not None else (p.t,)
+        return any(self.res_out[t] is not None for t in ts) and not self.early(p)
+
+    def packed_block(self) -> int:
+        """Elements per block of a packed part: half a block, the delta in one half of the block's buffer and its
+        keys in the other (the candidates' deltas are gathered from the buffer, not from the inputs)."""
+        return self.block // 2
 
     def step(self, t: int) -> int:
         """Elements per block of tensor t: scores other than |delta| need temporaries of their own per block."""
@@ -175,6 +190,13 @@ class _Part:
     neq: int = 0  # entries with key == lo
     bad: bool = False
     hist: np.ndarray | None = None  # the candidates per bin of their keys' top 16 bits (_hist)
+    ts: tuple | None = None  # a packed part: whole small tensors, end to end ([a, b) counts along them)
+    cum: list | None = None  # ... each one's start in the part, and the part's end
+    bad_t: int | None = None  # the first tensor with a non-finite delta or score
+
+    def first_bad(self) -> int:
+        """The lowest tensor position with a non-finite delta or score (``bad`` is set)."""
+        return self.t if self.bad_t is None else self.bad_t
 
     def keys(self) -> np.ndarray:
         """The candidates' keys."""
@@ -234,7 +256,10 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     try:
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
             f32 = fast and c.dtypes[t] == DT_F32
-            if f32:
+            if part.ts is not None:
+                _scan_packed(c, part, lo, write_res, dbuf, mask, pos, starts, ds)
+                bad = False
+            elif f32:
                 _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds)
                 bad = False
             else:
@@ -249,8 +274,12 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     rel += np.repeat(np.array(starts, np.uint32), sizes)
     d = _join(ds)
     key = _join(ks) if ks else np.bitwise_and(d.view(np.uint32), _ABS)
+    bad_t = None
     if fast:  # lo <= inf: every non-finite delta is at or above lo
         bad = key.size > 0 and bool(key.max() >= _INF_BITS)
+        if bad and part.ts is not None:
+            first = int(rel[int(np.argmax(key >= _INF_BITS))])
+            bad_t = part.ts[bisect.bisect_right(part.cum, first) - 1]
     eq = np.flatnonzero(key == lo)  # rare: dropping them beats copying the rest through a mask
     if eq.size:
         rel, d, key = np.delete(rel, eq), np.delete(d, eq), np.delete(key, eq)
@@ -262,7 +291,7 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     np.bitwise_and(rel, np.uint32(SUB - 1), out=rel)  # the index within its sub-block
     idx, rel = rel.astype(np.uint16), None
     hist = _hist(key, lo, in_place=fast)  # on the fast path the keys are not kept: binned in their own memory
-    return _Part(t, a, b, idx, counts, d, None if fast else key, int(eq.size), bad, hist)
+    return _Part(t, a, b, idx, counts, d, None if fast else key, int(eq.size), bad, hist, part.ts, part.cum, bad_t)
 
 
 def _hist(key: np.ndarray, lo: np.uint32, in_place: bool = False) -> np.ndarray:
@@ -371,6 +400,51 @@ def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, 
         keep_start(s - a)
 
 
+def _fill(c: _Call, part: _Part, s: int, e: int, d: np.ndarray, write_res: bool) -> None:
+    """The fp32 deltas of a packed part's elements [s, e) into ``d`` (one piece of each tensor the range meets),
+    each tensor's residual written first where asked."""
+    cum, ts = part.cum, part.ts
+    j = bisect.bisect_right(cum, s) - 1
+    o = 0
+    while s < e:
+        t, t0 = ts[j], cum[j]
+        stop = min(e, cum[j + 1])
+        a, b = s - t0, stop - t0
+        if b > a:
+            out = d[o : o + b - a]
+            base, res = c.base[t], c.res[t]
+            if c.dtypes[t] == DT_F32:
+                np.subtract(c.new[t][a:b], base[a:b] if base is not None else _ZERO32, out=out)
+                if res is not None:
+                    np.add(out, res[a:b], out=out)
+            else:
+                out[...] = delta(c.new[t][a:b], *(x[a:b] if x is not None else None for x in (base, res)), c.dtypes[t])
+            if write_res and c.res_out[t] is not None:
+                c.res_out[t][a:b] = out
+            o += b - a
+        s = stop
+        j += 1
+
+
+def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> None:
+    """The |delta| scan of a packed part (small fp32, fp16 or bf16 tensors end to end): per block, one piece a
+    tensor fills the delta (:func:`_fill`), then keys, comparison and the candidates' deltas take one call each for
+    the whole block, whatever the number of tensors in it."""
+    half = c.packed_block()
+    d, k, m = dbuf[:half], dbuf[half : 2 * half].view(np.uint32), mask[:half]
+    band, ge = np.bitwise_and, np.greater_equal
+    for s in range(0, part.b, half):
+        e = min(part.b, s + half)
+        dv, kv, mv = (d, k, m) if e - s == half else (d[: e - s], k[: e - s], m[: e - s])
+        _fill(c, part, s, e, dv, write_res)
+        band(dv.view(np.uint32), _ABS, out=kv)
+        ge(kv, lo, out=mv)
+        ci = mv.nonzero()[0]
+        ds.append(dv.take(ci))
+        pos.append(ci)
+        starts.append(s)
+
+
 def _join(xs: list) -> np.ndarray:
     """The arrays of a list joined, the list emptied (its arrays are freed as soon as they are copied)."""
     out = np.concatenate(xs) if len(xs) > 1 else xs[0]
@@ -385,6 +459,19 @@ def _equal(c: _Call, part: _Part, lo: np.uint32, need: int) -> tuple[np.ndarray,
     dbuf, _ = bufs = c.buffers()
     try:
         with np.errstate(over="ignore", invalid="ignore"):
+            if part.ts is not None:
+                half = c.packed_block()
+                d, k = dbuf[:half], dbuf[half : 2 * half].view(np.uint32)
+                for s in range(0, b, half):
+                    if need <= 0:
+                        break
+                    e = min(b, s + half)
+                    _fill(c, part, s, e, d[: e - s], False)
+                    ci = np.flatnonzero(np.bitwise_and(d[: e - s].view(np.uint32), _ABS, out=k[: e - s]) == lo)[:need]
+                    need -= ci.size
+                    ds.append(d[: e - s].take(ci))
+                    idx.append((ci + s).astype(np.uint32))
+                return np.concatenate(idx), np.concatenate(ds)
             for s in range(a, b, c.step(t)):
                 if need <= 0:
                     break
@@ -404,6 +491,12 @@ def _write_residual(c: _Call, part: _Part) -> None:
     dbuf, _ = bufs = c.buffers()
     try:
         with np.errstate(over="ignore", invalid="ignore"):
+            if part.ts is not None:
+                half = c.packed_block()
+                for s in range(0, part.b, half):
+                    e = min(part.b, s + half)
+                    _fill(c, part, s, e, dbuf[: e - s], True)
+                return
             step = c.step(part.t)
             for s in range(part.a, part.b, step):
                 _block_keys(c, part.t, s, min(part.b, s + step), dbuf, True)
@@ -417,10 +510,25 @@ def _tasks(c: _Call, seg: list[int]) -> list[_Part]:
     total = sum(c.new[t].size for t in seg)
     span = max(MIN_TASK, min(TASK, total // TASK_SPLIT))
     span = -(-span // c.block) * c.block
-    parts = []
+    parts, pack, cum = [], [], [0]
+
+    def flush() -> None:
+        if cum[-1]:
+            parts.append(_Part(pack[0], 0, cum[-1], ts=tuple(pack), cum=list(cum)))
+        pack.clear()
+        del cum[1:]
+
     for t in seg:
         m = c.new[t].size
+        if m < span and c.fast(t):  # small tensors end to end: a task's blocks span many of them
+            pack.append(t)
+            cum.append(cum[-1] + m)
+            if cum[-1] >= span:
+                flush()
+            continue
+        flush()
         parts += [_Part(t, a, min(m, a + span)) for a in range(0, m, span)]
+    flush()
     return parts
 
 
@@ -440,16 +548,32 @@ def _stride(n: int) -> int:
 
 
 def _sample(c: _Call, seg: list[int], n: int) -> np.ndarray:
-    """Keys of a sample of the segment: runs of RUN elements spread evenly over every tensor."""
+    """Keys of a sample of the segment: runs of RUN elements spread evenly over every tensor. The runs of fp32
+    |delta| tensors are gathered into one array first, so their keys take a few calls whatever the tensor count."""
     stride = _stride(n)
-    keys = []
+    keys, batch = [], {}  # (has base, has residual) -> fp32 |delta| tensors' runs: new, base, residual
     with np.errstate(over="ignore", invalid="ignore"):
         for t in seg:
-            views = [_runs(x, stride) for x in (c.new[t], c.base[t], c.res[t], c.ext[t])]
+            arrays = (c.new[t], c.base[t], c.res[t])
+            if c.fast(t) and c.dtypes[t] == DT_F32:
+                runs = batch.setdefault((arrays[1] is not None, arrays[2] is not None), ([], [], [], [], [], []))
+                for j, x in enumerate(arrays):
+                    if x is not None:
+                        rows, tail = _runs(x, stride)
+                        runs[j].append(rows)
+                        runs[3 + j].append(tail)
+                continue
+            views = [_runs(x, stride) for x in (*arrays, c.ext[t])]
             for part in (0, 1):
                 nw, bs, rs, ex = (v[part] for v in views)
                 if nw.size:
                     keys.append(_keys(t, nw, bs, rs, c.dtypes[t], c.crit, ex, c.ext_dt[t])[1].ravel())
+        for runs in batch.values():
+            nw, bs, rs = (
+                np.concatenate([np.concatenate(runs[j], axis=None), np.concatenate(runs[3 + j])]) if runs[j] else None
+                for j in range(3)
+            )
+            keys.append(_keys(-1, nw, bs, rs, DT_F32, c.crit, None, 0)[1])
     return np.concatenate(keys)
 
 
@@ -538,37 +662,66 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
                 need -= extras[i][0].size
             counts.append(p.idx.size + (extras[i][0].size if extras[i] is not None else 0))
     offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    mine: dict[int, list[int]] = {}
+    for i, p in enumerate(parts):
+        if p.ts is None:
+            mine.setdefault(p.t, []).append(i)
+            continue
+        # a packed part: its selection at once, then a view of it per tensor, indices made relative in place
+        rel, val = np.empty(counts[i], np.uint32), np.empty(counts[i], np.float32)
+        _write_part(p, thr, ties[i] if ties is not None else None, extras[i], rel, val, 0)
+        cuts = np.searchsorted(rel, np.asarray(p.cum, np.uint32)).tolist()
+        for j, t in enumerate(p.ts):
+            r = rel[cuts[j] : cuts[j + 1]]
+            r -= np.uint32(p.cum[j])
+            indices[t], values[t] = r, val[cuts[j] : cuts[j + 1]]
     for t in seg:
-        mine = [i for i, p in enumerate(parts) if p.t == t]
-        start = offsets[mine[0]] if mine else 0
-        idx = np.empty(sum(counts[i] for i in mine), index_dtype(c.new[t].size))
+        if indices[t] is not None:
+            continue
+        own = mine.get(t, [])
+        start = offsets[own[0]] if own else 0
+        idx = np.empty(sum(counts[i] for i in own), index_dtype(c.new[t].size))
         val = np.empty(idx.size, np.float64 if c.dtypes[t] == DT_F64 else np.float32)
-        for i in mine:
-            p, o = parts[i], offsets[i] - start
-            if ties is not None:  # two gathers, straight into the output (faster than masks)
-                kp = p.keys()
-                sel = kp > thr
-                if ties[i]:
-                    sel[np.flatnonzero(kp == thr)[: ties[i]]] = True
-                j, sel, kp = sel.nonzero()[0], None, None
-                np.take(p.d, j, out=val[o : o + j.size], mode="clip")  # j is in range: no checked copy
-                per_sub = np.searchsorted(j, np.cumsum(p.counts))  # where each sub-block's kept entries end,
-                per_sub[1:] -= per_sub[:-1]  # then how many each holds
-                kept, j = p.idx.take(j, mode="clip"), None  # j freed before _rel's temporaries (the peak)
-                _rel(kept, per_sub, out=idx[o : o + kept.size], start=p.a)
-            elif extras[i] is not None:
-                pi = np.concatenate([p.rel(), extras[i][0]])
-                order = np.argsort(pi, kind="stable")
-                pi, pd = pi[order], np.concatenate([p.d, extras[i][1]])[order]
-                dst = idx[o : o + pi.size]
-                dst[...] = pi
-                dst += idx.dtype.type(p.a)
-                val[o : o + pi.size] = pd
-            else:
-                _rel(p.idx, p.counts, out=idx[o : o + p.idx.size], start=p.a)
-                val[o : o + p.d.size] = p.d
-            p.idx = p.d = p.key = None
+        for i in own:
+            o = offsets[i] - start
+            _write_part(
+                parts[i],
+                thr,
+                ties[i] if ties is not None else None,
+                extras[i],
+                idx[o : o + counts[i]],
+                val[o : o + counts[i]],
+                parts[i].a,
+            )
         indices[t], values[t] = idx, val
+
+
+def _write_part(p: _Part, thr, tie: int | None, extra, idx: np.ndarray, val: np.ndarray, start: int) -> None:
+    """A part's kept entries, in index order, into ``idx`` (relative to the part, plus ``start``) and ``val``: those
+    above ``thr`` and the first ``tie`` equal to it (``tie`` None: every candidate, and the ``extra`` entries equal
+    to lo where the threshold is lo). The part's candidates are freed."""
+    if tie is not None:  # two gathers, straight into the output (faster than masks)
+        kp = p.keys()
+        sel = kp > thr
+        if tie:
+            sel[np.flatnonzero(kp == thr)[:tie]] = True
+        j, sel, kp = sel.nonzero()[0], None, None
+        np.take(p.d, j, out=val, mode="clip")  # j is in range: no checked copy
+        per_sub = np.searchsorted(j, np.cumsum(p.counts))  # where each sub-block's kept entries end,
+        per_sub[1:] -= per_sub[:-1]  # then how many each holds
+        kept, j = p.idx.take(j, mode="clip"), None  # j freed before _rel's temporaries (the peak)
+        _rel(kept, per_sub, out=idx, start=start)
+    elif extra is not None:
+        pi = np.concatenate([p.rel(), extra[0]])
+        order = np.argsort(pi, kind="stable")
+        pi, pd = pi[order], np.concatenate([p.d, extra[1]])[order]
+        idx[...] = pi
+        idx += idx.dtype.type(start)
+        val[...] = pd
+    else:
+        _rel(p.idx, p.counts, out=idx, start=start)
+        val[...] = p.d
+    p.idx = p.d = p.key = None
 
 
 def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Part], np.uint32]:
@@ -578,7 +731,7 @@ def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Par
     tasks = _tasks(c, seg)
     for step, lo in enumerate(ladder):
         parts = parallel_map(  # a rescan does not write the residual again
-            lambda p, lo=lo, early=step == 0: _scan(c, p, lo, early and c.writes_residual_early(p.t)), tasks, c.workers
+            lambda p, lo=lo, early=step == 0: _scan(c, p, lo, early and c.early(p)), tasks, c.workers
         )
         c.release()
         if any(p.bad for p in parts) or lo == 0 or sum(p.idx.size + p.neq for p in parts) >= k:
@@ -606,7 +759,7 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
         n = sum(new[t].size for t in seg)
         if 0 < k < n:
             parts, lo = _sparse_segment(c, seg, n, k)
-            bad += [p.t for p in parts if p.bad]
+            bad += [p.first_bad() for p in parts if p.bad]
             sparse.append((seg, parts, lo, k))
             continue
         for t in seg:  # nothing or everything kept: whole deltas, as small as the tensor or as the output
@@ -622,7 +775,7 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
         return None, None, min(bad)
     for seg, parts, lo, k in sparse:
         _finish(c, seg, parts, lo, k, indices, values)
-        late = [p for p in parts if res_out[p.t] is not None and not c.writes_residual_early(p.t)]
+        late = [p for p in parts if c.late(p)]
         c.release()
         if late:  # after _finish: it may read the residual again
             parallel_map(lambda p: _write_residual(c, p), late, c.workers)
