@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from .dtypes import dtype_name
 from .errors import InvalidInputError
 
 _NP_TO_LOGICAL = {
@@ -71,6 +72,10 @@ def array_kind(x: Any) -> str:
 
 def to_tensor(x: Any, name: str) -> Tensor:
     """Wrap an input array without copying it where its memory is already contiguous."""
+    if type(x) is np.ndarray and x.flags.c_contiguous:  # the common case, without the general path's checks
+        logical = _NP_TO_LOGICAL.get(x.dtype)
+        if logical is not None:
+            return Tensor(x.reshape(-1), logical, x.shape, "numpy", None)
     try:
         kind = array_kind(x)
     except InvalidInputError as e:
@@ -106,7 +111,7 @@ def to_tensor(x: Any, name: str) -> Tensor:
         import cupy
 
         dt = np.dtype(x.dtype)
-        logical = _NP_TO_LOGICAL.get(dt, dt.name)
+        logical = _NP_TO_LOGICAL.get(dt) or dtype_name(dt)
         data = cupy.ascontiguousarray(x).reshape(-1)
         return Tensor(data, logical, tuple(x.shape), "cupy", x.device.id)
     try:
@@ -114,11 +119,11 @@ def to_tensor(x: Any, name: str) -> Tensor:
     except (ValueError, TypeError) as e:
         raise InvalidInputError(f"tensor {name!r}: not convertible to an array ({e})") from None
     dt = arr.dtype
-    if dt.name == "bfloat16":  # ml_dtypes
+    if dtype_name(dt) == "bfloat16":  # ml_dtypes
         logical = "bfloat16"
         arr = arr.view(np.uint16)
     else:
-        logical = _NP_TO_LOGICAL.get(dt, dt.name)
+        logical = _NP_TO_LOGICAL.get(dt) or dtype_name(dt)
     if arr.dtype.byteorder == ">":
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     data = np.ascontiguousarray(arr).reshape(-1)

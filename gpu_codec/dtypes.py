@@ -17,6 +17,25 @@ FLOAT_DTYPES: dict[str, tuple[int, np.dtype]] = {
 }
 
 
+_NAMES: dict = {}
+
+
+def dtype_name(dt) -> str:
+    """``np.dtype(dt).name``, remembered per dtype (NumPy builds the name string on every access, a few µs: a cost
+    per tensor that adds up on updates of a thousand tensors).
+
+    >>> dtype_name(np.float32), dtype_name(np.dtype("<u4"))
+    ('float32', 'uint32')
+    """
+    try:
+        return _NAMES[dt]
+    except KeyError:
+        name = _NAMES[dt] = np.dtype(dt).name
+        return name
+    except TypeError:  # not hashable: no cache
+        return np.dtype(dt).name
+
+
 def value_dtype(logical: str) -> str:
     """The dtype a delta of ``logical`` is computed and kept in: fp64 for fp64, fp32 for every other float."""
     return "float64" if logical == "float64" else "float32"

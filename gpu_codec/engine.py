@@ -127,7 +127,22 @@ def _check_limits(name: Any, shape: tuple[int, ...]) -> None:
         raise InvalidInputError(f"tensor {name!r}: shape {shape} exceeds {MAX_TENSOR_ELEMENTS} elements")
 
 
+# Bytes a tensor's entry in the v2 table can take beside its name: kind, form, 8 dimensions, nnz and the codec
+# fields are each a byte or a varint of at most 10 bytes (about 140 in all at the most), and the name's own varints.
+TABLE_ENTRY_BOUND = 512
+
+
+def _header_bound(payload: Payload) -> int:
+    """An upper bound on the header's bytes from the names, the stage and metadata JSON and the tensor count alone
+    (no layout of the table): where it is within the reader's limit, the exact size need not be computed."""
+    names = sum(len(r.name) for r in payload.tensors)  # UTF-8 takes at most 4 bytes a character
+    cfg = json.dumps([payload.pipeline, payload.metadata], separators=(",", ":"), ensure_ascii=True)
+    return 4 * names + TABLE_ENTRY_BOUND * (len(payload.tensors) + len(payload.pipeline)) + 4 * len(cfg) + 4096
+
+
 def _check_header_size(payload: Payload) -> None:
+    if _header_bound(payload) <= MAX_HEADER_BYTES:
+        return
     header = payload.header_nbytes
     if header > MAX_HEADER_BYTES:
         raise InvalidInputError(
@@ -568,8 +583,9 @@ def _check_indices(d: Any, numel: int, xp: Any, chunk: int) -> None:
         last = end
 
 
-def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, int]) -> Any:
-    """One tensor's dense output (a new array: the base is copied, never written), filled a chunk at a time; onto a
+def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, int], out_of: Any) -> Any:
+    """One tensor's dense output into ``out_of()`` (its slice of the decode's one allocation, zeros without a base,
+    asked for once the indices are checked; the base is copied, never written), filled a chunk at a time; onto a
     base, each chunk of entries copies the base up to its last index and adds them (``scatter_onto``)."""
     xp = backend.xp
     numel = d.numel
@@ -582,8 +598,7 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
     dense = d.indices is None
     base_arr = backend.asarray(base.data) if base is not None else None
     onto = not dense and base_arr is not None
-    # a new array (the caller's base is never written): zeros, or filled below from the base or the values
-    out = (xp.empty if dense or onto else xp.zeros)(numel, dtype=dtypes.storage_dtype(logical))
+    out = out_of()
     copied = 0  # onto a base: elements [0, copied) of out are written
     step = max(d.step, chunk // d.step * d.step)
     for a in range(0, d.nnz, step):
@@ -620,11 +635,78 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
     return out
 
 
+SMALL_TENSOR = 1 << 16  # sparse tensors of at most this many elements are decoded in runs, a few calls a run
+SMALL_RUN = 1 << 20  # elements of output a run covers at the most
+
+
+def _decode_run(run: list, flat_of: Any, offsets: list[int], bases: list, logical: str, backend: Any) -> bool:
+    """A run of small sparse tensors, adjacent in the buffer ``flat_of()`` gives (``offsets``: each one's start,
+    then the run's end), which is asked for once the entries are checked:
+    their bases copied in, then every entry checked and added (or written) in one scatter over the run's span.
+    False where an index or value is bad or a sum not finite: the caller then decodes them one by one, which
+    raises the error that names the tensor."""
+    xp = backend.xp
+    host = xp.asarray if backend.on_device else np.asarray  # small host tables, where the entries are
+    idx = [d.indices(0, d.nnz) for d in run]
+    counts = [int(i.size) for i in idx]
+    o0, o1 = offsets[0], offsets[-1]
+    code = dtypes.code(logical)
+    if sum(counts):
+        gi = xp.concatenate([i.astype(np.int64, copy=False) for i in idx])
+        vals = xp.concatenate([d.values(0, d.nnz) for d in run])
+        lim = host(np.repeat(np.asarray([d.numel for d in run], np.int64), counts))
+        step = gi[1:] > gi[:-1]
+        firsts = np.cumsum(counts)[:-1] - 1  # where a tensor's first entry follows the last one's
+        step[host(firsts[(firsts >= 0) & (firsts < step.size)])] = True
+        if not (bool(xp.all((gi >= 0) & (gi < lim))) and bool(xp.all(step))):
+            return False
+        gi += host(np.repeat(np.asarray(offsets[:-1], np.int64) - o0, counts))
+        gi = gi.astype(dtypes.index_dtype(o1 - o0))
+    flat = flat_of()
+    span = flat[o0:o1]
+    for b, o, n in zip(bases, offsets, np.diff(offsets).tolist()):
+        if b is not None:
+            flat[o : o + n] = backend.asarray(b.data)
+    if not sum(counts):
+        return True
+    mode = SCATTER_ADD if bases[0] is not None else SCATTER_ZEROS
+    if backend.scatter([span], [code], [o1 - o0], [gi], [vals], mode) is not None:
+        return False  # a value is not finite
+    return mode != SCATTER_ADD or all_finite(span[gi], code, xp)
+
+
 def decoded_records(payload: Payload, backend: Backend) -> list[TensorRecord]:
     """The payload's records decoded by its own pipeline to ``coo``/``dense`` buffers on ``backend`` (quantized
     values, coded indices, lossless stages), all at once, as :mod:`gpu_codec.aggregate` takes them. Indices and
     values are not checked here: the caller checks them before use (:func:`decompress` streams instead)."""
     return decoder_for(payload.pipeline).decode(payload.tensors, backend)
+
+
+class _Outputs:
+    """Every tensor's flat output as a view of one allocation per storage dtype, in record order, made when the
+    first output is asked for (after that tensor's indices are checked: a payload that fails its first check
+    allocates nothing). Zeros where outputs are deltas (a sparse tensor's other elements stay 0); onto a base every
+    element is written."""
+
+    def __init__(self, records: list[TensorRecord], logical: list[str], onto: bool, backend: Any):
+        self._storage = [dtypes.storage_dtype(lg) for lg in logical]
+        self.numels = [r.numel for r in records]
+        self.starts: list[int] = []
+        self._sizes: dict = {}
+        for n, st in zip(self.numels, self._storage):
+            self.starts.append(self._sizes.get(st, 0))
+            self._sizes[st] = self.starts[-1] + n
+        self._alloc = backend.xp.empty if onto else backend.xp.zeros
+        self._flats: dict | None = None
+
+    def flat(self, i: int) -> Any:
+        """The allocation that holds tensor i's output."""
+        if self._flats is None:
+            self._flats = {st: self._alloc(n, dtype=st) for st, n in self._sizes.items()}
+        return self._flats[self._storage[i]]
+
+    def __getitem__(self, i: int) -> Any:
+        return self.flat(i)[self.starts[i] : self.starts[i] + self.numels[i]]
 
 
 def decompress(
@@ -701,7 +783,8 @@ def decompress(
     if base is not None:
         base = _as_mapping(base, "base")
         missing = [n for n in names if n not in base]
-        extra = [n for n in base if n not in set(names)]
+        known = set(names)
+        extra = [n for n in base if n not in known]
         if missing or extra:
             raise InvalidInputError(
                 f"payload and base name different tensors: missing from base {missing[:5]}, not in payload {extra[:5]}"
@@ -719,12 +802,37 @@ def decompress(
     pipe = decoder_for(payload.pipeline)
     backend = get_backend()
     bounds = DECODE_CHUNK_DEVICE if backend.on_device else DECODE_CHUNK
-    outs = []
+    logical = [r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype) for r in records]
+    outs = _Outputs(records, logical, base_tensors is not None, backend)
+    bases = base_tensors if base_tensors is not None else [None] * len(records)
     with backend.stream(base_tensors or []):
+        run: list = []  # (position, decoded) of small sparse tensors of one dtype, adjacent in their buffer
+
+        def flush() -> None:
+            first, last = run[0][0], run[-1][0]
+            offsets = outs.starts[first : last + 1] + [outs.starts[last] + outs.numels[last]]
+            ds = [d for _, d in run]
+            if not _decode_run(ds, lambda: outs.flat(first), offsets, bases[first : last + 1], logical[first], backend):
+                for i, d in run:  # one by one: the error names the tensor
+                    _decode_one(d, bases[i], backend, bounds, lambda i=i: outs[i])
+            run.clear()
+
+        size = 0
         for i, d in enumerate(pipe.decode_stream(records, backend)):
-            outs.append(_decode_one(d, base_tensors[i] if base_tensors is not None else None, backend, bounds))
+            small = d.indices is not None and d.numel <= SMALL_TENSOR
+            if run and (not small or logical[i] != logical[run[-1][0]] or size + d.numel > SMALL_RUN):
+                flush()
+                size = 0
+            if small:
+                run.append((i, d))
+                size += d.numel
+            else:
+                _decode_one(d, bases[i], backend, bounds, lambda i=i: outs[i])
+        if run:
+            flush()
     result = {}
-    for i, (r, out) in enumerate(zip(records, outs)):
+    for i, r in enumerate(records):
+        out = outs[i]
         logical = r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)
         dev = base_tensors[i].device if base_tensors is not None else device
         result[r.name] = from_backend(out, logical, tuple(r.shape), kind, dev)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
-from ..dtypes import index_dtype
+from ..dtypes import dtype_name, index_dtype
 from ..errors import PayloadHeaderError, PayloadLayoutError, PayloadLimitError
 
 MAGIC = b"GPUCODEC"
@@ -160,13 +160,13 @@ def canonical_dtype(allowed: tuple[str, ...], rec: TensorRecord) -> str:
     """The one dtype a buffer has where its dtype is not stored (index width follows the element count)."""
     if len(allowed) == 1:
         return allowed[0]
-    return index_dtype(rec.numel).name
+    return dtype_name(index_dtype(rec.numel))
 
 
 def buffer_dtype_name(a: Any, rec: TensorRecord, role: str) -> str:
     if role in rec.buffer_dtypes:
         return rec.buffer_dtypes[role]
-    return np.dtype(a.dtype).name
+    return dtype_name(a.dtype)
 
 
 def req(cond: bool, exc: type, msg: str) -> None:
