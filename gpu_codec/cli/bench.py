@@ -72,14 +72,25 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``gpu-codec bench``."""
     from .commands import int_at_least, parse_fraction
 
-    p.add_argument("--sizes", nargs="+", type=_positive_size, help="element counts (default 2^20 2^22 2^24 2^26)")
-    p.add_argument("--fractions", nargs="+", type=parse_fraction, help="densities (default 0.001 0.01 0.1)")
-    p.add_argument("--repeat", type=int_at_least(1, "--repeat"), default=3, help="timed runs per case (median)")
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        type=_positive_size,
+        metavar="N",
+        help="element counts, e.g. 4194304, 4e6 or 2^22 (default 2^20 2^22 2^24 2^26)",
+    )
+    p.add_argument(
+        "--fractions", nargs="+", type=parse_fraction, metavar="F", help="densities (default 0.001 0.01 0.1)"
+    )
+    p.add_argument(
+        "--repeat", type=int_at_least(1, "--repeat"), default=3, metavar="N", help="timed runs per case (median)"
+    )
     p.add_argument(
         "--params",
         type=int_at_least(1000, "--params", 1 << 31),
         default=1_000_000,
-        help="model size for the byte counts",
+        metavar="N",
+        help="model size for the byte counts, e.g. 1e6 (default)",
     )
     p.add_argument(
         "--backends",

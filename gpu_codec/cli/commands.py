@@ -799,7 +799,12 @@ def build_parser() -> argparse.ArgumentParser:
     selection.add_argument(
         "--fraction", type=parse_fraction, default=0.01, help="share of entries kept, in (0, 1], or 'dense'"
     )
-    selection.add_argument("--scope", choices=["global", "per_tensor"], default="global")
+    selection.add_argument(
+        "--scope",
+        choices=["global", "per_tensor"],
+        default="global",
+        help="one top-k threshold over the whole update (default) or one per tensor",
+    )
 
     p = _Parser(
         prog=PROG,
@@ -863,7 +868,7 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common, backend, out_cap, force],
         help="decode a payload into a checkpoint (format by -o suffix): the delta, or --base plus the delta",
     )
-    x.add_argument("payload", metavar="PAYLOAD")
+    x.add_argument("payload", metavar="PAYLOAD", help="the payload file")
     x.add_argument("--base", help="checkpoint to add the delta to")
     x.add_argument("-o", "--output", required=True, help="checkpoint to write (.npz, .safetensors or .pt; '-': stdout)")
     x.add_argument(
@@ -878,13 +883,13 @@ def build_parser() -> argparse.ArgumentParser:
         parents=[common, backend, out_cap, force],
         help="BASE + PAYLOAD -> a new checkpoint in BASE's format",
     )
-    ap.add_argument("base", metavar="BASE")
-    ap.add_argument("payload", metavar="PAYLOAD")
+    ap.add_argument("base", metavar="BASE", help="the checkpoint the payload was made against")
+    ap.add_argument("payload", metavar="PAYLOAD", help="the payload file")
     ap.add_argument("-o", "--output", required=True, help="checkpoint to write, in BASE's format ('-': stdout)")
     ap.set_defaults(fn=cmd_apply)
 
     i = sub.add_parser("inspect", parents=[common], help="validate a payload and list its tensors")
-    i.add_argument("payload", metavar="PAYLOAD")
+    i.add_argument("payload", metavar="PAYLOAD", help="the payload file")
     i.set_defaults(fn=cmd_inspect)
 
     b = sub.add_parser("info", parents=[common, backend], help="which backend is used and why")
