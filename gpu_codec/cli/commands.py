@@ -627,7 +627,7 @@ def cmd_decompress(a: argparse.Namespace) -> int:
     target = resolve_output(a.output, inputs=[a.payload, a.base], force=a.force)
     if a.format:
         fmt = _FORMAT_NAMES[a.format]
-    elif target.kind in ("stdout", "through"):
+    elif target.kind == "stdout" or (target.kind == "through" and os.path.splitext(a.output)[1].lower() not in FORMATS):
         raise UsageError(f"decompress to {_name(a.output)} needs --format npz|safetensors|pt (no suffix to go by)")
     else:
         fmt = checkpoint_format(a.output)
