@@ -256,11 +256,12 @@ def test_binary_output_to_a_terminal_is_refused_without_force(files):
 
     leader, follower = pty.openpty()
     try:
-        r = run_cli("compress", str(files / "new.npz"), "-o", "-", stdout=follower)
+        r = run_cli("compress", str(files / "new.npz"), "-o", "-", stdout=follower, cwd=files)
     finally:
         os.close(follower)
         os.close(leader)
     assert r.returncode == 2 and b"terminal" in r.stderr and r.stderr.count(b"\n") == 1
+    assert not (files / "-").exists()
 
 
 def test_a_fifo_named_like_a_checkpoint_gets_that_format(files, capsys):
