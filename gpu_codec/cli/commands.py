@@ -4,8 +4,12 @@
 server decompresses and sums them; it prints sizes, ratio, times and the backend. The other commands work on
 checkpoint files (torch ``.pt``, ``.safetensors``, ``.npz``) and payload files.
 
+Outputs are checked before any work and never destroy anything (:mod:`gpu_codec.cli.outputs`): an input is
+never an output, an existing file is replaced only with ``--force`` (atomically, keeping its mode), devices and
+FIFOs are written through, ``-o -`` is stdout (the report then goes to stderr).
+
 Exit status: 0 on success, 2 for a user's mistake (bad arguments, unreadable or invalid input files, a bad
-payload; one line on stderr, no traceback), 1 for an internal error.
+payload, a refused output; one line on stderr, no traceback), 1 for an internal error.
 """
 
 from __future__ import annotations
