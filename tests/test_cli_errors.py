@@ -94,7 +94,11 @@ def test_npy_header_that_lies_about_its_size(files, capsys):
     [
         (["demo", "--clients", "0"], "--clients must be at least 1"),
         (["demo", "--params", "10"], "--params must be at least 1000"),
-        (["demo", "--params", "1e12"], "must be an integer"),
+        (["demo", "--params", "1e12"], "--params must be at most"),
+        (["demo", "--params", "2.5e3x"], "must be an integer"),
+        (["demo", "--params", "1e99"], "too large"),
+        (["demo", "--params", "10^99"], "too large"),
+        (["demo", "--params", "2500.5"], "must be an integer"),
         (["demo", "--params", "1000000000000"], "--params must be at most"),
         (["demo", "--fraction", "nan"], "'nan'"),
         (["demo", "--fraction", "0"], "(0, 1]"),

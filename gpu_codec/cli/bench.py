@@ -19,6 +19,7 @@ import contextlib
 import os
 import platform
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -28,8 +29,13 @@ import numpy as np
 import gpu_codec
 
 from ..errors import InvalidInputError
-from .checkpoints import describe, write_atomic
+from .checkpoints import describe
+from .outputs import resolve_output, write_output
 
+PLOTS = ("throughput.png", "speedup.png", "bytes_per_param.png")
+PLOT_EXTRA = (
+    "matplotlib is not installed, so no plots were written (the 'plot' extra brings it: pip install 'matplotlib>=3.7')"
+)
 PIPELINES = (
     "raw",
     "fp16,rice",
@@ -66,14 +72,25 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``gpu-codec bench``."""
     from .commands import int_at_least, parse_fraction
 
-    p.add_argument("--sizes", nargs="+", type=_positive_size, help="element counts (default 2^20 2^22 2^24 2^26)")
-    p.add_argument("--fractions", nargs="+", type=parse_fraction, help="densities (default 0.001 0.01 0.1)")
-    p.add_argument("--repeat", type=int_at_least(1, "--repeat"), default=3, help="timed runs per case (median)")
+    p.add_argument(
+        "--sizes",
+        nargs="+",
+        type=_positive_size,
+        metavar="N",
+        help="element counts, e.g. 4194304, 4e6 or 2^22 (default 2^20 2^22 2^24 2^26)",
+    )
+    p.add_argument(
+        "--fractions", nargs="+", type=parse_fraction, metavar="F", help="densities (default 0.001 0.01 0.1)"
+    )
+    p.add_argument(
+        "--repeat", type=int_at_least(1, "--repeat"), default=3, metavar="N", help="timed runs per case (median)"
+    )
     p.add_argument(
         "--params",
         type=int_at_least(1000, "--params", 1 << 31),
         default=1_000_000,
-        help="model size for the byte counts",
+        metavar="N",
+        help="model size for the byte counts, e.g. 1e6 (default)",
     )
     p.add_argument(
         "--backends",
@@ -83,18 +100,26 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--no-torch", action="store_true", help="leave out the torch baseline")
     p.add_argument("--no-plot", action="store_true", help="JSON only, no PNG")
-    p.add_argument("--out", default="gpu-codec-bench", help="folder for bench.json and the plots")
+    p.add_argument(
+        "--out",
+        default="gpu-codec-bench",
+        help="folder for bench.json and the plots (files already there are replaced only with --force)",
+    )
     p.add_argument("--quick", action="store_true", help="small sizes, one run each (a smoke test)")
 
 
 def _positive_size(text: str) -> int:
+    from .commands import parse_count
+
     try:
-        v = float(text)
+        v = parse_count(text)
     except ValueError:
-        v = float("nan")
-    if not (v == v and 1 <= v <= 2**40):
-        raise argparse.ArgumentTypeError(f"must be an element count such as 1e6 or 4194304, got {describe(repr(text))}")
-    return int(v)
+        v = 0
+    if not 1 <= v <= 2**40:
+        raise argparse.ArgumentTypeError(
+            f"must be an element count from 1 to 2^40 such as 1e6, 4194304 or 2^22, got {describe(repr(text))}"
+        )
+    return v
 
 
 def machine_info() -> dict[str, Any]:
@@ -262,8 +287,9 @@ def _gpu_usable() -> bool:
         return False
 
 
-def plot_report(report: dict[str, Any], out: str) -> list[str]:
-    """Write the PNG plots of a bench report into ``out``; returns their paths."""
+def plot_report(report: dict[str, Any], out: str, force: bool = False) -> list[str]:
+    """Write the PNG plots of a bench report into ``out`` (replacing existing ones only with ``force``); returns
+    their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -281,7 +307,7 @@ def plot_report(report: dict[str, Any], out: str) -> list[str]:
     def save(fig: Any, name: str) -> None:
         path = os.path.join(out, name)
         fig.tight_layout()
-        write_atomic(path, lambda f: fig.savefig(f, format="png"))
+        write_output(resolve_output(path, force=force), lambda f: fig.savefig(f, format="png"))
         plt.close(fig)
         paths.append(path)
 
@@ -364,6 +390,9 @@ def bench_command(a: argparse.Namespace, emit: Callable, progress: Callable, bac
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise InvalidInputError(f"--out {describe(a.out)} is a file; name a folder")
     os.makedirs(a.out, exist_ok=True)
+    json_path = os.path.join(a.out, "bench.json")
+    for name in ["bench.json"] + ([] if a.no_plot else list(PLOTS)):  # refused before an hour of timing, not after
+        resolve_output(os.path.join(a.out, name), force=a.force)
     timings = []
     cases = [(be, n, f) for be in backends for n in sizes for f in fractions]
     with progress(a, len(cases) + 1, "bench", "case") as bar:
@@ -394,12 +423,13 @@ def bench_command(a: argparse.Namespace, emit: Callable, progress: Callable, bac
     }
     if not a.no_plot:
         try:
-            report["plots"] = plot_report(report, a.out)
+            report["plots"] = plot_report(report, a.out, force=a.force)
         except ImportError:
-            report["plots_skipped"] = "matplotlib is not installed (pip install 'gpu_codec[plot]')"
-    path = os.path.join(a.out, "bench.json")
+            report["plots_skipped"] = PLOT_EXTRA
+            print(f"gpu-codec: {PLOT_EXTRA}", file=sys.stderr)
+    path = json_path
     text = json.dumps(report, indent=2, ensure_ascii=True, default=str)
-    write_atomic(path, lambda f: f.write(text.encode()))
+    write_output(resolve_output(path, force=a.force), lambda f: f.write(text.encode()))
     report["json"] = path
     m = report["machine"]
     lines = [

@@ -27,8 +27,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
+import pickle
+import re
 import urllib.parse
+import warnings
 import zipfile
 import zlib
 from collections.abc import Callable, Mapping
@@ -109,13 +111,15 @@ def read_checkpoint(path: str) -> Checkpoint:
     return Checkpoint(fmt, tensors)
 
 
-def write_checkpoint(path: str, tensors: Mapping[str, Any], fmt: str | None = None) -> str:
-    """Write ``tensors`` to ``path`` atomically (a temporary file in the same folder, then a rename).
+def write_checkpoint(dest: Any, tensors: Mapping[str, Any], fmt: str | None = None) -> str:
+    """Write ``tensors`` as a checkpoint, never destroying anything (see :mod:`gpu_codec.cli.outputs`).
 
     Parameters
     ----------
-    path
-        The file to write; an existing file is replaced only once the new one is complete.
+    dest
+        A path (a new file; an existing one is refused) or a :class:`~gpu_codec.cli.outputs.Target` that
+        :func:`~gpu_codec.cli.outputs.resolve_output` checked before the work began (stdout, a device, a FIFO,
+        a file to replace with ``--force``).
     tensors
         Name -> NumPy array or torch tensor. Names are stored as data (see the module docstring for ``.npz``).
     fmt
@@ -129,35 +133,20 @@ def write_checkpoint(path: str, tensors: Mapping[str, Any], fmt: str | None = No
     Raises
     ------
     InvalidInputError
-        ``path`` is a directory or its folder does not exist, or a tensor cannot be stored in the format
-        (bfloat16 in ``.npz``, a name ``safetensors`` reserves).
+        The output is refused (see :func:`~gpu_codec.cli.outputs.resolve_output`), or a tensor cannot be stored
+        in the format (bfloat16 in ``.npz``, a name ``safetensors`` reserves).
     """
-    fmt = fmt or checkpoint_format(path)
+    from .outputs import Target, resolve_output, write_output
+
+    target = dest if isinstance(dest, Target) else resolve_output(dest)
+    fmt = fmt or checkpoint_format(target.path)
     writer: Callable[[Any, Mapping[str, Any]], None] = {
         "npz": _write_npz,
         "torch": _write_torch,
         "safetensors": _write_safetensors,
     }[fmt]
-    write_atomic(path, lambda f: writer(f, tensors))
+    write_output(target, lambda f: writer(f, tensors))
     return fmt
-
-
-def write_atomic(path: str, write: Callable[[Any], None]) -> None:
-    """Call ``write(binary_file)`` on a temporary file beside ``path``, then rename it to ``path``; nothing is
-    left behind when ``write`` raises."""
-    check_output(path)
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=".gpu-codec-", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-        umask = os.umask(0o022)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)  # the mode open() would give, not mkstemp's 0600
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def check_input(path: str) -> None:
@@ -167,17 +156,6 @@ def check_input(path: str) -> None:
     if not os.path.isfile(path):
         kind = "a directory" if os.path.isdir(path) else "not a regular file"
         raise InvalidInputError(f"{describe(path)} is {kind}")
-
-
-def check_output(path: str) -> None:
-    """Refuse an output path that is empty, a directory, or in a folder that does not exist (before any work)."""
-    if not str(path):
-        raise InvalidInputError("the output path is empty")
-    if os.path.isdir(path):
-        raise InvalidInputError(f"output {describe(path)} is a directory; name a file")
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise InvalidInputError(f"output folder {describe(folder)} does not exist")
 
 
 def is_float_tensor(a: Any) -> bool:
@@ -331,12 +309,42 @@ def _first_line(e: BaseException) -> str:
     return describe(f"{type(e).__name__}: {text[0]}" if text else type(e).__name__)
 
 
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6; older files are a pickle (protocol byte 0x80)
+_GLOBAL = re.compile(r"unsupported GLOBAL ([\w.]+)")
+
+
+def _torch_refusal(path: str, head: bytes, e: BaseException) -> InvalidInputError:
+    """Our one line for a file torch's restricted unpickler refused: what was in it, never torch's advice to
+    load it unrestricted."""
+    text = str(e)
+    found = _GLOBAL.search(text)
+    if found:
+        why = f"it holds Python objects beyond tensors ({describe(found.group(1))}), which are never unpickled"
+    elif isinstance(e, pickle.UnpicklingError) and not head.startswith(_ZIP_MAGIC):
+        why = "it is a pickle that torch.save did not write; pickles are never loaded"
+    elif isinstance(e, pickle.UnpicklingError):
+        why = "it holds objects beyond tensors, which are never unpickled"
+    else:
+        lines = [ln for ln in text.strip().splitlines() if ln.strip() and "weights_only" not in ln]
+        why = f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+    return InvalidInputError(f"{describe(path)}: not a readable torch state dict ({describe(why)})")
+
+
 def _read_torch(path: str) -> dict[str, Any]:
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if not head.startswith(_ZIP_MAGIC) and not head.startswith(b"\x80"):
+        raise InvalidInputError(
+            f"{describe(path)}: not a torch checkpoint (torch.save writes a zip archive; this file is neither "
+            "that nor a pickle)"
+        )
     torch = _torch(path)
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=True)  # the restricted unpickler: no code runs
+        with warnings.catch_warnings():  # torch warns about pickle protocols before it refuses: ours is the one line
+            warnings.simplefilter("ignore")
+            obj = torch.load(path, map_location="cpu", weights_only=True)  # the restricted unpickler: no code runs
     except Exception as e:  # torch reports corrupt or refused files through many exception types
-        raise InvalidInputError(f"{describe(path)}: not a readable torch state dict ({_first_line(e)})") from None
+        raise _torch_refusal(path, head, e) from None
     if not isinstance(obj, Mapping):
         raise InvalidInputError(f"{describe(path)} holds a {type(obj).__name__}, not a state dict (name -> tensor)")
     out = {}

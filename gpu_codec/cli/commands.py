@@ -4,14 +4,19 @@
 server decompresses and sums them; it prints sizes, ratio, times and the backend. The other commands work on
 checkpoint files (torch ``.pt``, ``.safetensors``, ``.npz``) and payload files.
 
+Outputs are checked before any work and never destroy anything (:mod:`gpu_codec.cli.outputs`): an input is
+never an output, an existing file is replaced only with ``--force`` (atomically, keeping its mode), devices and
+FIFOs are written through, ``-o -`` is stdout (the report then goes to stderr).
+
 Exit status: 0 on success, 2 for a user's mistake (bad arguments, unreadable or invalid input files, a bad
-payload; one line on stderr, no traceback), 1 for an internal error.
+payload, a refused output; one line on stderr, no traceback), 1 for an internal error.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import decimal
 import inspect as _inspect
 import json
 import logging
@@ -30,25 +35,36 @@ import numpy as np
 import gpu_codec
 
 from ..dtypes import CRITERIA
-from ..errors import GpuCodecError, InvalidInputError
+from ..errors import (
+    BackendUnavailableError,
+    GpuCodecError,
+    InvalidInputError,
+    PayloadChecksumError,
+    PayloadError,
+    PayloadLayoutError,
+)
+from ..format import payload_version, v2
+from ..format.common import zstd_frame_size
 from .checkpoints import (
     FORMATS,
     check_input,
-    check_output,
     checkpoint_format,
     describe,
     dtype_name,
     is_float_tensor,
     read_checkpoint,
-    write_atomic,
     write_checkpoint,
 )
+from .outputs import STDOUT, Target, resolve_output, write_output
 
 PROG = "gpu-codec"
 BACKEND_ENV = "GPU_CODEC_BACKEND"
 SCORES = tuple(CRITERIA)  # the score names the engine knows, in its order
 STAGE_NAMES = ("raw", "fp32", "fp16", "bf16", "int8[:block]", "ternary", "rice", "zstd[:level]", "nvcomp")
+DEFAULT_PIPELINE = "fp16,rice,zstd"  # after top-k: fp16 values, Rice-coded indices, zstd
+DEFAULT_DENSE_PIPELINE = "fp16,zstd"  # --fraction dense: no indices to code, so no rice stage
 _DEMO_CODECS = {"raw": "raw", "fp16": "fp16,rice,zstd", "ternary": "ternary,rice,zstd"}
+_FORMAT_NAMES = {"npz": "npz", "safetensors": "safetensors", "pt": "torch"}  # --format -> checkpoint format
 
 
 class UsageError(InvalidInputError):
@@ -79,14 +95,50 @@ def parse_fraction(text: str) -> float | None:
     return f
 
 
+_POWER = re.compile(r"([0-9]+)\s*(?:\^|\*\*)\s*([0-9]+)")
+
+
+def parse_count(text: str) -> int:
+    """A whole number as the help writes them: ``5000000``, ``5_000_000``, ``2e6``, ``1.5e3`` or ``2^14``
+    (also ``2**14``); the one parser behind every count option (``--params``, ``--clients``, ``--sizes``...).
+
+    >>> parse_count("2e6"), parse_count("2^14"), parse_count("5_000_000"), parse_count("1.5e3")
+    (2000000, 16384, 5000000, 1500)
+    >>> parse_count("2.5")
+    Traceback (most recent call last):
+    ...
+    ValueError: must be an integer such as 2000000, 2e6 or 2^21, got '2.5'
+    """
+    t = str(text).strip().replace("_", "")
+    bad = ValueError(f"must be an integer such as 2000000, 2e6 or 2^21, got {describe(repr(text))}")
+    m = _POWER.fullmatch(t)
+    if m:
+        b, e = int(m.group(1)), int(m.group(2))
+        if b > 1 and e * math.log2(b) > 128:  # far past every limit; never build the number
+            raise ValueError(f"{describe(repr(text))} is too large")
+        return b**e
+    if not re.fullmatch(r"[+-]?[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?", t):
+        raise bad
+    try:
+        d = decimal.Decimal(t)
+    except decimal.InvalidOperation:
+        raise bad from None
+    if d.adjusted() > 40:  # more than 40 digits: far past every limit
+        raise ValueError(f"{describe(repr(text))} is too large")
+    if d != d.to_integral_value():
+        raise bad
+    return int(d)
+
+
 def int_at_least(lo: int, what: str, hi: int | None = None) -> Callable[[str], int]:
-    """An argparse type: an integer of at least ``lo`` (and at most ``hi``); ``what`` names the option."""
+    """An argparse type: a whole number (:func:`parse_count`) of at least ``lo`` (and at most ``hi``); ``what``
+    names the option."""
 
     def parse(text: str) -> int:
         try:
-            v = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {describe(repr(text))}") from None
+            v = parse_count(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
         if v < lo:
             raise argparse.ArgumentTypeError(f"{what} must be at least {lo}, got {v}")
         if hi is not None and v > hi:
@@ -162,15 +214,40 @@ def parse_pipeline(spec: str) -> list[Any]:
     return stages
 
 
+def default_pipeline(fraction: float | None, spec: str = DEFAULT_PIPELINE) -> str:
+    """The stages used when ``--pipeline`` is not given: ``spec`` after top-k, and the same without its index
+    stage (``rice``) for a dense update, which has no indices to code.
+
+    >>> default_pipeline(0.01), default_pipeline(None), default_pipeline(None, "ternary,rice,zstd")
+    ('fp16,rice,zstd', 'fp16,zstd', 'ternary,zstd')
+    >>> default_pipeline(None, "raw")
+    'raw'
+    """
+    if fraction is not None:
+        return spec
+    return ",".join(part for part in spec.split(",") if part.strip().lower() != "rice") or "raw"
+
+
 # --- output ----------------------------------------------------------------------------------------------------
 
 
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``n`` and the noun that goes with it.
+
+    >>> plural(1, "client"), plural(4, "client"), plural(1_000, "tensor")
+    ('1 client', '4 clients', '1,000 tensors')
+    """
+    return f"{n:,} {word if n == 1 else words or word + 's'}"
+
+
 def _emit(a: argparse.Namespace, doc: dict, lines: Sequence[str]) -> None:
+    """The report: on stdout, or on stderr where stdout carries the output file (``-o -``)."""
+    stream = sys.stderr if getattr(a, "output", None) == STDOUT else sys.stdout
     if a.json:
-        print(json.dumps(doc, indent=2, ensure_ascii=True, default=str))
+        print(json.dumps(doc, indent=2, ensure_ascii=True, default=str), file=stream)
     else:
         for line in lines:
-            print(line)
+            print(line, file=stream)
 
 
 def _progress(a: argparse.Namespace, total: int, desc: str, unit: str = "step"):
@@ -193,7 +270,10 @@ def _backend(choice: str | None) -> Iterator[None]:
     os.environ[BACKEND_ENV] = choice
     gpu_codec.reset_backend()
     try:
-        gpu_codec.backend_info()  # a forced GPU that is not there fails here, before any file is read
+        try:
+            gpu_codec.backend_info()  # a forced GPU that is not there fails here, before any file is read
+        except BackendUnavailableError as e:
+            raise BackendUnavailableError(str(e).replace(f"{BACKEND_ENV}={choice}", f"--backend {choice}")) from None
         yield
     finally:
         if old is None:
@@ -203,11 +283,104 @@ def _backend(choice: str | None) -> Iterator[None]:
         gpu_codec.reset_backend()
 
 
+def backend_info(a: argparse.Namespace | None = None) -> dict:
+    """:func:`gpu_codec.backend_info`, with a backend chosen by ``--backend`` reported as such (the command line
+    passes the choice to the library through the environment variable, which the user did not set)."""
+    info = dict(gpu_codec.backend_info())
+    choice = getattr(a, "backend", None)
+    if choice and choice != "auto":
+        forced = f"forced by {BACKEND_ENV}={choice}"
+        info["reason"] = str(info["reason"]).replace(forced, f"forced by --backend {choice}")
+    return info
+
+
 def _read_payload(path: str) -> tuple[bytes, Any]:
     check_input(path)
     with open(path, "rb") as f:
         blob = f.read()
-    return blob, gpu_codec.Payload.from_bytes(blob)
+    try:
+        return blob, gpu_codec.Payload.from_bytes(blob)
+    except PayloadChecksumError:
+        why = truncation(blob)
+        if why is None:
+            raise
+        raise PayloadLayoutError(f"{describe(path)}: {why}, so its checksum cannot match") from None
+
+
+def _uvarint(blob: bytes, pos: int) -> tuple[int | None, int]:
+    """A LEB128 varint at ``pos`` (None where the bytes end inside it), and the position after it."""
+    n = shift = 0
+    while pos < len(blob) and shift < 70:
+        b = blob[pos]
+        pos += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if not b & 0x80:
+            return n, pos
+    return None, pos
+
+
+def truncation(blob: bytes) -> str | None:
+    """Why a payload is shorter than its own header says it is, or None where it is not (then a failed checksum
+    means changed bytes). Version 1's header declares its data length; version 2's prefix declares the table's
+    length and the table implies the data section's (read back by the reader on the bytes that are there, under
+    a checksum computed here), or the shared zstd frame's block headers run past the end.
+
+    >>> p = gpu_codec.compress({"w": np.arange(64, dtype=np.float32)}, fraction=0.5, pipeline=[])
+    >>> for blob in (p.to_bytes(), p.to_bytes(version=1)):
+    ...     print(len(blob), truncation(blob), "|", truncation(blob[:-3]))
+    288 None | payload is truncated: 285 bytes where its header declares 288
+    644 None | payload is truncated: 641 bytes where its header declares 644
+    """
+    import zlib
+
+    n = len(blob)
+    try:
+        version = payload_version(blob)
+    except GpuCodecError:
+        return None
+    if version == 1:
+        if n < 16:
+            return f"payload is truncated: {n:,} bytes end inside its prefix"
+        (hlen,) = struct.unpack_from("<I", blob, 12)
+        if 16 + hlen + 4 > n:
+            return f"payload is truncated: {n:,} bytes end inside its {hlen:,}-byte header"
+        try:
+            dl = json.loads(bytes(blob[16 : 16 + hlen]).decode("utf-8")).get("data_length")
+        except (ValueError, UnicodeDecodeError, AttributeError, RecursionError):
+            return None
+        if not isinstance(dl, int) or isinstance(dl, bool) or 16 + hlen + dl + 4 <= n:
+            return None
+        return f"payload is truncated: {n:,} bytes where its header declares {16 + hlen + dl + 4:,}"
+    if n < 13:
+        return f"payload is truncated: {n:,} bytes end inside its prefix"
+    tlen, pos = _uvarint(blob, 13)
+    if tlen is not None and blob[12] & v2.FLAG_TABLE_ZSTD:
+        _traw, pos = _uvarint(blob, pos)
+        tlen = tlen if _traw is not None else None
+    if tlen is None:
+        return f"payload is truncated: {n:,} bytes end inside its prefix"
+    head = pos + tlen
+    if head + 4 > n:
+        return f"payload is truncated: {n:,} bytes end inside its {tlen:,}-byte tensor table"
+    try:  # the bytes that are there, sealed with their own checksum: the reader says what the table implies
+        gpu_codec.Payload.from_bytes(bytes(blob) + struct.pack("<I", zlib.crc32(blob) & 0xFFFFFFFF))
+    except PayloadError as e:
+        m = re.search(r"data section is (\d+) bytes, the (?:tensor )?table implies (\d+)", str(e))
+        # fewer data bytes than implied, or up to 3 more: the start of a checksum that was cut
+        if m and int(m.group(1)) < int(m.group(2)) + 4:
+            return f"payload is truncated: {n:,} bytes where its header declares {head + int(m.group(2)) + 4:,}"
+        return None
+    if (blob[12] >> v2.DATA_SHIFT) & 3 == v2.DATA_ZSTD:
+        try:
+            end = head + zstd_frame_size(memoryview(blob)[head:], "shared zstd frame")
+        except PayloadError:
+            return f"payload is truncated: its shared zstd frame runs past the end of the {n:,} bytes"
+        if end + 4 > n:
+            return f"payload is truncated: {n:,} bytes where its header declares {end + 4:,}"
+        return None
+    # the bytes that are there make a whole payload once sealed: only the checksum is missing
+    return f"payload is truncated: {n:,} bytes where its header declares {n + 4:,}"
 
 
 def header_split(payload: Any, blob: bytes) -> tuple[int, int]:
@@ -275,13 +448,13 @@ def _split_float(path: str, tensors: dict[str, Any], skip: bool) -> tuple[dict[s
 def cmd_demo(a: argparse.Namespace) -> int:
     from gpu_codec.synthetic import synthetic_model, synthetic_update
 
-    info = gpu_codec.backend_info()
+    info = backend_info(a)
     on_gpu = info["backend"] == "gpu"
     if on_gpu:  # the model lives on the device, as after training; nothing full-size comes back to the host
         import cupy as xp
     else:
         xp = np
-    spec = a.pipeline or _DEMO_CODECS[a.codec]
+    spec = a.pipeline or default_pipeline(a.fraction, _DEMO_CODECS[a.codec])
     pipeline = parse_pipeline(spec) or None
     base_host = synthetic_model(a.params, seed=0)
     n = sum(v.size for v in base_host.values())
@@ -333,13 +506,13 @@ def cmd_demo(a: argparse.Namespace) -> int:
         doc,
         [
             f"backend: {info['backend']} ({describe(info['reason'])})",
-            f"model: {len(base)} tensors, {n:,} parameters, {dense_bytes / 2**20:.1f} MiB dense; "
-            f"{frac}, {a.clients} clients",
+            f"model: {plural(len(base), 'tensor')}, {plural(n, 'parameter')}, {dense_bytes / 2**20:.1f} MiB dense; "
+            f"{frac}, {plural(a.clients, 'client')}",
             f"payload ({spec}): {size / 1024:.1f} KiB per client, {doc['bytes_per_kept_parameter']:.2f} B per kept "
             f"parameter, ratio {doc['ratio']:.1f}x",
             f"compress: {doc['compress_ms_median']:.1f} ms, decompress: {doc['decompress_ms_median']:.1f} ms "
             "(median per client)",
-            f"aggregate: {touched:,} parameters touched by the summed update",
+            f"aggregate: {plural(touched, 'parameter')} touched by the summed update",
         ],
     )
     return 0
@@ -349,8 +522,9 @@ def cmd_compress(a: argparse.Namespace) -> int:
     if a.base and a.base_opt:
         raise UsageError("give BASE either as the second argument or as --base, not both")
     base_path = a.base or a.base_opt
-    pipeline = parse_pipeline(a.pipeline)
-    check_output(a.output)
+    spec = a.pipeline or default_pipeline(a.fraction)
+    pipeline = parse_pipeline(spec)
+    target = resolve_output(a.output, inputs=[a.new, base_path], force=a.force)
     with _progress(a, 4 if base_path else 3, "compress") as bar:
         new_ck = read_checkpoint(a.new)
         bar.update()
@@ -374,7 +548,7 @@ def cmd_compress(a: argparse.Namespace) -> int:
         blob = payload.to_bytes()
         dt = time.perf_counter() - t0
         bar.update()
-        write_atomic(a.output, lambda f: f.write(blob))
+        write_output(target, lambda f: f.write(blob))
         bar.update()
     h, d = header_split(payload, blob)
     n = sum(math.prod(r.shape) for r in payload.tensors)
@@ -395,12 +569,14 @@ def cmd_compress(a: argparse.Namespace) -> int:
         "backend": payload.backend,
     }
     lines = [
-        f"{describe(a.output)}: {len(blob):,} bytes (header {h:,}, data {d:,}); {payload.nnz:,} of {n:,} entries "
-        f"kept, {doc['bytes_per_kept_parameter']:.2f} B per kept parameter, ratio {doc['ratio']:.1f}x, "
-        f"{dt * 1e3:.1f} ms ({payload.backend})"
+        f"{_name(a.output)}: {len(blob):,} bytes (header {h:,}, data {d:,}); {payload.nnz:,} of "
+        f"{plural(n, 'entry', 'entries')} kept, {doc['bytes_per_kept_parameter']:.2f} B per kept parameter, "
+        f"ratio {doc['ratio']:.1f}x, {dt * 1e3:.1f} ms ({payload.backend})"
     ]
     if skipped:
-        lines.append(f"left out {len(skipped)} non-float tensors: {', '.join(describe(s) for s in skipped[:8])}")
+        lines.append(
+            f"left out {plural(len(skipped), 'non-float tensor')}: {', '.join(describe(s) for s in skipped[:8])}"
+        )
     _emit(a, doc, lines)
     return 0
 
@@ -420,7 +596,13 @@ def _decode(a: argparse.Namespace, payload: Any, base_ck: Any) -> tuple[dict[str
     return {k: out.get(k, v) for k, v in base_ck.tensors.items()}, copied
 
 
-def _write_decoded(a: argparse.Namespace, fmt: str, what: str, payload_path: str, base_path: str | None) -> int:
+def _name(path: str) -> str:
+    return "stdout" if path == STDOUT else describe(path)
+
+
+def _write_decoded(
+    a: argparse.Namespace, target: Target, fmt: str, what: str, payload_path: str, base_path: str | None
+) -> int:
     with _progress(a, 4, what) as bar:
         _blob, payload = _read_payload(payload_path)
         bar.update()
@@ -428,7 +610,7 @@ def _write_decoded(a: argparse.Namespace, fmt: str, what: str, payload_path: str
         bar.update()
         tensors, copied = _decode(a, payload, base_ck)
         bar.update()
-        write_checkpoint(a.output, tensors, fmt)
+        write_checkpoint(target, tensors, fmt)
         bar.update()
     doc = {
         "output": a.output,
@@ -438,21 +620,26 @@ def _write_decoded(a: argparse.Namespace, fmt: str, what: str, payload_path: str
         "copied_from_base": copied,
         "base": base_path,
     }
-    lines = [f"{describe(a.output)}: {len(tensors)} tensors ({fmt})"]
+    lines = [f"{_name(a.output)}: {plural(len(tensors), 'tensor')} ({fmt})"]
     if copied:
-        lines.append(f"copied {len(copied)} non-float tensors from the base unchanged")
+        lines.append(f"copied {plural(len(copied), 'non-float tensor')} from the base unchanged")
     _emit(a, doc, lines)
     return 0
 
 
 def cmd_decompress(a: argparse.Namespace) -> int:
-    check_output(a.output)
-    fmt = checkpoint_format(a.output)
-    return _write_decoded(a, fmt, "decompress", a.payload, a.base)
+    target = resolve_output(a.output, inputs=[a.payload, a.base], force=a.force)
+    if a.format:
+        fmt = _FORMAT_NAMES[a.format]
+    elif target.kind == "stdout" or (target.kind == "through" and os.path.splitext(a.output)[1].lower() not in FORMATS):
+        raise UsageError(f"decompress to {_name(a.output)} needs --format npz|safetensors|pt (no suffix to go by)")
+    else:
+        fmt = checkpoint_format(a.output)
+    return _write_decoded(a, target, fmt, "decompress", a.payload, a.base)
 
 
 def cmd_apply(a: argparse.Namespace) -> int:
-    check_output(a.output)
+    target = resolve_output(a.output, inputs=[a.base, a.payload], force=a.force)
     fmt = checkpoint_format(a.base)
     out_suffix = os.path.splitext(a.output)[1].lower()
     if out_suffix in FORMATS and FORMATS[out_suffix] != fmt:
@@ -460,33 +647,45 @@ def cmd_apply(a: argparse.Namespace) -> int:
             f"apply writes the base's format ({fmt}); the output {describe(a.output)} names {FORMATS[out_suffix]} "
             "(use decompress --base to change format)"
         )
-    return _write_decoded(a, fmt, "apply", a.payload, a.base)
+    return _write_decoded(a, target, fmt, "apply", a.payload, a.base)
+
+
+def _tensor_row(r: Any) -> dict:
+    """What inspect shows of one record: the encoding with what it wraps (``sparse+zstd``), the encoded bytes
+    before the lossless stage, and the bytes it takes on the wire (None inside a frame shared by all tensors)."""
+    own = sum(int(np.asarray(b).nbytes) for b in (getattr(r, "buffers", None) or {}).values())
+    codec = dict(getattr(r, "codec", None) or {})
+    inner = codec.get("inner") if r.encoding in ("zstd", "nvcomp") else None
+    if getattr(r, "frame", None) is not None:
+        raw, wire = int(r.frame.nbytes), None
+    else:
+        raw, wire = (int(codec["raw"]) if inner and "raw" in codec else own), own
+    return {
+        "name": r.name,
+        "dtype": r.dtype,
+        "shape": list(r.shape),
+        "encoding": r.encoding,
+        "inner": inner,
+        "nnz": int(r.nnz),
+        "raw_nbytes": raw,
+        "wire_nbytes": wire,
+        "codec": codec,
+    }
 
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     blob, payload = _read_payload(a.payload)
     h, d = header_split(payload, blob)
     (version,) = struct.unpack_from("<I", blob, 8)
-    tensors = []
-    for r in payload.tensors:
-        nbytes = sum(int(np.asarray(b).nbytes) for b in getattr(r, "buffers", {}).values())
-        tensors.append(
-            {
-                "name": r.name,
-                "dtype": r.dtype,
-                "shape": list(r.shape),
-                "encoding": r.encoding,
-                "nnz": int(r.nnz),
-                "nbytes": nbytes,
-                "codec": getattr(r, "codec", {}),
-            }
-        )
+    tensors = [_tensor_row(r) for r in payload.tensors]
+    mode = "records" if version == 1 else v2.DATA_MODES[(blob[12] >> v2.DATA_SHIFT) & 3]
     doc = {
         "file": a.payload,
         "version": int(version),
         "bytes": len(blob),
         "header_nbytes": h,
         "data_nbytes": d,
+        "data_mode": mode,
         "pipeline": payload.pipeline,
         "metadata": payload.metadata,
         "dense_nbytes": payload.dense_nbytes,
@@ -496,17 +695,30 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     }
     lines = [
         f"{describe(a.payload)}: format v{version}, {len(blob):,} bytes (header {h:,}, data {d:,}), "
-        f"{payload.nnz:,} entries kept, ratio {doc['ratio']:.1f}x",
+        f"{payload.nnz:,} {'entry' if payload.nnz == 1 else 'entries'} kept, ratio {doc['ratio']:.1f}x",
         f"pipeline: {describe(json.dumps(payload.pipeline))}",
     ]
     if payload.metadata:
         lines.append(f"metadata: {describe(json.dumps(payload.metadata))}")
+    raw_total = sum(t["raw_nbytes"] for t in tensors)
+    if mode == "zstd":
+        lines.append(
+            f"data: one zstd frame of {d - 4:,} bytes over all {plural(len(tensors), 'tensor')} "
+            f"({raw_total:,} bytes before zstd, so no wire bytes per tensor)"
+        )
+    elif mode == "plain":
+        lines.append(f"data: the tensors' {raw_total:,} bytes stored plainly (zstd would not have made them smaller)")
     names = [describe(t["name"]) for t in tensors]
     w = min(max([len(n) for n in names] + [4]), 60)
-    lines.append(f"{'name':<{w}}  {'dtype':<8} {'shape':<18} {'encoding':<8} {'kept':>10} {'bytes':>10}")
+    lines.append(
+        f"{'name':<{w}}  {'dtype':<8} {'shape':<18} {'encoding':<14} {'kept':>10} {'raw bytes':>10} {'wire bytes':>10}"
+    )
     for n, t in zip(names, tensors):
-        shape = str(t["shape"])
-        lines.append(f"{n:<{w}}  {t['dtype']:<8} {shape:<18} {t['encoding']:<8} {t['nnz']:>10,} {t['nbytes']:>10,}")
+        enc = f"{t['inner']}+{t['encoding']}" if t["inner"] else t["encoding"]
+        wire = "shared" if t["wire_nbytes"] is None else f"{t['wire_nbytes']:,}"
+        lines.append(
+            f"{n:<{w}}  {t['dtype']:<8} {t['shape']!s:<18} {enc:<14} {t['nnz']:>10,} {t['raw_nbytes']:>10,} {wire:>10}"
+        )
     _emit(a, doc, lines)
     return 0
 
@@ -524,7 +736,7 @@ def _optional_versions() -> dict[str, str | None]:
 
 
 def cmd_info(a: argparse.Namespace) -> int:
-    info = gpu_codec.backend_info()
+    info = backend_info(a)
     doc = {"gpu_codec": gpu_codec.__version__, **info, "packages": _optional_versions()}
     lines = [f"gpu_codec {gpu_codec.__version__}", f"backend: {info['backend']} ({describe(info['reason'])})"]
     for k, v in info.items():
@@ -553,11 +765,24 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message} (see {self.prog} --help)")
 
 
+_VERBOSE_HELP = "log the backend choice; traceback on internal errors (before or after the command)"
+_FORCE_HELP = (
+    "replace an existing output file (atomically, keeping its mode); also allows binary output to a terminal. "
+    "Never replaces an input, a directory or a device"
+)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser of ``gpu-codec`` (every subcommand takes ``--json``)."""
+    """The argument parser of ``gpu-codec`` (every subcommand takes ``--json``, ``-q`` and ``-v``)."""
     common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of text")
+    common.add_argument(
+        "--json",
+        action="store_true",
+        help="print one JSON document instead of text (on stdout; on stderr when -o - writes the output there)",
+    )
     common.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    # SUPPRESS: a subcommand that is not given -v leaves the value the main parser set
+    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
     backend = argparse.ArgumentParser(add_help=False)
     backend.add_argument(
         "--backend",
@@ -572,48 +797,65 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="refuse a payload that decodes to more dense bytes than N (e.g. 4GiB)",
     )
+    force = argparse.ArgumentParser(add_help=False)
+    force.add_argument("-f", "--force", action="store_true", help=_FORCE_HELP)
     selection = argparse.ArgumentParser(add_help=False)
     selection.add_argument(
         "--fraction", type=parse_fraction, default=0.01, help="share of entries kept, in (0, 1], or 'dense'"
     )
-    selection.add_argument("--scope", choices=["global", "per_tensor"], default="global")
+    selection.add_argument(
+        "--scope",
+        choices=["global", "per_tensor"],
+        default="global",
+        help="one top-k threshold over the whole update (default) or one per tensor",
+    )
 
     p = _Parser(
         prog=PROG,
         description="Compress model updates between checkpoints (.pt, .safetensors, .npz), decode and inspect "
         "payloads, and benchmark the backends.",
-        epilog="Exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error.",
+        epilog="Outputs never destroy: an existing file is replaced only with --force, an input never; devices "
+        "and FIFOs are written through; -o - is stdout. Numbers take 2000000, 2e6 or 2^21. "
+        "Exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error.",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help="log the backend choice; traceback on internal errors")
+    p.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
+    p.add_argument("--version", action="version", version=f"{PROG} {gpu_codec.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
 
     d = sub.add_parser(
         "demo", parents=[common, backend, selection], help="compress and sum updates of a built-in synthetic model"
     )
-    d.add_argument("--params", type=int_at_least(1000, "--params", 1 << 31), default=5_000_000, help="model size")
-    d.add_argument("--clients", type=int_at_least(1, "--clients"), default=4)
+    d.add_argument(
+        "--params",
+        type=int_at_least(1000, "--params", 1 << 31),
+        default=5_000_000,
+        metavar="N",
+        help="model size in parameters, e.g. 5000000, 5e6 or 2^22 (default 5e6)",
+    )
+    d.add_argument("--clients", type=int_at_least(1, "--clients"), default=4, metavar="N", help="clients (default 4)")
     d.add_argument(
         "--codec",
         choices=sorted(_DEMO_CODECS),
         default="fp16",
-        help="stages after top-k: raw (u32 + fp32), fp16 (fp16 + Rice + zstd, default), ternary (+ Rice + zstd)",
+        help="stages after top-k: raw (u32 + fp32), fp16 (fp16 + Rice + zstd, default), ternary (+ Rice + zstd); "
+        "with --fraction dense the Rice stage is left out",
     )
     d.add_argument("--pipeline", help="stages after top-k, overriding --codec (see compress --help)")
     d.set_defaults(fn=cmd_demo)
 
     c = sub.add_parser(
         "compress",
-        parents=[common, backend, selection],
+        parents=[common, backend, selection, force],
         help="compress NEW minus BASE (checkpoints: .pt, .safetensors, .npz) into a payload file",
     )
     c.add_argument("new", metavar="NEW", help="the updated checkpoint")
     c.add_argument("base", metavar="BASE", nargs="?", help="the checkpoint it started from (default: zeros)")
     c.add_argument("--base", dest="base_opt", metavar="BASE", help=argparse.SUPPRESS)
-    c.add_argument("-o", "--output", required=True, help="payload file to write")
+    c.add_argument("-o", "--output", required=True, help="payload file to write ('-': stdout)")
     c.add_argument(
         "--pipeline",
-        default="fp16,rice,zstd",
-        help=f"stages after top-k, comma-separated: {', '.join(STAGE_NAMES)} (default fp16,rice,zstd; raw: none)",
+        help=f"stages after top-k, comma-separated: {', '.join(STAGE_NAMES)} (default {DEFAULT_PIPELINE}; with "
+        f"--fraction dense {DEFAULT_DENSE_PIPELINE}; raw: none)",
     )
     c.add_argument(
         "--score", choices=SCORES, default="magnitude", metavar="NAME", help=f"what top-k ranks by: {', '.join(SCORES)}"
@@ -627,26 +869,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     x = sub.add_parser(
         "decompress",
-        parents=[common, backend, out_cap],
+        parents=[common, backend, out_cap, force],
         help="decode a payload into a checkpoint (format by -o suffix): the delta, or --base plus the delta",
     )
-    x.add_argument("payload", metavar="PAYLOAD")
+    x.add_argument("payload", metavar="PAYLOAD", help="the payload file")
     x.add_argument("--base", help="checkpoint to add the delta to")
-    x.add_argument("-o", "--output", required=True, help="checkpoint to write (.npz, .safetensors or .pt)")
+    x.add_argument("-o", "--output", required=True, help="checkpoint to write (.npz, .safetensors or .pt; '-': stdout)")
+    x.add_argument(
+        "--format",
+        choices=sorted(_FORMAT_NAMES),
+        help="checkpoint format to write, instead of the -o suffix (needed for -o - and devices)",
+    )
     x.set_defaults(fn=cmd_decompress)
 
     ap = sub.add_parser(
         "apply",
-        parents=[common, backend, out_cap],
+        parents=[common, backend, out_cap, force],
         help="BASE + PAYLOAD -> a new checkpoint in BASE's format",
     )
-    ap.add_argument("base", metavar="BASE")
-    ap.add_argument("payload", metavar="PAYLOAD")
-    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("base", metavar="BASE", help="the checkpoint the payload was made against")
+    ap.add_argument("payload", metavar="PAYLOAD", help="the payload file")
+    ap.add_argument("-o", "--output", required=True, help="checkpoint to write, in BASE's format ('-': stdout)")
     ap.set_defaults(fn=cmd_apply)
 
     i = sub.add_parser("inspect", parents=[common], help="validate a payload and list its tensors")
-    i.add_argument("payload", metavar="PAYLOAD")
+    i.add_argument("payload", metavar="PAYLOAD", help="the payload file")
     i.set_defaults(fn=cmd_inspect)
 
     b = sub.add_parser("info", parents=[common, backend], help="which backend is used and why")
@@ -655,7 +902,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_arguments
 
     bb = sub.add_parser(
-        "bench", parents=[common], help="GPU-vs-CPU report: backends and NumPy/torch baselines, JSON and plots"
+        "bench",
+        parents=[common, force],
+        help="GPU-vs-CPU report: backends and NumPy/torch baselines, JSON and plots",
     )
     add_bench_arguments(bb)
     bb.set_defaults(fn=cmd_bench)
@@ -685,7 +934,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     """
     verbose = False
     try:
-        args = build_parser().parse_args(argv)
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit as e:  # --help and --version print and stop
+            return e.code if isinstance(e.code, int) else 0
         verbose = args.verbose
         logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
         with _backend(getattr(args, "backend", None)):
