@@ -407,10 +407,7 @@ def compress(
                 new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks, qmode
             )
         if bad is not None:
-            raise InvalidInputError(
-                f"tensor {names[bad]!r}: the update, its delta against base or its score holds "
-                "a non-finite value (inf or NaN)"
-            )
+            raise InvalidInputError(_bad_input(names[bad], new_arrays[bad], base_arrays[bad], res_in[bad], crit))
         records = []
         for n, t, idx, val in zip(names, news, indices, values):
             if dense:
@@ -426,6 +423,21 @@ def compress(
         if binding is not None:
             residual._commit(binding, backend)
     return payload
+
+
+def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int) -> str:
+    """Why the selection refused tensor ``name``: a non-finite value, or (fp64) a finite delta whose fp32 score
+    overflows, which only dense mode can send (top-k compares scores in fp32)."""
+    if new.dtype == np.float64 and crit != dtypes.CRIT_EXTERNAL:
+        with np.errstate(over="ignore", invalid="ignore"):
+            d = new - base if base is not None else new
+            d = d + res if res is not None else d
+        if all_finite(d, dtypes.code("float64"), get_backend().xp):
+            return (
+                f"tensor {name!r}: a finite float64 delta past the float32 range (|delta| > 3.4e38) has no float32 "
+                "score for top-k to compare; compress with fraction=None (dense), which sends float64 values exactly"
+            )
+    return f"tensor {name!r}: the update, its delta against base or its score holds a non-finite value (inf or NaN)"
 
 
 class SparseEntries(NamedTuple):

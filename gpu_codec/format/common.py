@@ -147,6 +147,10 @@ def _coo_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:
 
 
 def _dense_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:
+    if rec.nnz != rec.numel:  # every element is stored: Payload.nnz would misreport anything else
+        raise PayloadLayoutError(
+            f"tensor {rec.name!r}: a dense tensor must have nnz = numel = {rec.numel}, got {rec.nnz}"
+        )
     vd = ("float64",) if rec.dtype == "float64" else ("float32",)
     return {"values": (vd, rec.numel)}
 
@@ -290,8 +294,11 @@ def check_frame(data: bytes | memoryview, raw: int, what: str) -> int:
 
 
 def bounded_decompress(data: bytes, raw: int, what: str) -> bytes:
-    """Decompress one zstd frame of exactly ``raw`` bytes, never allocating more than that."""
+    """Decompress one zstd frame of exactly ``raw`` bytes, never allocating more than that. ``data`` must be
+    exactly one complete frame: a truncated frame, junk or a second frame after it is a PayloadLayoutError, for
+    an empty frame too (whose decompression alone would stop at its first block)."""
     check_frame(data, raw, what)
+    check_one_frame(data, what)
     try:
         out = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompress(
             data, max_output_size=max(raw, 1), allow_extra_data=False
@@ -336,7 +343,17 @@ def zstd_frame_size(data: Any, what: str) -> int:
         need(pos)
         if bh & 1:
             break
-    return pos + (4 if fhd & 0x04 else 0)
+    end = pos + (4 if fhd & 0x04 else 0)  # the content checksum
+    need(end)
+    return end
+
+
+def check_one_frame(data: Any, what: str) -> None:
+    """``data`` is exactly one zstd frame, by its frame and block headers: nothing missing, nothing after it."""
+    n = len(memoryview(data).cast("B"))
+    size = zstd_frame_size(data, what)
+    if size != n:
+        raise PayloadLayoutError(f"{what}: {n - size} bytes after the zstd frame")
 
 
 def split_frames(data: Any, raw: int, chunk: int, what: str) -> list[tuple[int, int]]:
