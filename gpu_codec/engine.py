@@ -41,6 +41,7 @@ from .format import (
     packed_size,
     unpack,
 )
+from .format.fingerprint import check_base, fingerprint
 
 DEFAULT_MAX_OUTPUT_BYTES = 4 << 30  # decompress's cap on the dense output a payload may declare
 # Entries written per scatter: a 256th of the tensor, within these bounds, so the temporaries of a chunk (about
@@ -198,6 +199,7 @@ class Payload:
         self.backend = backend
         self._wire_cache: dict = {}  # the bytes stage's layout, shared by nbytes, header_nbytes and to_bytes
         self.version: int | None = None  # the wire version it was read from (None: made here)
+        self.base_fingerprint: str | None = None  # of the base it was made against (compress(fingerprint_base=True))
 
     def to_bytes(self, version: int | None = None) -> bytes:
         """Serialize: wire format v2 (``version=None`` or 2; v1 for records v2 cannot describe, which no
@@ -219,6 +221,7 @@ class Payload:
             layouts=wire_layouts(),
             version=version,
             cache=self._wire_cache,
+            fingerprint=self.base_fingerprint,
         )
         if blob[8] == 1 and int.from_bytes(blob[12:16], "little") > MAX_HEADER_BYTES:
             raise InvalidInputError(
@@ -234,12 +237,20 @@ class Payload:
         header, records = unpack(blob, wire_layouts())
         p = cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
         p.version = int(header["version"])
+        p.base_fingerprint = header.get("base_fingerprint")
         return p
 
     @property
     def nbytes(self) -> int:
         """Exact size of :meth:`to_bytes`, computed without copying anything off the device."""
-        return packed_size(self.tensors, self.pipeline, self.metadata, wire_layouts(), cache=self._wire_cache)
+        return packed_size(
+            self.tensors,
+            self.pipeline,
+            self.metadata,
+            wire_layouts(),
+            cache=self._wire_cache,
+            fingerprint=self.base_fingerprint,
+        )
 
     @property
     def header_nbytes(self) -> int:
@@ -251,7 +262,14 @@ class Payload:
         >>> gpu_codec.compress(u, fraction=0.01).header_nbytes / len(u) < 16
         True
         """
-        return header_size(self.tensors, self.pipeline, self.metadata, wire_layouts(), cache=self._wire_cache)
+        return header_size(
+            self.tensors,
+            self.pipeline,
+            self.metadata,
+            wire_layouts(),
+            cache=self._wire_cache,
+            fingerprint=self.base_fingerprint,
+        )
 
     @property
     def dense_nbytes(self) -> int:
@@ -311,6 +329,7 @@ def compress(
     residual: Any = None,
     metadata: Mapping[str, Any] | None = None,
     pipeline: Any = None,
+    fingerprint_base: bool = False,
 ) -> Payload:
     """Compress ``update - base`` to its exact top-k entries as sparse COO.
 
@@ -338,6 +357,10 @@ def compress(
         The stages after top-k (:mod:`gpu_codec.codecs`): None, a :class:`~gpu_codec.Pipeline`, or a list of
         codecs or codec configs, e.g. ``[Quantize("float16"), RiceIndices(), Zstd()]``. A ``topk`` stage in it
         replaces ``fraction``, ``scope`` and ``score``.
+    fingerprint_base
+        Store an 8-byte sampled fingerprint of ``base`` (:mod:`gpu_codec.format.fingerprint`: at most 256
+        elements per tensor, gathered where the base lives), which :func:`decompress` checks against the base
+        it is given. Off by default; needs a ``base``.
 
     Returns
     -------
@@ -381,6 +404,8 @@ def compress(
     if residual is not None and not isinstance(residual, ErrorFeedback):
         raise InvalidInputError(f"residual must be a gpu_codec.ErrorFeedback or None, got {type(residual).__name__}")
     names, news, bases = _check_tensors(update, base)
+    if fingerprint_base and base is None:
+        raise InvalidInputError("fingerprint_base=True needs the base the update is made against")
     backend = get_backend()
     nt = len(news)
     dtype_codes = [dtypes.code(t.dtype) for t in news]
@@ -419,6 +444,8 @@ def compress(
         records = pipe.encode(records, backend, res_out if binding is not None else None)
         pipeline_cfg += pipe.after_topk()
         payload = Payload(records, pipeline_cfg, metadata, backend=backend.name)
+        if fingerprint_base:
+            payload.base_fingerprint = fingerprint(zip(names, [t.dtype for t in news], base_arrays), backend)
         _check_header_size(payload)
         if binding is not None:
             residual._commit(binding, backend)
@@ -676,7 +703,8 @@ def decompress(
     PayloadError
         A subclass naming the tensor and the problem: a malformed payload, an output over the cap
         (``PayloadLimitError``), an index out of range or not increasing or a non-finite value
-        (``PayloadIndexError``), a sum with the base that is not finite in its dtype (``PayloadValueError``).
+        (``PayloadIndexError``), a sum with the base that is not finite in its dtype (``PayloadValueError``), a
+        base other than the one whose fingerprint the payload records (``BaseMismatchError``).
         Nothing is returned and the base is unchanged.
 
     Notes
@@ -733,6 +761,10 @@ def decompress(
     bounds = DECODE_CHUNK_DEVICE if backend.on_device else DECODE_CHUNK
     outs = []
     with backend.stream(base_tensors or []):
+        if base_tensors is not None and payload.base_fingerprint is not None:
+            check_base(
+                payload.base_fingerprint, [(r.name, r.dtype, b.data) for r, b in zip(records, base_tensors)], backend
+            )
         for i, d in enumerate(pipe.decode_stream(records, backend)):
             outs.append(_decode_one(d, base_tensors[i] if base_tensors is not None else None, backend, bounds))
     result = {}
