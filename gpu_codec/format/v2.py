@@ -894,10 +894,13 @@ def _check_not_truncated(mv: memoryview, version: int, flags: int, layouts) -> N
     mode = (flags >> DATA_SHIFT) & 3
     if mode == DATA_ZSTD:
         try:
-            zstd_frame_size(mv[header_end:], "shared zstd frame")
+            size = zstd_frame_size(mv[header_end:], "shared zstd frame")
         except PayloadLayoutError as e:
             if "truncated" in str(e):
                 raise PayloadTruncatedError(f"{what}: its shared zstd frame is cut off") from None
+            return
+        need = header_end + size + _CRC.size
+        req(need <= n, PayloadTruncatedError, f"{what}, its shared zstd frame and checksum need {need}")
         return
     total = sum(c * BUFFER_DTYPES[dt].itemsize for lay in layouts_of for _, dt, c in lay)
     need = header_end + total + _CRC.size
