@@ -837,9 +837,10 @@ def _rule(rec: TensorRecord, layouts, where: str) -> list[tuple[str, str, int]]:
     return [(role, canonical_dtype(allowed, rec), count) for role, (allowed, count) in layout.items()]
 
 
-def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts) -> tuple:
+def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, reader: type = _Reader) -> tuple:
     """Parse the prefix's table length(s) and the table of a payload whose bytes before ``end`` hold the table
-    and the data. Returns (end of the table, pipeline, metadata, fingerprint, records, their buffer layouts)."""
+    and the data. Returns (end of the table, pipeline, metadata, fingerprint, records, their buffer layouts).
+    ``reader`` reads the table (a subclass may record where each field lies: gpu_codec.testing.fuzz)."""
     r = _Reader(mv, _PREFIX.size, end, "payload prefix")
     tlen = r.varint("table length", MAX_HEADER_BYTES)
     if flags & FLAG_TABLE_ZSTD:
@@ -849,7 +850,7 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts) -> 
     else:
         table = r.take(tlen, "the tensor table")
     mode = (flags >> DATA_SHIFT) & 3
-    t = _Reader(table, 0, len(table), "tensor table")
+    t = reader(table, 0, len(table), "tensor table")
     pipeline = [_read_stage(t) for _ in range(t.varint("stage count", MAX_STAGES))]
     metadata: Any = {}
     if flags & FLAG_METADATA:
