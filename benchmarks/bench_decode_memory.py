@@ -1,7 +1,10 @@
-"""Peak memory of decompress against the dense output it declares, for each pipeline.
+"""Peak memory of decompress against the dense output it declares, for each pipeline and data mode.
 
-For each pipeline (raw top-k, fp16 + Rice + zstd, dense int8 + zstd, ternary, dense fp32 + zstd) and each size,
-a payload is made from a synthetic update, then decompressed with and without a base while memory is traced:
+For each pipeline (raw top-k, fp16 + Rice + zstd, dense int8 + zstd, ternary, dense fp32 + zstd, top-k 50% + zstd)
+and each size, a payload is made from a synthetic update, written in each data mode its pipeline allows (a zstd
+stage: ``records``, one frame per tensor; ``zstd``, one frame shared by all tensors; ``plain``, the same bytes
+uncompressed; the writer picks the smallest, and a shared frame only up to 1 MiB of raw bytes, so the others are
+forced here), then decompressed with and without a base while memory is traced:
 
 * host (NumPy backend): ``tracemalloc`` peak during the call (NumPy reports its buffers to it; the payload bytes
   themselves are held by the caller and not counted), over the declared dense output bytes;
@@ -37,7 +40,21 @@ PIPELINES = {
     "int8/256 dense + zstd": dict(fraction=None, pipeline=[Int8Blockwise(256), Zstd()]),
     "ternary (top-k 1%)": dict(fraction=0.01, pipeline=[Ternary()]),
     "fp32 dense + zstd": dict(fraction=None, pipeline=[Zstd()]),
+    "top-k 50% + zstd (u32 + fp32)": dict(fraction=0.5, pipeline=[Zstd()]),
 }
+DATA_MODES = {"records": 0, "zstd": 1, "plain": 2}  # wire format v2's data modes (gpu_codec.format.v2)
+
+
+def blobs(p: gpu_codec.Payload):
+    """(data mode, payload bytes) in every data mode the payload's pipeline allows."""
+    if not p.tensors or p.tensors[0].encoding != "zstd":
+        yield "records", p.to_bytes()
+        return
+    from gpu_codec.codecs import wire_layouts
+    from gpu_codec.format import v2
+
+    for name, mode in DATA_MODES.items():
+        yield name, v2.write(v2.plan(p.tensors, p.pipeline, p.metadata, wire_layouts(), data_mode=mode))
 
 
 def declared_bytes(payload: gpu_codec.Payload, with_base: bool) -> int:
@@ -123,32 +140,32 @@ def run(backend: str, scales: list[float], singles: list[int]) -> dict:
             n = sum(v.size for v in delta.values())
             for name, kw in PIPELINES.items():
                 p = gpu_codec.compress(delta, fraction=kw["fraction"], pipeline=kw["pipeline"])
-                blob = p.to_bytes()
-                del p
-                payload = gpu_codec.Payload.from_bytes(blob)
-                for with_base in (False, True):
-                    declared = declared_bytes(payload, with_base)
-                    peak, dt = (peak_device if backend == "gpu" else peak_host)(blob, base if with_base else None)
-                    rows.append(
-                        {
-                            "pipeline": name,
-                            "model": model,
-                            "params": int(n),
-                            "tensors": len(delta),
-                            "with_base": with_base,
-                            "payload_bytes": len(blob),
-                            "declared_output_bytes": declared,
-                            "peak_bytes": int(peak),
-                            "ratio": round(peak / declared, 3),
-                            "seconds": round(dt, 3),
-                        }
-                    )
-                    print(
-                        f"{name:32s} {n:>11,d} params base={with_base!s:5s} payload {len(blob):>10,d} B  "
-                        f"output {declared / 2**20:8.1f} MiB  peak {peak / 2**20:8.1f} MiB  "
-                        f"ratio {peak / declared:5.2f}  {dt:6.2f} s",
-                        flush=True,
-                    )
+                for mode, blob in blobs(p):
+                    payload = gpu_codec.Payload.from_bytes(blob)
+                    for with_base in (False, True):
+                        declared = declared_bytes(payload, with_base)
+                        peak, dt = (peak_device if backend == "gpu" else peak_host)(blob, base if with_base else None)
+                        rows.append(
+                            {
+                                "pipeline": name,
+                                "data": mode,
+                                "model": model,
+                                "params": int(n),
+                                "tensors": len(delta),
+                                "with_base": with_base,
+                                "payload_bytes": len(blob),
+                                "declared_output_bytes": declared,
+                                "peak_bytes": int(peak),
+                                "ratio": round(peak / declared, 3),
+                                "seconds": round(dt, 3),
+                            }
+                        )
+                        print(
+                            f"{name:32s} {mode:7s} {n:>11,d} params base={with_base!s:5s} payload {len(blob):>10,d} B  "
+                            f"output {declared / 2**20:8.1f} MiB  peak {peak / 2**20:8.1f} MiB  "
+                            f"ratio {peak / declared:5.2f}  {dt:6.2f} s",
+                            flush=True,
+                        )
     return {
         "backend": backend,
         "measure": "tracemalloc peak during decompress" if backend != "gpu" else "CuPy pool bytes held, peak",
@@ -156,6 +173,7 @@ def run(backend: str, scales: list[float], singles: list[int]) -> dict:
         "numpy": np.__version__,
         "machine": platform.machine(),
         "max_ratio": max(r["ratio"] for r in rows),
+        "max_ratio_by_data_mode": {m: max(r["ratio"] for r in rows if r["data"] == m) for m in DATA_MODES},
         "rows": rows,
     }
 

@@ -8,7 +8,11 @@ declared shapes, or a PayloadError; anything else is a finding):
   corpus is the golden payloads and a fresh payload of every pipeline;
 * ``mutate`` (pure Python): structure-aware mutations of :func:`gpu_codec.testing.fuzz.mutate` (header nodes
   replaced by junk or deleted, data bytes flipped, set, inserted or cut, prefix and header text flipped,
-  truncation), from the same seeds; a mutant with an outcome not seen before joins the seeds.
+  truncation), from the same seeds; a mutant with an outcome not seen before joins the seeds;
+* ``table`` (pure Python): :func:`gpu_codec.testing.fuzz.mutate_table` on version 2/3 payloads (fields of the
+  binary tensor table replaced by their bounds, off-by-one counts and lengths, non-canonical varints, codes past
+  their tables, other stage codes; fields and tensor entries deleted, repeated or swapped; flags, table length
+  and data damaged), and whatever decodes must read the same in tests/spec_reader.py, the independent reader.
 
 Findings are grouped by exception type and message (numbers stripped); the first input of each is written under
 ``benchmarks/results/fuzz_findings/``. Run: ``python benchmarks/fuzz_decoder.py --seconds 60`` (NumPy backend);
@@ -122,6 +126,24 @@ def run_mutate(rec: Recorder, seeds: dict[str, bytes], seconds: float, seed: int
             pool.append(blob)
 
 
+def run_table(rec: Recorder, seconds: float, seed: int) -> None:
+    from gpu_codec.testing import fuzz
+
+    sys.path.insert(0, str(ROOT))
+    from tests import spec_reader
+
+    rng = random.Random(seed)
+    seeds = fuzz.seed_corpus_v2(ROOT / "tests" / "golden")
+    names = sorted(seeds)
+    base = fuzz.seed_base()
+    end = time.time() + seconds
+    while time.time() < end:
+        name = rng.choice(names)
+        blob = fuzz.mutate_table(seeds[name], rng, rng.randrange(1, 4))
+        b = base if rng.random() < 0.3 and not name.startswith("golden") else None
+        rec.record(blob, lambda x, b=b: fuzz.check_against(x, spec_reader.read, b))
+
+
 def run_atheris(rec: Recorder, seeds: dict[str, bytes], seconds: float, seed: int) -> None:
     import atheris
 
@@ -150,7 +172,7 @@ def run_atheris(rec: Recorder, seeds: dict[str, bytes], seconds: float, seed: in
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seconds", type=float, default=60)
-    ap.add_argument("--engine", choices=("auto", "atheris", "mutate"), default="auto")
+    ap.add_argument("--engine", choices=("auto", "atheris", "mutate", "table"), default="auto")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -181,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     if engine == "atheris":
         rec.write()
         run_atheris(rec, seeds, a.seconds, a.seed)
+    elif engine == "table":
+        run_table(rec, a.seconds, a.seed)
     else:
         run_mutate(rec, seeds, a.seconds, a.seed)
     rec.write()

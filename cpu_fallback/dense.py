@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu_codec.constants import DT_F64, SCATTER_ADD
+from gpu_codec.constants import CRIT_EXTERNAL, DT_F64, SCATTER_ADD
 
-from .elementwise import load_f32, store_from_f32, tensor_delta_scores
+from .elementwise import load_f32, nonfinite, store_from_f32, tensor_delta_scores
 
 
 def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs, mode, err):
@@ -56,13 +56,14 @@ def dense_delta(
     err,
 ):
     """Twin of ``dense_delta`` (kernels/topk.cu): every element's delta at ``elem_off[t]`` in ``vals32`` (``vals64``
-    for fp64 tensors), and the lowest tensor with a non-finite delta or score in ``err[0]``."""
+    for fp64 tensors), and the lowest tensor with a non-finite delta, or a non-finite score of a caller's score
+    function, in ``err[0]`` (a built-in criterion selects nothing here: its fp32 score may overflow)."""
     for t in range(int(nt)):
         n = int(numel[t])
         if n == 0:
             continue
-        dt, d, _, bad = tensor_delta_scores(t, new_ptrs, base_ptrs, res_ptrs, dtypes, crit, score_ptrs, score_dtypes)
+        dt, d, s, _ = tensor_delta_scores(t, new_ptrs, base_ptrs, res_ptrs, dtypes, crit, score_ptrs, score_dtypes)
         off = int(elem_off[t])
         (vals64 if dt == DT_F64 else vals32)[off : off + n] = d
-        if bad:
+        if nonfinite(d) or (int(crit) == CRIT_EXTERNAL and nonfinite(s)):
             err[0] = min(int(err[0]), t)

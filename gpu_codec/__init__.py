@@ -35,6 +35,7 @@ from .engine import Payload, SparseEntries, compress, decompress, encode_coo, ke
 from .error_feedback import ErrorFeedback
 from .errors import (  # every error class stays reachable as gpu_codec.<Name>
     BackendUnavailableError,
+    BaseMismatchError,
     CodecConfigError,
     GpuCodecError,
     InvalidInputError,
@@ -45,6 +46,7 @@ from .errors import (  # every error class stays reachable as gpu_codec.<Name>
     PayloadIndexError,
     PayloadLayoutError,
     PayloadLimitError,
+    PayloadTruncatedError,
     PayloadValueError,
     UnknownCodecError,
     UnsupportedVersionError,

@@ -41,6 +41,7 @@ from .format import (
     packed_size,
     unpack,
 )
+from .format.fingerprint import check_base, fingerprint
 
 DEFAULT_MAX_OUTPUT_BYTES = 4 << 30  # decompress's cap on the dense output a payload may declare
 # Entries written per scatter: a 256th of the tensor, within these bounds, so the temporaries of a chunk (about
@@ -213,6 +214,7 @@ class Payload:
         self.backend = backend
         self._wire_cache: dict = {}  # the bytes stage's layout, shared by nbytes, header_nbytes and to_bytes
         self.version: int | None = None  # the wire version it was read from (None: made here)
+        self.base_fingerprint: str | None = None  # of the base it was made against (compress(fingerprint_base=True))
 
     def to_bytes(self, version: int | None = None) -> bytes:
         """Serialize: wire format v2 (``version=None`` or 2; v1 for records v2 cannot describe, which no
@@ -234,6 +236,7 @@ class Payload:
             layouts=wire_layouts(),
             version=version,
             cache=self._wire_cache,
+            fingerprint=self.base_fingerprint,
         )
         if blob[8] == 1 and int.from_bytes(blob[12:16], "little") > MAX_HEADER_BYTES:
             raise InvalidInputError(
@@ -249,12 +252,20 @@ class Payload:
         header, records = unpack(blob, wire_layouts())
         p = cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
         p.version = int(header["version"])
+        p.base_fingerprint = header.get("base_fingerprint")
         return p
 
     @property
     def nbytes(self) -> int:
         """Exact size of :meth:`to_bytes`, computed without copying anything off the device."""
-        return packed_size(self.tensors, self.pipeline, self.metadata, wire_layouts(), cache=self._wire_cache)
+        return packed_size(
+            self.tensors,
+            self.pipeline,
+            self.metadata,
+            wire_layouts(),
+            cache=self._wire_cache,
+            fingerprint=self.base_fingerprint,
+        )
 
     @property
     def header_nbytes(self) -> int:
@@ -266,7 +277,14 @@ class Payload:
         >>> gpu_codec.compress(u, fraction=0.01).header_nbytes / len(u) < 16
         True
         """
-        return header_size(self.tensors, self.pipeline, self.metadata, wire_layouts(), cache=self._wire_cache)
+        return header_size(
+            self.tensors,
+            self.pipeline,
+            self.metadata,
+            wire_layouts(),
+            cache=self._wire_cache,
+            fingerprint=self.base_fingerprint,
+        )
 
     @property
     def dense_nbytes(self) -> int:
@@ -326,6 +344,7 @@ def compress(
     residual: Any = None,
     metadata: Mapping[str, Any] | None = None,
     pipeline: Any = None,
+    fingerprint_base: bool = False,
 ) -> Payload:
     """Compress ``update - base`` to its exact top-k entries as sparse COO.
 
@@ -353,6 +372,10 @@ def compress(
         The stages after top-k (:mod:`gpu_codec.codecs`): None, a :class:`~gpu_codec.Pipeline`, or a list of
         codecs or codec configs, e.g. ``[Quantize("float16"), RiceIndices(), Zstd()]``. A ``topk`` stage in it
         replaces ``fraction``, ``scope`` and ``score``.
+    fingerprint_base
+        Store an 8-byte sampled fingerprint of ``base`` (:mod:`gpu_codec.format.fingerprint`: at most 256
+        elements per tensor, gathered where the base lives), which :func:`decompress` checks against the base
+        it is given. Off by default; needs a ``base``.
 
     Returns
     -------
@@ -396,6 +419,8 @@ def compress(
     if residual is not None and not isinstance(residual, ErrorFeedback):
         raise InvalidInputError(f"residual must be a gpu_codec.ErrorFeedback or None, got {type(residual).__name__}")
     names, news, bases = _check_tensors(update, base)
+    if fingerprint_base and base is None:
+        raise InvalidInputError("fingerprint_base=True needs the base the update is made against")
     backend = get_backend()
     nt = len(news)
     dtype_codes = [dtypes.code(t.dtype) for t in news]
@@ -422,10 +447,7 @@ def compress(
                 new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks, qmode
             )
         if bad is not None:
-            raise InvalidInputError(
-                f"tensor {names[bad]!r}: the update, its delta against base or its score holds "
-                "a non-finite value (inf or NaN)"
-            )
+            raise InvalidInputError(_bad_input(names[bad], new_arrays[bad], base_arrays[bad], res_in[bad], crit))
         records = []
         for n, t, idx, val in zip(names, news, indices, values):
             if dense:
@@ -437,10 +459,27 @@ def compress(
         records = pipe.encode(records, backend, res_out if binding is not None else None)
         pipeline_cfg += pipe.after_topk()
         payload = Payload(records, pipeline_cfg, metadata, backend=backend.name)
+        if fingerprint_base:
+            payload.base_fingerprint = fingerprint(zip(names, [t.dtype for t in news], base_arrays), backend)
         _check_header_size(payload)
         if binding is not None:
             residual._commit(binding, backend)
     return payload
+
+
+def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int) -> str:
+    """Why the selection refused tensor ``name``: a non-finite value, or (fp64) a finite delta whose fp32 score
+    overflows, which only dense mode can send (top-k compares scores in fp32)."""
+    if new.dtype == np.float64 and crit != dtypes.CRIT_EXTERNAL:
+        with np.errstate(over="ignore", invalid="ignore"):
+            d = new - base if base is not None else new
+            d = d + res if res is not None else d
+        if all_finite(d, dtypes.code("float64"), get_backend().xp):
+            return (
+                f"tensor {name!r}: a finite float64 delta past the float32 range (|delta| > 3.4e38) has no float32 "
+                "score for top-k to compare; compress with fraction=None (dense), which sends float64 values exactly"
+            )
+    return f"tensor {name!r}: the update, its delta against base or its score holds a non-finite value (inf or NaN)"
 
 
 class SparseEntries(NamedTuple):
@@ -746,7 +785,8 @@ def decompress(
     PayloadError
         A subclass naming the tensor and the problem: a malformed payload, an output over the cap
         (``PayloadLimitError``), an index out of range or not increasing or a non-finite value
-        (``PayloadIndexError``), a sum with the base that is not finite in its dtype (``PayloadValueError``).
+        (``PayloadIndexError``), a sum with the base that is not finite in its dtype (``PayloadValueError``), a
+        base other than the one whose fingerprint the payload records (``BaseMismatchError``).
         Nothing is returned and the base is unchanged.
 
     Notes
@@ -806,6 +846,10 @@ def decompress(
     outs = _Outputs(records, logical, base_tensors is not None, backend)
     bases = base_tensors if base_tensors is not None else [None] * len(records)
     with backend.stream(base_tensors or []):
+        if base_tensors is not None and payload.base_fingerprint is not None:
+            check_base(
+                payload.base_fingerprint, [(r.name, r.dtype, b.data) for r, b in zip(records, base_tensors)], backend
+            )
         run: list = []  # (position, decoded) of small sparse tensors of one dtype, adjacent in their buffer
 
         def flush() -> None:

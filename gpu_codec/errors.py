@@ -13,6 +13,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendUnavailableError",
+    "BaseMismatchError",
     "CodecConfigError",
     "GpuCodecError",
     "InvalidInputError",
@@ -23,6 +24,7 @@ __all__ = [
     "PayloadIndexError",
     "PayloadLayoutError",
     "PayloadLimitError",
+    "PayloadTruncatedError",
     "PayloadValueError",
     "UnknownCodecError",
     "UnsupportedVersionError",
@@ -69,6 +71,11 @@ class PayloadLayoutError(PayloadError):
     """Buffer offsets or lengths that are not contiguous, overlap, or disagree with dtype and shape."""
 
 
+class PayloadTruncatedError(PayloadLayoutError):
+    """A payload shorter than its own header or tensor table declares: cut off in storage or in transit. It is
+    reported instead of the checksum mismatch that a cut payload also shows."""
+
+
 class PayloadDtypeError(PayloadError):
     """A dtype outside the whitelist."""
 
@@ -84,3 +91,8 @@ class PayloadIndexError(PayloadError):
 class PayloadValueError(PayloadError):
     """A value that is not finite, or a finite delta that takes the base out of its dtype's range (fp16
     60000 + 60000): the result would be inf, so nothing is decoded and the base is left as it was."""
+
+
+class BaseMismatchError(PayloadError):
+    """A payload that records the fingerprint of the base it was made against, applied to another base: the
+    update would be added to the wrong model. Nothing is decoded."""

@@ -92,8 +92,10 @@ extern "C" __global__ void score_keys(
 }
 
 // Dense mode (every element kept): the values in one pass, without keys. vals32/vals64[elem_off[t] + i] = delta
-// of element i of tensor t; the same checks as score_keys (a non-finite delta or score records the lowest
-// offending tensor in *err). The caller discards the values if *err was set, and only then touches a residual.
+// of element i of tensor t; a non-finite delta, or a non-finite score from a caller's score function, records the
+// lowest offending tensor in *err (a built-in criterion selects nothing here: its fp32 score of a finite fp64
+// delta past the fp32 range is not an error). The caller discards the values if *err was set, and only then
+// touches a residual.
 extern "C" __global__ void dense_delta(
     int nt, const i64* chunk_start, const i64* elem_off, const i64* numel, const int* dtypes,
     const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
@@ -135,7 +137,7 @@ extern "C" __global__ void dense_delta(
             }
             vals32[off + i] = d;
         }
-        bad |= !finite_f32(s);
+        if (crit == CRIT_EXTERNAL) bad |= !finite_f32(s);
     }
     if (bad) atomicMin(err, (u64)t);
 }

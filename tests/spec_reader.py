@@ -1,4 +1,4 @@
-"""An independent reader of the gpu_codec wire format, version 1, written from docs/FORMAT.md alone.
+"""An independent reader of the gpu_codec wire format, versions 1, 2 and 3, written from docs/FORMAT.md alone.
 
 It uses NumPy, zlib and zstandard and imports nothing from gpu_codec, so comparing its output with
 ``gpu_codec.decompress`` checks the document against the code. Section numbers (§) refer to docs/FORMAT.md.
@@ -6,10 +6,14 @@ It uses NumPy, zlib and zstandard and imports nothing from gpu_codec, so compari
 ``read(blob)`` returns the dense deltas (float32, float64 for float64 tensors); ``read(blob, base)`` returns
 ``base + delta`` in the base's dtype (bfloat16 as uint16 bit patterns). A payload that breaks a rule of §11
 raises :class:`SpecError`, whose ``kind`` names the error class gpu_codec's reader raises for the same fault.
+Versions 2 and 3 ("Version 2", "Version 3" in the document) are parsed into the same tensor records as version 1
+and decoded by the same code; ``base_fingerprint(base)`` computes the optional base fingerprint ("Base
+fingerprint").
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -127,6 +131,8 @@ class Tensor:
     nnz: int
     codec: dict
     buffers: dict[str, np.ndarray] = field(default_factory=dict)
+    chunk: int | None = None  # version 3: an nvcomp tensor's frames hold this many raw bytes each
+    content: bytes | None = None  # version 2, data modes zstd and plain: the wrapped tensor's raw bytes
 
     @property
     def numel(self) -> int:
@@ -207,6 +213,7 @@ def layout(t: Tensor) -> Layout:
     if enc == "coo":
         return [("indices", ("uint32", "uint64"), t.nnz), ("values", (vd,), t.nnz)]
     if enc == "dense":
+        need(t.nnz == t.numel, "layout", f"{t.name}: dense needs nnz = numel")
         return [("values", (vd,), t.numel)]
     if enc == "sparse":
         vf = check_form(t, "v", VALUE_FIELDS)
@@ -224,7 +231,8 @@ def layout(t: Tensor) -> Layout:
     expect = raw_size(inner_tensor(t))
     raw, zb = t.codec.get("raw"), t.codec.get("zbytes")
     need(is_int(raw) and raw == expect, "layout", f"{t.name}: raw {raw!r} is not the inner size {expect}")
-    need(is_int(zb) and 0 < zb <= zstd_bound(raw), "layout", f"{t.name}: zbytes {zb!r} out of range")
+    bound = zstd_bound(raw) if t.chunk is None else frames_bound(raw, t.chunk)
+    need(is_int(zb) and 0 < zb <= bound, "layout", f"{t.name}: zbytes {zb!r} out of range")
     return [("compressed", ("uint8",), zb)]
 
 
@@ -264,6 +272,10 @@ def parse(blob: bytes) -> tuple[dict, list[Tensor]]:
     need(len(entries) <= MAX_TENSORS, "limit", "too many tensors")
     need(isinstance(header.get("pipeline", []), list), "header", "pipeline")
     need(isinstance(header.get("metadata", {}), dict), "header", "metadata")
+    if "base_fingerprint" in header:
+        fp = header["base_fingerprint"]
+        ok = isinstance(fp, str) and len(fp) == 16 and all(c in "0123456789abcdef" for c in fp)
+        need(ok, "header", f"base_fingerprint {fp!r}")
 
     tensors, names, end = [], set(), 0
     for e in entries:
@@ -383,9 +395,14 @@ def check_forms(pipe: dict[str, tuple[str, dict]], t: Tensor) -> None:
 
 
 def unwrap(t: Tensor) -> Tensor:
-    """§8.3: the inner tensor, its buffers cut from the decompressed frame."""
+    """§8.3: the inner tensor, its buffers cut from the decompressed frame (or, version 2's shared data modes,
+    from its share of the data section; version 3's chunked nvcomp tensors, from its frames)."""
     inner = inner_tensor(t)
     raw = t.codec["raw"]
+    if t.content is not None:
+        return split_inner(inner, t.content)
+    if t.chunk is not None:
+        return split_inner(inner, read_frames(t.buffers["compressed"].tobytes(), raw, t.chunk, t.name))
     frame = t.buffers["compressed"].tobytes()
     try:
         params = zstandard.get_frame_parameters(frame)
@@ -396,6 +413,7 @@ def unwrap(t: Tensor) -> Tensor:
         need(cs <= raw, "limit", f"{t.name}: frame declares {cs} > {raw} bytes")
         need(cs == raw, "layout", f"{t.name}: frame declares {cs} != {raw} bytes")
     need(params.window_size <= MAX_WINDOW, "limit", f"{t.name}: window {params.window_size}")
+    need(frame_end(frame, 0, t.name) == len(frame), "layout", f"{t.name}: bytes after the zstd frame")
     try:
         out = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompress(
             frame, max_output_size=max(raw, 1), allow_extra_data=False
@@ -403,12 +421,39 @@ def unwrap(t: Tensor) -> Tensor:
     except zstandard.ZstdError as e:
         raise SpecError("layout", f"{t.name}: bad zstd frame ({e})") from None
     need(len(out) == raw, "layout", f"{t.name}: frame holds {len(out)} bytes, expected {raw}")
+    return split_inner(inner, out)
+
+
+def split_inner(inner: Tensor, out: bytes) -> Tensor:
+    """§8.3: the inner buffers, back to back in their canonical dtypes, cut from the raw bytes."""
     off = 0
     for role, allowed, count in layout(inner):
         dt = BUFFER_DTYPES[canonical(inner, allowed)]
         inner.buffers[role] = np.frombuffer(out, dt, count, off)
         off += count * dt.itemsize
     return inner
+
+
+def frame_end(b: bytes, pos: int, name: str) -> int:
+    """RFC 8878 §3.1.1: where the zstd frame at ``pos`` ends, from its header and block headers."""
+    need(pos + 5 <= len(b) and b[pos : pos + 4] == b"\x28\xb5\x2f\xfd", "layout", f"{name}: not a zstd frame")
+    fhd = b[pos + 4]
+    need(not fhd & 0x08, "layout", f"{name}: reserved bit of the frame header")
+    single = fhd >> 5 & 1
+    fcs = (single, 2, 4, 8)[fhd >> 6]
+    at = pos + 5 + (1 - single) + (0, 1, 2, 4)[fhd & 3] + fcs
+    while True:
+        need(at + 3 <= len(b), "layout", f"{name}: truncated zstd frame")
+        bh = int.from_bytes(b[at : at + 3], "little")
+        btype = bh >> 1 & 3
+        need(btype != 3, "layout", f"{name}: reserved block type")
+        at += 3 + (1 if btype == 1 else bh >> 3)
+        need(at <= len(b), "layout", f"{name}: truncated zstd frame")
+        if bh & 1:
+            break
+    at += 4 if fhd & 0x04 else 0
+    need(at <= len(b), "layout", f"{name}: truncated zstd frame")
+    return at
 
 
 def rice_decode(stream: np.ndarray, bits: int, k: int, nnz: int, numel: int, name: str) -> np.ndarray:
@@ -493,8 +538,9 @@ def reconstruct(t: Tensor, idx: np.ndarray, x: np.ndarray, base: np.ndarray | No
 def read(
     blob: bytes, base: dict[str, np.ndarray] | None = None, *, max_elements: int = 1 << 31
 ) -> dict[str, np.ndarray]:
-    """Decode a payload to dense arrays (§10), or raise :class:`SpecError` (§11)."""
-    header, tensors = parse(blob)
+    """Decode a payload of any version to dense arrays (§10), or raise :class:`SpecError` (§11 and the
+    "What the reader rejects" sections of versions 2 and 3)."""
+    header, tensors = parse_any(blob)
     if base is None:
         total = sum(t.numel for t in tensors)
         need(total <= max_elements, "limit", f"{total} dense elements > max_elements")
@@ -521,4 +567,337 @@ def read(
     return {t.name: reconstruct(t, idx, x, None if base is None else base[t.name]) for t, idx, x in entries}
 
 
-__all__ = ["SpecError", "parse", "read", "rice_k"]
+# ---------------------------------------------------------------------------------------------- versions 2 and 3
+
+V2_PREFIX = struct.Struct("<8sIB")
+DTYPE_CODES = ("float32", "float16", "bfloat16", "float64")
+ENCODING_CODES = ("coo", "dense", "sparse", "dense_q", "zstd", "nvcomp")
+VALUE_CODES = ("f32", "f16", "bf16", "int8", "ternary")
+INDEX_CODES = ("raw", "rice")
+DATA_MODES = ("records", "zstd", "plain")
+SCOPES = ("global", "per_tensor")
+QUANT_CODES = ("float32", "float16", "bfloat16")
+
+
+def parse_any(blob: bytes) -> tuple[dict, list[Tensor]]:
+    """The header and tensors of a payload of version 1, 2 or 3."""
+    blob = bytes(blob)
+    need(len(blob) >= 12 and blob[:8] == MAGIC, "header", "too short or bad magic")
+    (version,) = struct.unpack_from("<I", blob, 8)
+    need(version in (1, 2, 3), "version", f"version {version}")
+    return parse(blob) if version == 1 else parse_v2(blob)
+
+
+class Bytes:
+    """Reads the fields of the table front to back; reading past the end is a header error."""
+
+    def __init__(self, b: bytes, pos: int = 0, end: int | None = None):
+        self.b, self.pos, self.end = b, pos, len(b) if end is None else end
+
+    def take(self, n: int) -> bytes:
+        need(self.pos + n <= self.end, "header", "the table ends inside a field")
+        out = self.b[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def varint(self, hi: int, kind: str = "header") -> int:
+        """Unsigned LEB128: at most 10 bytes, below 2^64, minimal; then at most ``hi``."""
+        n = shift = 0
+        start = self.pos
+        while True:
+            byte = self.u8()
+            n |= (byte & 0x7F) << shift
+            shift += 7
+            if not byte & 0x80:
+                break
+            need(self.pos - start < 10, "header", "varint longer than 10 bytes")
+        need(n < 1 << 64, "header", "varint of 2^64 or more")
+        need(not (byte == 0 and self.pos - start > 1), "header", "varint not minimal")
+        need(n <= hi, kind, f"varint {n} above its bound {hi}")
+        return n
+
+    def code(self, table: tuple) -> str:
+        c = self.u8()
+        need(c < len(table), "header", f"unknown code {c}")
+        return table[c]
+
+
+def shortest_decimal(f: float) -> tuple[int, int]:
+    """(m, e): the digits of the shortest decimal that reads back as ``f``, ``f = m x 10^-e``, m not a multiple
+    of 10 (or e = 0)."""
+    text = repr(f)
+    mant, _, exp = text.partition("e")
+    whole, _, frac = mant.partition(".")
+    m, e = int(whole + frac), len(frac) - int(exp or 0)
+    while e > 0 and m % 10 == 0:
+        m, e = m // 10, e - 1
+    if e < 0:
+        m, e = m * 10**-e, 0
+    return m, e
+
+
+def read_stage(r: Bytes) -> dict:
+    """Pipeline stage codes 0-7."""
+    code = r.u8()
+    if code == 0:
+        n = r.varint(r.end - r.pos)
+        cfg = strict_json(r.take(n), "a JSON stage")
+        need(isinstance(cfg, dict) and isinstance(cfg.get("id"), str), "header", "a JSON stage without a string id")
+        return cfg
+    if code == 1:
+        m, e = r.varint(10**17), r.varint(400)
+        f = float(f"{m}e-{e}")
+        need(0 < f <= 1 and shortest_decimal(f) == (m, e), "header", f"fraction {m}e-{e}")
+        return {"id": "topk", "fraction": f, "scope": r.code(SCOPES), "score": r.code(SCORES)}
+    if code == 2:
+        return {"id": "quantize", "dtype": r.code(QUANT_CODES)}
+    if code == 3:
+        b = r.varint(1 << 20)
+        need(b >= 1, "header", "int8 block size 0")
+        return {"id": "int8", "block_size": b}
+    if code in (4, 5):
+        return {"id": "ternary" if code == 4 else "rice"}
+    if code == 6:
+        level = r.u8()
+        need(1 <= level <= 22, "header", f"zstd level {level}")
+        return {"id": "zstd", "level": level}
+    if code == 7:
+        return {"id": "nvcomp", "algorithm": r.code(("zstd",))}
+    raise SpecError("header", f"stage code {code}")
+
+
+def strict_json(raw: bytes, what: str) -> Any:
+    def no_constants(name: str) -> Any:
+        raise SpecError("header", f"{what}: JSON constant {name}")
+
+    def bounded_int(text: str) -> int:
+        need(len(text.lstrip("-")) <= 40, "header", f"{what}: an integer of more than 40 digits")
+        return int(text)
+
+    def finite(text: str) -> float:
+        x = float(text)
+        need(math.isfinite(x), "header", f"{what}: number {text} overflows")
+        return x
+
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=no_constants, parse_int=bounded_int, parse_float=finite)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise SpecError("header", f"{what} is not JSON: {e}") from None
+
+
+def read_form(r: Bytes) -> tuple:
+    """(encoding, inner, value form, int8 block, index form)."""
+    enc = r.code(ENCODING_CODES)
+    inner = v = block = i = None
+    base = enc
+    if enc in WRAPPERS:
+        inner = r.code(ENCODING_CODES)
+        need(inner in INNER, "header", "a wrapper wrapping a wrapper")
+        base = inner
+    if base in ("sparse", "dense_q"):
+        v = r.code(VALUE_CODES)
+        if v == "int8":
+            block = r.varint(1 << 20)
+            need(block >= 1, "header", "int8 block 0")
+    if base == "sparse":
+        i = r.code(INDEX_CODES)
+    return enc, inner, v, block, i
+
+
+def frames_bound(raw: int, chunk: int) -> int:
+    """Version 3."""
+    count = max(1, ceil_div(raw, chunk))
+    return (count - 1) * zstd_bound(chunk) + zstd_bound(raw - (count - 1) * chunk)
+
+
+def read_entry(r: Bytes, earlier: list[bytes], default: tuple, mode: int, version: int) -> Tensor:
+    """One tensor entry of the table, as the record a version 1 header entry would give."""
+    d = r.varint(len(earlier))
+    p = q = 0
+    ref = b""
+    if d:
+        ref = earlier[-d]
+        p = r.varint(len(ref))
+        q = r.varint(len(ref) - p)
+    m = r.varint(4096 - p - q)
+    nb = ref[:p] + r.take(m) + ref[len(ref) - q :]
+    earlier.append(nb)
+    need(len(nb) > 0, "header", "empty name")
+    try:
+        name = nb.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecError("header", "a name that is not UTF-8") from None
+    need(len(name) <= MAX_NAME, "header", "name too long")
+    kind = r.u8()
+    need(not kind & 0x80, "header", "bit 7 of the kind byte")
+    dtype, ndim = DTYPE_CODES[kind & 3], kind >> 2 & 15
+    need(ndim <= MAX_NDIM, "limit", f"{name}: {ndim} dimensions")
+    enc, inner, v, block, i = read_form(r) if kind & 0x40 else default
+    shape = tuple(r.varint(MAX_NUMEL, "limit") for _ in range(ndim))
+    running = 1
+    for s in shape:
+        running *= max(s, 1)
+        need(running <= MAX_NUMEL, "limit", f"{name}: shape {shape}")
+    numel = math.prod(shape)
+    base = inner if enc in WRAPPERS else enc
+    nnz = r.varint(numel, "layout") if base in ("coo", "sparse") else numel
+    codec: dict[str, Any] = {}
+    if base in ("sparse", "dense_q"):
+        codec["v"] = v
+        if v == "int8":
+            codec["block"] = block
+        if v == "ternary":
+            bits = r.take(4) if nnz else bytes(4)
+            need(int.from_bytes(bits, "little") < 0x7F800000, "header", f"{name}: mu not finite and >= 0")
+            codec["mu"] = float(np.frombuffer(bits, "<f4")[0])
+        if base == "sparse":
+            codec["i"] = i
+            if i == "rice":
+                codec["k"] = rice_k(nnz, numel)
+                codec["bits"] = r.varint((1 << 64) - 1) if nnz else 0
+    t = Tensor(name, dtype, shape, base, nnz, codec)
+    if enc not in WRAPPERS:
+        need(mode == 0, "layout", f"{name}: a shared data mode holds only zstd tensors")
+        return t
+    raw = raw_size(t)
+    wc: dict[str, Any] = {"algo": "zstd"} if enc == "nvcomp" else {}
+    wc.update(inner=base, raw=raw)
+    chunk = None
+    if mode == 0:
+        if enc == "nvcomp" and version == 3:
+            c = r.u8()
+            need(16 <= c <= 24, "header", f"{name}: chunk code {c}")
+            chunk = 1 << c
+        bound = zstd_bound(raw) if chunk is None else frames_bound(raw, chunk)
+        wc["zbytes"] = r.varint(bound, "layout")
+    else:
+        need(enc == "zstd", "layout", f"{name}: a shared data mode holds only zstd tensors")
+    if codec:
+        wc["ic"] = codec
+    return Tensor(name, dtype, shape, enc, nnz, wc, chunk=chunk)
+
+
+def canonical_layout(t: Tensor) -> list[tuple[str, str, int]]:
+    """ "Buffers": (role, dtype, count), nothing stored about them."""
+    return [(role, canonical(t, allowed), count) for role, allowed, count in layout(t)]
+
+
+def one_frame(frame: bytes, size: int, name: str, *, required_size: bool) -> bytes:
+    """A zstd frame that declares ``size`` (or nothing, unless ``required_size``), within the window limit, with
+    nothing after it, that decompresses to exactly ``size`` bytes."""
+    try:
+        params = zstandard.get_frame_parameters(frame)
+    except zstandard.ZstdError as e:
+        raise SpecError("layout", f"{name}: not a zstd frame ({e})") from None
+    cs = params.content_size
+    if cs == zstandard.CONTENTSIZE_UNKNOWN:
+        need(not required_size, "layout", f"{name}: the frame does not declare its size")
+    else:
+        need(cs <= size, "limit", f"{name}: frame declares {cs} > {size}")
+        need(cs == size, "layout", f"{name}: frame declares {cs} != {size}")
+    need(params.window_size <= MAX_WINDOW, "limit", f"{name}: window {params.window_size}")
+    need(frame_end(frame, 0, name) == len(frame), "layout", f"{name}: bytes after the zstd frame")
+    try:
+        out = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompress(
+            frame, max_output_size=max(size, 1), allow_extra_data=False
+        )
+    except zstandard.ZstdError as e:
+        raise SpecError("layout", f"{name}: bad zstd frame ({e})") from None
+    need(len(out) == size, "layout", f"{name}: frame holds {len(out)} bytes, expected {size}")
+    return out
+
+
+def read_frames(b: bytes, raw: int, chunk: int, name: str) -> bytes:
+    """Version 3 "Frames": exactly F frames back to back, frame i declaring and holding size_i bytes."""
+    count, pos, out = max(1, ceil_div(raw, chunk)), 0, []
+    for i in range(count):
+        need(pos < len(b), "layout", f"{name}: fewer than {count} frames")
+        size = min(chunk, raw - i * chunk)
+        end = frame_end(b, pos, f"{name}, frame {i}")
+        out.append(one_frame(b[pos:end], size, f"{name}, frame {i}", required_size=True))
+        pos = end
+    need(pos == len(b), "layout", f"{name}: bytes after its {count} frames")
+    return b"".join(out)
+
+
+def parse_v2(blob: bytes) -> tuple[dict, list[Tensor]]:
+    """Versions 2 and 3: prefix, checksum, flags, the table, the data section."""
+    n = len(blob)
+    need(n >= 18, "header", "shorter than 18 bytes")
+    _, version, flags = V2_PREFIX.unpack_from(blob, 0)
+    (crc,) = struct.unpack_from("<I", blob, n - 4)
+    need(crc == zlib.crc32(blob[: n - 4]) & 0xFFFFFFFF, "checksum", "CRC-32 mismatch")
+    need(not flags & 0xE0, "header", f"reserved flag bits 0x{flags:02x}")
+    mode = flags >> 2 & 3
+    need(mode < 3, "header", "data mode 3")
+    end = n - 4
+    r = Bytes(blob, 13, end)
+    tlen = r.varint(MAX_HEADER)
+    if flags & 0x02:
+        traw = r.varint(MAX_HEADER)
+        table = one_frame(r.take(tlen), traw, "tensor table", required_size=False)
+    else:
+        table = r.take(tlen)
+    data = blob[r.pos : end]
+    t = Bytes(table)
+    pipeline = [read_stage(t) for _ in range(t.varint(16))]
+    metadata: Any = {}
+    if flags & 0x01:
+        metadata = strict_json(t.take(t.varint(t.end - t.pos)), "metadata")
+        need(isinstance(metadata, dict), "header", "metadata is not an object")
+    header: dict[str, Any] = {"version": version, "pipeline": pipeline, "metadata": metadata, "data": DATA_MODES[mode]}
+    if flags & 0x10:
+        header["base_fingerprint"] = t.take(8).hex()
+    default = read_form(t)
+    count = t.varint(MAX_TENSORS, "limit")
+    tensors, names, earlier = [], set(), []
+    for _ in range(count):
+        x = read_entry(t, earlier, default, mode, version)
+        need(x.name not in names, "header", f"{x.name}: duplicate name")
+        names.add(x.name)
+        tensors.append(x)
+    need(t.pos == t.end, "header", "bytes after the last tensor entry")
+    if mode == 0:
+        lays = [canonical_layout(x) for x in tensors]
+        total = sum(c * BUFFER_DTYPES[dt].itemsize for lay in lays for _, dt, c in lay)
+        need(total == len(data), "layout", f"data section of {len(data)} bytes, the table implies {total}")
+        off = 0
+        for x, lay in zip(tensors, lays):
+            for role, dt, c in lay:
+                x.buffers[role] = np.frombuffer(data, BUFFER_DTYPES[dt], c, off)
+                off += c * BUFFER_DTYPES[dt].itemsize
+        return header, tensors
+    need(bool(tensors), "layout", "a shared data mode without tensors")
+    total = sum(x.codec["raw"] for x in tensors)
+    if mode == 1:
+        need(0 < len(data) <= zstd_bound(total), "layout", f"shared frame of {len(data)} bytes")
+        content = one_frame(data, total, "shared frame", required_size=True)
+    else:
+        need(len(data) == total, "layout", f"plain data of {len(data)} bytes, the table implies {total}")
+        content = data
+    off = 0
+    for x in tensors:
+        x.content = content[off : off + x.codec["raw"]]
+        off += x.codec["raw"]
+    return header, tensors
+
+
+def base_fingerprint(base: dict[str, np.ndarray], names: list[str]) -> str:
+    """ "Base fingerprint": BLAKE2b-64 over each tensor's name length (u32), dtype code (u8), element count (u64),
+    name, and the raw bits of its elements at (j * numel) // m, m = min(numel, 256)."""
+    h = hashlib.blake2b(digest_size=8)
+    for name in names:
+        a = np.ascontiguousarray(base[name]).reshape(-1)
+        dtype = "bfloat16" if a.dtype == np.uint16 else a.dtype.name
+        nb = name.encode("utf-8")
+        h.update(struct.pack("<IBQ", len(nb), DTYPE_CODES.index(dtype), a.size) + nb)
+        m = min(a.size, 256)
+        pos = [j * a.size // m for j in range(m)]
+        h.update(a[pos].astype(a.dtype.newbyteorder("<")).tobytes())
+    return h.hexdigest()
+
+
+__all__ = ["SpecError", "base_fingerprint", "parse", "parse_any", "parse_v2", "read", "rice_k"]

@@ -486,3 +486,75 @@ def test_v2_zstd_frame_bombs_and_garbage():
     rejects(surgery_v2(blob, _v2_frame(b"not zstd at all")), PayloadLayoutError, "not a zstd")
     big = zstandard.ZstdCompressor(level=19).compress(b"\0" * (64 << 20))
     rejects(surgery_v2(blob, _v2_frame(big)), PayloadLayoutError, "compressed size")
+
+
+# ------------------------------------------------------------------------------------------ empty wrapped tensors
+
+EMPTY = zstandard.ZstdCompressor(write_content_size=True).compress(b"")  # 9 bytes: a frame declaring 0 bytes
+# after a valid header declaring size 0: a cut frame, junk, a second frame, a frame with data
+NOT_ONE_EMPTY_FRAME = {
+    "cut_block": EMPTY[:-1],
+    "cut_header": EMPTY[:6],
+    "junk": EMPTY + b"junk",
+    "second_frame": EMPTY + EMPTY,
+    "zero_byte": EMPTY + b"\0",
+    "skippable": EMPTY + bytes.fromhex("502a4d1800000000"),
+}
+
+
+def empty_tensor_blob(version: int, encoding: str = "zstd") -> bytes:
+    """Two tensors under global top-k where ``empty`` keeps nothing: its wrapped buffer holds 0 raw bytes."""
+    u = {"big": np.full(100, 1000.0, np.float32), "empty": np.full(50, 1e-3, np.float32)}
+    p = gpu_codec.compress(u, fraction=0.1, pipeline=[Zstd()])
+    assert p.tensors[1].nnz == 0 and p.tensors[1].codec["raw"] == 0
+    if encoding == "nvcomp":  # the same frames under the nvcomp stage (both are standard zstd frames)
+        p.pipeline[-1] = {"id": "nvcomp", "algorithm": "zstd"}
+        for r in p.tensors:
+            r.encoding, r.codec = "nvcomp", {"algo": "zstd", **r.codec}
+    if version == 1:
+        return p.to_bytes(version=1)
+    from gpu_codec.codecs import wire_layouts
+    from gpu_codec.format import v2
+
+    return v2.write(v2.plan(p.tensors, p.pipeline, p.metadata, wire_layouts(), data_mode=v2.DATA_RECORDS))
+
+
+def _empty_frame_v1(frame):
+    def f(h, b):
+        b[1][0] = frame
+        h["tensors"][1]["codec"]["zbytes"] = len(frame)
+
+    return f
+
+
+def _empty_frame_v2(frame):
+    def f(p, recs):
+        recs[1].buffers["compressed"] = np.frombuffer(frame, np.uint8)
+        recs[1].codec["zbytes"] = len(frame)
+
+    return f
+
+
+@pytest.mark.parametrize("encoding", ["zstd", "nvcomp"])
+@pytest.mark.parametrize("version", [1, 2])
+@pytest.mark.parametrize("bad", sorted(NOT_ONE_EMPTY_FRAME))
+def test_an_empty_wrapped_tensor_is_exactly_one_empty_frame(bad, version, encoding):
+    blob = empty_tensor_blob(version, encoding)
+    frame = NOT_ONE_EMPTY_FRAME[bad]
+    if version == 1:
+        same, broken = surgery(blob, _empty_frame_v1(EMPTY)), surgery(blob, _empty_frame_v1(frame))
+    else:
+        same, broken = surgery_v2(blob, _empty_frame_v2(EMPTY)), surgery_v2(blob, _empty_frame_v2(frame))
+    out = gpu_codec.decompress(same)
+    assert not out["empty"].any() and out["big"].sum() == 15_000
+    rejects(broken, PayloadLayoutError, "tensor 'empty'")
+
+
+def test_v1_dense_tensor_with_nnz_other_than_numel():
+    blob = gpu_codec.compress({"w": np.arange(1, 7, dtype=np.float32)}, fraction=None).to_bytes(version=1)
+    assert gpu_codec.Payload.from_bytes(blob).nnz == 6
+    for nnz in (0, 5):
+        bad = surgery(blob, lambda h, b, nnz=nnz: h["tensors"][0].__setitem__("nnz", nnz))
+        with pytest.raises(PayloadLayoutError, match="nnz = numel = 6, got"):
+            gpu_codec.Payload.from_bytes(bad)
+        rejects(bad, PayloadLayoutError)

@@ -258,7 +258,7 @@ def test_a_shared_frame_is_decompressed_only_when_decoded():
     blob = zstd_records().to_bytes()
     _, records = unpack(blob, wire_layouts())
     frame = records[0].frame.frame
-    assert frame._out is None and all(r.frame.frame is frame for r in records)
+    assert frame._stream is None and all(r.frame.frame is frame for r in records)
     gpu_codec.decompress(blob)
 
 

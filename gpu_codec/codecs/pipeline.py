@@ -38,12 +38,13 @@ from ..errors import (
     UnknownCodecError,
 )
 from ..format import BUFFER_DTYPES, TensorRecord
+from ..format.common import StreamedBuffer, open_stream
 from .base import STAGES, Codec
 from .quantize import Quantize
 from .registry import get_codec, index_forms, value_forms, wire_layouts
 from .rice import RawIndices
-from .wire import CODED, StreamedBuffer, inner_record, open_stream, raw_layout, where
-from .zstd import decode_wrapped, encode_wrapped
+from .wire import CODED, inner_record, raw_layout, where
+from .zstd import encode_wrapped
 
 
 class Pipeline:
@@ -248,23 +249,19 @@ class Decoded:
 
 
 def _unwrap(rec: TensorRecord, layouts: Any) -> TensorRecord:
-    """The inner record of a ``zstd``/``nvcomp`` record. A dense tensor's buffers stay in the frame and are
-    decompressed a slice at a time (its first buffer holds one item per element; the small ones after it, such
-    as int8 scales, are kept); a sparse tensor's, a few bytes per kept entry, are decompressed at once."""
+    """The inner record of a ``zstd``/``nvcomp`` record, its buffers left in the frame: each is a
+    :class:`~gpu_codec.format.common.StreamedBuffer` that decompresses the range a slice asks for (the frame is
+    checked whole first, in one pass that keeps nothing), so no more than a chunk of its entries is ever held."""
     inner = inner_record(rec)
-    if inner.encoding not in ("dense", "dense_q") or rec.frame is not None:
-        # sparse, or a slice of a frame shared by all tensors (wire format v2), which is read whole
-        return decode_wrapped(rec, layouts)
-    parts = raw_layout(inner, layouts)
-    head = parts[0][2] * BUFFER_DTYPES[parts[0][1]].itemsize
-    frame = memoryview(np.ascontiguousarray(rec.buffers["compressed"]))
-    stream = open_stream(frame, int(rec.codec["raw"]), rec.chunk, head, where(rec))
-    role, dt, count = parts[0]
-    inner.buffers[role] = StreamedBuffer(stream, 0, BUFFER_DTYPES[dt], count)
-    inner.buffer_dtypes[role] = dt
+    raw = int(rec.codec["raw"])
+    if rec.frame is not None:  # a share of the frame of every tensor (wire format v2)
+        source: Any = rec.frame.source(where(rec))
+    else:
+        frame = memoryview(np.ascontiguousarray(rec.buffers["compressed"]))  # no copy of the compressed bytes
+        source = open_stream(frame, raw, rec.chunk, raw, where(rec))
     off = 0
-    for role, dt, count in parts[1:]:
-        inner.buffers[role] = np.frombuffer(stream.tail, BUFFER_DTYPES[dt], count, off)
+    for role, dt, count in raw_layout(inner, layouts):
+        inner.buffers[role] = StreamedBuffer(source, off, BUFFER_DTYPES[dt], count)
         inner.buffer_dtypes[role] = dt
         off += count * BUFFER_DTYPES[dt].itemsize
     return inner
@@ -292,22 +289,25 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
     if rec.encoding == "dense":
         return Decoded(*head, _slicer(rec.buffers["values"], backend), None)
     vform = value_forms()[rec.codec["v"]]
-    if rec.encoding == "dense_q":
-        host = dict(rec.buffers)
+    iform = index_forms()[rec.codec["i"]] if rec.encoding == "sparse" else None
+    iroles = set(iform.layout(rec, rec.nnz)) if iform is not None else set()
+    host = {role: x for role, x in rec.buffers.items() if role not in iroles}
 
-        def values(a: int, b: int) -> Any:
-            bufs = {role: backend.asarray(x) for role, x in vform.slice(rec, host, a, b).items()}
-            with _quiet():
-                return vform.decode(rec, bufs, b - a, backend).astype(vd, copy=False)
+    def values(a: int, b: int) -> Any:  # a slice of entries at a time, sparse or dense
+        bufs = {role: backend.asarray(x) for role, x in vform.slice(rec, host, a, b).items()}
+        with _quiet():
+            return vform.decode(rec, bufs, b - a, backend).astype(vd, copy=False)
 
+    if iform is None:
         return Decoded(*head, values, None, vform.step(rec))
-    bufs = {role: backend.asarray(a) for role, a in rec.buffers.items()}
-    idx = index_forms()[rec.codec["i"]].decode(rec, bufs, rec.nnz, backend)
-    idx = idx.astype(index_dtype(rec.numel), copy=False)
-    with _quiet():
-        vals = vform.decode(rec, bufs, rec.nnz, backend).astype(vd, copy=False)
-    del bufs
-    return Decoded(*head, _slicer(vals, backend), _slicer(idx, backend))
+    ibufs = {role: backend.asarray(_whole(rec.buffers[role])) for role in iroles}
+    idx = iform.decode(rec, ibufs, rec.nnz, backend).astype(index_dtype(rec.numel), copy=False)
+    del ibufs
+    return Decoded(*head, values, _slicer(idx, backend), vform.step(rec))
+
+
+def _whole(a: Any) -> Any:
+    return a[0 : len(a)] if isinstance(a, StreamedBuffer) else a
 
 
 def as_pipeline(pipeline: Any) -> Pipeline:

@@ -25,21 +25,10 @@ from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
-import zstandard
 
 from ..errors import PayloadHeaderError, PayloadLayoutError
 from ..format import BASE_LAYOUTS, BUFFER_DTYPES, LayoutRule, TensorRecord
-from ..format.common import (
-    MAX_WINDOW,
-    canonical_dtype,
-    check_chunk,
-    check_frame,
-    compress_bound,
-    frame_raw_size,
-    frames_bound,
-    split_frames,
-    zstd_frame_size,
-)
+from ..format.common import canonical_dtype, check_chunk, compress_bound, frames_bound
 from .base import BytesCodec, Form, Layout
 
 CODED = ("sparse", "dense_q")  # the encodings of a pipeline with a value or an index stage
@@ -92,15 +81,6 @@ def raw_layout(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> list[tup
 
 def raw_nbytes(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> int:
     return sum(count * BUFFER_DTYPES[dt].itemsize for _, dt, count in raw_layout(rec, layouts))
-
-
-def split_raw(rec: TensorRecord, raw: bytes | bytearray, layouts: Mapping[str, LayoutRule]) -> dict[str, np.ndarray]:
-    out, off = {}, 0
-    for role, dt, count in raw_layout(rec, layouts):
-        out[role] = np.frombuffer(raw, dtype=BUFFER_DTYPES[dt], count=count, offset=off)
-        rec.buffer_dtypes[role] = dt
-        off += count * BUFFER_DTYPES[dt].itemsize
-    return out
 
 
 def gather(records: list[TensorRecord], backend: Any, layouts: Mapping[str, LayoutRule]) -> tuple[Any, list[int]]:
@@ -169,130 +149,3 @@ def build_layouts(
     for enc in wrappers:
         layouts[enc] = wrapped
     return layouts
-
-
-class FrameStream:
-    """The content of one zstd frame, read a range at a time and never held whole (bounded like
-    :func:`bounded_decompress`: the frame must declare exactly ``raw`` bytes, fill ``data`` with nothing after it,
-    use a window of at most MAX_WINDOW and decompress to exactly ``raw`` bytes).
-
-    Construction reads the frame once, front to back, to check it and to keep its bytes from ``keep_from`` on
-    (``tail``: the small buffers that follow a dense tensor's values); :meth:`read` then decompresses again up to
-    the range asked for (sequential ranges cost one pass in all).
-    """
-
-    PIECE = 1 << 20
-
-    def __init__(self, data: Any, raw: int, keep_from: int, what: str):
-        self.data, self.raw, self.what = data, raw, what
-        check_frame(data, raw, what)
-        if zstd_frame_size(data, what) != len(memoryview(data).cast("B")):
-            raise PayloadLayoutError(f"{what}: bytes after the zstd frame")
-        self._open()
-        self._skip(keep_from)
-        self.tail = self._take(raw - keep_from)
-        if self._reader.read(1):
-            raise PayloadLayoutError(f"{what}: zstd frame decompresses to more than {raw} bytes")
-        self.close()
-
-    def _open(self) -> None:
-        dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
-        self._reader = dctx.stream_reader(self.data, read_size=1 << 16, read_across_frames=False)
-        self.pos = 0
-
-    def close(self) -> None:
-        """Drop the decompression context (a later :meth:`read` opens a new one)."""
-        self._reader, self.pos = None, 0
-
-    def _take(self, n: int) -> bytes:
-        parts, got = [], 0
-        try:
-            while got < n:
-                b = self._reader.read(min(self.PIECE, n - got))
-                if not b:
-                    break
-                parts.append(b)
-                got += len(b)
-        except zstandard.ZstdError as e:
-            raise PayloadLayoutError(f"{self.what}: zstd frame does not decompress to {self.raw} bytes ({e})") from None
-        if got != n:
-            raise PayloadLayoutError(f"{self.what}: zstd frame ended {n - got} bytes early")
-        self.pos += n
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-    def _skip(self, n: int) -> None:
-        while n > 0:
-            k = min(self.PIECE, n)
-            self._take(k)
-            n -= k
-
-    def read(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the content."""
-        if self._reader is None or start < self.pos:
-            self._open()
-        self._skip(start - self.pos)
-        return self._take(end - start)
-
-
-class ChunkedFrameStream:
-    """The content of a chunked ``nvcomp`` buffer (wire format v3), read a range at a time like a
-    :class:`FrameStream`: one FrameStream per frame, each checked once when this is built (``tail`` collects their
-    bytes from ``keep_from`` on), and only the frame being read holds a decompression context."""
-
-    def __init__(self, data: Any, raw: int, chunk: int, keep_from: int, what: str):
-        mv = memoryview(data).cast("B")
-        self.chunk = chunk
-        self.frames: list[FrameStream] = []
-        tails = []
-        for i, (a, b) in enumerate(split_frames(mv, raw, chunk, what)):
-            size = frame_raw_size(raw, chunk, i)
-            keep = min(size, max(0, keep_from - i * chunk))
-            s = FrameStream(mv[a:b], size, keep, f"{what}, frame {i}")
-            tails.append(s.tail)
-            self.frames.append(s)
-        self.tail = tails[0] if len(tails) == 1 else b"".join(tails)
-        self._current: FrameStream | None = None
-
-    def read(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the content."""
-        parts = []
-        while start < end:
-            i = start // self.chunk
-            s = self.frames[i]
-            if self._current is not None and self._current is not s:
-                self._current.close()
-            self._current = s
-            stop = min(end, (i + 1) * self.chunk)
-            parts.append(s.read(start - i * self.chunk, stop - i * self.chunk))
-            start = stop
-        return parts[0] if len(parts) == 1 else b"".join(parts)
-
-
-def open_stream(data: Any, raw: int, chunk: int | None, keep_from: int, what: str) -> FrameStream | ChunkedFrameStream:
-    """A :class:`FrameStream` over one frame (``chunk`` None) or a :class:`ChunkedFrameStream`."""
-    if chunk is None:
-        return FrameStream(data, raw, keep_from, what)
-    return ChunkedFrameStream(data, raw, chunk, keep_from, what)
-
-
-class StreamedBuffer:
-    """A 1-D buffer of ``count`` items of ``dtype`` at byte ``offset`` of a :class:`FrameStream`: slicing it
-    decompresses just that range (a NumPy array, read only)."""
-
-    def __init__(self, stream: FrameStream | ChunkedFrameStream, offset: int, dtype: np.dtype, count: int):
-        self.stream, self.offset, self.dtype, self.count = stream, offset, np.dtype(dtype), count
-
-    @property
-    def size(self) -> int:
-        return self.count
-
-    def __len__(self) -> int:
-        return self.count
-
-    def __getitem__(self, s: slice) -> np.ndarray:
-        a, b, step = s.indices(self.count)
-        if step != 1:
-            raise IndexError("a streamed buffer is read in contiguous ranges")
-        b = max(a, b)
-        it = self.dtype.itemsize
-        return np.frombuffer(self.stream.read(self.offset + a * it, self.offset + b * it), self.dtype)

@@ -1,9 +1,11 @@
 """Lossless zstd over each tensor's encoded buffers (the ``zstd`` wire encoding).
 
 Each tensor's buffers are concatenated in layout order (no padding) and compressed as one zstd frame that
-records its content size. Decoding is bounded: the frame must declare exactly the raw size that the tensor's
-inner encoding implies from nnz and numel (a frame that declares more is rejected before any allocation), must
-be one frame with no trailing bytes, and must decompress to exactly that size.
+records its content size. Decoding (:meth:`gpu_codec.codecs.Pipeline.decode_stream`) reads the frame a range at a
+time through :class:`gpu_codec.format.common.FrameStream`, never whole, and is bounded: the frame must declare
+exactly the raw size that the tensor's inner encoding implies from nnz and numel (a frame that declares more is
+rejected before any allocation), must be one frame with no trailing bytes, and must decompress to exactly that
+size.
 
 On the GPU backend this stage copies the tensor's already-coded buffers (a few bytes per kept value) to the host
 in one transfer and compresses them there; the dense tensors never leave the device. The bytes depend only on
@@ -28,9 +30,8 @@ import numpy as np
 import zstandard
 
 from ..format import LayoutRule, TensorRecord
-from ..format.common import bounded_decompress, decompress_frames
 from .base import BytesCodec, check_int
-from .wire import gather, inner_record, split_raw, where
+from .wire import gather
 
 
 def split_host(flat: Any, sizes: list[int], backend: Any) -> list[bytes]:
@@ -58,24 +59,6 @@ def encode_wrapped(
             TensorRecord(rec.name, rec.dtype, rec.shape, codec.encoding, rec.nnz, buf, fields, chunk=codec.chunk)
         )
     return out
-
-
-def decode_wrapped(rec: TensorRecord, layouts: Mapping[str, LayoutRule]) -> TensorRecord:
-    """The inner record (NumPy buffers) of a ``zstd`` or ``nvcomp`` record: both hold standard zstd frames, one
-    per record, one per chunk of an ``nvcomp`` record (wire format v3), or (wire format v2) one shared by every
-    record of the payload, decompressed here on first use."""
-    inner = inner_record(rec)
-    if rec.frame is not None:
-        raw = rec.frame.read(where(rec))
-    else:
-        frame = memoryview(np.ascontiguousarray(rec.buffers["compressed"]))  # no copy of the compressed bytes
-        n = int(rec.codec["raw"])
-        if rec.chunk is None:
-            raw = bounded_decompress(frame, n, where(rec))
-        else:
-            raw = decompress_frames(frame, n, rec.chunk, where(rec))
-    inner.buffers = split_raw(inner, raw, layouts)
-    return inner
 
 
 class Zstd(BytesCodec):

@@ -31,7 +31,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..errors import InvalidInputError, PayloadHeaderError, UnsupportedVersionError
+from ..errors import InvalidInputError, PayloadHeaderError, PayloadTruncatedError, UnsupportedVersionError
 from . import v1, v2
 from .common import (
     ALIGN,
@@ -88,7 +88,7 @@ def _v1_records(tensors: list[TensorRecord], pipeline: list) -> list[TensorRecor
     return _single_frame_records(tensors, pipeline, shared=True)
 
 
-def _plan(tensors, pipeline, metadata, layouts, version, cache):
+def _plan(tensors, pipeline, metadata, layouts, version, cache, fingerprint=None):
     """The v2 or v3 plan, or None where v1 must be written."""
     if version not in (None, 1, 2, 3):
         raise InvalidInputError(
@@ -100,7 +100,7 @@ def _plan(tensors, pipeline, metadata, layouts, version, cache):
         tensors = _single_frame_records(tensors, pipeline, shared=False)
     chosen = version or (v2.CHUNKED if any(v2.multi_frame(r) for r in tensors) else v2.VERSION)
     try:
-        return v2.plan(tensors, pipeline, metadata, layouts, cache, version=chosen)
+        return v2.plan(tensors, pipeline, metadata, layouts, cache, version=chosen, fingerprint=fingerprint)
     except v2.Unrepresentable as e:
         if version is not None:
             raise InvalidInputError(f"wire format v{version} cannot hold these records: {e}") from None
@@ -115,6 +115,7 @@ def pack(
     layouts: Mapping[str, LayoutRule] | None = None,
     version: int | None = None,
     cache: dict | None = None,
+    fingerprint: str | None = None,
 ) -> bytes:
     """Serialize tensor records (``version=None``): version 2 where its table can describe them, version 3 where
     an nvcomp record is several frames, else version 1. ``version=1`` or ``2`` gives such a record one frame.
@@ -122,11 +123,13 @@ def pack(
     ``layouts`` are the layout rules of the records' encodings (default: ``coo`` and ``dense``;
     :meth:`gpu_codec.Payload.to_bytes` passes every encoding the codecs declare). Device buffers are gathered on
     the device and copied to the host once. ``cache`` (a dict the caller keeps) remembers the bytes stage's
-    layout decision between :func:`packed_size` and :func:`pack` calls on the same records.
+    layout decision between :func:`packed_size` and :func:`pack` calls on the same records. ``fingerprint`` (16
+    hex digits, :mod:`gpu_codec.format.fingerprint`) is the base fingerprint to store; None stores none, and the
+    bytes are then exactly those of a payload without the feature.
     """
-    p = _plan(tensors, pipeline, metadata, layouts, version, cache)
+    p = _plan(tensors, pipeline, metadata, layouts, version, cache, fingerprint)
     if p is None:
-        return v1.pack(_v1_records(tensors, pipeline), pipeline=pipeline, metadata=metadata)
+        return v1.pack(_v1_records(tensors, pipeline), pipeline=pipeline, metadata=metadata, fingerprint=fingerprint)
     return v2.write(p)
 
 
@@ -137,11 +140,12 @@ def packed_size(
     layouts: Mapping[str, LayoutRule] | None = None,
     version: int | None = None,
     cache: dict | None = None,
+    fingerprint: str | None = None,
 ) -> int:
     """The exact length :func:`pack` will return, without touching any device buffer's data."""
-    p = _plan(tensors, pipeline, metadata, layouts, version, cache)
+    p = _plan(tensors, pipeline, metadata, layouts, version, cache, fingerprint)
     if p is None:
-        return v1.packed_size(_v1_records(tensors, pipeline), pipeline, metadata)
+        return v1.packed_size(_v1_records(tensors, pipeline), pipeline, metadata, fingerprint)
     return p.size
 
 
@@ -152,12 +156,13 @@ def header_size(
     layouts: Mapping[str, LayoutRule] | None = None,
     version: int | None = None,
     cache: dict | None = None,
+    fingerprint: str | None = None,
 ) -> int:
     """Bytes of the payload :func:`pack` writes that are not buffer data or checksum: the prefix and the
     tensor table (v2), or the prefix and the JSON header with its padding (v1)."""
-    p = _plan(tensors, pipeline, metadata, layouts, version, cache)
+    p = _plan(tensors, pipeline, metadata, layouts, version, cache, fingerprint)
     if p is None:
-        return v1.header_size(_v1_records(tensors, pipeline), pipeline, metadata)
+        return v1.header_size(_v1_records(tensors, pipeline), pipeline, metadata, fingerprint)
     return len(p.head)
 
 
@@ -165,7 +170,11 @@ def payload_version(blob: bytes | bytearray | memoryview) -> int:
     """The format version a payload declares (after checking its length and magic)."""
     mv = memoryview(blob).cast("B")
     if len(mv) < _MAGIC_VERSION.size:
-        raise PayloadHeaderError(f"payload is {len(mv)} bytes, shorter than the smallest valid payload")
+        cut = len(mv) > 0 and bytes(mv[:8]) == MAGIC[: len(mv)]
+        raise (PayloadTruncatedError if cut else PayloadHeaderError)(
+            f"payload is {len(mv)} bytes, shorter than the smallest valid payload"
+            + (" (it is truncated: the bytes are the start of a payload's magic)" if cut else "")
+        )
     magic, version = _MAGIC_VERSION.unpack_from(mv, 0)
     if magic != MAGIC:
         raise PayloadHeaderError(f"bad magic {bytes(magic)!r}: not a gpu_codec payload")

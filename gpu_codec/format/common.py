@@ -45,12 +45,14 @@ BUFFER_DTYPES: dict[str, np.dtype] = {
 
 class SharedFrame:
     """The data section of a v2 payload whose bytes stage ran over every tensor at once: one zstd frame (or the
-    same bytes stored plainly) holding each tensor's inner buffers back to back. It is decompressed on first use,
-    at decode time (after the caller's limits on element counts), never while a payload is parsed."""
+    same bytes stored plainly) holding each tensor's inner buffers back to back. It is read a range at a time, at
+    decode time (after the caller's limits on element counts), never while a payload is parsed and never whole:
+    a compressed frame is checked by one pass over it on first use, then read through :class:`FrameStream`'s
+    forward cursors; plain bytes are read in place."""
 
     def __init__(self, data: memoryview, raw: int, compressed: bool):
         self._data, self._raw, self._compressed = data, raw, compressed
-        self._out: bytes | None = None
+        self._stream: FrameStream | None = None
 
     @property
     def nbytes(self) -> int:
@@ -60,13 +62,13 @@ class SharedFrame:
     def wire(self) -> bytes:
         return bytes(self._data)
 
-    def content(self, what: str = "payload") -> bytes:
-        if self._out is None:
-            if self._compressed:
-                self._out = bounded_decompress(bytes(self._data), self._raw, f"{what}: shared zstd frame")
-            else:
-                self._out = bytes(self._data)
-        return self._out
+    def read(self, start: int, end: int, what: str = "payload") -> bytes | memoryview:
+        """Bytes ``[start, end)`` of the content (a view of the payload where it is stored plainly)."""
+        if not self._compressed:
+            return self._data[start:end]
+        if self._stream is None:
+            self._stream = FrameStream(self._data, self._raw, self._raw, f"{what}: shared zstd frame")
+        return self._stream.read(start, end)
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,19 @@ class FrameSlice:
     nbytes: int
 
     def read(self, what: str = "payload") -> bytes:
-        return self.frame.content(what)[self.offset : self.offset + self.nbytes]
+        return bytes(self.frame.read(self.offset, self.offset + self.nbytes, what))
+
+    def source(self, what: str = "payload") -> _SliceSource:
+        """The slice as a source of byte ranges, read through the shared frame's cursors."""
+        return _SliceSource(self, what)
+
+
+class _SliceSource:
+    def __init__(self, s: FrameSlice, what: str):
+        self.s, self.what = s, what
+
+    def read(self, start: int, end: int) -> bytes | memoryview:
+        return self.s.frame.read(self.s.offset + start, self.s.offset + end, self.what)
 
 
 @dataclass
@@ -147,6 +161,10 @@ def _coo_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:
 
 
 def _dense_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:
+    if rec.nnz != rec.numel:  # every element is stored: Payload.nnz would misreport anything else
+        raise PayloadLayoutError(
+            f"tensor {rec.name!r}: a dense tensor must have nnz = numel = {rec.numel}, got {rec.nnz}"
+        )
     vd = ("float64",) if rec.dtype == "float64" else ("float32",)
     return {"values": (vd, rec.numel)}
 
@@ -290,8 +308,11 @@ def check_frame(data: bytes | memoryview, raw: int, what: str) -> int:
 
 
 def bounded_decompress(data: bytes, raw: int, what: str) -> bytes:
-    """Decompress one zstd frame of exactly ``raw`` bytes, never allocating more than that."""
+    """Decompress one zstd frame of exactly ``raw`` bytes, never allocating more than that. ``data`` must be
+    exactly one complete frame: a truncated frame, junk or a second frame after it is a PayloadLayoutError, for
+    an empty frame too (whose decompression alone would stop at its first block)."""
     check_frame(data, raw, what)
+    check_one_frame(data, what)
     try:
         out = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW).decompress(
             data, max_output_size=max(raw, 1), allow_extra_data=False
@@ -336,7 +357,17 @@ def zstd_frame_size(data: Any, what: str) -> int:
         need(pos)
         if bh & 1:
             break
-    return pos + (4 if fhd & 0x04 else 0)
+    end = pos + (4 if fhd & 0x04 else 0)  # the content checksum
+    need(end)
+    return end
+
+
+def check_one_frame(data: Any, what: str) -> None:
+    """``data`` is exactly one zstd frame, by its frame and block headers: nothing missing, nothing after it."""
+    n = len(memoryview(data).cast("B"))
+    size = zstd_frame_size(data, what)
+    if size != n:
+        raise PayloadLayoutError(f"{what}: {n - size} bytes after the zstd frame")
 
 
 def split_frames(data: Any, raw: int, chunk: int, what: str) -> list[tuple[int, int]]:
@@ -375,3 +406,149 @@ def decompress_frames(data: Any, raw: int, chunk: int, what: str) -> bytearray:
         out[off : off + len(part)] = part
         off += len(part)
     return out
+
+
+class _Cursor:
+    """One decompression context reading a frame's content front to back."""
+
+    def __init__(self, data: Any, what: str, raw: int):
+        dctx = zstandard.ZstdDecompressor(max_window_size=MAX_WINDOW)
+        self.reader = dctx.stream_reader(data, read_size=1 << 16, read_across_frames=False)
+        self.pos, self.what, self.raw = 0, what, raw
+
+    def take(self, n: int) -> bytes:
+        parts, got = [], 0
+        try:
+            while got < n:
+                b = self.reader.read(min(FrameStream.PIECE, n - got))
+                if not b:
+                    break
+                parts.append(b)
+                got += len(b)
+        except zstandard.ZstdError as e:
+            raise PayloadLayoutError(f"{self.what}: zstd frame does not decompress to {self.raw} bytes ({e})") from None
+        if got != n:
+            raise PayloadLayoutError(
+                f"{self.what}: zstd frame does not decompress to {self.raw} bytes (it ended {n - got} bytes early)"
+            )
+        self.pos += n
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def skip(self, n: int) -> None:
+        while n > 0:
+            k = min(FrameStream.SKIP, n)
+            self.take(k)
+            n -= k
+
+
+class FrameStream:
+    """The content of one zstd frame, read a range at a time and never held whole (bounded like
+    :func:`bounded_decompress`: the frame must declare exactly ``raw`` bytes, fill ``data`` with nothing after it,
+    use a window of at most MAX_WINDOW and decompress to exactly ``raw`` bytes).
+
+    Construction reads the frame once, front to back, to check it and to keep its bytes from ``keep_from`` on
+    (``tail``). :meth:`read` then decompresses up to the range asked for with one of a few forward cursors (the
+    one furthest along that has not passed the range), so buffers read in step, such as a sparse tensor's
+    indices and values, each cost one pass over the frame in all.
+    """
+
+    PIECE = 1 << 20  # the most one read asks zstd for at once
+    SKIP = 1 << 16  # what is decompressed and dropped at once, passing over bytes not asked for
+    CURSORS = 4
+
+    def __init__(self, data: Any, raw: int, keep_from: int, what: str):
+        self.data, self.raw, self.what = data, raw, what
+        check_frame(data, raw, what)
+        check_one_frame(data, what)
+        c = _Cursor(data, what, raw)
+        c.skip(keep_from)
+        self.tail = c.take(raw - keep_from)
+        if c.reader.read(1):
+            raise PayloadLayoutError(f"{what}: zstd frame does not decompress to {raw} bytes (it holds more)")
+        self._cursors: list[_Cursor] = []
+
+    def close(self) -> None:
+        """Drop the decompression contexts (a later :meth:`read` opens new ones)."""
+        self._cursors = []
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the content."""
+        behind = [c for c in self._cursors if c.pos <= start]
+        if behind:
+            c = max(behind, key=lambda c: c.pos)
+        else:
+            if len(self._cursors) >= self.CURSORS:
+                self._cursors.remove(min(self._cursors, key=lambda c: c.pos))
+            c = _Cursor(self.data, self.what, self.raw)
+            self._cursors.append(c)
+        c.skip(start - c.pos)
+        return c.take(end - start)
+
+
+class ChunkedFrameStream:
+    """The content of a chunked ``nvcomp`` buffer (wire format v3), read a range at a time like a
+    :class:`FrameStream`: one FrameStream per frame, each checked once when this is built (``tail`` collects their
+    bytes from ``keep_from`` on); the frames last read keep their decompression contexts, the others drop them."""
+
+    OPEN = 2
+
+    def __init__(self, data: Any, raw: int, chunk: int, keep_from: int, what: str):
+        mv = memoryview(data).cast("B")
+        self.chunk = chunk
+        self.frames: list[FrameStream] = []
+        tails = []
+        for i, (a, b) in enumerate(split_frames(mv, raw, chunk, what)):
+            size = frame_raw_size(raw, chunk, i)
+            keep = min(size, max(0, keep_from - i * chunk))
+            s = FrameStream(mv[a:b], size, keep, f"{what}, frame {i}")
+            tails.append(s.tail)
+            self.frames.append(s)
+        self.tail = tails[0] if len(tails) == 1 else b"".join(tails)
+        self._open: list[FrameStream] = []
+
+    def read(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the content."""
+        parts = []
+        while start < end:
+            i = start // self.chunk
+            s = self.frames[i]
+            if s in self._open:
+                self._open.remove(s)
+            self._open.append(s)
+            if len(self._open) > self.OPEN:
+                self._open.pop(0).close()
+            stop = min(end, (i + 1) * self.chunk)
+            parts.append(s.read(start - i * self.chunk, stop - i * self.chunk))
+            start = stop
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def open_stream(data: Any, raw: int, chunk: int | None, keep_from: int, what: str) -> FrameStream | ChunkedFrameStream:
+    """A :class:`FrameStream` over one frame (``chunk`` None) or a :class:`ChunkedFrameStream`."""
+    if chunk is None:
+        return FrameStream(data, raw, keep_from, what)
+    return ChunkedFrameStream(data, raw, chunk, keep_from, what)
+
+
+class StreamedBuffer:
+    """A 1-D buffer of ``count`` items of ``dtype`` at byte ``offset`` of a source of byte ranges (a
+    :class:`FrameStream`, a :class:`ChunkedFrameStream` or a :class:`FrameSlice`'s source): slicing it
+    decompresses just that range (a NumPy array, read only)."""
+
+    def __init__(self, stream: Any, offset: int, dtype: np.dtype, count: int):
+        self.stream, self.offset, self.dtype, self.count = stream, offset, np.dtype(dtype), count
+
+    @property
+    def size(self) -> int:
+        return self.count
+
+    def __len__(self) -> int:
+        return self.count
+
+    def __getitem__(self, s: slice) -> np.ndarray:
+        a, b, step = s.indices(self.count)
+        if step != 1:
+            raise IndexError("a streamed buffer is read in contiguous ranges")
+        b = max(a, b)
+        it = self.dtype.itemsize
+        return np.frombuffer(self.stream.read(self.offset + a * it, self.offset + b * it), self.dtype)

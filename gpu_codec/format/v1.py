@@ -44,6 +44,7 @@ from ..errors import (
     PayloadHeaderError,
     PayloadLayoutError,
     PayloadLimitError,
+    PayloadTruncatedError,
     UnsupportedVersionError,
 )
 from .common import (
@@ -64,6 +65,7 @@ from .common import (
 )
 from .common import is_int as _is_int
 from .common import req as _req
+from .fingerprint import check_hex
 
 VERSION = 1
 _PREFIX = struct.Struct("<8sII")
@@ -74,7 +76,9 @@ def _align(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _header_and_layout(tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None):
+def _header_and_layout(
+    tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None, fingerprint: str | None = None
+):
     entries, spans, off = [], [], 0
     for rec in tensors:
         bufs = []
@@ -100,9 +104,10 @@ def _header_and_layout(tensors: list[TensorRecord], pipeline: list[dict], metada
         "version": VERSION,
         "pipeline": pipeline,
         "metadata": metadata or {},
-        "data_length": off,
-        "tensors": entries,
     }
+    if fingerprint is not None:
+        header["base_fingerprint"] = check_hex(fingerprint)
+    header |= {"data_length": off, "tensors": entries}
     return header, spans, off
 
 
@@ -112,15 +117,19 @@ def _header_bytes(header: dict) -> bytes:
     return hb + b" " * pad
 
 
-def packed_size(tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None = None) -> int:
+def packed_size(
+    tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None = None, fingerprint: str | None = None
+) -> int:
     """The exact length :func:`pack` will return, without touching any buffer's data."""
-    header, _, data_len = _header_and_layout(tensors, pipeline, metadata)
+    header, _, data_len = _header_and_layout(tensors, pipeline, metadata, fingerprint)
     return _PREFIX.size + len(_header_bytes(header)) + data_len + _CRC.size
 
 
-def header_size(tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None = None) -> int:
+def header_size(
+    tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None = None, fingerprint: str | None = None
+) -> int:
     """Bytes of prefix and JSON header (with its padding) of the payload :func:`pack` writes."""
-    header, _, _ = _header_and_layout(tensors, pipeline, metadata)
+    header, _, _ = _header_and_layout(tensors, pipeline, metadata, fingerprint)
     return _PREFIX.size + len(_header_bytes(header))
 
 
@@ -142,9 +151,15 @@ def _gather_device(spans, data_len: int) -> bytes:
     return cupy.asnumpy(dev).tobytes()  # the one device-to-host copy of a compress
 
 
-def pack(tensors: list[TensorRecord], *, pipeline: list[dict], metadata: dict | None = None) -> bytes:
+def pack(
+    tensors: list[TensorRecord],
+    *,
+    pipeline: list[dict],
+    metadata: dict | None = None,
+    fingerprint: str | None = None,
+) -> bytes:
     """Serialize tensor records. Device buffers are gathered on the device and copied to the host once."""
-    header, spans, data_len = _header_and_layout(tensors, pipeline, metadata)
+    header, spans, data_len = _header_and_layout(tensors, pipeline, metadata, fingerprint)
     on_device = any(type(a).__module__.startswith("cupy") for a, _, _ in spans)
     data = _gather_device(spans, data_len) if on_device else _gather_host(spans, data_len)
     hb = _header_bytes(header)
@@ -158,7 +173,7 @@ def parse_header(blob: bytes | bytearray | memoryview) -> tuple[dict, memoryview
     n = len(mv)
     _req(
         n >= _PREFIX.size + _CRC.size,
-        PayloadHeaderError,
+        PayloadTruncatedError if mv[:8] == MAGIC else PayloadHeaderError,
         f"payload is {n} bytes, shorter than the smallest valid payload",
     )
     magic, version, hlen = _PREFIX.unpack_from(mv, 0)
@@ -175,16 +190,17 @@ def parse_header(blob: bytes | bytearray | memoryview) -> tuple[dict, memoryview
     )
     _req(
         _PREFIX.size + hlen + _CRC.size <= n,
-        PayloadHeaderError,
-        f"header length {hlen} runs past the end of a {n}-byte payload",
+        PayloadTruncatedError,
+        f"payload is truncated: {n} bytes, its prefix declares a header of {hlen} bytes "
+        f"(at least {_PREFIX.size + hlen + _CRC.size} bytes in all)",
     )
     (stored,) = _CRC.unpack_from(mv, n - _CRC.size)
     computed = zlib.crc32(mv[: n - _CRC.size]) & 0xFFFFFFFF
-    _req(
-        stored == computed,
-        PayloadChecksumError,
-        f"checksum mismatch: payload is corrupt (stored 0x{stored:08x}, computed 0x{computed:08x})",
-    )
+    if stored != computed:
+        _check_not_truncated(mv, hlen)
+        raise PayloadChecksumError(
+            f"checksum mismatch: payload is corrupt (stored 0x{stored:08x}, computed 0x{computed:08x})"
+        )
     header = loads_json(bytes(mv[_PREFIX.size : _PREFIX.size + hlen]))
     _req(isinstance(header, dict), PayloadHeaderError, "header JSON must be an object")
     _req(
@@ -202,6 +218,21 @@ def parse_header(blob: bytes | bytearray | memoryview) -> tuple[dict, memoryview
         f"payload length {n} does not match header ({start} + data_length {dl} + {_CRC.size})",
     )
     return header, mv[start : start + dl]
+
+
+def _check_not_truncated(mv: memoryview, hlen: int) -> None:
+    """Where the checksum fails: a PayloadTruncatedError if the header (read as far as it can be) declares more
+    data than the payload holds, so a cut payload is reported as cut and not only as corrupt."""
+    try:
+        dl = loads_json(bytes(mv[_PREFIX.size : _PREFIX.size + hlen])).get("data_length")
+    except (PayloadError, AttributeError):
+        return
+    need = _PREFIX.size + hlen + dl + _CRC.size if _is_int(dl) else 0
+    _req(
+        need <= len(mv),
+        PayloadTruncatedError,
+        f"payload is truncated: {len(mv)} bytes, its header declares {need} ({dl} bytes of data)",
+    )
 
 
 def _check_record(i: int, e: Any, layouts: Mapping[str, LayoutRule]) -> TensorRecord:
@@ -254,6 +285,8 @@ def unpack(
     _req(len(entries) <= MAX_TENSORS, PayloadLimitError, f"{len(entries)} tensors exceed the limit of {MAX_TENSORS}")
     _req(isinstance(header.get("pipeline", []), list), PayloadHeaderError, "header field 'pipeline' must be a list")
     _req(isinstance(header.get("metadata", {}), dict), PayloadHeaderError, "header field 'metadata' must be an object")
+    if "base_fingerprint" in header:
+        check_hex(header["base_fingerprint"], "header field 'base_fingerprint'")
     records, names, expect = [], set(), 0
     for i, e in enumerate(entries):
         rec = _check_record(i, e, layouts)

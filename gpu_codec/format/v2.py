@@ -41,6 +41,7 @@ from ..errors import (
     PayloadHeaderError,
     PayloadLayoutError,
     PayloadLimitError,
+    PayloadTruncatedError,
 )
 from .common import (
     BASE_LAYOUTS,
@@ -61,6 +62,7 @@ from .common import (
     buffer_dtype_name,
     canonical_dtype,
     check_frame,
+    check_one_frame,
     check_shape,
     compress_bound,
     dumps_json,
@@ -69,7 +71,9 @@ from .common import (
     loads_json,
     req,
     rice_param,
+    zstd_frame_size,
 )
+from .fingerprint import check_hex
 
 VERSION = 2
 CHUNKED = 3  # the version whose nvcomp tensors are a zstd frame per chunk
@@ -81,6 +85,9 @@ MIN_SIZE = _PREFIX.size + 1 + _CRC.size
 # flags (the prefix's last byte)
 FLAG_METADATA = 0x01
 FLAG_TABLE_ZSTD = 0x02
+FLAG_FINGERPRINT = 0x10  # the table holds the fingerprint of the base the payload was made against
+FLAG_RESERVED = 0xE0
+FINGERPRINT_BYTES = 8
 DATA_SHIFT = 2  # bits 2-3: the data mode
 DATA_RECORDS, DATA_ZSTD, DATA_PLAIN = 0, 1, 2
 DATA_MODES = ("records", "zstd", "plain")
@@ -535,6 +542,7 @@ def plan(
     cache: dict | None = None,
     data_mode: int | None = None,
     version: int = VERSION,
+    fingerprint: str | None = None,
 ) -> _Plan:
     """Lay out a v2 (or, ``version=3``, v3) payload; raises :class:`Unrepresentable` where the version cannot
     hold the records.
@@ -578,8 +586,8 @@ def plan(
     mode, zbytes = DATA_RECORDS, [r.codec.get("zbytes") for r in tensors]
     if all_zstd:
         mode, parts, zbytes = _wrapped_data(tensors, _zstd_level(pipeline), cache, data_mode)
-    table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, version)
-    flags = (FLAG_METADATA if metadata else 0) | (mode << DATA_SHIFT)
+    table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, version, fingerprint)
+    flags = (FLAG_METADATA if metadata else 0) | (mode << DATA_SHIFT) | (FLAG_FINGERPRINT if fingerprint else 0)
     z = _cached(cache, "table", table, lambda: _compress_table(table))
     if len(z) + len(uvarint(len(table))) < len(table):
         flags |= FLAG_TABLE_ZSTD
@@ -643,7 +651,7 @@ def _name_entries(names: tuple) -> list[bytes]:
     return out
 
 
-def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, version=VERSION) -> bytes:
+def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, version=VERSION, fingerprint=None) -> bytes:
     if not isinstance(pipeline, list) or len(pipeline) > MAX_STAGES:
         raise Unrepresentable("pipeline")
     t = bytearray(uvarint(len(pipeline)))
@@ -654,6 +662,8 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, vers
             raise Unrepresentable("metadata")
         j = dumps_json(metadata)
         t += uvarint(len(j)) + j
+    if fingerprint is not None:
+        t += bytes.fromhex(check_hex(fingerprint))
     default = Counter(forms).most_common(1)[0][0] if forms else ("coo", None, None, None, None)
     t += _form_bytes(default)
     t += uvarint(len(tensors))
@@ -717,8 +727,9 @@ def pack(
     metadata: dict | None = None,
     layouts: Mapping[str, LayoutRule] | None = None,
     version: int = VERSION,
+    fingerprint: str | None = None,
 ) -> bytes:
-    return write(plan(tensors, pipeline, metadata, layouts, version=version))
+    return write(plan(tensors, pipeline, metadata, layouts, version=version, fingerprint=fingerprint))
 
 
 def header_size(
@@ -826,26 +837,10 @@ def _rule(rec: TensorRecord, layouts, where: str) -> list[tuple[str, str, int]]:
     return [(role, canonical_dtype(allowed, rec), count) for role, (allowed, count) in layout.items()]
 
 
-def unpack(
-    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None
-) -> tuple[dict, list[TensorRecord]]:
-    """Validate a v2 or v3 payload completely; return (header, records). See :func:`gpu_codec.format.unpack`."""
-    layouts = BASE_LAYOUTS if layouts is None else layouts
-    mv = memoryview(blob).cast("B")
-    n = len(mv)
-    req(n >= MIN_SIZE, PayloadHeaderError, f"payload is {n} bytes, shorter than the smallest valid v2 payload")
-    _, version, flags = _PREFIX.unpack_from(mv, 0)
-    (stored,) = _CRC.unpack_from(mv, n - _CRC.size)
-    computed = zlib.crc32(mv[: n - _CRC.size]) & 0xFFFFFFFF
-    req(
-        stored == computed,
-        PayloadChecksumError,
-        f"checksum mismatch: payload is corrupt (stored 0x{stored:08x}, computed 0x{computed:08x})",
-    )
-    req(not flags & 0xF0, PayloadHeaderError, f"flags 0x{flags:02x} set reserved bits")
-    mode = (flags >> DATA_SHIFT) & 3
-    req(mode < len(DATA_MODES), PayloadHeaderError, f"unknown data mode {mode}")
-    end = n - _CRC.size
+def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, reader: type = _Reader) -> tuple:
+    """Parse the prefix's table length(s) and the table of a payload whose bytes before ``end`` hold the table
+    and the data. Returns (end of the table, pipeline, metadata, fingerprint, records, their buffer layouts).
+    ``reader`` reads the table (a subclass may record where each field lies: gpu_codec.testing.fuzz)."""
     r = _Reader(mv, _PREFIX.size, end, "payload prefix")
     tlen = r.varint("table length", MAX_HEADER_BYTES)
     if flags & FLAG_TABLE_ZSTD:
@@ -854,14 +849,17 @@ def unpack(
         table = bounded_decompress(ztable, traw, "tensor table")
     else:
         table = r.take(tlen, "the tensor table")
-    header_end = r.pos
-    t = _Reader(table, 0, len(table), "tensor table")
+    mode = (flags >> DATA_SHIFT) & 3
+    t = reader(table, 0, len(table), "tensor table")
     pipeline = [_read_stage(t) for _ in range(t.varint("stage count", MAX_STAGES))]
     metadata: Any = {}
     if flags & FLAG_METADATA:
         mlen = t.varint("metadata length", t.end - t.pos)
         metadata = loads_json(t.take(mlen, "metadata"), "metadata")
         req(isinstance(metadata, dict), PayloadHeaderError, "metadata must be a JSON object")
+    fingerprint = None
+    if flags & FLAG_FINGERPRINT:
+        fingerprint = t.take(FINGERPRINT_BYTES, "the base fingerprint").hex()
     default = _read_form(t)
     count = t.varint("tensor count", MAX_TENSORS, PayloadLimitError)
     records, layouts_of, names, earlier = [], [], set(), []
@@ -873,13 +871,72 @@ def unpack(
         records.append(rec)
         layouts_of.append(lay)
     req(t.pos == t.end, PayloadHeaderError, f"tensor table has {t.end - t.pos} bytes after its last tensor")
+    return r.pos, pipeline, metadata, fingerprint, records, layouts_of
+
+
+def _check_not_truncated(mv: memoryview, version: int, flags: int, layouts) -> None:
+    """Where the checksum fails: a PayloadTruncatedError if the payload is shorter than its table says (the table
+    itself cut off, or the data it implies missing), so a cut payload is reported as cut, not only as corrupt.
+    Any other fault found on the way is left to the checksum error."""
+    n = len(mv)
+    what = f"payload is truncated: {n} bytes"
+    try:
+        r = _Reader(mv, _PREFIX.size, n, "payload prefix")
+        tlen = r.varint("table length", MAX_HEADER_BYTES)
+        if flags & FLAG_TABLE_ZSTD:
+            r.varint("table raw length", MAX_HEADER_BYTES)
+        if r.pos + tlen + _CRC.size > n:
+            raise PayloadTruncatedError(f"{what}, its prefix declares a table of {tlen} bytes ending at {r.pos + tlen}")
+        header_end, *_, layouts_of = _read_table(mv, version, flags, n, layouts)
+    except PayloadTruncatedError:
+        raise
+    except PayloadError:
+        return
+    mode = (flags >> DATA_SHIFT) & 3
+    if mode == DATA_ZSTD:
+        try:
+            size = zstd_frame_size(mv[header_end:], "shared zstd frame")
+        except PayloadLayoutError as e:
+            if "truncated" in str(e):
+                raise PayloadTruncatedError(f"{what}: its shared zstd frame is cut off") from None
+            return
+        need = header_end + size + _CRC.size
+        req(need <= n, PayloadTruncatedError, f"{what}, its shared zstd frame and checksum need {need}")
+        return
+    total = sum(c * BUFFER_DTYPES[dt].itemsize for lay in layouts_of for _, dt, c in lay)
+    need = header_end + total + _CRC.size
+    req(need <= n, PayloadTruncatedError, f"{what}, its tensor table implies {need} ({total} bytes of data)")
+
+
+def unpack(
+    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None
+) -> tuple[dict, list[TensorRecord]]:
+    """Validate a v2 or v3 payload completely; return (header, records). See :func:`gpu_codec.format.unpack`."""
+    layouts = BASE_LAYOUTS if layouts is None else layouts
+    mv = memoryview(blob).cast("B")
+    n = len(mv)
+    req(n >= MIN_SIZE, PayloadTruncatedError, f"payload is {n} bytes, shorter than the smallest valid v2 payload")
+    _, version, flags = _PREFIX.unpack_from(mv, 0)
+    (stored,) = _CRC.unpack_from(mv, n - _CRC.size)
+    computed = zlib.crc32(mv[: n - _CRC.size]) & 0xFFFFFFFF
+    if stored != computed:
+        if not flags & FLAG_RESERVED and (flags >> DATA_SHIFT) & 3 < len(DATA_MODES):
+            _check_not_truncated(mv, version, flags, layouts)
+        raise PayloadChecksumError(
+            f"checksum mismatch: payload is corrupt (stored 0x{stored:08x}, computed 0x{computed:08x})"
+        )
+    req(not flags & FLAG_RESERVED, PayloadHeaderError, f"flags 0x{flags:02x} set reserved bits")
+    mode = (flags >> DATA_SHIFT) & 3
+    req(mode < len(DATA_MODES), PayloadHeaderError, f"unknown data mode {mode}")
+    end = n - _CRC.size
+    header_end, pipeline, metadata, fingerprint, records, layouts_of = _read_table(mv, version, flags, end, layouts)
     data_len = end - header_end
     total = sum(n * BUFFER_DTYPES[dt].itemsize for lay in layouts_of for _, dt, n in lay)
     data = mv[header_end:end]
     if mode == DATA_RECORDS:
         req(
             total == data_len,
-            PayloadLayoutError,
+            PayloadTruncatedError if total > data_len else PayloadLayoutError,
             f"data section is {data_len} bytes, the tensor table implies {total}",
         )
         off = 0
@@ -899,8 +956,13 @@ def unpack(
             check_frame(data, total, "shared zstd frame")
             cs = zstandard.get_frame_parameters(data).content_size
             req(cs == total, PayloadLayoutError, "the shared zstd frame must declare its content size")
+            check_one_frame(data, "shared zstd frame")
         else:
-            req(total == data_len, PayloadLayoutError, f"data section is {data_len} bytes, the table implies {total}")
+            req(
+                total == data_len,
+                PayloadTruncatedError if total > data_len else PayloadLayoutError,
+                f"data section is {data_len} bytes, the table implies {total}",
+            )
         frame = SharedFrame(data, total, mode == DATA_ZSTD)
         off = 0
         for rec, lay in zip(records, layouts_of):
@@ -922,6 +984,8 @@ def unpack(
             for r in records
         ],
     }
+    if fingerprint is not None:
+        header["base_fingerprint"] = fingerprint
     return header, records
 
 

@@ -1,0 +1,62 @@
+"""decompress holds at most 1.5x the dense output it declares, in every data mode (per-tensor frames, one frame
+shared by all tensors, the same bytes stored plainly) and for sparse and dense tensors: zstd frames are read a
+range at a time into the output, never whole. Measured with tracemalloc on the NumPy backend, at a small scale
+(benchmarks/bench_decode_memory.py measures the same at model scale)."""
+
+from __future__ import annotations
+
+import gc
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import gpu_codec
+from gpu_codec import Int8Blockwise, Quantize, RiceIndices, Zstd
+from gpu_codec.codecs import wire_layouts
+from gpu_codec.format import unpack, v2
+
+from .common import use_backend
+
+N = 1 << 18  # elements of the larger tensor: a 1 MiB output
+PIPELINES = {
+    "coo_all_zstd": dict(fraction=1.0, pipeline=[Zstd()]),  # a sparse tensor whose raw bytes are twice its output
+    "fp16_rice_zstd": dict(fraction=0.05, pipeline=[Quantize("float16"), RiceIndices(), Zstd()]),
+    "int8_dense_zstd": dict(fraction=None, pipeline=[Int8Blockwise(256), Zstd()]),
+    "fp32_dense_zstd": dict(fraction=None, pipeline=[Zstd()]),
+}
+MODES = {"records": v2.DATA_RECORDS, "zstd": v2.DATA_ZSTD, "plain": v2.DATA_PLAIN}
+
+
+@pytest.fixture(autouse=True)
+def cpu_backend():
+    with use_backend("cpu"):
+        yield
+
+
+def update() -> dict:
+    rng = np.random.default_rng(3)
+    return {"w": rng.standard_t(3, N).astype(np.float32), "b": rng.standard_normal(N // 8).astype(np.float32)}
+
+
+def peak_ratio(blob: bytes, base: dict | None) -> float:
+    gc.collect()
+    tracemalloc.start()
+    try:
+        out = gpu_codec.decompress(blob, base=base)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return peak / sum(np.asarray(v).nbytes for v in out.values())
+
+
+@pytest.mark.parametrize("mode", sorted(MODES))
+@pytest.mark.parametrize("name", sorted(PIPELINES))
+def test_peak_within_one_and_a_half_times_the_output(name, mode):
+    u = update()
+    p = gpu_codec.compress(u, **PIPELINES[name])
+    blob = v2.write(v2.plan(p.tensors, p.pipeline, p.metadata, wire_layouts(), data_mode=MODES[mode]))
+    assert unpack(blob, wire_layouts())[0]["data"] == mode
+    base = {k: np.zeros_like(v) for k, v in u.items()}
+    for b in (None, base):
+        assert peak_ratio(blob, b) <= 1.5, (name, mode, b is not None)
