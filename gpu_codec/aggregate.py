@@ -34,6 +34,7 @@ from . import engine as _engine
 from .arrays import from_backend, to_tensor
 from .backends import get_backend
 from .backends.base import all_finite
+from .codecs import decoder_for
 from .constants import SCATTER_ADD
 from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import TensorRecord
@@ -44,8 +45,9 @@ MAX_PAYLOADS = (1 << (32 - LIMB_BITS)) - 1  # every limb sum stays within int32
 _BETA_MIN = -56 * LIMB_BITS  # grid floor (2^-1008): keeps every scale factor a normal fp64
 _C_MAX = 2.0**960  # weighted values at or above this would overflow the top limb's scale
 ACCUMULATOR_BYTES = LIMBS * 4  # per element: three int32 limbs
+SPARSE_ENTRY_BYTES = 32  # decoding a sparse tensor, per kept entry: at most 28 measured (fp64, Rice + zstd)
 
-__all__ = ["MAX_PAYLOADS", "Aggregator", "aggregate", "held_bytes"]
+__all__ = ["MAX_PAYLOADS", "SPARSE_ENTRY_BYTES", "Aggregator", "aggregate", "held_bytes"]
 
 
 def _grid_exponent(m: float) -> int | None:
@@ -98,23 +100,62 @@ class _Template:
                 )
 
 
-def held_bytes(records: Iterable[Any], with_base: bool) -> int:
-    """Bytes an aggregation over tensors like ``records`` (anything with ``numel`` and ``dtype``) holds at its
-    peak, as the :class:`Aggregator`'s ``max_output_bytes`` counts them: per element, the accumulator (12 bytes),
-    the mean delta (fp32; fp64 for fp64 tensors) and the result (in the base's dtype with a base; fp32 or fp64
-    without). For fp32 tensors that is 20 bytes per element, 5x the dense output :func:`gpu_codec.decompress`
-    counts. The working space of one :meth:`Aggregator.add` (a decoded payload, a few MiB of temporaries) stays
-    within half of it, so the peak stays within 1.5x the count.
+def _sends_dense(r: TensorRecord) -> bool:
+    enc = r.codec.get("inner") if r.encoding in ("zstd", "nvcomp") else r.encoding
+    return enc in ("dense", "dense_q")
 
-    >>> held_bytes([TensorRecord("w", "float32", (10,), "dense", 10, {})], with_base=False)
-    200
+
+def held_bytes(records: Iterable[Any], with_base: bool) -> int:
+    """Bytes an aggregation of payloads holding ``records`` (a payload's ``tensors``) needs at its peak, as the
+    :class:`Aggregator`'s ``max_output_bytes`` counts them: the larger of
+
+    * the accumulator (12 bytes per element), the mean delta (fp32; fp64 for fp64 tensors) and the result (in the
+      base's dtype with a base; fp32 or fp64 without): 20 bytes per fp32 element, 5x the dense output
+      :func:`gpu_codec.decompress` counts;
+    * the accumulator and one payload being added: its decoded values for a dense tensor, and up to
+      ``SPARSE_ENTRY_BYTES`` per kept entry of a sparse one (values, indices and the decoder's buffers).
+
+    Temporaries of a few MiB come on top (fp64 buffers of the weighted mean, a chunk of the limb passes).
+
+    >>> import gpu_codec, numpy as np
+    >>> held_bytes(gpu_codec.compress({"w": np.ones(1000, np.float32)}, fraction=0.01).tensors, with_base=False)
+    20000
     """
-    total = 0
+    result = adding = 0
     for r in records:
         vsize = np.dtype(dtypes.value_dtype(r.dtype)).itemsize
         osize = dtypes.storage_dtype(r.dtype if with_base else dtypes.value_dtype(r.dtype)).itemsize
-        total += r.numel * (ACCUMULATOR_BYTES + vsize + osize)
-    return total
+        result += r.numel * (ACCUMULATOR_BYTES + vsize + osize)
+        adding += r.numel * ACCUMULATOR_BYTES + (r.numel * vsize if _sends_dense(r) else r.nnz * SPARSE_ENTRY_BYTES)
+    return max(result, adding)
+
+
+def _decoded_entries(payload: Any, backend: Any, bounds: tuple[int, int]) -> list[TensorRecord]:
+    """Each tensor's entries decoded by the payload's own pipeline (``values``, and ``indices`` for a sparse
+    tensor); a dense tensor a slice at a time, so that the decoder's temporaries are a slice's."""
+    xp = backend.xp
+    out = []
+    for d in decoder_for(payload.pipeline).decode_stream(payload.tensors, backend):
+        if d.indices is not None:  # the decoder makes a sparse tensor's entries at once: taken as they are
+            vals, idx = d.values(0, d.nnz), d.indices(0, d.nnz) if d.nnz else xp.empty(0, dtype=np.uint32)
+            if vals.size != d.nnz or idx.size != d.nnz:
+                raise PayloadIndexError(f"tensor {d.name!r}: {vals.size} values and {idx.size} indices for {d.nnz}")
+        else:  # a dense one a slice at a time, into one compact array
+            vals, idx = xp.empty(d.nnz, dtype=dtypes.value_dtype(d.dtype)), None
+            step = max(d.step, _engine._chunk(d.nnz, bounds) // d.step * d.step)
+            for a in range(0, d.nnz, step):
+                b = min(a + step, d.nnz)
+                v = d.values(a, b)
+                if v.size != b - a:
+                    raise PayloadIndexError(f"tensor {d.name!r}: entries [{a}, {b}) decode to {v.size} values")
+                vals[a:b] = v
+                del v
+        out.append(
+            TensorRecord(
+                d.name, d.dtype, d.shape, "dense" if idx is None else "coo", d.nnz, {"values": vals, "indices": idx}
+            )
+        )
+    return out
 
 
 class Aggregator:
@@ -131,11 +172,12 @@ class Aggregator:
     like
         Output kind without a base: ``"numpy"`` (default), ``"cupy"`` or ``"torch"``.
     max_output_bytes
-        Cap on the memory the aggregation holds, counted as :func:`held_bytes` counts it (the 12-byte accumulator,
-        the mean and the result: 20 bytes per fp32 element, 5x the dense output :func:`gpu_codec.decompress`
-        counts under the same name). A payload declaring more is refused before it is decoded or anything is
-        allocated, and a base that would need more is refused here. Peak memory stays within 1.5x the cap.
-        Default 4 GiB (about 200M fp32 parameters); ``None``: no cap.
+        Cap on the memory the aggregation needs, counted as :func:`held_bytes` counts it: the 12-byte accumulator
+        with the mean and the result (20 bytes per fp32 element, 5x the dense output :func:`gpu_codec.decompress`
+        counts under the same name), or with one payload's decoded entries while it is added. A payload that
+        needs more is refused before it is decoded or anything is allocated, and a base that needs more is
+        refused here. Peak memory stays within 1.5x the cap. Default 4 GiB (about 200M fp32 parameters);
+        ``None``: no cap.
 
     A payload that does not match, fails to decode, holds a bad index or a non-finite value, comes with a bad
     weight, or cannot be represented in the aggregation (a weight x value beyond the accumulator's range, a weight
@@ -160,7 +202,7 @@ class Aggregator:
     >>> Aggregator(max_output_bytes=1000).add(gpu_codec.compress({"w": np.ones(100, np.float32)}, fraction=0.01))
     Traceback (most recent call last):
     ...
-    gpu_codec.errors.PayloadLimitError: payload 0: an aggregation over its tensors holds 2000 bytes ...
+    gpu_codec.errors.PayloadLimitError: payload 0: an aggregation of its tensors needs 2000 bytes ...
     """
 
     def __init__(
@@ -197,7 +239,7 @@ class Aggregator:
             need = held_bytes(self._template.records(), True)
             if cap is not None and need > cap:
                 raise InvalidInputError(
-                    f"an aggregation over this base holds {need} bytes (accumulator, mean and result), over "
+                    f"an aggregation over this base needs {need} bytes (accumulator, mean and result), over "
                     f"max_output_bytes={cap}; pass a larger cap (or None)"
                 )
         self._limbs: dict[str, Any] = {}
@@ -235,14 +277,16 @@ class Aggregator:
         need = held_bytes(payload.tensors, self._base is not None)
         if self._max_output_bytes is not None and need > self._max_output_bytes:
             raise PayloadLimitError(
-                f"{what}: an aggregation over its tensors holds {need} bytes (accumulator, mean and result), over "
+                f"{what}: an aggregation of its tensors needs {need} bytes (accumulator with mean and result, or "
+                f"with its decoded entries), over "
                 f"max_output_bytes={self._max_output_bytes}; nothing was decoded"
             )
         if template is None:
             template = _Template([(r.name, tuple(r.shape), r.dtype) for r in payload.tensors])
         template.check(payload.tensors, what)
         backend = self._backend
-        records = _engine.decoded_records(payload, backend)
+        bounds = _engine.DECODE_CHUNK_DEVICE if backend.on_device else _engine.DECODE_CHUNK
+        records = _decoded_entries(payload, backend, bounds)
         # every check before the accumulator changes
         plan = []
         for r in records:
@@ -260,7 +304,6 @@ class Aggregator:
         del records
         if self._template is None:
             self._template = template
-        bounds = _engine.DECODE_CHUNK_DEVICE if backend.on_device else _engine.DECODE_CHUNK
         for r, idx, vals, beta in plan:
             step = _engine._chunk(vals.size, bounds)  # the fp64 and limb temporaries of one chunk at a time
             for a in range(0, max(vals.size, 1), step):
@@ -377,7 +420,11 @@ class Aggregator:
                 continue
             mean = xp.empty(numel, dtype=vd)
             scales = [math.ldexp(1.0, beta + (LIMBS - 1 - j) * LIMB_BITS) for j in range(LIMBS)]
-            self._backend.limb_mean(limbs, scales, total, mean)  # in limb order, in fp64, then rounded once
+            # in limb order, in fp64, then rounded once; an eighth of the tensor per call bounds the fp64 buffers
+            step = max(numel // 8, 1 << 16)
+            for a in range(0, numel, step):
+                b = min(a + step, numel)
+                self._backend.limb_mean(limbs[:, a:b], scales, total, mean[a:b])
             out[n] = mean
         return out
 
