@@ -213,3 +213,18 @@ def test_peak_memory_stays_within_one_and_a_half_caps(name, with_base):
 
     peak = traced_peak(run)
     assert peak <= 1.5 * cap, (peak / cap, name)
+
+
+def test_memory_benchmark_runs_and_stays_within_its_target(tmp_path):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_aggregate.py"
+    out = tmp_path / "mem.json"
+    args = ["--memory", "--n", "200000", "--clients", "3", "--no-write", "--json", str(out)]
+    r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert len(res["rows"]) == 8 and res["max_ratio"] <= 1.5
+    assert res["hostile"]["refused_with"] == ["PayloadLimitError"] and res["hostile"]["peak_bytes"] < 1 << 20
