@@ -13,6 +13,7 @@ import pytest
 import gpu_codec
 from gpu_codec.aggregate import SPARSE_ENTRY_BYTES, Aggregator, held_bytes
 from gpu_codec.errors import InvalidInputError, PayloadLimitError, PayloadValueError
+from tests.common import BACKENDS, use_backend
 
 
 def state(agg: Aggregator) -> tuple:
@@ -67,7 +68,13 @@ def test_threads_sharing_one_aggregator_give_the_serial_bytes(fast_switching):
         assert result_bytes(agg) == want, f"trial {trial}"
 
 
-def test_unrepresentable_clients_are_refused_and_leave_the_accumulator_as_it_was():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unrepresentable_clients_are_refused_and_leave_the_accumulator_as_it_was(backend):
+    with use_backend(backend):
+        check_unrepresentable_clients()
+
+
+def check_unrepresentable_clients():
     small = gpu_codec.compress({"w": np.array([1e-20, 0, -3e-20, 2e-20], np.float32)}, fraction=None)
     ordinary = gpu_codec.compress({"w": np.array([0.5, -1.0, 0, 2.0], np.float32)}, fraction=None)
     good = [(small, 1e307), (ordinary, 2.0), (small, 5e307)]
@@ -100,8 +107,9 @@ def aggregate_with_refusals(entries):
     return agg.result()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("fraction", [None, 0.5])
-def test_a_delta_that_takes_the_base_out_of_range_is_refused_at_add(fraction):
+def test_a_delta_that_takes_the_base_out_of_range_is_refused_at_add(fraction, backend):
     base = {"w": np.array([60000, 1, -60000, 3, 0, 7], np.float16), "b": np.ones(3, np.float32)}
     zero = {n: np.zeros_like(a) for n, a in base.items()}
 
@@ -111,6 +119,11 @@ def test_a_delta_that_takes_the_base_out_of_range_is_refused_at_add(fraction):
         )
 
     fine = [payload([1000, 2, -1000, 1, 0, 0]), payload([-500, 0, 500, 0, 8, 0])]
+    with use_backend(backend):
+        check_refusals_onto_a_base(base, fine, payload)
+
+
+def check_refusals_onto_a_base(base, fine, payload):
     agg = Aggregator(base=base)
     for p in fine:
         agg.add(p)
