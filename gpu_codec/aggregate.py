@@ -438,7 +438,8 @@ class Aggregator:
                 TensorRecord(n, dt, shape, "dense", math.prod(shape), {"values": means[n]}) for n, shape, dt in entries
             ]
             del means
-            # the cap was applied to every payload; each add kept base + delta finite, so does the mean
+            # the cap was applied to every payload; every client's base + delta is finite, so the mean's is (its
+            # rounding aside, at the very edge of the dtype's range)
             return _engine.decompress(_engine.Payload(recs, []), base=self._base, max_output_bytes=None)
         kind = self._like or "numpy"
         return {n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind) for n, shape, dt in entries}
