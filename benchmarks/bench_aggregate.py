@@ -18,6 +18,12 @@ own weight), so the aggregation timing does not include compression.
 
 Run: ``python benchmarks/bench_aggregate.py [--clients 100 --n 10000000 --fraction 0.01]``; writes
 benchmarks/results/aggregate_<backend>.json and .md.
+
+``--memory`` measures instead the Aggregator's peak against its cap: for each kind of payload, with and without a
+base, the tightest ``max_output_bytes`` that admits it (:func:`gpu_codec.aggregate.held_bytes`), a few clients
+added and the result read under that cap, the peak of NumPy allocations (``tracemalloc``; the caller's payload
+bytes and base are not counted) over the cap; and a payload of a few hundred bytes declaring 8x the cap, refused.
+Writes benchmarks/results/aggregate_memory_<backend>.json and .md.
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import numpy as np
 from gpu_codec.cpu_fallback import parallel
 
 import gpu_codec
-from gpu_codec.aggregate import Aggregator
+from gpu_codec.aggregate import Aggregator, held_bytes
 
 RESULTS = Path(__file__).resolve().parent / "results"
 PIPELINES = {
@@ -209,6 +215,117 @@ def to_markdown(res: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+MEMORY_PAYLOADS = {
+    "top-k 1%, fp32 values, raw indices": dict(fraction=0.01, pipeline=None),
+    "top-k 1%, fp16 + Rice + zstd": dict(
+        fraction=0.01, pipeline=[gpu_codec.Quantize("float16"), gpu_codec.RiceIndices(), gpu_codec.Zstd(level=3)]
+    ),
+    "dense fp32 + zstd (a plain reply, lossless)": dict(fraction=None, pipeline=[gpu_codec.Zstd(level=3)]),
+    "every entry as a sparse pair, raw": dict(fraction=1.0, pipeline=None),
+}
+
+
+def traced(fn) -> tuple[int, float]:
+    """(peak NumPy allocations during ``fn()``, seconds)."""
+    tracemalloc.start()
+    try:
+        t = time.perf_counter()
+        fn()
+        return tracemalloc.get_traced_memory()[1], time.perf_counter() - t
+    finally:
+        tracemalloc.stop()
+
+
+def run_memory(n: int, clients: int, seed: int = 0) -> dict:
+    rng = np.random.default_rng(seed)
+    base = {"w": rng.standard_normal(n).astype(np.float32)}
+    rows = []
+    for label, kw in MEMORY_PAYLOADS.items():
+        for with_base in (False, True):
+            b = base if with_base else None
+            blobs = []
+            for i in range(2):
+                new = base["w"] + (rng.standard_normal(n) * (i + 1)).astype(np.float32)
+                blobs.append(gpu_codec.compress({"w": new}, b, **kw).to_bytes())
+            cap = held_bytes(gpu_codec.Payload.from_bytes(blobs[0]).tensors, with_base)
+            agg = Aggregator(base=b, max_output_bytes=cap)
+
+            def aggregation(agg=agg, blobs=blobs) -> None:
+                for c in range(clients):
+                    agg.add(blobs[c % 2], 1.0 + c)
+                agg.result()
+
+            peak, secs = traced(aggregation)
+            rows.append(
+                {
+                    "payload": label,
+                    "with_base": with_base,
+                    "payload_bytes": len(blobs[0]),
+                    "cap_bytes": cap,
+                    "peak_bytes": peak,
+                    "ratio": round(peak / cap, 3),
+                    "seconds": round(secs, 2),
+                }
+            )
+            print(
+                f"{label:45s} base={with_base!s:5s} cap {cap / 2**20:7.1f} MiB  peak/cap {peak / cap:.3f}", flush=True
+            )
+    # a few hundred bytes declaring 8x the cap: refused before anything is allocated
+    one = gpu_codec.SparseEntries(np.array([5], np.uint64), np.ones(1, np.float32), (8 * n,), "float32")
+    small = gpu_codec.encode_coo({"w": one}).to_bytes()
+    cap = held_bytes(gpu_codec.Payload.from_bytes(small).tensors, False) // 8
+    refused = []
+
+    def hostile() -> None:
+        try:
+            Aggregator(max_output_bytes=cap).add(small)
+        except gpu_codec.PayloadError as e:
+            refused.append(type(e).__name__)
+
+    peak, _ = traced(hostile)
+    return {
+        "n": n,
+        "clients": clients,
+        "backend": gpu_codec.backend_info()["backend"],
+        "cpu": cpu_name(),
+        "threads": parallel.thread_count(),
+        "numpy": np.__version__,
+        "max_ratio": max(r["ratio"] for r in rows),
+        "rows": rows,
+        "hostile": {"payload_bytes": len(small), "cap_bytes": cap, "refused_with": refused, "peak_bytes": peak},
+    }
+
+
+def memory_markdown(res: dict) -> str:
+    mb = 1 / 2**20
+    h = res["hostile"]
+    lines = [
+        f"Aggregator peak memory against its cap: one fp32 tensor of N = {res['n']:,}, {res['clients']} clients "
+        f"added and the result read, backend {res['backend']}, CPU {res['cpu']}, {res['threads']} threads.",
+        "",
+        "| payload | base | payload size | cap (held_bytes) | peak | peak / cap |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['payload']} | {'yes' if r['with_base'] else 'no'} | {r['payload_bytes'] * mb:.2f} MiB | "
+            f"{r['cap_bytes'] * mb:.0f} MiB | {r['peak_bytes'] * mb:.0f} MiB | {r['ratio']:.3f} |"
+        )
+    lines += [
+        "",
+        f"Largest ratio: {res['max_ratio']:.3f} (target: at most 1.5). Cap: the least ``max_output_bytes`` that "
+        "admits the payload (``gpu_codec.aggregate.held_bytes``: 12 bytes of accumulator per element with the "
+        "mean and the result, or with the payload's decoded entries, 32 bytes per sparse pair). Peak: NumPy "
+        "allocations (tracemalloc) while the clients are added and the result is made; the payload bytes and "
+        "the base are the caller's and not counted.",
+        "",
+        f"A payload of {h['payload_bytes']} bytes declaring {8 * h['cap_bytes'] * mb:.0f} MiB of aggregation "
+        f"under a cap of {h['cap_bytes'] * mb:.0f} MiB: refused ({', '.join(h['refused_with'])}) with a peak of "
+        f"{h['peak_bytes'] / 1024:.0f} KiB.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--clients", type=int, default=100)
@@ -217,7 +334,20 @@ def main() -> None:
     ap.add_argument("--distinct", type=int, default=20)
     ap.add_argument("--no-write", action="store_true")
     ap.add_argument("--json", help="also write the results as JSON to this path")
+    ap.add_argument("--memory", action="store_true", help="measure the Aggregator's peak against its cap instead")
     args = ap.parse_args()
+    if args.memory:
+        res = run_memory(int(args.n), min(args.clients, 8))
+        md = memory_markdown(res)
+        print(md)
+        if args.json:
+            Path(args.json).write_text(json.dumps(res, indent=2) + "\n")
+        if not args.no_write:
+            RESULTS.mkdir(exist_ok=True)
+            stem = f"aggregate_memory_{res['backend']}"
+            (RESULTS / f"{stem}.json").write_text(json.dumps(res, indent=2) + "\n")
+            (RESULTS / f"{stem}.md").write_text(md)
+        return
     res = run(args.clients, int(args.n), args.fraction, args.distinct)
     md = to_markdown(res)
     print(md)

@@ -23,6 +23,7 @@ byte, in any arrival order, on the GPU and the CPU.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,7 +33,10 @@ from . import dtypes
 from . import engine as _engine
 from .arrays import from_backend, to_tensor
 from .backends import get_backend
-from .errors import InvalidInputError, PayloadIndexError
+from .backends.base import all_finite
+from .codecs import decoder_for
+from .constants import SCATTER_ADD
+from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import TensorRecord
 
 LIMB_BITS = 18
@@ -40,8 +44,10 @@ LIMBS = 3
 MAX_PAYLOADS = (1 << (32 - LIMB_BITS)) - 1  # every limb sum stays within int32
 _BETA_MIN = -56 * LIMB_BITS  # grid floor (2^-1008): keeps every scale factor a normal fp64
 _C_MAX = 2.0**960  # weighted values at or above this would overflow the top limb's scale
+ACCUMULATOR_BYTES = LIMBS * 4  # per element: three int32 limbs
+SPARSE_ENTRY_BYTES = 32  # decoding a sparse tensor, per kept entry: at most 28 measured (fp64, Rice + zstd)
 
-__all__ = ["MAX_PAYLOADS", "Aggregator", "aggregate"]
+__all__ = ["MAX_PAYLOADS", "SPARSE_ENTRY_BYTES", "Aggregator", "aggregate", "held_bytes"]
 
 
 def _grid_exponent(m: float) -> int | None:
@@ -72,6 +78,9 @@ class _Template:
         self.entries = entries
         self.by_name = {n: (s, d) for n, s, d in entries}
 
+    def records(self) -> list[TensorRecord]:
+        return [TensorRecord(n, d, s, "dense", math.prod(s), {}) for n, s, d in self.entries]
+
     def check(self, records: list[TensorRecord], what: str) -> None:
         got = {r.name: (tuple(r.shape), r.dtype) for r in records}
         if len(got) != len(records):
@@ -91,6 +100,64 @@ class _Template:
                 )
 
 
+def _sends_dense(r: TensorRecord) -> bool:
+    enc = r.codec.get("inner") if r.encoding in ("zstd", "nvcomp") else r.encoding
+    return enc in ("dense", "dense_q")
+
+
+def held_bytes(records: Iterable[Any], with_base: bool) -> int:
+    """Bytes an aggregation of payloads holding ``records`` (a payload's ``tensors``) needs at its peak, as the
+    :class:`Aggregator`'s ``max_output_bytes`` counts them: the larger of
+
+    * the accumulator (12 bytes per element), the mean delta (fp32; fp64 for fp64 tensors) and the result (in the
+      base's dtype with a base; fp32 or fp64 without): 20 bytes per fp32 element, 5x the dense output
+      :func:`gpu_codec.decompress` counts;
+    * the accumulator and one payload being added: its decoded values for a dense tensor, and up to
+      ``SPARSE_ENTRY_BYTES`` per kept entry of a sparse one (values, indices and the decoder's buffers).
+
+    Temporaries of a few MiB come on top (fp64 buffers of the weighted mean, a chunk of the limb passes).
+
+    >>> import gpu_codec, numpy as np
+    >>> held_bytes(gpu_codec.compress({"w": np.ones(1000, np.float32)}, fraction=0.01).tensors, with_base=False)
+    20000
+    """
+    result = adding = 0
+    for r in records:
+        vsize = np.dtype(dtypes.value_dtype(r.dtype)).itemsize
+        osize = dtypes.storage_dtype(r.dtype if with_base else dtypes.value_dtype(r.dtype)).itemsize
+        result += r.numel * (ACCUMULATOR_BYTES + vsize + osize)
+        adding += r.numel * ACCUMULATOR_BYTES + (r.numel * vsize if _sends_dense(r) else r.nnz * SPARSE_ENTRY_BYTES)
+    return max(result, adding)
+
+
+def _decoded_entries(payload: Any, backend: Any, bounds: tuple[int, int]) -> list[TensorRecord]:
+    """Each tensor's entries decoded by the payload's own pipeline (``values``, and ``indices`` for a sparse
+    tensor); a dense tensor a slice at a time, so that the decoder's temporaries are a slice's."""
+    xp = backend.xp
+    out = []
+    for d in decoder_for(payload.pipeline).decode_stream(payload.tensors, backend):
+        if d.indices is not None:  # the decoder makes a sparse tensor's entries at once: taken as they are
+            vals, idx = d.values(0, d.nnz), d.indices(0, d.nnz) if d.nnz else xp.empty(0, dtype=np.uint32)
+            if vals.size != d.nnz or idx.size != d.nnz:
+                raise PayloadIndexError(f"tensor {d.name!r}: {vals.size} values and {idx.size} indices for {d.nnz}")
+        else:  # a dense one a slice at a time, into one compact array
+            vals, idx = xp.empty(d.nnz, dtype=dtypes.value_dtype(d.dtype)), None
+            step = max(d.step, _engine._chunk(d.nnz, bounds) // d.step * d.step)
+            for a in range(0, d.nnz, step):
+                b = min(a + step, d.nnz)
+                v = d.values(a, b)
+                if v.size != b - a:
+                    raise PayloadIndexError(f"tensor {d.name!r}: entries [{a}, {b}) decode to {v.size} values")
+                vals[a:b] = v
+                del v
+        out.append(
+            TensorRecord(
+                d.name, d.dtype, d.shape, "dense" if idx is None else "coo", d.nnz, {"values": vals, "indices": idx}
+            )
+        )
+    return out
+
+
 class Aggregator:
     """The streaming form of :func:`aggregate`: add payloads one at a time, read the weighted mean at any point.
 
@@ -100,15 +167,26 @@ class Aggregator:
         Optional mapping name -> array (the global model the deltas were taken against). With it,
         :meth:`result` returns ``base + mean delta`` in the base's dtypes, kind and device (as
         :func:`gpu_codec.decompress` does), and every payload must match its names, shapes and dtypes. Without it,
-        the first payload fixes them and the result is the mean delta (fp32, fp64 for fp64 tensors).
+        the first payload fixes them and the result is the mean delta (fp32, fp64 for fp64 tensors). A base
+        holding inf or NaN is refused.
     like
         Output kind without a base: ``"numpy"`` (default), ``"cupy"`` or ``"torch"``.
     max_output_bytes
-        Cap on the dense output a payload declares (elements x output itemsize), checked before it is decoded,
-        as in :func:`gpu_codec.decompress` (default 4 GiB; ``None``: no cap).
+        Cap on the memory the aggregation needs, counted as :func:`held_bytes` counts it: the 12-byte accumulator
+        with the mean and the result (20 bytes per fp32 element, 5x the dense output :func:`gpu_codec.decompress`
+        counts under the same name), or with one payload's decoded entries while it is added. A payload that
+        needs more is refused before it is decoded or anything is allocated, and a base that needs more is
+        refused here. Peak memory stays within 1.5x the cap. Default 4 GiB (about 200M fp32 parameters);
+        ``None``: no cap.
 
-    A payload that does not match, fails to decode, holds a bad index or a non-finite value, or comes with a bad
-    weight raises a :class:`~gpu_codec.errors.GpuCodecError` and leaves the accumulator as it was.
+    A payload that does not match, fails to decode, holds a bad index or a non-finite value, comes with a bad
+    weight, or cannot be represented in the aggregation (a weight x value beyond the accumulator's range, a weight
+    that takes the weights' sum past fp64's range, a delta that takes the base past its dtype's range) raises a
+    :class:`~gpu_codec.errors.GpuCodecError` and leaves the accumulator exactly as it was: a server drops that
+    client and carries on with the others.
+
+    Threads may share one Aggregator: :meth:`add` and :meth:`result` take turns (a payload is parsed and its
+    checksum verified outside the lock; it is decoded and added inside, so one payload's working space at a time).
 
     >>> import numpy as np, gpu_codec
     >>> base = {"w": np.ones(3, np.float32)}
@@ -121,6 +199,10 @@ class Aggregator:
     Traceback (most recent call last):
     ...
     gpu_codec.errors.InvalidInputError: payload 2 holds a different tensor set: missing ['w'], unexpected ['v']; ...
+    >>> Aggregator(max_output_bytes=1000).add(gpu_codec.compress({"w": np.ones(100, np.float32)}, fraction=0.01))
+    Traceback (most recent call last):
+    ...
+    gpu_codec.errors.PayloadLimitError: payload 0: an aggregation of its tensors needs 2000 bytes ...
     """
 
     def __init__(
@@ -132,9 +214,13 @@ class Aggregator:
     ) -> None:
         if like is not None and like not in ("numpy", "cupy", "torch"):
             raise InvalidInputError(f"like must be 'numpy', 'cupy' or 'torch', got {like!r}")
+        cap = max_output_bytes
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
+            raise InvalidInputError(f"max_output_bytes must be a non-negative integer or None, got {cap!r}")
         self._backend = get_backend()
         self._like = like
-        self._max_output_bytes = max_output_bytes
+        self._max_output_bytes = cap
+        self._lock = threading.RLock()
         self._base = None
         self._template: _Template | None = None
         if base is not None:
@@ -145,12 +231,21 @@ class Aggregator:
                 t = to_tensor(a, n)
                 if t.dtype not in dtypes.FLOAT_DTYPES:
                     raise InvalidInputError(f"tensor {n!r}: base dtype {t.dtype} is not a float dtype")
+                if not all_finite(self._backend.asarray(t.data), dtypes.code(t.dtype), self._backend.xp):
+                    raise InvalidInputError(f"tensor {n!r}: the base holds inf or NaN, so no mean on it is finite")
                 entries.append((n, tuple(t.shape), t.dtype))
             self._base = base
             self._template = _Template(entries)
+            need = held_bytes(self._template.records(), True)
+            if cap is not None and need > cap:
+                raise InvalidInputError(
+                    f"an aggregation over this base needs {need} bytes (accumulator, mean and result), over "
+                    f"max_output_bytes={cap}; pass a larger cap (or None)"
+                )
         self._limbs: dict[str, Any] = {}
         self._beta: dict[str, int | None] = {}
         self._weights: list[float] = []
+        self._wsum = 0.0  # plain running sum: an exact one is taken only near fp64's range
 
     @property
     def count(self) -> int:
@@ -163,36 +258,90 @@ class Aggregator:
         return math.fsum(self._weights)
 
     def add(self, payload: Any, weight: float = 1.0) -> None:
-        """Scatter-add one client's payload (a :class:`~gpu_codec.Payload` or its bytes) with ``weight``."""
-        what = f"payload {self.count}"
+        """Scatter-add one client's payload (a :class:`~gpu_codec.Payload` or its bytes) with ``weight``; a payload
+        that is refused leaves the aggregation exactly as it was."""
         w = _check_weight(weight)
-        if self.count >= MAX_PAYLOADS:
-            raise InvalidInputError(f"an aggregation takes at most {MAX_PAYLOADS} payloads")
         if not isinstance(payload, _engine.Payload):
             if not isinstance(payload, (bytes, bytearray, memoryview)):
-                raise InvalidInputError(f"{what}: expected a gpu_codec Payload or its bytes, got {type(payload)}")
+                raise InvalidInputError(f"expected a gpu_codec Payload or its bytes, got {type(payload)}")
             payload = _engine.Payload.from_bytes(payload)
+        with self._lock:
+            self._add(payload, w, weight)
+
+    def _add(self, payload: Any, w: float, weight: Any) -> None:
+        what = f"payload {self.count}"
+        if self.count >= MAX_PAYLOADS:
+            raise InvalidInputError(f"an aggregation takes at most {MAX_PAYLOADS} payloads")
+        self._check_weight_sum(w, weight, what)
         template = self._template
-        _engine.check_output_cap(payload.tensors, self._base is not None, self._max_output_bytes)
+        need = held_bytes(payload.tensors, self._base is not None)
+        if self._max_output_bytes is not None and need > self._max_output_bytes:
+            raise PayloadLimitError(
+                f"{what}: an aggregation of its tensors needs {need} bytes (accumulator with mean and result, or "
+                f"with its decoded entries), over "
+                f"max_output_bytes={self._max_output_bytes}; nothing was decoded"
+            )
         if template is None:
             template = _Template([(r.name, tuple(r.shape), r.dtype) for r in payload.tensors])
         template.check(payload.tensors, what)
         backend = self._backend
-        records = _engine.decoded_records(payload, backend)
+        bounds = _engine.DECODE_CHUNK_DEVICE if backend.on_device else _engine.DECODE_CHUNK
+        records = _decoded_entries(payload, backend, bounds)
         # every check before the accumulator changes
         plan = []
         for r in records:
             vals, idx = self._checked_entries(r, backend, what)
-            m = float(backend.to_host(backend.xp.abs(vals).max())) if vals.size else 0.0
+            m = float(backend.to_host(backend.xp.maximum(vals.max(), -vals.min()))) if vals.size else 0.0
             cmax = w * m
             if not cmax < _C_MAX:
-                raise InvalidInputError(f"{what}: tensor {r.name!r}: weight x value reaches {cmax!r}, beyond range")
+                raise InvalidInputError(
+                    f"{what}: tensor {r.name!r}: weight {weight!r} x value {m!r} reaches {cmax!r}, beyond the "
+                    "accumulator's range; nothing was added"
+                )
+            if self._base is not None:
+                self._check_onto_base(r, idx, vals, what)
             plan.append((r, idx, vals, _grid_exponent(cmax)))
+        del records
         if self._template is None:
             self._template = template
         for r, idx, vals, beta in plan:
-            self._accumulate(r, idx, vals, w, beta)
+            step = _engine._chunk(vals.size, bounds)  # the fp64 and limb temporaries of one chunk at a time
+            for a in range(0, max(vals.size, 1), step):
+                b = min(a + step, vals.size)
+                self._accumulate(r, None if idx is None else idx[a:b], vals[a:b], w, beta, a)
         self._weights.append(w)
+        self._wsum += w
+
+    def _check_weight_sum(self, w: float, weight: Any, what: str) -> None:
+        if self._wsum + w < 2.0**1000:
+            return
+        try:
+            total = math.fsum([*self._weights, w])
+        except OverflowError:
+            total = math.inf
+        if not math.isfinite(total):
+            raise InvalidInputError(
+                f"{what}: weight {weight!r} takes the sum of the weights past the fp64 range; nothing was added"
+            )
+
+    def _check_onto_base(self, r: TensorRecord, idx: Any, vals: Any, what: str) -> None:
+        """Refuse a delta that takes the base past its dtype's range, computed as :func:`gpu_codec.decompress`
+        adds it (a chunk of entries at a time, into a small buffer)."""
+        backend, xp = self._backend, self._backend.xp
+        base = backend.asarray(to_tensor(self._base[r.name], r.name).data)
+        code = dtypes.code(r.dtype)
+        step = _engine._chunk(vals.size, _engine.DECODE_CHUNK_DEVICE if backend.on_device else _engine.DECODE_CHUNK)
+        buf = xp.empty(min(step, vals.size), dtype=dtypes.storage_dtype(r.dtype))
+        for a in range(0, vals.size, step):
+            b = min(a + step, vals.size)
+            part = base[a:b] if idx is None else base[idx[a:b]]
+            out = buf[: b - a]
+            backend.dense_apply([out], [code], [part], [vals[a:b]], SCATTER_ADD)
+            if not all_finite(out, code, xp):
+                raise PayloadValueError(
+                    f"{what}: tensor {r.name!r}: the update takes the base past the range of {r.dtype} (inf or NaN); "
+                    "nothing was added"
+                )
 
     @staticmethod
     def _checked_entries(r: TensorRecord, backend: Any, what: str) -> tuple[Any, Any]:
@@ -216,7 +365,8 @@ class Aggregator:
             )
         return vals, idx
 
-    def _accumulate(self, r: TensorRecord, idx: Any, vals: Any, w: float, beta: int | None) -> None:
+    def _accumulate(self, r: TensorRecord, idx: Any, vals: Any, w: float, beta: int | None, lo: int = 0) -> None:
+        """Add ``w * vals`` at ``idx`` (None: at elements ``lo`` to ``lo + vals.size``)."""
         xp = self._backend.xp
         limbs = self._limbs.get(r.name)
         if limbs is None:
@@ -243,10 +393,17 @@ class Aggregator:
             if j < LIMBS - 1:
                 rem = rem - q * math.ldexp(1.0, e)  # exact: q * 2^e is within half a grid step of rem
             qs[j] = q
-        self._backend.limb_add(limbs, idx, qs)
+        if idx is None:
+            self._backend.limb_add(limbs[:, lo : lo + vals.size], None, qs)
+        else:
+            self._backend.limb_add(limbs, idx, qs)
 
     def mean_delta(self) -> dict[str, Any]:
         """The weighted mean delta per tensor as flat backend arrays (fp32; fp64 for fp64 tensors)."""
+        with self._lock:
+            return self._mean_delta()
+
+    def _mean_delta(self) -> dict[str, Any]:
         if self.count == 0 or self._template is None:
             raise InvalidInputError("nothing to aggregate: no payload was added")
         total = self.total_weight
@@ -263,23 +420,29 @@ class Aggregator:
                 continue
             mean = xp.empty(numel, dtype=vd)
             scales = [math.ldexp(1.0, beta + (LIMBS - 1 - j) * LIMB_BITS) for j in range(LIMBS)]
-            self._backend.limb_mean(limbs, scales, total, mean)  # in limb order, in fp64, then rounded once
+            # in limb order, in fp64, then rounded once; an eighth of the tensor per call bounds the fp64 buffers
+            step = max(numel // 8, 1 << 16)
+            for a in range(0, numel, step):
+                b = min(a + step, numel)
+                self._backend.limb_mean(limbs[:, a:b], scales, total, mean[a:b])
             out[n] = mean
         return out
 
     def result(self) -> dict[str, Any]:
         """``base + mean delta`` (with a base) or the mean delta, as :func:`gpu_codec.decompress` returns them."""
-        means = self.mean_delta()
+        with self._lock:
+            means = self._mean_delta()
+            entries = self._template.entries
         if self._base is not None:
             recs = [
-                TensorRecord(n, dt, shape, "dense", math.prod(shape), {"values": means[n]})
-                for n, shape, dt in self._template.entries
+                TensorRecord(n, dt, shape, "dense", math.prod(shape), {"values": means[n]}) for n, shape, dt in entries
             ]
-            return _engine.decompress(_engine.Payload(recs, []), base=self._base)
+            del means
+            # the cap was applied to every payload; every client's base + delta is finite, so the mean's is (its
+            # rounding aside, at the very edge of the dtype's range)
+            return _engine.decompress(_engine.Payload(recs, []), base=self._base, max_output_bytes=None)
         kind = self._like or "numpy"
-        return {
-            n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind) for n, shape, dt in self._template.entries
-        }
+        return {n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind) for n, shape, dt in entries}
 
 
 def aggregate(

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import logging
 import math
 import struct
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
@@ -54,7 +55,7 @@ from . import engine as _engine
 from .aggregate import Aggregator
 from .arrays import array_kind, to_tensor
 from .error_feedback import ErrorFeedback
-from .errors import InvalidInputError, PayloadError, PayloadLayoutError
+from .errors import GpuCodecError, InvalidInputError, PayloadLayoutError, PayloadLimitError
 
 __all__ = [
     "ACCEPT_KEY",
@@ -74,13 +75,14 @@ ACCEPT_KEY = "gpu_codec.accept"  # config entry a server sends when it decodes g
 DEFAULT_KEY = "gpu_codec"
 _EF_STATE = "gpu_codec.error_feedback"
 _FLOAT_NPY = frozenset({"float16", "float32", "float64"})
+_GUARD_NOTE = f"{STYPE_GPU_CODEC} payload: a gpu_codec compressed update and not a NumPy array"
+log = logging.getLogger(__name__)
 
 
 def _npy_guard() -> bytes:
     """A ``.npy`` v1 header whose dtype descriptor is a message: ``np.load`` stops there with a ValueError."""
     descr = (  # no commas: NumPy would read them as a list of fields
-        f"{STYPE_GPU_CODEC} payload: a gpu_codec compressed update and not a NumPy array; to read it "
-        "pip install 'gpu_codec[flower]' and decode it with gpu_codec.flower"
+        f"{_GUARD_NOTE}; to read it pip install 'gpu_codec[flower]' and decode it with gpu_codec.flower"
     )
     head = repr({"descr": descr, "fortran_order": False, "shape": (0,)}).encode("ascii")
     head += b" " * ((-(10 + len(head) + 1)) % 64) + b"\n"
@@ -238,15 +240,17 @@ class Array:
 
     # -------------------------------------------------------- readers
 
-    def numpy(self) -> np.ndarray:
-        """The array, for ``stype="numpy.ndarray"`` (loaded with ``allow_pickle=False``)."""
+    def numpy(self, *, max_bytes: int | None = None) -> np.ndarray:
+        """The array, for ``stype="numpy.ndarray"``: its ``.npy`` header is read first, and the array is made only
+        if the bytes after it are exactly what the header declares (never unpickled), and at most ``max_bytes``
+        (``None``: no cap beyond the data itself)."""
         if self.is_payload:
             raise InvalidInputError(
                 "this Array holds a gpu_codec payload, not an array: use Array.payload() or ArrayRecord.decompress()"
             )
         if self.stype != STYPE_NUMPY:
             raise TypeError(f"Unsupported serialization type for numpy conversion: '{self.stype}'")
-        a = np.load(io.BytesIO(self.data), allow_pickle=False)
+        a = _read_npy(self.data, max_bytes)
         if self.dtype == "bfloat16" and a.dtype == np.uint16:  # records of earlier gpu_codec versions
             a = (a.astype(np.uint32) << 16).view(np.float32)
         return a
@@ -283,6 +287,33 @@ class Array:
     @classmethod
     def from_flwr(cls, a: Any) -> Array:
         return cls(dtype=a.dtype, shape=tuple(a.shape), stype=a.stype, data=a.data)
+
+
+def _read_npy(data: bytes, max_bytes: int | None) -> np.ndarray:
+    """A ``.npy`` array whose header is checked before anything is allocated: no object dtype, the declared bytes
+    within ``max_bytes``, and exactly that many bytes after the header (``np.load`` allocates what the header says
+    before it reads)."""
+    f = io.BytesIO(data)
+    fmt = np.lib.format
+    try:
+        version = fmt.read_magic(f)
+        read = fmt.read_array_header_1_0 if version == (1, 0) else fmt.read_array_header_2_0
+        shape, fortran, dtype = read(f)
+    except ValueError as e:
+        if _GUARD_NOTE in str(e):
+            raise
+        raise PayloadLayoutError(f"not a valid .npy array: {e}") from None
+    if dtype.hasobject:
+        raise PayloadLayoutError("the .npy array has an object dtype, which cannot be read without pickle")
+    nbytes = math.prod(shape) * dtype.itemsize
+    if max_bytes is not None and nbytes > max_bytes:
+        raise PayloadLimitError(f"the .npy array declares {nbytes} bytes, over the cap of {max_bytes}")
+    if len(data) - f.tell() != nbytes:
+        raise PayloadLayoutError(
+            f"the .npy array declares {dtype}{list(shape)} ({nbytes} bytes), its data holds {len(data) - f.tell()}"
+        )
+    flat = np.frombuffer(memoryview(data)[f.tell() :], dtype=dtype)
+    return flat.reshape(shape, order="F" if fortran else "C").copy(order="K")
 
 
 def _array_init_error() -> None:
@@ -452,10 +483,27 @@ class ArrayRecord(MutableMapping):
             self._d.clear()
         return out
 
-    def decompress(self, base: Mapping[str, Any] | None = None, *, like: str | None = None) -> dict[str, Any]:
+    def decompress(
+        self,
+        base: Mapping[str, Any] | None = None,
+        *,
+        like: str | None = None,
+        max_output_bytes: int | None = _engine.DEFAULT_MAX_OUTPUT_BYTES,
+    ) -> dict[str, Any]:
         """Dense tensors: every compressed Array decompressed (``base + delta`` where ``base`` is given,
         returned as the base's kind on its device, else the delta as ``like``), every plain Array as its value
-        (as ``like``, or as the base's kind where the base has that name)."""
+        (as ``like``, or as the base's kind where the base has that name).
+
+        ``max_output_bytes`` caps the dense output of the whole record, as :func:`gpu_codec.decompress` counts it
+        (each Array is refused before it is decoded if it declares more than what is left); ``None``: no cap.
+
+        >>> rec = ArrayRecord.compressed({"w": np.zeros(10**6, np.float32)}, fraction=1e-6)
+        >>> rec.decompress(max_output_bytes=1 << 20)
+        Traceback (most recent call last):
+        ...
+        gpu_codec.errors.PayloadLimitError: payload declares 4000000 bytes of dense output (1 tensors), over ...
+        """
+        left = _check_cap(max_output_bytes)
         out: dict[str, Any] = {}
         for key, arr in self._d.items():
             if arr.is_payload:
@@ -463,7 +511,8 @@ class ArrayRecord(MutableMapping):
                 b = None
                 if base is not None:
                     b = {r.name: base[r.name] for r in payload.tensors if r.name in base}
-                dense = _engine.decompress(payload, base=b or None, like=like)
+                dense = _engine.decompress(payload, base=b or None, like=like, max_output_bytes=left)
+                left = _spent(left, dense.values())
                 clash = set(dense) & set(out)
                 if clash:
                     raise InvalidInputError(f"tensors {sorted(clash)[:5]} appear in more than one Array")
@@ -472,7 +521,8 @@ class ArrayRecord(MutableMapping):
                 if key in out:
                     raise InvalidInputError(f"tensor {key!r} appears in more than one Array")
                 kind = array_kind(base[key]) if base is not None and key in base else (like or "numpy")
-                out[key] = _as_kind(arr, kind, base[key] if base is not None and key in base else None)
+                out[key] = _as_kind(arr, kind, base[key] if base is not None and key in base else None, left)
+                left = _spent(left, [out[key]])
             else:
                 raise TypeError(f"Array {key!r} has stype '{arr.stype}', which gpu_codec cannot read")
         return out
@@ -517,11 +567,25 @@ def _is_flwr_array(v: Any) -> bool:
     return type(v).__name__ == "Array" and all(hasattr(v, f) for f in ("dtype", "shape", "stype", "data"))
 
 
-def _as_kind(arr: Array, kind: str, like_tensor: Any) -> Any:
+def _check_cap(cap: Any) -> int | None:
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
+        raise InvalidInputError(f"max_output_bytes must be a non-negative integer or None, got {cap!r}")
+    return cap
+
+
+def _spent(left: int | None, arrays: Any) -> int | None:
+    """What is left of a cap once ``arrays`` were made."""
+    return None if left is None else max(0, left - sum(int(a.nbytes) for a in arrays))
+
+
+def _as_kind(arr: Array, kind: str, like_tensor: Any, max_bytes: int | None = None) -> Any:
+    a = arr.numpy(max_bytes=max_bytes)
     if kind == "torch":
+        import torch
+
+        t = torch.from_numpy(np.ascontiguousarray(a))
         dev = getattr(like_tensor, "device", None)
-        return arr.to_torch(dev)
-    a = arr.numpy()
+        return t.to(dev) if dev is not None else t
     if kind == "cupy":
         import cupy
 
@@ -548,19 +612,23 @@ def _is_compressed(record: Any) -> bool:
     return any(_holds_payload(a) for a in record.values())
 
 
-def _decode_model(record: Any) -> dict[str, np.ndarray]:
+def _decode_model(record: Any, max_output_bytes: int | None) -> dict[str, np.ndarray]:
     """A flwr ArrayRecord (compressed or not) as name -> NumPy array, in the sender's order and dtypes (a payload's
-    float16 comes back as float16; bfloat16, which ``.npy`` lacks, as float32)."""
+    float16 comes back as float16; bfloat16, which ``.npy`` lacks, as float32), at most ``max_output_bytes`` of
+    output in all (each Array refused before it is decoded if it declares more than what is left)."""
+    left = _check_cap(max_output_bytes)
     out: dict[str, np.ndarray] = {}
     order: list[str] = []
     for k in record:
         a = Array.from_flwr(record[k])
         if not a.is_payload:
-            out[k] = a.numpy()
+            out[k] = a.numpy(max_bytes=left)
+            left = _spent(left, [out[k]])
             order.append(k)
             continue
         payload = a.payload()
-        dense = _engine.decompress(payload)
+        dense = _engine.decompress(payload, max_output_bytes=left)
+        left = _spent(left, dense.values())
         for r in payload.tensors:
             if r.name in out:
                 raise InvalidInputError(f"tensor {r.name!r} appears twice in the record")
@@ -574,15 +642,16 @@ def _decode_model(record: Any) -> dict[str, np.ndarray]:
     return {n: out[n] for n in order}
 
 
-def decode_record(record: Any) -> Any:
+def decode_record(record: Any, *, max_output_bytes: int | None = _engine.DEFAULT_MAX_OUTPUT_BYTES) -> Any:
     """A flwr ``ArrayRecord`` holding gpu_codec payloads as a plain flwr ``ArrayRecord`` of NumPy arrays (a
-    record with none is returned as it is)."""
+    record with none is returned as it is). ``max_output_bytes`` caps the record's dense output, as
+    :meth:`ArrayRecord.decompress` does (``PayloadLimitError`` before anything over it is decoded)."""
     if not _is_compressed(record):
         return record
     from flwr.app import Array as FlwrArray
     from flwr.app import ArrayRecord as FlwrRecord
 
-    return FlwrRecord({k: FlwrArray(v) for k, v in _decode_model(record).items()})
+    return FlwrRecord({k: FlwrArray(v) for k, v in _decode_model(record, max_output_bytes).items()})
 
 
 def _split_floats(arrays: Mapping[str, np.ndarray], base: Mapping[str, np.ndarray] | None) -> list[str]:
@@ -638,6 +707,7 @@ def compression_mod(
     pipeline: Any = None,
     error_feedback: bool = True,
     key: str = DEFAULT_KEY,
+    max_output_bytes: int | None = _engine.DEFAULT_MAX_OUTPUT_BYTES,
 ) -> Callable[[Any, Any, Callable[[Any, Any], Any]], Any]:
     """A Flower client ``Mod``: compressed models in, compressed train replies out.
 
@@ -657,6 +727,8 @@ def compression_mod(
         it to the next round's delta.
     key
         Name of the compressed Array in the record.
+    max_output_bytes
+        Cap on the dense output of each incoming record, as :func:`decode_record` applies it.
 
     >>> mod = compression_mod(0.05, pipeline=[{"id": "quantize", "dtype": "float16"}])
     >>> callable(mod)
@@ -665,6 +737,7 @@ def compression_mod(
     if fraction is not None:
         fraction = _engine.check_fraction(fraction)
     pipeline_cfg = adapt.pipeline_configs(pipeline)
+    cap = _check_cap(max_output_bytes)
 
     def gpu_codec_mod(msg: Any, context: Any, call_next: Callable[[Any, Any], Any]) -> Any:
         from flwr.app import ConfigRecord
@@ -677,7 +750,7 @@ def compression_mod(
             for rk in list(content.array_records.keys()):
                 rec = content.array_records[rk]
                 if _is_compressed(rec):
-                    rec = decode_record(rec)
+                    rec = decode_record(rec, max_output_bytes=cap)
                     content[rk] = rec
                 received[rk] = {k: rec[k].numpy() for k in rec}
         reply = call_next(msg, context)
@@ -740,17 +813,34 @@ def _make_strategy_class() -> type:
             ``None``: the model goes down uncompressed.
         key
             Name of the compressed Array in the records.
+        max_output_bytes
+            Cap on the memory of the round's :class:`~gpu_codec.Aggregator` (its ``max_output_bytes``: 20 bytes
+            per fp32 parameter of the global model, more for a reply sending every entry sparse); a reply that
+            needs more is left out. Default 4 GiB; ``None``: no cap.
 
         The arrays a round produces are ``received + sum(w_i delta_i) / sum(w_i)`` (FedAvg's rule), where
         ``received`` is the model the clients decoded; :func:`gpu_codec.aggregate` makes it the same to the byte
-        in any arrival order. A reply without a payload (a client without :func:`compression_mod`) is taken
-        losslessly; non-float arrays are averaged densely, in an order fixed by their content.
+        in any arrival order. Fleets may be mixed: a reply without a payload (a client without
+        :func:`compression_mod`) is taken losslessly beside compressed ones, and a node whose reply says it could
+        not read the compressed model (a stock Flower client fails on the ``.npy`` guard) is logged and sent the
+        model uncompressed from then on. A reply that cannot be used (a bad payload, arrays that do not match the
+        global model, a bad weight) is logged and left out of the arrays and the metrics, and the round goes on
+        with the others. Non-float arrays are averaged densely, in an order fixed by their content.
         """
 
-        def __init__(self, strategy: Any, *, downlink: Any = ({"id": "zstd", "level": 3},), key: str = DEFAULT_KEY):
+        def __init__(
+            self,
+            strategy: Any,
+            *,
+            downlink: Any = ({"id": "zstd", "level": 3},),
+            key: str = DEFAULT_KEY,
+            max_output_bytes: int | None = _engine.DEFAULT_MAX_OUTPUT_BYTES,
+        ):
             for hook in ("configure_train", "aggregate_train", "configure_evaluate", "aggregate_evaluate"):
                 if not callable(getattr(strategy, hook, None)):
                     raise InvalidInputError(f"the wrapped strategy has no {hook}() hook")
+            self.max_output_bytes = _check_cap(max_output_bytes)
+            self._plain_nodes: set[int] = set()  # nodes that cannot read a compressed model
             self.strategy = strategy
             self.downlink = None if downlink is None else adapt.pipeline_configs(list(downlink))
             if self.downlink and any(s["id"] == "topk" for s in self.downlink):
@@ -782,17 +872,16 @@ def _make_strategy_class() -> type:
                 sent = arrays
             else:
                 sent, _ = _compressed_record(plain, None, self.key, fraction=None, pipeline=self.downlink)
-            self._sent = (arrays, sent, _decode_model(sent))
+            self._sent = (arrays, sent, _decode_model(sent, None))
             return sent
 
         def _with_down(self, messages: Any, arrays: Any) -> list:
             sent = self._down(arrays)
             out = []
             for m in messages:
-                content = m.content
-                for rk in list(content.array_records.keys()):
-                    if content.array_records[rk] is arrays:
-                        content[rk] = sent
+                if m.metadata.dst_node_id not in self._plain_nodes:  # those get the model as it is
+                    # a RecordDict of its own: the wrapped strategy may give every message the same one
+                    m.content = RecordDict({k: (sent if v is arrays else v) for k, v in m.content.items()})
                 out.append(m)
             return out
 
@@ -804,74 +893,127 @@ def _make_strategy_class() -> type:
             return self._with_down(self.strategy.configure_evaluate(server_round, arrays, config, grid), arrays)
 
         def aggregate_evaluate(self, server_round: int, replies: Any) -> Any:
+            replies = list(replies)
+            self._note_unreadable(server_round, replies)
             return self.strategy.aggregate_evaluate(server_round, replies)
+
+        def _note_unreadable(self, server_round: int, replies: list) -> None:
+            """Nodes whose reply is the error a stock client gives on the compressed model: sent it plain from now."""
+            for m in replies:
+                if not m.has_error() or _GUARD_NOTE not in str(m.error.reason):
+                    continue
+                node = m.metadata.src_node_id
+                if self.downlink is not None and node not in self._plain_nodes:
+                    self._plain_nodes.add(node)
+                    log.warning(
+                        "round %d: node %d could not read the compressed global model (gpu_codec is not installed "
+                        "there); it is sent the model uncompressed from the next round on",
+                        server_round,
+                        node,
+                    )
 
         # ---------------------------------------------------------------- up
 
         def aggregate_train(self, server_round: int, replies: Any) -> tuple[Any, Any]:
             replies = list(replies)
+            self._note_unreadable(server_round, replies)
             valid = [m for m in replies if not m.has_error()]
-            arrays = None
+            arrays, taken = None, []
             if valid:
+                # the metric records as the wrapped strategy checks them; the array records reply by reply below
                 contents = [m.content for m in valid]
-                validate_message_reply_consistency(contents, self.weighted_by_key, check_arrayrecord=True)
-                arrays = self._aggregate(contents)
-            # the wrapped strategy sees the replies with empty arrays: it checks, logs and aggregates metrics
+                validate_message_reply_consistency(contents, self.weighted_by_key, check_arrayrecord=False)
+                arrays, taken = self._aggregate(server_round, valid)
+            # the wrapped strategy sees the replies taken, with empty arrays: it checks, logs and aggregates metrics
+            kept = {id(m) for m in taken}
             stubbed = []
             for m in replies:
                 if m.has_error():
                     stubbed.append(m)
-                    continue
-                rd = RecordDict(
-                    {k: (FlwrRecord() if k in m.content.array_records else v) for k, v in m.content.items()}
-                )
-                stubbed.append(Message(content=rd, metadata=m.metadata))
+                elif id(m) in kept:
+                    rd = RecordDict(
+                        {k: (FlwrRecord() if k in m.content.array_records else v) for k, v in m.content.items()}
+                    )
+                    stubbed.append(Message(content=rd, metadata=m.metadata))
             _, metrics = self.strategy.aggregate_train(server_round, stubbed)
             return arrays, metrics
 
-        def _aggregate(self, contents: list) -> Any:
+        def _aggregate(self, server_round: int, replies: list) -> tuple[Any, list]:
+            """(the new model, or None if no reply could be used; the replies used)."""
             if self._sent is None:
                 raise InvalidInputError("aggregate_train before configure_train: no global model to add deltas to")
             base = self._sent[2]
             floats = _split_floats(base, None)
-            agg = Aggregator(base={n: base[n] for n in floats}) if floats else None
+            agg = None
+            if floats:
+                agg = Aggregator(base={n: base[n] for n in floats}, max_output_bytes=self.max_output_bytes)
             plain: dict[str, list[tuple[float, np.ndarray]]] = {n: [] for n in base if n not in floats}
-            weights = []
-            for i, content in enumerate(contents):
-                w = float(next(iter(content.metric_records.values()))[self.weighted_by_key])
-                weights.append(w)
-                rec = next(iter(content.array_records.values()))
-                payloads = [Array.from_flwr(rec[k]).payload() for k in rec if _holds_payload(rec[k])]
-                others = {k: rec[k].numpy() for k in rec if not _holds_payload(rec[k])}
-                if len(payloads) > 1:
-                    raise PayloadLayoutError(f"reply {i} holds {len(payloads)} gpu_codec payloads, expected one")
-                if not payloads and floats:  # a client without the mod: its full model, taken losslessly
-                    missing = [n for n in floats if n not in others]
-                    if missing:
-                        raise InvalidInputError(f"reply {i} lacks arrays {missing[:5]} of the global model")
-                    full = {n: others.pop(n) for n in floats}
-                    payloads = [_engine.compress(full, {n: base[n] for n in floats}, fraction=None)]
-                if payloads:
-                    if agg is None:
-                        raise InvalidInputError(f"reply {i} holds a payload, but the global model has no float array")
-                    try:
-                        agg.add(payloads[0], w)
-                    except (InvalidInputError, PayloadError) as e:
-                        raise type(e)(f"reply {i}: {e}") from None
-                if set(others) != set(plain):
-                    raise InvalidInputError(
-                        f"reply {i} carries plain arrays {sorted(others)[:5]}, expected {sorted(plain)[:5]}"
+            weights, taken = [], []
+            for i, m in enumerate(replies):
+                try:
+                    w, payload, others = self._read_reply(m.content, base, floats, set(plain))
+                    if payload is not None:
+                        agg.add(payload, w)  # a payload it refuses leaves the accumulator as it was
+                except GpuCodecError as e:
+                    log.warning(
+                        "round %d: the reply of node %d is left out of the aggregation: reply %d: %s",
+                        server_round,
+                        m.metadata.src_node_id,
+                        i,
+                        e,
                     )
+                    continue
                 for n, a in others.items():
-                    if a.shape != base[n].shape or a.dtype != base[n].dtype:
-                        raise InvalidInputError(f"reply {i}: array {n!r} is {a.dtype}{list(a.shape)}")
                     plain[n].append((w, a))
+                weights.append(w)
+                taken.append(m)
             total = math.fsum(weights)
-            if total <= 0:
-                raise InvalidInputError("the reply weights sum to zero")
+            if not taken or total <= 0:
+                log.warning("round %d: no reply with a positive weight could be aggregated", server_round)
+                return None, taken
             merged = agg.result() if agg is not None else {}
             merged.update({n: _weighted_plain_mean(v, total) for n, v in plain.items()})
-            return FlwrRecord({n: FlwrArray(np.asarray(merged[n])) for n in base})
+            return FlwrRecord({n: FlwrArray(np.asarray(merged[n])) for n in base}), taken
+
+        def _read_reply(
+            self, content: Any, base: dict[str, np.ndarray], floats: list[str], plain: set[str]
+        ) -> tuple[float, Any, dict[str, np.ndarray]]:
+            """One reply's weight, payload (a reply without one: its full model, compressed losslessly) and plain
+            arrays, each checked against the global model before it is read."""
+            if len(content.array_records) != 1:
+                raise InvalidInputError(f"it holds {len(content.array_records)} ArrayRecords, expected one")
+            w = next(iter(content.metric_records.values()))[self.weighted_by_key]
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
+                raise InvalidInputError(f"its weight {self.weighted_by_key!r} is {w!r}, not a non-negative number")
+            rec = next(iter(content.array_records.values()))
+            keys = [k for k in rec if _holds_payload(rec[k])]
+            if len(keys) > 1:
+                raise PayloadLayoutError(f"it holds {len(keys)} gpu_codec payloads, expected one")
+            others = {}
+            for k in rec:
+                if k in keys:
+                    continue
+                want = base.get(k)
+                a = Array.from_flwr(rec[k])
+                if want is None or a.stype != STYPE_NUMPY or (a.dtype, tuple(a.shape)) != (str(want.dtype), want.shape):
+                    expected = "nothing" if want is None else f"{want.dtype}{list(want.shape)}"
+                    raise InvalidInputError(f"its array {k!r} is {a.dtype}{list(a.shape)}, expected {expected}")
+                arr = a.numpy(max_bytes=want.nbytes)
+                if arr.dtype != want.dtype or arr.shape != want.shape:
+                    raise InvalidInputError(f"its array {k!r} holds {arr.dtype}{list(arr.shape)}")
+                others[k] = arr
+            payload = Array.from_flwr(rec[keys[0]]).payload() if keys else None
+            if payload is None and floats:  # a client without the mod: its full model, taken losslessly
+                missing = [n for n in floats if n not in others]
+                if missing:
+                    raise InvalidInputError(f"it lacks arrays {missing[:5]} of the global model")
+                full = {n: others.pop(n) for n in floats}
+                payload = _engine.compress(full, {n: base[n] for n in floats}, fraction=None)
+            if payload is not None and not floats:
+                raise InvalidInputError("it holds a payload, but the global model has no float array")
+            if set(others) != plain:
+                raise InvalidInputError(f"it carries plain arrays {sorted(others)[:5]}, expected {sorted(plain)[:5]}")
+            return float(w), payload, others
 
     CompressedStrategy.__module__ = __name__
     return CompressedStrategy

@@ -251,3 +251,44 @@ def test_a_stock_peer_is_told_what_to_install():
     content = fc.RecordDict({"arrays": flwr_rec, "metrics": fc.MetricRecord({"num-examples": 3})})
     with pytest.raises(ValueError, match=r"pip install 'gpu_codec\[flower\]'"):
         aggregate_arrayrecords([content, content], "num-examples")
+
+
+def test_records_take_a_cap_and_check_npy_headers_before_allocating():
+    import tracemalloc
+
+    from gpu_codec.errors import PayloadLayoutError, PayloadLimitError
+
+    # a compressed Array declaring 64 MiB in a few hundred bytes: refused under a smaller cap, nothing allocated
+    n = 16 << 20
+    rec = ArrayRecord.compressed({"w": np.zeros(n, np.float32)}, fraction=1e-7)
+    rec["steps"] = Array(np.arange(4, dtype=np.int64))
+    assert rec.count_bytes() < 1024
+    tracemalloc.start()
+    try:
+        with pytest.raises(PayloadLimitError, match="max_output_bytes"):
+            rec.decompress(max_output_bytes=8 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 10
+    # the cap counts the whole record: the compressed Array first, then what is left for the plain one
+    assert sorted(rec.decompress(max_output_bytes=4 * n + 32)) == ["steps", "w"]
+    with pytest.raises(PayloadLimitError, match="cap of 31"):
+        rec.decompress(max_output_bytes=4 * n + 31)
+    # a .npy header is read before its array is made: a shape its bytes do not hold, an object dtype, no header
+    good = Array(np.ones(3, np.float32))
+    for head, body, err, match in [
+        (b"(3,)", b"(9,)", PayloadLayoutError, "36 bytes.*its data holds 12"),
+        (b"'<f4'", b"'|O' ", PayloadLayoutError, "object dtype"),
+    ]:
+        data = good.data.replace(head, body)
+        with pytest.raises(err, match=match):
+            Array(dtype="float32", shape=(3,), stype="numpy.ndarray", data=data).numpy()
+    with pytest.raises(PayloadLayoutError, match=r"not a valid \.npy"):
+        Array(dtype="float32", shape=(3,), stype="numpy.ndarray", data=b"\x00" * 40).numpy()
+    with pytest.raises(PayloadLimitError):
+        good.numpy(max_bytes=11)
+    assert good.numpy(max_bytes=12).tolist() == [1.0, 1.0, 1.0]
+    fortran = np.asfortranarray(np.arange(6, dtype=np.float64).reshape(2, 3))
+    back = Array(fortran).numpy()
+    assert back.flags.f_contiguous and np.array_equal(back, fortran) and back.flags.writeable

@@ -10,7 +10,9 @@ import pytest
 pytest.importorskip("flwr.serverapp")
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, MetricRecord, RecordDict
+from flwr.common import serde
+from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
@@ -149,18 +151,191 @@ def test_plain_replies_and_stock_servers():
     assert list(new) == ["w", "b", "steps"]
 
 
-def test_mismatched_reply_is_rejected_clearly():
+def test_a_bad_reply_is_left_out_and_the_round_goes_on(caplog):
     strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4))
     _, replies = round_trip(strategy, compression_mod(0.5))
+    good = [replies[i] for i in (0, 1, 3)]
+    want, want_metrics = strategy.aggregate_train(1, good)
     other = gpu_codec.flower.ArrayRecord.compressed({"v": np.ones(3, np.float32)}, fraction=0.5).to_flwr()
     other["steps"] = Array(np.array([1], np.int64))
     replies[2].content["arrays"] = other
-    with pytest.raises(InvalidInputError, match="reply 2: payload 2 holds a different tensor set"):
-        strategy.aggregate_train(1, replies)
+    bad_node = replies[2].metadata.src_node_id
+    with caplog.at_level("WARNING", logger="gpu_codec.flower"):
+        new, metrics = strategy.aggregate_train(1, replies)
+    assert f"node {bad_node} is left out" in caplog.text and "holds a different tensor set" in caplog.text
+    # the same model and metrics as a round without that reply, to the byte
+    assert all(new[k].data == want[k].data for k in want) and metrics == want_metrics
+    # a plain array that does not match the global model, a bad weight, a second ArrayRecord: left out too
+    bads = []
+    _, r = round_trip(strategy, None)
+    r[0].content["arrays"]["steps"] = Array(np.array([1, 2], np.int64))
+    r[1].content["metrics"]["num-examples"] = -3
+    r[2].content["more"] = ArrayRecord({"x": Array(np.ones(1, np.float32))})
+    bads = r[:3]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpu_codec.flower"):
+        new, _ = strategy.aggregate_train(1, [*bads, r[3]])
+    assert new is not None and caplog.text.count("left out") == 3
+    assert "int64[2], expected int64[1]" in caplog.text and "-3" in caplog.text and "2 ArrayRecords" in caplog.text
+    alone, _ = strategy.aggregate_train(1, [r[3]])
+    assert all(new[k].data == alone[k].data for k in alone)
+    # nothing usable: no model, said so, and no exception
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="gpu_codec.flower"):
+        assert strategy.aggregate_train(1, bads)[0] is None
+    assert "no reply" in caplog.text
     with pytest.raises(InvalidInputError, match="no configure_train"):
         CompressedStrategy(object())
     with pytest.raises(InvalidInputError, match="no topk stage"):
         CompressedStrategy(FedAvg(), downlink=[{"id": "topk", "fraction": 0.1}])
+
+
+def stock_train(node: int):
+    """A ClientApp without gpu_codec, run as a SuperNode runs it: an exception becomes an error reply."""
+
+    def train(msg: Message, context: Context) -> Message:
+        try:
+            rec = msg.content["arrays"]
+            new = client_arrays(node, rec)  # reads every Array with flwr's own Array.numpy()
+        except Exception as e:
+            return Message(Error(code=0, reason=str(type(e)) + ":<'" + str(e) + "'>"), reply_to=msg)
+        content = RecordDict(
+            {
+                "arrays": ArrayRecord({k: Array(v) for k, v in new.items()}),
+                "metrics": MetricRecord({"num-examples": node}),
+            }
+        )
+        return Message(content, reply_to=msg)
+
+    return train
+
+
+def mixed_round(strategy, rnd, arrays, with_mod=(11, 13)):
+    """Nodes in ``with_mod`` run compression_mod(1.0) (lossless), the others are stock Flower clients."""
+    msgs = list(strategy.configure_train(rnd, arrays, ConfigRecord(), Nodes()))
+    replies = []
+    for m in msgs:
+        node, m = m.metadata.dst_node_id, wire(m)
+        ctx = Context(1, node, {}, RecordDict(), {})
+        reply = compression_mod(1.0)(m, ctx, local_train(node)) if node in with_mod else stock_train(node)(m, ctx)
+        replies.append(wire(reply))
+    return msgs, replies
+
+
+def wire(m: Message) -> Message:
+    """The message as the other side gets it, through Flower's protobuf serialization (nothing shared)."""
+    proto = ProtoMessage()
+    proto.ParseFromString(serde.message_to_proto(m).SerializeToString())
+    return serde.message_from_proto(proto)
+
+
+def test_mixed_fleet_with_a_plain_downlink_aggregates_every_reply():
+    arrays = global_model()
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4), downlink=None)
+    _, replies = mixed_round(strategy, 1, arrays)
+    kinds = sorted((r.metadata.src_node_id, list(r.content["arrays"])) for r in replies)
+    assert kinds == [
+        (11, ["gpu_codec", "steps"]),
+        (12, ["w", "b", "steps"]),
+        (13, ["gpu_codec", "steps"]),
+        (14, ["w", "b", "steps"]),
+    ]
+    new, metrics = strategy.aggregate_train(1, replies)
+    assert metrics is not None and list(new) == ["w", "b", "steps"]
+    # lossless on both sides: the model an all-plain fleet gives, to the byte
+    plain_strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4), downlink=None)
+    _, plain = round_trip(plain_strategy, None, arrays=arrays)
+    want, want_metrics = plain_strategy.aggregate_train(1, plain)
+    assert all(new[k].data == want[k].data for k in want) and metrics == want_metrics
+    np.testing.assert_allclose(new["w"].numpy(), dense_fedavg(arrays)["w"], rtol=1e-6, atol=1e-6)
+
+
+def test_nodes_that_cannot_read_the_compressed_model_get_it_plain_from_the_next_round(caplog):
+    arrays = global_model()
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4))
+    with caplog.at_level("WARNING", logger="gpu_codec.flower"):
+        _, replies = mixed_round(strategy, 1, arrays)
+        assert sorted(r.metadata.src_node_id for r in replies if r.has_error()) == [12, 14]
+        new, _ = strategy.aggregate_train(1, replies)
+    assert new is not None
+    for node in (12, 14):
+        assert f"round 1: node {node} could not read the compressed global model" in caplog.text
+    # round 2: nodes 12 and 14 are sent the model as it is, the others compressed; every node trains
+    msgs, replies = mixed_round(strategy, 2, new)
+    down = {m.metadata.dst_node_id: list(m.content["arrays"]) for m in msgs}
+    assert down == {
+        11: ["gpu_codec", "steps"],
+        12: ["w", "b", "steps"],
+        13: ["gpu_codec", "steps"],
+        14: ["w", "b", "steps"],
+    }
+    assert not any(r.has_error() for r in replies)
+    new2, _ = strategy.aggregate_train(2, replies)
+    want = {k: sum(n * client_arrays(n, new)[k].astype(np.float64) for n in NODES) / sum(NODES) for k in ("w",)}
+    np.testing.assert_allclose(new2["w"].numpy(), want["w"], rtol=1e-6, atol=1e-6)
+    # evaluation messages follow the same rule, and the warning is given once per node
+    evals = list(strategy.configure_evaluate(2, new2, ConfigRecord(), Nodes()))
+    assert {m.metadata.dst_node_id: "gpu_codec" in m.content["arrays"] for m in evals} == {
+        11: True,
+        12: False,
+        13: True,
+        14: False,
+    }
+    assert caplog.text.count("could not read") == 2
+
+
+def test_caps_on_the_strategy_the_mod_and_the_records(caplog):
+    from gpu_codec.aggregate import held_bytes
+    from gpu_codec.errors import PayloadLayoutError, PayloadLimitError
+    from gpu_codec.flower import ArrayRecord as GcRecord
+
+    # a record: 4 MB of output declared in a few hundred bytes, refused before it is decoded
+    big = GcRecord.compressed({"w": np.zeros(10**6, np.float32)}, fraction=1e-6)
+    assert big.count_bytes() < 1024
+    with pytest.raises(PayloadLimitError, match="max_output_bytes=1048576"):
+        big.decompress(max_output_bytes=1 << 20)
+    with pytest.raises(PayloadLimitError):
+        decode_record(big.to_flwr(), max_output_bytes=1 << 20)
+    assert decode_record(big.to_flwr(), max_output_bytes=4 << 20)["w"].numpy().shape == (10**6,)
+    # plain arrays count toward the same cap, and their .npy header is checked against their bytes
+    rec = GcRecord({"a": Array(np.ones(1000, np.float32)), "b": Array(np.ones(10, np.float32))})
+    assert sorted(rec.decompress(max_output_bytes=4040)) == ["a", "b"]
+    with pytest.raises(PayloadLimitError):
+        rec.decompress(max_output_bytes=4039)
+    blob = bytearray(rec["b"].data)
+    blob[blob.index(b"(10,)") : blob.index(b"(10,)") + 5] = b"(99,)"
+    lying = gpu_codec.flower.Array(dtype="float32", shape=(10,), stype="numpy.ndarray", data=bytes(blob))
+    with pytest.raises(PayloadLayoutError, match="396 bytes"):
+        lying.numpy()
+    # the mod: a downlink declaring more than its cap fails on the client, before it is decoded
+    msgs = list(
+        CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4)).configure_train(
+            1, global_model(), ConfigRecord(), Nodes()
+        )
+    )
+    ctx = Context(1, 11, {}, RecordDict(), {})
+    with pytest.raises(PayloadLimitError):
+        compression_mod(0.5, max_output_bytes=64)(msgs[0], ctx, local_train(11))
+    # the strategy: a reply sending every entry as a sparse pair needs more than a cap set for dense replies
+    arrays = global_model()
+    model = gpu_codec.compress({"w": arrays["w"].numpy(), "b": arrays["b"].numpy()}, fraction=None).tensors
+    cap = held_bytes(model, with_base=True)
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4), max_output_bytes=cap)
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), Nodes()))
+    replies = []
+    for m in msgs:
+        node = m.metadata.dst_node_id
+        ctx = Context(1, node, {}, RecordDict(), {})
+        replies.append(compression_mod(1.0 if node == 12 else None)(m, ctx, local_train(node)))
+    with caplog.at_level("WARNING", logger="gpu_codec.flower"):
+        new, _ = strategy.aggregate_train(1, replies)
+    assert new is not None and "node 12 is left out" in caplog.text and "max_output_bytes" in caplog.text
+    with pytest.raises(InvalidInputError, match="max_output_bytes"):
+        CompressedStrategy(FedAvg(), max_output_bytes=-1)
+    small = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4), max_output_bytes=cap - 1)
+    list(small.configure_train(1, arrays, ConfigRecord(), Nodes()))
+    with pytest.raises(InvalidInputError, match="over this base"):  # the operator's cap, not a client's fault
+        small.aggregate_train(1, replies)
 
 
 def test_evaluate_messages_carry_the_compressed_model_and_replies_pass_through():

@@ -1,0 +1,243 @@
+"""The Aggregator under a server's conditions: threads sharing it, clients that cannot be represented, and a cap
+on its memory checked before anything is decoded or allocated."""
+
+from __future__ import annotations
+
+import sys
+import threading
+import tracemalloc
+
+import numpy as np
+import pytest
+
+import gpu_codec
+from gpu_codec.aggregate import SPARSE_ENTRY_BYTES, Aggregator, held_bytes
+from gpu_codec.errors import InvalidInputError, PayloadLimitError, PayloadValueError
+from tests.common import BACKENDS, use_backend
+
+
+def state(agg: Aggregator) -> tuple:
+    """Everything add() may change, as bytes."""
+    limbs = {n: np.asarray(v).tobytes() for n, v in agg._limbs.items()}
+    return limbs, dict(agg._beta), list(agg._weights), agg._template and agg._template.entries
+
+
+def result_bytes(agg: Aggregator) -> bytes:
+    return b"".join(np.asarray(v).tobytes() for _, v in sorted(agg.result().items()))
+
+
+@pytest.fixture
+def fast_switching():
+    saved = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # threads change hands as often as the interpreter allows
+    yield
+    sys.setswitchinterval(saved)
+
+
+def add_some(agg, barrier, ps, weights, which) -> None:
+    barrier.wait()  # every thread starts adding at once
+    for i in which:
+        agg.add(ps[i], weights[i])
+
+
+def test_threads_sharing_one_aggregator_give_the_serial_bytes(fast_switching):
+    rng = np.random.default_rng(0)
+    # magnitudes 10 orders apart: adds that coarsen the grid interleave with adds onto the old one
+    ps = [
+        gpu_codec.compress(
+            {"w": (rng.standard_normal(48) * 10.0 ** rng.integers(-6, 5)).astype(np.float32)}, fraction=0.5
+        )
+        for _ in range(24)
+    ]
+    weights = [float(w) for w in rng.uniform(0.5, 3.0, len(ps))]
+    serial = Aggregator()
+    for p, w in zip(ps, weights):
+        serial.add(p, w)
+    want = result_bytes(serial)
+    for trial in range(25):
+        agg = Aggregator()
+        order = np.random.default_rng(trial).permutation(len(ps))
+        barrier = threading.Barrier(8)
+
+        threads = [threading.Thread(target=add_some, args=(agg, barrier, ps, weights, order[k::8])) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert agg.count == len(ps)
+        assert result_bytes(agg) == want, f"trial {trial}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_unrepresentable_clients_are_refused_and_leave_the_accumulator_as_it_was(backend):
+    with use_backend(backend):
+        check_unrepresentable_clients()
+
+
+def check_unrepresentable_clients():
+    small = gpu_codec.compress({"w": np.array([1e-20, 0, -3e-20, 2e-20], np.float32)}, fraction=None)
+    ordinary = gpu_codec.compress({"w": np.array([0.5, -1.0, 0, 2.0], np.float32)}, fraction=None)
+    good = [(small, 1e307), (ordinary, 2.0), (small, 5e307)]
+    agg = Aggregator()
+    for p, w in good:
+        agg.add(p, w)
+    before = state(agg)
+    # weight x value beyond the accumulator's range
+    with pytest.raises(InvalidInputError, match="beyond the accumulator's range"):
+        agg.add(ordinary, 1e300)
+    assert state(agg) == before
+    # a weight whose sum with the others leaves fp64's range (each product alone is representable)
+    with pytest.raises(InvalidInputError, match="sum of the weights"):
+        agg.add(small, 1.7e308)
+    assert state(agg) == before
+    with pytest.raises(InvalidInputError, match="sum of the weights"):
+        aggregate_with_refusals([(small, 1e308), (small, 1e308)])
+    # the round goes on without them, to the byte
+    reference = Aggregator()
+    for p, w in good:
+        reference.add(p, w)
+    assert result_bytes(agg) == result_bytes(reference)
+    assert np.isfinite(agg.result()["w"]).all()
+
+
+def aggregate_with_refusals(entries):
+    agg = Aggregator()
+    for p, w in entries:
+        agg.add(p, w)
+    return agg.result()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fraction", [None, 0.5])
+def test_a_delta_that_takes_the_base_out_of_range_is_refused_at_add(fraction, backend):
+    base = {"w": np.array([60000, 1, -60000, 3, 0, 7], np.float16), "b": np.ones(3, np.float32)}
+    zero = {n: np.zeros_like(a) for n, a in base.items()}
+
+    def payload(w):
+        return gpu_codec.compress(
+            {"w": np.asarray(w, np.float16), "b": np.full(3, 2, np.float32)}, zero, fraction=fraction
+        )
+
+    fine = [payload([1000, 2, -1000, 1, 0, 0]), payload([-500, 0, 500, 0, 8, 0])]
+    with use_backend(backend):
+        check_refusals_onto_a_base(base, fine, payload)
+
+
+def check_refusals_onto_a_base(base, fine, payload):
+    agg = Aggregator(base=base)
+    for p in fine:
+        agg.add(p)
+    before = state(agg)
+    for bad in ([60000, 0, 0, 0, 0, 0], [0, 0, -60000, 0, 0, 0]):  # each alone: 120000 is inf in fp16
+        with pytest.raises(PayloadValueError, match=r"'w'.*past the range of float16"):
+            agg.add(payload(bad))
+        assert state(agg) == before
+        with pytest.raises(PayloadValueError):  # what decompress says of the same client
+            gpu_codec.decompress(payload(bad), base=base)
+    reference = Aggregator(base=base)
+    for p in fine:
+        reference.add(p)
+    out = agg.result()
+    assert result_bytes(agg) == result_bytes(reference) and all(np.isfinite(v).all() for v in out.values())
+    assert out["w"].dtype == np.float16
+
+
+def test_a_base_that_is_not_finite_or_over_the_cap_is_refused_up_front():
+    with pytest.raises(InvalidInputError, match="inf or NaN"):
+        Aggregator(base={"w": np.array([1.0, np.inf], np.float32)})
+    with pytest.raises(InvalidInputError, match="max_output_bytes=1000"):
+        Aggregator(base={"w": np.ones(100, np.float32)}, max_output_bytes=1000)
+    for cap in (-1, 1.5, True, "8"):
+        with pytest.raises(InvalidInputError, match="max_output_bytes"):
+            Aggregator(max_output_bytes=cap)
+
+
+def test_held_bytes_counts_the_accumulator_mean_and_result():
+    recs = gpu_codec.compress(
+        {"a": np.ones(10, np.float32), "b": np.ones(3, np.float64), "c": np.ones(4, np.float16)}, fraction=0.01
+    ).tensors
+    assert held_bytes(recs, with_base=False) == 10 * 20 + 3 * 28 + 4 * 20
+    assert held_bytes(recs, with_base=True) == 10 * 20 + 3 * 28 + 4 * 18
+    # every entry sent as a sparse tensor: the decoder's buffers count instead
+    recs = gpu_codec.compress({"a": np.ones(10, np.float32)}, fraction=1.0).tensors
+    assert held_bytes(recs, with_base=False) == 10 * (12 + SPARSE_ENTRY_BYTES)
+    recs = gpu_codec.compress({"a": np.ones(10, np.float32)}, fraction=None, pipeline=[gpu_codec.Zstd()]).tensors
+    assert held_bytes(recs, with_base=False) == 10 * 20
+
+
+def traced_peak(fn) -> int:
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_a_small_payload_declaring_more_than_the_cap_is_refused_before_allocating():
+    cap = 8 << 20
+    n = (64 << 20) // 4  # 64 MiB of fp32 output declared
+    blob = gpu_codec.compress({"w": np.zeros(n, np.float32)}, fraction=1e-7).to_bytes()
+    assert len(blob) < 1024
+    agg = Aggregator(max_output_bytes=cap)
+
+    def add():
+        with pytest.raises(PayloadLimitError, match="max_output_bytes=8388608"):
+            agg.add(blob)
+
+    assert traced_peak(add) < 64 << 10
+    assert agg.count == 0 and not agg._limbs
+
+
+PIPELINES = {
+    "dense fp32 + zstd": (None, [gpu_codec.Zstd()]),
+    "dense int8": (None, [{"id": "int8"}]),
+    "top-k raw": (0.3, None),
+    "every entry, fp16 + Rice + zstd": (
+        1.0,
+        [gpu_codec.Quantize("float16"), gpu_codec.RiceIndices(), gpu_codec.Zstd()],
+    ),
+}
+
+
+@pytest.mark.parametrize("with_base", [False, True])
+@pytest.mark.parametrize("name", list(PIPELINES))
+def test_peak_memory_stays_within_one_and_a_half_caps(name, with_base):
+    cap = 8 << 20
+    fraction, pipeline = PIPELINES[name]
+    # as many fp32 elements as the cap admits: 20 bytes each, or 12 + 32 per kept entry of a sparse payload
+    n = int(cap / max(20, 12 + SPARSE_ENTRY_BYTES * (fraction or 0))) - 64
+    rng = np.random.default_rng(1)
+    base = {"w": rng.standard_normal(n).astype(np.float32)} if with_base else None
+    blobs = []
+    for _ in range(2):
+        new = (base["w"] if with_base else 0) + rng.standard_normal(n).astype(np.float32)
+        blobs.append(gpu_codec.compress({"w": new}, base, fraction=fraction, pipeline=pipeline).to_bytes())
+    need = held_bytes(gpu_codec.Payload.from_bytes(blobs[0]).tensors, with_base)
+    assert cap - 4096 < need <= cap
+    with pytest.raises(PayloadLimitError):
+        Aggregator(max_output_bytes=need - 1).add(blobs[0])
+    agg = Aggregator(base=base, max_output_bytes=cap)
+
+    def run():
+        for b in blobs:
+            agg.add(b, 1.0)
+        agg.result()
+
+    peak = traced_peak(run)
+    assert peak <= 1.5 * cap, (peak / cap, name)
+
+
+def test_memory_benchmark_runs_and_stays_within_its_target(tmp_path):
+    import json
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_aggregate.py"
+    out = tmp_path / "mem.json"
+    args = ["--memory", "--n", "200000", "--clients", "3", "--no-write", "--json", str(out)]
+    r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=300, check=False)
+    assert r.returncode == 0, r.stderr[-2000:]
+    res = json.loads(out.read_text())
+    assert len(res["rows"]) == 8 and res["max_ratio"] <= 1.5
+    assert res["hostile"]["refused_with"] == ["PayloadLimitError"] and res["hostile"]["peak_bytes"] < 1 << 20
