@@ -48,6 +48,7 @@ TASK = 1 << 21  # elements per pool task, rounded up to whole blocks: each task'
 # 9 % less time than 2^20, 2^19 13 % more); a task holds about 12 bytes a candidate in flight at its peak
 MIN_TASK = 1 << 20  # ... but a call is split into at least TASK_SPLIT tasks where that leaves them MIN_TASK or more
 TASK_SPLIT = 8  # (in-flight candidates stay a small share of a smaller update: at 2^22 2^21 took 6 % of its bytes)
+TIE_SHARE = 8  # strict candidates where the keys equal to the bracket would be over an eighth of k
 HIST_BINS = 1 << 10  # a part's histogram of its keys' top 16 bits, counted from lo's up (the last bin takes every
 # higher key): the final threshold is found in one bin's keys instead of by a partition of every candidate
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
@@ -84,6 +85,7 @@ class _Call:
     crit: int
     block: int = BLOCK
     workers: int = 1
+    strict: bool = False  # candidates are the keys above lo (not at or above), and those at lo only counted
     _free: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -257,13 +259,13 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
             f32 = fast and c.dtypes[t] == DT_F32
             if part.ts is not None:
-                _scan_packed(c, part, lo, write_res, dbuf, mask, pos, starts, ds)
+                neq = _scan_packed(c, part, lo, write_res, dbuf, mask, pos, starts, ds)
                 bad = False
             elif f32:
-                _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds)
+                neq = _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds)
                 bad = False
             else:
-                bad = _scan_blocks(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds, ks)
+                bad, neq = _scan_blocks(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds, ks)
     finally:
         c.give_back(bufs)
     # positions relative to a, ascending: uint32, and joined before they are shifted (one call a task, not one a
@@ -280,7 +282,7 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
         if bad and part.ts is not None:
             first = int(rel[int(np.argmax(key >= _INF_BITS))])
             bad_t = part.ts[bisect.bisect_right(part.cum, first) - 1]
-    eq = np.flatnonzero(key == lo)  # rare: dropping them beats copying the rest through a mask
+    eq = np.flatnonzero(key == lo)  # rare (none where strict): dropping them beats copying the rest through a mask
     if eq.size:
         rel, d, key = np.delete(rel, eq), np.delete(d, eq), np.delete(key, eq)
     # the sub-blocks' ends in rel's dtype (int64 ones would cast all of rel)
@@ -291,7 +293,9 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
     np.bitwise_and(rel, np.uint32(SUB - 1), out=rel)  # the index within its sub-block
     idx, rel = rel.astype(np.uint16), None
     hist = _hist(key, lo, in_place=fast)  # on the fast path the keys are not kept: binned in their own memory
-    return _Part(t, a, b, idx, counts, d, None if fast else key, int(eq.size), bad, hist, part.ts, part.cum, bad_t)
+    return _Part(
+        t, a, b, idx, counts, d, None if fast else key, int(eq.size) + neq, bad, hist, part.ts, part.cum, bad_t
+    )
 
 
 def _hist(key: np.ndarray, lo: np.uint32, in_place: bool = False) -> np.ndarray:
@@ -340,8 +344,7 @@ def _threshold(parts: list[_Part], lo: np.uint32, k: int) -> tuple[np.uint32, li
         del kp, m
     kb = np.concatenate(inbin)
     r = k - (int(top[j - 1]) if j else 0)  # the k-th largest is the r-th largest in the bin
-    kb.partition(kb.size - r)
-    thr = kb[kb.size - r]
+    thr = _kth_in_bin(kb, kb.size - r)
     above = [int(h[b + 1 :].sum()) + int(np.count_nonzero(x > thr)) for h, x in zip(hists, inbin)]
     return thr, above, [int(np.count_nonzero(x == thr)) for x in inbin]
 
@@ -351,24 +354,27 @@ def _scan_blocks(
 ) -> bool:
     """The scan of elements [a, b) of any tensor and criterion, block by block: appends each block's candidate
     positions (in the block), its start (relative to a), the candidates' deltas and (but on the |delta| path) their
-    keys; returns whether any is non-finite."""
-    fast, block, bad = c.fast(t), c.step(t), False
+    keys; returns whether any is non-finite, and how many keys equal lo where only those above are candidates."""
+    fast, block, bad, neq = c.fast(t), c.step(t), False, 0
+    cmp = np.greater if c.strict else np.greater_equal
     for s in range(a, b, block):
         e = min(b, s + block)
         k, bad_b = _block_keys(c, t, s, e, dbuf, write_res)
         m = mask[: e - s]
-        np.greater_equal(k, lo, out=m)
+        cmp(k, lo, out=m)
         ci = m.nonzero()[0]
+        if c.strict:
+            neq += int(np.count_nonzero(np.equal(k, lo, out=m)))
         ds.append(c.values(t, s, e, ci))
         if not fast:
             bad = bad or bad_b
             ks.append(k.take(ci))
         pos.append(ci)
         starts.append(s - a)
-    return bad
+    return bad, neq
 
 
-def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> None:
+def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> int:
     """The |delta| scan of an fp32 tensor's elements [a, b): ``_block_keys`` and the comparison, with as few NumPy
     calls and as little Python between them per block as the result allows (each call is a turn at the interpreter
     lock, and a turn another thread waits for costs far more than the call); appends each block's candidate
@@ -378,8 +384,9 @@ def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, 
     new, base, res = c.new[t], c.base[t], c.res[t]
     out = c.res_out[t] if write_res else None
     block = c.block
-    sub, add, band, ge = np.subtract, np.add, np.bitwise_and, np.greater_equal
+    sub, add, band, ge = np.subtract, np.add, np.bitwise_and, np.greater if c.strict else np.greater_equal
     keep_pos, keep_start, keep_d = pos.append, starts.append, ds.append
+    strict, neq = c.strict, 0
     for s in range(a, b, block):
         e = min(b, s + block)
         d, m = (dbuf, mask) if e - s == block else (dbuf[: e - s], mask[: e - s])
@@ -395,9 +402,12 @@ def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, 
         band(k, _ABS, out=k)
         ge(k, lo, out=m)
         ci = m.nonzero()[0]
+        if strict:
+            neq += int(np.count_nonzero(np.equal(k, lo, out=m)))
         keep_d(_gathered(ci, nv, bv, rv, DT_F32))
         keep_pos(ci)
         keep_start(s - a)
+    return neq
 
 
 def _fill(c: _Call, part: _Part, s: int, e: int, d: np.ndarray, write_res: bool) -> None:
@@ -426,13 +436,14 @@ def _fill(c: _Call, part: _Part, s: int, e: int, d: np.ndarray, write_res: bool)
         j += 1
 
 
-def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> None:
+def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> int:
     """The |delta| scan of a packed part (small fp32, fp16 or bf16 tensors end to end): per block, one piece a
     tensor fills the delta (:func:`_fill`), then keys, comparison and the candidates' deltas take one call each for
     the whole block, whatever the number of tensors in it."""
     half = c.packed_block()
     d, k, m = dbuf[:half], dbuf[half : 2 * half].view(np.uint32), mask[:half]
-    band, ge = np.bitwise_and, np.greater_equal
+    band, ge = np.bitwise_and, np.greater if c.strict else np.greater_equal
+    neq = 0
     for s in range(0, part.b, half):
         e = min(part.b, s + half)
         dv, kv, mv = (d, k, m) if e - s == half else (d[: e - s], k[: e - s], m[: e - s])
@@ -440,9 +451,12 @@ def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, dbuf, ma
         band(dv.view(np.uint32), _ABS, out=kv)
         ge(kv, lo, out=mv)
         ci = mv.nonzero()[0]
+        if c.strict:
+            neq += int(np.count_nonzero(np.equal(kv, lo, out=mv)))
         ds.append(dv.take(ci))
         pos.append(ci)
         starts.append(s)
+    return neq
 
 
 def _join(xs: list) -> np.ndarray:
@@ -600,11 +614,26 @@ def _order_stats(x: np.ndarray, ranks: list[int]) -> list[np.uint32]:
     out = []
     for q in ranks:
         b = int(np.searchsorted(upto, q, side="right"))
-        v = x[hi == b]
         q -= int(upto[b - 1]) if b else 0
-        v.partition(q)
-        out.append(v[q])
+        out.append(_kth_in_bin(x[hi == b], q))
     return out
+
+
+def _kth_in_bin(v: np.ndarray, q: int) -> np.uint32:
+    """The q-th smallest (0-based) of uint32 ``v``: a partition, or where the values are many and share their top 16
+    bits, a histogram of the low 16 bits (a partition of many equal values, as a tie-heavy update gives, is
+    slow: 40k keys of 9 distinct values took 5 ms).
+
+    >>> v = np.repeat(np.array([0x70005, 0x70001, 0x7FFFF], np.uint32), 3000)
+    >>> [hex(_kth_in_bin(v, q)) for q in (0, 2999, 3000, 8999)]
+    ['0x70001', '0x70001', '0x70005', '0x7ffff']
+    """
+    if v.size <= 4096 or int(v.min()) >> 16 != int(v.max()) >> 16:  # (the top bin of _threshold spans many)
+        v.partition(q)
+        return v[q]
+    low = np.bitwise_and(v, np.uint32(0xFFFF))
+    upto = np.cumsum(np.bincount(low, minlength=1 << 16))
+    return np.uint32((int(v[0]) & ~0xFFFF) | int(np.searchsorted(upto, q, side="right")))
 
 
 def _brackets(sample: np.ndarray, n: int, k: int, crit: int) -> list[np.uint32]:
@@ -727,9 +756,14 @@ def _write_part(p: _Part, thr, tie: int | None, extra, idx: np.ndarray, val: np.
 def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Part], np.uint32]:
     """Scan a segment's tasks; returns the parts and lo. A bracket that misses (fewer than k entries at or above
     it) is lowered and the scan runs again, down to the lowest key, where every entry is a candidate."""
-    ladder = _brackets(_sample(c, seg, n), n, k, c.crit)  # the sample itself is not held during the scan
+    sample = _sample(c, seg, n)
+    ladder = _brackets(sample, n, k, c.crit)
+    # a bracket many keys equal (exact zeros, few distinct values): candidates only above it, those at it counted
+    strict = [lo < _INF_BITS and int(np.count_nonzero(sample == lo)) * n * TIE_SHARE > sample.size * k for lo in ladder]
+    del sample  # not held during the scan
     tasks = _tasks(c, seg)
     for step, lo in enumerate(ladder):
+        c.strict = strict[step]
         parts = parallel_map(  # a rescan does not write the residual again
             lambda p, lo=lo, early=step == 0: _scan(c, p, lo, early and c.early(p)), tasks, c.workers
         )
