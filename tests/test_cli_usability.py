@@ -122,10 +122,9 @@ def test_a_truncated_payload_is_reported_as_truncated(tmp_path, capsys, kind):
         (tmp_path / "cut").write_bytes(blob[:-cut])
         rc, _, err = run(capsys, "inspect", str(tmp_path / "cut"))
         assert rc == 2 and err.count("\n") == 1 and "payload is truncated" in err, (cut, err)
-        if kind != "zstd" or cut <= 4:
-            assert f"{len(blob) - cut:,} bytes" in err or "ends inside" in err or "end inside" in err, err
-        if kind != "zstd" and "declares" in err:
-            assert f"declares {len(blob):,}" in err, err
+        assert f"{len(blob) - cut} bytes" in err, err
+        if kind in ("v1", "records", "records_zstd") and cut <= 4:  # the length the header or the table implies
+            assert f" {len(blob)} " in err or f" {len(blob)}\n" in err, err
         rc, _, err = run(capsys, "decompress", str(tmp_path / "cut"), "-o", str(tmp_path / "d.npz"))
         assert rc == 2 and "truncated" in err and not (tmp_path / "d.npz").exists()
     flipped = bytearray(blob)
