@@ -676,6 +676,7 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
 
 SMALL_TENSOR = 1 << 16  # sparse tensors of at most this many elements are decoded in runs, a few calls a run
 SMALL_RUN = 1 << 20  # elements of output a run covers at the most
+SMALL_RUN_ENTRIES = 1 << 14  # ... and entries (its temporaries, about 20 bytes an entry, stay near 320 KiB)
 
 
 def _decode_run(run: list, flat_of: Any, offsets: list[int], bases: list, logical: str, backend: Any) -> bool:
@@ -691,16 +692,21 @@ def _decode_run(run: list, flat_of: Any, offsets: list[int], bases: list, logica
     o0, o1 = offsets[0], offsets[-1]
     code = dtypes.code(logical)
     if sum(counts):
-        gi = xp.concatenate([i.astype(np.int64, copy=False) for i in idx])
+        wide = any(i.dtype.itemsize > 4 for i in idx)  # (a payload may give a small tensor 64-bit indices)
+        gi = xp.concatenate([i.astype(np.int64 if wide else np.uint32, copy=False) for i in idx])
         vals = xp.concatenate([d.values(0, d.nnz) for d in run])
-        lim = host(np.repeat(np.asarray([d.numel for d in run], np.int64), counts))
+        ends = np.cumsum(counts)
+        some = np.flatnonzero(np.asarray(counts) > 0)
+        last = gi[host(ends[some] - 1)]  # ascending within each tensor: its last entry is its largest
+        numels = host(np.asarray([run[j].numel for j in some], np.int64))
         step = gi[1:] > gi[:-1]
-        firsts = np.cumsum(counts)[:-1] - 1  # where a tensor's first entry follows the last one's
+        firsts = ends[:-1] - 1  # where a tensor's first entry follows the last one's
         step[host(firsts[(firsts >= 0) & (firsts < step.size)])] = True
-        if not (bool(xp.all((gi >= 0) & (gi < lim))) and bool(xp.all(step))):
+        ok = bool(xp.all(last < numels)) and bool(xp.all(step)) and (not wide or bool(xp.all(gi >= 0)))
+        if not ok:
             return False
-        gi += host(np.repeat(np.asarray(offsets[:-1], np.int64) - o0, counts))
-        gi = gi.astype(dtypes.index_dtype(o1 - o0))
+        gi += host(np.repeat(np.asarray(offsets[:-1], np.int64) - o0, counts).astype(gi.dtype))
+        gi = gi.astype(dtypes.index_dtype(o1 - o0), copy=False)
     flat = flat_of()
     span = flat[o0:o1]
     for b, o, n in zip(bases, offsets, np.diff(offsets).tolist()):
@@ -856,20 +862,24 @@ def decompress(
             first, last = run[0][0], run[-1][0]
             offsets = outs.starts[first : last + 1] + [outs.starts[last] + outs.numels[last]]
             ds = [d for _, d in run]
-            if not _decode_run(ds, lambda: outs.flat(first), offsets, bases[first : last + 1], logical[first], backend):
-                for i, d in run:  # one by one: the error names the tensor
+            if len(run) == 1 or not _decode_run(
+                ds, lambda: outs.flat(first), offsets, bases[first : last + 1], logical[first], backend
+            ):
+                for i, d in run:  # one by one (one alone; a bad run: the error names the tensor)
                     _decode_one(d, bases[i], backend, bounds, lambda i=i: outs[i])
             run.clear()
 
-        size = 0
+        size = entries = 0
         for i, d in enumerate(pipe.decode_stream(records, backend)):
             small = d.indices is not None and d.numel <= SMALL_TENSOR
-            if run and (not small or logical[i] != logical[run[-1][0]] or size + d.numel > SMALL_RUN):
+            full = size + d.numel > SMALL_RUN or entries + d.nnz > SMALL_RUN_ENTRIES
+            if run and (not small or logical[i] != logical[run[-1][0]] or full):
                 flush()
-                size = 0
+                size = entries = 0
             if small:
                 run.append((i, d))
                 size += d.numel
+                entries += d.nnz
             else:
                 _decode_one(d, bases[i], backend, bounds, lambda i=i: outs[i])
         if run:

@@ -160,10 +160,11 @@ class _Reader:
         req(self.pos + n <= self.end, PayloadHeaderError, f"{self.what} ends inside {field}")
 
     def u8(self, field: str) -> int:
-        self._need(1, field)
-        b = self.buf[self.pos]
-        self.pos += 1
-        return b
+        pos = self.pos
+        if pos >= self.end:
+            self._need(1, field)
+        self.pos = pos + 1
+        return self.buf[pos]
 
     def take(self, n: int, field: str) -> bytes:
         self._need(n, field)
@@ -173,6 +174,12 @@ class _Reader:
 
     def varint(self, field: str, hi: int, exc: type = PayloadHeaderError) -> int:
         """A canonical varint (at most 10 bytes, below 2^64, no redundant trailing zero group) in [0, hi]."""
+        pos = self.pos
+        if pos < self.end and self.buf[pos] < 0x80:  # one byte: most fields of a table (a call per byte costs)
+            n = self.buf[pos]
+            self.pos = pos + 1
+            req(n <= hi, exc, f"{self.what}: {field} {n} exceeds its limit {hi}")
+            return n
         n, shift, start = 0, 0, self.pos
         while True:
             b = self.u8(field)
