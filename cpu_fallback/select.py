@@ -49,6 +49,8 @@ TASK = 1 << 21  # elements per pool task, rounded up to whole blocks: each task'
 MIN_TASK = 1 << 20  # ... but a call is split into at least TASK_SPLIT tasks where that leaves them MIN_TASK or more
 TASK_SPLIT = 8  # (in-flight candidates stay a small share of a smaller update: at 2^22 2^21 took 6 % of its bytes)
 TIE_SHARE = 8  # strict candidates where the keys equal to the bracket would be over an eighth of k
+SMALL_SELECT = 1 << 16  # a segment of one tensor of at most this many elements is selected directly (per-tensor
+# scope on a model's many small tensors: the sample, brackets, tasks and joins cost far more than one partition)
 HIST_BINS = 1 << 10  # a part's histogram of its keys' top 16 bits, counted from lo's up (the last bin takes every
 # higher key): the final threshold is found in one bin's keys instead of by a partition of every candidate
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
@@ -773,6 +775,28 @@ def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Par
     raise AssertionError("the last bracket is 0, where every entry is a candidate")
 
 
+def _select_small(c: _Call, t: int, k: int) -> tuple:
+    """Exact top-k of a small tensor alone (per-tensor scope), by one partition of its keys: (indices, values, the
+    whole delta, whether a delta or score is non-finite). Ties at the threshold: lowest index first.
+
+    >>> c = _Call([np.array([3, -5, 1, 5, 0], np.float32)], [None], [None], [None], [DT_F32], [None], [0], 0)
+    >>> idx, vals, _, bad = _select_small(c, 0, 2)
+    >>> idx.tolist(), vals.tolist(), bool(bad)
+    ([1, 3], [-5.0, 5.0], False)
+    """
+    d, key, bad = _keys(t, c.new[t], c.base[t], c.res[t], c.dtypes[t], c.crit, c.ext[t], c.ext_dt[t])
+    if bad:
+        return None, None, d, True
+    n = key.size
+    thr = np.partition(key, n - k)[n - k]
+    m = key > thr
+    need = k - int(np.count_nonzero(m))
+    if need:
+        m[np.flatnonzero(key == thr)[:need]] = True
+    idx = np.flatnonzero(m).astype(index_dtype(n))
+    return idx, d[idx], d, False
+
+
 def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
     """Exact top-k of every segment of a tensor list.
 
@@ -791,6 +815,12 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     sparse, bad, full = [], [], {}
     for seg, k in zip(segments, ks):
         n = sum(new[t].size for t in seg)
+        if 0 < k < n and len(seg) == 1 and n <= SMALL_SELECT:
+            t = seg[0]
+            indices[t], values[t], full[t], b = _select_small(c, t, k)
+            if b:
+                bad.append(t)
+            continue
         if 0 < k < n:
             parts, lo = _sparse_segment(c, seg, n, k)
             bad += [p.first_bad() for p in parts if p.bad]
