@@ -28,6 +28,7 @@ import random
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import flwr
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -369,8 +370,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--fraction", type=float, default=0.1)
+    ap.add_argument("--out", metavar="FILE", help="also write the results as JSON (benchmarks/results/flower_app.json)")
     args = ap.parse_args()
     runs = {c: run(c, args.rounds, args.clients, args.fraction) for c in (True, False)}
+    if args.out:
+        import platform
+
+        keep = ("accuracy", "history", "up_bytes", "down_bytes")
+        res = {
+            "example": "examples/flower/app.py: FedAvg, MLP 32-64-10 (2,826 parameters), synthetic data, InProcessGrid",
+            "rounds": args.rounds,
+            "clients": args.clients,
+            "fraction": args.fraction,
+            "versions": {"flwr": flwr.__version__, "torch": torch.__version__, "python": platform.python_version()},
+            "backend": gpu_codec.backend_info(),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "results": {
+                name: {k: runs[c][k] for k in keep} for name, c in (("compressed", True), ("uncompressed", False))
+            },
+        }
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=2)
     for c, r in runs.items():
         print(
             f"{'compressed  ' if c else 'uncompressed'}: accuracy {r['accuracy']:.3f} "
