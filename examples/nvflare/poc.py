@@ -147,8 +147,8 @@ def start(poc: Poc, env: dict[str, str] | None = None) -> None:
         json.dump({name: p.pid for name, p in poc.procs.items()}, f)
 
 
-def session(poc: Poc, timeout: float = 90.0) -> Any:
-    """An admin session, once the server listens and every client has registered."""
+def connect_admin(poc: Poc, timeout: float = 90.0) -> Any:
+    """An admin connection, once the server listens and every client has registered."""
     from nvflare.fuel.flare_api.flare_api import new_secure_session
 
     deadline = time.monotonic() + timeout
@@ -191,7 +191,7 @@ def submit(sess: Any, job_dir: str, timeout: float) -> tuple[str, dict]:
 
 
 def stop(poc: Poc, sess: Any = None, grace: float = 20.0) -> None:
-    """Shut the system down (admin API when a session is given), then end every process group still alive."""
+    """Shut the system down (through the admin API when connected), then end every process group still alive."""
     if sess is not None:
         with contextlib.suppress(Exception):
             sess.shutdown_system()
@@ -236,7 +236,7 @@ def run(
     sess = None
     try:
         start(poc, env)
-        sess = session(poc)
+        sess = connect_admin(poc)
         t0 = time.perf_counter()
         job_id, meta = submit(sess, job_dir, timeout)
         wall = time.perf_counter() - t0
