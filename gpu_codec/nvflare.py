@@ -444,15 +444,30 @@ class ModelDecompressor(_Decompressing):
 
 class SizeMeter(Filter):
     """A filter that changes nothing and records the size of the shareable as NVFlare serializes it (FOBS), one
-    JSON line per shareable appended to ``path`` (and logged): site, peer, task, round, bytes, the DXO's data
-    kind, the filters it went through, the return code and the time (Unix seconds). Put it last in a chain to
-    measure what goes on the wire."""
+    JSON line per shareable, logged (``gpu_codec size: {...}`` in the site's job log) and, when ``output_file``
+    is given, appended to it: site, peer, task, round, bytes, the DXO's data kind, the filters it went through,
+    the return code and the time (Unix seconds). Put it last in a chain to measure what goes on the wire.
 
-    def __init__(self, path: str | None = None, label: str = "") -> None:
+    A relative ``output_file`` lands in the job's run directory on each site, so an exported job carries no
+    path of the machine it was built on. (The argument is not called ``path``: NVFlare reads a component's
+    ``path`` as its class path.)"""
+
+    def __init__(self, output_file: str | None = None, label: str = "") -> None:
         super().__init__()
-        self.path = path
+        self.output_file = output_file
         self.label = label
         self._lock = threading.Lock()
+
+    def _output_path(self, fl_ctx: Any) -> str | None:
+        if not self.output_file or os.path.isabs(self.output_file):
+            return self.output_file
+        from nvflare.apis.fl_constant import FLContextKey
+
+        workspace = fl_ctx.get_prop(FLContextKey.WORKSPACE_OBJECT)
+        job_id = fl_ctx.get_job_id()
+        if workspace is None or not job_id:
+            return self.output_file
+        return os.path.join(workspace.get_run_dir(job_id), self.output_file)
 
     def process(self, shareable: Any, fl_ctx: Any) -> Any:
         from nvflare.fuel.utils import fobs
@@ -481,8 +496,9 @@ class SizeMeter(Filter):
         }
         line = json.dumps(rec, default=str)
         self.log_info(fl_ctx, f"gpu_codec size: {line}")
-        if self.path:
-            with self._lock, open(self.path, "a", encoding="utf-8") as f:
+        path = self._output_path(fl_ctx)
+        if path:
+            with self._lock, open(path, "a", encoding="utf-8") as f:
                 f.write(line + "\n")
         return shareable
 

@@ -48,8 +48,8 @@ def test_pt_model_saver_round_trip(tmp_path):
     model = net(1)
     saver = C.PTModelSaver(exclude_vars=r"num_batches_tracked", model_log_dir=str(tmp_path))
     saver.initialize(Trainer(model))
-    path = saver.save_model(round_number=2)
-    best = saver.save_model(best=True)
+    path = saver.save_model(None, False, round_number=2)  # None: the bound model
+    best = saver.save_model(model, True)  # Clara's call: the model and whether it is the best so far
     assert os.path.basename(path) == "FL_global_model.pt" and os.path.basename(best) == "best_FL_global_model.pt"
     assert sorted(os.listdir(tmp_path)) == ["FL_global_model.pt", "best_FL_global_model.pt"]  # no temp files
     ckpt = torch.load(path, weights_only=True)
@@ -63,18 +63,25 @@ def test_pt_model_saver_round_trip(tmp_path):
     for k, v in ckpt["model"].items():
         torch.testing.assert_close(other.state_dict()[k], v, rtol=0, atol=0)
 
-    # model_params given: saved instead of the model's own (NumPy arrays too), the model untouched
-    p2 = C.PTModelSaver(model_log_dir=str(tmp_path / "sub")).save_model({"w": np.arange(3, dtype=np.float32)})
+    # a mapping given: saved instead of the model's own (NumPy arrays too), the model untouched
+    p2 = C.PTModelSaver(model_log_dir=str(tmp_path / "sub")).save_model({"w": np.arange(3, dtype=np.float32)}, False)
     assert torch.load(p2, weights_only=True)["model"]["w"].tolist() == [0.0, 1.0, 2.0]
+    saver.close()
+    assert saver.model is None
+    unbound = C.PTModelSaver(model_log_dir=str(tmp_path / "u"))
+    unbound.initialize()  # no builder: saves what it is given
+    assert sorted(unbound.load_model(unbound.save_model(model, False))) == sorted(model.state_dict())
 
 
 def test_pt_model_saver_errors(tmp_path):
     with pytest.raises(InvalidInputError, match="model_log_dir"):
         s = C.PTModelSaver()
         s.initialize(net())
-        s.save_model()
+        s.save_model(None, False)
     with pytest.raises(InvalidInputError, match="not initialized"):
-        C.PTModelSaver(model_log_dir=str(tmp_path)).save_model()
+        C.PTModelSaver(model_log_dir=str(tmp_path)).save_model(None, False)
+    with pytest.raises(InvalidInputError, match="needs a model"):
+        C.PTModelSaver(ckpt_preload_path=str(tmp_path / "x.pt")).initialize()
     wrong = tmp_path / "wrong.pt"
     torch.save({"model": {"0.weight": torch.zeros(5, 5)}}, wrong)
     with pytest.raises(InvalidInputError, match="shape"):
@@ -121,6 +128,14 @@ def test_tensorboard_model_visualizer_writes_readable_histograms(tmp_path):
         assert e.histogram_value.min == pytest.approx(d.min()) and e.histogram_value.max == pytest.approx(d.max())
     norms = [s.value for s in acc.Scalars("model_diff_norm/w")]
     assert norms == pytest.approx([float(np.linalg.norm(models[r]["w"] - models[r - 1]["w"])) for r in (1, 2)])
+    # Clara's call, visualize(model_data): the steps count the calls
+    seq = C.TensorboardModelVisualizer(str(tmp_path / "calls"))
+    for m in models:
+        seq.visualize({"w": m["w"]})
+    seq.close()
+    acc = EventAccumulator(str(tmp_path / "calls"), size_guidance={"histograms": 0})
+    acc.Reload()
+    assert [e.step for e in acc.Histograms("model_diff/w")] == [1, 2]
     assert C.build_processor({"name": "TensorboardModelVisualizer", "args": {"log_dir": str(tmp_path)}})
     with pytest.raises(TypeError):
         C.ModelVisualizer()
@@ -165,6 +180,35 @@ def test_model_evaluator_and_validator():
     assert ctx.get_metadata("validation_metrics") == {"validation/accuracy": 1.0}
     assert ctx.get_metadata("initial_validation_metric") == 1.0
     assert C.MetricManager().decode_metrics(ctx.get_metadata("validation_metrics")) == {"validation": {"accuracy": 1.0}}
+    ev.initialize("the trainer")
+    assert ev.builder == "the trainer"
+
+
+def test_model_validator_validate_model_reads_a_checkpoint(tmp_path):
+    seen = []
+
+    class Norm(C.ModelValidator):
+        def validate(self, model_params, app_ctx=None):
+            seen.append(app_ctx)
+            return {"norm": float(sum(torch.as_tensor(v).abs().sum() for v in model_params.values()))}
+
+    model = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        model.weight.copy_(torch.tensor([[1.0, -2.0]]))
+        model.bias.fill_(3.0)
+    path = C.PTModelSaver(model_log_dir=str(tmp_path)).save_model(model, False)
+    v = Norm()
+    assert v.validate_model({"mmar": "config_validation.json"}, path) == {"norm": 6.0}  # Clara's call
+    assert seen[-1]["configer"] == {"mmar": "config_validation.json"}
+    assert v.validate_model(C.AppContext(round_number=4), model.state_dict()) == {"norm": 6.0}
+    assert seen[-1].round_number == 4
+    torch.save(model.state_dict(), tmp_path / "plain.pt")  # a plain state_dict file
+    assert v.validate_model(None, str(tmp_path / "plain.pt")) == {"norm": 6.0}
+    with pytest.raises(InvalidInputError, match="checkpoint must be"):
+        v.validate_model(None, 3)
+    with pytest.raises(InvalidInputError, match="cannot read"):
+        v.validate_model(None, str(tmp_path / "missing.pt"))
+    v.close()
 
 
 def test_round_robin_processors():

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import pickle
 
 import numpy as np
@@ -274,3 +275,39 @@ def test_digits_job_in_the_simulator(job, tmp_path):
     # and the model learned as well as without compression
     assert plain["accuracy"] > 0.85
     assert abs(comp["accuracy"] - plain["accuracy"]) <= ACCURACY_TOLERANCE, (comp["accuracy"], plain["accuracy"])
+
+
+def test_exported_job_is_portable(job, tmp_path):
+    """The exported job names no path of this machine, and no filter argument is called ``path`` (NVFlare would
+    read it as a class path)."""
+    import json
+
+    job.export(job.build_job("gpu_codec", rounds=2, damaged_site=True), str(tmp_path / "jobs"))
+    root = tmp_path / "jobs" / "digits_gpu_codec"
+    assert sorted(p.name for p in root.iterdir()) == sorted(
+        ["meta.json", "app_server", "app_site-1", "app_site-2", "app_site-3", "app_site-4"]
+    )
+    repo = str(pathlib.Path(__file__).resolve().parents[1])
+    for conf in root.glob("app_*/config/*.json"):
+        text = conf.read_text(encoding="utf-8")
+        assert repo not in text and str(tmp_path) not in text, conf
+
+        def walk(node):
+            if isinstance(node, dict):
+                if node.get("path", "").startswith("gpu_codec."):
+                    assert "path" not in node.get("args", {}), node
+                for v in node.values():
+                    walk(v)
+            elif isinstance(node, list):
+                for v in node:
+                    walk(v)
+
+        walk(json.loads(text))
+    client = json.loads((root / "app_site-1" / "config" / "config_fed_client.json").read_text(encoding="utf-8"))
+    assert client["executors"][0]["executor"]["args"]["task_script_path"] == "digits_client.py"
+    assert (root / "app_site-1" / "custom" / "digits_client.py").exists()
+    assert (root / "app_site-4" / "custom" / "faults.py").exists()
+    meters = [f for f in client["task_result_filters"][0]["filters"] if f["path"].endswith("SizeMeter")]
+    assert meters and meters[0]["args"]["output_file"] == "sizes.jsonl"
+    with pytest.raises(ValueError, match="damaged_site"):
+        job.build_job("none", damaged_site=True)

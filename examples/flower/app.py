@@ -10,16 +10,25 @@ beyond numpy, torch and flwr. ``run()`` drives the apps in one process through :
 serializes every message to Flower's protobuf wire format and back, as a deployment would, and counts the bytes.
 
     python examples/flower/app.py --rounds 5 --clients 4          # compressed, then uncompressed, compared
+
+The module-level ``server_app`` and ``client_app`` are the same apps for Flower's deployment engine
+(``pyproject.toml`` names them): ``flwr run examples/flower <connection>`` against a running SuperLink and
+SuperNodes (see the README). There the server drops a reply whose payload does not parse and aggregates the
+others; a SuperNode started with ``--node-config "... damaged=true"`` damages its compressed replies, to show it.
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import json
+import logging
 import os
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
+import flwr
 import numpy as np
 import torch
 from flwr.app import ArrayRecord, Context, Error, Message, MetricRecord, RecordDict
@@ -31,6 +40,8 @@ from flwr.serverapp.strategy import FedAvg
 from flwr.supercore.task_identity import TaskIdentity
 
 import gpu_codec
+from gpu_codec import flower as gflower
+from gpu_codec.errors import GpuCodecError
 from gpu_codec.flower import CompressedStrategy, compression_mod
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
@@ -137,6 +148,127 @@ def make_server_app(compress: bool, rounds: int, out: dict) -> ServerApp:
     return app
 
 
+# ---------------------------------------------------------------- the apps for the deployment engine
+
+FRACTION = 0.1
+log = logging.getLogger("gpu_codec.example")
+
+
+def wire_bytes(msg: Message) -> int:
+    """The size of ``msg`` in Flower's protobuf wire form, as the SuperLink relays it."""
+    return len(serde.message_to_proto(msg).SerializeToString())
+
+
+def damage_mod(msg: Message, context: Context, call_next: Callable[[Message, Context], Message]) -> Message:
+    """A client mod for the demonstration: on a SuperNode whose node config says ``damaged=true``, flip one byte
+    in the middle of each gpu_codec payload of the (compressed) train reply."""
+    reply = call_next(msg, context)
+    if str(context.node_config.get("damaged", "false")).lower() != "true" or not reply.has_content():
+        return reply
+    for rec in reply.content.array_records.values():
+        for key in list(rec.keys()):
+            a = gflower.Array.from_flwr(rec[key])
+            if a.is_payload:
+                data = bytearray(a.data)
+                data[len(data) // 2] ^= 0xFF
+                a.data = bytes(data)
+                rec[key] = a.to_flwr()
+    return reply
+
+
+def unreadable(reply: Message) -> str | None:
+    """Why the gpu_codec payloads of ``reply`` do not parse (None when they do, or when it holds none)."""
+    try:
+        for rec in reply.content.array_records.values():
+            for a in gflower.ArrayRecord.from_flwr(rec).values():
+                if a.is_payload:
+                    a.payload()
+    except GpuCodecError as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+class DeployedStrategy(CompressedStrategy):
+    """``CompressedStrategy`` that drops a reply whose payload does not parse (logged, the round goes on with the
+    others) and records the wire size of every train message, both ways, in ``self.wire``."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.wire: list[dict] = []
+
+    def configure_train(self, server_round: int, arrays: Any, config: Any, grid: Any) -> list:
+        msgs = super().configure_train(server_round, arrays, config, grid)
+        for m in msgs:
+            node = m.metadata.dst_node_id
+            self.wire.append({"round": server_round, "dir": "down", "node": node, "bytes": wire_bytes(m)})
+        return msgs
+
+    def aggregate_train(self, server_round: int, replies: Any) -> tuple[Any, Any]:
+        kept = []
+        for m in replies:
+            rec = {"round": server_round, "dir": "up", "node": m.metadata.src_node_id, "bytes": wire_bytes(m)}
+            if m.has_error():
+                rec["error"] = m.error.reason
+            why = None if m.has_error() else unreadable(m)
+            if why is not None:
+                log.warning("round %d: dropped the reply of node %d: %s", server_round, rec["node"], why)
+                rec["dropped"] = why
+            else:
+                kept.append(m)
+            if not m.has_error():
+                rec["partition"] = int(m.content["metrics"]["partition-id"])
+            self.wire.append(rec)
+        return super().aggregate_train(server_round, kept)
+
+
+client_app = ClientApp(mods=[damage_mod, compression_mod(FRACTION, pipeline=PIPELINE)])
+
+
+@client_app.train()
+def deployed_train(msg: Message, context: Context) -> Message:
+    pid, num = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    x, y = partition(pid, num)
+    model = net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    rnd = int(msg.content["config"]["server-round"])
+    loss = train_local(model, x, y, seed=1000 * rnd + pid)
+    content = RecordDict(
+        {
+            "arrays": ArrayRecord(model.state_dict()),
+            "metrics": MetricRecord({"num-examples": len(x), "train_loss": loss, "partition-id": pid}),
+        }
+    )
+    return Message(content, reply_to=msg)
+
+
+server_app = ServerApp()
+
+
+@server_app.main()
+def deployed_main(grid: Grid, context: Context) -> None:
+    """FedAvg for ``num-server-rounds`` rounds over every connected SuperNode (at least ``min-nodes``); with a
+    ``result-file`` in the run config, the accuracy per round and the wire sizes go there as JSON."""
+    cfg = context.run_config
+    rounds, min_nodes = int(cfg["num-server-rounds"]), int(cfg["min-nodes"])
+    x_test, y_test = test_set()
+
+    def central_eval(server_round: int, arrays: ArrayRecord) -> MetricRecord:
+        model = net()
+        model.load_state_dict(arrays.to_torch_state_dict())
+        return MetricRecord({"accuracy": accuracy(model, x_test, y_test)})
+
+    strategy = DeployedStrategy(FedAvg(fraction_evaluate=0.0, min_available_nodes=min_nodes, min_train_nodes=min_nodes))
+    result = strategy.start(
+        grid=grid, initial_arrays=ArrayRecord(net().state_dict()), num_rounds=rounds, evaluate_fn=central_eval
+    )
+    acc = result.evaluate_metrics_serverapp
+    out = {"accuracy": [acc[r]["accuracy"] for r in sorted(acc)], "wire": strategy.wire}
+    log.warning("gpu_codec example result: %s", json.dumps(out))
+    if cfg.get("result-file"):
+        with open(str(cfg["result-file"]), "x", encoding="utf-8") as f:
+            json.dump(out, f)
+
+
 # ---------------------------------------------------------------- one process, real messages
 
 
@@ -238,8 +370,27 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--clients", type=int, default=4)
     ap.add_argument("--fraction", type=float, default=0.1)
+    ap.add_argument("--out", metavar="FILE", help="also write the results as JSON (benchmarks/results/flower_app.json)")
     args = ap.parse_args()
     runs = {c: run(c, args.rounds, args.clients, args.fraction) for c in (True, False)}
+    if args.out:
+        import platform
+
+        keep = ("accuracy", "history", "up_bytes", "down_bytes")
+        res = {
+            "example": "examples/flower/app.py: FedAvg, MLP 32-64-10 (2,826 parameters), synthetic data, InProcessGrid",
+            "rounds": args.rounds,
+            "clients": args.clients,
+            "fraction": args.fraction,
+            "versions": {"flwr": flwr.__version__, "torch": torch.__version__, "python": platform.python_version()},
+            "backend": gpu_codec.backend_info(),
+            "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
+            "results": {
+                name: {k: runs[c][k] for k in keep} for name, c in (("compressed", True), ("uncompressed", False))
+            },
+        }
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump(res, f, indent=2)
     for c, r in runs.items():
         print(
             f"{'compressed  ' if c else 'uncompressed'}: accuracy {r['accuracy']:.3f} "

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import InvalidInputError
 from .context import AppContext, DataContext
 from .metrics import MetricManager
 from .processors import DataProcessor
@@ -18,8 +20,13 @@ class ModelEvaluator(abc.ABC):
 
     :meth:`evaluate` runs the evaluation; :meth:`get_metric` then returns the one number used to select the
     best model (higher is better), which :class:`~gpu_codec.clara.BestMetricGenerator` and
-    :class:`~gpu_codec.clara.InitialValidationMetricGenerator` read from the app context.
+    :class:`~gpu_codec.clara.InitialValidationMetricGenerator` read from the app context. :meth:`initialize`
+    binds it to the trainer before the first evaluation.
     """
+
+    def initialize(self, builder: Any = None) -> None:
+        """Bind to ``builder`` (the trainer, or the model it trains); kept as ``self.builder``."""
+        self.builder = builder
 
     @abc.abstractmethod
     def evaluate(self) -> None:
@@ -34,7 +41,11 @@ class ModelValidator(DataProcessor, abc.ABC):
     """Validates a model received from elsewhere (the global model, or another site's in cross-site
     validation) and reports metrics in groups.
 
-    Subclasses implement :meth:`validate` (``model_params`` -> ``{metric_name: value}``). Run as a processor it
+    Subclasses implement :meth:`validate` (``model_params`` -> ``{metric_name: value}``). Clara's entry point
+    :meth:`validate_model` (``configer``, ``checkpoint``) reads the checkpoint (a path to a PyTorch checkpoint
+    saved by :class:`~gpu_codec.clara.PTModelSaver` or a plain ``state_dict`` file, or a mapping name ->
+    tensor) and returns :meth:`validate`'s metrics, the ``configer`` passed on in the app context (an
+    :class:`~gpu_codec.clara.AppContext` as it is, anything else as ``app_ctx["configer"]``). Run as a processor it
     validates the data context's model (a mapping name -> tensor) and puts the metrics into the data context's
     metadata under ``field``, encoded by :class:`~gpu_codec.clara.MetricManager` under group ``group``
     (``{"validation/accuracy": 0.9}``); the app context's ``key_metric`` entry names the metric also stored in
@@ -61,6 +72,24 @@ class ModelValidator(DataProcessor, abc.ABC):
     @abc.abstractmethod
     def validate(self, model_params: Mapping[str, Any], app_ctx: AppContext | None = None) -> dict[str, float]:
         """Metrics of ``model_params``, name -> number."""
+
+    def validate_model(self, configer: Any, checkpoint: Any) -> dict[str, float]:
+        """Metrics of the model in ``checkpoint`` (a checkpoint path or a mapping name -> tensor)."""
+        if isinstance(checkpoint, Mapping):
+            weights = checkpoint
+        elif isinstance(checkpoint, (str, os.PathLike)):
+            from .savers import PTModelSaver
+
+            weights = PTModelSaver().load_model(os.fspath(checkpoint))
+        else:
+            raise InvalidInputError(
+                f"checkpoint must be a checkpoint path or a mapping name -> tensor, got {type(checkpoint).__name__}"
+            )
+        app_ctx = configer if isinstance(configer, AppContext) else AppContext(configer=configer)
+        return self.validate(weights, app_ctx)
+
+    def close(self) -> None:
+        """Release what the validator holds (nothing by default)."""
 
     def process(self, data_ctx: DataContext, app_ctx: AppContext) -> None:
         self._check_abort()

@@ -32,7 +32,7 @@ class DataProcessor:
     def process(self, data_ctx: DataContext, app_ctx: AppContext) -> None:
         raise NotImplementedError
 
-    def abort(self, app_ctx: AppContext | None = None) -> None:
+    def abort(self, app_ctx: AppContext) -> None:
         self._aborted.set()
 
     def _check_abort(self) -> None:

@@ -16,20 +16,25 @@ __all__ = ["ModelSaver", "PTModelSaver"]
 
 
 class ModelSaver(abc.ABC):
-    """The model saver contract: :meth:`initialize` binds to the trainer, :meth:`save_model` writes a
-    checkpoint and returns its path, :meth:`load_model` reads one back."""
+    """The model saver contract of Clara's ``fed_learn.components``: ``initialize(builder=None)`` binds to the
+    trainer, ``save_model(model, is_best)`` writes a checkpoint (and here returns its path), ``close()``
+    releases what the saver holds. :meth:`load_model` reads a checkpoint back (an addition)."""
 
     @abc.abstractmethod
-    def initialize(self, fitter: Any) -> None:
-        """Bind to ``fitter`` (the trainer, or the model it trains)."""
+    def initialize(self, builder: Any = None) -> None:
+        """Bind to ``builder`` (the trainer, or the model it trains)."""
 
     @abc.abstractmethod
-    def save_model(self, model_params: Any = None, round_number: int | None = None, best: bool = False) -> str:
-        """Write a checkpoint of ``model_params`` (the bound model's when None); return its path."""
+    def save_model(self, model: Any, is_best: bool, *, round_number: int | None = None) -> str:
+        """Write a checkpoint of ``model`` (the bound model's when None), the best one so far when
+        ``is_best``; return its path. ``round_number`` is recorded with it."""
 
     @abc.abstractmethod
     def load_model(self, path: str | None = None) -> dict[str, Any]:
         """The weights of a checkpoint (the last one saved, or the preload checkpoint, when ``path`` is None)."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook, as in Clara
+        """Release what the saver holds (nothing by default)."""
 
 
 class PTModelSaver(ModelSaver):
@@ -41,7 +46,7 @@ class PTModelSaver(ModelSaver):
     exclude_vars
         A regular expression: matching variables are neither saved nor loaded.
     model_log_dir
-        Where checkpoints go: ``FL_global_model.pt``, and ``best_FL_global_model.pt`` for ``best=True`` (the
+        Where checkpoints go: ``FL_global_model.pt``, and ``best_FL_global_model.pt`` for ``is_best`` (the
         names NVFlare's PyTorch persistor uses). Required for :meth:`save_model`.
     ckpt_preload_path
         A checkpoint loaded into the model by :meth:`initialize` (a file saved by this class, or a plain
@@ -53,7 +58,7 @@ class PTModelSaver(ModelSaver):
     >>> import torch, tempfile
     >>> d = tempfile.mkdtemp()
     >>> saver = PTModelSaver(model_log_dir=d); saver.initialize(torch.nn.Linear(2, 1))
-    >>> path = saver.save_model(round_number=3)
+    >>> path = saver.save_model(None, False, round_number=3)
     >>> sorted(saver.load_model(path)), torch.load(path, weights_only=True)["round"]
     (['bias', 'weight'], 3)
     """
@@ -74,10 +79,16 @@ class PTModelSaver(ModelSaver):
     def _excluded(self, name: str) -> bool:
         return self._exclude is not None and self._exclude.search(name) is not None
 
-    def initialize(self, fitter: Any) -> None:
-        """Bind to ``fitter`` (a ``torch.nn.Module`` or a trainer with a ``model`` module) and, when
-        ``ckpt_preload_path`` is set, load that checkpoint into it."""
-        self.model = torch_module_of(fitter, "PTModelSaver.initialize")
+    def initialize(self, builder: Any = None) -> None:
+        """Bind to ``builder`` (a ``torch.nn.Module`` or a trainer with a ``model`` module) and, when
+        ``ckpt_preload_path`` is set, load that checkpoint into it. With no builder, :meth:`save_model` saves
+        the model it is given."""
+        if builder is None:
+            if self.ckpt_preload_path is not None:
+                raise InvalidInputError("PTModelSaver: ckpt_preload_path needs a model to load into (a builder)")
+            self.model = None
+            return
+        self.model = torch_module_of(builder, "PTModelSaver.initialize")
         if self.ckpt_preload_path is not None:
             self._apply(self.load_model(self.ckpt_preload_path), self.ckpt_preload_path)
 
@@ -98,36 +109,39 @@ class PTModelSaver(ModelSaver):
                     )
                 state[name].copy_(value.to(state[name].device))
 
-    def _state(self, model_params: Any) -> dict[str, Any]:
+    def _state(self, model: Any) -> dict[str, Any]:
         import torch
 
         from .reader_writers import to_torch_on
 
-        if isinstance(model_params, DataContext):
-            model_params = model_params.get_model()
-        if model_params is None:
+        if isinstance(model, DataContext):
+            model = model.get_model()
+        elif model is not None and hasattr(model, "state_dict") and not isinstance(model, Mapping):
+            model = model.state_dict()
+        if model is None:
             if self.model is None:
-                raise InvalidInputError("PTModelSaver is not initialized: call initialize(fitter) or pass model_params")
-            model_params = self.model.state_dict()
-        if not isinstance(model_params, Mapping):
-            raise InvalidInputError(f"model_params must be a mapping name -> tensor, got {type(model_params).__name__}")
+                raise InvalidInputError("PTModelSaver is not initialized: call initialize(builder) or pass a model")
+            model = self.model.state_dict()
+        if not isinstance(model, Mapping):
+            raise InvalidInputError(f"model must be a mapping name -> tensor or a module, got {type(model).__name__}")
         out = {}
-        for k, v in model_params.items():
+        for k, v in model.items():
             if self._excluded(k):
                 continue
             t = to_torch_on(v, torch.device("cpu"))
             out[k] = t.detach().clone()
         return out
 
-    def save_model(self, model_params: Any = None, round_number: int | None = None, best: bool = False) -> str:
-        """Write ``{"model": weights, "round": round_number}``; returns the checkpoint's path."""
+    def save_model(self, model: Any, is_best: bool, *, round_number: int | None = None) -> str:
+        """Write ``{"model": weights, "round": round_number}`` of ``model`` (a mapping name -> tensor, a module,
+        a data context, or None for the bound model); returns the checkpoint's path."""
         import torch
 
         if not self.model_log_dir:
             raise InvalidInputError("PTModelSaver needs model_log_dir to save a checkpoint")
         os.makedirs(self.model_log_dir, exist_ok=True)
-        path = os.path.join(self.model_log_dir, self.BEST_FILE if best else self.FILE)
-        ckpt = {"model": self._state(model_params), "round": None if round_number is None else int(round_number)}
+        path = os.path.join(self.model_log_dir, self.BEST_FILE if is_best else self.FILE)
+        ckpt = {"model": self._state(model), "round": None if round_number is None else int(round_number)}
         fd, tmp = tempfile.mkstemp(dir=self.model_log_dir, suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
@@ -139,6 +153,10 @@ class PTModelSaver(ModelSaver):
             raise
         self.last_path = path
         return path
+
+    def close(self) -> None:
+        """Release the bound model (checkpoints are complete files once :meth:`save_model` returns)."""
+        self.model = None
 
     def load_model(self, path: str | None = None) -> dict[str, Any]:
         """The weights in a checkpoint (``weights_only=True``), excluded variables left out."""

@@ -25,18 +25,19 @@ def _host(value: Any) -> np.ndarray:
 
 
 class ModelVisualizer(DataProcessor, abc.ABC):
-    """Visualizes a model each round. :meth:`visualize` takes the model (name -> tensor) and the round; run as
-    a processor it visualizes the data context's model (when it is a mapping) with the app context's round."""
+    """Visualizes a model each round. :meth:`visualize` takes the model (``model_data``, name -> tensor) and,
+    optionally, the round; run as a processor it visualizes the data context's model (when it is a mapping)
+    with the app context's round."""
 
     @abc.abstractmethod
-    def visualize(self, model_params: Mapping[str, Any], round_number: int) -> None:
-        """Record ``model_params`` for ``round_number``."""
+    def visualize(self, model_data: Mapping[str, Any], *, round_number: int | None = None) -> None:
+        """Record ``model_data`` (at ``round_number``; None: one step after the previous call)."""
 
     def process(self, data_ctx: DataContext, app_ctx: AppContext) -> None:
         self._check_abort()
         model = data_ctx.get_model()
         if isinstance(model, Mapping):
-            self.visualize(model, app_ctx.round_number)
+            self.visualize(model, round_number=app_ctx.round_number)
 
 
 class TensorboardModelVisualizer(ModelVisualizer):
@@ -44,8 +45,9 @@ class TensorboardModelVisualizer(ModelVisualizer):
 
     Each call after the first writes, per variable, a histogram of ``model - previous model`` (tag
     ``<tag>/<variable>``) and the L2 norm of that change (scalar ``<tag>_norm/<variable>``), at step
-    ``round_number``; the first call only records the model it will be compared against. Variables matching
-    ``exclude_vars`` are skipped. Open ``log_dir`` with ``tensorboard --logdir``.
+    ``round_number`` (without one: the number of calls so far, 0 first); the first call only records the model
+    it will be compared against. Variables matching ``exclude_vars`` are skipped. Open ``log_dir`` with
+    ``tensorboard --logdir``.
 
     Parameters
     ----------
@@ -66,6 +68,7 @@ class TensorboardModelVisualizer(ModelVisualizer):
         self._exclude = compile_exclude(exclude_vars)
         self.tag = tag
         self._previous: dict[str, np.ndarray] | None = None
+        self._calls = 0
         self._writer: Any = None
 
     def get_config(self) -> dict[str, Any]:
@@ -82,11 +85,13 @@ class TensorboardModelVisualizer(ModelVisualizer):
             self._writer = SummaryWriter(log_dir=self.log_dir)
         return self._writer
 
-    def visualize(self, model_params: Mapping[str, Any], round_number: int) -> None:
+    def visualize(self, model_data: Mapping[str, Any], *, round_number: int | None = None) -> None:
         """Write the histograms of the change since the previous call (nothing on the first call)."""
-        if not isinstance(model_params, Mapping):
-            raise InvalidInputError(f"model_params must be a mapping name -> tensor, got {type(model_params).__name__}")
-        current = {k: _host(v) for k, v in model_params.items() if not (self._exclude and self._exclude.search(k))}
+        if not isinstance(model_data, Mapping):
+            raise InvalidInputError(f"model_data must be a mapping name -> tensor, got {type(model_data).__name__}")
+        step = self._calls if round_number is None else int(round_number)
+        self._calls += 1
+        current = {k: _host(v) for k, v in model_data.items() if not (self._exclude and self._exclude.search(k))}
         previous, self._previous = self._previous, current
         if previous is None:
             return
@@ -96,8 +101,8 @@ class TensorboardModelVisualizer(ModelVisualizer):
             if before is None or before.shape != value.shape:
                 continue
             d = value - before
-            writer.add_histogram(f"{self.tag}/{name}", d, global_step=int(round_number))
-            writer.add_scalar(f"{self.tag}_norm/{name}", float(np.linalg.norm(d)), global_step=int(round_number))
+            writer.add_histogram(f"{self.tag}/{name}", d, global_step=step)
+            writer.add_scalar(f"{self.tag}_norm/{name}", float(np.linalg.norm(d)), global_step=step)
         writer.flush()
 
     def close(self) -> None:

@@ -1,0 +1,43 @@
+"""The number tables in the docs are the ones ``benchmarks/tables.py`` generates from ``benchmarks/results/``."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def tables():
+    name = "gpu_codec_benchmarks_tables"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / "tables.py")
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def test_docs_agree_with_the_committed_results():
+    t = tables()
+    assert t.stale() == [], "run: python benchmarks/tables.py"
+
+
+def test_every_doc_keeps_its_generated_regions():
+    t = tables()
+    want = {
+        "README.md": ["headline", "nvflare", "convergence"],
+        "examples/nvflare/README.md": ["nvflare"],
+        "examples/flower/README.md": ["flower"],
+    }
+    for doc, names in want.items():
+        assert t.regions((ROOT / doc).read_text(encoding="utf-8")) == names, doc
+
+
+def test_a_changed_figure_is_caught():
+    t = tables()
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    figure = t.headline().split("zstd ")[1].split("×")[0]  # the fp16 ratio as the results give it
+    edited = text.replace(f"zstd {figure}× fewer", "zstd 110× fewer", 1)
+    assert edited != text and t.render(edited) == text
