@@ -49,8 +49,9 @@ TASK = 1 << 21  # elements per pool task, rounded up to whole blocks: each task'
 MIN_TASK = 1 << 20  # ... but a call is split into at least TASK_SPLIT tasks where that leaves them MIN_TASK or more
 TASK_SPLIT = 8  # (in-flight candidates stay a small share of a smaller update: at 2^22 2^21 took 6 % of its bytes)
 TIE_SHARE = 8  # strict candidates where the keys equal to the bracket would be over an eighth of k
-SMALL_SELECT = 1 << 16  # a segment of one tensor of at most this many elements is selected directly (per-tensor
-# scope on a model's many small tensors: the sample, brackets, tasks and joins cost far more than one partition)
+SMALL_SELECT = 1 << 16  # in per-tensor scope, a tensor of at most this many elements is selected directly (on a
+# model's many small tensors the sample, brackets, tasks and joins cost far more than one partition; its
+# temporaries, about 13 bytes an element, are one small tensor's)
 HIST_BINS = 1 << 10  # a part's histogram of its keys' top 16 bits, counted from lo's up (the last bin takes every
 # higher key): the final threshold is found in one bin's keys instead of by a partition of every candidate
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
@@ -815,11 +816,16 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     sparse, bad, full = [], [], {}
     for seg, k in zip(segments, ks):
         n = sum(new[t].size for t in seg)
-        if 0 < k < n and len(seg) == 1 and n <= SMALL_SELECT:
+        if 0 < k < n and len(seg) == 1 and n <= SMALL_SELECT and len(segments) > 1:
             t = seg[0]
-            indices[t], values[t], full[t], b = _select_small(c, t, k)
+            indices[t], values[t], d, b = _select_small(c, t, k)
             if b:
                 bad.append(t)
+            elif res_out[t] is not None:  # the residual: the delta, then (below) the kept entries fixed
+                if c.writes_residual_early(t):
+                    res_out[t][...] = d
+                else:  # it is the residual read: written only once every tensor is known to be finite
+                    full[t] = d
             continue
         if 0 < k < n:
             parts, lo = _sparse_segment(c, seg, n, k)
