@@ -31,7 +31,7 @@ import numpy as np
 from . import dtypes
 from . import engine as _engine
 from .arrays import from_backend, to_tensor
-from .backends import get_backend
+from .backends import events, get_backend
 from .errors import InvalidInputError, PayloadIndexError
 from .format import TensorRecord
 
@@ -151,6 +151,7 @@ class Aggregator:
         self._limbs: dict[str, Any] = {}
         self._beta: dict[str, int | None] = {}
         self._weights: list[float] = []
+        self._ready: Any = None  # device backends: an event after the last limb update (see backends.events)
 
     @property
     def count(self) -> int:
@@ -190,8 +191,10 @@ class Aggregator:
             plan.append((r, idx, vals, _grid_exponent(cmax)))
         if self._template is None:
             self._template = template
+        events.wait(backend, self._ready)  # the previous add may have run on another stream
         for r, idx, vals, beta in plan:
             self._accumulate(r, idx, vals, w, beta)
+        self._ready = events.record(backend)
         self._weights.append(w)
 
     @staticmethod
@@ -253,6 +256,7 @@ class Aggregator:
         if total <= 0.0:
             raise InvalidInputError("the weights sum to zero: the weighted mean is undefined")
         xp = self._backend.xp
+        events.wait(self._backend, self._ready)  # the adds' limb updates, on whatever stream they ran
         out = {}
         for n, shape, dt in self._template.entries:
             numel = math.prod(shape)
@@ -265,21 +269,29 @@ class Aggregator:
             scales = [math.ldexp(1.0, beta + (LIMBS - 1 - j) * LIMB_BITS) for j in range(LIMBS)]
             self._backend.limb_mean(limbs, scales, total, mean)  # in limb order, in fp64, then rounded once
             out[n] = mean
+        self._ready = events.record(self._backend)
         return out
 
     def result(self) -> dict[str, Any]:
-        """``base + mean delta`` (with a base) or the mean delta, as :func:`gpu_codec.decompress` returns them."""
-        means = self.mean_delta()
-        if self._base is not None:
-            recs = [
-                TensorRecord(n, dt, shape, "dense", math.prod(shape), {"values": means[n]})
+        """``base + mean delta`` (with a base) or the mean delta, as :func:`gpu_codec.decompress` returns them.
+
+        On a GPU the mean is computed on the stream :func:`gpu_codec.decompress` applies it on (the caller's
+        current torch stream for a torch CUDA base), after the adds' limb updates (an event), and the call
+        returns once that stream has finished it, as decompress does."""
+        bases = [to_tensor(a, n) for n, a in self._base.items()] if self._base is not None else []
+        with self._backend.stream(bases):
+            means = self.mean_delta()
+            if self._base is not None:
+                recs = [
+                    TensorRecord(n, dt, shape, "dense", math.prod(shape), {"values": means[n]})
+                    for n, shape, dt in self._template.entries
+                ]
+                return _engine.decompress(_engine.Payload(recs, []), base=self._base)
+            kind = self._like or "numpy"
+            return {
+                n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind)
                 for n, shape, dt in self._template.entries
-            ]
-            return _engine.decompress(_engine.Payload(recs, []), base=self._base)
-        kind = self._like or "numpy"
-        return {
-            n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind) for n, shape, dt in self._template.entries
-        }
+            }
 
 
 def aggregate(

@@ -127,17 +127,39 @@ def torch_allocator() -> Any:
     return cupy.cuda.memory.PythonFunctionAllocator(*torch_malloc_free()).malloc
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` behind the CUDA stream protocol (``__cuda_stream__``: version 0, the handle).
+
+    CuPy 14's ``Stream.from_external`` reads nothing but ``__cuda_stream__()``, which torch's streams gained only
+    in late 2025; ``torch.cuda.Stream.cuda_stream`` (the raw handle) exists in every torch release.
+    """
+
+    __slots__ = ("owner", "ptr")
+
+    def __init__(self, ptr: int, owner: Any):
+        self.ptr = int(ptr)
+        self.owner = owner  # the torch stream, kept alive as long as CuPy holds this handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 def caller_stream(device_id: int) -> Any:
-    """The caller's current torch stream on ``device_id`` as a CuPy stream: ``Stream.from_external`` (the CUDA
-    stream protocol) from CuPy 14, which deprecates ``cupy.cuda.ExternalStream``; ExternalStream on CuPy 13."""
+    """The caller's current torch stream on ``device_id`` as a CuPy stream, from its raw handle
+    (``torch.cuda.Stream.cuda_stream``, in every torch release): ``Stream.from_external`` on a
+    :class:`_StreamHandle` from CuPy 14 (which deprecates ``cupy.cuda.ExternalStream`` and reads only
+    ``__cuda_stream__``, absent from torch streams before late 2025); ``ExternalStream(handle, device_id)`` on
+    CuPy 13, which has no ``from_external``. ``from_external`` takes the device from the current one: the caller
+    (:meth:`GpuBackend.stream`) has entered ``device_id`` already."""
     import cupy
     import torch
 
     s = torch.cuda.current_stream(device_id)
+    ptr = int(s.cuda_stream)
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is None:  # CuPy 13, where ExternalStream is the supported way and not deprecated
-        return cupy.cuda.ExternalStream(s.cuda_stream, device_id)
-    return from_external(s)
+        return cupy.cuda.ExternalStream(ptr, device_id)
+    return from_external(_StreamHandle(ptr, s))
 
 
 class GpuBackend(ArrayDecoders, KernelBackendBase):
