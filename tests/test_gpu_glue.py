@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gpu_codec import backends
+from gpu_codec import errors as gpu_codec_errors
 from gpu_codec.arrays import Tensor
 from gpu_codec.errors import InvalidInputError
 
@@ -177,3 +178,51 @@ def test_real_nvrtc_probe_reports_a_version():
     if not ok:
         pytest.skip(why)
     assert why.startswith("NVRTC ")
+
+
+@pytest.fixture
+def nvrtc_12_4(monkeypatch):
+    """An NVRTC 12.4 that knows sm_50 .. sm_90 (not Blackwell's sm_100 / sm_120)."""
+    from gpu_codec.backends import nvrtc
+
+    monkeypatch.setattr(nvrtc, "supported_archs", lambda: (50, 60, 70, 75, 80, 86, 89, 90))
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (12, 4))
+    return nvrtc
+
+
+def test_target_for_known_newer_and_unknown_architectures(nvrtc_12_4):
+    nv = nvrtc_12_4
+    assert nv.target_for(90, driver=12040) == ("sm_90", True)
+    assert nv.target_for(87, driver=12000) == ("sm_86", True)  # same major: 8.6 SASS runs on 8.7, no JIT
+    # a device NVRTC does not know: PTX only where the driver is as new as NVRTC
+    assert nv.target_for(120, driver=12080) == ("compute_90", False)
+    assert nv.target_for(100, driver=12040) == ("compute_90", False)
+    with pytest.raises(gpu_codec_errors.BackendUnavailableError, match=r"needs a driver for CUDA 12\.4.*12\.2"):
+        nv.target_for(120, driver=12020)
+    with pytest.raises(gpu_codec_errors.BackendUnavailableError, match="no architecture at or below sm_35"):
+        nv.target_for(35, driver=12080)
+    assert "does not know sm_120" in nv.describe_target(120, driver=12080)
+    assert nv.describe_target(90, driver=12040) == "CUBIN for sm_90 (NVRTC 12.4)"
+
+
+@pytest.mark.parametrize(("driver", "backend"), [(12020, "cpu"), (12080, "gpu")])
+def test_unknown_architecture_falls_back_with_the_reason(monkeypatch, nvrtc_12_4, driver, backend):
+    """A faked Blackwell device (sm_120) with an NVRTC that does not know it: with a driver older than NVRTC the
+    probe refuses the GPU and backend_info() says why; with a newer one the GPU backend loads PTX."""
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 1)
+    monkeypatch.setattr(backends, "_nvrtc_probe", lambda: (True, "NVRTC 12.4"))
+    monkeypatch.setattr(nvrtc_12_4, "driver_version", lambda: driver)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d=0: types.SimpleNamespace(compute_capability="120", id=0))
+    monkeypatch.setattr(backends, "_nvml_info", lambda: {})
+    monkeypatch.delenv(backends.ENV, raising=False)
+    backends.reset_backend()
+    try:
+        b = backends.get_backend()
+        info = backends.backend_info()
+        assert b.name == backend == info["backend"]
+        if backend == "cpu":
+            assert "the kernels cannot load" in info["reason"] and "sm_120" in info["reason"]
+        else:
+            assert "PTX for compute_90" in info["kernels"] and "sm_120" in info["reason"]
+    finally:
+        backends.reset_backend()

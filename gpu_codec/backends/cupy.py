@@ -23,7 +23,7 @@ import numpy as np
 from ..errors import InvalidInputError
 from .decode import ArrayDecoders
 from .kernels import KernelBackendBase
-from .nvrtc import cached_image, target_for
+from .nvrtc import cached_image, describe_target, target_for
 from .sources import kernel_signatures, kernel_source
 
 
@@ -181,6 +181,7 @@ class GpuBackend(ArrayDecoders, KernelBackendBase):
             "last_allocator": self._last_allocator,
             "stream": "the caller's current torch stream for torch CUDA inputs, CuPy's current stream otherwise",
             "compile": "NVRTC with gpu_codec.constants.compile_options() (IEEE subnormals, no FMA contraction)",
+            "kernels": describe_target(int(self.xp.cuda.Device().compute_capability)),
         }
 
     @contextlib.contextmanager
