@@ -300,6 +300,7 @@ class Suite:
             ("dense", kc.topk_cases(), kc.dense_vs_reference),
             ("quantize", kc.quant_cases(), kc.quant_stepwise),
             ("rice", kc.rice_cases(), kc.rice_stepwise),
+            ("floats", [3001, 1 << 20], lambda r, n: kc.float_steps(r, f"floats_{n}", n)),
         ]
         failures, n = [], 0
         for gname, cases, fn in groups:
@@ -312,8 +313,9 @@ class Suite:
                 except Exception as e:
                     m = [f"{type(e).__name__}: {e}"]
                 if m:
-                    failures.append({"group": gname, "case": case.name, "mismatches": m[:10]})
-                    self.log(f"   {gname}/{case.name}: FAIL {m[0]}")
+                    cname = getattr(case, "name", str(case))
+                    failures.append({"group": gname, "case": cname, "mismatches": m[:10]})
+                    self.log(f"   {gname}/{cname}: FAIL {m[0]}")
         self.log(f"   {n - len(failures)} of {n} cases equal to the byte")
         self.record("cases", "fail" if failures else "pass", t, cases=n, failures=failures)
 
@@ -471,6 +473,7 @@ def workload(runner_kind: str) -> int:
     m += kc.dense_vs_reference(r, topk)
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice", (300, 5000, 0), (30000, 9000, 10)))
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice_u64", (300, 5000), (1 << 36, 9000), wide=True))
+    m += kc.float_steps(r, "workload_floats", 3001)
     _sync(inner)
     from gpu_codec.backends.sources import kernel_signatures
 

@@ -32,6 +32,7 @@ from . import dtypes
 from . import engine as _engine
 from .arrays import from_backend, to_tensor
 from .backends import events, get_backend
+from .backends.base import abs_max
 from .errors import InvalidInputError, PayloadIndexError
 from .format import TensorRecord
 
@@ -184,7 +185,7 @@ class Aggregator:
         plan = []
         for r in records:
             vals, idx = self._checked_entries(r, backend, what)
-            m = float(backend.to_host(backend.xp.abs(vals).max())) if vals.size else 0.0
+            m = abs_max(vals, backend.to_host)  # from the bits: no float kernel of the array module
             cmax = w * m
             if not cmax < _C_MAX:
                 raise InvalidInputError(f"{what}: tensor {r.name!r}: weight x value reaches {cmax!r}, beyond range")
@@ -238,14 +239,7 @@ class Aggregator:
             self._beta[r.name] = cur = beta
         if cur is None or vals.size == 0:
             return  # nothing but zeros so far
-        rem = vals.astype(np.float64) * w
-        qs = xp.empty((LIMBS, rem.size), dtype=np.int32)
-        for j in range(LIMBS):
-            e = cur + (LIMBS - 1 - j) * LIMB_BITS
-            q = xp.rint(rem * math.ldexp(1.0, -e))
-            if j < LIMBS - 1:
-                rem = rem - q * math.ldexp(1.0, e)  # exact: q * 2^e is within half a grid step of rem
-            qs[j] = q
+        qs = self._backend.limb_split(vals, w, [cur + (LIMBS - 1 - j) * LIMB_BITS for j in range(LIMBS)])
         self._backend.limb_add(limbs, idx, qs)
 
     def mean_delta(self) -> dict[str, Any]:

@@ -279,6 +279,7 @@ def test_every_kernel_is_exercised():
     kc.rice_stepwise(r, RICE[0])
     kc.rice_stepwise(r, RICE[1])
     assert kc.dense_vs_reference(r, TOPK[0]) == []
+    assert kc.float_steps(r, n=300) == []
     missing = set(kernel_signatures()) - set(r.launch_counts)
     assert not missing, f"kernels without emulated test cases: {sorted(missing)}"
 

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import InvalidInputError
 from .decode import ArrayDecoders
+from .float_ops import KernelFloatOps
 from .kernels import KernelBackendBase
 from .nvrtc import cached_image, describe_target, target_for
 from .sources import kernel_signatures, kernel_source
@@ -162,7 +163,7 @@ def caller_stream(device_id: int) -> Any:
     return from_external(_StreamHandle(ptr, s))
 
 
-class GpuBackend(ArrayDecoders, KernelBackendBase):
+class GpuBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
     """The kernels on a CUDA device, through CuPy."""
 
     name = "gpu"

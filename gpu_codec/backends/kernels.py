@@ -35,14 +35,13 @@ from ..constants import (
     U64_MAX,
     index_dtype,
 )
-from .base import Runner, add_span, all_finite, dense_values, flat_tables, mean_span, scatter_args, split_values
+from .base import Runner, add_span, all_finite, dense_values, flat_tables, scatter_args, split_values
 
 FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
 SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32)
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
 SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem of reads per input
 SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (their bracket is exact)
-LIMB_CHUNK = 1 << 18  # elements per step of limb_mean: its fp64 temporaries stay a few MiB
 # candidate region of a chunk: the expected count plus this many standard deviations (with the rate's own margin
 # an i.i.d. tensor overflows a region in about 1e-6 of selections at 2^22 to 1e-4 at 2^30, far below the 0.6% at
 # which the bracket misses)
@@ -735,13 +734,6 @@ class KernelBackendBase:
 
     def limb_add(self, limbs, idx, qs):
         add_span(limbs, idx, qs, 0, qs.shape[1])
-
-    def limb_mean(self, limbs, scales, total, out):
-        n = limbs.shape[1]
-        acc = limbs[0, : min(n, LIMB_CHUNK)].astype(np.float64)  # the two fp64 buffers, in the limbs' module
-        term = acc.copy()
-        for a in range(0, n, LIMB_CHUNK):
-            mean_span(limbs, scales, total, out, a, min(n, a + LIMB_CHUNK), acc, term)
 
     def dense_apply(self, outs, out_dtypes, bases, values, mode):
         return self.ops.dense_apply(outs, out_dtypes, bases, values, mode)

@@ -298,14 +298,14 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
         def values(a: int, b: int) -> Any:
             bufs = {role: backend.asarray(x) for role, x in vform.slice(rec, host, a, b).items()}
             with _quiet():
-                return vform.decode(rec, bufs, b - a, backend).astype(vd, copy=False)
+                return backend.as_values(vform.decode(rec, bufs, b - a, backend), vd)
 
         return Decoded(*head, values, None, vform.step(rec))
     bufs = {role: backend.asarray(a) for role, a in rec.buffers.items()}
     idx = index_forms()[rec.codec["i"]].decode(rec, bufs, rec.nnz, backend)
     idx = idx.astype(index_dtype(rec.numel), copy=False)
     with _quiet():
-        vals = vform.decode(rec, bufs, rec.nnz, backend).astype(vd, copy=False)
+        vals = backend.as_values(vform.decode(rec, bufs, rec.nnz, backend), vd)
     del bufs
     return Decoded(*head, _slicer(vals, backend), _slicer(idx, backend))
 
