@@ -13,6 +13,12 @@ Steps, in order (each recorded in OUTDIR/summary.json as pass / fail / skip, wit
   sanitizer  compute-sanitizer memcheck, racecheck and synccheck over --workload, a short run that launches
              every kernel at least once and checks its output                            -> sanitizer_<tool>.log
   resources  registers, shared memory and spills from ptxas (benchmarks/kernel_resources.py) -> resources.txt
+  glue       the CuPy / torch glue on the device: the caller's torch stream (with and without
+             __cuda_stream__) reaching CuPy; compress, decompress, aggregate and error feedback on a side torch
+             stream behind queued work, equal to the CPU's bytes; subnormals through every stage and pipeline
+             (CuPy's -ftz kernels would flush them); nvCOMP's frames (odd tensor sizes, so staged alignment)
+             decoded by the CPU zstandard library; compress(blocking=False) against the blocking bytes.
+             With --runner emulated: the subnormal checks on the emulated backend, the rest skipped.
 A human-readable log goes to OUTDIR/suite.log. The exit status is 1 if any step failed. Steps stop being started
 once --budget-s seconds have passed (540 by default), so a run under a time limit still writes its summary.
 
@@ -37,7 +43,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-STEPS = ("env", "pytest", "parity", "cases", "sanitizer", "resources")
+STEPS = ("env", "pytest", "parity", "cases", "sanitizer", "resources", "glue")
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
 _EXTRA_PYTHONPATH: list[str] = []
 
@@ -417,6 +423,197 @@ class Suite:
             problems=rep.problems,
             log="resources.txt",
         )
+
+    # -- the glue around the kernels
+    def step_glue(self, t):
+        results: dict[str, dict] = {}
+        checks = [("subnormals", glue_subnormals)]
+        if self.args.runner == "cupy":
+            checks += [("streams", glue_streams), ("nvcomp", glue_nvcomp), ("nonblocking", glue_nonblocking)]
+        for name, fn in checks:
+            t1 = time.monotonic()
+            try:
+                problems = fn(self.args.runner)
+                status = "skip" if problems and problems[0].startswith("skip:") else ("fail" if problems else "pass")
+            except Exception as e:
+                problems, status = [f"{type(e).__name__}: {e}"], "fail"
+                self.log(traceback.format_exc())
+            results[name] = {"status": status, "seconds": round(time.monotonic() - t1, 1), "problems": problems[:10]}
+            self.log(f"   {name}: {status.upper()} {problems[0] if problems else ''}")
+        failed = any(r["status"] == "fail" for r in results.values())
+        self.record("glue", "fail" if failed else "pass", t, checks=results)
+
+
+# ------------------------------------------------------------------------------------ glue checks (step glue)
+
+
+def _glue_update(n: int, seed: int):
+    import numpy as np
+
+    from gpu_codec.testing import kernel_cases as kc
+
+    rng = np.random.default_rng(seed)
+    base = {"w": rng.standard_normal(n).astype(np.float32), "d": rng.standard_normal(n // 8)}
+    new = {"w": base["w"] + kc.subnormal_mix(n, np.float32, seed), "d": base["d"] + rng.standard_normal(n // 8)}
+    tiny = {"w": kc.subnormal_mix(n, np.float32, seed + 1), "d": kc.subnormal_mix(n // 8, np.float64, seed + 2)}
+    return base, new, tiny
+
+
+def _glue_pipelines():
+    import gpu_codec
+
+    return {
+        "raw": None,
+        "int8": [gpu_codec.Int8Blockwise(block_size=64)],
+        "f16": [gpu_codec.Quantize("float16")],
+        "bf16": [gpu_codec.Quantize("bfloat16")],
+        "ternary": [gpu_codec.Ternary()],
+        "rice": [gpu_codec.RiceIndices()],
+    }
+
+
+def _glue_bytes(backend_name: str, n: int) -> dict[str, bytes]:
+    """Every stage's bytes on subnormal-rich inputs: compress per pipeline, decompress, aggregate (with and
+    without a base), error feedback."""
+    import numpy as np
+
+    import gpu_codec
+    from gpu_codec.testing import use_backend
+
+    base, new, tiny = _glue_update(n, 7)
+    out: dict[str, bytes] = {}
+    with use_backend(backend_name):
+        for name, pipe in _glue_pipelines().items():
+            ef = gpu_codec.ErrorFeedback()
+            p = gpu_codec.compress(new, base, fraction=0.2, pipeline=pipe, residual=ef)
+            q = gpu_codec.compress(tiny, fraction=0.5, pipeline=pipe)
+            out[f"{name}/compress"] = p.to_bytes() + q.to_bytes()
+            out[f"{name}/residual"] = ef.to_bytes()
+            for k, v in gpu_codec.decompress(q.to_bytes()).items():
+                out[f"{name}/decompress/{k}"] = np.asarray(v).tobytes()
+            for k, v in gpu_codec.aggregate([q, q], weights=[1.0, 0.75]).items():
+                out[f"{name}/aggregate/{k}"] = np.asarray(v).tobytes()
+            for k, v in gpu_codec.aggregate([p], base=base).items():
+                out[f"{name}/aggregate_base/{k}"] = np.asarray(v).tobytes()
+    return out
+
+
+def glue_subnormals(runner: str) -> list[str]:
+    n = 1 << 16 if runner == "cupy" else 1500
+    got = _glue_bytes("gpu" if runner == "cupy" else "emulated", n)
+    want = _glue_bytes("cpu", n)
+    return [f"{k}: differs from the CPU's bytes" for k in want if got.get(k) != want[k]]
+
+
+def glue_streams(runner: str) -> list[str]:
+    """On a side torch stream, behind a long matmul queued on it: compress / decompress / aggregate / error
+    feedback (from_bytes) give the CPU's bytes; caller_stream wraps that stream's handle, also for a torch
+    stream without __cuda_stream__."""
+    import numpy as np
+
+    try:
+        import torch
+    except ImportError:
+        return ["skip: torch is not installed"]
+    if not torch.cuda.is_available():
+        return ["skip: torch sees no CUDA device"]
+    import gpu_codec
+    from gpu_codec.backends.cupy import caller_stream
+    from gpu_codec.testing import use_backend
+
+    problems = []
+    base, new, _ = _glue_update(1 << 20, 3)
+    with use_backend("cpu"):
+        ef0 = gpu_codec.ErrorFeedback()
+        gpu_codec.compress(new, base, fraction=0.01, residual=ef0)
+        want_p = gpu_codec.compress(new, base, fraction=0.01, residual=ef0).to_bytes()
+        want_agg = {k: np.asarray(v) for k, v in gpu_codec.aggregate([want_p], base=base).items()}
+        ef_blob = gpu_codec.ErrorFeedback()
+        gpu_codec.compress(new, base, fraction=0.01, residual=ef_blob)
+        saved = ef_blob.to_bytes()
+    side = torch.cuda.Stream()
+
+    class OldStream:  # a torch stream as releases before the CUDA stream protocol had it
+        def __init__(self, s):
+            self.cuda_stream = s.cuda_stream
+
+    with use_backend("gpu"), torch.cuda.stream(side):
+        if caller_stream(torch.cuda.current_device()).ptr != side.cuda_stream:
+            problems.append("caller_stream is not the current torch stream")
+        orig = torch.cuda.current_stream
+        torch.cuda.current_stream = lambda d=None: OldStream(orig(d))
+        try:
+            if caller_stream(torch.cuda.current_device()).ptr != side.cuda_stream:
+                problems.append("caller_stream lost a torch stream without __cuda_stream__")
+        finally:
+            torch.cuda.current_stream = orig
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(8):
+            a = a @ a / 64  # queued work on the caller's stream ahead of the call
+        tb = {k: torch.from_numpy(v).cuda() for k, v in base.items()}
+        tn = {k: torch.from_numpy(v).cuda() for k, v in new.items()}
+        ef = gpu_codec.ErrorFeedback.from_bytes(saved)  # uploads queued on the current stream
+        got_p = gpu_codec.compress(tn, tb, fraction=0.01, residual=ef).to_bytes()
+        if got_p != want_p:
+            problems.append("compress after ErrorFeedback.from_bytes on a side stream differs from the CPU")
+        agg = gpu_codec.Aggregator(base=tb)
+        agg.add(got_p)
+        got_agg = agg.result()
+        for k, v in want_agg.items():
+            if got_agg[k].cpu().numpy().tobytes() != v.tobytes():
+                problems.append(f"Aggregator.result()[{k!r}] on a side stream differs from the CPU")
+    return problems
+
+
+def glue_nvcomp(runner: str) -> list[str]:
+    """nvCOMP's zstd frames for tensors of odd sizes (staged to aligned chunk starts), decoded by zstandard."""
+    import numpy as np
+
+    try:
+        from nvidia import nvcomp  # noqa: F401
+    except Exception as e:
+        return [f"skip: nvCOMP is not importable ({type(e).__name__})"]
+    import cupy
+
+    from gpu_codec.backends import get_backend
+    from gpu_codec.codecs.nvcomp import Nvcomp
+    from gpu_codec.testing import use_backend
+    from gpu_codec.testing.nvcomp import check_frames
+
+    sizes = [5, 0, 9, (1 << 20) + 3, 1, (1 << 24) + 7]
+    rng = np.random.default_rng(0)
+    raws = [rng.integers(0, 16, n, dtype=np.uint8).tobytes() for n in sizes]
+    codec = Nvcomp()
+    with use_backend("gpu"):
+        backend = get_backend()
+        with backend.stream([]):
+            flat = cupy.asarray(np.frombuffer(b"".join(raws), np.uint8))
+            buffers = codec.compress_parts(flat, sizes, backend)
+    return check_frames(buffers, raws, codec.chunk)
+
+
+def glue_nonblocking(runner: str) -> list[str]:
+    """compress(blocking=False) on a side torch stream: the pending payload's bytes equal the blocking call's."""
+    try:
+        import torch
+    except ImportError:
+        return ["skip: torch is not installed"]
+    import gpu_codec
+    from gpu_codec.testing import use_backend
+
+    base, new, _ = _glue_update(1 << 20, 5)
+    with use_backend("gpu"):
+        tb = {k: torch.from_numpy(v).cuda() for k, v in base.items()}
+        tn = {k: torch.from_numpy(v).cuda() for k, v in new.items()}
+        want = gpu_codec.compress(tn, tb, fraction=0.01).to_bytes()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            a = torch.randn(4096, 4096, device="cuda")
+            for _ in range(8):
+                a = a @ a / 64
+            pending = gpu_codec.compress(tn, tb, fraction=0.01, blocking=False)
+            got = pending.to_bytes()
+    return [] if got == want else ["compress(blocking=False) bytes differ from the blocking call's"]
 
 
 def parse_sanitizer(text: str) -> dict:

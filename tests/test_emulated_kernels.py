@@ -829,7 +829,9 @@ def test_gpu_suite_runs_its_cpu_steps(tmp_path):
         "cases": "pass",
         "sanitizer": "skip",
         "resources": "skip",
+        "glue": "pass",
     }
+    assert summary["steps"]["glue"]["checks"]["subnormals"]["status"] == "pass"
     assert summary["result"] == "pass" and summary["steps"]["cases"]["cases"] > 10
     assert (tmp_path / "suite.log").exists()
 
