@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import types
 
 import numpy as np
 import pytest
@@ -21,6 +22,7 @@ class FakeCuda:
     def __init__(self):
         self.log: list[tuple] = []
         self.current = "default"
+        self.finished = False  # what every Event.done answers
         ids = itertools.count(1)
         cuda = self
 
@@ -30,6 +32,13 @@ class FakeCuda:
 
             def record(self, stream=None):
                 cuda.log.append(("record", cuda.current if stream is None else stream.name, self.id))
+
+            @property
+            def done(self):
+                return cuda.finished
+
+            def synchronize(self):
+                cuda.log.append(("event_sync", None, self.id))
 
         class Stream:
             def __init__(self, name):
@@ -72,7 +81,7 @@ class StreamedBackend(NumpyBackend):
         prev, self.cuda.current = self.cuda.current, "caller"
         try:
             yield
-            self.cuda.get_current_stream().synchronize()
+            events.finish(self)  # as GpuBackend.stream ends
         finally:
             self.cuda.current = prev
 
@@ -166,3 +175,38 @@ def test_error_feedback_readers_wait_for_the_stored_residual(reader):
         else:
             gpu_codec.compress(u, fraction=0.25, residual=ef)
             assert ("wait", "caller", ev[2]) in b.cuda.log
+
+
+def test_nonblocking_compress_records_an_event_instead_of_waiting():
+    u = {"w": np.arange(64, dtype=np.float32)}
+    want = gpu_codec.compress(u, fraction=0.1).to_bytes()
+    b = StreamedBackend()
+    with using_backend(b):
+        pending = gpu_codec.compress(u, fraction=0.1, blocking=False)
+    log = b.cuda.log
+    assert ("sync", "caller", None) not in log  # the call did not wait for its stream
+    rec = [e for e in log if e[0] == "record" and e[1] == "caller"]
+    assert rec and not pending.ready() and "in flight" in repr(pending)
+    b.cuda.finished = True
+    assert pending.ready()
+    assert pending.to_bytes() == want
+    assert ("event_sync", None, rec[-1][2]) in log  # to_bytes waited on the call's event
+    with using_backend(b):
+        gpu_codec.compress(u, fraction=0.1)
+    assert log[-1] == ("sync", "caller", None)  # a blocking call still waits at its end
+
+
+def test_gpu_backend_stream_finishes_with_a_sync_or_a_deferred_event(monkeypatch):
+    """GpuBackend.stream on a fake CuPy (no torch inputs): a sync at its end, an event inside events.deferred."""
+    gpu = pytest.importorskip("gpu_codec.backends.cupy")
+    cuda = FakeCuda()
+    cuda.Device = lambda d=None: types.SimpleNamespace(id=0)
+    xp = types.SimpleNamespace(cuda=cuda)
+    runner = types.SimpleNamespace(xp=xp)
+    backend = gpu.GpuBackend(runner)
+    with backend.stream([]):
+        pass
+    assert cuda.log == [("sync", "default", None)]
+    with events.deferred() as recorded, backend.stream([]):
+        pass
+    assert [e.id for e in recorded] == [1] and cuda.log[-1] == ("record", "default", 1)

@@ -8,7 +8,8 @@ One call of the library (a compress, a decompress) runs inside :meth:`GpuBackend
 - with torch's caching allocator for every temporary and output when the inputs are torch tensors (CuPy's pool
   would keep them where torch cannot reuse them), CuPy's pool otherwise;
 - and it synchronizes that stream before handing back, so a later ``Payload.to_bytes()`` (a copy on another
-  stream) never reads unfinished words.
+  stream) never reads unfinished words; inside :func:`.events.deferred` (``compress(..., blocking=False)``) it
+  records an event on that stream instead, which the pending payload waits on.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidInputError
+from . import events
 from .decode import ArrayDecoders
 from .float_ops import KernelFloatOps
 from .kernels import KernelBackendBase
@@ -187,7 +189,8 @@ class GpuBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
 
     @contextlib.contextmanager
     def stream(self, tensors: Sequence[Any]) -> Iterator[None]:
-        """Device, stream and allocator of one call (see the module docstring); synchronizes on the way out."""
+        """Device, stream and allocator of one call (see the module docstring); synchronizes on the way out
+        (:func:`.events.finish`)."""
         cupy = self.xp
         dev = device_of(tensors)
         with contextlib.ExitStack() as stack:
@@ -201,4 +204,4 @@ class GpuBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
             else:
                 self._last_allocator = "cupy"
             yield
-            cupy.cuda.get_current_stream().synchronize()
+            events.finish(self)  # the host waits for this stream (or, deferred, an event is recorded on it)
