@@ -477,8 +477,8 @@ extern "C" __global__ void chunk_write_u64(
 //
 // sample_keys -> (host: a low bracket lo per segment and candidate capacities per chunk from the sample) ->
 // fused_scan (one pass: delta, key, checks, residual = delta where written early, in-order compaction of the
-// keys >= lo into a per-chunk region) -> cand_select (exact radix select on the candidates, one block per
-// segment) -> cand_count -> the chunk scan -> cand_write_{u32,u64} -> [residual_delta] -> kept_fix_{u32,u64}.
+// keys >= lo into a per-chunk region) -> 4 x (cand_hist, radix_pick) (exact radix select on the candidates, a
+// block per chunk) -> cand_count -> the chunk scan -> cand_write_{u32,u64} -> [residual_delta] -> kept_fix_{u32,u64}.
 // If a segment has fewer than k candidates (the bracket missed) or a chunk overflows its region, the caller
 // runs the unfused passes above instead, which are exact for any input.
 // Twins with the same names and arguments are in cpu_fallback/fused.py.
@@ -616,45 +616,31 @@ extern "C" __global__ void fused_scan(
     }
 }
 
-// Exact radix select on the candidates, one block (SCAN_THREADS threads, a chunk each in turn) per segment s over chunks
-// [seg_chunks[s], seg_chunks[s + 1]); state as radix_pick leaves it: [T, take_eq] (k = 0: [~0, 0] unchanged).
-extern "C" __global__ void cand_select(
-    int nseg, const i64* seg_chunks, const u64* cand_base, const u32* cand_cnt, const u32* cand_key, u64* state)
+// One radix digit (8 bits at `shift`) of the candidates that still match their segment's prefix, as radix_hist
+// over the keys: one block per chunk (all SMs busy whatever the segment count), a shared histogram flushed into
+// hist (256 u64 per segment) with one atomic per non-empty bin. Four rounds of (cand_hist, radix_pick) are the
+// exact radix select on the candidates; state as radix_pick leaves it: [T, take_eq] (k = 0: [~0, 0] unchanged).
+extern "C" __global__ void cand_hist(
+    int nt, const i64* chunk_start, const int* seg_of, const u64* cand_base, const u32* cand_cnt,
+    const u32* cand_key, const u64* state, int shift, u64* hist)
 {
-    __shared__ u32 h[256];
-    __shared__ u64 sh_prefix, sh_k;
-    const int s = blockIdx.x;
-    if (threadIdx.x == 0) { sh_prefix = state[2 * s]; sh_k = state[2 * s + 1]; }
+    __shared__ u32 bins[256];
+    const i64 c = blockIdx.x;
+    const int s = seg_of[tensor_of_chunk(chunk_start, nt, c)];
+    for (int b = threadIdx.x; b < 256; b += BLOCK) bins[b] = 0;
     __syncthreads();
-    if (sh_k == 0) return;  // uniform across the block
-    for (int shift = 24; shift >= 0; shift -= 8) {
-        for (int b = threadIdx.x; b < 256; b += SCAN_THREADS) h[b] = 0;
-        __syncthreads();
-        const u32 prefix = (u32)sh_prefix;
-        for (i64 c = seg_chunks[s] + threadIdx.x; c < seg_chunks[s + 1]; c += SCAN_THREADS) {  // a chunk a thread
-            const u64 base = cand_base[c];
-            const u32 m = cand_cnt[c];
-            for (u32 j = 0; j < m; ++j) {
-                const u32 key = cand_key[base + j];
-                if (shift == 24 || (key >> (shift + 8)) == (prefix >> (shift + 8)))
-                    atomicAdd(&h[(key >> shift) & 255u], 1u);
-            }
+    if (state[2 * s + 1] != 0) {  // uniform across the block
+        const u32 high = shift == 24 ? 0u : (u32)state[2 * s] >> (shift + 8);
+        const u64 base = cand_base[c];
+        const u32 m = cand_cnt[c];
+        for (u32 j = threadIdx.x; j < m; j += BLOCK) {
+            const u32 key = cand_key[base + j];
+            if (shift == 24 || (key >> (shift + 8)) == high) atomicAdd(&bins[(key >> shift) & 255u], 1u);
         }
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            u64 k_rem = sh_k;
-            u32 p = prefix;
-            for (int b = 255; b >= 0; --b) {
-                const u64 hb = h[b];
-                if (k_rem <= hb) { p |= ((u32)b) << shift; break; }
-                k_rem -= hb;
-            }
-            sh_prefix = p;
-            sh_k = k_rem;
-        }
-        __syncthreads();
     }
-    if (threadIdx.x == 0) { state[2 * s] = sh_prefix; state[2 * s + 1] = sh_k; }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += BLOCK)
+        if (bins[b]) atomicAdd(&hist[256 * (i64)s + b], (u64)bins[b]);
 }
 
 // Per chunk, over its candidates: how many keys are above the segment's threshold, and how many equal it.

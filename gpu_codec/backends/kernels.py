@@ -30,7 +30,6 @@ from ..constants import (
     Q_BF16,
     Q_F16,
     RICE_SCAN_THREADS,
-    SCAN_THREADS,
     SCATTER_ADD,
     U64_MAX,
     index_dtype,
@@ -421,15 +420,17 @@ class KernelOps:
             return None  # a region overflowed or the bracket missed
         # 3) exact selection on the candidates, then the ordered write of the kept entries
         state = self._up(initial_state(ks))
-        seg_chunks = np.zeros(nseg + 1, np.int64)
-        for s, seg in enumerate(segments):
-            seg_chunks[s + 1] = tb.chunk_start[seg[-1] + 1] if seg else seg_chunks[s]
-        run.launch(
-            "cand_select",
-            max(nseg, 1),
-            SCAN_THREADS,
-            (np.int32(nseg), self._up(seg_chunks), cand_base) + (cand_cnt, cand_key, state),
-        )
+        hist = xp.zeros(256 * max(nseg, 1), dtype=np.uint64)
+        for shift in (24, 16, 8, 0):  # a block per chunk: every SM works, whatever the segment count
+            run.launch(
+                "cand_hist",
+                grid,
+                BLOCK,
+                (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, np.int32(shift), hist),
+            )
+            run.launch("radix_pick", max(1, -(-nseg // 256)), 256, (np.int32(nseg), np.int32(shift), hist, state))
+        peak = max(peak, tables + cands + _nbytes(state, hist))
+        del hist
         cnt = xp.zeros(2 * grid, dtype=np.uint32)
         run.launch("cand_count", grid, BLOCK, (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, cnt))
         eq_base = xp.zeros(grid, dtype=np.uint64)

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from gpu_codec.backends.kernels import BLOCK, CHUNK, SCAN_THREADS, U64_MAX, KernelOps, TensorTables, initial_state
-from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS, index_dtype
+from gpu_codec.backends.kernels import BLOCK, CHUNK, U64_MAX, KernelOps, TensorTables, initial_state
+from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS, SCAN_THREADS, index_dtype
 from gpu_codec.cpu_fallback import kernels as twins
 from gpu_codec.cpu_fallback.elementwise import f32_to_bf16_bits
 from gpu_codec.cpu_fallback.select import topk_select
