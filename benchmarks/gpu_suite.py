@@ -301,6 +301,7 @@ class Suite:
             ("topk_stepwise", kc.topk_cases(), kc.topk_stepwise),
             ("topk_stepwise_u64", kc.topk_cases()[::4], lambda r, c: kc.topk_stepwise(r, c, wide=True)),
             ("topk_fused", kc.topk_cases(), kc.topk_fused_stepwise),
+            ("topk_fused_multi", kc.topk_cases(), lambda r, c: kc.topk_fused_stepwise(r, c, select="multi")),
             ("scatter", kc.scatter_cases(), kc.scatter_vs_reference),
             ("scatter_stepwise", kc.scatter_cases(), kc.scatter_stepwise),
             ("dense", kc.topk_cases(), kc.dense_vs_reference),
@@ -657,6 +658,7 @@ def workload(runner_kind: str) -> int:
     m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused"))
     m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_u64", scope="tensor", res_out="alias"), wide=True)
     m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_miss"), force="miss")
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_multi"), select="multi")
     m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter", (3000, 700), ("f16", "f64"), mode=1))
     m += kc.scatter_stepwise(
         r,

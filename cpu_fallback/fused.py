@@ -95,6 +95,29 @@ def _cands(cand_base, cand_cnt, c):
     return int(cand_base[c]), int(cand_cnt[c])
 
 
+def cand_select(nseg, seg_chunks, cand_base, cand_cnt, cand_key, state):
+    for s in range(int(nseg)):
+        k_rem = int(state[2 * s + 1])
+        if k_rem == 0:
+            continue
+        parts = []
+        for c in range(int(seg_chunks[s]), int(seg_chunks[s + 1])):
+            base, m = _cands(cand_base, cand_cnt, c)
+            parts.append(cand_key[base : base + m])
+        keys = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+        prefix = int(state[2 * s])
+        for shift in (24, 16, 8, 0):
+            k = keys if shift == 24 else keys[(keys >> np.uint32(shift + 8)) == np.uint32(prefix >> (shift + 8))]
+            h = np.bincount((k >> np.uint32(shift)) & np.uint32(255), minlength=256)
+            for b in range(255, -1, -1):
+                if k_rem <= int(h[b]):
+                    prefix |= b << shift
+                    break
+                k_rem -= int(h[b])
+        state[2 * s] = prefix
+        state[2 * s + 1] = k_rem
+
+
 def cand_hist(nt, chunk_start, seg_of, cand_base, cand_cnt, cand_key, state, shift, hist):
     shift = int(shift)
     for t in range(int(nt)):

@@ -113,7 +113,7 @@ def test_chunk_write_u64_matches_twin(runner, case):
 
 @pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
 def test_fused_topk_matches_twins_stepwise(runner, case):
-    """The fused selection (sample_keys, fused_scan, cand_hist and radix_pick, cand_count, chunk_scan_*, cand_write,
+    """The fused selection (sample_keys, fused_scan, cand_select, cand_count, chunk_scan_*, cand_write,
     residual_delta, kept_fix) against the twins of cpu_fallback/fused.py launch by launch, and against the NumPy
     backend."""
     assert kc.topk_fused_stepwise(runner, case) == []
@@ -273,6 +273,7 @@ def test_every_kernel_is_exercised():
     alias = next(c for c in TOPK if c.res_out == "alias" and c.qmode)
     kc.topk_fused_stepwise(r, alias)
     kc.topk_fused_stepwise(r, next(c for c in TOPK if c.res_out == "new"), wide=True)
+    kc.topk_fused_stepwise(r, alias, select="multi")
     kc.scatter_stepwise(r, SCATTER[0])
     kc.scatter_stepwise(r, SCATTER[1])
     kc.quant_stepwise(r, QUANT[0])
@@ -702,13 +703,27 @@ def _caught(runner, cases) -> list[str]:
 BUG_CASES = [c for c in TOPK if c.name in ("pattern_ties", "k_all_global", "crit_0_ties", "mixed_tensor")]
 
 
+def test_planted_off_by_one_in_cand_select_is_caught():
+    r = emu.EmulatorRunner(_mutate("topk.cu", "if (k_rem <= hb)", "if (k_rem < hb)"), package=False)
+    assert [m for c in BUG_CASES for m in kc.topk_fused_stepwise(emu.EmulatorRunner(), c, select="one")] == []
+    found = [m for c in BUG_CASES for m in kc.topk_fused_stepwise(r, c, select="one")]
+    assert any("cand_select" in m for m in found), "an off-by-one in cand_select went unnoticed"
+
+
 def test_planted_prefix_bug_in_cand_hist_is_caught():
-    r = emu.EmulatorRunner(
-        _mutate("topk.cu", "(key >> (shift + 8)) == high)", "(key >> (shift + 9)) == high)"), package=False
-    )
-    assert [m for c in BUG_CASES for m in kc.topk_fused_stepwise(emu.EmulatorRunner(), c)] == []  # control
-    found = [m for c in BUG_CASES for m in kc.topk_fused_stepwise(r, c)]
+    bug = _mutate("topk.cu", "(key >> (shift + 8)) == high)", "(key >> (shift + 9)) == high)")
+    r = emu.EmulatorRunner(bug, package=False)
+    control = emu.EmulatorRunner()
+    assert [m for c in BUG_CASES for m in kc.topk_fused_stepwise(control, c, select="multi")] == []
+    found = [m for c in BUG_CASES for m in kc.topk_fused_stepwise(r, c, select="multi")]
     assert any("cand_hist" in m for m in found), "a wrong prefix match in cand_hist went unnoticed"
+
+
+@pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
+def test_fused_multi_block_select_matches_twins(runner, case):
+    """The selection on the candidates with a block per chunk (cand_hist, radix_pick), which segments of many
+    chunks take: launch by launch against the twins and the NumPy backend, as the one-block form."""
+    assert kc.topk_fused_stepwise(runner, case, select="multi") == []
 
 
 def test_planted_off_by_one_in_radix_pick_is_caught():

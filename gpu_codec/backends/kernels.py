@@ -30,6 +30,7 @@ from ..constants import (
     Q_BF16,
     Q_F16,
     RICE_SCAN_THREADS,
+    SCAN_THREADS,
     SCATTER_ADD,
     U64_MAX,
     index_dtype,
@@ -52,6 +53,9 @@ RATE_SIGMAS = 4.0
 CAP_GROUP = 4  # chunks per fused_scan block (one candidate region each: relatively less spread than a chunk's)
 CAP_PRIOR = 256  # the segment's rate counts as this many samples of each tensor's
 NO_LO = 1 << 32  # lo of a segment with k = 0: above every key
+# a segment of more chunks than this selects on its candidates with a block per chunk (cand_hist) rather than one
+# block (cand_select, one SM): the four histogram rounds then cost a fixed 16 KiB of traffic per segment
+SELECT_BLOCK_CHUNKS = 64
 
 __all__ = ["CHUNK", "FUSED_ENV", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
 
@@ -208,6 +212,7 @@ class KernelOps:
 
     _force_fallback = ""  # tests only: "miss" (lo above every key) or "overflow" (empty candidate regions)
     _force_wide = False  # tests only: the fused path writes 64-bit indices whatever the sizes
+    _force_select = ""  # tests only: "one" (cand_select) or "multi" (cand_hist) whatever the segments' sizes
 
     def __init__(self, runner: Runner, fused: bool | None = None):
         self.runner = runner
@@ -420,17 +425,29 @@ class KernelOps:
             return None  # a region overflowed or the bracket missed
         # 3) exact selection on the candidates, then the ordered write of the kept entries
         state = self._up(initial_state(ks))
-        hist = xp.zeros(256 * max(nseg, 1), dtype=np.uint64)
-        for shift in (24, 16, 8, 0):  # a block per chunk: every SM works, whatever the segment count
+        seg_chunks = np.zeros(nseg + 1, np.int64)
+        for s, seg in enumerate(segments):
+            seg_chunks[s + 1] = tb.chunk_start[seg[-1] + 1] if seg else seg_chunks[s]
+        widest = int(np.diff(seg_chunks).max()) if nseg else 0
+        if self._force_select == "multi" or (widest > SELECT_BLOCK_CHUNKS and self._force_select != "one"):
+            hist = xp.zeros(256 * nseg, dtype=np.uint64)
+            for shift in (24, 16, 8, 0):  # a block per chunk: every SM works, whatever the segment count
+                run.launch(
+                    "cand_hist",
+                    grid,
+                    BLOCK,
+                    (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, np.int32(shift), hist),
+                )
+                run.launch("radix_pick", -(-nseg // 256), 256, (np.int32(nseg), np.int32(shift), hist, state))
+            peak = max(peak, tables + cands + _nbytes(state, hist))
+            del hist
+        else:  # segments of a few chunks: one block each, its histogram in shared memory
             run.launch(
-                "cand_hist",
-                grid,
-                BLOCK,
-                (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, np.int32(shift), hist),
+                "cand_select",
+                nseg,
+                SCAN_THREADS,
+                (np.int32(nseg), self._up(seg_chunks), cand_base) + (cand_cnt, cand_key, state),
             )
-            run.launch("radix_pick", max(1, -(-nseg // 256)), 256, (np.int32(nseg), np.int32(shift), hist, state))
-        peak = max(peak, tables + cands + _nbytes(state, hist))
-        del hist
         cnt = xp.zeros(2 * grid, dtype=np.uint32)
         run.launch("cand_count", grid, BLOCK, (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, cnt))
         eq_base = xp.zeros(grid, dtype=np.uint64)

@@ -615,12 +615,13 @@ class RecordingRunner:
             raise _Stop("; ".join(out))
 
 
-def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str = "") -> list[str]:
+def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str = "", select: str = "") -> list[str]:
     """The fused selection (KernelOps with fused=True) on the twins, then on ``runner`` launch by launch: every
     array argument compared after every launch (the first difference stops the run), then the outputs and
     residuals of both against the NumPy backend.
 
-    ``force``: "miss" or "overflow" forces the fallback to the unfused passes; ``wide`` 64-bit indices."""
+    ``force``: "miss" or "overflow" forces the fallback to the unfused passes; ``wide`` 64-bit indices;
+    ``select``: "one" (cand_select) or "multi" (cand_hist and radix_pick) for the selection on the candidates."""
     from gpu_codec.backends.kernels import KernelOps as Ops
 
     inp = make_topk_inputs(case)
@@ -636,7 +637,7 @@ def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str =
         d = {k: [up(a) for a in inp[k]] for k in ("new", "base", "res", "ext")}
         d_ro = _res_out(inp, d["res"], up)
         ops = Ops(rr, fused=True)
-        ops._force_fallback, ops._force_wide = force, wide
+        ops._force_fallback, ops._force_wide, ops._force_select = force, wide, select
         try:
             gi, gv, gbad = ops.topk_select(d["new"], d["base"], d["res"], d_ro, inp["dtypes"], d["ext"], *_rest(inp))
         except _Stop as e:
