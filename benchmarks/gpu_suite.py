@@ -17,7 +17,8 @@ Steps, in order (each recorded in OUTDIR/summary.json as pass / fail / skip, wit
              __cuda_stream__) reaching CuPy; compress, decompress, aggregate and error feedback on a side torch
              stream behind queued work, equal to the CPU's bytes; subnormals through every stage and pipeline
              (CuPy's -ftz kernels would flush them); nvCOMP's frames (odd tensor sizes, so staged alignment)
-             decoded by the CPU zstandard library; compress(blocking=False) against the blocking bytes.
+             decoded by the CPU zstandard library; compress(blocking=False) against the blocking bytes; DRAM
+             bytes per element of fused_scan and the candidate selection under ncu -> ncu_traffic.log.
              With --runner emulated: the subnormal checks on the emulated backend, the rest skipped.
 A human-readable log goes to OUTDIR/suite.log. The exit status is 1 if any step failed. Steps stop being started
 once --budget-s seconds have passed (540 by default), so a run under a time limit still writes its summary.
@@ -430,7 +431,12 @@ class Suite:
         results: dict[str, dict] = {}
         checks = [("subnormals", glue_subnormals)]
         if self.args.runner == "cupy":
-            checks += [("streams", glue_streams), ("nvcomp", glue_nvcomp), ("nonblocking", glue_nonblocking)]
+            checks += [
+                ("streams", glue_streams),
+                ("nvcomp", glue_nvcomp),
+                ("nonblocking", glue_nonblocking),
+                ("ncu_traffic", lambda r: glue_ncu(self.out)),
+            ]
         for name, fn in checks:
             t1 = time.monotonic()
             try:
@@ -617,6 +623,77 @@ def glue_nonblocking(runner: str) -> list[str]:
     return [] if got == want else ["compress(blocking=False) bytes differ from the blocking call's"]
 
 
+NCU_N = 1 << 24  # elements of the update ncu measures (one global segment of 4096 chunks: cand_hist's path)
+NCU_KERNELS = ("fused_scan", "cand_hist", "cand_select", "radix_pick", "cand_count", "cand_write_u32")
+_NCU_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+
+
+def ncu_workload() -> int:
+    """What ncu profiles: one fp32 compress of NCU_N elements against a base, global scope, on the GPU."""
+    import cupy
+    import numpy as np
+
+    import gpu_codec
+    from gpu_codec.testing import use_backend
+
+    rng = np.random.default_rng(0)
+    base = {"w": cupy.asarray(rng.standard_normal(NCU_N).astype(np.float32))}
+    new = {"w": base["w"] + cupy.asarray(rng.standard_normal(NCU_N).astype(np.float32))}
+    with use_backend("gpu"):
+        gpu_codec.compress(new, base, fraction=0.01).to_bytes()
+    print("ncu workload: ok")
+    return 0
+
+
+def parse_ncu_csv(text: str) -> dict[str, float]:
+    """DRAM bytes (read + write) per kernel name from ``ncu --csv`` output."""
+    import csv
+    import io
+
+    rows = [ln for ln in text.splitlines() if ln.startswith('"')]
+    out: dict[str, float] = {}
+    for r in csv.DictReader(io.StringIO("\n".join(rows))):
+        name = (r.get("Kernel Name") or "").split("(")[0]
+        if r.get("Metric Name", "").startswith("dram__bytes"):
+            v = float(str(r.get("Metric Value", "0")).replace(",", ""))
+            out[name] = out.get(name, 0.0) + v * _NCU_UNITS.get(r.get("Metric Unit", "byte"), 1)
+    return out
+
+
+def glue_ncu(out_dir) -> list[str]:
+    """DRAM traffic per kernel under Nsight Compute: fused_scan reads new and base once (8 B an element, fp32),
+    and the selection on the candidates adds little."""
+    ncu = shutil.which("ncu") or ("/usr/local/cuda/bin/ncu" if os.path.exists("/usr/local/cuda/bin/ncu") else None)
+    if not ncu:
+        return ["skip: ncu is not installed"]
+    cmd = [
+        ncu,
+        "--csv",
+        "--metrics",
+        "dram__bytes_read.sum,dram__bytes_write.sum",
+        "--kernel-name",
+        "regex:" + "|".join(NCU_KERNELS),
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--ncu-workload",
+    ]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
+    (Path(out_dir) / "ncu_traffic.log").write_text(r.stdout + r.stderr)
+    if r.returncode != 0 or "ncu workload: ok" not in r.stdout:
+        return [f"ncu failed (exit {r.returncode}); see ncu_traffic.log"]
+    per = {k: v / NCU_N for k, v in parse_ncu_csv(r.stdout).items()}
+    problems = []
+    if "fused_scan" not in per:
+        problems.append(f"no fused_scan in ncu's report: {sorted(per)}")
+    elif per["fused_scan"] > 8.8:
+        problems.append(f"fused_scan moved {per['fused_scan']:.2f} B an element (new and base: 8)")
+    sel = sum(per.get(k, 0.0) for k in ("cand_hist", "cand_select", "radix_pick"))
+    if sel > 0.5:
+        problems.append(f"the selection on the candidates moved {sel:.2f} B an element")
+    print("ncu bytes per element: " + json.dumps({k: round(v, 3) for k, v in per.items()}))
+    return problems
+
+
 def parse_sanitizer(text: str) -> dict:
     """Error counts from a compute-sanitizer log.
 
@@ -719,10 +796,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="internal: launch every kernel once and check it (what compute-sanitizer runs)",
     )
+    ap.add_argument("--ncu-workload", action="store_true", help="internal: the compress ncu profiles (glue step)")
     args = ap.parse_args(argv)
     _ensure_importable()
     if args.workload:
         return workload(args.runner)
+    if args.ncu_workload:
+        return ncu_workload()
     if not args.out:
         ap.error("--out is required")
     suite = Suite(args)

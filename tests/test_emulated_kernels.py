@@ -907,3 +907,18 @@ def test_large_segment_kept_whole_runs_unfused(emulated):
     assert (ops.fused_selections, ops.fused_fallbacks) == (0, 0)
     ops.topk_select(*args, inp["crit"], inp["segments"], [inp["ks"][0] - 1, inp["ks"][1]], inp["qmode"])
     assert (ops.fused_selections, ops.fused_fallbacks) == (1, 0)
+
+
+def test_gpu_suite_reads_ncu_csv():
+    gs = _suite_module()
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    text = "\n".join(
+        [
+            "==PROF== Connected to process",
+            head,
+            '"0","fused_scan(int, const long *)","dram__bytes_read.sum","Mbyte","134.22"',
+            '"0","fused_scan(int, const long *)","dram__bytes_write.sum","Kbyte","1,024"',
+            '"1","cand_hist","dram__bytes_read.sum","byte","512"',
+        ]
+    )
+    assert gs.parse_ncu_csv(text) == {"fused_scan": 134.22e6 + 1024e3, "cand_hist": 512.0}
