@@ -118,3 +118,21 @@ def test_aggregate_and_decode_bytes_match_the_numpy_backend_on_subnormals(audit)
     with using_backend(audit):
         mean = gpu_codec.aggregate([gpu_codec.compress({"w": sub}, fraction=1.0)] * 2, weights=[1, 2])["w"]
     assert np.count_nonzero((mean != 0) & (np.abs(mean) < np.finfo(np.float32).smallest_normal)) > 100
+
+
+@pytest.mark.parametrize("pipe", ["raw", "int8", "f16", "ternary"])
+def test_half_precision_tensors_run_no_flushable_float_op_outside_our_kernels(audit, pipe):
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(8)
+    base = {"h": rng.standard_normal(1500).astype(np.float16), "b": torch.randn(900).to(torch.bfloat16)}
+    new = {"h": base["h"] + np.float16(6e-8), "b": base["b"] + torch.randn(900).to(torch.bfloat16) * 1e-3}
+    with using_backend(audit), ftz_audit.recording() as log:
+        p = gpu_codec.compress(new, base, fraction=0.1, pipeline=PIPELINES[pipe], residual=gpu_codec.ErrorFeedback())
+        gpu_codec.decompress(p.to_bytes(), base=base)
+        agg = gpu_codec.Aggregator(base=base)
+        agg.add(p)
+        agg.result()
+        gpu_codec.decompress(
+            gpu_codec.compress(new, base, fraction=None, pipeline=PIPELINES[pipe]).to_bytes(), base=base
+        )
+    assert [(e.op, e.dtypes, e.where) for e in log] == []
