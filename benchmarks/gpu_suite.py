@@ -13,6 +13,13 @@ Steps, in order (each recorded in OUTDIR/summary.json as pass / fail / skip, wit
   sanitizer  compute-sanitizer memcheck, racecheck and synccheck over --workload, a short run that launches
              every kernel at least once and checks its output                            -> sanitizer_<tool>.log
   resources  registers, shared memory and spills from ptxas (benchmarks/kernel_resources.py) -> resources.txt
+  glue       the CuPy / torch glue on the device: the caller's torch stream (with and without
+             __cuda_stream__) reaching CuPy; compress, decompress, aggregate and error feedback on a side torch
+             stream behind queued work, equal to the CPU's bytes; subnormals through every stage and pipeline
+             (CuPy's -ftz kernels would flush them); nvCOMP's frames (odd tensor sizes, so staged alignment)
+             decoded by the CPU zstandard library; compress(blocking=False) against the blocking bytes; DRAM
+             bytes per element of fused_scan and the candidate selection under ncu -> ncu_traffic.log.
+             With --runner emulated: the subnormal checks on the emulated backend, the rest skipped.
 A human-readable log goes to OUTDIR/suite.log. The exit status is 1 if any step failed. Steps stop being started
 once --budget-s seconds have passed (540 by default), so a run under a time limit still writes its summary.
 
@@ -37,7 +44,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
-STEPS = ("env", "pytest", "parity", "cases", "sanitizer", "resources")
+STEPS = ("env", "pytest", "parity", "cases", "sanitizer", "resources", "glue")
 SANITIZER_TOOLS = ("memcheck", "racecheck", "synccheck")
 _EXTRA_PYTHONPATH: list[str] = []
 
@@ -295,11 +302,13 @@ class Suite:
             ("topk_stepwise", kc.topk_cases(), kc.topk_stepwise),
             ("topk_stepwise_u64", kc.topk_cases()[::4], lambda r, c: kc.topk_stepwise(r, c, wide=True)),
             ("topk_fused", kc.topk_cases(), kc.topk_fused_stepwise),
+            ("topk_fused_multi", kc.topk_cases(), lambda r, c: kc.topk_fused_stepwise(r, c, select="multi")),
             ("scatter", kc.scatter_cases(), kc.scatter_vs_reference),
             ("scatter_stepwise", kc.scatter_cases(), kc.scatter_stepwise),
             ("dense", kc.topk_cases(), kc.dense_vs_reference),
             ("quantize", kc.quant_cases(), kc.quant_stepwise),
             ("rice", kc.rice_cases(), kc.rice_stepwise),
+            ("floats", [3001, 1 << 20], lambda r, n: kc.float_steps(r, f"floats_{n}", n)),
         ]
         failures, n = [], 0
         for gname, cases, fn in groups:
@@ -312,8 +321,9 @@ class Suite:
                 except Exception as e:
                     m = [f"{type(e).__name__}: {e}"]
                 if m:
-                    failures.append({"group": gname, "case": case.name, "mismatches": m[:10]})
-                    self.log(f"   {gname}/{case.name}: FAIL {m[0]}")
+                    cname = getattr(case, "name", str(case))
+                    failures.append({"group": gname, "case": cname, "mismatches": m[:10]})
+                    self.log(f"   {gname}/{cname}: FAIL {m[0]}")
         self.log(f"   {n - len(failures)} of {n} cases equal to the byte")
         self.record("cases", "fail" if failures else "pass", t, cases=n, failures=failures)
 
@@ -416,6 +426,273 @@ class Suite:
             log="resources.txt",
         )
 
+    # -- the glue around the kernels
+    def step_glue(self, t):
+        results: dict[str, dict] = {}
+        checks = [("subnormals", glue_subnormals)]
+        if self.args.runner == "cupy":
+            checks += [
+                ("streams", glue_streams),
+                ("nvcomp", glue_nvcomp),
+                ("nonblocking", glue_nonblocking),
+                ("ncu_traffic", lambda r: glue_ncu(self.out)),
+            ]
+        for name, fn in checks:
+            t1 = time.monotonic()
+            try:
+                problems = fn(self.args.runner)
+                status = "skip" if problems and problems[0].startswith("skip:") else ("fail" if problems else "pass")
+            except Exception as e:
+                problems, status = [f"{type(e).__name__}: {e}"], "fail"
+                self.log(traceback.format_exc())
+            results[name] = {"status": status, "seconds": round(time.monotonic() - t1, 1), "problems": problems[:10]}
+            self.log(f"   {name}: {status.upper()} {problems[0] if problems else ''}")
+        failed = any(r["status"] == "fail" for r in results.values())
+        self.record("glue", "fail" if failed else "pass", t, checks=results)
+
+
+# ------------------------------------------------------------------------------------ glue checks (step glue)
+
+
+def _glue_update(n: int, seed: int):
+    import numpy as np
+
+    from gpu_codec.testing import kernel_cases as kc
+
+    rng = np.random.default_rng(seed)
+    base = {"w": rng.standard_normal(n).astype(np.float32), "d": rng.standard_normal(n // 8)}
+    new = {"w": base["w"] + kc.subnormal_mix(n, np.float32, seed), "d": base["d"] + rng.standard_normal(n // 8)}
+    tiny = {"w": kc.subnormal_mix(n, np.float32, seed + 1), "d": kc.subnormal_mix(n // 8, np.float64, seed + 2)}
+    return base, new, tiny
+
+
+def _glue_pipelines():
+    import gpu_codec
+
+    return {
+        "raw": None,
+        "int8": [gpu_codec.Int8Blockwise(block_size=64)],
+        "f16": [gpu_codec.Quantize("float16")],
+        "bf16": [gpu_codec.Quantize("bfloat16")],
+        "ternary": [gpu_codec.Ternary()],
+        "rice": [gpu_codec.RiceIndices()],
+    }
+
+
+def _glue_bytes(backend_name: str, n: int) -> dict[str, bytes]:
+    """Every stage's bytes on subnormal-rich inputs: compress per pipeline, decompress, aggregate (with and
+    without a base), error feedback."""
+    import numpy as np
+
+    import gpu_codec
+    from gpu_codec.testing import use_backend
+
+    base, new, tiny = _glue_update(n, 7)
+    out: dict[str, bytes] = {}
+    with use_backend(backend_name):
+        for name, pipe in _glue_pipelines().items():
+            ef = gpu_codec.ErrorFeedback()
+            p = gpu_codec.compress(new, base, fraction=0.2, pipeline=pipe, residual=ef)
+            q = gpu_codec.compress(tiny, fraction=0.5, pipeline=pipe)
+            out[f"{name}/compress"] = p.to_bytes() + q.to_bytes()
+            out[f"{name}/residual"] = ef.to_bytes()
+            for k, v in gpu_codec.decompress(q.to_bytes()).items():
+                out[f"{name}/decompress/{k}"] = np.asarray(v).tobytes()
+            for k, v in gpu_codec.aggregate([q, q], weights=[1.0, 0.75]).items():
+                out[f"{name}/aggregate/{k}"] = np.asarray(v).tobytes()
+            for k, v in gpu_codec.aggregate([p], base=base).items():
+                out[f"{name}/aggregate_base/{k}"] = np.asarray(v).tobytes()
+    return out
+
+
+def glue_subnormals(runner: str) -> list[str]:
+    n = 1 << 16 if runner == "cupy" else 1500
+    got = _glue_bytes("gpu" if runner == "cupy" else "emulated", n)
+    want = _glue_bytes("cpu", n)
+    return [f"{k}: differs from the CPU's bytes" for k in want if got.get(k) != want[k]]
+
+
+def glue_streams(runner: str) -> list[str]:
+    """On a side torch stream, behind a long matmul queued on it: compress / decompress / aggregate / error
+    feedback (from_bytes) give the CPU's bytes; caller_stream wraps that stream's handle, also for a torch
+    stream without __cuda_stream__."""
+    import numpy as np
+
+    try:
+        import torch
+    except ImportError:
+        return ["skip: torch is not installed"]
+    if not torch.cuda.is_available():
+        return ["skip: torch sees no CUDA device"]
+    import gpu_codec
+    from gpu_codec.backends.cupy import caller_stream
+    from gpu_codec.testing import use_backend
+
+    problems = []
+    base, new, _ = _glue_update(1 << 20, 3)
+    with use_backend("cpu"):
+        ef0 = gpu_codec.ErrorFeedback()
+        gpu_codec.compress(new, base, fraction=0.01, residual=ef0)
+        want_p = gpu_codec.compress(new, base, fraction=0.01, residual=ef0).to_bytes()
+        want_agg = {k: np.asarray(v) for k, v in gpu_codec.aggregate([want_p], base=base).items()}
+        ef_blob = gpu_codec.ErrorFeedback()
+        gpu_codec.compress(new, base, fraction=0.01, residual=ef_blob)
+        saved = ef_blob.to_bytes()
+    side = torch.cuda.Stream()
+
+    class OldStream:  # a torch stream as releases before the CUDA stream protocol had it
+        def __init__(self, s):
+            self.cuda_stream = s.cuda_stream
+
+    with use_backend("gpu"), torch.cuda.stream(side):
+        if caller_stream(torch.cuda.current_device()).ptr != side.cuda_stream:
+            problems.append("caller_stream is not the current torch stream")
+        orig = torch.cuda.current_stream
+        torch.cuda.current_stream = lambda d=None: OldStream(orig(d))
+        try:
+            if caller_stream(torch.cuda.current_device()).ptr != side.cuda_stream:
+                problems.append("caller_stream lost a torch stream without __cuda_stream__")
+        finally:
+            torch.cuda.current_stream = orig
+        a = torch.randn(4096, 4096, device="cuda")
+        for _ in range(8):
+            a = a @ a / 64  # queued work on the caller's stream ahead of the call
+        tb = {k: torch.from_numpy(v).cuda() for k, v in base.items()}
+        tn = {k: torch.from_numpy(v).cuda() for k, v in new.items()}
+        ef = gpu_codec.ErrorFeedback.from_bytes(saved)  # uploads queued on the current stream
+        got_p = gpu_codec.compress(tn, tb, fraction=0.01, residual=ef).to_bytes()
+        if got_p != want_p:
+            problems.append("compress after ErrorFeedback.from_bytes on a side stream differs from the CPU")
+        agg = gpu_codec.Aggregator(base=tb)
+        agg.add(got_p)
+        got_agg = agg.result()
+        for k, v in want_agg.items():
+            if got_agg[k].cpu().numpy().tobytes() != v.tobytes():
+                problems.append(f"Aggregator.result()[{k!r}] on a side stream differs from the CPU")
+    return problems
+
+
+def glue_nvcomp(runner: str) -> list[str]:
+    """nvCOMP's zstd frames for tensors of odd sizes (staged to aligned chunk starts), decoded by zstandard."""
+    import numpy as np
+
+    try:
+        from nvidia import nvcomp  # noqa: F401
+    except Exception as e:
+        return [f"skip: nvCOMP is not importable ({type(e).__name__})"]
+    import cupy
+
+    from gpu_codec.backends import get_backend
+    from gpu_codec.codecs.nvcomp import Nvcomp
+    from gpu_codec.testing import use_backend
+    from gpu_codec.testing.nvcomp import check_frames
+
+    sizes = [5, 0, 9, (1 << 20) + 3, 1, (1 << 24) + 7]
+    rng = np.random.default_rng(0)
+    raws = [rng.integers(0, 16, n, dtype=np.uint8).tobytes() for n in sizes]
+    codec = Nvcomp()
+    with use_backend("gpu"):
+        backend = get_backend()
+        with backend.stream([]):
+            flat = cupy.asarray(np.frombuffer(b"".join(raws), np.uint8))
+            buffers = codec.compress_parts(flat, sizes, backend)
+    return check_frames(buffers, raws, codec.chunk)
+
+
+def glue_nonblocking(runner: str) -> list[str]:
+    """compress(blocking=False) on a side torch stream: the pending payload's bytes equal the blocking call's."""
+    try:
+        import torch
+    except ImportError:
+        return ["skip: torch is not installed"]
+    import gpu_codec
+    from gpu_codec.testing import use_backend
+
+    base, new, _ = _glue_update(1 << 20, 5)
+    with use_backend("gpu"):
+        tb = {k: torch.from_numpy(v).cuda() for k, v in base.items()}
+        tn = {k: torch.from_numpy(v).cuda() for k, v in new.items()}
+        want = gpu_codec.compress(tn, tb, fraction=0.01).to_bytes()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            a = torch.randn(4096, 4096, device="cuda")
+            for _ in range(8):
+                a = a @ a / 64
+            pending = gpu_codec.compress(tn, tb, fraction=0.01, blocking=False)
+            got = pending.to_bytes()
+    return [] if got == want else ["compress(blocking=False) bytes differ from the blocking call's"]
+
+
+NCU_N = 1 << 24  # elements of the update ncu measures (one global segment of 4096 chunks: cand_hist's path)
+NCU_KERNELS = ("fused_scan", "cand_hist", "cand_select", "radix_pick", "cand_count", "cand_write_u32")
+_NCU_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
+
+
+def ncu_workload() -> int:
+    """What ncu profiles: one fp32 compress of NCU_N elements against a base, global scope, on the GPU."""
+    import cupy
+    import numpy as np
+
+    import gpu_codec
+    from gpu_codec.testing import use_backend
+
+    rng = np.random.default_rng(0)
+    base = {"w": cupy.asarray(rng.standard_normal(NCU_N).astype(np.float32))}
+    new = {"w": base["w"] + cupy.asarray(rng.standard_normal(NCU_N).astype(np.float32))}
+    with use_backend("gpu"):
+        gpu_codec.compress(new, base, fraction=0.01).to_bytes()
+    print("ncu workload: ok")
+    return 0
+
+
+def parse_ncu_csv(text: str) -> dict[str, float]:
+    """DRAM bytes (read + write) per kernel name from ``ncu --csv`` output."""
+    import csv
+    import io
+
+    rows = [ln for ln in text.splitlines() if ln.startswith('"')]
+    out: dict[str, float] = {}
+    for r in csv.DictReader(io.StringIO("\n".join(rows))):
+        name = (r.get("Kernel Name") or "").split("(")[0]
+        if r.get("Metric Name", "").startswith("dram__bytes"):
+            v = float(str(r.get("Metric Value", "0")).replace(",", ""))
+            out[name] = out.get(name, 0.0) + v * _NCU_UNITS.get(r.get("Metric Unit", "byte"), 1)
+    return out
+
+
+def glue_ncu(out_dir) -> list[str]:
+    """DRAM traffic per kernel under Nsight Compute: fused_scan reads new and base once (8 B an element, fp32),
+    and the selection on the candidates adds little."""
+    ncu = shutil.which("ncu") or ("/usr/local/cuda/bin/ncu" if os.path.exists("/usr/local/cuda/bin/ncu") else None)
+    if not ncu:
+        return ["skip: ncu is not installed"]
+    cmd = [
+        ncu,
+        "--csv",
+        "--metrics",
+        "dram__bytes_read.sum,dram__bytes_write.sum",
+        "--kernel-name",
+        "regex:" + "|".join(NCU_KERNELS),
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--ncu-workload",
+    ]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
+    (Path(out_dir) / "ncu_traffic.log").write_text(r.stdout + r.stderr)
+    if r.returncode != 0 or "ncu workload: ok" not in r.stdout:
+        return [f"ncu failed (exit {r.returncode}); see ncu_traffic.log"]
+    per = {k: v / NCU_N for k, v in parse_ncu_csv(r.stdout).items()}
+    problems = []
+    if "fused_scan" not in per:
+        problems.append(f"no fused_scan in ncu's report: {sorted(per)}")
+    elif per["fused_scan"] > 8.8:
+        problems.append(f"fused_scan moved {per['fused_scan']:.2f} B an element (new and base: 8)")
+    sel = sum(per.get(k, 0.0) for k in ("cand_hist", "cand_select", "radix_pick"))
+    if sel > 0.5:
+        problems.append(f"the selection on the candidates moved {sel:.2f} B an element")
+    print("ncu bytes per element: " + json.dumps({k: round(v, 3) for k, v in per.items()}))
+    return problems
+
 
 def parse_sanitizer(text: str) -> dict:
     """Error counts from a compute-sanitizer log.
@@ -458,6 +735,7 @@ def workload(runner_kind: str) -> int:
     m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused"))
     m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_u64", scope="tensor", res_out="alias"), wide=True)
     m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_miss"), force="miss")
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_multi"), select="multi")
     m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter", (3000, 700), ("f16", "f64"), mode=1))
     m += kc.scatter_stepwise(
         r,
@@ -471,6 +749,7 @@ def workload(runner_kind: str) -> int:
     m += kc.dense_vs_reference(r, topk)
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice", (300, 5000, 0), (30000, 9000, 10)))
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice_u64", (300, 5000), (1 << 36, 9000), wide=True))
+    m += kc.float_steps(r, "workload_floats", 3001)
     _sync(inner)
     from gpu_codec.backends.sources import kernel_signatures
 
@@ -517,10 +796,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="internal: launch every kernel once and check it (what compute-sanitizer runs)",
     )
+    ap.add_argument("--ncu-workload", action="store_true", help="internal: the compress ncu profiles (glue step)")
     args = ap.parse_args(argv)
     _ensure_importable()
     if args.workload:
         return workload(args.runner)
+    if args.ncu_workload:
+        return ncu_workload()
     if not args.out:
         ap.error("--out is required")
     suite = Suite(args)

@@ -118,6 +118,22 @@ def cand_select(nseg, seg_chunks, cand_base, cand_cnt, cand_key, state):
         state[2 * s + 1] = k_rem
 
 
+def cand_hist(nt, chunk_start, seg_of, cand_base, cand_cnt, cand_key, state, shift, hist):
+    shift = int(shift)
+    for t in range(int(nt)):
+        s = int(seg_of[t])
+        if int(state[2 * s + 1]) == 0:
+            continue
+        c0, c1 = _chunks(chunk_start, t)
+        parts = [cand_key[b : b + m] for b, m in (_cands(cand_base, cand_cnt, c) for c in range(c0, c1))]
+        k = np.concatenate(parts) if parts else np.zeros(0, np.uint32)
+        if shift != 24:
+            k = k[(k >> np.uint32(shift + 8)) == np.uint32(int(state[2 * s]) >> (shift + 8))]
+        hist[256 * s : 256 * (s + 1)] += np.bincount((k >> np.uint32(shift)) & np.uint32(255), minlength=256).astype(
+            np.uint64
+        )
+
+
 def cand_count(nt, chunk_start, seg_of, cand_base, cand_cnt, cand_key, state, cnt):
     for t in range(int(nt)):
         T = np.uint32(int(state[2 * int(seg_of[t])]))

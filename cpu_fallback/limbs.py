@@ -15,6 +15,8 @@ order).
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .parallel import parallel_map, spans, thread_count
@@ -33,6 +35,41 @@ def add_span(limbs, idx, qs, a: int, b: int) -> None:
             limbs[j, a:b] += qs[j, a:b]
         else:
             limbs[j, idx[a:b]] += qs[j, a:b]
+
+
+def limb_split(vals, w: float, exps: list[int], xp=np):
+    """The limbs of ``vals * w`` (fp64) on the grids ``2^exps[j]`` (coarsest first), as int32 rows: ``rem = v * w``;
+    ``q_j = rint(rem * 2^-e_j)``; ``rem -= q_j * 2^e_j`` but after the last. Every product is by a power of two,
+    so exact. Twin of kernels/limbs.cu ``limb_split_f32`` / ``limb_split_f64``.
+
+    >>> limb_split(np.array([1.5, -0.25], np.float32), 2.0, [0, -1, -2]).tolist()
+    [[3, 0], [0, -1], [0, 0]]
+    """
+    rem = vals.astype(np.float64) * w
+    qs = xp.empty((len(exps), rem.size), dtype=np.int32)
+    for j, e in enumerate(exps):
+        q = xp.rint(rem * math.ldexp(1.0, -e))
+        if j < len(exps) - 1:
+            rem = rem - q * math.ldexp(1.0, e)  # exact: q * 2^e is within half a grid step of rem
+        qs[j] = q
+    return qs
+
+
+def abs_max(vals, to_host=np.asarray) -> float:
+    """``max |v|`` of finite float values on the host, from their bits: the sign bit cleared and the largest
+    magnitude found as an unsigned integer (IEEE order; ``to_host`` copies the one word back), so no float operation
+    runs (a GPU array module's own
+    float kernels flush subnormals to zero).
+
+    >>> abs_max(np.array([-3.0, 2.0, 1e-45], np.float32)), abs_max(np.array([], np.float64))
+    (3.0, 0.0)
+    """
+    if vals.size == 0:
+        return 0.0
+    ut = np.uint64 if vals.dtype.itemsize == 8 else np.uint32
+    bits = vals.view(ut) & ut(np.iinfo(ut).max >> 1)
+    top = np.asarray(to_host(bits.max()), dtype=ut).reshape(1)
+    return float(top.view(vals.dtype)[0])
 
 
 def limb_add(limbs: np.ndarray, idx: np.ndarray | None, qs: np.ndarray) -> None:

@@ -74,7 +74,13 @@ def int8_absmax(v: np.ndarray, block: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def int8_decode(q: Any, scales: Any, block: int, xp: Any = np) -> Any:
+    """``q * scale`` of each entry's block, in fp32. Twin of kernels/limbs.cu ``int8_dequant``."""
     return q.astype(xp.float32) * xp.repeat(scales, block)[: q.size]
+
+
+def widen_f32(x: Any) -> Any:
+    """fp32 values as fp64, exactly. Twin of kernels/limbs.cu ``widen_f32``."""
+    return x.astype(np.float64)
 
 
 def pairwise_sum(a: np.ndarray) -> float:

@@ -32,8 +32,8 @@ import numpy as np
 from . import dtypes
 from . import engine as _engine
 from .arrays import from_backend, to_tensor
-from .backends import get_backend
-from .backends.base import all_finite
+from .backends import events, get_backend
+from .backends.base import abs_max, all_finite
 from .codecs import decoder_for
 from .constants import SCATTER_ADD
 from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError, PayloadValueError
@@ -246,6 +246,7 @@ class Aggregator:
         self._beta: dict[str, int | None] = {}
         self._weights: list[float] = []
         self._wsum = 0.0  # plain running sum: an exact one is taken only near fp64's range
+        self._ready: Any = None  # device backends: an event after the last limb update (see backends.events)
 
     @property
     def count(self) -> int:
@@ -291,7 +292,7 @@ class Aggregator:
         plan = []
         for r in records:
             vals, idx = self._checked_entries(r, backend, what)
-            m = float(backend.to_host(backend.xp.maximum(vals.max(), -vals.min()))) if vals.size else 0.0
+            m = abs_max(vals, backend.to_host)  # from the bits: no float kernel of the array module
             cmax = w * m
             if not cmax < _C_MAX:
                 raise InvalidInputError(
@@ -304,11 +305,13 @@ class Aggregator:
         del records
         if self._template is None:
             self._template = template
+        events.wait(backend, self._ready)  # the previous add may have run on another stream
         for r, idx, vals, beta in plan:
             step = _engine._chunk(vals.size, bounds)  # the fp64 and limb temporaries of one chunk at a time
             for a in range(0, max(vals.size, 1), step):
                 b = min(a + step, vals.size)
                 self._accumulate(r, None if idx is None else idx[a:b], vals[a:b], w, beta, a)
+        self._ready = events.record(backend)
         self._weights.append(w)
         self._wsum += w
 
@@ -385,14 +388,7 @@ class Aggregator:
             self._beta[r.name] = cur = beta
         if cur is None or vals.size == 0:
             return  # nothing but zeros so far
-        rem = vals.astype(np.float64) * w
-        qs = xp.empty((LIMBS, rem.size), dtype=np.int32)
-        for j in range(LIMBS):
-            e = cur + (LIMBS - 1 - j) * LIMB_BITS
-            q = xp.rint(rem * math.ldexp(1.0, -e))
-            if j < LIMBS - 1:
-                rem = rem - q * math.ldexp(1.0, e)  # exact: q * 2^e is within half a grid step of rem
-            qs[j] = q
+        qs = self._backend.limb_split(vals, w, [cur + (LIMBS - 1 - j) * LIMB_BITS for j in range(LIMBS)])
         if idx is None:
             self._backend.limb_add(limbs[:, lo : lo + vals.size], None, qs)
         else:
@@ -410,6 +406,7 @@ class Aggregator:
         if total <= 0.0:
             raise InvalidInputError("the weights sum to zero: the weighted mean is undefined")
         xp = self._backend.xp
+        events.wait(self._backend, self._ready)  # the adds' limb updates, on whatever stream they ran
         out = {}
         for n, shape, dt in self._template.entries:
             numel = math.prod(shape)
@@ -426,23 +423,31 @@ class Aggregator:
                 b = min(a + step, numel)
                 self._backend.limb_mean(limbs[:, a:b], scales, total, mean[a:b])
             out[n] = mean
+        self._ready = events.record(self._backend)
         return out
 
     def result(self) -> dict[str, Any]:
-        """``base + mean delta`` (with a base) or the mean delta, as :func:`gpu_codec.decompress` returns them."""
-        with self._lock:
-            means = self._mean_delta()
-            entries = self._template.entries
-        if self._base is not None:
-            recs = [
-                TensorRecord(n, dt, shape, "dense", math.prod(shape), {"values": means[n]}) for n, shape, dt in entries
-            ]
-            del means
-            # the cap was applied to every payload; every client's base + delta is finite, so the mean's is (its
-            # rounding aside, at the very edge of the dtype's range)
-            return _engine.decompress(_engine.Payload(recs, []), base=self._base, max_output_bytes=None)
-        kind = self._like or "numpy"
-        return {n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind) for n, shape, dt in entries}
+        """``base + mean delta`` (with a base) or the mean delta, as :func:`gpu_codec.decompress` returns them.
+
+        On a GPU the mean is computed on the stream :func:`gpu_codec.decompress` applies it on (the caller's
+        current torch stream for a torch CUDA base), after the adds' limb updates (an event), and the call
+        returns once that stream has finished it, as decompress does."""
+        bases = [to_tensor(a, n) for n, a in self._base.items()] if self._base is not None else []
+        with self._backend.stream(bases):
+            with self._lock:
+                means = self._mean_delta()
+                entries = self._template.entries
+            if self._base is not None:
+                recs = [
+                    TensorRecord(n, dt, shape, "dense", math.prod(shape), {"values": means[n]})
+                    for n, shape, dt in entries
+                ]
+                del means
+                # the cap was applied to every payload; every client's base + delta is finite, so the mean's is
+                # (its rounding aside, at the very edge of the dtype's range)
+                return _engine.decompress(_engine.Payload(recs, []), base=self._base, max_output_bytes=None)
+            kind = self._like or "numpy"
+            return {n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind) for n, shape, dt in entries}
 
 
 def aggregate(

@@ -18,7 +18,7 @@ import math
 import warnings
 from collections.abc import Callable, Mapping
 from fractions import Fraction
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
@@ -42,6 +42,9 @@ from .format import (
     unpack,
 )
 from .format.fingerprint import check_base, fingerprint
+
+if TYPE_CHECKING:
+    from .pending import PendingPayload
 
 DEFAULT_MAX_OUTPUT_BYTES = 4 << 30  # decompress's cap on the dense output a payload may declare
 # Entries written per scatter: a 256th of the tensor, within these bounds, so the temporaries of a chunk (about
@@ -345,7 +348,8 @@ def compress(
     metadata: Mapping[str, Any] | None = None,
     pipeline: Any = None,
     fingerprint_base: bool = False,
-) -> Payload:
+    blocking: bool = True,
+) -> Payload | PendingPayload:
     """Compress ``update - base`` to its exact top-k entries as sparse COO.
 
     Parameters
@@ -376,6 +380,9 @@ def compress(
         Store an 8-byte sampled fingerprint of ``base`` (:mod:`gpu_codec.format.fingerprint`: at most 256
         elements per tensor, gathered where the base lives), which :func:`decompress` checks against the base
         it is given. Off by default; needs a ``base``.
+    blocking
+        ``False``: return a :class:`~gpu_codec.pending.PendingPayload` as soon as the work is queued, without the
+        final wait described below (its ``wait()`` / ``to_bytes()`` wait; ``ready()`` asks).
 
     Returns
     -------
@@ -383,12 +390,29 @@ def compress(
         Kept entries per tensor: ``indices`` (flat, ascending, uint32 where the tensor allows) and ``values``
         (the delta in fp32, fp64 for fp64 tensors). A kept value of exactly 0.0 is kept.
 
+    Notes
+    -----
+    Host waits on the GPU. The call runs on the caller's current torch stream (CuPy's current stream for
+    CuPy inputs), and the host waits for that stream at these points: each small read-back of the selection
+    (an error word after scoring, the sampled keys, the per-tensor kept counts; with codecs, the ternary means
+    and Rice bit counts), each of which waits for everything queued on the stream before it, so the first one
+    also waits for the work the caller queued before the call (an optimizer step, say); and the end of the
+    call, which waits for the whole stream so that the payload's device buffers are complete
+    (``blocking=False`` skips only this last wait). :meth:`Payload.to_bytes` then copies the buffers to the
+    host, and a stored error-feedback residual carries an event that the next call's stream waits on.
+
     >>> import numpy as np
     >>> p = compress({"a": np.array([1., -4., 2.], np.float32), "b": np.array([4., 0.5], np.float32)},
     ...              fraction=0.4)                        # k = ceil(0.4 x 5) = 2, tie at 4.0: "a" comes first
     >>> [(r.name, r.buffers["indices"].tolist()) for r in p.tensors]
     [('a', [1]), ('b', [0])]
     """
+    if not blocking:  # the same call, with its end-of-call wait turned into an event (gpu_codec.pending)
+        from .pending import PendingPayload
+
+        kw = dict(fraction=fraction, scope=scope, score=score, residual=residual, metadata=metadata)
+        kw["fingerprint_base"] = fingerprint_base
+        return PendingPayload.run(lambda: compress(update, base, pipeline=pipeline, **kw))
     update = _as_mapping(update, "update")
     if base is not None:
         base = _as_mapping(base, "base")

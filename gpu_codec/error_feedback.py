@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
-from .backends import Backend, get_backend
+from .backends import Backend, events, get_backend
 from .errors import InvalidInputError, PayloadLayoutError, PayloadValueError
 from .format import TensorRecord, pack, unpack
 
@@ -95,6 +95,8 @@ class ErrorFeedback:
             if name not in self._state:
                 raise KeyError(name)
             a, _, shape = self._state[name]
+            backend = get_backend()
+            events.wait(backend, self._ready)  # the copy runs on the current stream, after the writes
             host = a.get() if type(a).__module__.startswith("cupy") else np.asarray(a)
             return np.array(host).reshape(shape)
 
@@ -105,8 +107,7 @@ class ErrorFeedback:
         """Hold the state for one compress call: yields a :class:`_Binding`; its residuals are stored only if
         the caller calls :meth:`_commit` on it before the block ends (an exception stores nothing)."""
         with self._lock:
-            if self._ready is not None and getattr(backend, "on_device", False):
-                backend.xp.cuda.get_current_stream().wait_event(self._ready)
+            events.wait(backend, self._ready)
             yield self._bind(names, news, backend)
 
     def _bind(self, names: list[str], news: list[Any], backend: Backend) -> _Binding:
@@ -135,10 +136,7 @@ class ErrorFeedback:
         for (n, dt, shape), a in zip(binding.entries, binding.res_out):
             self._state[n] = (a, dt, shape)
         binding.committed = True
-        if getattr(backend, "on_device", False):
-            ev = backend.xp.cuda.Event(disable_timing=True)
-            ev.record()
-            self._ready = ev
+        self._ready = events.record(backend)
 
     # --- persistence ----------------------------------------------------------------------------------------------
 
@@ -171,6 +169,8 @@ class ErrorFeedback:
             if not np.isfinite(values).all():
                 raise PayloadValueError(f"tensor {r.name!r}: the saved residual holds a non-finite value (inf or NaN)")
             ef._state[r.name] = (backend.asarray(values), r.dtype, tuple(r.shape))
+        # the uploads are queued on the current stream: the first compress, on whatever stream, waits for them
+        ef._ready = events.record(backend)
         return ef
 
     def save(self, path: str | os.PathLike) -> None:

@@ -480,10 +480,14 @@ extern "C" __global__ void chunk_write_u64(
 // sample_keys -> (host: a low bracket lo per segment and candidate capacities per chunk from the sample) ->
 // fused_scan (one pass: delta, key, checks, residual = delta where written early, in-order compaction of the
 // keys >= lo into a per-chunk region) -> cand_select (exact radix select on the candidates, one block per
-// segment) -> cand_count -> the chunk scan -> cand_write_{u32,u64} -> [residual_delta] -> kept_fix_{u32,u64}.
+// segment) or, where a segment has many chunks, 4 x (cand_hist, radix_pick) (a block per chunk) -> cand_count -> the chunk scan -> cand_write_{u32,u64} -> [residual_delta] -> kept_fix_{u32,u64}.
 // If a segment has fewer than k candidates (the bracket missed) or a chunk overflows its region, the caller
 // runs the unfused passes above instead, which are exact for any input.
 // Twins with the same names and arguments are in cpu_fallback/fused.py.
+
+// fused_scan: consecutive elements a thread per round (a round of BLOCK * SCAN_VEC elements, one barrier)
+#define SCAN_VEC 2
+static_assert(ITEMS % SCAN_VEC == 0, "a chunk is a whole number of fused_scan rounds");
 
 // The fp32 score key of element i and whether its delta or score is non-finite; the delta goes to d32 or d64.
 __device__ __forceinline__ u32 element_key(const void* nw, const void* bs, const void* rs, const void* sc, int dt,
@@ -532,7 +536,8 @@ extern "C" __global__ void sample_keys(
                           (const void*)score_ptrs[t], dtypes[t], score_dtypes[t], crit, i, bad, d32, d64);
 }
 
-// One pass over every element: key and checks (status[0] = lowest tensor with a non-finite delta or score,
+// One pass over every element, SCAN_VEC consecutive elements a thread per round and one barrier a round (the
+// per-warp counts double-buffered): key and checks (status[0] = lowest tensor with a non-finite delta or score,
 // initialised to ~0), residual = delta into early_ptrs[t] where non-zero, and the elements whose key is at least
 // lo[seg] (lo = 2^32: none) compacted in index order. Block g handles the chunks [grp_start[g], grp_start[g + 1])
 // of one tensor into the region [grp_off[g], grp_off[g + 1]): cand_idx = index within the chunk, cand_key = key;
@@ -544,8 +549,7 @@ extern "C" __global__ void fused_scan(
     int crit, const u64* early_ptrs, const u64* lo, const i64* grp_start, const u64* grp_off, u64* cand_base,
     u32* cand_cnt, u16* cand_idx, u32* cand_key, u64* status)
 {
-    __shared__ u32 wsel[WARPS];
-    __shared__ u32 tot;
+    __shared__ u32 wsel[2][WARPS];  // per warp, selected in the round; two sets, so one barrier a round
     const i64 g = blockIdx.x;
     const i64 c_first = grp_start[g], c_end = grp_start[g + 1];
     const int t = tensor_of_chunk(chunk_start, nt, c_first);
@@ -562,48 +566,63 @@ extern "C" __global__ void fused_scan(
     const u64 base = grp_off[g];
     const u64 cap = grp_off[g + 1] - base;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const u32 lt_mask = (1u << lane) - 1u;
     u64 pos = 0;
+    int parity = 0;
     bool bad_any = false;
     for (i64 c = c_first; c < c_end; ++c) {
         const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
         const u64 pos0 = pos;
-        for (int j = 0; j < ITEMS; ++j) {
-            const i64 i0 = e0 + (i64)j * BLOCK;
+        for (int j = 0; j < ITEMS / SCAN_VEC; ++j) {
+            const i64 i0 = e0 + (i64)j * (BLOCK * SCAN_VEC);
             if (i0 >= n) break;  // uniform across the block
-            const i64 i = i0 + threadIdx.x;
-            const bool valid = i < n;
-            u32 key = 0;
-            if (valid) {
-                bool bad;
-                float d32 = 0.0f;
-                double d64 = 0.0;
-                key = element_key(nw, bs, rs, sc, dt, sdt, crit, i, bad, d32, d64);
-                bad_any |= bad;
-                if (ep) {
-                    if (dt == DT_F64) ((double*)ep)[i] = d64;
-                    else ((float*)ep)[i] = d32;
+            const i64 ib = i0 + (i64)threadIdx.x * SCAN_VEC;  // SCAN_VEC consecutive elements a thread
+            u32 key[SCAN_VEC];
+            u32 mask = 0;
+#pragma unroll
+            for (int v = 0; v < SCAN_VEC; ++v) {
+                const i64 i = ib + v;
+                key[v] = 0;
+                if (i < n) {
+                    bool bad;
+                    float d32 = 0.0f;
+                    double d64 = 0.0;
+                    key[v] = element_key(nw, bs, rs, sc, dt, sdt, crit, i, bad, d32, d64);
+                    bad_any |= bad;
+                    if (ep) {
+                        if (dt == DT_F64) ((double*)ep)[i] = d64;
+                        else ((float*)ep)[i] = d32;
+                    }
+                    mask |= (u32)((u64)key[v] >= L) << v;
                 }
             }
-            const bool sel = valid && (u64)key >= L;
-            const u32 bsel = __ballot_sync(0xFFFFFFFFu, sel);
-            if (lane == 0) wsel[warp] = __popc(bsel);
-            __syncthreads();
-            u32 before = __popc(bsel & lt_mask);
-            for (int w = 0; w < warp; ++w) before += wsel[w];
-            const u64 slot = pos + before;
-            if (sel && slot < cap) {
-                cand_idx[base + slot] = (u16)(i - e0);
-                cand_key[base + slot] = key;
+            // the round's selected elements in index order: thread by thread, then within a thread
+            const u32 cnt = __popc(mask);
+            u32 incl = cnt;
+            for (int o = 1; o < 32; o <<= 1) {
+                const u32 y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+                if (lane >= o) incl += y;
             }
-            if (threadIdx.x == 0) {
-                u32 a = 0;
-                for (int w = 0; w < WARPS; ++w) a += wsel[w];
-                tot = a;
+            if (lane == 31) wsel[parity][warp] = incl;
+            __syncthreads();
+            u32 before = incl - cnt, total = 0;
+            for (int w = 0; w < WARPS; ++w) {
+                const u32 x = wsel[parity][w];
+                total += x;
+                if (w < warp) before += x;
             }
-            __syncthreads();
-            pos += tot;
-            __syncthreads();
+            u64 slot = pos + before;
+#pragma unroll
+            for (int v = 0; v < SCAN_VEC; ++v) {
+                if ((mask >> v) & 1u) {
+                    if (slot < cap) {
+                        cand_idx[base + slot] = (u16)(ib + v - e0);
+                        cand_key[base + slot] = key[v];
+                    }
+                    ++slot;
+                }
+            }
+            pos += total;
+            parity ^= 1;
         }
         if (threadIdx.x == 0) {
             const u64 a = pos0 < cap ? pos0 : cap, b = pos < cap ? pos : cap;
@@ -620,6 +639,7 @@ extern "C" __global__ void fused_scan(
 
 // Exact radix select on the candidates, one block (SCAN_THREADS threads, a chunk each in turn) per segment s over chunks
 // [seg_chunks[s], seg_chunks[s + 1]); state as radix_pick leaves it: [T, take_eq] (k = 0: [~0, 0] unchanged).
+// For segments of a few chunks (per-tensor scope); a segment of many chunks takes cand_hist below instead.
 extern "C" __global__ void cand_select(
     int nseg, const i64* seg_chunks, const u64* cand_base, const u32* cand_cnt, const u32* cand_key, u64* state)
 {
@@ -657,6 +677,33 @@ extern "C" __global__ void cand_select(
         __syncthreads();
     }
     if (threadIdx.x == 0) { state[2 * s] = sh_prefix; state[2 * s + 1] = sh_k; }
+}
+
+// One radix digit (8 bits at `shift`) of the candidates that still match their segment's prefix, as radix_hist
+// over the keys: one block per chunk (all SMs busy whatever the segment count), a shared histogram flushed into
+// hist (256 u64 per segment) with one atomic per non-empty bin. Four rounds of (cand_hist, radix_pick) are the
+// exact radix select on the candidates; state as radix_pick leaves it: [T, take_eq] (k = 0: [~0, 0] unchanged).
+extern "C" __global__ void cand_hist(
+    int nt, const i64* chunk_start, const int* seg_of, const u64* cand_base, const u32* cand_cnt,
+    const u32* cand_key, const u64* state, int shift, u64* hist)
+{
+    __shared__ u32 bins[256];
+    const i64 c = blockIdx.x;
+    const int s = seg_of[tensor_of_chunk(chunk_start, nt, c)];
+    for (int b = threadIdx.x; b < 256; b += BLOCK) bins[b] = 0;
+    __syncthreads();
+    if (state[2 * s + 1] != 0) {  // uniform across the block
+        const u32 high = shift == 24 ? 0u : (u32)state[2 * s] >> (shift + 8);
+        const u64 base = cand_base[c];
+        const u32 m = cand_cnt[c];
+        for (u32 j = threadIdx.x; j < m; j += BLOCK) {
+            const u32 key = cand_key[base + j];
+            if (shift == 24 || (key >> (shift + 8)) == high) atomicAdd(&bins[(key >> shift) & 255u], 1u);
+        }
+    }
+    __syncthreads();
+    for (int b = threadIdx.x; b < 256; b += BLOCK)
+        if (bins[b]) atomicAdd(&hist[256 * (i64)s + b], (u64)bins[b]);
 }
 
 // Per chunk, over its candidates: how many keys are above the segment's threshold, and how many equal it.

@@ -273,12 +273,14 @@ def test_every_kernel_is_exercised():
     alias = next(c for c in TOPK if c.res_out == "alias" and c.qmode)
     kc.topk_fused_stepwise(r, alias)
     kc.topk_fused_stepwise(r, next(c for c in TOPK if c.res_out == "new"), wide=True)
+    kc.topk_fused_stepwise(r, alias, select="multi")
     kc.scatter_stepwise(r, SCATTER[0])
     kc.scatter_stepwise(r, SCATTER[1])
     kc.quant_stepwise(r, QUANT[0])
     kc.rice_stepwise(r, RICE[0])
     kc.rice_stepwise(r, RICE[1])
     assert kc.dense_vs_reference(r, TOPK[0]) == []
+    assert kc.float_steps(r, n=300) == []
     missing = set(kernel_signatures()) - set(r.launch_counts)
     assert not missing, f"kernels without emulated test cases: {sorted(missing)}"
 
@@ -703,9 +705,25 @@ BUG_CASES = [c for c in TOPK if c.name in ("pattern_ties", "k_all_global", "crit
 
 def test_planted_off_by_one_in_cand_select_is_caught():
     r = emu.EmulatorRunner(_mutate("topk.cu", "if (k_rem <= hb)", "if (k_rem < hb)"), package=False)
-    assert [m for c in BUG_CASES for m in kc.topk_fused_stepwise(emu.EmulatorRunner(), c)] == []  # control
-    found = [m for c in BUG_CASES for m in kc.topk_fused_stepwise(r, c)]
+    assert [m for c in BUG_CASES for m in kc.topk_fused_stepwise(emu.EmulatorRunner(), c, select="one")] == []
+    found = [m for c in BUG_CASES for m in kc.topk_fused_stepwise(r, c, select="one")]
     assert any("cand_select" in m for m in found), "an off-by-one in cand_select went unnoticed"
+
+
+def test_planted_prefix_bug_in_cand_hist_is_caught():
+    bug = _mutate("topk.cu", "(key >> (shift + 8)) == high)", "(key >> (shift + 9)) == high)")
+    r = emu.EmulatorRunner(bug, package=False)
+    control = emu.EmulatorRunner()
+    assert [m for c in BUG_CASES for m in kc.topk_fused_stepwise(control, c, select="multi")] == []
+    found = [m for c in BUG_CASES for m in kc.topk_fused_stepwise(r, c, select="multi")]
+    assert any("cand_hist" in m for m in found), "a wrong prefix match in cand_hist went unnoticed"
+
+
+@pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
+def test_fused_multi_block_select_matches_twins(runner, case):
+    """The selection on the candidates with a block per chunk (cand_hist, radix_pick), which segments of many
+    chunks take: launch by launch against the twins and the NumPy backend, as the one-block form."""
+    assert kc.topk_fused_stepwise(runner, case, select="multi") == []
 
 
 def test_planted_off_by_one_in_radix_pick_is_caught():
@@ -828,7 +846,9 @@ def test_gpu_suite_runs_its_cpu_steps(tmp_path):
         "cases": "pass",
         "sanitizer": "skip",
         "resources": "skip",
+        "glue": "pass",
     }
+    assert summary["steps"]["glue"]["checks"]["subnormals"]["status"] == "pass"
     assert summary["result"] == "pass" and summary["steps"]["cases"]["cases"] > 10
     assert (tmp_path / "suite.log").exists()
 
@@ -887,3 +907,18 @@ def test_large_segment_kept_whole_runs_unfused(emulated):
     assert (ops.fused_selections, ops.fused_fallbacks) == (0, 0)
     ops.topk_select(*args, inp["crit"], inp["segments"], [inp["ks"][0] - 1, inp["ks"][1]], inp["qmode"])
     assert (ops.fused_selections, ops.fused_fallbacks) == (1, 0)
+
+
+def test_gpu_suite_reads_ncu_csv():
+    gs = _suite_module()
+    head = '"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"'
+    text = "\n".join(
+        [
+            "==PROF== Connected to process",
+            head,
+            '"0","fused_scan(int, const long *)","dram__bytes_read.sum","Mbyte","134.22"',
+            '"0","fused_scan(int, const long *)","dram__bytes_write.sum","Kbyte","1,024"',
+            '"1","cand_hist","dram__bytes_read.sum","byte","512"',
+        ]
+    )
+    assert gs.parse_ncu_csv(text) == {"fused_scan": 134.22e6 + 1024e3, "cand_hist": 512.0}

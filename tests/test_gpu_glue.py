@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from gpu_codec import backends
+from gpu_codec import errors as gpu_codec_errors
 from gpu_codec.arrays import Tensor
 from gpu_codec.errors import InvalidInputError
 
@@ -35,6 +36,8 @@ def test_device_comes_from_the_inputs_and_mixed_devices_are_rejected():
 
 
 class _FakeTorchStream:
+    """torch.cuda.Stream from late 2025 on (2.13): the raw handle and the CUDA stream protocol."""
+
     def __init__(self, ptr):
         self.cuda_stream = ptr
 
@@ -42,24 +45,75 @@ class _FakeTorchStream:
         return (0, self.cuda_stream)
 
 
-def test_caller_stream_wraps_torch_stream_without_deprecation(monkeypatch):
-    """CuPy 14 deprecates ExternalStream (a DeprecationWarning, an error under our filterwarnings): the torch
-    stream goes through Stream.from_external and keeps its handle."""
-    seen = []
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: seen.append(d) or _FakeTorchStream(0xBEEF))
+class _OldTorchStream:
+    """torch.cuda.Stream before the protocol (2.9 and older): only the raw handle."""
+
+    def __init__(self, ptr):
+        self.cuda_stream = ptr
+
+
+class _Cupy14Stream:
+    """CuPy 14's ``Stream.from_external`` contract (cupy/cuda/stream.pyx): it calls ``obj.__cuda_stream__()``
+    (AttributeError without it), wants a tuple of two ints with version 0, and takes the current device."""
+
+    def __init__(self, ptr, device_id):
+        self.ptr, self.device_id = ptr, device_id
+
+    @classmethod
+    def from_external(cls, obj):
+        try:
+            result = obj.__cuda_stream__()
+        except AttributeError:
+            raise AttributeError(f"{type(obj).__name__} does not implement __cuda_stream__") from None
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise TypeError("__cuda_stream__() must return a 2-tuple")
+        version, ptr = result
+        if not isinstance(version, int) or not isinstance(ptr, int):
+            raise TypeError("__cuda_stream__() must return (int, int)")
+        if version != 0:
+            raise ValueError("only version 0 is supported")
+        s = cls(ptr, "current")
+        s._foreign_stream_ref = obj
+        return s
+
+
+def _cupy13_surface(monkeypatch, made):
+    """CuPy 13: no ``Stream.from_external``; ``ExternalStream(ptr, device_id=-1)``, not deprecated."""
+    monkeypatch.setattr(cupy.cuda, "Stream", type("Stream13", (), {}))
+
+    class ExternalStream13:
+        def __init__(self, ptr, device_id=-1):
+            made.append((ptr, device_id))
+            self.ptr, self.device_id = ptr, device_id
+
+    monkeypatch.setattr(cupy.cuda, "ExternalStream", ExternalStream13)
+
+
+@pytest.mark.parametrize("torch_stream", [_FakeTorchStream, _OldTorchStream], ids=["torch-protocol", "torch-old"])
+@pytest.mark.parametrize("surface", ["cupy-installed", "cupy14", "cupy13"])
+def test_caller_stream_on_every_cupy_and_torch(monkeypatch, surface, torch_stream):
+    """Every pair of CuPy API surface (13: ExternalStream; 14: Stream.from_external, which reads only
+    ``__cuda_stream__``) and torch stream (with and without ``__cuda_stream__``) gives a stream with the torch
+    stream's handle, with no deprecation warning (an error under the test filters)."""
+    seen, made = [], []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: seen.append(d) or torch_stream(0xBEEF))
+    if surface == "cupy14":
+        monkeypatch.setattr(cupy.cuda, "Stream", _Cupy14Stream)
+    elif surface == "cupy13":
+        _cupy13_surface(monkeypatch, made)
     s = gpu.caller_stream(1)
-    assert isinstance(s, cupy.cuda.Stream) and s.ptr == 0xBEEF and seen == [1]
+    assert s.ptr == 0xBEEF and seen == [1]
+    if surface == "cupy13":
+        assert made == [(0xBEEF, 1)]
+    elif surface == "cupy-installed" and hasattr(cupy.cuda.Stream, "from_external"):
+        assert isinstance(s, cupy.cuda.Stream)
     src = Path(gpu.__file__).read_text()
     assert "RawModule(code" not in src
 
 
-def test_caller_stream_on_cupy_13(monkeypatch):
-    """CuPy 13 (allowed by the extras' lower bound) has no Stream.from_external: ExternalStream, with the device."""
-    made = []
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: _FakeTorchStream(0xCAFE))
-    monkeypatch.setattr(cupy.cuda, "Stream", type("Stream13", (), {}))
-    monkeypatch.setattr(cupy.cuda, "ExternalStream", lambda ptr, dev: made.append((ptr, dev)) or "ext")
-    assert gpu.caller_stream(3) == "ext" and made == [(0xCAFE, 3)]
+def test_stream_handle_follows_the_protocol():
+    h = gpu._StreamHandle(0xCAFE, owner="torch stream")
+    assert h.__cuda_stream__() == (0, 0xCAFE) and h.owner == "torch stream"
 
 
 def test_torch_allocator_functions(monkeypatch):
@@ -124,3 +178,51 @@ def test_real_nvrtc_probe_reports_a_version():
     if not ok:
         pytest.skip(why)
     assert why.startswith("NVRTC ")
+
+
+@pytest.fixture
+def nvrtc_12_4(monkeypatch):
+    """An NVRTC 12.4 that knows sm_50 .. sm_90 (not Blackwell's sm_100 / sm_120)."""
+    from gpu_codec.backends import nvrtc
+
+    monkeypatch.setattr(nvrtc, "supported_archs", lambda: (50, 60, 70, 75, 80, 86, 89, 90))
+    monkeypatch.setattr(nvrtc, "nvrtc_version", lambda: (12, 4))
+    return nvrtc
+
+
+def test_target_for_known_newer_and_unknown_architectures(nvrtc_12_4):
+    nv = nvrtc_12_4
+    assert nv.target_for(90, driver=12040) == ("sm_90", True)
+    assert nv.target_for(87, driver=12000) == ("sm_86", True)  # same major: 8.6 SASS runs on 8.7, no JIT
+    # a device NVRTC does not know: PTX only where the driver is as new as NVRTC
+    assert nv.target_for(120, driver=12080) == ("compute_90", False)
+    assert nv.target_for(100, driver=12040) == ("compute_90", False)
+    with pytest.raises(gpu_codec_errors.BackendUnavailableError, match=r"needs a driver for CUDA 12\.4.*12\.2"):
+        nv.target_for(120, driver=12020)
+    with pytest.raises(gpu_codec_errors.BackendUnavailableError, match="no architecture at or below sm_35"):
+        nv.target_for(35, driver=12080)
+    assert "does not know sm_120" in nv.describe_target(120, driver=12080)
+    assert nv.describe_target(90, driver=12040) == "CUBIN for sm_90 (NVRTC 12.4)"
+
+
+@pytest.mark.parametrize(("driver", "backend"), [(12020, "cpu"), (12080, "gpu")])
+def test_unknown_architecture_falls_back_with_the_reason(monkeypatch, nvrtc_12_4, driver, backend):
+    """A faked Blackwell device (sm_120) with an NVRTC that does not know it: with a driver older than NVRTC the
+    probe refuses the GPU and backend_info() says why; with a newer one the GPU backend loads PTX."""
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceCount", lambda: 1)
+    monkeypatch.setattr(backends, "_nvrtc_probe", lambda: (True, "NVRTC 12.4"))
+    monkeypatch.setattr(nvrtc_12_4, "driver_version", lambda: driver)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda d=0: types.SimpleNamespace(compute_capability="120", id=0))
+    monkeypatch.setattr(backends, "_nvml_info", lambda: {})
+    monkeypatch.delenv(backends.ENV, raising=False)
+    backends.reset_backend()
+    try:
+        b = backends.get_backend()
+        info = backends.backend_info()
+        assert b.name == backend == info["backend"]
+        if backend == "cpu":
+            assert "the kernels cannot load" in info["reason"] and "sm_120" in info["reason"]
+        else:
+            assert "PTX for compute_90" in info["kernels"] and "sm_120" in info["reason"]
+    finally:
+        backends.reset_backend()

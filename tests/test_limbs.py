@@ -1,5 +1,5 @@
 """The aggregator's limb passes as the NumPy backend runs them (in blocks and ranges on the pool) give the bytes of
-the whole-array forms the kernel backends run, for any thread count, block size and dtype."""
+the whole-array forms (the kernels' for the mean), for any thread count, block size and dtype."""
 
 from __future__ import annotations
 
@@ -9,6 +9,12 @@ from gpu_codec.cpu_fallback import limbs as L
 from gpu_codec.cpu_fallback import parallel
 
 from gpu_codec.backends.kernels import KernelBackendBase
+
+
+def _emulated():
+    from gpu_codec.backends.emulated import EmulatedBackend
+
+    return EmulatedBackend()
 
 
 def _limbs(n: int, seed: int) -> np.ndarray:
@@ -30,8 +36,8 @@ def test_mean_matches_the_whole_array_form(threads, odt, monkeypatch):
         acc += limbs[j].astype(np.float64) * scales[j]
     want[...] = (acc / total).astype(odt)
     assert got.tobytes() == want.tobytes()
-    kernel = np.empty(1001, odt)  # the kernel backends' form, on NumPy arrays
-    KernelBackendBase.limb_mean(None, limbs, scales, total, kernel)
+    kernel = np.empty(1001, odt)  # the kernel backends' form: kernels/limbs.cu, on the emulator
+    _emulated().limb_mean(limbs, scales, total, kernel)
     assert kernel.tobytes() == want.tobytes()
 
 

@@ -51,7 +51,29 @@ def gpu_probe() -> tuple[bool, str]:
     ok, nv = _nvrtc_probe()
     if not ok:
         return False, f"CuPy {cupy.__version__} with {n} CUDA device(s), but NVRTC cannot be loaded ({nv})"
-    return True, f"CuPy {cupy.__version__} with {n} CUDA device(s), {nv}"
+    ok, target = _target_probe(n)
+    if not ok:
+        return False, f"CuPy {cupy.__version__} with {n} CUDA device(s), {nv}, but the kernels cannot load: {target}"
+    return True, f"CuPy {cupy.__version__} with {n} CUDA device(s), {nv}; kernels: {target}"
+
+
+def _target_probe(n: int) -> tuple[bool, str]:
+    """Whether NVRTC can build code every visible device's driver loads (see :func:`.nvrtc.target_for`)."""
+    try:
+        import cupy
+
+        from .nvrtc import describe_target
+
+        seen = []
+        for d in range(n):
+            what = describe_target(int(cupy.cuda.Device(d).compute_capability))
+            if what not in seen:
+                seen.append(what)
+    except BackendUnavailableError as e:
+        return False, str(e)
+    except Exception as e:
+        return False, f"{type(e).__name__}: {e}"
+    return True, "; ".join(seen)
 
 
 def _nvrtc_probe() -> tuple[bool, str]:

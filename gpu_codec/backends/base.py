@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..cpu_fallback.elementwise import all_finite  # shared with the twins
-from ..cpu_fallback.limbs import add_span, mean_span  # the limb passes' steps, shared with the twins
+from ..cpu_fallback.limbs import abs_max, add_span, mean_span  # the limb passes' steps, shared with the twins
 
 Array = Any  # an array of the backend's ``xp`` (NumPy or CuPy)
 
@@ -146,6 +146,10 @@ class Backend(Protocol):
         to ``out``'s dtype."""
         ...
 
+    def limb_split(self, vals: Array, w: float, exps: list[int]) -> Array:
+        """The int32 limbs (one row per grid ``2^exps[j]``, coarsest first) of ``vals * w`` in fp64."""
+        ...
+
     # --- value and index codecs (encode) -----------------------------------------------------------------
 
     def cast16(self, values: list[Array], dtype: str, indices: list[Any], res: list[Any]) -> list[Array]:
@@ -173,6 +177,10 @@ class Backend(Protocol):
     def decode_bf16(self, bits: Array) -> Array: ...
 
     def int8_decode(self, q: Array, scales: Array, block: int) -> Array: ...
+
+    def as_values(self, x: Array, dtype: Any) -> Array:
+        """Decoded fp32 values as ``dtype`` (fp32, or fp64 for fp64 tensors), exactly."""
+        ...
 
     def ternary_decode(self, signs: Array, mu: float, n: int) -> Array: ...
 
@@ -226,6 +234,7 @@ __all__ = [
     "Array",
     "Backend",
     "Runner",
+    "abs_max",
     "add_span",
     "all_finite",
     "dense_values",

@@ -8,7 +8,8 @@ One call of the library (a compress, a decompress) runs inside :meth:`GpuBackend
 - with torch's caching allocator for every temporary and output when the inputs are torch tensors (CuPy's pool
   would keep them where torch cannot reuse them), CuPy's pool otherwise;
 - and it synchronizes that stream before handing back, so a later ``Payload.to_bytes()`` (a copy on another
-  stream) never reads unfinished words.
+  stream) never reads unfinished words; inside :func:`.events.deferred` (``compress(..., blocking=False)``) it
+  records an event on that stream instead, which the pending payload waits on.
 """
 
 from __future__ import annotations
@@ -21,9 +22,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidInputError
+from . import events
 from .decode import ArrayDecoders
+from .float_ops import KernelFloatOps
 from .kernels import KernelBackendBase
-from .nvrtc import cached_image, target_for
+from .nvrtc import cached_image, describe_target, target_for
 from .sources import kernel_signatures, kernel_source
 
 
@@ -127,20 +130,42 @@ def torch_allocator() -> Any:
     return cupy.cuda.memory.PythonFunctionAllocator(*torch_malloc_free()).malloc
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` behind the CUDA stream protocol (``__cuda_stream__``: version 0, the handle).
+
+    CuPy 14's ``Stream.from_external`` reads nothing but ``__cuda_stream__()``, which torch's streams gained only
+    in late 2025; ``torch.cuda.Stream.cuda_stream`` (the raw handle) exists in every torch release.
+    """
+
+    __slots__ = ("owner", "ptr")
+
+    def __init__(self, ptr: int, owner: Any):
+        self.ptr = int(ptr)
+        self.owner = owner  # the torch stream, kept alive as long as CuPy holds this handle
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
 def caller_stream(device_id: int) -> Any:
-    """The caller's current torch stream on ``device_id`` as a CuPy stream: ``Stream.from_external`` (the CUDA
-    stream protocol) from CuPy 14, which deprecates ``cupy.cuda.ExternalStream``; ExternalStream on CuPy 13."""
+    """The caller's current torch stream on ``device_id`` as a CuPy stream, from its raw handle
+    (``torch.cuda.Stream.cuda_stream``, in every torch release): ``Stream.from_external`` on a
+    :class:`_StreamHandle` from CuPy 14 (which deprecates ``cupy.cuda.ExternalStream`` and reads only
+    ``__cuda_stream__``, absent from torch streams before late 2025); ``ExternalStream(handle, device_id)`` on
+    CuPy 13, which has no ``from_external``. ``from_external`` takes the device from the current one: the caller
+    (:meth:`GpuBackend.stream`) has entered ``device_id`` already."""
     import cupy
     import torch
 
     s = torch.cuda.current_stream(device_id)
+    ptr = int(s.cuda_stream)
     from_external = getattr(cupy.cuda.Stream, "from_external", None)
     if from_external is None:  # CuPy 13, where ExternalStream is the supported way and not deprecated
-        return cupy.cuda.ExternalStream(s.cuda_stream, device_id)
-    return from_external(s)
+        return cupy.cuda.ExternalStream(ptr, device_id)
+    return from_external(_StreamHandle(ptr, s))
 
 
-class GpuBackend(ArrayDecoders, KernelBackendBase):
+class GpuBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
     """The kernels on a CUDA device, through CuPy."""
 
     name = "gpu"
@@ -159,11 +184,13 @@ class GpuBackend(ArrayDecoders, KernelBackendBase):
             "last_allocator": self._last_allocator,
             "stream": "the caller's current torch stream for torch CUDA inputs, CuPy's current stream otherwise",
             "compile": "NVRTC with gpu_codec.constants.compile_options() (IEEE subnormals, no FMA contraction)",
+            "kernels": describe_target(int(self.xp.cuda.Device().compute_capability)),
         }
 
     @contextlib.contextmanager
     def stream(self, tensors: Sequence[Any]) -> Iterator[None]:
-        """Device, stream and allocator of one call (see the module docstring); synchronizes on the way out."""
+        """Device, stream and allocator of one call (see the module docstring); synchronizes on the way out
+        (:func:`.events.finish`)."""
         cupy = self.xp
         dev = device_of(tensors)
         with contextlib.ExitStack() as stack:
@@ -177,4 +204,4 @@ class GpuBackend(ArrayDecoders, KernelBackendBase):
             else:
                 self._last_allocator = "cupy"
             yield
-            cupy.cuda.get_current_stream().synchronize()
+            events.finish(self)  # the host waits for this stream (or, deferred, an event is recorded on it)

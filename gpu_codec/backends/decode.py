@@ -26,6 +26,10 @@ class ArrayDecoders:
     def int8_decode(self, q: Any, scales: Any, block: int) -> Any:
         return _q.int8_decode(q, scales, block, self.xp)
 
+    def as_values(self, x: Any, dtype: Any) -> Any:
+        """Decoded fp32 values as the tensor's value dtype (fp64 for fp64 tensors): exact."""
+        return x if x.dtype == dtype else _q.widen_f32(x)
+
     def ternary_decode(self, signs: Any, mu: float, n: int) -> Any:
         return _q.ternary_decode(signs, mu, n, self.xp)
 

@@ -42,6 +42,7 @@ import numpy as np
 from ..constants import defines
 from ..errors import BackendUnavailableError
 from .decode import ArrayDecoders
+from .float_ops import KernelFloatOps
 from .kernels import KernelBackendBase
 from .sources import parse_signatures
 
@@ -572,7 +573,7 @@ class EmulatorRunner:
         return np.array(a, copy=True)
 
 
-class EmulatedBackend(ArrayDecoders, KernelBackendBase):
+class EmulatedBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
     """The kernels of kernels/*.cu run on the CPU by :class:`EmulatorRunner`, on NumPy memory (tests)."""
 
     name = "emulated"

@@ -35,14 +35,13 @@ from ..constants import (
     U64_MAX,
     index_dtype,
 )
-from .base import Runner, add_span, all_finite, dense_values, flat_tables, mean_span, scatter_args, split_values
+from .base import Runner, add_span, all_finite, dense_values, flat_tables, scatter_args, split_values
 
 FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
 SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32)
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
 SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem of reads per input
 SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (their bracket is exact)
-LIMB_CHUNK = 1 << 18  # elements per step of limb_mean: its fp64 temporaries stay a few MiB
 # candidate region of a chunk: the expected count plus this many standard deviations (with the rate's own margin
 # an i.i.d. tensor overflows a region in about 1e-6 of selections at 2^22 to 1e-4 at 2^30, far below the 0.6% at
 # which the bracket misses)
@@ -54,6 +53,9 @@ RATE_SIGMAS = 4.0
 CAP_GROUP = 4  # chunks per fused_scan block (one candidate region each: relatively less spread than a chunk's)
 CAP_PRIOR = 256  # the segment's rate counts as this many samples of each tensor's
 NO_LO = 1 << 32  # lo of a segment with k = 0: above every key
+# a segment of more chunks than this selects on its candidates with a block per chunk (cand_hist) rather than one
+# block (cand_select, one SM): the four histogram rounds then cost a fixed 16 KiB of traffic per segment
+SELECT_BLOCK_CHUNKS = 64
 
 __all__ = ["CHUNK", "FUSED_ENV", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
 
@@ -210,6 +212,7 @@ class KernelOps:
 
     _force_fallback = ""  # tests only: "miss" (lo above every key) or "overflow" (empty candidate regions)
     _force_wide = False  # tests only: the fused path writes 64-bit indices whatever the sizes
+    _force_select = ""  # tests only: "one" (cand_select) or "multi" (cand_hist) whatever the segments' sizes
 
     def __init__(self, runner: Runner, fused: bool | None = None):
         self.runner = runner
@@ -425,12 +428,26 @@ class KernelOps:
         seg_chunks = np.zeros(nseg + 1, np.int64)
         for s, seg in enumerate(segments):
             seg_chunks[s + 1] = tb.chunk_start[seg[-1] + 1] if seg else seg_chunks[s]
-        run.launch(
-            "cand_select",
-            max(nseg, 1),
-            SCAN_THREADS,
-            (np.int32(nseg), self._up(seg_chunks), cand_base) + (cand_cnt, cand_key, state),
-        )
+        widest = int(np.diff(seg_chunks).max()) if nseg else 0
+        if self._force_select == "multi" or (widest > SELECT_BLOCK_CHUNKS and self._force_select != "one"):
+            hist = xp.zeros(256 * nseg, dtype=np.uint64)
+            for shift in (24, 16, 8, 0):  # a block per chunk: every SM works, whatever the segment count
+                run.launch(
+                    "cand_hist",
+                    grid,
+                    BLOCK,
+                    (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, np.int32(shift), hist),
+                )
+                run.launch("radix_pick", -(-nseg // 256), 256, (np.int32(nseg), np.int32(shift), hist, state))
+            peak = max(peak, tables + cands + _nbytes(state, hist))
+            del hist
+        else:  # segments of a few chunks: one block each, its histogram in shared memory
+            run.launch(
+                "cand_select",
+                nseg,
+                SCAN_THREADS,
+                (np.int32(nseg), self._up(seg_chunks), cand_base) + (cand_cnt, cand_key, state),
+            )
         cnt = xp.zeros(2 * grid, dtype=np.uint32)
         run.launch("cand_count", grid, BLOCK, (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, cnt))
         eq_base = xp.zeros(grid, dtype=np.uint64)
@@ -735,13 +752,6 @@ class KernelBackendBase:
 
     def limb_add(self, limbs, idx, qs):
         add_span(limbs, idx, qs, 0, qs.shape[1])
-
-    def limb_mean(self, limbs, scales, total, out):
-        n = limbs.shape[1]
-        acc = limbs[0, : min(n, LIMB_CHUNK)].astype(np.float64)  # the two fp64 buffers, in the limbs' module
-        term = acc.copy()
-        for a in range(0, n, LIMB_CHUNK):
-            mean_span(limbs, scales, total, out, a, min(n, a + LIMB_CHUNK), acc, term)
 
     def dense_apply(self, outs, out_dtypes, bases, values, mode):
         return self.ops.dense_apply(outs, out_dtypes, bases, values, mode)

@@ -75,6 +75,9 @@ class NumpyBackend(ArrayDecoders):
     def limb_mean(self, limbs, scales, total, out):
         _limbs.limb_mean(limbs, scales, total, out)
 
+    def limb_split(self, vals, w, exps):
+        return _limbs.limb_split(vals, w, exps)
+
     def scatter_onto(self, out, base, start, stop, out_dtype, numel, indices, values):
         return _twins.scatter_onto(out, base, start, stop, out_dtype, numel, indices, values)
 

@@ -45,16 +45,65 @@ def supported_archs() -> tuple[int, ...]:
     return tuple(int(a) for a in nvrtc.getSupportedArchs())
 
 
-def target_for(cc: int) -> tuple[str, bool]:
-    """(``--gpu-architecture`` value, whether it is a CUBIN) for a device of compute capability ``cc`` (e.g. 90):
-    a CUBIN where NVRTC knows the architecture, else PTX for the newest one it knows (the driver compiles it)."""
+def driver_version() -> int:
+    """The CUDA version the driver supports, as CUDA writes it (12080 for 12.8); 0 where there is no driver."""
+    from cupy.cuda import runtime
+
+    return int(runtime.driverGetVersion())
+
+
+def _as_cuda_version(v: tuple[int, int]) -> int:
+    return v[0] * 1000 + v[1] * 10
+
+
+def _dotted(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+def target_for(cc: int, driver: int | None = None) -> tuple[str, bool]:
+    """(``--gpu-architecture`` value, whether it is a CUBIN) for a device of compute capability ``cc`` (e.g. 90)
+    whose driver supports CUDA ``driver`` (as :func:`driver_version`; None: ask the driver).
+
+    - a CUBIN for ``sm_cc`` where NVRTC knows the architecture;
+    - else a CUBIN for the newest architecture NVRTC knows of the same major version at or below ``cc`` (SASS
+      runs on later minor versions of its major: 8.0 code on an 8.9 device), which needs no driver JIT;
+    - else PTX for the newest architecture NVRTC knows at or below ``cc``, which the driver JIT-compiles: only
+      where the driver is at least as new as NVRTC (an older driver rejects a newer PTX ISA);
+    - else :class:`~gpu_codec.errors.BackendUnavailableError`, saying why (the backend choice then falls back to
+      NumPy with that reason in ``backend_info()``).
+    """
     archs = supported_archs()
     if cc in archs:
         return f"sm_{cc}", True
+    same_major = [a for a in archs if a // 10 == cc // 10 and a <= cc]
+    if same_major:
+        return f"sm_{max(same_major)}", True
     older = [a for a in archs if a <= cc]
+    nv = nvrtc_version()
     if not older:
-        raise BackendUnavailableError(f"NVRTC {nvrtc_version()} supports no architecture at or below sm_{cc}")
+        raise BackendUnavailableError(f"NVRTC {nv[0]}.{nv[1]} supports no architecture at or below sm_{cc}")
+    drv = driver_version() if driver is None else int(driver)
+    if drv < _as_cuda_version(nv):
+        raise BackendUnavailableError(
+            f"NVRTC {nv[0]}.{nv[1]} does not know sm_{cc}, and its PTX (for compute_{max(older)}) needs a driver "
+            f"for CUDA {nv[0]}.{nv[1]} or newer to load; this driver supports CUDA {_dotted(drv)}"
+        )
     return f"compute_{max(older)}", False
+
+
+def describe_target(cc: int, driver: int | None = None) -> str:
+    """What :func:`target_for` picks for ``cc`` and why, in words (``backend_info()["kernels"]``)."""
+    arch, cubin = target_for(cc, driver)
+    nv = nvrtc_version()
+    if cubin and arch == f"sm_{cc}":
+        return f"CUBIN for {arch} (NVRTC {nv[0]}.{nv[1]})"
+    if cubin:
+        return f"CUBIN for {arch}: NVRTC {nv[0]}.{nv[1]} does not know sm_{cc}, which runs {arch} code"
+    drv = driver_version() if driver is None else int(driver)
+    return (
+        f"PTX for {arch}: NVRTC {nv[0]}.{nv[1]} does not know sm_{cc}; the driver (CUDA {_dotted(drv)}) "
+        "compiles it on load"
+    )
 
 
 def options_for(arch: str) -> tuple[str, ...]:
@@ -130,6 +179,8 @@ __all__ = [
     "KernelCompileError",
     "cached_image",
     "compile_source",
+    "describe_target",
+    "driver_version",
     "nvrtc_version",
     "options_for",
     "ptx_of",

@@ -296,7 +296,7 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
     def values(a: int, b: int) -> Any:  # a slice of entries at a time, sparse or dense
         bufs = {role: backend.asarray(x) for role, x in vform.slice(rec, host, a, b).items()}
         with _quiet():
-            return vform.decode(rec, bufs, b - a, backend).astype(vd, copy=False)
+            return backend.as_values(vform.decode(rec, bufs, b - a, backend), vd)
 
     if iform is None:
         return Decoded(*head, values, None, vform.step(rec))

@@ -16,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from gpu_codec.backends.kernels import BLOCK, CHUNK, SCAN_THREADS, U64_MAX, KernelOps, TensorTables, initial_state
-from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS, index_dtype
+from gpu_codec.backends.kernels import BLOCK, CHUNK, U64_MAX, KernelOps, TensorTables, initial_state
+from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS, SCAN_THREADS, index_dtype
 from gpu_codec.cpu_fallback import kernels as twins
 from gpu_codec.cpu_fallback.elementwise import f32_to_bf16_bits
 from gpu_codec.cpu_fallback.select import topk_select
@@ -615,12 +615,13 @@ class RecordingRunner:
             raise _Stop("; ".join(out))
 
 
-def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str = "") -> list[str]:
+def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str = "", select: str = "") -> list[str]:
     """The fused selection (KernelOps with fused=True) on the twins, then on ``runner`` launch by launch: every
     array argument compared after every launch (the first difference stops the run), then the outputs and
     residuals of both against the NumPy backend.
 
-    ``force``: "miss" or "overflow" forces the fallback to the unfused passes; ``wide`` 64-bit indices."""
+    ``force``: "miss" or "overflow" forces the fallback to the unfused passes; ``wide`` 64-bit indices;
+    ``select``: "one" (cand_select) or "multi" (cand_hist and radix_pick) for the selection on the candidates."""
     from gpu_codec.backends.kernels import KernelOps as Ops
 
     inp = make_topk_inputs(case)
@@ -636,7 +637,7 @@ def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str =
         d = {k: [up(a) for a in inp[k]] for k in ("new", "base", "res", "ext")}
         d_ro = _res_out(inp, d["res"], up)
         ops = Ops(rr, fused=True)
-        ops._force_fallback, ops._force_wide = force, wide
+        ops._force_fallback, ops._force_wide, ops._force_select = force, wide, select
         try:
             gi, gv, gbad = ops.topk_select(d["new"], d["base"], d["res"], d_ro, inp["dtypes"], d["ext"], *_rest(inp))
         except _Stop as e:
@@ -1252,3 +1253,75 @@ def rice_cases() -> list[RiceCase]:
         RiceCase("dense_all", (5000, 4096), (5000, 4096)),
         RiceCase("huge_gaps_u64", (200, 5000), (1 << 40, 1 << 36), wide=True),
     ]
+
+
+# ------------------------------------------------------------------------------------------ float steps (limbs.cu)
+
+
+def subnormal_mix(n: int, dtype: Any, seed: int) -> np.ndarray:
+    """Values of every class a flush would change: subnormals of both signs (the smallest, and random ones), the
+    smallest normals, signed zeros, and ordinary values, shuffled."""
+    rng = np.random.default_rng(seed)
+    dt = np.dtype(dtype)
+    fi = np.finfo(dt)
+    m, n = n, max(n, 16)  # (any n: the first m of a mix of at least 16)
+    ut = np.uint64 if dt.itemsize == 8 else np.uint32
+    sub_bits = rng.integers(1, 1 << (fi.nmant - 1), size=n // 3, dtype=np.int64).astype(ut)
+    parts = [
+        sub_bits.view(dt) * np.where(rng.random(n // 3) < 0.5, -1, 1).astype(dt),
+        np.asarray([fi.smallest_subnormal, -fi.smallest_subnormal, fi.smallest_normal, -0.0, 0.0], dt),
+        (rng.standard_normal(n - n // 3 - 5) * 10.0 ** rng.integers(-3, 3, n - n // 3 - 5)).astype(dt),
+    ]
+    v = np.concatenate(parts).astype(dt)
+    rng.shuffle(v)
+    return v[:m]
+
+
+def float_steps(runner, name: str = "floats", n: int = 3001) -> list[str]:
+    """limb_split_f32/_f64, limb_mean_f32/_f64, int8_dequant and widen_f32 (KernelFloatOps on ``runner``) against
+    their twins (cpu_fallback/limbs.py, cpu_fallback/quantize.py), on subnormal-rich inputs."""
+    from gpu_codec.backends.float_ops import KernelFloatOps
+    from gpu_codec.cpu_fallback import limbs as lt
+    from gpu_codec.cpu_fallback import quantize as qt
+
+    ops = KernelFloatOps()
+    ops.runner, ops.xp = runner, runner.xp
+    up, host = _uploader(runner), runner.to_host
+    out: list[str] = []
+    from gpu_codec.aggregate import LIMB_BITS, LIMBS, _grid_exponent
+
+    for k, dt in enumerate((np.float32, np.float64)):
+        v = subnormal_mix(n, dt, 11 + k)
+        tiny = v[np.abs(v) < (2.0**-120 if dt == np.float32 else 2.0**-1000)]
+        for vals in (v, tiny):
+            for w in (1.0, 0.75, 3.0):
+                # the aggregator's grid for these values: fine enough for subnormals where they are all there is
+                beta = _grid_exponent(w * float(np.abs(vals).max()))
+                exps = [beta + (LIMBS - 1 - j) * LIMB_BITS for j in range(LIMBS)]
+                got = host(ops.limb_split(up(vals), w, exps))
+                _cmp(f"{name}: limb_split {np.dtype(dt)}[{vals.size}] w={w}", got, lt.limb_split(vals, w, exps), out)
+        rng = np.random.default_rng(20 + k)
+        limbs = rng.integers(-(1 << 17), 1 << 17, size=(3, n), dtype=np.int32)
+        limbs[:, : n // 2] = rng.integers(-3, 4, size=(3, n // 2), dtype=np.int32)
+        beta = -162 if dt == np.float32 else -1008  # fp32: small limbs give subnormal means
+        scales = [2.0 ** (beta + 36), 2.0 ** (beta + 18), 2.0**beta]
+        for total in (1.0, 3.0, 7.25):
+            want = np.empty(n, dt)
+            lt.limb_mean(limbs, scales, total, want)
+            d_out = up(np.empty(n, dt))
+            ops.limb_mean(up(limbs), scales, total, d_out)
+            _cmp(f"{name}: limb_mean {np.dtype(dt)} total={total}", host(d_out), want, out)
+    rng = np.random.default_rng(30)
+    q = rng.integers(-127, 128, size=n, dtype=np.int8)
+    for block in (1, 64, 256):
+        nb = -(-n // block)
+        scales = np.abs(subnormal_mix(nb, np.float32, 31 + block))
+        _cmp(
+            f"{name}: int8_dequant block={block}",
+            host(ops.int8_decode(up(q), up(scales), block)),
+            qt.int8_decode(q, scales, block),
+            out,
+        )
+    x = subnormal_mix(n, np.float32, 40)
+    _cmp(f"{name}: widen_f32", host(ops.as_values(up(x), np.float64)), qt.widen_f32(x), out)
+    return out

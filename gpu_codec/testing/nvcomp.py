@@ -71,3 +71,37 @@ def nvcomp_payload(
     pipeline = [*p.pipeline[:-1], {"id": "nvcomp", "algorithm": "zstd"}]
     records = nvcomp_records(p.tensors, chunk, frames)
     return pack(records, pipeline=pipeline, metadata=p.metadata, layouts=wire_layouts(), version=version)
+
+
+def check_frames(buffers: list[bytes], raws: list[bytes], chunk: int) -> list[str]:
+    """What is wrong with the ``nvcomp`` stage's per-tensor buffers, decoded on the CPU by the ``zstandard``
+    library: each must be ``ceil(len(raw) / chunk)`` zstd frames (one, empty, for no bytes), each declaring its
+    content size, the k-th holding raw bytes ``[k * chunk, (k + 1) * chunk)``. Empty when all is right.
+
+    >>> check_frames([b"".join(chunk_frames(b"abcdef", 4))], [b"abcdef"], 4)
+    []
+    >>> check_frames([b"".join(chunk_frames(b"abcdef", 2))], [b"abcdef"], 4)[0]
+    'tensor 0: frame 0 declares 2 bytes, expected 4'
+    """
+    out = []
+    d = zstandard.ZstdDecompressor()
+    for t, (buf, raw) in enumerate(zip(buffers, raws)):
+        want = [raw[a : a + chunk] for a in range(0, len(raw), chunk)] or [b""]
+        rest = memoryview(buf)
+        for k, w in enumerate(want):
+            if not len(rest):
+                out.append(f"tensor {t}: {k} frames, expected {len(want)}")
+                break
+            params = zstandard.get_frame_parameters(rest)
+            if params.content_size != len(w):
+                out.append(f"tensor {t}: frame {k} declares {params.content_size} bytes, expected {len(w)}")
+            obj = d.decompressobj()
+            got = obj.decompress(rest)
+            if got != w:
+                out.append(f"tensor {t}: frame {k} holds {len(got)} bytes, expected {len(w)}")
+                break
+            rest = memoryview(obj.unused_data)
+        else:
+            if len(rest):
+                out.append(f"tensor {t}: {len(rest)} bytes after the last frame")
+    return out
