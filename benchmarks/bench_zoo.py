@@ -32,8 +32,7 @@ from typing import Any
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import gpu_codec
 from benchmarks.bench_topk import interleaved, machine_info
@@ -42,6 +41,7 @@ from benchmarks.zoo import ZOO, Entry, Update
 from gpu_codec.backends import using_backend
 from gpu_codec.cli.bench import numpy_topk, torch_topk
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 README = ROOT / "README.md"
 MARK_START, MARK_END = "<!-- zoo:start -->", "<!-- zoo:end -->"
