@@ -299,7 +299,7 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Measured at commit {doc['commit']} on {m['cpu_model']} ({m['simd']}), {m['threads']} threads, "
         f"median of {doc['repeat']} interleaved rounds. Ratios to one `np.subtract` pass over the same bytes "
         "(x sub; lower is better) and speed-ups over the NumPy and torch pipelines (higher is better); top-k 1% "
-        "global unless named.",
+        "global unless named." + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
         "",
         "| entry | dtype | tensors | elements | x sub | per-tensor | 0.1% | 1% + EF | x NumPy | x torch | "
         "decompress x sub | host (recording) |",
@@ -375,6 +375,7 @@ def main(argv: list[str] | None = None) -> int:
                 emulated=not a.no_emulated,
                 torch_too=not a.no_torch,
             )
+        doc["command"] = " ".join(["python benchmarks/bench_zoo.py", *(sys.argv[1:] if argv is None else argv)])
         print(f"({time.perf_counter() - t0:.1f} s)")
         out = a.out or (None if a.quick else RESULTS / "zoo_cpu.json")
         if out is not None:
