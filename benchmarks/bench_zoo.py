@@ -13,7 +13,7 @@ them.
 
     python benchmarks/bench_zoo.py                       # every entry: writes benchmarks/results/zoo_cpu.{json,md}
     python benchmarks/bench_zoo.py --entries resnet-50 char-transformer --no-emulated
-    python benchmarks/bench_zoo.py --quick               # small scales, one repeat, no files unless --out
+    python benchmarks/bench_zoo.py --quick               # 4 entries, small scales, one repeat, no files unless --out
     python benchmarks/bench_zoo.py --check --from-json benchmarks/results/zoo_cpu.json   # PASS/FAIL per target
     python benchmarks/bench_zoo.py --readme --from-json benchmarks/results/zoo_cpu.json  # README's zoo section
 """
@@ -54,6 +54,9 @@ CPU_CONFIGS = {
     "ours_ef_s": (0.01, "global", True),
 }
 EMU_CONFIGS = [(f, scope, ef) for f in (0.01, 0.001) for scope in ("global", "per_tensor") for ef in (False, True)]
+# --quick without --entries: a trained model, two distributions and a split (an architecture's hundreds of tensors
+# take the emulator half a minute even when small)
+QUICK_ENTRIES = ["char-transformer", "zeros-99", "iid-2^24", "split-2^23-100"]
 # Issue 26's CPU targets
 SPLIT_X_SUBTRACT, SPLIT_X_NUMPY, DECOMPRESS_X_SUBTRACT = 3.0, 5.0, 2.0
 DISTRIBUTION_X_IID, TRANSFORMER_X_SUBTRACT = 1.5, 5.0
@@ -351,7 +354,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-emulated", action="store_true")
     ap.add_argument("--no-cpu", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
-    ap.add_argument("--quick", action="store_true", help="small scales, one repeat, no files unless --out")
+    ap.add_argument("--quick", action="store_true", help="small scales, one repeat, 4 entries, no files unless --out")
     ap.add_argument("--out", type=pathlib.Path, help="JSON output (default benchmarks/results/zoo_cpu.json)")
     ap.add_argument("--from-json", type=pathlib.Path, help="no run: read these results")
     ap.add_argument("--check", action="store_true", help="PASS/FAIL per target; exit 1 on a FAIL")
@@ -360,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.from_json:
         doc = json.loads(a.from_json.read_text())
     else:
-        names = a.entries or list(ZOO)
+        names = a.entries or (QUICK_ENTRIES if a.quick else list(ZOO))
         max_p, emu_p, repeat = int(a.max_params), int(a.emulated_max_params), a.repeat
         if a.quick:
             max_p, emu_p, repeat = 1 << 15, 1 << 13, 1
