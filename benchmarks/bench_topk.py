@@ -175,6 +175,25 @@ def codec_rates(idx: np.ndarray, vals: np.ndarray, numel: int, repeat: int) -> d
     return {name: nbytes / timeit(fn, repeat) / 1e9 for name, (fn, nbytes) in cases.items()}
 
 
+def interleaved(timed: dict, repeat: int, seed: int, sync=lambda: None) -> dict[str, list[float]]:
+    """Seconds of each of ``timed``'s calls, ``repeat`` rounds after one warm-up round: the same round of each
+    measurement, repeated, so that drifts in the machine's load hit all of them alike."""
+    samples = {key: [] for key in timed}
+    for fn in timed.values():
+        fn()
+    sync()
+    order = list(timed)
+    shuffle = random.Random(seed)  # each round in a new order: no timing always follows the same one (a timing run
+    for _ in range(repeat):  # right after another on the same inputs found them in cache, and ran up to 25 % faster)
+        shuffle.shuffle(order)
+        for key in order:
+            t0 = time.perf_counter()
+            timed[key]()
+            sync()
+            samples[key].append(time.perf_counter() - t0)
+    return samples
+
+
 def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str) -> dict:
     """One row: every timing of size ``n``, taken round-robin so that load drifts hit all of them alike, each round
     in a shuffled order so that none always follows the same timing."""
@@ -197,7 +216,6 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
     def ours():
         return gpu_codec.compress(upd, bas, fraction=fraction)
 
-    # the same round of each measurement, repeated: drifts in the machine's load hit all of them alike
     timed = {"subtract_s": lambda: xp.subtract(new, base, out=scratch), "ours_s": ours}
     if on_cpu:
         timed["ours_1thread_s"] = lambda: with_threads(1, ours)
@@ -223,19 +241,7 @@ def measure(n: int, fraction: float, repeat: int, torch_too: bool, be_name: str)
     got = got.get() if on_gpu else got
     if np.unique(np.abs(vals)).size == vals.size:  # no ties at the threshold: the index sets must agree
         assert np.array_equal(np.sort(idx), got.astype(np.int64)), "selection differs from the baseline"
-    samples = {key: [] for key in timed}
-    for fn in timed.values():
-        fn()
-    sync()
-    order = list(timed)
-    shuffle = random.Random(n)  # each round in a new order: no timing always follows the same one (a timing run
-    for _ in range(repeat):  # right after another on the same inputs found them in cache, and ran up to 25 % faster)
-        shuffle.shuffle(order)
-        for key in order:
-            t0 = time.perf_counter()
-            timed[key]()
-            sync()
-            samples[key].append(time.perf_counter() - t0)
+    samples = interleaved(timed, repeat, n, sync)
     row.update({key: statistics.median(v) for key, v in samples.items()})
     row["min"] = {key: min(v) for key, v in samples.items()}  # the least disturbed sample of each
     t_ours = row["ours_s"]
