@@ -698,7 +698,7 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
     return out
 
 
-SMALL_TENSOR = 1 << 16  # sparse tensors of at most this many elements are decoded in runs, a few calls a run
+SMALL_TENSOR = 1 << 18  # sparse tensors of at most this many elements are decoded in runs, a few calls a run
 SMALL_RUN = 1 << 20  # elements of output a run covers at the most
 SMALL_RUN_ENTRIES = 1 << 14  # ... and entries (its temporaries, about 20 bytes an entry, stay near 320 KiB)
 
