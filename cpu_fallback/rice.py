@@ -199,7 +199,8 @@ def _bits_of(stream: Any, xp: Any) -> Any:
 
 
 def rice_decode(stream: Any, bits: int, k: int, nnz: int, numel: int, xp: Any = np) -> Any:
-    """Decode and validate one tensor's stream; returns int64 indices (strictly increasing, < numel).
+    """Decode and validate one tensor's stream; returns indices (strictly increasing, < numel): int64, or on NumPy
+    the tensor's index dtype (uint32 where every index fits), decoded a chunk of the stream at a time.
 
     Every check happens before any index is returned: the byte count, zero padding, exactly ``nnz`` ones in
     the unary section with the last one at the last bit, and the last index below ``numel``. Work and memory
@@ -236,32 +237,63 @@ def rice_decode(stream: Any, bits: int, k: int, nnz: int, numel: int, xp: Any = 
     return idx
 
 
+UNARY_CHUNK = (1 << 14, 1 << 22)  # unary bits unpacked at a time by the NumPy decoder: a 32nd of the section, within
+# these bounds (its temporaries are about 17 bytes a decoded entry of one chunk, whatever the stream's length)
+
+
 def _decode_numpy(stream: np.ndarray, bits: int, k: int, nnz: int, numel: int) -> np.ndarray:
-    """:func:`rice_decode` after its size checks, on NumPy: the same checks and errors in the same order, with the
-    unary section unpacked alone and the low fields read as 64-bit words."""
+    """:func:`rice_decode` after its size checks, on NumPy: the same checks and errors in the same order, the unary
+    section unpacked a chunk at a time and each chunk's entries written straight into the output (in the tensor's
+    index dtype), the low fields read as 64-bit words. Entry i, whose unary one is at ``p_i`` in the unary section
+    and whose low fields up to it sum to ``L_i``, is ``((p_i - i) << k) + L_i + i``."""
+    from gpu_codec.constants import index_dtype
     from gpu_codec.errors import PayloadIndexError, PayloadLayoutError
 
     if bits % 8 and int(stream[-1]) >> (bits % 8):
         raise PayloadLayoutError("Rice stream has non-zero bits after its declared end")
     ustart = nnz * k
-    b0 = ustart >> 3
-    unary = np.unpackbits(stream[b0:], bitorder="little")[ustart - 8 * b0 : bits - 8 * b0]
-    ones = np.flatnonzero(unary.view(np.bool_))  # 0/1 bytes: as bool, NumPy's fast nonzero
-    if int(ones.size) != nnz or int(ones[-1]) != bits - ustart - 1:
+    ulen = bits - ustart
+    out = np.empty(nnz, index_dtype(numel))
+    windows = _windows(stream) if k else None
+    found, last_one, low_sum, last = 0, -1, 0, -1
+    chunk = min(UNARY_CHUNK[1], max(UNARY_CHUNK[0], ulen // 32))
+    for s in range(0, ulen, chunk):
+        pos = _unary_ones(stream, ustart + s, ustart + min(ulen, s + chunk))
+        m = int(pos.size)
+        if not m:
+            continue
+        if found + m > nnz:  # more codes than entries: count them all, for the message
+            found += m
+            for t in range(s + chunk, ulen, chunk):
+                found += int(_unary_ones(stream, ustart + t, ustart + min(ulen, t + chunk)).size)
+            break
+        last_one = s + int(pos[-1])
+        pos += s - found  # p_i - i, i counted from this chunk's first entry (then less its place in the chunk)
+        pos -= np.arange(m, dtype=pos.dtype)
+        v = np.left_shift(pos, k, out=pos)
+        if k:
+            low = np.cumsum(_unpack_fields(windows, found, m, k))
+            low += low_sum
+            low_sum = int(low[-1])
+            v += low
+            del low
+        v += np.arange(found, found + m, dtype=v.dtype)
+        last = int(v[-1])
+        if last < numel:  # past the tensor, the index is refused below, once the count is checked
+            out[found : found + m] = v
+        found += m
+        del pos, v
+    if found != nnz or last_one != ulen - 1:
         raise PayloadLayoutError(
-            f"Rice stream's unary section holds {int(ones.size)} codes, expected {nnz} ending at the last bit"
+            f"Rice stream's unary section holds {found} codes, expected {nnz} ending at the last bit"
         )
-    g = np.empty_like(ones)  # q
-    g[0] = ones[0]
-    np.subtract(ones[1:], ones[:-1], out=g[1:])
-    g[1:] -= 1
-    g <<= k
-    if k:
-        g += _fields(stream, nnz, k)
-    g += 1
-    idx = np.cumsum(g, out=g)
-    idx -= 1
-    last = int(idx[-1])
     if last >= numel:
         raise PayloadIndexError(f"Rice stream decodes to index {last}, beyond the tensor's {numel} elements")
-    return idx
+    return out
+
+
+def _unary_ones(stream: np.ndarray, a: int, b: int) -> np.ndarray:
+    """Positions (from ``a``, int64) of the set bits in bits [a, b) of ``stream`` (little-endian bit order)."""
+    b0 = a >> 3
+    u = np.unpackbits(stream[b0 : (b + 7) >> 3], bitorder="little")[a - 8 * b0 : b - 8 * b0]
+    return np.flatnonzero(u.view(np.bool_))  # 0/1 bytes: as bool, NumPy's fast nonzero
