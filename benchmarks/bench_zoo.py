@@ -207,6 +207,7 @@ def run(
     torch_too: bool = True,
     seed: int = 0,
 ) -> dict[str, Any]:
+    commit = commit_label()  # the code as it was when the run began
     rows = []
     backend = traced_backend() if emulated else None
     for name in names:
@@ -230,7 +231,7 @@ def run(
         rows.append(row)
     info = machine_info()
     info["load_average"] = os.getloadavg()
-    return {"benchmark": "zoo", "commit": commit_label(), "machine": info, "repeat": repeat, "rows": rows}
+    return {"benchmark": "zoo", "commit": commit, "machine": info, "repeat": repeat, "rows": rows}
 
 
 def _line(row: dict[str, Any]) -> str:
