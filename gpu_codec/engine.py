@@ -258,10 +258,9 @@ class Payload:
         p.base_fingerprint = header.get("base_fingerprint")
         return p
 
-    @property
-    def nbytes(self) -> int:
-        """Exact size of :meth:`to_bytes`, computed without copying anything off the device."""
-        return packed_size(
+    def _laid_out(self, measure: Callable[..., int]) -> int:
+        """A size of the wire layout (sharing the layout with :meth:`to_bytes` through the cache)."""
+        return measure(
             self.tensors,
             self.pipeline,
             self.metadata,
@@ -269,6 +268,11 @@ class Payload:
             cache=self._wire_cache,
             fingerprint=self.base_fingerprint,
         )
+
+    @property
+    def nbytes(self) -> int:
+        """Exact size of :meth:`to_bytes`, computed without copying anything off the device."""
+        return self._laid_out(packed_size)
 
     @property
     def header_nbytes(self) -> int:
@@ -280,14 +284,7 @@ class Payload:
         >>> gpu_codec.compress(u, fraction=0.01).header_nbytes / len(u) < 16
         True
         """
-        return header_size(
-            self.tensors,
-            self.pipeline,
-            self.metadata,
-            wire_layouts(),
-            cache=self._wire_cache,
-            fingerprint=self.base_fingerprint,
-        )
+        return self._laid_out(header_size)
 
     @property
     def dense_nbytes(self) -> int:

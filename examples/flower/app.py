@@ -105,21 +105,24 @@ def make_client_app(compress: bool, fraction: float = 0.1) -> ClientApp:
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        pid, num = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
-        x, y = partition(pid, num)
-        model = net()
-        model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-        rnd = int(msg.content["config"]["server-round"])
-        loss = train_local(model, x, y, seed=1000 * rnd + pid)
-        content = RecordDict(
-            {
-                "arrays": ArrayRecord(model.state_dict()),
-                "metrics": MetricRecord({"num-examples": len(x), "train_loss": loss}),
-            }
-        )
-        return Message(content, reply_to=msg)
+        return train_reply(msg, context)
 
     return app
+
+
+def train_reply(msg: Message, context: Context, with_partition: bool = False) -> Message:
+    """Train the global model on this node's partition: the reply holds the trained weights and the metrics (the
+    partition's id among them where asked)."""
+    pid, num = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
+    x, y = partition(pid, num)
+    model = net()
+    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
+    rnd = int(msg.content["config"]["server-round"])
+    loss = train_local(model, x, y, seed=1000 * rnd + pid)
+    metrics = {"num-examples": len(x), "train_loss": loss} | ({"partition-id": pid} if with_partition else {})
+    return Message(
+        RecordDict({"arrays": ArrayRecord(model.state_dict()), "metrics": MetricRecord(metrics)}), reply_to=msg
+    )
 
 
 def make_server_app(compress: bool, rounds: int, out: dict) -> ServerApp:
@@ -226,19 +229,7 @@ client_app = ClientApp(mods=[damage_mod, compression_mod(FRACTION, pipeline=PIPE
 
 @client_app.train()
 def deployed_train(msg: Message, context: Context) -> Message:
-    pid, num = int(context.node_config["partition-id"]), int(context.node_config["num-partitions"])
-    x, y = partition(pid, num)
-    model = net()
-    model.load_state_dict(msg.content["arrays"].to_torch_state_dict())
-    rnd = int(msg.content["config"]["server-round"])
-    loss = train_local(model, x, y, seed=1000 * rnd + pid)
-    content = RecordDict(
-        {
-            "arrays": ArrayRecord(model.state_dict()),
-            "metrics": MetricRecord({"num-examples": len(x), "train_loss": loss, "partition-id": pid}),
-        }
-    )
-    return Message(content, reply_to=msg)
+    return train_reply(msg, context, with_partition=True)
 
 
 server_app = ServerApp()
