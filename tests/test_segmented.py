@@ -140,9 +140,10 @@ def test_decompress_many_small_tensors(backend, with_base):
         d[r.buffers["indices"].astype(np.int64)] = r.buffers["values"]
         want = (base[r.name] + d).astype(np.float32) if with_base else d
         assert np.asarray(got[r.name]).tobytes() == want.tobytes(), r.name
-    if backend == "cpu":  # the outputs are views of one allocation
+    if backend == "cpu":  # onto a base, views of one allocation; a delta's, one allocation a run of small tensors
         owners = {id(np.asarray(v).base) for v in got.values() if np.asarray(v).size}
-        assert len(owners) == 1
+        nonempty = sum(1 for v in got.values() if np.asarray(v).size)
+        assert len(owners) == 1 if with_base else 1 < len(owners) < nonempty / 2
 
 
 @pytest.mark.parametrize("past", [1, 10**6])
