@@ -132,12 +132,17 @@ class Unrepresentable(Exception):
 # ------------------------------------------------------------------------------------------ varints
 
 
+_ONE_BYTE = [bytes([b]) for b in range(0x80)]
+
+
 def uvarint(n: int) -> bytes:
     """Unsigned LEB128: 7 bits per byte, least significant group first, high bit set on every byte but the last.
 
     >>> uvarint(0), uvarint(127), uvarint(300)
     (b'\\x00', b'\\x7f', b'\\xac\\x02')
     """
+    if 0 <= n < 0x80:  # one byte: most fields of a table
+        return _ONE_BYTE[n]
     if n < 0:
         raise Unrepresentable(f"negative integer {n}")
     out = bytearray()
