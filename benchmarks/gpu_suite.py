@@ -467,16 +467,9 @@ def _glue_update(n: int, seed: int):
 
 
 def _glue_pipelines():
-    import gpu_codec
+    from gpu_codec.testing.ftz_audit import audit_pipelines
 
-    return {
-        "raw": None,
-        "int8": [gpu_codec.Int8Blockwise(block_size=64)],
-        "f16": [gpu_codec.Quantize("float16")],
-        "bf16": [gpu_codec.Quantize("bfloat16")],
-        "ternary": [gpu_codec.Ternary()],
-        "rice": [gpu_codec.RiceIndices()],
-    }
+    return audit_pipelines()
 
 
 def _glue_bytes(backend_name: str, n: int) -> dict[str, bytes]:

@@ -70,3 +70,19 @@ def allocation_cap(limit: int):
     finally:
         tracemalloc.stop()
     assert peak < limit, f"allocated {peak} bytes at its peak (cap {limit})"
+
+
+def decompress_peak(blob: bytes, base: dict | None = None) -> tuple[dict, int]:
+    """(decompress's output, the peak bytes traced while it ran): NumPy reports its allocations to tracemalloc."""
+    import gc
+
+    import gpu_codec
+
+    gc.collect()
+    tracemalloc.start()
+    try:
+        out = gpu_codec.decompress(blob, base=base)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    return out, peak

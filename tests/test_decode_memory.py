@@ -5,9 +5,6 @@ range at a time into the output, never whole. Measured with tracemalloc on the N
 
 from __future__ import annotations
 
-import gc
-import tracemalloc
-
 import numpy as np
 import pytest
 
@@ -16,7 +13,7 @@ from gpu_codec import Int8Blockwise, Quantize, RiceIndices, Zstd
 from gpu_codec.codecs import wire_layouts
 from gpu_codec.format import unpack, v2
 
-from .common import use_backend
+from .common import decompress_peak, use_backend
 
 N = 1 << 18  # elements of the larger tensor: a 1 MiB output
 PIPELINES = {
@@ -46,13 +43,7 @@ def update() -> dict:
 
 
 def peak_ratio(blob: bytes, base: dict | None) -> float:
-    gc.collect()
-    tracemalloc.start()
-    try:
-        out = gpu_codec.decompress(blob, base=base)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    out, peak = decompress_peak(blob, base)
     return peak / sum(np.asarray(v).nbytes for v in out.values())
 
 

@@ -15,14 +15,7 @@ from gpu_codec.testing import kernel_cases as kc
 
 emu = pytest.importorskip("gpu_codec.backends.emulated")
 
-PIPELINES = {
-    "raw": None,
-    "int8": [gpu_codec.Int8Blockwise(block_size=64)],
-    "f16": [gpu_codec.Quantize("float16")],
-    "bf16": [gpu_codec.Quantize("bfloat16")],
-    "ternary": [gpu_codec.Ternary()],
-    "rice": [gpu_codec.RiceIndices()],
-}
+PIPELINES = ftz_audit.audit_pipelines()
 
 
 @pytest.fixture(scope="module")

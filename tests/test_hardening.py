@@ -5,9 +5,6 @@ loads a non-finite residual."""
 
 from __future__ import annotations
 
-import gc
-import tracemalloc
-
 import numpy as np
 import pytest
 import zstandard
@@ -28,7 +25,7 @@ from gpu_codec import (
 )
 from gpu_codec.format import MAX_HEADER_BYTES, MAX_NAME, MAX_NDIM, MAX_TENSORS
 
-from .common import BACKENDS, build_payload, split_payload, use_backend
+from .common import BACKENDS, build_payload, decompress_peak, split_payload, use_backend
 
 
 @pytest.fixture(autouse=True)
@@ -167,13 +164,7 @@ def test_peak_memory_within_1_5x_of_the_declared_output(case, with_base):
     blob = gpu_codec.compress(u, **MEMORY_CASES[case]).to_bytes(version=1)
     base = {k: np.zeros_like(v) for k, v in u.items()} if with_base else None
     declared = sum(v.nbytes for v in u.values())
-    gc.collect()
-    tracemalloc.start()
-    try:
-        out = gpu_codec.decompress(blob, base=base)
-        _, peak = tracemalloc.get_traced_memory()
-    finally:
-        tracemalloc.stop()
+    out, peak = decompress_peak(blob, base)
     assert set(out) == set(u)
     assert peak <= 1.5 * declared, f"peak {peak} bytes for a {declared}-byte output ({peak / declared:.2f}x)"
 

@@ -187,3 +187,18 @@ def audit_backend() -> Any:
 
 
 __all__ = ["EXACT_UFUNCS", "FloatOp", "Recorded", "RecordingXP", "audit_backend", "recording"]
+
+
+def audit_pipelines() -> dict[str, list | None]:
+    """The pipelines the float audit runs (and ``benchmarks/gpu_suite.py`` on a GPU), by name: raw (None), every
+    value codec, and Rice-coded indices."""
+    from ..codecs import Int8Blockwise, Quantize, RiceIndices, Ternary
+
+    return {
+        "raw": None,
+        "int8": [Int8Blockwise(block_size=64)],
+        "f16": [Quantize("float16")],
+        "bf16": [Quantize("bfloat16")],
+        "ternary": [Ternary()],
+        "rice": [RiceIndices()],
+    }
