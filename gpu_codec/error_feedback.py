@@ -30,6 +30,7 @@ import numpy as np
 
 from . import dtypes
 from .backends import Backend, events, get_backend
+from .codecs import wire_layouts
 from .errors import InvalidInputError, PayloadLayoutError, PayloadValueError
 from .format import TensorRecord, pack, unpack
 
@@ -157,7 +158,7 @@ class ErrorFeedback:
         A residual holding NaN or inf is rejected (:class:`~gpu_codec.errors.PayloadValueError`): it would
         poison every later update of that client.
         """
-        header, records = unpack(blob)
+        header, records = unpack(blob, wire_layouts())  # (any payload reads, so that one of another kind is named)
         if header.get("metadata", {}).get("kind") != _KIND:
             raise PayloadLayoutError("this payload is not a saved ErrorFeedback state")
         ef = cls()

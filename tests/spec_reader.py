@@ -698,13 +698,20 @@ def read_form(r: Bytes) -> tuple:
         need(inner in INNER, "header", "a wrapper wrapping a wrapper")
         base = inner
     if base in ("sparse", "dense_q"):
-        v = r.code(VALUE_CODES)
+        v = r.code(VALUE_CODES) if r.b[r.pos : r.pos + 1] != b"\xff" else named_form(r)
         if v == "int8":
             block = r.varint(1 << 20)
             need(block >= 1, "header", "int8 block 0")
     if base == "sparse":
-        i = r.code(INDEX_CODES)
+        i = r.code(INDEX_CODES) if r.b[r.pos : r.pos + 1] != b"\xff" else named_form(r)
     return enc, inner, v, block, i
+
+
+def named_form(r: Bytes) -> str:
+    """Form code 255: a form named by its tag, a codec's own; this reader knows the built-in forms only."""
+    r.u8()
+    tag = r.take(r.varint(64))
+    raise SpecError("header", f"form {tag!r} is a codec's own, not a built-in form")
 
 
 def frames_bound(raw: int, chunk: int) -> int:

@@ -379,9 +379,10 @@ def surgery_v2(blob: bytes, fn) -> bytes:
         r.buffers = {k: np.array(v) for k, v in r.buffers.items()}
     pipeline = header["pipeline"]
     fn(pipeline, records)
-    forms, fields = zip(*(v2._record_form(r) for r in records))
+    w = wire_layouts()
+    forms, fields = zip(*(v2._record_form(r, w) for r in records))
     zb = [r.codec.get("zbytes") for r in records]
-    table = v2._table(records, pipeline, header["metadata"], list(forms), list(fields), zb, v2.DATA_RECORDS, None)
+    table = v2._table(records, pipeline, header["metadata"], list(forms), list(fields), zb, v2.DATA_RECORDS, None, w)
     data = b"".join(np.ascontiguousarray(a).tobytes() for r in records for a in r.buffers.values())
     return join_v2(flags, table, data)
 

@@ -283,14 +283,21 @@ def test_pipeline_stages_without_a_code_travel_as_json():
         {"id": "mine", "x": [1, 2]},
     ]
     rec = gpu_codec.TensorRecord("w", "float32", (2,), "dense", 2, {"values": np.ones(2, np.float32)})
+    w = wire_layouts()  # the codecs' declarations of their compact forms
     for c in cfgs:
-        header, _ = unpack(pack([rec], pipeline=[c]))
+        header, _ = unpack(pack([rec], pipeline=[c], layouts=w), w)
         assert header["version"] == 2 and header["pipeline"] == [c]
         assert type(header["pipeline"][0].get("fraction", 0.5)) is type(c.get("fraction", 0.5))
     for f in (0.01, 0.3, 1e-05, 0.123456789012345, 5e-324, 1.0, 0.1 + 0.2):
         c = {"id": "topk", "fraction": f, "scope": "global", "score": "magnitude"}
-        blob = pack([rec], pipeline=[c])
-        assert unpack(blob)[0]["pipeline"] == [c] and b'"fraction"' not in blob
+        blob = pack([rec], pipeline=[c], layouts=w)
+        assert unpack(blob, w)[0]["pipeline"] == [c] and b'"fraction"' not in blob
+        # without the codecs' declarations the format knows no codec: the stage travels as JSON, and the compact
+        # one is an unknown code
+        plain = pack([rec], pipeline=[c])
+        assert unpack(plain)[0]["pipeline"] == [c] and b'"fraction"' in plain
+        with pytest.raises(E.PayloadHeaderError, match="unknown pipeline stage code 1"):
+            unpack(blob)
 
 
 def test_error_feedback_states_of_both_versions_load():
@@ -534,5 +541,9 @@ def test_the_worked_example_in_format_md():
     rec = gpu_codec.TensorRecord(
         "w", "float32", (4,), "coo", 1, {"indices": np.array([2], np.uint32), "values": np.array([0.5], np.float32)}
     )
-    blob = pack([rec], pipeline=[{"id": "topk", "fraction": 0.25, "scope": "global", "score": "magnitude"}])
+    blob = pack(
+        [rec],
+        pipeline=[{"id": "topk", "fraction": 0.25, "scope": "global", "score": "magnitude"}],
+        layouts=wire_layouts(),
+    )
     assert len(want) == 36 and blob[:-4] == want and blob[-4:] == struct.pack("<I", zlib.crc32(want))

@@ -8,9 +8,11 @@ A codec has a stable ``codec_id``, a config that is exactly the constructor's ar
 lossless compressor over each tensor's buffers). Runtime state never enters a config.
 
 A value or index codec declares its wire *forms* (:class:`Form`: the tag a tensor record carries, the codec
-fields it needs, its buffer layout and its decoder) next to its encoder, in its own module; the registry
-collects them explicitly (:func:`gpu_codec.codecs.registry.wire_layouts`). Adding a codec is one module and
-one line in the registry.
+fields it needs and how each is stored, its buffer layout and its decoder) next to its encoder, in its own module;
+a codec's config fields are declared the same way (``wire_fields``). The registry collects the declarations
+(:func:`gpu_codec.codecs.registry.wire_layouts`), and the wire format writes and reads what they say: a registered
+codec is written in the current version. Adding a codec is one module and one line in the registry (or one
+:func:`~gpu_codec.codecs.register_codec` call for a codec of one's own).
 
 >>> from gpu_codec.codecs import Quantize
 >>> q = Quantize("float16")
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import CodecConfigError
 from ..format import TensorRecord
+from ..format.schema import Field, FormSpec, StageSpec
 
 if TYPE_CHECKING:
     from ..backends import Backend
@@ -43,19 +46,41 @@ Layout = dict[str, tuple[tuple[str, ...], int]]
 class Form:
     """One way of storing a tensor's kept values (or indices) on the wire.
 
-    ``tag`` is what a record's codec dict says (``"v"`` or ``"i"``), ``fields`` the codec-dict keys the form
-    uses, ``layout(rec, n)`` the buffers it needs for ``n`` entries (raising ``PayloadHeaderError`` on a bad
-    field), ``decode(rec, bufs, n, backend)`` the fp32/fp64 values (or flat indices) as a backend array.
-    ``part(rec, bufs, a, b)`` gives the buffers of entries ``[a, b)`` alone, for ``a`` a multiple of
-    ``unit(rec)``, so a dense tensor decodes a slice at a time (default: every buffer holds one item per entry).
+    ``tag`` is what a record's codec dict says (``"v"`` or ``"i"``); ``fields`` the codec-dict keys the form
+    uses, each a :class:`~gpu_codec.format.schema.Field` (how the compact table stores it: once with the form, or
+    in each tensor entry) or a name that ``derive(nnz, numel)`` computes (stored nowhere); ``layout(rec, n)`` the
+    buffers it needs for ``n`` entries (raising ``PayloadHeaderError`` on a bad field); ``decode(rec, bufs, n,
+    backend)`` the fp32/fp64 values (or flat indices) as a backend array. ``part(rec, bufs, a, b)`` gives the
+    buffers of entries ``[a, b)`` alone, for ``a`` a multiple of ``unit(rec)``, so a dense tensor decodes a slice
+    at a time (default: every buffer holds one item per entry). ``code``: the form's one-byte code in the table,
+    fixed forever, for the built-in forms only (a form of one's own is written by its tag).
     """
 
     tag: str
-    fields: tuple[str, ...]
+    fields: tuple[Field | str, ...]
     layout: Callable[[TensorRecord, int], Layout]
     decode: Callable[..., Any]
     part: Callable[[TensorRecord, dict, int, int], dict] | None = None
     unit: Callable[[TensorRecord], int] | None = None
+    code: int | None = None
+    derive: Callable[[int, int], dict] | None = None
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The codec-dict keys of the form."""
+        return tuple(f if isinstance(f, str) else f.name for f in self.fields)
+
+    def spec(self) -> FormSpec:
+        """What the wire format needs to store the form (:class:`~gpu_codec.format.schema.FormSpec`)."""
+        declared = [f for f in self.fields if isinstance(f, Field)]
+        return FormSpec(
+            self.tag,
+            self.code,
+            tuple(f for f in declared if f.per == "form"),
+            tuple(f for f in declared if f.per == "tensor"),
+            tuple(f for f in self.fields if isinstance(f, str)),
+            self.derive,
+        )
 
     def slice(self, rec: TensorRecord, bufs: dict, a: int, b: int) -> dict:
         """The buffers of entries ``[a, b)``."""
@@ -74,6 +99,15 @@ class Codec:
 
     codec_id: ClassVar[str] = ""
     stage: ClassVar[str] = ""
+    # the config in the compact table: a one-byte code (fixed forever, built-in codecs only; others are stored as
+    # JSON) and how each constructor argument is stored
+    wire_code: ClassVar[int | None] = None
+    wire_fields: ClassVar[tuple[Field, ...]] = ()
+
+    @classmethod
+    def stage_spec(cls) -> StageSpec | None:
+        """The compact form of the codec's configs, where it has one."""
+        return None if cls.wire_code is None else StageSpec(cls.codec_id, cls.wire_code, cls.wire_fields)
 
     @classmethod
     def _params(cls) -> list[str]:

@@ -30,6 +30,7 @@ import zstandard
 from ..errors import BackendUnavailableError, PayloadHeaderError
 from ..format import TensorRecord
 from ..format.common import MAX_CHUNK_LOG2
+from ..format.schema import Field
 from .base import BytesCodec, check_choice
 from .wire import where
 
@@ -145,6 +146,9 @@ def assemble(blob: bytes, comp_sizes: list[int], spans: list[tuple[int, int]], c
     return out
 
 
+ALGORITHMS = ("zstd",)
+
+
 class Nvcomp(BytesCodec):
     """nvCOMP ``algorithm`` (``"zstd"``: standard zstd frames, one per chunk of :attr:`chunk` bytes) on the GPU
     over each tensor's buffers."""
@@ -152,10 +156,12 @@ class Nvcomp(BytesCodec):
     codec_id = "nvcomp"
     encoding = "nvcomp"
     fields = ("algo",)
+    wire_code = 7
+    wire_fields = (Field("algorithm", "choice", choices=ALGORITHMS),)
     chunk = 1 << MAX_CHUNK_LOG2  # nvCOMP's zstd compresses at most 16 MiB per chunk
 
     def __init__(self, algorithm: str = "zstd"):
-        self.algorithm = check_choice("nvcomp", "algorithm", algorithm, ("zstd",))
+        self.algorithm = check_choice("nvcomp", "algorithm", algorithm, ALGORITHMS)
 
     def extra_fields(self) -> dict:
         return {"algo": self.algorithm}

@@ -20,10 +20,12 @@ import numpy as np
 
 from ..errors import PayloadHeaderError
 from ..format import TensorRecord
+from ..format.schema import Field
 from .base import Form, ValueCodec, check_choice, check_int
 from .wire import is_int, n_blocks, value_dtype_name, where
 
 DTYPES = ("float32", "float16", "bfloat16")
+MAX_BLOCK = 1 << 20
 _TAGS = {"float32": "f32", "float16": "f16", "bfloat16": "bf16"}
 
 
@@ -48,7 +50,7 @@ def _decode_bf16(rec, bufs, n, backend):
 
 def check_block(rec: TensorRecord) -> int:
     b = rec.codec.get("block")
-    if not is_int(b) or not 1 <= b <= (1 << 20):
+    if not is_int(b) or not 1 <= b <= MAX_BLOCK:
         raise PayloadHeaderError(f"{where(rec)}: int8 block size {b!r} must be an integer in [1, 2^20]")
     return b
 
@@ -76,10 +78,12 @@ class Quantize(ValueCodec):
     """Store kept values as ``float32`` (lossless; fp64 tensors keep fp64), ``float16`` or ``bfloat16``."""
 
     codec_id = "quantize"
+    wire_code = 2
+    wire_fields = (Field("dtype", "choice", choices=DTYPES),)
     forms = (
-        Form("f32", (), _float_layout(None), _decode_f32),
-        Form("f16", (), _float_layout("float16"), _decode_f16),
-        Form("bf16", (), _float_layout("bfloat16"), _decode_bf16),
+        Form("f32", (), _float_layout(None), _decode_f32, code=0),
+        Form("f16", (), _float_layout("float16"), _decode_f16, code=1),
+        Form("bf16", (), _float_layout("bfloat16"), _decode_bf16, code=2),
     )
 
     def __init__(self, dtype: str = "float16"):
@@ -104,10 +108,22 @@ class Int8Blockwise(ValueCodec):
     """int8 with one float32 absmax scale per block of ``block_size`` kept values (bitsandbytes-style)."""
 
     codec_id = "int8"
-    forms = (Form("int8", ("block",), _int8_layout, _decode_int8, _int8_part, _int8_unit),)
+    wire_code = 3
+    wire_fields = (Field("block_size", "varint", lo=1, hi=MAX_BLOCK),)
+    forms = (
+        Form(
+            "int8",
+            (Field("block", "varint", lo=1, hi=MAX_BLOCK, per="form"),),
+            _int8_layout,
+            _decode_int8,
+            _int8_part,
+            _int8_unit,
+            code=3,
+        ),
+    )
 
     def __init__(self, block_size: int = 256):
-        self.block_size = check_int("int8", "block_size", block_size, 1, 1 << 20)
+        self.block_size = check_int("int8", "block_size", block_size, 1, MAX_BLOCK)
 
     @property
     def lossless(self) -> bool:

@@ -22,7 +22,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ..errors import CodecConfigError, UnknownCodecError
-from ..format import LayoutRule
+from ..format.schema import WireTables
 from .base import STAGES, BytesCodec, Codec, Form, IndexCodec, ValueCodec
 from .nvcomp import Nvcomp
 from .quantize import Int8Blockwise, Quantize
@@ -36,13 +36,15 @@ BUILTIN: tuple[type[Codec], ...] = (TopK, Quantize, Int8Blockwise, Ternary, Rice
 
 _REGISTRY: dict[str, type[Codec]] = {}
 _lock = threading.Lock()
-_layouts: dict[str, LayoutRule] | None = None
+_layouts: WireTables | None = None
 
 
 def register_codec(cls: type[Codec]) -> type[Codec]:
     """Register a codec class under its ``codec_id`` (replacing any class of that id); usable as a decorator.
 
-    A value or index codec brings its wire forms along, a bytes codec its wrapper encoding.
+    A value or index codec brings its wire forms along, a bytes codec its wrapper encoding. Wire codes (a codec's
+    ``wire_code``, a form's ``code``) belong to the built-in codecs: a codec of one's own leaves them None, and
+    its config and forms are written by name, with the fields it declares.
     """
     global _layouts
     if not (isinstance(cls, type) and issubclass(cls, Codec)):
@@ -51,6 +53,15 @@ def register_codec(cls: type[Codec]) -> type[Codec]:
         raise CodecConfigError(f"{cls.__name__} has no codec_id")
     if cls.stage not in STAGES:
         raise CodecConfigError(f"{cls.__name__}.stage must be one of {list(STAGES)}, got {cls.stage!r}")
+    builtin_forms = {id(f) for c in BUILTIN for f in getattr(c, "forms", ())}
+    if cls not in BUILTIN and (
+        cls.__dict__.get("wire_code") is not None
+        or any(f.code is not None and id(f) not in builtin_forms for f in getattr(cls, "forms", ()))
+    ):
+        raise CodecConfigError(
+            f"{cls.__name__}: wire codes are fixed for the built-in codecs; leave wire_code and each form's code "
+            "None (a codec of its own is written by its id and tags)"
+        )
     with _lock:
         _REGISTRY[cls.codec_id] = cls
         _layouts = None
@@ -94,13 +105,23 @@ def index_forms() -> dict[str, Form]:
     return _forms(IndexCodec, (RawIndices,))
 
 
-def wire_layouts() -> dict[str, LayoutRule]:
-    """Layout rules of every encoding the registered codecs write, for :func:`gpu_codec.format.unpack`."""
+def wire_layouts() -> WireTables:
+    """Layout rules of every encoding the registered codecs write, and the compact table's declarations of their
+    configs and forms, for :func:`gpu_codec.format.pack` and :func:`gpu_codec.format.unpack`."""
     global _layouts
     with _lock:
         if _layouts is None:
             wrappers = {c.encoding: c for c in _REGISTRY.values() if issubclass(c, BytesCodec)}
-            _layouts = build_layouts(value_forms(), index_forms(), wrappers)
+            vf, inf = value_forms(), index_forms()
+            # a config is stored by its code only for the built-in codec of that id (one of one's own, even a
+            # subclass of a built-in one, is stored as JSON)
+            specs = [s for s in (c.stage_spec() for c in _REGISTRY.values() if c in BUILTIN) if s is not None]
+            _layouts = WireTables(
+                build_layouts(vf, inf, wrappers),
+                specs,
+                {t: f.spec() for t, f in vf.items()},
+                {t: f.spec() for t, f in inf.items()},
+            )
         return _layouts
 
 

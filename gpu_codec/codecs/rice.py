@@ -20,8 +20,11 @@ from __future__ import annotations
 
 from ..cpu_fallback import rice as _rice
 from ..errors import PayloadHeaderError
+from ..format.schema import Field
 from .base import Form, IndexCodec
 from .wire import is_int, where
+
+MAX_BITS = 1 << 62  # a Rice bit count's bound in the table (the layout checks the real one, from nnz and numel)
 
 
 def _raw_layout(rec, n):
@@ -56,7 +59,7 @@ class RawIndices(IndexCodec):
     """The engine's own indices (not registered: it is what a pipeline without an index stage stores)."""
 
     codec_id = "raw"
-    forms = (Form("raw", (), _raw_layout, _raw_decode),)
+    forms = (Form("raw", (), _raw_layout, _raw_decode, code=0),)
 
     @property
     def lossless(self) -> bool:
@@ -70,7 +73,18 @@ class RiceIndices(IndexCodec):
     """Rice (Golomb power-of-two) coded index gaps, parameter chosen per tensor from its density."""
 
     codec_id = "rice"
-    forms = (Form("rice", ("k", "bits"), _rice_layout, _rice_decode),)
+    wire_code = 5
+    # k follows from nnz and numel (stored nowhere); the bit count is stored where something is kept
+    forms = (
+        Form(
+            "rice",
+            ("k", Field("bits", "varint", hi=MAX_BITS, empty=0)),
+            _rice_layout,
+            _rice_decode,
+            code=1,
+            derive=lambda nnz, numel: {"k": _rice.rice_param(nnz, numel)},
+        ),
+    )
 
     def __init__(self) -> None:
         pass

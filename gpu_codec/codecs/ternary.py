@@ -21,6 +21,7 @@ import numpy as np
 
 from ..errors import PayloadHeaderError
 from ..format import TensorRecord
+from ..format.schema import Field
 from .base import Form, ValueCodec
 from .wire import n_blocks, where
 
@@ -56,7 +57,9 @@ class Ternary(ValueCodec):
     """Sign bits plus one fp32 magnitude per tensor (``"mu"`` in the tensor's codec dict)."""
 
     codec_id = "ternary"
-    forms = (Form("ternary", ("mu",), _layout, _decode, _part, lambda rec: 8),)
+    wire_code = 4
+    # mu is stored where something is kept (an empty tensor's is 0)
+    forms = (Form("ternary", (Field("mu", "f32", empty=0.0),), _layout, _decode, _part, lambda rec: 8, code=4),)
 
     def __init__(self) -> None:
         pass

@@ -17,6 +17,7 @@ import numpy as np
 from .. import dtypes
 from ..dtypes import SCOPES
 from ..errors import CodecConfigError, InvalidInputError
+from ..format.schema import Field
 from .base import Codec, check_choice
 
 
@@ -47,6 +48,12 @@ class TopK(Codec):
 
     codec_id = "topk"
     stage = "sparsify"
+    wire_code = 1
+    wire_fields = (
+        Field("fraction", "decimal"),
+        Field("scope", "choice", choices=SCOPES),
+        Field("score", "choice", choices=SCORES),
+    )
 
     def __init__(self, fraction: float = 0.01, scope: str = "global", score: str = "magnitude"):
         self.fraction = check_fraction(fraction, "topk: fraction", CodecConfigError)

@@ -110,12 +110,12 @@ def build_layouts(
     def sparse(rec: TensorRecord) -> Layout:
         vf = _form(value_forms, rec.codec.get("v"), "value", rec)
         inf = _form(index_forms, rec.codec.get("i"), "index", rec)
-        _only(rec, {"v", "i", *vf.fields, *inf.fields})
+        _only(rec, {"v", "i", *vf.names, *inf.names})
         return {**inf.layout(rec, rec.nnz), **vf.layout(rec, rec.nnz)}
 
     def dense_q(rec: TensorRecord) -> Layout:
         vf = _form(value_forms, rec.codec.get("v"), "value", rec)
-        _only(rec, {"v", *vf.fields})
+        _only(rec, {"v", *vf.names})
         if rec.nnz != rec.numel:
             raise PayloadLayoutError(f"{where(rec)}: a dense tensor must have nnz = numel = {rec.numel}, got {rec.nnz}")
         return vf.layout(rec, rec.numel)

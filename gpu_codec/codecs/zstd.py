@@ -30,6 +30,7 @@ import numpy as np
 import zstandard
 
 from ..format import LayoutRule, TensorRecord
+from ..format.schema import Field
 from .base import BytesCodec, check_int
 from .wire import gather
 
@@ -66,6 +67,8 @@ class Zstd(BytesCodec):
 
     codec_id = "zstd"
     encoding = "zstd"
+    wire_code = 6
+    wire_fields = (Field("level", "u8", lo=1, hi=22),)
 
     def __init__(self, level: int = 3):
         self.level = check_int("zstd", "level", level, 1, 22)

@@ -8,15 +8,19 @@ encoding of most tensors once (a tensor that differs carries its own), per-tenso
 raw float32 bits, buffer offsets are implied by the layout, and the bytes stage may run over every tensor as
 one frame. The table itself is zstd-compressed where that is smaller.
 
+The codecs' configs and forms are stored as the codecs declare them (:mod:`gpu_codec.format.schema`); the
+declarations come with the layout rules (:func:`gpu_codec.codecs.wire_layouts`):
+
 >>> import numpy as np
+>>> from gpu_codec.codecs import wire_layouts
 >>> from gpu_codec.format import TensorRecord, pack, unpack
 >>> rec = TensorRecord("w", "float32", (4,), "coo", 1,
 ...                    {"indices": np.array([2], np.uint32), "values": np.array([0.5], np.float32)})
->>> blob = pack([rec], pipeline=[{"id": "topk", "fraction": 0.25, "scope": "global", "score": "magnitude"}])
->>> len(blob), blob[8], header_size([rec], [{"id": "topk", "fraction": 0.25, "scope": "global",
-...                                          "score": "magnitude"}])
+>>> topk = {"id": "topk", "fraction": 0.25, "scope": "global", "score": "magnitude"}
+>>> blob = pack([rec], pipeline=[topk], layouts=wire_layouts())
+>>> len(blob), blob[8], header_size([rec], [topk], None, wire_layouts())
 (40, 2, 28)
->>> header, (back,) = unpack(blob)
+>>> header, (back,) = unpack(blob, wire_layouts())
 >>> header["version"], header["pipeline"][0]["fraction"], back.buffers["indices"].tolist()
 (2, 0.25, [2])
 """
@@ -28,7 +32,6 @@ import struct
 import zlib
 from collections import Counter
 from collections.abc import Mapping
-from decimal import Decimal
 from typing import Any
 
 import numpy as np
@@ -70,16 +73,15 @@ from .common import (
     is_int,
     loads_json,
     req,
-    rice_param,
     zstd_frame_size,
 )
 from .fingerprint import check_hex
+from .schema import FormSpec, Unrepresentable, WireTables, form_bytes, read_form, tables_of, uvarint
 
 VERSION = 2
 CHUNKED = 3  # the version whose nvcomp tensors are a zstd frame per chunk
 _PREFIX = struct.Struct("<8sIB")  # magic, version, flags
 _CRC = struct.Struct("<I")
-_F32 = struct.Struct("<f")
 MIN_SIZE = _PREFIX.size + 1 + _CRC.size
 
 # flags (the prefix's last byte)
@@ -98,61 +100,16 @@ DTYPE_CODES = ("float32", "float16", "bfloat16", "float64")
 ENCODING_CODES = ("coo", "dense", "sparse", "dense_q", "zstd", "nvcomp")
 INNER_ENCODINGS = ENCODING_CODES[:4]
 WRAPPERS = ("zstd", "nvcomp")
-VALUE_FORMS = ("f32", "f16", "bf16", "int8", "ternary")
-INDEX_FORMS = ("raw", "rice")
-SCOPE_CODES = ("global", "per_tensor")
-SCORE_CODES = (
-    "magnitude",
-    "largest_final_magnitude",
-    "smallest_final_magnitude",
-    "largest_magnitude_change",
-    "smallest_magnitude_change",
-    "largest_increase_in_magnitude",
-    "smallest_increase_in_magnitude",
-    "custom",
-)
-QUANT_CODES = ("float32", "float16", "bfloat16")
-NVCOMP_ALGOS = ("zstd",)
-STAGE_JSON, STAGE_TOPK, STAGE_QUANTIZE, STAGE_INT8, STAGE_TERNARY, STAGE_RICE, STAGE_ZSTD, STAGE_NVCOMP = range(8)
+STAGE_JSON = 0  # a pipeline stage stored as JSON (every code above it is a codec's own: gpu_codec.codecs)
 
 MAX_STAGES = 16
 MAX_NAME_BYTES = 4 * MAX_NAME
-MAX_BLOCK = 1 << 20
-MAX_RICE_BITS = 1 << 62
-MAX_FRACTION_EXP = 400
 _TABLE_LEVEL_SMALL, _TABLE_LEVEL_LARGE, _TABLE_SMALL = 19, 3, 256 << 10
 
-Form = tuple  # (encoding, inner encoding | None, value form | None, int8 block | None, index form | None)
-
-
-class Unrepresentable(Exception):
-    """A record or config the v2 table has no field for (the writer then falls back to v1)."""
-
-
-# ------------------------------------------------------------------------------------------ varints
-
-
-_ONE_BYTE = [bytes([b]) for b in range(0x80)]
-
-
-def uvarint(n: int) -> bytes:
-    """Unsigned LEB128: 7 bits per byte, least significant group first, high bit set on every byte but the last.
-
-    >>> uvarint(0), uvarint(127), uvarint(300)
-    (b'\\x00', b'\\x7f', b'\\xac\\x02')
-    """
-    if 0 <= n < 0x80:  # one byte: most fields of a table
-        return _ONE_BYTE[n]
-    if n < 0:
-        raise Unrepresentable(f"negative integer {n}")
-    out = bytearray()
-    while True:
-        b, n = n & 0x7F, n >> 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
+# (encoding, inner encoding | None, value form tag | None, its params, index form tag | None, its params); params
+# are (name, value) pairs of the fields a form stores once (int8's block)
+Form = tuple
+_NO_FORM: Form = ("coo", None, None, (), None, ())
 
 
 class _Reader:
@@ -210,24 +167,15 @@ class _Reader:
 # ------------------------------------------------------------------------------------------ pipeline stages
 
 
-def _decimal(f: float) -> tuple[int, int]:
-    """A float in (0, 1] as (m, e), its shortest round-tripping decimal m x 10^-e."""
-    sign, digits, exp = Decimal(repr(f)).as_tuple()
-    if sign or not is_int(exp):
-        raise Unrepresentable(f"fraction {f!r}")
-    m, e = int("".join(map(str, digits))), -exp
-    if e < 0:
-        m, e = m * 10**-e, 0
-    while e and m % 10 == 0:  # 1.0 is (1, 0), not (10, 1)
-        m, e = m // 10, e - 1
-    return m, e
-
-
-def _stage_bytes(cfg: Any) -> bytes:
-    try:
-        return _compact_stage(cfg)
-    except Unrepresentable:
-        pass
+def _stage_bytes(cfg: Any, tables: WireTables) -> bytes:
+    """A pipeline stage: its codec's compact code and fields where the codec declares them and the config fits
+    them (:class:`~gpu_codec.format.schema.StageSpec`), JSON otherwise."""
+    spec = tables.stage_of.get(cfg.get("id")) if type(cfg) is dict else None
+    if spec is not None:
+        try:
+            return spec.encode(cfg)
+        except Unrepresentable:
+            pass
     if not isinstance(cfg, dict) or not isinstance(cfg.get("id"), str):
         raise Unrepresentable(f"pipeline stage {cfg!r} is not a codec config")
     try:
@@ -237,31 +185,7 @@ def _stage_bytes(cfg: Any) -> bytes:
     return bytes([STAGE_JSON]) + uvarint(len(j)) + j
 
 
-def _compact_stage(cfg: Any) -> bytes:
-    if type(cfg) is not dict:
-        raise Unrepresentable("not a dict")
-    cid, keys = cfg.get("id"), set(cfg)
-    if cid == "topk" and keys == {"id", "fraction", "scope", "score"}:
-        f = cfg["fraction"]
-        if type(f) is float and 0.0 < f <= 1.0 and cfg["scope"] in SCOPE_CODES and cfg["score"] in SCORE_CODES:
-            m, e = _decimal(f)
-            s = SCOPE_CODES.index(cfg["scope"]), SCORE_CODES.index(cfg["score"])
-            return bytes([STAGE_TOPK]) + uvarint(m) + uvarint(e) + bytes(s)
-    elif cid == "quantize" and keys == {"id", "dtype"} and cfg["dtype"] in QUANT_CODES:
-        return bytes([STAGE_QUANTIZE, QUANT_CODES.index(cfg["dtype"])])
-    elif cid == "int8" and keys == {"id", "block_size"} and is_int(cfg["block_size"]):
-        if 1 <= cfg["block_size"] <= MAX_BLOCK:
-            return bytes([STAGE_INT8]) + uvarint(cfg["block_size"])
-    elif cid in ("ternary", "rice") and keys == {"id"}:
-        return bytes([STAGE_TERNARY if cid == "ternary" else STAGE_RICE])
-    elif cid == "zstd" and keys == {"id", "level"} and is_int(cfg["level"]) and 1 <= cfg["level"] <= 22:
-        return bytes([STAGE_ZSTD, cfg["level"]])
-    elif cid == "nvcomp" and keys == {"id", "algorithm"} and cfg["algorithm"] in NVCOMP_ALGOS:
-        return bytes([STAGE_NVCOMP, NVCOMP_ALGOS.index(cfg["algorithm"])])
-    raise Unrepresentable(f"no compact code for {cfg!r}")
-
-
-def _read_stage(r: _Reader) -> dict:
+def _read_stage(r: _Reader, tables: WireTables) -> dict:
     code = r.u8("stage code")
     if code == STAGE_JSON:
         n = r.varint("stage config length", r.end - r.pos)
@@ -272,70 +196,42 @@ def _read_stage(r: _Reader) -> dict:
             f"{r.what}: a JSON pipeline stage must be an object with a string 'id'",
         )
         return cfg
-    if code == STAGE_TOPK:
-        m = r.varint("topk fraction digits", 10**17)
-        e = r.varint("topk fraction exponent", MAX_FRACTION_EXP)
-        f = float(Decimal(m).scaleb(-e))
-        req(0.0 < f <= 1.0, PayloadHeaderError, f"{r.what}: topk fraction {m}e-{e} is not in (0, 1]")
-        req(_decimal(f) == (m, e), PayloadHeaderError, f"{r.what}: topk fraction {m}e-{e} is not in shortest form")
-        return {
-            "id": "topk",
-            "fraction": f,
-            "scope": r.code("scope", SCOPE_CODES),
-            "score": r.code("score", SCORE_CODES),
-        }
-    if code == STAGE_QUANTIZE:
-        return {"id": "quantize", "dtype": r.code("quantize dtype", QUANT_CODES)}
-    if code == STAGE_INT8:
-        b = r.varint("int8 block size", MAX_BLOCK)
-        req(b >= 1, PayloadHeaderError, f"{r.what}: int8 block size 0")
-        return {"id": "int8", "block_size": b}
-    if code in (STAGE_TERNARY, STAGE_RICE):
-        return {"id": "ternary" if code == STAGE_TERNARY else "rice"}
-    if code == STAGE_ZSTD:
-        level = r.u8("zstd level")
-        req(1 <= level <= 22, PayloadHeaderError, f"{r.what}: zstd level {level} is not in [1, 22]")
-        return {"id": "zstd", "level": level}
-    if code == STAGE_NVCOMP:
-        return {"id": "nvcomp", "algorithm": r.code("nvcomp algorithm", NVCOMP_ALGOS)}
-    raise PayloadHeaderError(f"{r.what}: unknown pipeline stage code {code}")
+    spec = tables.stages.get(code)
+    req(spec is not None, PayloadHeaderError, f"{r.what}: unknown pipeline stage code {code}")
+    return spec.decode(r)
 
 
 # ------------------------------------------------------------------------------------------ forms
 
 
-def _form_bytes(form: Form) -> bytes:
-    enc, inner, v, block, i = form
+def _form_bytes(form: Form, tables: WireTables) -> bytes:
+    enc, inner, v, vparams, i, iparams = form
     out = bytearray([ENCODING_CODES.index(enc)])
     base = enc
     if enc in WRAPPERS:
         out.append(ENCODING_CODES.index(inner))
         base = inner
     if base in ("sparse", "dense_q"):
-        out.append(VALUE_FORMS.index(v))
-        if v == "int8":
-            out += uvarint(block)
+        out += form_bytes(tables.value_forms[v], dict(vparams))
     if base == "sparse":
-        out.append(INDEX_FORMS.index(i))
+        out += form_bytes(tables.index_forms[i], dict(iparams))
     return bytes(out)
 
 
-def _read_form(r: _Reader) -> Form:
+def _read_form(r: _Reader, tables: WireTables) -> tuple:
+    """(encoding, inner, value form spec, its params, index form spec, its params)."""
     enc = r.code("encoding", ENCODING_CODES)
-    inner, v, block, i = None, None, None, None
+    inner, v, vparams, i, iparams = None, None, (), None, ()
     base = enc
     if enc in WRAPPERS:
         inner = r.code("inner encoding", ENCODING_CODES)
         req(inner in INNER_ENCODINGS, PayloadHeaderError, f"{r.what}: a {enc} record cannot wrap {inner!r}")
         base = inner
     if base in ("sparse", "dense_q"):
-        v = r.code("value form", VALUE_FORMS)
-        if v == "int8":
-            block = r.varint("int8 block size", MAX_BLOCK)
-            req(block >= 1, PayloadHeaderError, f"{r.what}: int8 block size 0")
+        v, vparams = read_form(r, tables.value_codes, tables.value_forms, "value")
     if base == "sparse":
-        i = r.code("index form", INDEX_FORMS)
-    return (enc, inner, v, block, i)
+        i, iparams = read_form(r, tables.index_codes, tables.index_forms, "index")
+    return (enc, inner, v, vparams, i, iparams)
 
 
 def _keys(d: Any, allowed: set[str], required: set[str]) -> dict:
@@ -344,78 +240,67 @@ def _keys(d: Any, allowed: set[str], required: set[str]) -> dict:
     return d
 
 
-def _coded_form(enc: str, c: dict, rec: TensorRecord, nnz: int) -> tuple[tuple, list[tuple[str, Any]]]:
-    """(value form, block, index form) and the per-tensor fields of a sparse/dense_q codec dict."""
+def _part_form(spec: FormSpec | None, c: dict, nnz: int, numel: int, out: bytearray) -> tuple:
+    """The params of one form of a codec dict, its per-tensor fields appended to ``out``; Unrepresentable where a
+    value does not fit its declared field."""
+    if spec is None:
+        raise Unrepresentable(f"a form without a declaration in the table: {c!r}")
+    params = tuple((f.name, c.get(f.name)) for f in spec.params)
+    for f in spec.params:
+        f.encode(c.get(f.name))  # (checks it)
+    if spec.derived:
+        if spec.derive is None:
+            raise Unrepresentable(f"form {spec.tag!r}: derived fields without a rule")
+        want = spec.derive(nnz, numel)
+        if any(c.get(k) != want[k] or type(c.get(k)) is not type(want[k]) for k in spec.derived):
+            raise Unrepresentable(f"form {spec.tag!r}: fields {list(spec.derived)} are not what nnz and numel give")
+    for f in spec.fields:
+        b = f.encode(c.get(f.name))
+        if f.empty is not None and not nnz:
+            if b != f.encode(f.empty):
+                raise Unrepresentable(f"form {spec.tag!r}: {f.name} of an empty tensor")
+        else:
+            out += b
+    return params
+
+
+def _coded_form(enc: str, c: dict, rec: TensorRecord, nnz: int, tables: WireTables) -> tuple[tuple, bytes]:
+    """(value form, params, index form, params) and the per-tensor field bytes of a sparse/dense_q codec dict."""
+    fields = bytearray()
     v = c.get("v")
-    if v not in VALUE_FORMS:
-        raise Unrepresentable(f"value form {v!r}")
-    allowed, fields, block = {"v"}, [], None
-    if v == "int8":
-        allowed.add("block")
-        block = c.get("block")
-        if not is_int(block) or not 1 <= block <= MAX_BLOCK:
-            raise Unrepresentable("int8 block")
-    if v == "ternary":
-        allowed.add("mu")
-        mu = _mu_bits(c.get("mu"))
-        if nnz:
-            fields.append(("mu", mu))
-        elif mu != bytes(4):
-            raise Unrepresentable("ternary mu of an empty tensor")
-    i = None
+    vs = tables.value_forms.get(v) if isinstance(v, str) else None
+    vparams = _part_form(vs, c, nnz, rec.numel, fields)
+    allowed = {"v"} | vs.keys()
+    i, iparams = None, ()
     if enc == "sparse":
-        allowed.add("i")
         i = c.get("i")
-        if i not in INDEX_FORMS:
-            raise Unrepresentable(f"index form {i!r}")
-        if i == "rice":
-            allowed |= {"k", "bits"}
-            if c.get("k") != rice_param(nnz, rec.numel) or not is_int(c.get("bits")) or c["bits"] < 0:
-                raise Unrepresentable("Rice fields")
-            if nnz:
-                fields.append(("bits", c["bits"]))
-            elif c["bits"]:
-                raise Unrepresentable("Rice bits of an empty tensor")
+        ispec = tables.index_forms.get(i) if isinstance(i, str) else None
+        iparams = _part_form(ispec, c, nnz, rec.numel, fields)
+        allowed |= {"i"} | ispec.keys()
     _keys(c, allowed, allowed)
-    return (v, block, i), fields
+    return (v, vparams, i, iparams), bytes(fields)
 
 
-def _mu_bits(mu: Any) -> bytes:
-    if type(mu) not in (float, int) or isinstance(mu, bool):
-        raise Unrepresentable("ternary mu")
-    try:
-        b = _F32.pack(mu)
-    except (OverflowError, struct.error):
-        raise Unrepresentable("ternary mu") from None
-    if _F32.unpack(b)[0] != mu or not _mu_ok(b):
-        raise Unrepresentable("ternary mu")
-    return b
-
-
-def _mu_ok(b: bytes) -> bool:
-    return int.from_bytes(b, "little") < 0x7F800000  # finite, sign bit clear
-
-
-def _record_form(rec: TensorRecord) -> tuple[Form, list[tuple[str, Any]]]:
+def _record_form(rec: TensorRecord, tables: WireTables) -> tuple[Form, bytes]:
     enc, c = rec.encoding, rec.codec
     if enc in ("coo", "dense"):
         _keys(c, set(), set())
-        return (enc, None, None, None, None), []
+        return (enc, None, None, (), None, ()), b""
     if enc in ("sparse", "dense_q"):
-        (v, block, i), fields = _coded_form(enc, c, rec, rec.nnz)
-        return (enc, None, v, block, i), fields
+        (v, vp, i, ip), fields = _coded_form(enc, c, rec, rec.nnz, tables)
+        return (enc, None, v, vp, i, ip), fields
     if enc in WRAPPERS:
         allowed = {"inner", "raw", "zbytes", "ic"} | ({"algo"} if enc == "nvcomp" else set())
         _keys(c, allowed, {"inner", "raw"} | ({"algo"} if enc == "nvcomp" else set()))
-        if enc == "nvcomp" and c["algo"] not in NVCOMP_ALGOS:
+        if enc == "nvcomp" and c["algo"] != "zstd":
             raise Unrepresentable("nvcomp algorithm")
         inner, ic = c["inner"], c.get("ic", {})
         if inner in ("coo", "dense"):
             _keys(ic, set(), set())
-            return (enc, inner, None, None, None), []
+            return (enc, inner, None, (), None, ()), b""
         if inner in ("sparse", "dense_q") and isinstance(ic, dict) and ic:
-            (v, block, i), fields = _coded_form(inner, ic, rec, rec.nnz)
-            return (enc, inner, v, block, i), fields
+            (v, vp, i, ip), fields = _coded_form(inner, ic, rec, rec.nnz, tables)
+            return (enc, inner, v, vp, i, ip), fields
     raise Unrepresentable(f"encoding {enc!r}")
 
 
@@ -561,7 +446,7 @@ def plan(
 
     ``data_mode`` forces how zstd records are laid out (``DATA_RECORDS``, ``DATA_ZSTD``, ``DATA_PLAIN``);
     by default the smallest is chosen."""
-    layouts = BASE_LAYOUTS if layouts is None else layouts
+    layouts = tables_of(BASE_LAYOUTS if layouts is None else layouts)
     if len(tensors) > MAX_TENSORS:
         raise Unrepresentable("too many tensors")
     forms, fields, parts = [], [], []
@@ -571,7 +456,7 @@ def plan(
             raise Unrepresentable(f"tensor {rec.name!r}: shape")
         if rec.dtype not in DTYPE_CODES or not is_int(rec.nnz):
             raise Unrepresentable(f"tensor {rec.name!r}: dtype or nnz")
-        form, f = _record_form(rec)
+        form, f = _record_form(rec, layouts)
         base = form[1] if form[0] in WRAPPERS else form[0]
         if base in ("dense", "dense_q") and rec.nnz != rec.numel:
             raise Unrepresentable(f"tensor {rec.name!r}: a dense record with nnz != numel")
@@ -579,7 +464,8 @@ def plan(
             if not is_int(rec.codec["raw"]):
                 raise Unrepresentable("raw")
             if form[0] == "nvcomp":
-                f = [*f, ("chunk", _chunk_log2(rec, version))]
+                c = _chunk_log2(rec, version)
+                f += bytes([c]) if c is not None else b""
             inner = _inner_of(rec)
             if sum(n * BUFFER_DTYPES[dt].itemsize for _, dt, n in _layout_of(inner, layouts)) != rec.codec["raw"]:
                 raise Unrepresentable(f"tensor {rec.name!r}: raw size")
@@ -598,7 +484,7 @@ def plan(
     mode, zbytes = DATA_RECORDS, [r.codec.get("zbytes") for r in tensors]
     if all_zstd:
         mode, parts, zbytes = _wrapped_data(tensors, _zstd_level(pipeline), cache, data_mode)
-    table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, version, fingerprint)
+    table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, layouts, fingerprint)
     flags = (FLAG_METADATA if metadata else 0) | (mode << DATA_SHIFT) | (FLAG_FINGERPRINT if fingerprint else 0)
     z = _cached(cache, "table", table, lambda: _compress_table(table))
     if len(z) + len(uvarint(len(table))) < len(table):
@@ -663,12 +549,14 @@ def _name_entries(names: tuple) -> list[bytes]:
     return out
 
 
-def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, version=VERSION, fingerprint=None) -> bytes:
+def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tables, fingerprint=None) -> bytes:
+    """The tensor table: ``forms`` and ``fields`` (each tensor's per-tensor field bytes) from :func:`_record_form`."""
+    tables = tables_of(tables)
     if not isinstance(pipeline, list) or len(pipeline) > MAX_STAGES:
         raise Unrepresentable("pipeline")
     t = bytearray(uvarint(len(pipeline)))
     for cfg in pipeline:
-        t += _stage_bytes(cfg)
+        t += _stage_bytes(cfg, tables)
     if metadata:
         if not isinstance(metadata, dict):
             raise Unrepresentable("metadata")
@@ -676,8 +564,8 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, vers
         t += uvarint(len(j)) + j
     if fingerprint is not None:
         t += bytes.fromhex(check_hex(fingerprint))
-    default = Counter(forms).most_common(1)[0][0] if forms else ("coo", None, None, None, None)
-    t += _form_bytes(default)
+    default = Counter(forms).most_common(1)[0][0] if forms else _NO_FORM
+    t += _form_bytes(default, tables)
     t += uvarint(len(tensors))
     names = tuple(rec.name for rec in tensors)
     for rec, entry, form, f, zb in zip(
@@ -687,7 +575,7 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, vers
         kind = DTYPE_CODES.index(rec.dtype) | len(rec.shape) << 2 | (0x40 if form != default else 0)
         t.append(kind)
         if form != default:
-            t += _form_bytes(form)
+            t += _form_bytes(form, tables)
         for d in rec.shape:
             if not is_int(d) or not 0 <= d <= MAX_TENSOR_ELEMENTS:
                 raise Unrepresentable("dimension")
@@ -695,14 +583,7 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, vers
         base = form[1] if form[0] in WRAPPERS else form[0]
         if base in ("coo", "sparse"):
             t += uvarint(rec.nnz)
-        for name, value in f:
-            if name == "mu":
-                t += value
-            elif name == "chunk":
-                if value is not None:
-                    t.append(value)
-            else:
-                t += uvarint(value)
+        t += f
         if form[0] in WRAPPERS and mode == DATA_RECORDS:
             if not is_int(zb) or zb < 1:
                 raise Unrepresentable("zbytes")
@@ -788,26 +669,17 @@ def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode:
     req(not kind & 0x80, PayloadHeaderError, f"{where}: reserved bit 7 of the kind byte is set")
     dtype, ndim = DTYPE_CODES[kind & 3], (kind >> 2) & 15
     req(ndim <= MAX_NDIM, PayloadLimitError, f"{where}: {ndim} dimensions (at most {MAX_NDIM})")
-    form = _read_form(t) if kind & 0x40 else default
+    form = _read_form(t, layouts) if kind & 0x40 else default
     shape = tuple(t.varint("a dimension", MAX_TENSOR_ELEMENTS, PayloadLimitError) for _ in range(ndim))
     numel = check_shape(shape, where)
-    enc, inner, v, block, i = form
+    enc, inner, v, vparams, i, iparams = form
     base = inner if enc in WRAPPERS else enc
     nnz = t.varint("nnz", numel, PayloadLayoutError) if base in ("coo", "sparse") else numel
     codec: dict[str, Any] = {}
     if base in ("sparse", "dense_q"):
-        codec["v"] = v
-        if v == "int8":
-            codec["block"] = block
-        if v == "ternary":  # present only where something is kept
-            b = t.take(4, "ternary mu") if nnz else bytes(4)
-            req(_mu_ok(b), PayloadHeaderError, f"{where}: ternary mu bits 0x{b[::-1].hex()} are not finite, >= 0")
-            codec["mu"] = _F32.unpack(b)[0]
+        _read_part(t, v, vparams, nnz, numel, "v", codec)
         if base == "sparse":
-            codec["i"] = i
-            if i == "rice":
-                codec["k"] = rice_param(nnz, numel)
-                codec["bits"] = t.varint("Rice bit count", MAX_RICE_BITS) if nnz else 0
+            _read_part(t, i, iparams, nnz, numel, "i", codec)
     rec = TensorRecord(name, dtype, shape, base, nnz, {}, codec)
     if enc in WRAPPERS:
         raw = sum(n * BUFFER_DTYPES[dt].itemsize for _, dt, n in _rule(rec, layouts, where))
@@ -837,6 +709,18 @@ def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode:
     return rec, nb, _rule(rec, layouts, where)
 
 
+def _read_part(t: _Reader, spec: FormSpec, params: tuple, nnz: int, numel: int, key: str, codec: dict) -> None:
+    """A form's codec-dict fields: its tag, its params, the fields derived from the counts, then the fields stored in
+    the entry (those with an ``empty`` value are stored only where something is kept)."""
+    codec[key] = spec.tag
+    codec.update(params)
+    if spec.derived:
+        want = spec.derive(nnz, numel)
+        codec.update((k, want[k]) for k in spec.derived)
+    for f in spec.fields:
+        codec[f.name] = f.empty if f.empty is not None and not nnz else f.decode(t)
+
+
 def _rule(rec: TensorRecord, layouts, where: str) -> list[tuple[str, str, int]]:
     rule = layouts.get(rec.encoding)
     req(rule is not None, PayloadHeaderError, f"{where}: encoding {rec.encoding!r} is not known to this reader")
@@ -863,7 +747,8 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
         table = r.take(tlen, "the tensor table")
     mode = (flags >> DATA_SHIFT) & 3
     t = reader(table, 0, len(table), "tensor table")
-    pipeline = [_read_stage(t) for _ in range(t.varint("stage count", MAX_STAGES))]
+    tables = tables_of(layouts)
+    pipeline = [_read_stage(t, tables) for _ in range(t.varint("stage count", MAX_STAGES))]
     metadata: Any = {}
     if flags & FLAG_METADATA:
         mlen = t.varint("metadata length", t.end - t.pos)
@@ -872,11 +757,11 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
     fingerprint = None
     if flags & FLAG_FINGERPRINT:
         fingerprint = t.take(FINGERPRINT_BYTES, "the base fingerprint").hex()
-    default = _read_form(t)
+    default = _read_form(t, tables)
     count = t.varint("tensor count", MAX_TENSORS, PayloadLimitError)
     records, layouts_of, names, earlier = [], [], set(), []
     for _ in range(count):
-        rec, nb, lay = _read_tensor(t, earlier, default, layouts, mode, version)
+        rec, nb, lay = _read_tensor(t, earlier, default, tables, mode, version)
         earlier.append(nb)
         req(rec.name not in names, PayloadHeaderError, f"tensor {rec.name!r} appears twice")
         names.add(rec.name)
