@@ -93,3 +93,44 @@ def test_codecs_reach_kernels_only_through_the_backend():
 def test_index_rule_lives_in_one_place():
     hits = [p for p in [*PKG.rglob("*.py"), *(ROOT / "cpu_fallback").glob("*.py")] if "1 << 32)" in p.read_text()]
     assert [p.name for p in hits] == ["constants.py"]
+
+
+def _edges(mod: str, path: Path, files: dict[str, Path]) -> set[str]:
+    """The modules ``mod`` imports, at top level or inside functions: ``from pkg import sub`` counts as importing
+    the submodule ``sub`` alone, any other name as importing ``pkg`` (its ``__init__``)."""
+    pkg = mod.split(".") if path.name == "__init__.py" else mod.split(".")[:-1]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names if a.name in files}
+        elif isinstance(node, ast.ImportFrom):
+            base = (
+                ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+                if node.level
+                else node.module or ""
+            )
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                found.add(sub if sub in files else base)
+    return {m for m in found if m in files and m not in (mod, "gpu_codec")}
+
+
+def test_no_import_cycles():
+    """No module reaches itself through the imports of others (lazy imports inside functions count too)."""
+    files = {m.removesuffix(".__init__"): p for m, p in _files().items()}
+    graph = {m: _edges(m, p, files) for m, p in files.items()}
+    cycles, state = [], {}
+
+    def visit(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append(" -> ".join(path[path.index(n) :] + [n]))
+            elif n not in state:
+                visit(n, path + [n])
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [m])
+    assert cycles == []

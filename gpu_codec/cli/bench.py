@@ -29,8 +29,8 @@ import numpy as np
 import gpu_codec
 
 from ..errors import InvalidInputError
-from .checkpoints import describe
-from .outputs import resolve_output, write_output
+from .args import int_at_least, parse_count, parse_fraction, parse_pipeline
+from .outputs import describe, resolve_output, write_output
 
 PLOTS = ("throughput.png", "speedup.png", "bytes_per_param.png")
 PLOT_EXTRA = (
@@ -70,7 +70,6 @@ _SIMD = (
 
 def add_bench_arguments(p: argparse.ArgumentParser) -> None:
     """The options of ``gpu-codec bench``."""
-    from .commands import int_at_least, parse_fraction
 
     p.add_argument(
         "--sizes",
@@ -109,7 +108,6 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _positive_size(text: str) -> int:
-    from .commands import parse_count
 
     try:
         v = parse_count(text)
@@ -249,8 +247,6 @@ def size_table(params: int, fractions: list[float | None]) -> list[dict[str, Any
     (['raw', 'fp16,rice'], True)
     """
     from gpu_codec.synthetic import synthetic_model, synthetic_update
-
-    from .commands import parse_pipeline
 
     base = synthetic_model(params, seed=0)
     new = synthetic_update(base, seed=1)

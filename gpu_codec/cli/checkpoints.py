@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidInputError
+from .outputs import Target, describe, resolve_output, write_output
 
 FORMATS = {".pt": "torch", ".pth": "torch", ".safetensors": "safetensors", ".npz": "npz"}
 NAME_COMMENT = b"gpu_codec.name:"
@@ -54,17 +55,6 @@ class Checkpoint:
 
     format: str
     tensors: dict[str, Any]
-
-
-def describe(text: str) -> str:
-    """``text`` (a name or a message) made safe for a terminal: non-printable characters escaped, one line.
-
-    >>> describe("a\\x1b[2Jb\\nc")
-    'a\\\\x1b[2Jb\\\\nc'
-    >>> describe("layer.0.weight")
-    'layer.0.weight'
-    """
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
 
 
 def checkpoint_format(path: str) -> str:
@@ -136,8 +126,6 @@ def write_checkpoint(dest: Any, tensors: Mapping[str, Any], fmt: str | None = No
         The output is refused (see :func:`~gpu_codec.cli.outputs.resolve_output`), or a tensor cannot be stored
         in the format (bfloat16 in ``.npz``, a name ``safetensors`` reserves).
     """
-    from .outputs import Target, resolve_output, write_output
-
     target = dest if isinstance(dest, Target) else resolve_output(dest)
     fmt = fmt or checkpoint_format(target.path)
     writer: Callable[[Any, Mapping[str, Any]], None] = {

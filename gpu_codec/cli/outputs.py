@@ -48,7 +48,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import InvalidInputError
-from .checkpoints import describe
+
+
+def describe(text: str) -> str:
+    """``text`` (a name or a message) made safe for a terminal: non-printable characters escaped, one line.
+
+    >>> describe("a\\x1b[2Jb\\nc")
+    'a\\\\x1b[2Jb\\\\nc'
+    >>> describe("layer.0.weight")
+    'layer.0.weight'
+    """
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in str(text))
+
 
 STDOUT = "-"
 _TMP_PREFIX = ".gpu-codec-"
