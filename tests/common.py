@@ -44,22 +44,6 @@ BACKENDS = [
 ]
 
 
-def load_benchmark(filename: str):
-    """Import ``benchmarks/<filename>`` as a module (for the tests of the benchmark scripts themselves)."""
-    import importlib.util
-    import pathlib
-    import sys
-
-    name = f"gpu_codec_bench_{pathlib.Path(filename).stem}"
-    if name not in sys.modules:
-        path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / filename
-        spec = importlib.util.spec_from_file_location(name, path)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod  # dataclasses look their module up
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
 @contextlib.contextmanager
 def allocation_cap(limit: int):
     """Fail when what runs inside allocates (as tracemalloc sees it) more than ``limit`` bytes at its peak."""

@@ -3,18 +3,19 @@ the rounds are split by the floor pass's speed-up as it says, and the selection'
 
 from __future__ import annotations
 
+import importlib
 import json
 import statistics
 
 import pytest
 from gpu_codec.cpu_fallback import select
 
-from .common import load_benchmark, use_backend
+from .common import use_backend
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("bench_threads.py")
+    return importlib.import_module("benchmarks.bench_threads")
 
 
 def test_quick_run_writes_consistent_results(bench, tmp_path):

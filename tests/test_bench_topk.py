@@ -3,16 +3,17 @@ are the ones its timings give (medians and least disturbed samples)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import pytest
 
-from .common import load_benchmark, use_backend
+from .common import use_backend
 
 
 @pytest.fixture(scope="module")
 def bench():
-    return load_benchmark("bench_topk.py")
+    return importlib.import_module("benchmarks.bench_topk")
 
 
 def test_quick_run_writes_consistent_rows(bench, tmp_path, capsys):

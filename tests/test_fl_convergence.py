@@ -5,6 +5,7 @@ Needs scikit-learn (the digits data set; extra ``bench``) and torch; skipped whe
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import numpy as np
@@ -13,14 +14,13 @@ import pytest
 pytest.importorskip("sklearn")
 pytest.importorskip("torch")
 
-from tests.common import load_benchmark
 
 ROUNDS = 10
 
 
 @pytest.fixture(scope="module")
 def flc():
-    return load_benchmark("fl_convergence.py")
+    return importlib.import_module("benchmarks.fl_convergence")
 
 
 @pytest.fixture(scope="module")

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 
-from tests.common import has_emulator, load_benchmark
+from tests.common import has_emulator
 
 pytestmark = pytest.mark.skipif(not has_emulator(), reason="emulated backend not built")
 
@@ -29,7 +31,7 @@ def _sectors(x: np.ndarray) -> int:
 
 @pytest.fixture(scope="module")
 def traffic():
-    return load_benchmark("traffic.py")
+    return importlib.import_module("benchmarks.traffic")
 
 
 def test_counter_counts_sectors_of_global_buffers_only():
