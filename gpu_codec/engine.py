@@ -445,7 +445,7 @@ def compress(
     backend = get_backend()
     nt = len(news)
     dtype_codes = [dtypes.code(t.dtype) for t in news]
-    session = residual._session(names, news, backend) if residual is not None else contextlib.nullcontext()
+    session = residual.session(names, news, backend) if residual is not None else contextlib.nullcontext()
     # the residual is held from reading to storing, and stored only once the payload is complete
     with backend.stream(news + bases), session as binding:
         new_arrays = [backend.asarray(t.data) for t in news]
@@ -484,7 +484,7 @@ def compress(
             payload.base_fingerprint = fingerprint(zip(names, [t.dtype for t in news], base_arrays), backend)
         _check_header_size(payload)
         if binding is not None:
-            residual._commit(binding, backend)
+            residual.commit(binding, backend)
     return payload
 
 

@@ -101,12 +101,13 @@ class ErrorFeedback:
             host = a.get() if type(a).__module__.startswith("cupy") else np.asarray(a)
             return np.array(host).reshape(shape)
 
-    # --- engine hooks ---------------------------------------------------------------------------------------------
+    # --- the engine's side: a compress call binds the state, then commits what it wrote -------------------------
 
     @contextlib.contextmanager
-    def _session(self, names: list[str], news: list[Any], backend: Backend) -> Iterator[_Binding]:
-        """Hold the state for one compress call: yields a :class:`_Binding`; its residuals are stored only if
-        the caller calls :meth:`_commit` on it before the block ends (an exception stores nothing)."""
+    def session(self, names: list[str], news: list[Any], backend: Backend) -> Iterator[_Binding]:
+        """Hold the state for one compress call (what :func:`gpu_codec.compress` does with ``residual=``): yields
+        the residuals to read and to write; they are stored only if :meth:`commit` is called on the binding
+        before the block ends (an exception stores nothing)."""
         with self._lock:
             events.wait(backend, self._ready)
             yield self._bind(names, news, backend)
@@ -130,8 +131,8 @@ class ErrorFeedback:
             entries.append((n, t.dtype, tuple(t.shape)))
         return _Binding(entries, res_in, res_out)
 
-    def _commit(self, binding: _Binding, backend: Backend) -> None:
-        """Store a successful call's residuals (the caller holds the lock through :meth:`_session`)."""
+    def commit(self, binding: _Binding, backend: Backend) -> None:
+        """Store a successful call's residuals (the caller holds the lock through :meth:`session`)."""
         if binding.committed:
             raise RuntimeError("an error-feedback binding was committed twice")
         for (n, dt, shape), a in zip(binding.entries, binding.res_out):

@@ -51,6 +51,7 @@ from .common import (
     bounded_decompress,
     compress_bound,
     decompress_frames,
+    zstd_frame,
 )
 
 VERSION = v2.VERSION  # what pack writes, unless an nvcomp tensor needs several frames (then v2.CHUNKED)
@@ -69,7 +70,7 @@ def _one_frame(r: TensorRecord, level: int, shared: bool) -> TensorRecord:
         raw = decompress_frames(comp, r.codec["raw"], r.chunk, what)
     else:
         return r
-    z = v2._compress(bytes(raw), level)
+    z = zstd_frame(bytes(raw), level)
     bufs = {"compressed": np.frombuffer(z, np.uint8)}
     return TensorRecord(r.name, r.dtype, r.shape, r.encoding, r.nnz, bufs, {**r.codec, "zbytes": len(z)})
 
@@ -80,7 +81,7 @@ def _single_frame_records(tensors: list[TensorRecord], pipeline: list, shared: b
     decompressed bytes are what the format fixes, not the compressor)."""
     if not any((shared and r.frame is not None) or v2.multi_frame(r) for r in tensors):
         return tensors
-    level = v2._zstd_level(pipeline)
+    level = v2.zstd_level(pipeline)
     return [_one_frame(r, level, shared) for r in tensors]
 
 

@@ -249,6 +249,12 @@ def check_shape(shape: Any, where: str) -> int:
     return math.prod(shape)
 
 
+def zstd_frame(raw: bytes, level: int) -> bytes:
+    """One zstd frame of ``raw`` that declares its content size, without a checksum (what every writer here
+    makes: the payload's CRC covers it)."""
+    return zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True).compress(raw)
+
+
 def compress_bound(raw: int) -> int:
     """An upper bound on a zstd frame of ``raw`` bytes (ZSTD_compressBound plus the frame header)."""
     return raw + (raw >> 8) + ((128 << 10) - raw >> 11 if raw < (128 << 10) else 0) + 32

@@ -73,6 +73,7 @@ from .common import (
     is_int,
     loads_json,
     req,
+    zstd_frame,
     zstd_frame_size,
 )
 from .fingerprint import check_hex
@@ -338,15 +339,12 @@ def _check_buffers(rec: TensorRecord, layout: list[tuple[str, str, int]]) -> lis
     return out
 
 
-def _zstd_level(pipeline: list) -> int:
+def zstd_level(pipeline: list) -> int:
+    """The level of the pipeline's zstd stage (3, zstd's default, without one)."""
     for s in pipeline:
         if isinstance(s, dict) and s.get("id") == "zstd" and is_int(s.get("level")) and 1 <= s["level"] <= 22:
             return s["level"]
     return 3
-
-
-def _compress(raw: bytes, level: int) -> bytes:
-    return zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True).compress(raw)
 
 
 def _raw_of(rec: TensorRecord) -> bytes:
@@ -392,12 +390,12 @@ def _wrapped_data(records, level: int, cache: dict | None, force: int | None) ->
         raws = [_raw_of(r) for r in records]
         joint_raw = b"".join(raws)
         frames = [
-            _compress(raw, level) if r.frame is not None else np.asarray(r.buffers["compressed"]).tobytes()
+            zstd_frame(raw, level) if r.frame is not None else np.asarray(r.buffers["compressed"]).tobytes()
             for r, raw in zip(records, raws)
         ]
         # a shared frame is read whole by the receiver: offered for small payloads only, where the per-frame
         # overhead matters and reading it whole costs little (a large one keeps the per-tensor, streamed frames)
-        joint = _compress(joint_raw, level) if len(joint_raw) <= SHARED_FRAME_MAX else None
+        joint = zstd_frame(joint_raw, level) if len(joint_raw) <= SHARED_FRAME_MAX else None
         return joint_raw, joint, frames
 
     joint_raw, joint, frames = _cached(cache, "wrapped", (ident, level), compute, refs)
@@ -409,7 +407,7 @@ def _wrapped_data(records, level: int, cache: dict | None, force: int | None) ->
     if mode == DATA_PLAIN:
         return mode, [joint_raw], [None] * len(records)
     if mode == DATA_ZSTD:
-        return mode, [joint if joint is not None else _compress(joint_raw, level)], [None] * len(records)
+        return mode, [joint if joint is not None else zstd_frame(joint_raw, level)], [None] * len(records)
     return mode, frames, [len(f) for f in frames]
 
 
@@ -483,7 +481,7 @@ def plan(
         fields.append(f)
     mode, zbytes = DATA_RECORDS, [r.codec.get("zbytes") for r in tensors]
     if all_zstd:
-        mode, parts, zbytes = _wrapped_data(tensors, _zstd_level(pipeline), cache, data_mode)
+        mode, parts, zbytes = _wrapped_data(tensors, zstd_level(pipeline), cache, data_mode)
     table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, layouts, fingerprint)
     flags = (FLAG_METADATA if metadata else 0) | (mode << DATA_SHIFT) | (FLAG_FINGERPRINT if fingerprint else 0)
     z = _cached(cache, "table", table, lambda: _compress_table(table))
@@ -501,7 +499,7 @@ def plan(
 
 def _compress_table(table: bytes) -> bytes:
     level = _TABLE_LEVEL_SMALL if len(table) <= _TABLE_SMALL else _TABLE_LEVEL_LARGE
-    return _compress(table, level)
+    return zstd_frame(table, level)
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
