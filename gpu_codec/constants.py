@@ -14,6 +14,8 @@ True
 
 from __future__ import annotations
 
+from enum import IntEnum
+
 import numpy as np
 
 # Launch sizes: a block of BLOCK threads handles a chunk of CHUNK = BLOCK * ITEMS elements that never straddles
@@ -50,6 +52,46 @@ QMODE_EXACT, QMODE_F16, QMODE_BF16 = 0, 1, 2
 Q_F16, Q_BF16 = QMODE_F16, QMODE_BF16
 # Scatter modes: write into zeros, or add onto a copy of the base.
 SCATTER_ZEROS, SCATTER_ADD = 0, 1
+
+
+# The same codes as enums, for the op contract between the engine and the backends (each member is its code: a
+# kernel argument takes it as it is).
+class DType(IntEnum):
+    """A tensor's logical dtype."""
+
+    F32 = DT_F32
+    F16 = DT_F16
+    BF16 = DT_BF16
+    F64 = DT_F64
+
+
+class Criterion(IntEnum):
+    """What a kept entry is chosen by (largest first)."""
+
+    MAGNITUDE = CRIT_MAGNITUDE
+    LARGEST_FINAL = CRIT_LARGEST_FINAL
+    SMALLEST_FINAL = CRIT_SMALLEST_FINAL
+    LARGEST_CHANGE = CRIT_LARGEST_CHANGE
+    SMALLEST_CHANGE = CRIT_SMALLEST_CHANGE
+    LARGEST_INCREASE = CRIT_LARGEST_INCREASE
+    SMALLEST_INCREASE = CRIT_SMALLEST_INCREASE
+    EXTERNAL = CRIT_EXTERNAL
+
+
+class Rounding(IntEnum):
+    """What the receiver decodes for a kept value, which the error-feedback residual of a kept entry accounts for."""
+
+    EXACT = QMODE_EXACT
+    F16 = QMODE_F16
+    BF16 = QMODE_BF16
+
+
+class ScatterMode(IntEnum):
+    """Where kept entries are written: into zeros, or added onto a copy of the base."""
+
+    ZEROS = SCATTER_ZEROS
+    ADD = SCATTER_ADD
+
 
 _DEFINE_NAMES = (
     "BLOCK",

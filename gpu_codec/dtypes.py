@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import constants as c
-from .constants import CRIT_EXTERNAL, DT_BF16, DT_F16, DT_F32, DT_F64, index_dtype
+from .constants import CRIT_EXTERNAL, DT_BF16, DT_F16, DT_F32, DT_F64, Criterion, DType, Rounding, index_dtype
 
 # Logical dtype name -> (kernel code, storage NumPy dtype). bfloat16 is stored as its uint16 bit pattern, since
 # neither NumPy nor CuPy has a native bfloat16.
-FLOAT_DTYPES: dict[str, tuple[int, np.dtype]] = {
-    "float32": (DT_F32, np.dtype("<f4")),
-    "float16": (DT_F16, np.dtype("<f2")),
-    "bfloat16": (DT_BF16, np.dtype("<u2")),
-    "float64": (DT_F64, np.dtype("<f8")),
+FLOAT_DTYPES: dict[str, tuple[DType, np.dtype]] = {
+    "float32": (DType.F32, np.dtype("<f4")),
+    "float16": (DType.F16, np.dtype("<f2")),
+    "bfloat16": (DType.BF16, np.dtype("<u2")),
+    "float64": (DType.F64, np.dtype("<f8")),
 }
 
 
@@ -45,26 +44,26 @@ def storage_dtype(logical: str) -> np.dtype:
     return FLOAT_DTYPES[logical][1]
 
 
-def code(logical: str) -> int:
+def code(logical: str) -> DType:
     return FLOAT_DTYPES[logical][0]
 
 
 # Score criteria (fl4health's six, plus the default magnitude of the delta).
-CRITERIA: dict[str, int] = {
-    "magnitude": c.CRIT_MAGNITUDE,
-    "largest_final_magnitude": c.CRIT_LARGEST_FINAL,
-    "smallest_final_magnitude": c.CRIT_SMALLEST_FINAL,
-    "largest_magnitude_change": c.CRIT_LARGEST_CHANGE,
-    "smallest_magnitude_change": c.CRIT_SMALLEST_CHANGE,
-    "largest_increase_in_magnitude": c.CRIT_LARGEST_INCREASE,
-    "smallest_increase_in_magnitude": c.CRIT_SMALLEST_INCREASE,
+CRITERIA: dict[str, Criterion] = {
+    "magnitude": Criterion.MAGNITUDE,
+    "largest_final_magnitude": Criterion.LARGEST_FINAL,
+    "smallest_final_magnitude": Criterion.SMALLEST_FINAL,
+    "largest_magnitude_change": Criterion.LARGEST_CHANGE,
+    "smallest_magnitude_change": Criterion.SMALLEST_CHANGE,
+    "largest_increase_in_magnitude": Criterion.LARGEST_INCREASE,
+    "smallest_increase_in_magnitude": Criterion.SMALLEST_INCREASE,
 }
 
 # Residual rounding modes (error feedback): what the receiver decodes for a kept value.
 # Selection scopes: one threshold over the whole update, or one per tensor.
 SCOPES = ("global", "per_tensor")
 
-QMODES: dict[str, int] = {"exact": c.QMODE_EXACT, "float16": c.QMODE_F16, "bfloat16": c.QMODE_BF16}
+QMODES: dict[str, Rounding] = {"exact": Rounding.EXACT, "float16": Rounding.F16, "bfloat16": Rounding.BF16}
 
 __all__ = [
     "CRITERIA",

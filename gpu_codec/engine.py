@@ -25,9 +25,9 @@ import numpy as np
 from . import dtypes
 from .arrays import Tensor, array_kind, from_backend, to_tensor
 from .backends import Backend, get_backend
-from .backends.base import all_finite
+from .backends.base import DeltaRequest, SelectRequest, all_finite
 from .codecs import SCOPES, as_pipeline, check_fraction, decoder_for, wire_layouts
-from .constants import SCATTER_ADD, SCATTER_ZEROS
+from .constants import SCATTER_ADD, SCATTER_ZEROS, DType
 from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import (
     MAX_HEADER_BYTES,
@@ -453,20 +453,18 @@ def compress(
         if crit == dtypes.CRIT_EXTERNAL:
             ext, ext_dt = _external_scores(score, update, base, names, news, backend)
         else:
-            ext, ext_dt = [None] * nt, [0] * nt
-        res_in, res_out, qmode = [None] * nt, [None] * nt, 0
-        if binding is not None:
-            res_in, res_out, qmode = binding.res_in, binding.res_out, binding.qmode
+            ext, ext_dt = [None] * nt, [DType.F32] * nt  # (no scores to read)
+        res_in, res_out = [None] * nt, [None] * nt
+        if binding is not None:  # (the value codecs round kept values and fix their residuals themselves)
+            res_in, res_out = binding.res_in, binding.res_out
         if dense:  # every entry of every tensor, in one pass (no keys, no selection)
-            if qmode != 0:
-                raise AssertionError("dense mode sends every value exactly; the codecs round and fix the residual")
-            values, bad = backend.dense_delta(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit)
+            req = DeltaRequest(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit)
+            values, bad = backend.dense_delta(req)
             indices = [None] * nt
         else:
             segments, ks = _segments([t.numel for t in news], fraction, scope)
-            indices, values, bad = backend.topk_select(
-                new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks, qmode
-            )
+            req = SelectRequest(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks)
+            indices, values, bad = backend.topk_select(req)
         if bad is not None:
             raise InvalidInputError(_bad_input(names[bad], new_arrays[bad], base_arrays[bad], res_in[bad], crit))
         records = []

@@ -44,8 +44,7 @@ class _Binding:
     def __init__(self, entries: list[tuple[str, str, tuple[int, ...]]], res_in: list[Any], res_out: list[Any]):
         self.entries = entries
         self.res_in = res_in
-        self.res_out = res_out
-        self.qmode = 0  # the value codecs fix kept entries themselves, so the engine's rounding stays exact
+        self.res_out = res_out  # (kept entries' residuals: the value codecs, which round them, fix them)
         self.committed = False
 
 

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 import gpu_codec
+from gpu_codec.backends.base import DeltaRequest
 from gpu_codec.backends.numpy import NumpyBackend
 from gpu_codec.constants import DT_BF16, DT_F16, DT_F32, DT_F64
 from tests.common import has_emulator, use_backend
@@ -101,7 +102,8 @@ def _delta_case(seed: int, bad: bool):
 def _delta(backend, case, crit):
     dts, new, base, res = case
     res = [r.copy() for r in res]  # the output aliases the input, as error feedback does
-    vals, bad = backend.dense_delta(new, base, res, res, dts, [None] * len(dts), [0] * len(dts), crit)
+    req = DeltaRequest(new, base, res, res, dts, [None] * len(dts), [0] * len(dts), crit)
+    vals, bad = backend.dense_delta(req)
     return bad, None if vals is None else [v.tobytes() for v in vals], [r.tobytes() for r in res]
 
 

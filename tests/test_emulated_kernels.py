@@ -19,8 +19,9 @@ import pytest
 
 from gpu_codec.backends import emulated as emu
 from gpu_codec.backends import gpu_probe
+from gpu_codec.backends.base import SelectRequest
 from gpu_codec.backends.sources import kernel_files, kernel_signatures
-from gpu_codec.constants import CHUNK_SCAN_THREADS
+from gpu_codec.constants import CHUNK_SCAN_THREADS, Criterion
 from gpu_codec.testing import kernel_cases as kc
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -294,7 +295,7 @@ def test_emulated_backend_is_selectable(monkeypatch):
         b = backend.get_backend()
         assert b.name == "emulated" and isinstance(b.runner, emu.EmulatorRunner)
         inp = kc.make_topk_inputs(TOPK[0])
-        idx, _vals, bad = b.topk_select(
+        req = SelectRequest(
             inp["new"],
             inp["base"],
             inp["res"],
@@ -302,11 +303,11 @@ def test_emulated_backend_is_selectable(monkeypatch):
             inp["dtypes"],
             inp["ext"],
             inp["ext_dtypes"],
-            0,
+            Criterion.MAGNITUDE,
             inp["segments"],
             inp["ks"],
-            0,
         )
+        idx, _vals, bad = b.topk_select(req)
         assert bad is None and sum(i.size for i in idx) == inp["ks"][0]
     finally:
         backend.reset_backend()

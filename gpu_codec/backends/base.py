@@ -12,14 +12,82 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ..constants import Criterion, DType, Rounding
 from ..cpu_fallback.elementwise import all_finite  # shared with the twins
 from ..cpu_fallback.limbs import abs_max, add_span, mean_span  # the limb passes' steps, shared with the twins
 
 Array = Any  # an array of the backend's ``xp`` (NumPy or CuPy)
+
+
+@dataclass(frozen=True)
+class DeltaRequest:
+    """What one pass over an update reads and writes, tensor by tensor (every list has one entry a tensor): the
+    tensors (``new``, and ``base`` / ``res`` or None where absent), where the error-feedback residual goes
+    (``res_out``, None where there is none), each tensor's :class:`~gpu_codec.constants.DType`, the caller's
+    ``scores`` (None where the ``criterion`` computes them) and their dtypes.
+
+    >>> import numpy as np
+    >>> r = DeltaRequest([np.ones(3, np.float32)], [None], [None], [None], [DType.F32], [None], [DType.F32],
+    ...                  Criterion.MAGNITUDE)
+    >>> r.criterion.name, len(r)
+    ('MAGNITUDE', 1)
+    >>> DeltaRequest([np.ones(3, np.float32)], [], [None], [None], [DType.F32], [None], [DType.F32], 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: a DeltaRequest's lists must each have one entry a tensor (1): base has 0
+    """
+
+    new: list[Array]
+    base: list[Array | None]
+    res: list[Array | None]
+    res_out: list[Array | None]
+    dtypes: list[DType]
+    scores: list[Array | None]
+    score_dtypes: list[DType]
+    criterion: Criterion
+
+    def __post_init__(self) -> None:
+        n = len(self.new)
+        for name in ("base", "res", "res_out", "dtypes", "scores", "score_dtypes"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(
+                    f"a {type(self).__name__}'s lists must each have one entry a tensor ({n}): {name} has "
+                    f"{len(getattr(self, name))}"
+                )
+        object.__setattr__(self, "criterion", Criterion(self.criterion))
+
+    def __len__(self) -> int:
+        return len(self.new)
+
+    def delta_args(self) -> tuple:
+        """The fields in the order of the kernels' (and their twins') arguments."""
+        return (self.new, self.base, self.res, self.res_out, self.dtypes, self.scores, self.score_dtypes)
+
+
+@dataclass(frozen=True)
+class SelectRequest(DeltaRequest):
+    """A :class:`DeltaRequest` whose kept entries are the exact top-k of each segment: ``segments`` (runs of tensor
+    positions that share one threshold, covering every tensor in order), ``ks`` (k per segment) and ``rounding``
+    (what the receiver decodes for a kept value, for the residuals of the kept entries)."""
+
+    segments: list[list[int]] = ()  # type: ignore[assignment]
+    ks: list[int] = ()  # type: ignore[assignment]
+    rounding: Rounding = Rounding.EXACT
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if len(self.segments) != len(self.ks):
+            raise ValueError(f"{len(self.segments)} segments but {len(self.ks)} values of k")
+        object.__setattr__(self, "rounding", Rounding(self.rounding))
+
+    def select_args(self) -> tuple:
+        """The fields in the order of the selection's (and its twin's) arguments."""
+        return (*self.delta_args(), self.criterion, self.segments, self.ks, self.rounding)
 
 
 @runtime_checkable
@@ -61,34 +129,11 @@ class Backend(Protocol):
 
     # --- selection and reconstruction -------------------------------------------------------------------
 
-    def topk_select(
-        self,
-        new: list[Array],
-        base: list[Array | None],
-        res: list[Array | None],
-        res_out: list[Array | None],
-        dtypes: list[int],
-        ext_scores: list[Array | None],
-        ext_dtypes: list[int],
-        crit: int,
-        segments: list[list[int]],
-        ks: list[int],
-        qmode: int,
-    ) -> tuple[list[Array] | None, list[Array] | None, int | None]:
+    def topk_select(self, req: SelectRequest) -> tuple[list[Array] | None, list[Array] | None, int | None]:
         """(indices, values, None) of the exact top-k per segment, or (None, None, first bad tensor)."""
         ...
 
-    def dense_delta(
-        self,
-        new: list[Array],
-        base: list[Array | None],
-        res: list[Array | None],
-        res_out: list[Array | None],
-        dtypes: list[int],
-        ext_scores: list[Array | None],
-        ext_dtypes: list[int],
-        crit: int,
-    ) -> tuple[list[Array] | None, int | None]:
+    def dense_delta(self, req: DeltaRequest) -> tuple[list[Array] | None, int | None]:
         """Dense mode (every element kept, the residual's rounding exact): (values, None) with each tensor's delta
         (fp32, fp64 for fp64 tensors) and every ``res_out`` set to zero, or (None, first bad tensor) with the
         residuals untouched. The same checks as :meth:`topk_select`."""

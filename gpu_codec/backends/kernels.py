@@ -739,8 +739,8 @@ class KernelBackendBase:
     def to_host(self, a: Any) -> np.ndarray:
         return self.runner.to_host(a)
 
-    def topk_select(self, *args):
-        return self.ops.topk_select(*args)
+    def topk_select(self, req):
+        return self.ops.topk_select(*req.select_args())
 
     def scatter(self, *args):
         return self.ops.scatter(*args)
@@ -756,8 +756,8 @@ class KernelBackendBase:
     def dense_apply(self, outs, out_dtypes, bases, values, mode):
         return self.ops.dense_apply(outs, out_dtypes, bases, values, mode)
 
-    def dense_delta(self, *args):
-        return self.ops.dense_delta(*args)
+    def dense_delta(self, req):
+        return self.ops.dense_delta(*req.delta_args(), req.criterion)
 
     def cast16(self, values, dtype, indices, res):
         return self.ops.cast16(values, dtype, indices, res)

@@ -41,10 +41,12 @@ class NumpyBackend(ArrayDecoders):
     def info(self) -> dict[str, Any]:
         return {"allocator": "numpy"}
 
-    def topk_select(self, *args):
-        return _select.topk_select(*args)
+    def topk_select(self, req):
+        return _select.topk_select(*req.select_args())
 
-    def dense_delta(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit):
+    def dense_delta(self, req):
+        new, base, res, res_out, dtypes, ext_scores, ext_dtypes = req.delta_args()
+        crit = req.criterion
         numels = [int(a.size) for a in new]
         off, n32, n64 = flat_tables(numels, dtypes, DT_F64)
         vals32, vals64 = np.empty(n32, np.float32), np.empty(n64, np.float64)

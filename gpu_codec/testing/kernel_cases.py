@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from gpu_codec.backends.base import DeltaRequest
 from gpu_codec.backends.kernels import BLOCK, CHUNK, U64_MAX, KernelOps, TensorTables, initial_state
 from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS, SCAN_THREADS, index_dtype
 from gpu_codec.cpu_fallback import kernels as twins
@@ -228,7 +229,8 @@ def dense_vs_reference(runner, case: TopkCase) -> list[str]:
     h = {k: [None if a is None else a.copy() for a in inp[k]] for k in ("new", "base", "res", "ext")}
     args = (inp["dtypes"], None, inp["ext_dtypes"], inp["crit"])
     gv, gbad = KernelOps(runner).dense_delta(d["new"], d["base"], d["res"], d["res"], args[0], d["ext"], *args[2:])
-    wv, wbad = NumpyBackend().dense_delta(h["new"], h["base"], h["res"], h["res"], args[0], h["ext"], *args[2:])
+    req = DeltaRequest(h["new"], h["base"], h["res"], h["res"], args[0], h["ext"], *args[2:])
+    wv, wbad = NumpyBackend().dense_delta(req)
     out: list[str] = []
     if gbad != wbad:
         return [f"{case.name}: dense bad tensor {gbad} != {wbad}"]
