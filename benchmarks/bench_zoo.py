@@ -399,9 +399,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _numpy_backend():
-    from gpu_codec.backends.numpy import NumpyBackend
+    from gpu_codec.backends.cpu import CpuBackend
 
-    return NumpyBackend()
+    return CpuBackend()
 
 
 if __name__ == "__main__":

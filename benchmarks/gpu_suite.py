@@ -112,7 +112,7 @@ def make_runner(kind: str):
         from gpu_codec.backends.emulated import EmulatorRunner
 
         return EmulatorRunner()
-    from gpu_codec.backends.cupy import CupyRunner
+    from gpu_codec.backends.gpu import CupyRunner
 
     return CupyRunner()
 
@@ -518,7 +518,7 @@ def glue_streams(runner: str) -> list[str]:
     if not torch.cuda.is_available():
         return ["skip: torch sees no CUDA device"]
     import gpu_codec
-    from gpu_codec.backends.cupy import caller_stream
+    from gpu_codec.backends.gpu import caller_stream
     from gpu_codec.testing import use_backend
 
     problems = []

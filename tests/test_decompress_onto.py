@@ -9,7 +9,7 @@ from gpu_codec.cpu_fallback import kernels as twins
 
 import gpu_codec
 from gpu_codec import engine
-from gpu_codec.backends.numpy import NumpyBackend
+from gpu_codec.backends.cpu import CpuBackend
 from gpu_codec.constants import DT_BF16, DT_F16, DT_F32, DT_F64, SCATTER_ADD
 from gpu_codec.errors import PayloadValueError
 
@@ -28,7 +28,7 @@ def _base(rng, dt: int, n: int) -> np.ndarray:
 def _copy_and_scatter(base, dt, idx, vals) -> np.ndarray:
     """The reference: a copy of the whole base, then the scatter twin in mode 1."""
     out = base.copy()
-    assert NumpyBackend().scatter([out], [dt], [base.size], [idx], [vals], SCATTER_ADD) is None
+    assert CpuBackend().scatter([out], [dt], [base.size], [idx], [vals], SCATTER_ADD) is None
     return out
 
 

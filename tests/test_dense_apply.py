@@ -8,7 +8,7 @@ import pytest
 
 import gpu_codec
 from gpu_codec.backends.base import DeltaRequest
-from gpu_codec.backends.numpy import NumpyBackend
+from gpu_codec.backends.cpu import CpuBackend
 from gpu_codec.constants import DT_BF16, DT_F16, DT_F32, DT_F64
 from tests.common import has_emulator, use_backend
 
@@ -50,7 +50,7 @@ def test_kernel_matches_twin_in_every_block_order(schedule):
     for mode in (0, 1):
         for bad in (False, True):
             case = _case(1 + mode, mode, bad)
-            want = _run(NumpyBackend(), *case, mode)
+            want = _run(CpuBackend(), *case, mode)
             got = _run(emu, *case, mode)
             assert got == want
             assert (want[0] is None) == (not bad)
@@ -116,7 +116,7 @@ def test_dense_delta_matches_twin_and_spares_the_residual_on_bad_input(schedule)
     for crit in (0, 5):
         for bad in (False, True):
             case = _delta_case(2, bad)
-            want = _delta(NumpyBackend(), case, crit)
+            want = _delta(CpuBackend(), case, crit)
             assert _delta(emu, case, crit) == want
             if bad:
                 assert want[0] == 3 and want[1] is None

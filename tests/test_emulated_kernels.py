@@ -59,7 +59,7 @@ RUNNERS = [
 @pytest.fixture(scope="module", params=RUNNERS)
 def runner(request):
     if request.param == "gpu":
-        from gpu_codec.backends.cupy import CupyRunner
+        from gpu_codec.backends.gpu import CupyRunner
 
         return CupyRunner()
     if not HAS_CXX:

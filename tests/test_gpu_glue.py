@@ -18,7 +18,7 @@ from gpu_codec.errors import InvalidInputError
 
 cupy = pytest.importorskip("cupy")
 torch = pytest.importorskip("torch")
-gpu = pytest.importorskip("gpu_codec.backends.cupy")
+gpu = pytest.importorskip("gpu_codec.backends.gpu")
 
 
 def _t(kind, device):

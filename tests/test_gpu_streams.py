@@ -13,7 +13,7 @@ import pytest
 
 import gpu_codec
 from gpu_codec.backends import events, using_backend
-from gpu_codec.backends.numpy import NumpyBackend
+from gpu_codec.backends.cpu import CpuBackend
 
 
 class FakeCuda:
@@ -66,7 +66,7 @@ class _XP:
         return getattr(np, name)
 
 
-class StreamedBackend(NumpyBackend):
+class StreamedBackend(CpuBackend):
     """NumPy arithmetic, device bookkeeping: ``stream()`` makes the fake "caller" stream current (as the GPU
     backend makes a torch stream current) and synchronizes it on the way out."""
 
@@ -100,8 +100,8 @@ def _index(log, entry):
 
 
 def test_events_do_nothing_on_a_host_backend():
-    assert events.record(NumpyBackend()) is None
-    events.wait(NumpyBackend(), object())  # no cuda attribute needed
+    assert events.record(CpuBackend()) is None
+    events.wait(CpuBackend(), object())  # no cuda attribute needed
 
 
 def test_aggregator_mean_waits_for_the_adds_on_the_callers_stream():
@@ -198,7 +198,7 @@ def test_nonblocking_compress_records_an_event_instead_of_waiting():
 
 def test_gpu_backend_stream_finishes_with_a_sync_or_a_deferred_event(monkeypatch):
     """GpuBackend.stream on a fake CuPy (no torch inputs): a sync at its end, an event inside events.deferred."""
-    gpu = pytest.importorskip("gpu_codec.backends.cupy")
+    gpu = pytest.importorskip("gpu_codec.backends.gpu")
     cuda = FakeCuda()
     cuda.Device = lambda d=None: types.SimpleNamespace(id=0)
     xp = types.SimpleNamespace(cuda=cuda)

@@ -401,7 +401,7 @@ def test_failed_call_does_not_advance_the_residual():
 
 
 def test_failure_inside_the_value_stage_does_not_advance_the_residual(monkeypatch):
-    from gpu_codec.backends.numpy import NumpyBackend
+    from gpu_codec.backends.cpu import CpuBackend
 
     ef = ErrorFeedback()
     u = {"w": np.arange(1.0, 9.0, dtype=np.float32)}
@@ -411,7 +411,7 @@ def test_failure_inside_the_value_stage_does_not_advance_the_residual(monkeypatc
     def boom(*a, **k):
         raise RuntimeError("stage failed")
 
-    monkeypatch.setattr(NumpyBackend, "cast16", boom)
+    monkeypatch.setattr(CpuBackend, "cast16", boom)
     with pytest.raises(RuntimeError, match="stage failed"):
         gpu_codec.compress(u, fraction=0.25, residual=ef, pipeline=[Quantize("float16")])
     assert ef.to_bytes() == saved

@@ -75,9 +75,9 @@ def test_layers_point_down():
 
 def test_cpu_backend_and_kernel_wrappers_stay_apart():
     files = _files()
-    numpy_imports = _imports("gpu_codec.backends.numpy", files["gpu_codec.backends.numpy"])
-    assert not numpy_imports & {f"gpu_codec.backends.{m}" for m in ("cupy", "kernels", "emulated")}
-    for m in ("gpu_codec.backends.kernels", "gpu_codec.backends.cupy", "gpu_codec.backends.emulated"):
+    cpu_imports = _imports("gpu_codec.backends.cpu", files["gpu_codec.backends.cpu"])
+    assert not cpu_imports & {f"gpu_codec.backends.{m}" for m in ("gpu", "kernels", "emulated")}
+    for m in ("gpu_codec.backends.kernels", "gpu_codec.backends.gpu", "gpu_codec.backends.emulated"):
         assert not {i for i in _imports(m, files[m]) if "cpu_fallback" in i}, m
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from gpu_codec.backends.numpy import NumpyBackend
+from gpu_codec.backends.cpu import CpuBackend
 from tests.common import has_emulator
 
 
@@ -22,7 +22,7 @@ def test_mu_matches_twin(schedule):
     idx = [None] * len(sizes)
     res = [None] * len(sizes)
     emu = EmulatedBackend(EmulatorRunner(schedule=schedule, seed=2))
-    s_want, mu_want = NumpyBackend().ternary(values, idx, res)
+    s_want, mu_want = CpuBackend().ternary(values, idx, res)
     s_got, mu_got = emu.ternary(values, idx, res)
     assert mu_got.tobytes() == mu_want.tobytes()
     assert [s.tobytes() for s in s_got] == [s.tobytes() for s in s_want]
@@ -49,7 +49,7 @@ def test_rice_streams_match_twin(schedule):
     emu = EmulatedBackend(EmulatorRunner(schedule=schedule, seed=6))
     for group, numels in (([c for c, _ in cases], [n for _, n in cases]), (wide, [1 << 62])):
         ks = [rice_param(int(i.size), n) for i, n in zip(group, numels)]
-        want = NumpyBackend().rice(group, ks)
+        want = CpuBackend().rice(group, ks)
         got = emu.rice(group, ks)
         assert got[1] == want[1]
         assert [s.tobytes() for s in got[0]] == [s.tobytes() for s in want[0]]

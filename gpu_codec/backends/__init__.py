@@ -149,9 +149,9 @@ def _nvml_info() -> dict[str, Any]:
 
 
 def _numpy_backend() -> Backend:
-    from .numpy import NumpyBackend
+    from .cpu import CpuBackend
 
-    return NumpyBackend()
+    return CpuBackend()
 
 
 def _choose() -> Backend:
@@ -168,7 +168,7 @@ def _choose() -> Backend:
         return EmulatedBackend()
     ok, why = gpu_probe()
     if ok:
-        from .cupy import GpuBackend
+        from .gpu import GpuBackend
 
         _info.update(backend="gpu", reason=why if not forced else f"forced by {ENV}=gpu; {why}")
         _info["device"] = _nvml_info()

@@ -11,11 +11,11 @@ A call's scope (:meth:`~gpu_codec.backends.base.Backend.stream`) ends with :func
 the call's stream, unless the caller asked not to (:func:`deferred`, used by ``compress(..., blocking=False)``):
 then an event is recorded there instead, and the caller waits on it when it needs the bytes.
 
->>> from gpu_codec.backends.numpy import NumpyBackend
->>> record(NumpyBackend()) is None
+>>> from gpu_codec.backends.cpu import CpuBackend
+>>> record(CpuBackend()) is None
 True
 >>> with deferred() as pending:
-...     finish(NumpyBackend())                   # a host backend has nothing left to wait for
+...     finish(CpuBackend())                   # a host backend has nothing left to wait for
 >>> pending
 []
 """

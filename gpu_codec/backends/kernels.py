@@ -2,7 +2,7 @@
 
 A runner (:class:`~gpu_codec.backends.base.Runner`) has ``xp`` (the array module its memory lives in),
 ``launch(name, grid, block, args)``, ``ptr(array)`` and ``to_host(array)``. The GPU backend's runner is CuPy
-(:mod:`gpu_codec.backends.cupy`); the emulated backend's runner executes the same CUDA sources on the CPU
+(:mod:`gpu_codec.backends.gpu`); the emulated backend's runner executes the same CUDA sources on the CPU
 (:mod:`gpu_codec.backends.emulated`). Both go through :class:`KernelOps` below, so the emulated backend exercises
 exactly what the GPU backend launches.
 

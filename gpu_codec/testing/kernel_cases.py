@@ -221,7 +221,7 @@ def topk_vs_reference(runner, case: TopkCase) -> list[str]:
 def dense_vs_reference(runner, case: TopkCase) -> list[str]:
     """Dense mode: KernelOps(runner).dense_delta and dense_apply (onto the base and into zeros) against the NumPy
     backend's twins (cpu_fallback/dense.py), residuals included."""
-    from gpu_codec.backends.numpy import NumpyBackend
+    from gpu_codec.backends.cpu import CpuBackend
 
     inp = make_topk_inputs(case)
     up = _uploader(runner)
@@ -230,7 +230,7 @@ def dense_vs_reference(runner, case: TopkCase) -> list[str]:
     args = (inp["dtypes"], None, inp["ext_dtypes"], inp["crit"])
     gv, gbad = KernelOps(runner).dense_delta(d["new"], d["base"], d["res"], d["res"], args[0], d["ext"], *args[2:])
     req = DeltaRequest(h["new"], h["base"], h["res"], h["res"], args[0], h["ext"], *args[2:])
-    wv, wbad = NumpyBackend().dense_delta(req)
+    wv, wbad = CpuBackend().dense_delta(req)
     out: list[str] = []
     if gbad != wbad:
         return [f"{case.name}: dense bad tensor {gbad} != {wbad}"]
@@ -247,7 +247,7 @@ def dense_vs_reference(runner, case: TopkCase) -> list[str]:
         outs_h = [np.zeros_like(n) for n in inp["new"]]
         outs_d = [up(o) for o in outs_h]
         gb = KernelOps(runner).dense_apply(outs_d, inp["dtypes"], [up(b) for b in bases], [up(v) for v in wv], mode)
-        wb = NumpyBackend().dense_apply(outs_h, inp["dtypes"], bases, wv, mode)
+        wb = CpuBackend().dense_apply(outs_h, inp["dtypes"], bases, wv, mode)
         if gb != wb:
             out.append(f"{case.name}: dense_apply mode {mode} bad entry {gb} != {wb}")
         for t in range(len(case.sizes)):
@@ -737,7 +737,7 @@ def make_scatter_inputs(case: ScatterCase) -> dict[str, Any]:
 
 def scatter_vs_reference(runner, case: ScatterCase) -> list[str]:
     """KernelOps(runner).scatter against the NumPy backend's scatter (the twin of the scatter kernels)."""
-    from gpu_codec.backends.numpy import NumpyBackend
+    from gpu_codec.backends.cpu import CpuBackend
 
     inp = make_scatter_inputs(case)
     up = _uploader(runner)
@@ -746,7 +746,7 @@ def scatter_vs_reference(runner, case: ScatterCase) -> list[str]:
     gbad = KernelOps(runner).scatter(
         d_outs, inp["dtypes"], list(case.sizes), [up(i) for i in inp["idx"]], [up(v) for v in inp["vals"]], case.mode
     )
-    wbad = NumpyBackend().scatter(h_outs, inp["dtypes"], list(case.sizes), inp["idx"], inp["vals"], case.mode)
+    wbad = CpuBackend().scatter(h_outs, inp["dtypes"], list(case.sizes), inp["idx"], inp["vals"], case.mode)
     out: list[str] = []
     if gbad != wbad:
         out.append(f"{case.name}: bad entry {gbad} != {wbad}")

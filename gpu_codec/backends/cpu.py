@@ -1,4 +1,4 @@
-"""The NumPy backend: host memory, the twins of :mod:`gpu_codec.cpu_fallback` (the same bytes as the kernels)."""
+"""The CPU backend (``"cpu"``): host memory, the twins of :mod:`gpu_codec.cpu_fallback` (the kernels' bytes)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from .base import dense_values, flat_tables, scatter_args, split_values
 from .decode import ArrayDecoders
 
 
-class NumpyBackend(ArrayDecoders):
+class CpuBackend(ArrayDecoders):
     """Host memory, NumPy arithmetic: :mod:`gpu_codec.cpu_fallback`."""
 
     name = "cpu"
