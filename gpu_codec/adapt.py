@@ -13,11 +13,8 @@ in :mod:`gpu_codec.arrays`, re-exported here for the adapters.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import numpy as np
 
 from . import engine as _engine
 from .arrays import array_kind, backend_to_torch, torch_to_backend  # noqa: F401 - the adapters' torch bridge
@@ -100,24 +97,6 @@ def is_torch(x: Any) -> bool:
 
 
 def json_safe(value: Any) -> Any:
-    """``value`` if it survives a JSON round trip unchanged in kind (str, finite numbers, bools, None, lists and
-    str-keyed dicts of those); else raises InvalidInputError."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, (int, np.integer)) and not isinstance(value, bool):
-        return int(value)
-    if isinstance(value, (float, np.floating)):
-        f = float(value)
-        if not math.isfinite(f):
-            raise InvalidInputError(f"metadata value {value!r} is not finite")
-        return f
-    if isinstance(value, (list, tuple)):
-        return [json_safe(v) for v in value]
-    if isinstance(value, Mapping):
-        out = {}
-        for k, v in value.items():
-            if not isinstance(k, str):
-                raise InvalidInputError(f"metadata keys must be strings, got {k!r}")
-            out[k] = json_safe(v)
-        return out
-    raise InvalidInputError(f"metadata value of type {type(value).__name__} cannot travel in a payload header")
+    """A framework's metadata value as a payload header holds it (:func:`gpu_codec.engine.check_json`, NumPy
+    scalars taken as numbers); else raises InvalidInputError."""
+    return _engine.check_json(value, numpy_scalars=True)

@@ -66,7 +66,21 @@ def kept_count(fraction: float, n: int) -> int:
     return min(n, math.ceil(Fraction(repr(float(fraction))) * n))
 
 
-def _check_json(value: Any, path: str, depth: int) -> Any:
+def check_json(value: Any, path: str = "", depth: int = 0, *, numpy_scalars: bool = False) -> Any:
+    """``value`` as the header stores it, checked: None, bools, strings, finite numbers (integers of at most 40
+    digits), lists and str-keyed dicts of those, nested at most MAX_METADATA_DEPTH deep; tuples become lists and
+    NumPy scalars (with ``numpy_scalars``, as frameworks' metadata holds them) Python numbers. The one check of
+    metadata, for the engine and for every adapter.
+
+    >>> check_json({"a": (1, 2.5)}), check_json(np.float32(0.5), numpy_scalars=True)
+    ({'a': [1, 2.5]}, 0.5)
+    >>> check_json({"x": np.int64(3)})
+    Traceback (most recent call last):
+    ...
+    gpu_codec.errors.InvalidInputError: metadata['x']: a numpy.int64 is not a JSON value (use None, bool, ...)
+    """
+    if numpy_scalars and isinstance(value, np.generic) and isinstance(value, (np.integer, np.floating)):
+        value = value.item()
     if depth > MAX_METADATA_DEPTH:
         raise InvalidInputError(f"metadata{path}: nested deeper than {MAX_METADATA_DEPTH} levels")
     if value is None or isinstance(value, (bool, str)):
@@ -80,13 +94,13 @@ def _check_json(value: Any, path: str, depth: int) -> Any:
             raise InvalidInputError(f"metadata{path}: {value!r} is not a finite number (JSON cannot hold it)")
         return float(value)
     if isinstance(value, (list, tuple)):
-        return [_check_json(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+        return [check_json(v, f"{path}[{i}]", depth + 1, numpy_scalars=numpy_scalars) for i, v in enumerate(value)]
     if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
             if not isinstance(k, str):
                 raise InvalidInputError(f"metadata{path}: key {k!r} is a {type(k).__name__}; JSON keys are strings")
-            out[k] = _check_json(v, f"{path}[{k!r}]", depth + 1)
+            out[k] = check_json(v, f"{path}[{k!r}]", depth + 1, numpy_scalars=numpy_scalars)
         return out
     raise InvalidInputError(
         f"metadata{path}: a {type(value).__module__}.{type(value).__name__} is not a JSON value "
@@ -109,7 +123,7 @@ def check_metadata(metadata: Any) -> dict[str, Any]:
         return {}
     if not isinstance(metadata, Mapping):
         raise InvalidInputError(f"metadata must be a mapping, got {type(metadata).__name__}")
-    out = _check_json(metadata, "", 0)
+    out = check_json(metadata)
     size = len(json.dumps(out, separators=(",", ":"), ensure_ascii=True))
     if size > MAX_HEADER_BYTES // 2:
         raise InvalidInputError(
