@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 # The parameter rule and the length bound are the wire format's (docs/FORMAT.md); re-exported for the twins' users.
-from gpu_codec.format.common import MAX_K, max_bits, rice_param  # noqa: F401
+from gpu_codec.constants import MAX_K, max_bits, rice_param  # noqa: F401 (the rule, one home for all)
 
 
 def gaps(idx: np.ndarray) -> np.ndarray:

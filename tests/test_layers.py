@@ -134,3 +134,14 @@ def test_no_import_cycles():
         if m not in state:
             visit(m, [m])
     assert cycles == []
+
+
+def test_twins_import_nothing_above_them():
+    """The NumPy twins of the kernels (cpu_fallback/) take their numbers and rules from gpu_codec.constants alone,
+    as the kernels take them as -D flags: nothing of the format, the codecs or the backends."""
+    bad = []
+    for mod, path in _files().items():
+        if mod.startswith("gpu_codec.cpu_fallback."):
+            bad += [f"{mod} imports {i}" for i in _imports(mod, path) if not i.startswith("gpu_codec.cpu_fallback")]
+    bad = [b for b in bad if not b.endswith(" imports gpu_codec.constants")]
+    assert bad == []

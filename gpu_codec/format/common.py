@@ -127,34 +127,6 @@ class TensorRecord:
 LayoutRule = Callable[[TensorRecord], dict[str, tuple[tuple[str, ...], int]]]
 
 
-# Rice coding of index gaps: the parameter rule a writer must follow and a reader checks.
-MAX_K = 40  # gaps are < 2^40 (the format's element limit)
-_LN2 = math.log(2.0)
-
-
-def rice_param(nnz: int, numel: int) -> int:
-    """The Rice parameter for ``nnz`` kept indices among ``numel``: the largest k with 2^k <= ln2 x mean gap.
-
-    For geometric gaps of mean m this is the optimal power-of-two Golomb parameter (about 8.1 bits per index
-    at 1% density, where the entropy is about 8.08).
-
-    >>> rice_param(1, 100), rice_param(100, 10_000), rice_param(10, 10), rice_param(0, 5)
-    (6, 6, 0, 0)
-    """
-    if nnz <= 0 or numel <= nnz:
-        return 0
-    mean = (numel - nnz) / nnz
-    x = mean * _LN2
-    if x < 2.0:
-        return 0
-    return min(MAX_K, math.floor(math.log2(x)))
-
-
-def max_bits(nnz: int, numel: int, k: int) -> int:
-    """An upper bound on the stream length: the gaps add up to at most ``numel - nnz``."""
-    return nnz * (k + 1) + (max(0, numel - nnz) >> k)
-
-
 def _coo_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:
     vd = ("float64",) if rec.dtype == "float64" else ("float32",)
     return {"indices": (("uint32", "uint64"), rec.nnz), "values": (vd, rec.nnz)}
