@@ -40,6 +40,7 @@ from gpu_codec.cpu_fallback import rice as _rice
 
 import gpu_codec
 from gpu_codec.cli.bench import numpy_topk, timeit, torch_topk
+from gpu_codec.xp.rice import rice_decode
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 
@@ -170,7 +171,7 @@ def codec_rates(idx: np.ndarray, vals: np.ndarray, numel: int, repeat: int) -> d
         "int8 decode": (lambda: _q.int8_decode(q8, sc, 256), nb_v),
         "ternary encode": (lambda: _q.encode_ternary(vals, None, None), nb_v),
         "rice encode": (lambda: _rice.rice_encode(idx, k), nb_i),
-        "rice decode": (lambda: _rice.rice_decode(stream, bits, k, idx.size, numel), nb_i),
+        "rice decode": (lambda: rice_decode(stream, bits, k, idx.size, numel), nb_i),
     }
     return {name: nbytes / timeit(fn, repeat) / 1e9 for name, (fn, nbytes) in cases.items()}
 

@@ -1,7 +1,7 @@
-"""The decoders every backend shares: vectorized array code written once for any ``xp`` (NumPy or CuPy).
-
-They live with the twins (:mod:`gpu_codec.cpu_fallback.quantize`, :mod:`gpu_codec.cpu_fallback.rice`) because
-they are the inverse of what the twins encode; a backend runs them on its own memory through ``self.xp``.
+"""The decoders every backend shares, written once for any ``xp`` (NumPy or CuPy) and run by a backend on its own
+memory through ``self.xp``: the Rice decoder (:mod:`gpu_codec.xp.rice`, array code of its own) and the value
+decoders, which are the twins' own (:mod:`gpu_codec.cpu_fallback.quantize`: the encoders fix residuals with them;
+the kernel backends replace the int8 decode and the widening with their kernels, :mod:`.float_ops`).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..cpu_fallback import quantize as _q
-from ..cpu_fallback import rice as _rice
+from ..xp import rice as _rice
 
 
 class ArrayDecoders:
