@@ -1,5 +1,12 @@
 """fl4health's parameter packers, sparse COO exchanger and score functions, on the gpu_codec engine.
 
+A re-creation, on purpose: every fl4health release (0.1.0 to 0.4.2) requires Python < 3.11, so on Python 3.11
+and later (gpu_codec supports 3.10 on) there is no fl4health to build on. The classes follow fl4health's
+published source, ``fl4health/parameter_exchange/`` (``parameter_packer.py``, ``sparse_coo_parameter_exchanger.py``,
+``parameter_selection_criteria.py``, ``parameter_exchanger_base.py``, ``partial_parameter_exchanger.py``), from
+after ``ParameterPackerFedProx`` was renamed ``ParameterPackerAdaptiveConstraint`` (the release they were taken
+from is not recorded); the packed layouts are what make the two interoperate, and the tests check them.
+
 Someone arriving from fl4health (``fl4health.parameter_exchange``) finds the same classes, methods and packed
 layouts here, so a stock fl4health peer reads what we send and we read what it sends:
 

@@ -1,5 +1,14 @@
 """OpenFL's ``TensorKey`` and ``TensorCodec``, with gpu_codec as a compression pipeline.
 
+A re-creation, on purpose: OpenFL 1.9 installs on Python 3.10 to 3.12, but pins ``grpcio<1.66``,
+``protobuf<6`` and ``Flask==3.1.1`` and brings pandas and scikit-learn; its gRPC pin excludes flwr (which needs
+``grpcio>=1.70``), so it cannot share an environment with :mod:`gpu_codec.flower`, and its pins would decide the
+versions of a whole application for the sake of a named tuple and a codec. The names below mirror OpenFL 1.9's
+source: ``openfl.utilities.types.TensorKey``, ``openfl.utilities.utils.change_tags``,
+``openfl.pipelines.pipeline`` (``Transformer``, ``Float32NumpyArrayToBytes``, ``TransformationPipeline``),
+``openfl.pipelines.no_compression_pipeline`` and ``openfl.pipelines.tensor_codec.TensorCodec``. A ``TensorKey``
+here is a named tuple of the same fields, so it compares equal to OpenFL's.
+
 Someone arriving from OpenFL (``openfl.pipelines``, ``openfl.utilities``) finds:
 
 * :class:`TensorKey` ``(tensor_name, origin, round_number, report, tags)`` and :func:`change_tags`;

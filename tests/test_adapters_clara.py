@@ -387,3 +387,50 @@ def test_pt_model_reader_writer_through_the_chain(backend, key_file):
         assert rrw.apply_model(got) is True
     assert receiver[0].weight.data_ptr() == w_ptr  # written in place
     np.testing.assert_array_equal(receiver[0].weight.detach().cpu().numpy(), want["0.weight"])
+
+
+@pytest.fixture
+def parses(monkeypatch):
+    """Every call of ``Payload.from_bytes`` from here on, counted."""
+    calls = []
+    parse = gpu_codec.Payload.from_bytes.__func__
+
+    def counted(cls, blob):
+        calls.append(len(blob))
+        return parse(cls, blob)
+
+    monkeypatch.setattr(gpu_codec.Payload, "from_bytes", classmethod(counted))
+    return calls
+
+
+def test_each_decode_path_parses_a_payload_once(key_file, parses):
+    glob, local = models(8)
+    app = C.AppContext(round_number=2, global_model=glob, n_iter=40)
+    want = ref_topk_delta(local, glob, 0.2)
+    plain = C.ProcessorChain.from_config(
+        {"pre_processors": [{"name": "IteratorNumberGenerator"}, {"name": "DataCompressor", "args": {"fraction": 0.2}}]}
+    )
+    blob = C.serialize(plain.process_outgoing(C.DataContext(model=dict(local)), app))
+    sealed = C.serialize(make_chain(key_file, 0.2).process_outgoing(C.DataContext(model=dict(local)), app))
+
+    def decompressed(ctx):
+        C.DataDeCompressor().process(ctx, app)
+        return ctx
+
+    runs = {
+        "bytes into DataDeCompressor": lambda: decompressed(C.DataContext(model=blob)),
+        "deserialize, then the chain": lambda: plain.process_incoming(C.deserialize(blob), app),
+        "decrypt, then decompress": lambda: make_chain(key_file, 0.2).process_incoming(C.deserialize(sealed), app),
+    }
+    for what, run in runs.items():
+        parses.clear()
+        out = run()
+        assert len(parses) == 1, what  # metadata and tensors come from the one parsed Payload
+        assert out.get_metadata("n_iter") == 40, what
+        for n in want:
+            np.testing.assert_array_equal(out.get_model()[n], want[n])
+    rw = C.DictModelReaderWriter()
+    rw.initialize(glob)
+    parses.clear()
+    assert rw.apply_model(blob) is True and len(parses) == 1
+    np.testing.assert_array_equal(rw.extract_model()["conv.w"], want["conv.w"])

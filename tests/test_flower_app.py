@@ -18,7 +18,7 @@ from flwr.common import serde
 from flwr.proto.message_pb2 import Message as ProtoMessage
 
 import gpu_codec
-from gpu_codec.flower import _GUARD, STYPE_GPU_CODEC, Array
+from gpu_codec.flower import _GUARD, STYPE_GPU_CODEC, array_payload
 
 ROUNDS, CLIENTS = 3, 3
 
@@ -76,7 +76,7 @@ def test_bytes_on_the_wire(runs):
     first = downs[0].content["arrays"]
     assert first["gpu_codec"].dtype == STYPE_GPU_CODEC
     sd = app.net().state_dict()
-    dense = gpu_codec.decompress(Array.from_flwr(first["gpu_codec"]).payload())
+    dense = gpu_codec.decompress(array_payload(first["gpu_codec"]))
     assert list(dense) == list(sd)
     assert all(np.array_equal(dense[k], sd[k].numpy()) for k in sd)
     assert downs[0].content["config"]["gpu_codec.accept"] == STYPE_GPU_CODEC

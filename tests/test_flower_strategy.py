@@ -18,7 +18,16 @@ from flwr.supercore.task_identity import TaskIdentity
 
 import gpu_codec
 from gpu_codec.errors import InvalidInputError
-from gpu_codec.flower import ACCEPT_KEY, CompressedStrategy, compression_mod, decode_record
+from gpu_codec.flower import (
+    ACCEPT_KEY,
+    CompressedStrategy,
+    array_payload,
+    compressed_record,
+    compression_mod,
+    decode_record,
+    decompress_record,
+    read_numpy,
+)
 
 NODES = [11, 12, 13, 14]
 
@@ -129,7 +138,7 @@ def test_top_k_round_with_error_feedback_in_the_context():
     reply = mod(msgs[0], ctx, local_train(11))
     ef = gpu_codec.ErrorFeedback.from_bytes(ctx.state.config_records["gpu_codec.error_feedback.arrays"]["state"])
     assert sorted(ef.names()) == ["b", "w"]
-    p = gpu_codec.flower.Array.from_flwr(reply.content["arrays"]["gpu_codec"]).payload()
+    p = array_payload(reply.content["arrays"]["gpu_codec"])
     assert p.nnz == gpu_codec.kept_count(0.2, 35)
 
 
@@ -156,7 +165,7 @@ def test_a_bad_reply_is_left_out_and_the_round_goes_on(caplog):
     _, replies = round_trip(strategy, compression_mod(0.5))
     good = [replies[i] for i in (0, 1, 3)]
     want, want_metrics = strategy.aggregate_train(1, good)
-    other = gpu_codec.flower.ArrayRecord.compressed({"v": np.ones(3, np.float32)}, fraction=0.5).to_flwr()
+    other = compressed_record({"v": np.ones(3, np.float32)}, fraction=0.5)
     other["steps"] = Array(np.array([1], np.int64))
     replies[2].content["arrays"] = other
     bad_node = replies[2].metadata.src_node_id
@@ -287,26 +296,25 @@ def test_nodes_that_cannot_read_the_compressed_model_get_it_plain_from_the_next_
 def test_caps_on_the_strategy_the_mod_and_the_records(caplog):
     from gpu_codec.aggregate import held_bytes
     from gpu_codec.errors import PayloadLayoutError, PayloadLimitError
-    from gpu_codec.flower import ArrayRecord as GcRecord
 
     # a record: 4 MB of output declared in a few hundred bytes, refused before it is decoded
-    big = GcRecord.compressed({"w": np.zeros(10**6, np.float32)}, fraction=1e-6)
+    big = compressed_record({"w": np.zeros(10**6, np.float32)}, fraction=1e-6)
     assert big.count_bytes() < 1024
     with pytest.raises(PayloadLimitError, match="max_output_bytes=1048576"):
-        big.decompress(max_output_bytes=1 << 20)
+        decompress_record(big, max_output_bytes=1 << 20)
     with pytest.raises(PayloadLimitError):
-        decode_record(big.to_flwr(), max_output_bytes=1 << 20)
-    assert decode_record(big.to_flwr(), max_output_bytes=4 << 20)["w"].numpy().shape == (10**6,)
+        decode_record(big, max_output_bytes=1 << 20)
+    assert decode_record(big, max_output_bytes=4 << 20)["w"].numpy().shape == (10**6,)
     # plain arrays count toward the same cap, and their .npy header is checked against their bytes
-    rec = GcRecord({"a": Array(np.ones(1000, np.float32)), "b": Array(np.ones(10, np.float32))})
-    assert sorted(rec.decompress(max_output_bytes=4040)) == ["a", "b"]
+    rec = ArrayRecord({"a": Array(np.ones(1000, np.float32)), "b": Array(np.ones(10, np.float32))})
+    assert sorted(decompress_record(rec, max_output_bytes=4040)) == ["a", "b"]
     with pytest.raises(PayloadLimitError):
-        rec.decompress(max_output_bytes=4039)
+        decompress_record(rec, max_output_bytes=4039)
     blob = bytearray(rec["b"].data)
     blob[blob.index(b"(10,)") : blob.index(b"(10,)") + 5] = b"(99,)"
-    lying = gpu_codec.flower.Array(dtype="float32", shape=(10,), stype="numpy.ndarray", data=bytes(blob))
+    lying = Array(dtype="float32", shape=(10,), stype="numpy.ndarray", data=bytes(blob))
     with pytest.raises(PayloadLayoutError, match="396 bytes"):
-        lying.numpy()
+        read_numpy(lying)
     # the mod: a downlink declaring more than its cap fails on the client, before it is decoded
     msgs = list(
         CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4)).configure_train(

@@ -170,12 +170,11 @@ def damage_mod(msg: Message, context: Context, call_next: Callable[[Message, Con
         return reply
     for rec in reply.content.array_records.values():
         for key in list(rec.keys()):
-            a = gflower.Array.from_flwr(rec[key])
-            if a.is_payload:
+            a = rec[key]
+            if gflower.holds_payload(a):
                 data = bytearray(a.data)
                 data[len(data) // 2] ^= 0xFF
                 a.data = bytes(data)
-                rec[key] = a.to_flwr()
     return reply
 
 
@@ -183,9 +182,9 @@ def unreadable(reply: Message) -> str | None:
     """Why the gpu_codec payloads of ``reply`` do not parse (None when they do, or when it holds none)."""
     try:
         for rec in reply.content.array_records.values():
-            for a in gflower.ArrayRecord.from_flwr(rec).values():
-                if a.is_payload:
-                    a.payload()
+            for a in rec.values():
+                if gflower.holds_payload(a):
+                    gflower.array_payload(a)
     except GpuCodecError as e:
         return f"{type(e).__name__}: {e}"
     return None

@@ -1,5 +1,11 @@
 """Clara Train 3.1 federated-learning components (``fed_learn.components``), on the gpu_codec engine.
 
+A re-creation, on purpose: Clara Train 3.1 was distributed as NVIDIA's Clara Train SDK container image, not as a
+package that installs with pip, and its federated-learning part lives on as NVIDIA FLARE, which
+:mod:`gpu_codec.nvflare` builds on with FLARE's own types. What follows mirrors Clara Train 3.1's documented
+``fed_learn.components`` API (class names, constructor arguments and method signatures; a test checks each
+signature), with the gpu_codec engine doing the work.
+
 Someone arriving from Clara Train 3.1 finds its processor model:
 
 * a data context (:class:`DataContext`, alias ``FLContext``) holding the model (name -> tensor, left where it
