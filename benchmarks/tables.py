@@ -111,7 +111,38 @@ def flower() -> str:
     return "\n".join(lines)
 
 
+def _n(n: int) -> str:
+    return f"2^{n.bit_length() - 1}" if n & (n - 1) == 0 else f"{n:,}"
+
+
+def topk() -> str:
+    """The CPU sweep of ``benchmarks/results/topk_cpu.json`` (``benchmarks/bench_topk.py``)."""
+    cols = [
+        ("N", lambda r: _n(r["n"])),
+        ("subtract (ms)", lambda r: f"{r['subtract_s'] * 1e3:.1f}"),
+        ("ours (ms)", lambda r: f"{r['ours_s'] * 1e3:.1f}"),
+        ("ours, 1 thread (ms)", lambda r: f"{r['ours_1thread_s'] * 1e3:.1f}"),
+        ("NumPy (ms)", lambda r: f"{r['numpy_s'] * 1e3:.1f}"),
+        ("torch (ms)", lambda r: f"{r['torch_s'] * 1e3:.1f}"),
+        ("ours / subtract", lambda r: f"{r['x_subtract']:.2f}"),
+        ("same, least samples", lambda r: f"{r['x_subtract_min']:.2f}"),
+        ("× NumPy", lambda r: f"{r['x_numpy']:.1f}"),
+        ("× torch", lambda r: f"{r['x_torch']:.1f}"),
+        ("× threads", lambda r: f"{r['x_threads']:.2f}"),
+        ("same, least samples", lambda r: f"{r['x_threads_min']:.2f}"),
+        ("(mem)", lambda r: f"{r['x_threads_probe']:.2f}"),
+        ("(cpu)", lambda r: f"{r['x_threads_compute']:.2f}"),
+        ("decompress (ms)", lambda r: f"{r['decompress_s'] * 1e3:.1f}"),
+        ("decompress / subtract", lambda r: f"{r['decompress_x_subtract']:.2f}"),
+        ("peak extra memory", lambda r: f"{r['peak_extra_pct']:.1f} %"),
+    ]
+    lines = ["| " + " | ".join(c for c, _ in cols) + " |", "| --- |" + " ---: |" * (len(cols) - 1)]
+    lines += ["| " + " | ".join(f(r) for _, f in cols) + " |" for r in _load("topk_cpu.json")["rows"]]
+    return "\n".join(lines)
+
+
 REGIONS: dict[str, Callable[[], str]] = {
+    "topk": topk,
     "nvflare": nvflare,
     "convergence": convergence,
     "headline": headline,
