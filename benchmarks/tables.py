@@ -141,8 +141,40 @@ def topk() -> str:
     return "\n".join(lines)
 
 
+def traffic() -> str:
+    """GPU memory traffic per call, B per dense element, of ``benchmarks/results/traffic.json``
+    (``benchmarks/traffic.py``): one tensor and 300, against the floor and the target."""
+    recs = [r for r in _load("traffic.json") if "bytes_per_element" in r]
+    rows = [  # (label, op, fraction, residual, floor, target)
+        ("compress, top-k 1%", "compress", 0.01, False, 8, "≤ 10"),
+        ("compress, top-k 0.1%", "compress", 0.001, False, 8, "≤ 10"),
+        ("compress, top-k 1%, error feedback", "compress", 0.01, True, 16, "≤ 18"),
+        ("compress, top-k 0.1%, error feedback", "compress", 0.001, True, 16, "≤ 18"),
+        ("compress, dense (`fraction=None`)", "compress_dense", None, False, 12, "—"),
+        ("decompress, top-k 1%, onto a base", "decompress", 0.01, False, 8, "—"),
+        ("decompress, dense, onto a base", "decompress_dense", None, False, 12, "≤ 14.4"),
+    ]
+
+    def cell(op, fraction, residual, tensors) -> str:
+        hit = [
+            r
+            for r in recs
+            if (r["op"], r["fraction"], r["residual"], r["tensors"]) == (op, fraction, residual, tensors)
+        ]
+        return f"{hit[0]['bytes_per_element']:.2f}" if hit else "—"
+
+    lines = ["| call | 1 tensor | 300 tensors | floor | target |", "| --- | ---: | ---: | ---: | ---: |"]
+    for label, op, fraction, residual, floor, target in rows:
+        lines.append(
+            f"| {label} | {cell(op, fraction, residual, 1)} | {cell(op, fraction, residual, 300)} | {floor} | "
+            f"{target} |"
+        )
+    return "\n".join(lines)
+
+
 REGIONS: dict[str, Callable[[], str]] = {
     "topk": topk,
+    "traffic": traffic,
     "nvflare": nvflare,
     "convergence": convergence,
     "headline": headline,
