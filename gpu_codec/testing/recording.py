@@ -355,7 +355,7 @@ class RecordingXP:
             if name in _UPLOAD:
                 a = args[0]
                 if isinstance(a, DeviceArray):
-                    if name == "array" and kwargs.get("copy", True):
+                    if (name == "array" and kwargs.get("copy", True)) or not a.flags.c_contiguous:
                         return a.copy()
                     return a if kwargs.get("dtype") in (None, a.dtype) else a.astype(kwargs["dtype"])
                 host = np.asarray(a, dtype=kwargs.get("dtype"))
