@@ -4,6 +4,8 @@ the GPU host side's sync and launch counts against issue 26's targets, and the d
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -198,3 +200,20 @@ def test_the_device_decode_refuses_what_the_cpu_refuses_with_its_error(emulator,
                 got.append((type(e.value), str(e.value)))
         errors.append(got)
     assert errors[0] == errors[1]
+
+
+def test_the_benchmark_writes_its_table_and_checks_the_targets(tmp_path, capsys):
+    from benchmarks import bench_host
+
+    out = tmp_path / "host.json"
+    assert (
+        bench_host.main(["--tensors", "3", "--elements", "3000", "--entries", "--repeat", "1", "--out", str(out)]) == 0
+    )
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["tensors"] == 3 and set(row["ops"]) == {"compress", "decompress", "add"}
+    assert row["ops"]["decompress"]["syncs"] <= 2 and doc["machine"]["cpu_model"]
+    assert "| split-3 | 3 |" in out.with_suffix(".md").read_text()
+    bench_host.main(["--check", "--from-json", str(out)])
+    verdicts = capsys.readouterr().out
+    assert "PASS split-3" in verdicts and "decompress syncs 2 <= 2" in verdicts

@@ -458,14 +458,15 @@ class Measurement:
         return float(np.median(self.replay_ms))
 
 
-def _resident(arrays: Iterable[Any]) -> set[int]:
-    out = set()
+def _resident(arrays: Iterable[Any]) -> tuple[set[int], list[np.ndarray]]:
+    """The data addresses of the NumPy arrays among ``arrays`` (anything else is copied by every call, so it is
+    not resident), and the arrays, which the caller keeps alive so that no other array takes an address."""
+    kept = []
     for group in arrays:
         for a in group.values() if isinstance(group, Mapping) else group:
-            a = np.asarray(a)
-            if a.size:
-                out.add(int(a.ctypes.data))
-    return out
+            if isinstance(a, np.ndarray) and a.size:
+                kept.append(a)
+    return {int(a.ctypes.data) for a in kept}, kept
 
 
 @contextlib.contextmanager
@@ -506,14 +507,15 @@ def measure(
     """Record ``call(setup())`` once on the emulator, then replay it ``repeat`` times (see the module docstring).
 
     ``setup`` (optional) runs first on the same backend, neither counted nor timed (an Aggregator made before its
-    ``add``); ``resident``: mappings or lists of the NumPy arrays that stand for device tensors. ``emulator``: an
-    :class:`~gpu_codec.backends.emulated.EmulatorRunner` to record on (one is built by default).
+    ``add``); ``resident``: mappings or lists of the NumPy arrays that stand for device tensors (an input that is
+    not a NumPy array, such as a NumPy scalar, is copied to the device by every call, and counted so).
+    ``emulator``: an :class:`~gpu_codec.backends.emulated.EmulatorRunner` to record on (one is built by default).
     """
     if emulator is None:
         from ..backends.emulated import EmulatorRunner
 
         emulator = EmulatorRunner()
-    res = _resident(resident)
+    res, kept = _resident(resident)
     tape: list = []
     log: list = []
     rec = _Session("record", tape, log, res)
@@ -528,4 +530,5 @@ def measure(
         got, want = s.counts.totals(), rec.counts.totals()
         if got != want:
             raise RecordingError(f"the replay counted {got}, the recording {want}")
+    del kept  # (alive until here)
     return Measurement(rec.counts, times, array)
