@@ -4,9 +4,10 @@ For 1, 10, 100 and 1,000 uneven tensors (the zoo's split of ``--elements`` fp32 
 ``split_update``) and any zoo entries named: one compress (top-k 1%, global), one decompress of its bytes onto the
 base, and one aggregator ``add`` of its bytes (an Aggregator over the base, made beforehand), each recorded once on
 the emulator and replayed ``--repeat`` times with no kernel run. Reported per call: the replay's Python time (ms,
-median; of which in the NumPy calls standing for CuPy's array operations), kernel launches, array-module kernels,
-syncs (host waits on the device), host-to-device copies and allocations; against issue 26's targets
-(``HOST_MS`` and ``SYNCS`` of benchmarks/bench_zoo.py). Counts are deterministic; times are the host's and noisy.
+median; of which in the NumPy work standing for CuPy's array operations and copies), kernel launches,
+array-module kernels, syncs (host waits on the device), host-to-device copies and allocations; against issue
+26's targets (``HOST_MS`` and ``SYNCS`` of benchmarks/bench_zoo.py). Counts are deterministic; times are the
+host's and noisy.
 
     python benchmarks/bench_host.py                   # writes benchmarks/results/host_recording.{json,md}
     python benchmarks/bench_host.py --tensors 1 10 --entries resnet-50 --out /tmp/h.json
@@ -131,11 +132,12 @@ def markdown(doc: dict[str, Any]) -> str:
         f"{m['cpu_model']} ({m['simd']}), {m['cpu_count']} cores shared with other work (load average "
         f"{', '.join(f'{x:.1f}' for x in m['load_average'])}): the GPU path's code with no kernel run, median of "
         f"{doc['repeat']} replays. Top-k {doc['fraction']:g} {doc['scope']}; decompress and add take the payload's "
-        "bytes onto the base. Host ms: the replay's Python time (of which the NumPy calls that stand for CuPy's "
-        "array operations, in brackets), without the driver's cost per launch or copy. Launches: our kernels; "
-        "array ops: the array module's kernels; syncs: host waits on the device; H2D: host-to-device copies. "
-        "Targets (issue 26): compress and decompress <= 1 ms + 2 us a tensor at 1,000 tensors; syncs <= 4 a "
-        "compress, <= 2 a decompress or add." + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
+        "bytes onto the base. Host ms: the replay's Python time (of which the NumPy work that stands for the "
+        "device's, CuPy's array operations and the copies, in brackets), without the driver's cost per launch or "
+        "copy. Launches: our kernels; array ops: the array module's kernels; syncs: host waits on the device; "
+        "H2D: host-to-device copies. Targets (issue 26): compress and decompress <= 1 ms + 2 us a tensor at 1,000 "
+        "tensors; syncs <= 4 a compress, <= 2 a decompress or add."
+        + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
         "",
         "| update | tensors | elements | op | host ms | target ms | launches | array ops | syncs | target | H2D |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",

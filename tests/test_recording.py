@@ -62,6 +62,20 @@ def test_it_counts_reads_array_kernels_and_launches(emulator):
     assert all("test_recording.py" not in s for s in c.sync_sites)  # sites are the library's lines
 
 
+def test_an_operation_whose_size_depends_on_the_data_is_a_sync_and_replays_its_result(emulator):
+    sizes = []
+
+    def call(_):
+        xp = get_backend().xp
+        x = xp.asarray(np.array([0, 5, 0, 7], np.int32))
+        x[x > 5] = 1  # CuPy counts a mask's entries before it writes
+        sizes.append((int(xp.flatnonzero(x).size), int(x[x > 0].size)))
+
+    m = measure(call, emulator=emulator, repeat=2)
+    assert m.counts.syncs == 3 and m.counts.ops["flatnonzero"] == 1 and m.counts.ops["mask"] == 1
+    assert sizes == [(2, 2)] * 3  # the replays' zeros would give other sizes: the record's results are replayed
+
+
 def test_a_replay_that_leaves_the_recorded_path_is_refused(emulator):
     seen = []
 

@@ -20,8 +20,9 @@ Counted, per call (:class:`Counts`):
   gather or scatter by an index array, each copy or fill by assignment, each ``zeros``/``arange`` fill; one
   each (CuPy may split or fuse a few of them differently);
 - ``syncs``: every point where the host waits for the device: a runner's ``to_host``, ``int``/``float``/
-  ``bool``/``item``/``tolist``/``get`` of a device array, and a stream's ``synchronize`` (the end of a call's
-  scope); by the line of the library that asked (record pass);
+  ``bool``/``item``/``tolist``/``get`` of a device array, an operation whose result's size depends on the data
+  (``flatnonzero``, ``nonzero``, indexing by a boolean mask: CuPy reads the count back), and a stream's
+  ``synchronize`` (the end of a call's scope); by the line of the library that asked (record pass);
 - ``h2d`` and ``h2d_bytes``: host-to-device copies (``asarray`` of host memory, host tables of the launches), and
   ``d2h_bytes``: bytes the read-backs bring back;
 - ``allocs``: device allocations.
@@ -31,8 +32,8 @@ Not counted: NumPy's own functions called directly on a device array (CuPy would
 each launch costs a few µs of host time on top), and the time the device itself takes. Inputs named
 ``resident`` stand for tensors already on the device (a torch CUDA tensor, say): wrapping them copies nothing.
 
-The replay's time is the host's Python between launches, plus the NumPy calls that stand for the array module's
-(small at the sizes the emulator can record; ``array_ms`` reports their share) and the recorder's bookkeeping.
+The replay's time is the host's Python between launches, plus the NumPy work that stands for the device's (the
+array module's kernels and the copies; ``array_ms`` reports its share) and the recorder's bookkeeping.
 
 >>> import numpy as np, gpu_codec
 >>> new = {"a": np.arange(1000, dtype=np.float32), "b": np.ones(300, np.float32)}
@@ -122,6 +123,21 @@ class _Session:
             if self.mode == "record":
                 self.counts.sync_sites[f"{_site()} ({what})"] += 1
 
+    def shaped(self, kind: str, a: np.ndarray, compute: Callable[[], np.ndarray]) -> np.ndarray:
+        """An array-module operation whose result's size depends on the data (CuPy reads the size back: a sync);
+        its result is kept on the tape too, as a replay's data would give another size."""
+        self.op(kind)
+        self.alloc()
+        self.sync(kind)
+        if self.counting:
+            self.counts.d2h_bytes += 8
+        sig = (kind, a.shape, a.dtype.str)
+        if self.mode == "record":
+            out = compute()
+            self.tape.append((sig, out))
+            return out
+        return self._next(sig)
+
     def launch(self, name: str, grid: Any) -> None:
         key = (name, _dims(grid))
         if self.mode == "record":
@@ -145,6 +161,9 @@ class _Session:
             value = get(a)
             self.tape.append((sig, value))
             return value
+        return self._next(sig)
+
+    def _next(self, sig: tuple) -> Any:
         if self.pos >= len(self.tape):
             raise RecordingError(f"replay read {sig} past the end of the recording ({len(self.tape)} reads)")
         got, value = self.tape[self.pos]
@@ -197,6 +216,26 @@ def _is_index_array(key: Any) -> bool:
     return any(isinstance(k, (np.ndarray, list)) for k in keys)
 
 
+@contextlib.contextmanager
+def _timed(s: _Session | None) -> Iterator[None]:
+    """The NumPy work standing for the array module's kernels: its time (``array_ms``); quiet in a replay, whose
+    kernels wrote nothing."""
+    if s is None:
+        yield
+        return
+    t0 = time.perf_counter()
+    try:
+        with np.errstate(all="ignore") if s.mode == "replay" else contextlib.nullcontext():
+            yield
+    finally:
+        s.array_s += time.perf_counter() - t0
+
+
+def _is_mask(key: Any) -> bool:
+    keys = key if isinstance(key, tuple) else (key,)
+    return any(isinstance(k, np.ndarray) and k.dtype == np.bool_ for k in keys)
+
+
 def _host_arrays(args: Iterable[Any]) -> bool:
     return any(type(a) is np.ndarray and a.ndim > 0 for a in args)
 
@@ -214,11 +253,8 @@ class DeviceArray(np.ndarray):
             s.op(ufunc.__name__ if method == "__call__" else f"{ufunc.__name__}.{method}")
             if s.counting and _host_arrays(inputs):
                 s.counts.host_numpy[f"{ufunc.__name__} on a host array, at {_site()}"] += 1
-        t0 = time.perf_counter()
-        with np.errstate(all="ignore") if s is not None and s.mode == "replay" else contextlib.nullcontext():
+        with _timed(s):
             result = getattr(ufunc, method)(*(_plain(i) for i in inputs), **kwargs)
-        if s is not None:
-            s.array_s += time.perf_counter() - t0
         if outs is not None:
             return outs[0] if len(outs) == 1 else outs
         return _wrap(result)
@@ -231,20 +267,32 @@ class DeviceArray(np.ndarray):
 
     def __getitem__(self, key):
         s = _session()
+        if s is not None and _is_mask(key):
+            plain = self.view(np.ndarray)
+            return _wrap(s.shaped("mask", plain, lambda: plain[_plain(key)]))
         if s is not None and _is_index_array(key):
             s.op("gather")
             if any(type(k) is np.ndarray for k in (key if isinstance(key, tuple) else (key,))):
                 s.h2d(sum(k.nbytes for k in (key if isinstance(key, tuple) else (key,)) if type(k) is np.ndarray))
-        out = np.ndarray.__getitem__(self.view(np.ndarray), _plain(key))
+        with _timed(s):
+            out = np.ndarray.__getitem__(self.view(np.ndarray), _plain(key))
         return _wrap(out)
 
     def __setitem__(self, key, value):
         s = _session()
         if s is not None:
+            if _is_mask(key):
+                s.sync("mask")  # CuPy counts the mask's entries first
             s.op("scatter" if _is_index_array(key) else "copy" if isinstance(value, np.ndarray) else "fill")
             if type(value) is np.ndarray:
                 s.h2d(value.nbytes)
-        np.ndarray.__setitem__(self.view(np.ndarray), _plain(key), _plain(value))
+        with _timed(s):
+            np.ndarray.__setitem__(self.view(np.ndarray), _plain(key), _plain(value))
+
+    def nonzero(self):
+        s = _session()
+        plain = self.view(np.ndarray)
+        return _wrap(plain.nonzero() if s is None else s.shaped("nonzero", plain, plain.nonzero))
 
     def __iter__(self) -> Iterator[Any]:
         for i in range(len(self)):
@@ -258,20 +306,23 @@ class DeviceArray(np.ndarray):
         if s is not None:
             s.alloc()
             s.op("astype")
-        return _wrap(self.view(np.ndarray).astype(dt, order=order, casting=casting, copy=copy))
+        with _timed(s):
+            return _wrap(self.view(np.ndarray).astype(dt, order=order, casting=casting, copy=copy))
 
     def copy(self, order="C"):
         s = _session()
         if s is not None:
             s.alloc()
             s.op("copy")
-        return _wrap(self.view(np.ndarray).copy(order=order))
+        with _timed(s):
+            return _wrap(self.view(np.ndarray).copy(order=order))
 
     def fill(self, value):
         s = _session()
         if s is not None:
             s.op("fill")
-        self.view(np.ndarray).fill(value)
+        with _timed(s):
+            self.view(np.ndarray).fill(value)
 
     # -- host reads: syncs
     def _read(self, kind: str, get: Callable[[np.ndarray], Any]) -> Any:
@@ -336,6 +387,7 @@ class _Cuda:
 _ALLOC = {"empty", "empty_like"}
 _FILLED = {"zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "arange"}
 _UPLOAD = {"asarray", "array", "ascontiguousarray"}
+_SHAPED = {"flatnonzero", "nonzero", "argwhere", "unique", "extract", "compress"}  # sizes known from the data
 
 
 class RecordingXP:
@@ -361,7 +413,8 @@ class RecordingXP:
                 host = np.asarray(a, dtype=kwargs.get("dtype"))
                 s.alloc()
                 s.h2d(host.nbytes)
-                return _wrap(np.array(host, copy=True))
+                with _timed(s):  # (the copy stands for the upload)
+                    return _wrap(np.array(host, copy=True))
             if name in _ALLOC:
                 s.alloc()
                 # a replay's kernels write nothing: zeros keep the NumPy stand-ins quiet
@@ -370,16 +423,17 @@ class RecordingXP:
                 s.alloc()
                 s.op(name)
                 return _wrap(attr(*_plain(args), **_plain(kwargs)))
+            if name in _SHAPED and isinstance(args[0], DeviceArray):
+                first = args[0].view(np.ndarray)
+                return _wrap(s.shaped(name, first, lambda: attr(*_plain(args), **_plain(kwargs))))
             flat = [x for a in args for x in (a if isinstance(a, (list, tuple)) else (a,))]
             if s.counting and _host_arrays(flat):
                 s.counts.host_numpy[f"xp.{name} given a host array, at {_site()}"] += 1
             s.op(name)
             if name in ("concatenate", "repeat", "where", "cumsum", "diff", "flatnonzero"):
                 s.alloc()
-            t0 = time.perf_counter()
-            with np.errstate(all="ignore") if s.mode == "replay" else contextlib.nullcontext():
+            with _timed(s):
                 out = attr(*_plain(args), **_plain(kwargs))
-            s.array_s += time.perf_counter() - t0
             return _wrap(out)
 
         return call
@@ -433,7 +487,8 @@ class RecordingBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
         if s is not None:
             s.alloc()
             s.h2d(host.nbytes)
-        return _wrap(np.array(host, copy=True))
+        with _timed(s):  # (the copy stands for the upload)
+            return _wrap(np.array(host, copy=True))
 
     def info(self) -> dict[str, Any]:
         return {"allocator": "recording", "runner": "emulator" if self.runner.emulator is not None else "replay"}
@@ -450,7 +505,7 @@ class Measurement:
 
     counts: Counts
     replay_ms: list[float]
-    array_ms: list[float]  # of which in the NumPy calls standing for the array module's kernels
+    array_ms: list[float]  # of which in the NumPy work standing for the device's (array-module kernels, copies)
 
     @property
     def ms(self) -> float:
