@@ -76,6 +76,18 @@ def all_finite(x, dt: int, xp=np) -> bool:
     return bool(xp.all(xp.isfinite(x)))
 
 
+def some_nonfinite(x, dt: int, xp=np):
+    """Whether some element of ``x`` is inf or NaN (as :func:`all_finite` reads it), left where ``x`` is: a 0-d
+    array of ``xp``, for a caller that reads many such flags at once.
+
+    >>> bool(some_nonfinite(np.array([1.0, np.inf], np.float32), DT_F32))
+    True
+    """
+    if dt == DT_BF16:
+        return xp.any((x & 0x7F80) == 0x7F80)
+    return ~xp.all(xp.isfinite(x))
+
+
 def delta(new: np.ndarray, base: np.ndarray | None, res: np.ndarray | None, dt: int) -> np.ndarray:
     """(new - base) + residual in fp32 (fp64 for fp64 tensors); a missing base reads as zeros."""
     with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported by the caller

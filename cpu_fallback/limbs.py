@@ -66,10 +66,20 @@ def abs_max(vals, to_host=np.asarray) -> float:
     """
     if vals.size == 0:
         return 0.0
+    return from_abs_bits(to_host(abs_max_bits(vals)), vals.dtype)
+
+
+def abs_max_bits(vals):
+    """The bits of :func:`abs_max` of non-empty ``vals``, left where ``vals`` is (a 0-d unsigned array of their
+    width), for a caller that reads many at once and turns each into the value with :func:`from_abs_bits`."""
     ut = np.uint64 if vals.dtype.itemsize == 8 else np.uint32
-    bits = vals.view(ut) & ut(np.iinfo(ut).max >> 1)
-    top = np.asarray(to_host(bits.max()), dtype=ut).reshape(1)
-    return float(top.view(vals.dtype)[0])
+    return (vals.view(ut) & ut(np.iinfo(ut).max >> 1)).max()
+
+
+def from_abs_bits(bits, dtype) -> float:
+    """The float of ``dtype`` whose bits (a host integer or array of one) :func:`abs_max_bits` gave."""
+    ut = np.uint64 if np.dtype(dtype).itemsize == 8 else np.uint32
+    return float(np.asarray(bits).astype(ut).reshape(1).view(dtype)[0])
 
 
 def limb_add(limbs: np.ndarray, idx: np.ndarray | None, qs: np.ndarray) -> None:

@@ -33,10 +33,10 @@ from . import dtypes
 from . import engine as _engine
 from .arrays import from_backend, to_tensor
 from .backends import events, get_backend
-from .backends.base import abs_max, all_finite
+from .backends.base import abs_max, abs_max_bits, all_finite, from_abs_bits, some_nonfinite
 from .codecs import decoder_for
 from .constants import SCATTER_ADD
-from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError, PayloadValueError
+from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import TensorRecord
 
 LIMB_BITS = 18
@@ -288,20 +288,11 @@ class Aggregator:
         backend = self._backend
         bounds = _engine.DECODE_CHUNK_DEVICE if backend.on_device else _engine.DECODE_CHUNK
         records = _decoded_entries(payload, backend, bounds)
-        # every check before the accumulator changes
-        plan = []
-        for r in records:
-            vals, idx = self._checked_entries(r, backend, what)
-            m = abs_max(vals, backend.to_host)  # from the bits: no float kernel of the array module
-            cmax = w * m
-            if not cmax < _C_MAX:
-                raise InvalidInputError(
-                    f"{what}: tensor {r.name!r}: weight {weight!r} x value {m!r} reaches {cmax!r}, beyond the "
-                    "accumulator's range; nothing was added"
-                )
-            if self._base is not None:
-                self._check_onto_base(r, idx, vals, what)
-            plan.append((r, idx, vals, _grid_exponent(cmax)))
+        # every check before the accumulator changes; on a device, read back at once (where one fails, they run
+        # again one by one, reading each, which raises the error of the first tensor that fails)
+        plan = self._plan_deferred(records, w, what) if backend.on_device else None
+        if plan is None:
+            plan = self._plan(records, w, weight, what)
         del records
         if self._template is None:
             self._template = template
@@ -315,6 +306,54 @@ class Aggregator:
         self._weights.append(w)
         self._wsum += w
 
+    def _plan(self, records: list[TensorRecord], w: float, weight: Any, what: str) -> list:
+        """(record, indices, values, grid exponent) of each tensor, checked one by one: the error of the first
+        that fails is raised."""
+        backend = self._backend
+        plan = []
+        for r in records:
+            vals, idx = self._checked_entries(r, backend, what)
+            m = abs_max(vals, backend.to_host)  # from the bits: no float kernel of the array module
+            cmax = w * m
+            if not cmax < _C_MAX:
+                raise InvalidInputError(
+                    f"{what}: tensor {r.name!r}: weight {weight!r} x value {m!r} reaches {cmax!r}, beyond the "
+                    "accumulator's range; nothing was added"
+                )
+            if self._base is not None:
+                self._check_onto_base(r, idx, vals, what)
+            plan.append((r, idx, vals, _grid_exponent(cmax)))
+        return plan
+
+    def _plan_deferred(self, records: list[TensorRecord], w: float, what: str) -> list | None:
+        """:meth:`_plan` with every check left on the device and read back at once (twice with a base: the sums
+        with the base are formed once the ranges are known good); None where a check fails."""
+        backend, xp = self._backend, self._backend.xp
+        try:
+            entries = [self._entries(r, backend, what) for r in records]
+        except PayloadError:
+            return None
+        tops = [abs_max_bits(vals).astype(np.uint64) for vals, _, _ in entries if vals.size]
+        bad = xp.stack([bad for _, _, bad in entries]).any().astype(np.uint64)
+        host = backend.to_host(xp.stack([bad, *tops]))
+        if host[0]:
+            return None
+        plan, j = [], 1
+        for r, (vals, idx, _) in zip(records, entries):
+            m = 0.0
+            if vals.size:
+                m, j = from_abs_bits(host[j], vals.dtype), j + 1
+            if not w * m < _C_MAX:
+                return None
+            plan.append((r, idx, vals, _grid_exponent(w * m)))
+        if self._base is not None:
+            checks = _engine.DeviceChecks(xp)
+            for r, idx, vals, _ in plan:
+                self._check_onto_base(r, idx, vals, what, checks)
+            if not checks.passed():
+                return None
+        return plan
+
     def _check_weight_sum(self, w: float, weight: Any, what: str) -> None:
         if self._wsum + w < 2.0**1000:
             return
@@ -327,9 +366,10 @@ class Aggregator:
                 f"{what}: weight {weight!r} takes the sum of the weights past the fp64 range; nothing was added"
             )
 
-    def _check_onto_base(self, r: TensorRecord, idx: Any, vals: Any, what: str) -> None:
+    def _check_onto_base(self, r: TensorRecord, idx: Any, vals: Any, what: str, checks: Any = None) -> None:
         """Refuse a delta that takes the base past its dtype's range, computed as :func:`gpu_codec.decompress`
-        adds it (a chunk of entries at a time, into a small buffer)."""
+        adds it (a chunk of entries at a time, into a small buffer); with ``checks``
+        (:class:`gpu_codec.engine.DeviceChecks`), leave the check there unread."""
         backend, xp = self._backend, self._backend.xp
         base = backend.asarray(to_tensor(self._base[r.name], r.name).data)
         code = dtypes.code(r.dtype)
@@ -339,6 +379,10 @@ class Aggregator:
             b = min(a + step, vals.size)
             part = base[a:b] if idx is None else base[idx[a:b]]
             out = buf[: b - a]
+            if checks is not None:  # (the values are finite: its error word says nothing more)
+                backend.dense_apply([out], [code], [part], [vals[a:b]], SCATTER_ADD, defer=True)
+                checks.flag(some_nonfinite(out, code, xp))
+                continue
             backend.dense_apply([out], [code], [part], [vals[a:b]], SCATTER_ADD)
             if not all_finite(out, code, xp):
                 raise PayloadValueError(
@@ -348,6 +392,17 @@ class Aggregator:
 
     @staticmethod
     def _checked_entries(r: TensorRecord, backend: Any, what: str) -> tuple[Any, Any]:
+        vals, idx, bad = Aggregator._entries(r, backend, what)
+        if bool(backend.to_host(bad)):
+            raise PayloadIndexError(
+                f"{what}: tensor {r.name!r}: a sparse index is out of range, repeated or not increasing, "
+                "or a value is not finite; nothing was added"
+            )
+        return vals, idx
+
+    @staticmethod
+    def _entries(r: TensorRecord, backend: Any, what: str) -> tuple[Any, Any, Any]:
+        """(values, indices, a flag on the device: true where an index or value is bad) of a decoded record."""
         xp = backend.xp
         vals = backend.asarray(r.buffers["values"])
         if r.encoding == "dense":
@@ -361,12 +416,7 @@ class Aggregator:
         bad = ~xp.isfinite(vals).all()
         if idx is not None and idx.size:
             bad |= (idx[-1] >= r.numel) | (idx[1:] <= idx[:-1]).any()
-        if bool(backend.to_host(bad)):
-            raise PayloadIndexError(
-                f"{what}: tensor {r.name!r}: a sparse index is out of range, repeated or not increasing, "
-                "or a value is not finite; nothing was added"
-            )
-        return vals, idx
+        return vals, idx, bad
 
     def _accumulate(self, r: TensorRecord, idx: Any, vals: Any, w: float, beta: int | None, lo: int = 0) -> None:
         """Add ``w * vals`` at ``idx`` (None: at elements ``lo`` to ``lo + vals.size``)."""
@@ -417,8 +467,9 @@ class Aggregator:
                 continue
             mean = xp.empty(numel, dtype=vd)
             scales = [math.ldexp(1.0, beta + (LIMBS - 1 - j) * LIMB_BITS) for j in range(LIMBS)]
-            # in limb order, in fp64, then rounded once; an eighth of the tensor per call bounds the fp64 buffers
-            step = max(numel // 8, 1 << 16)
+            # in limb order, in fp64, then rounded once; on the host an eighth of the tensor per call bounds the fp64
+            # buffers, on a device the kernel keeps them in registers: one call
+            step = numel if self._backend.on_device else max(numel // 8, 1 << 16)
             for a in range(0, numel, step):
                 b = min(a + step, numel)
                 self._backend.limb_mean(limbs[:, a:b], scales, total, mean[a:b])

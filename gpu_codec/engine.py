@@ -25,10 +25,10 @@ import numpy as np
 from . import dtypes
 from .arrays import Tensor, array_kind, from_backend, to_tensor
 from .backends import Backend, get_backend
-from .backends.base import DeltaRequest, SelectRequest, all_finite
+from .backends.base import DeltaRequest, SelectRequest, all_finite, some_nonfinite
 from .codecs import SCOPES, as_pipeline, check_fraction, decoder_for, wire_layouts
-from .constants import SCATTER_ADD, SCATTER_ZEROS, DType
-from .errors import InvalidInputError, PayloadIndexError, PayloadLimitError, PayloadValueError
+from .constants import SCATTER_ADD, SCATTER_ZEROS, U64_MAX, DType
+from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import (
     MAX_HEADER_BYTES,
     MAX_NAME,
@@ -707,17 +707,79 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
     return out
 
 
+class DeviceChecks:
+    """The checks of a decode left on the device, read by the host once (a device backend's first pass):
+    error words of the scatter and dense passes, and flags (0-d bool arrays, true where a check failed)."""
+
+    def __init__(self, xp: Any):
+        self.xp = xp
+        self.words: list[Any] = []
+        self.flags: list[Any] = []
+
+    def word(self, err: Any) -> None:
+        if err is not None:
+            self.words.append(err)
+
+    def flag(self, bad: Any) -> None:
+        self.flags.append(bad)
+
+    def passed(self) -> bool:
+        """Whether every check passed: one read by the host."""
+        xp = self.xp
+        parts = [xp.stack(self.flags).any()] if self.flags else []
+        if self.words:
+            parts.append(xp.concatenate(self.words).min() != U64_MAX)
+        return not parts or not bool(xp.stack(parts).any() if len(parts) > 1 else parts[0])
+
+
+def _decode_one_deferred(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, int], out_of: Any, checks: Any):
+    """:func:`_decode_one` with no host wait: the checks it reads are left in ``checks`` (a failed one: the caller
+    decodes again with :func:`_decode_one`, which raises the error). Onto a base, the base is copied whole and the
+    entries added: the same bytes as :meth:`~gpu_codec.backends.base.Backend.scatter_onto` on a kernel backend."""
+    xp = backend.xp
+    numel = d.numel
+    logical = d.dtype if base is not None else dtypes.value_dtype(d.dtype)
+    mode = SCATTER_ADD if base is not None else SCATTER_ZEROS
+    code = dtypes.code(logical)
+    base_arr = backend.asarray(base.data) if base is not None else None
+    out = out_of()
+    step = max(d.step, _chunk(d.nnz, bounds) // d.step * d.step)
+    if d.indices is None:
+        for a in range(0, d.nnz, step):
+            b = min(a + step, d.nnz)
+            part = None if base_arr is None else base_arr[a:b]
+            checks.word(backend.dense_apply([out[a:b]], [code], [part], [d.values(a, b)], mode, defer=True))
+            if mode == SCATTER_ADD:
+                checks.flag(some_nonfinite(out[a:b], code, xp))
+        return
+    if base_arr is not None:
+        out[...] = base_arr
+    last = None
+    for a in range(0, d.nnz, step):
+        b = min(a + step, d.nnz)
+        idx = d.indices(a, b)
+        checks.word(backend.scatter([out], [code], [numel], [idx], [d.values(a, b)], mode, defer=True))
+        if last is not None:  # each chunk's entries after the last chunk's (the scatter checks within a chunk)
+            checks.flag(idx[0] <= last)
+        last = idx[-1]
+        if mode == SCATTER_ADD:  # (an index out of range is clamped here: the scatter's word reports it)
+            checks.flag(some_nonfinite(out[xp.minimum(idx, max(numel - 1, 0))], code, xp))
+
+
 SMALL_TENSOR = 1 << 18  # sparse tensors of at most this many elements are decoded in runs, a few calls a run
 SMALL_RUN = 1 << 20  # elements of output a run covers at the most
 SMALL_RUN_ENTRIES = 1 << 14  # ... and entries (its temporaries, about 20 bytes an entry, stay near 320 KiB)
 
 
-def _decode_run(run: list, flat_of: Any, offsets: list[int], bases: list, logical: str, backend: Any) -> bool:
+def _decode_run(
+    run: list, flat_of: Any, offsets: list[int], bases: list, logical: str, backend: Any, checks: Any = None
+) -> bool:
     """A run of small sparse tensors, adjacent in the buffer ``flat_of()`` gives (``offsets``: each one's start,
     then the run's end), which is asked for once the entries are checked:
     their bases copied in, then every entry checked and added (or written) in one scatter over the run's span.
     False where an index or value is bad or a sum not finite: the caller then decodes them one by one, which
-    raises the error that names the tensor."""
+    raises the error that names the tensor. With ``checks`` (:class:`DeviceChecks`) nothing is read back: the
+    checks are left there, and the result is True."""
     xp = backend.xp
     host = xp.asarray if backend.on_device else np.asarray  # small host tables, where the entries are
     idx = [d.indices(0, d.nnz) for d in run]
@@ -735,8 +797,12 @@ def _decode_run(run: list, flat_of: Any, offsets: list[int], bases: list, logica
         step = gi[1:] > gi[:-1]
         firsts = ends[:-1] - 1  # where a tensor's first entry follows the last one's
         step[host(firsts[(firsts >= 0) & (firsts < step.size)])] = True
-        ok = bool(xp.all(last < numels)) and bool(xp.all(step)) and (not wide or bool(xp.all(gi >= 0)))
-        if not ok:
+        ok = xp.all(last < numels) & xp.all(step)
+        if wide:
+            ok = ok & xp.all(gi >= 0)
+        if checks is not None:
+            checks.flag(~ok)
+        elif not bool(ok):
             return False
         gi += host(np.repeat(np.asarray(offsets[:-1], np.int64) - o0, counts).astype(gi.dtype))
         gi = gi.astype(dtypes.index_dtype(o1 - o0), copy=False)
@@ -748,6 +814,11 @@ def _decode_run(run: list, flat_of: Any, offsets: list[int], bases: list, logica
     if not sum(counts):
         return True
     mode = SCATTER_ADD if bases[0] is not None else SCATTER_ZEROS
+    if checks is not None:
+        checks.word(backend.scatter([span], [code], [o1 - o0], [gi], [vals], mode, defer=True))
+        if mode == SCATTER_ADD and o1 > o0:  # (an index out of range is clamped: the checks above report it)
+            checks.flag(some_nonfinite(span[xp.minimum(gi, o1 - o0 - 1)], code, xp))
+        return True
     if backend.scatter([span], [code], [o1 - o0], [gi], [vals], mode) is not None:
         return False  # a value is not finite
     return mode != SCATTER_ADD or all_finite(span[gi], code, xp)
@@ -816,6 +887,57 @@ class _Outputs:
         return self.flat(i)[self.starts[i] : self.starts[i] + self.numels[i]]
 
 
+def _decode_all(
+    pipe: Any,
+    records: list,
+    bases: list,
+    logical: list,
+    runs: list,
+    outs: _Outputs,
+    backend: Any,
+    bounds: Any,
+    defer: bool,
+) -> bool:
+    """Every record decoded into ``outs``, streamed (see :func:`decompress`). ``defer``: no check is read until the
+    end (:class:`DeviceChecks`); False where one failed or the decoders refused the payload. Without it, the first
+    failed check raises its error."""
+    checks = DeviceChecks(backend.xp) if defer else None
+    run: list = []  # (position, decoded) of the tensors of one run, adjacent in their buffer
+
+    def one(i: int, d: Any) -> None:
+        if checks is not None:
+            _decode_one_deferred(d, bases[i], backend, bounds, lambda: outs[i], checks)
+        else:
+            _decode_one(d, bases[i], backend, bounds, lambda: outs[i])
+
+    def flush() -> None:
+        first, last = run[0][0], run[-1][0]
+        offsets = outs.starts[first : last + 1] + [outs.starts[last] + outs.numels[last]]
+        ds = [d for _, d in run]
+        if len(run) == 1 or not _decode_run(
+            ds, lambda: outs.flat(first), offsets, bases[first : last + 1], logical[first], backend, checks
+        ):
+            for i, d in run:  # one by one (one alone; a bad run: the error names the tensor)
+                one(i, d)
+        run.clear()
+
+    try:
+        for i, d in enumerate(pipe.decode_stream(records, backend)):
+            if run and runs[i] != runs[run[-1][0]]:
+                flush()
+            if runs[i] is not None:
+                run.append((i, d))
+            else:
+                one(i, d)
+        if run:
+            flush()
+    except PayloadError:
+        if checks is None:
+            raise
+        return False  # (the second pass raises it, or an error of an earlier tensor)
+    return checks is None or checks.passed()
+
+
 def decompress(
     payload: Payload | bytes | bytearray | memoryview,
     base: Mapping[str, Any] | None = None,
@@ -862,7 +984,9 @@ def decompress(
     Decoding streams: one tensor is decoded, checked and written into its output before the next is decoded,
     and a dense tensor a slice at a time, so peak memory stays near the output's size (the payload itself
     aside). Every header count and offset is checked when the payload is parsed; a tensor's indices are checked
-    before its output is allocated; values are checked as they are written.
+    before its output is allocated; values are checked as they are written. On a GPU the checks of the entries
+    stay on the device and are read back once, at the end (the scatter refuses an entry out of range as it
+    writes); where one failed, the decode runs again reading each check as it is made, and raises its error.
 
     >>> import numpy as np, gpu_codec
     >>> blob = gpu_codec.compress({"w": np.ones((1000, 1000), np.float32)}, fraction=0.001).to_bytes()
@@ -919,28 +1043,12 @@ def decompress(
             check_base(
                 payload.base_fingerprint, [(r.name, r.dtype, b.data) for r, b in zip(records, base_tensors)], backend
             )
-        run: list = []  # (position, decoded) of the tensors of one run, adjacent in their buffer
-
-        def flush() -> None:
-            first, last = run[0][0], run[-1][0]
-            offsets = outs.starts[first : last + 1] + [outs.starts[last] + outs.numels[last]]
-            ds = [d for _, d in run]
-            if len(run) == 1 or not _decode_run(
-                ds, lambda: outs.flat(first), offsets, bases[first : last + 1], logical[first], backend
-            ):
-                for i, d in run:  # one by one (one alone; a bad run: the error names the tensor)
-                    _decode_one(d, bases[i], backend, bounds, lambda i=i: outs[i])
-            run.clear()
-
-        for i, d in enumerate(pipe.decode_stream(records, backend)):
-            if run and runs[i] != runs[run[-1][0]]:
-                flush()
-            if runs[i] is not None:
-                run.append((i, d))
-            else:
-                _decode_one(d, bases[i], backend, bounds, lambda i=i: outs[i])
-        if run:
-            flush()
+        # on a device, a first pass reads its checks back once, at the end; where one failed, the decode runs again
+        # reading each check as it is made, which raises the error that names the tensor
+        if not (backend.on_device and _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, True)):
+            if backend.on_device:
+                outs = _Outputs(records, logical, runs, base_tensors is not None, backend)
+            _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, False)
     result = {}
     for i, r in enumerate(records):
         out = outs[i]

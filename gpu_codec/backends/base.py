@@ -18,8 +18,14 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..constants import Criterion, DType, Rounding
-from ..cpu_fallback.elementwise import all_finite  # shared with the twins
-from ..cpu_fallback.limbs import abs_max, add_span, mean_span  # the limb passes' steps, shared with the twins
+from ..cpu_fallback.elementwise import all_finite, some_nonfinite  # shared with the twins
+from ..cpu_fallback.limbs import (  # the limb passes' steps, shared with the twins
+    abs_max,
+    abs_max_bits,
+    add_span,
+    from_abs_bits,
+    mean_span,
+)
 
 Array = Any  # an array of the backend's ``xp`` (NumPy or CuPy)
 
@@ -147,8 +153,11 @@ class Backend(Protocol):
         indices: list[Array],
         values: list[Array],
         mode: int,
-    ) -> int | None:
-        """Write kept entries into dense outputs; the lowest bad entry position, or None."""
+        defer: bool = False,
+    ) -> int | Array | None:
+        """Write kept entries into dense outputs; the lowest bad entry position, or None. ``defer``: the error
+        word itself (a one-element uint64 array of the backend, ``U64_MAX`` where every entry is good; None where
+        there is no entry), not read by the host."""
         ...
 
     def scatter_onto(
@@ -174,9 +183,11 @@ class Backend(Protocol):
         bases: list[Array | None],
         values: list[Array],
         mode: int,
-    ) -> int | None:
+        defer: bool = False,
+    ) -> int | Array | None:
         """Dense records (every element sent) into fresh outputs: values (mode 0) or base + values (mode 1),
-        read in place; the lowest entry with a non-finite value, or None."""
+        read in place; the lowest entry with a non-finite value, or None (``defer``: the error word, as
+        :meth:`scatter` gives it)."""
         ...
 
     # --- the aggregator's integer limbs (gpu_codec.aggregate) ---------------------------------------------------
@@ -280,11 +291,14 @@ __all__ = [
     "Backend",
     "Runner",
     "abs_max",
+    "abs_max_bits",
     "add_span",
     "all_finite",
     "dense_values",
     "flat_tables",
+    "from_abs_bits",
     "mean_span",
     "scatter_args",
+    "some_nonfinite",
     "split_values",
 ]

@@ -61,13 +61,15 @@ class CpuBackend(ArrayDecoders):
                 r[...] = 0  # every entry is kept and sent exactly: d - decoded(d) = +0.0
         return split_values(vals32, vals64, numels, dtypes, off, DT_F64), None
 
-    def scatter(self, outs, out_dtypes, numels, indices, values, mode):
+    def scatter(self, outs, out_dtypes, numels, indices, values, mode, defer=False):
         packed = scatter_args(np, indices, values)
         if packed is None:
             return None
         total, ent_start, idx, vals32, vals64 = packed
         err = np.full(1, U64_MAX, dtype=np.uint64)
         _twins._scatter(len(outs), total, ent_start, numels, out_dtypes, outs, idx, vals32, vals64, mode, err)
+        if defer:
+            return err
         bad = int(err[0])
         return None if bad == U64_MAX else bad
 
@@ -83,12 +85,14 @@ class CpuBackend(ArrayDecoders):
     def scatter_onto(self, out, base, start, stop, out_dtype, numel, indices, values):
         return _twins.scatter_onto(out, base, start, stop, out_dtype, numel, indices, values)
 
-    def dense_apply(self, outs, out_dtypes, bases, values, mode):
+    def dense_apply(self, outs, out_dtypes, bases, values, mode, defer=False):
         counts = [int(o.size) for o in outs]
         ent_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)
         err = np.full(1, U64_MAX, dtype=np.uint64)
         vals = dense_values(values, out_dtypes, DT_F64)
         _dense.dense_apply(len(outs), sum(counts), ent_start, out_dtypes, outs, bases, vals, mode, err)
+        if defer:
+            return err
         bad = int(err[0])
         return None if bad == U64_MAX else bad
 

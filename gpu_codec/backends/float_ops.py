@@ -47,6 +47,7 @@ class KernelFloatOps:
     def limb_mean(self, limbs: Any, scales: list[float], total: float, out: Any) -> None:
         n = int(limbs.shape[1])
         if n:
+            limbs = self.xp.ascontiguousarray(limbs)  # the kernel reads rows of n: a column slice is copied
             self.runner.launch(
                 "limb_mean_f64" if out.dtype == np.float64 else "limb_mean_f32",
                 _grid(n),

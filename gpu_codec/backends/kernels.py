@@ -563,8 +563,9 @@ class KernelOps:
                 r.fill(0)  # every entry is kept and sent exactly: d - decoded(d) = +0.0
         return split_values(vals32, vals64, numels, dtypes, off, DT_F64), None
 
-    def scatter(self, outs, out_dtypes, numels, indices, values, mode):
-        """Write kept entries into dense outputs; returns the lowest bad entry position or None.
+    def scatter(self, outs, out_dtypes, numels, indices, values, mode, defer=False):
+        """Write kept entries into dense outputs; returns the lowest bad entry position or None (``defer``: the
+        error word, unread).
 
         ``outs`` are flat arrays already zero-filled (mode 0) or holding a copy of the base (mode 1).
         """
@@ -595,11 +596,14 @@ class KernelOps:
                 err,
             ),
         )
+        if defer:
+            return err
         bad = int(run.to_host(err)[0])
         return None if bad == U64_MAX else bad
 
-    def dense_apply(self, outs, out_dtypes, bases, values, mode):
-        """Dense records into fresh outputs, reading bases and values in place; the lowest bad entry or None."""
+    def dense_apply(self, outs, out_dtypes, bases, values, mode, defer=False):
+        """Dense records into fresh outputs, reading bases and values in place; the lowest bad entry or None
+        (``defer``: the error word, unread)."""
         counts = [int(o.size) for o in outs]
         total = sum(counts)
         if total == 0:
@@ -622,6 +626,8 @@ class KernelOps:
                 err,
             ),
         )
+        if defer:
+            return err
         bad = int(self.runner.to_host(err)[0])
         return None if bad == U64_MAX else bad
 
@@ -742,8 +748,8 @@ class KernelBackendBase:
     def topk_select(self, req):
         return self.ops.topk_select(*req.select_args())
 
-    def scatter(self, *args):
-        return self.ops.scatter(*args)
+    def scatter(self, *args, **kwargs):
+        return self.ops.scatter(*args, **kwargs)
 
     def scatter_onto(self, out, base, start, stop, out_dtype, numel, indices, values):
         out[start:stop] = base[start:stop]
@@ -753,8 +759,8 @@ class KernelBackendBase:
     def limb_add(self, limbs, idx, qs):
         add_span(limbs, idx, qs, 0, qs.shape[1])
 
-    def dense_apply(self, outs, out_dtypes, bases, values, mode):
-        return self.ops.dense_apply(outs, out_dtypes, bases, values, mode)
+    def dense_apply(self, outs, out_dtypes, bases, values, mode, defer=False):
+        return self.ops.dense_apply(outs, out_dtypes, bases, values, mode, defer)
 
     def dense_delta(self, req):
         return self.ops.dense_delta(*req.delta_args(), req.criterion)

@@ -1,0 +1,188 @@
+"""The GPU path's host side, measured by the recording launcher (:mod:`gpu_codec.testing.recording`).
+
+For 1, 10, 100 and 1,000 uneven tensors (the zoo's split of ``--elements`` fp32 elements, benchmarks/zoo.py
+``split_update``) and any zoo entries named: one compress (top-k 1%, global), one decompress of its bytes onto the
+base, and one aggregator ``add`` of its bytes (an Aggregator over the base, made beforehand), each recorded once on
+the emulator and replayed ``--repeat`` times with no kernel run. Reported per call: the replay's Python time (ms,
+median; of which in the NumPy work standing for CuPy's array operations and copies), kernel launches,
+array-module kernels, syncs (host waits on the device), host-to-device copies and allocations; against issue
+26's targets (``HOST_MS`` and ``SYNCS`` of benchmarks/bench_zoo.py). Counts are deterministic; times are the
+host's and noisy.
+
+    python benchmarks/bench_host.py                   # writes benchmarks/results/host_recording.{json,md}
+    python benchmarks/bench_host.py --tensors 1 10 --entries resnet-50 --out /tmp/h.json
+    python benchmarks/bench_host.py --check --from-json benchmarks/results/host_recording.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import gpu_codec
+from benchmarks.bench_topk import machine_info
+from benchmarks.bench_zoo import HOST_MS, SYNCS, commit_label, scale_for
+from benchmarks.zoo import ZOO, Update, split_update
+from gpu_codec.backends.cpu import CpuBackend
+from gpu_codec.testing.recording import Measurement, measure
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+OPS = ("compress", "decompress", "add")
+TIMED = ("compress", "decompress")  # the ops with a time target
+TENSORS = (1, 10, 100, 1000)
+
+
+def _columns(m: Measurement) -> dict[str, Any]:
+    c = m.counts
+    return {
+        "host_ms": m.ms,
+        "array_ms": sorted(m.array_ms)[len(m.array_ms) // 2],
+        "replay_ms": m.replay_ms,
+        **c.totals(),
+        "kernels": dict(c.kernels),
+        "array_ops_by_op": dict(c.ops),
+        "sync_sites": dict(c.sync_sites),
+        "host_numpy": dict(c.host_numpy),
+    }
+
+
+def host_columns(update: Update, fraction: float = 0.01, scope: str = "global", repeat: int = 5) -> dict[str, Any]:
+    """The recording launcher's figures for one compress, one decompress onto the base and one aggregator ``add``
+    of ``update`` (NumPy arrays, standing for tensors already on the device): op -> columns (``host_ms``,
+    ``launches``, ``syncs``, ...), as benchmarks/bench_zoo.py's ``recording_columns`` reports them."""
+    new, base = update.new, update.base
+    from gpu_codec.backends import using_backend
+
+    with using_backend(CpuBackend()):  # the same bytes as the GPU path's (tests/test_codecs_parity.py)
+        blob = gpu_codec.compress(new, base, fraction=fraction, scope=scope).to_bytes()
+    calls = {
+        "compress": (None, lambda _: gpu_codec.compress(new, base, fraction=fraction, scope=scope), [new, base]),
+        "decompress": (None, lambda _: gpu_codec.decompress(blob, base=base), [base]),
+        "add": (lambda: gpu_codec.Aggregator(base=base), lambda agg: agg.add(blob), [base]),
+    }
+    return {
+        op: _columns(measure(call, setup=setup, resident=resident, repeat=repeat))
+        for op, (setup, call, resident) in calls.items()
+    }
+
+
+def run(tensors: list[int], elements: int, entries: list[str], repeat: int, seed: int = 0) -> dict[str, Any]:
+    commit = commit_label()
+    rows = []
+    cases = [(f"split-{t}", lambda t=t: split_update(elements, t, seed)) for t in tensors]
+    for name in entries:
+        e = ZOO[name]
+        cases.append((name, lambda e=e: e.build(scale_for(e, elements), seed)))
+    for name, build in cases:
+        t0 = time.perf_counter()
+        update = build()
+        row = {"entry": name, "tensors": len(update.new), "elements": sum(int(a.size) for a in update.new.values())}
+        row["ops"] = host_columns(update, repeat=repeat)
+        row["seconds"] = time.perf_counter() - t0
+        print(_line(row), flush=True)
+        rows.append(row)
+    info = machine_info()
+    info["load_average"] = os.getloadavg()
+    return {
+        "benchmark": "host_recording",
+        "commit": commit,
+        "machine": info,
+        "repeat": repeat,
+        "fraction": 0.01,
+        "scope": "global",
+        "rows": rows,
+    }
+
+
+def _line(row: dict[str, Any]) -> str:
+    cells = [
+        f"{op} {c['host_ms']:.2f} ms {c['launches']}L {c['array_ops']}A {c['syncs']}S" for op, c in row["ops"].items()
+    ]
+    return f"{row['entry']:<14} {row['tensors']:>5} tensors  " + "  |  ".join(cells)
+
+
+def check(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """(PASS | FAIL, row, what) per target: syncs at every count, host time at 1,000 tensors (and, reported
+    against the same formula, at every other count)."""
+    out = []
+    for r in doc["rows"]:
+        for op in OPS:
+            c = r["ops"][op]
+            lim = SYNCS[op]
+            out.append(("PASS" if c["syncs"] <= lim else "FAIL", r["entry"], f"{op} syncs {c['syncs']} <= {lim}"))
+            if op in TIMED:
+                ms = HOST_MS(r["tensors"])
+                ok = c["host_ms"] <= ms
+                out.append(("PASS" if ok else "FAIL", r["entry"], f"{op} host {c['host_ms']:.2f} <= {ms:.2f} ms"))
+    return out
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    lines = [
+        f"Measured at commit {doc['commit']} by the recording launcher (gpu_codec/testing/recording.py) on "
+        f"{m['cpu_model']} ({m['simd']}), {m['cpu_count']} cores shared with other work (load average "
+        f"{', '.join(f'{x:.1f}' for x in m['load_average'])}): the GPU path's code with no kernel run, median of "
+        f"{doc['repeat']} replays. Top-k {doc['fraction']:g} {doc['scope']}; decompress and add take the payload's "
+        "bytes onto the base. Host ms: the replay's Python time (of which the NumPy work that stands for the "
+        "device's, CuPy's array operations and the copies, in brackets), without the driver's cost per launch or "
+        "copy. Launches: our kernels; array ops: the array module's kernels; syncs: host waits on the device; "
+        "H2D: host-to-device copies. Targets (issue 26): compress and decompress <= 1 ms + 2 us a tensor at 1,000 "
+        "tensors; syncs <= 4 a compress, <= 2 a decompress or add."
+        + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
+        "",
+        "| update | tensors | elements | op | host ms | target ms | launches | array ops | syncs | target | H2D |",
+        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in doc["rows"]:
+        for op in OPS:
+            c = r["ops"][op]
+            target = f"{HOST_MS(r['tensors']):.2f}" if op in TIMED else "–"
+            lines.append(
+                f"| {r['entry']} | {r['tensors']:,} | {r['elements']:,} | {op} | {c['host_ms']:.2f} "
+                f"({c['array_ms']:.2f}) | {target} | {c['launches']} | {c['array_ops']} | {c['syncs']} | "
+                f"{SYNCS[op]} | {c['h2d']} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tensors", nargs="*", type=int, default=list(TENSORS), help="split counts")
+    ap.add_argument("--elements", type=int, default=1 << 21, help="elements of each split (and zoo entries' cap)")
+    ap.add_argument("--entries", nargs="*", default=["resnet-50"], choices=sorted(ZOO), help="zoo entries too")
+    ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--out", type=pathlib.Path, help="JSON output (default benchmarks/results/host_recording.json)")
+    ap.add_argument("--from-json", type=pathlib.Path, help="no run: read these results")
+    ap.add_argument("--check", action="store_true", help="PASS/FAIL per target; exit 1 on a FAIL")
+    a = ap.parse_args(argv)
+    if a.from_json:
+        doc = json.loads(a.from_json.read_text())
+    else:
+        t0 = time.perf_counter()
+        doc = run(a.tensors, a.elements, a.entries, a.repeat)
+        doc["command"] = " ".join(["python benchmarks/bench_host.py", *(sys.argv[1:] if argv is None else argv)])
+        print(f"({time.perf_counter() - t0:.1f} s)")
+        out = a.out or RESULTS / "host_recording.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+        out.with_suffix(".md").write_text(markdown(doc))
+        print(f"wrote {out} and {out.with_suffix('.md')}")
+    if a.check:
+        verdicts = check(doc)
+        for v, entry, text in verdicts:
+            print(f"{v:<4} {entry:<14} {text}")
+        return 1 if any(v == "FAIL" for v, _, _ in verdicts) else 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

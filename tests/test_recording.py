@@ -1,0 +1,233 @@
+"""The recording launcher (gpu_codec.testing.recording): what it counts, that a replay keeps to the recorded path,
+the GPU host side's sync and launch counts against issue 26's targets, and the device decode path it measures
+(checks read back once) giving the CPU's bytes and errors."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import gpu_codec
+from gpu_codec import engine
+from gpu_codec.backends import get_backend, using_backend
+from gpu_codec.errors import GpuCodecError
+from tests.common import HAS_EMULATOR, use_backend
+
+pytestmark = pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler for the emulator")
+
+if HAS_EMULATOR:
+    from gpu_codec.backends.emulated import EmulatorRunner
+    from gpu_codec.testing.recording import RecordingBackend, RecordingError, measure
+
+SYNCS = {"compress": 4, "decompress": 2, "add": 2}  # issue 26's targets, per call at any tensor count
+
+
+@pytest.fixture(scope="module")
+def emulator():
+    return EmulatorRunner()
+
+
+def _update(tensors: int, n: int, seed: int = 0, big: int = 0) -> tuple[dict, dict]:
+    """Uneven fp32 tensors (and one of ``big`` elements first, decoded alone rather than in a run)."""
+    rng = np.random.default_rng(seed)
+    w = rng.random(tensors) + 0.2
+    sizes = np.maximum(1, (w / w.sum() * n).astype(int)).tolist()
+    if big:
+        sizes[0] = big
+    base = {f"t{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(sizes)}
+    new = {k: v + rng.standard_normal(v.size).astype(np.float32) for k, v in base.items()}
+    return new, base
+
+
+def _cpu_blob(new, base, **kw) -> bytes:
+    with use_backend("cpu"):
+        return gpu_codec.compress(new, base, **kw).to_bytes()
+
+
+def test_it_counts_reads_array_kernels_and_launches(emulator):
+    def call(_):
+        xp = get_backend().xp
+        x = xp.arange(6, dtype=np.int64)  # an array-module kernel (and an allocation)
+        y = x[2:]  # a view: nothing runs
+        assert int(y[0]) == 2 and bool((y > 1).all())  # two reads; a compare and a reduction
+        np.sum(x)  # NumPy's own function on a device array: flagged (CuPy would refuse it)
+
+    m = measure(call, emulator=emulator, repeat=1)
+    c = m.counts
+    assert (c.syncs, c.array_ops, c.launches, c.allocs) == (2, 3, 0, 1)
+    assert c.ops == {"arange": 1, "greater": 1, "logical_and.reduce": 1}
+    assert len(c.host_numpy) == 1 and "numpy.sum" in next(iter(c.host_numpy))
+    assert all("test_recording.py" not in s for s in c.sync_sites)  # sites are the library's lines
+
+
+def test_an_operation_whose_size_depends_on_the_data_is_a_sync_and_replays_its_result(emulator):
+    sizes = []
+
+    def call(_):
+        xp = get_backend().xp
+        x = xp.asarray(np.array([0, 5, 0, 7], np.int32))
+        x[x > 5] = 1  # CuPy counts a mask's entries before it writes
+        sizes.append((int(xp.flatnonzero(x).size), int(x[x > 0].size)))
+
+    m = measure(call, emulator=emulator, repeat=2)
+    assert m.counts.syncs == 3 and m.counts.ops["flatnonzero"] == 1 and m.counts.ops["mask"] == 1
+    assert sizes == [(2, 2)] * 3  # the replays' zeros would give other sizes: the record's results are replayed
+
+
+def test_a_replay_that_leaves_the_recorded_path_is_refused(emulator):
+    seen = []
+
+    def call(_):
+        seen.append(1)
+        xp = get_backend().xp
+        a = xp.zeros(4 if len(seen) == 1 else 5, np.float32)  # the replay reads another shape
+        a.get()
+
+    with pytest.raises(RecordingError, match="replay read"):
+        measure(call, emulator=emulator, repeat=1)
+    new, base = _update(3, 4000)
+    runs = []
+
+    def compress(_):
+        runs.append(1)
+        gpu_codec.compress(new, base, fraction=0.01 if len(runs) == 1 else 0.2)  # other k: other launches
+
+    with pytest.raises(RecordingError):
+        measure(compress, resident=[new, base], emulator=emulator, repeat=1)
+
+
+def test_the_recorded_call_computes_the_cpu_bytes(emulator):
+    new, base = _update(20, 20_000, seed=1)
+    out = []
+    measure(lambda _: out.append(gpu_codec.compress(new, base, fraction=0.01)), emulator=emulator, repeat=1)
+    assert out[0].to_bytes() == _cpu_blob(new, base, fraction=0.01)  # the first call is the recorded one
+
+
+@pytest.mark.parametrize("scope", ["global", "per_tensor"])
+def test_compress_syncs_at_most_four_times_and_launches_as_often_at_any_tensor_count(emulator, scope):
+    launches = {}
+    for t in (1, 100, 300):
+        new, base = _update(t, 1 << 14, seed=t)
+        m = measure(
+            lambda _, new=new, base=base: gpu_codec.compress(new, base, fraction=0.01, scope=scope),
+            resident=[new, base],
+            emulator=emulator,
+            repeat=1,
+        )
+        assert m.counts.syncs <= SYNCS["compress"], (t, m.counts.sync_sites)
+        assert m.counts.h2d <= 20 and not m.counts.host_numpy
+        launches[t] = m.counts.launches + m.counts.array_ops
+    assert launches[100] == launches[300], launches
+
+
+@pytest.mark.parametrize("tensors", [1, 40, 300])
+def test_decompress_and_add_sync_at_most_twice_at_any_tensor_count(emulator, tensors):
+    new, base = _update(tensors, 1 << 15, seed=tensors, big=300_000)  # one tensor decoded alone, the rest in runs
+    blob = _cpu_blob(new, base, fraction=0.01)
+    d = measure(lambda _: gpu_codec.decompress(blob, base=base), resident=[base], emulator=emulator, repeat=1)
+    a = measure(
+        lambda agg: agg.add(blob),
+        setup=lambda: gpu_codec.Aggregator(base=base),
+        resident=[base],
+        emulator=emulator,
+        repeat=1,
+    )
+    assert d.counts.syncs <= SYNCS["decompress"], d.counts.sync_sites
+    assert a.counts.syncs <= SYNCS["add"], a.counts.sync_sites
+    assert not d.counts.host_numpy and not a.counts.host_numpy
+    assert d.counts.d2h_bytes <= 8 and a.counts.d2h_bytes <= 8 * (tensors + 2)  # flags, and each tensor's max
+
+
+def _device(emulator):
+    return using_backend(RecordingBackend(emulator))  # the GPU path's code, run on the emulator
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("fraction", [0.03, None])
+def test_the_device_decode_gives_the_cpu_bytes(emulator, dtype, fraction, monkeypatch):
+    monkeypatch.setattr(engine, "DECODE_CHUNK_DEVICE", (64, 64))  # chunks of entries: their order is checked
+    rng = np.random.default_rng(5)
+    sizes = [300_000 if fraction else 3000, 5, 0, 7000, 1]  # (a dense tensor is never decoded in a run)
+    base = {f"t{i}": rng.standard_normal(s).astype(dtype) for i, s in enumerate(sizes)}
+    new = {k: (v + rng.standard_normal(v.size)).astype(dtype) for k, v in base.items()}
+    blob = _cpu_blob(new, base, fraction=fraction)
+    with use_backend("cpu"):
+        want = [gpu_codec.decompress(blob, base=base), gpu_codec.decompress(blob)]
+        agg = gpu_codec.Aggregator(base=base)
+        agg.add(blob, weight=2)
+        agg.add(_cpu_blob(base, new, fraction=fraction), weight=1)
+        want.append(agg.result())
+    with _device(emulator):
+        got = [gpu_codec.decompress(blob, base=base), gpu_codec.decompress(blob)]
+        agg = gpu_codec.Aggregator(base=base)
+        agg.add(blob, weight=2)
+        agg.add(_cpu_blob(base, new, fraction=fraction), weight=1)
+        got.append(agg.result())
+    for w, g in zip(want, got):
+        assert list(w) == list(g)
+        for k in w:
+            assert np.asarray(g[k]).tobytes() == w[k].tobytes(), k
+
+
+def _hostile(kind: str):
+    """(payload, base) that decompress and add refuse: each check of the decode, in the tensor after a good one."""
+    rng = np.random.default_rng(2)
+    dtype = np.float16 if kind == "overflow" else np.float32
+    base = {"a": np.ones(50, dtype), "b": np.ones(400_000, dtype), "c": np.ones(60, dtype), "d": np.ones(40, dtype)}
+    new = {k: (v + rng.standard_normal(v.size)).astype(dtype) for k, v in base.items()}
+    with use_backend("cpu"):
+        p = gpu_codec.compress(new, base, fraction=0.05, scope="per_tensor")
+    t = 2 if kind == "run" else 1
+    idx, vals = p.tensors[t].buffers["indices"], p.tensors[t].buffers["values"]
+    if kind in ("order", "run"):  # ("c" and "d" are decoded in one run)
+        idx[[1, 2]] = idx[[2, 1]]
+    elif kind == "chunks":  # each chunk of 256 entries ascending, the second starting below the first's end
+        idx[[255, 256]] = idx[[256, 255]]
+    elif kind == "range":
+        idx[-1] = p.tensors[t].numel
+    elif kind == "nan":
+        vals[7] = np.nan
+    elif kind == "overflow":
+        base["b"][idx[5]] = 60000
+        vals[5] = 60000
+    return p, base
+
+
+@pytest.mark.parametrize("kind", ["order", "chunks", "run", "range", "nan", "overflow"])
+def test_the_device_decode_refuses_what_the_cpu_refuses_with_its_error(emulator, kind, monkeypatch):
+    for name in ("DECODE_CHUNK", "DECODE_CHUNK_DEVICE"):  # (the messages name a chunk of entries)
+        monkeypatch.setattr(engine, name, (256, 256))
+    errors = []
+    for place in ("cpu", "device"):
+        p, base = _hostile(kind)
+        with use_backend("cpu") if place == "cpu" else _device(emulator):
+            got = []
+            calls = (
+                lambda p=p, b=base: gpu_codec.decompress(p, base=b),
+                lambda p=p, b=base: gpu_codec.Aggregator(b).add(p),
+            )
+            for call in calls:
+                with pytest.raises(GpuCodecError) as e:
+                    call()
+                got.append((type(e.value), str(e.value)))
+        errors.append(got)
+    assert errors[0] == errors[1]
+
+
+def test_the_benchmark_writes_its_table_and_checks_the_targets(tmp_path, capsys):
+    from benchmarks import bench_host
+
+    out = tmp_path / "host.json"
+    assert (
+        bench_host.main(["--tensors", "3", "--elements", "3000", "--entries", "--repeat", "1", "--out", str(out)]) == 0
+    )
+    doc = json.loads(out.read_text())
+    (row,) = doc["rows"]
+    assert row["tensors"] == 3 and set(row["ops"]) == {"compress", "decompress", "add"}
+    assert row["ops"]["decompress"]["syncs"] <= 2 and doc["machine"]["cpu_model"]
+    assert "| split-3 | 3 |" in out.with_suffix(".md").read_text()
+    bench_host.main(["--check", "--from-json", str(out)])
+    verdicts = capsys.readouterr().out
+    assert "PASS split-3" in verdicts and "decompress syncs 2 <= 2" in verdicts
