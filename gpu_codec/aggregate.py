@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
+from . import decode as _decode
 from . import dtypes
-from . import engine as _engine
 from .arrays import from_backend, to_tensor
 from .backends import events, get_backend
 from .backends.base import abs_max, abs_max_bits, all_finite, from_abs_bits, some_nonfinite
@@ -38,6 +38,7 @@ from .codecs import decoder_for
 from .constants import SCATTER_ADD
 from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import TensorRecord
+from .payload import Payload
 
 LIMB_BITS = 18
 LIMBS = 3
@@ -142,7 +143,7 @@ def _decoded_entries(payload: Any, backend: Any, bounds: tuple[int, int]) -> lis
                 raise PayloadIndexError(f"tensor {d.name!r}: {vals.size} values and {idx.size} indices for {d.nnz}")
         else:  # a dense one a slice at a time, into one compact array
             vals, idx = xp.empty(d.nnz, dtype=dtypes.value_dtype(d.dtype)), None
-            step = max(d.step, _engine._chunk(d.nnz, bounds) // d.step * d.step)
+            step = max(d.step, _decode.chunk_entries(d.nnz, bounds) // d.step * d.step)
             for a in range(0, d.nnz, step):
                 b = min(a + step, d.nnz)
                 v = d.values(a, b)
@@ -210,7 +211,7 @@ class Aggregator:
         base: Mapping[str, Any] | None = None,
         *,
         like: str | None = None,
-        max_output_bytes: int | None = _engine.DEFAULT_MAX_OUTPUT_BYTES,
+        max_output_bytes: int | None = _decode.DEFAULT_MAX_OUTPUT_BYTES,
     ) -> None:
         if like is not None and like not in ("numpy", "cupy", "torch"):
             raise InvalidInputError(f"like must be 'numpy', 'cupy' or 'torch', got {like!r}")
@@ -262,10 +263,10 @@ class Aggregator:
         """Scatter-add one client's payload (a :class:`~gpu_codec.Payload` or its bytes) with ``weight``; a payload
         that is refused leaves the aggregation exactly as it was."""
         w = _check_weight(weight)
-        if not isinstance(payload, _engine.Payload):
+        if not isinstance(payload, Payload):
             if not isinstance(payload, (bytes, bytearray, memoryview)):
                 raise InvalidInputError(f"expected a gpu_codec Payload or its bytes, got {type(payload)}")
-            payload = _engine.Payload.from_bytes(payload)
+            payload = Payload.from_bytes(payload)
         with self._lock:
             self._add(payload, w, weight)
 
@@ -286,7 +287,7 @@ class Aggregator:
             template = _Template([(r.name, tuple(r.shape), r.dtype) for r in payload.tensors])
         template.check(payload.tensors, what)
         backend = self._backend
-        bounds = _engine.DECODE_CHUNK_DEVICE if backend.on_device else _engine.DECODE_CHUNK
+        bounds = _decode.DECODE_CHUNK_DEVICE if backend.on_device else _decode.DECODE_CHUNK
         records = _decoded_entries(payload, backend, bounds)
         # every check before the accumulator changes; on a device, read back at once (where one fails, they run
         # again one by one, reading each, which raises the error of the first tensor that fails)
@@ -298,7 +299,7 @@ class Aggregator:
             self._template = template
         events.wait(backend, self._ready)  # the previous add may have run on another stream
         for r, idx, vals, beta in plan:
-            step = _engine._chunk(vals.size, bounds)  # the fp64 and limb temporaries of one chunk at a time
+            step = _decode.chunk_entries(vals.size, bounds)  # the fp64 and limb temporaries of one chunk at a time
             for a in range(0, max(vals.size, 1), step):
                 b = min(a + step, vals.size)
                 self._accumulate(r, None if idx is None else idx[a:b], vals[a:b], w, beta, a)
@@ -347,7 +348,7 @@ class Aggregator:
                 return None
             plan.append((r, idx, vals, _grid_exponent(w * m)))
         if self._base is not None:
-            checks = _engine.DeviceChecks(xp)
+            checks = _decode.DeviceChecks(xp)
             for r, idx, vals, _ in plan:
                 self._check_onto_base(r, idx, vals, what, checks)
             if not checks.passed():
@@ -373,7 +374,9 @@ class Aggregator:
         backend, xp = self._backend, self._backend.xp
         base = backend.asarray(to_tensor(self._base[r.name], r.name).data)
         code = dtypes.code(r.dtype)
-        step = _engine._chunk(vals.size, _engine.DECODE_CHUNK_DEVICE if backend.on_device else _engine.DECODE_CHUNK)
+        step = _decode.chunk_entries(
+            vals.size, _decode.DECODE_CHUNK_DEVICE if backend.on_device else _decode.DECODE_CHUNK
+        )
         buf = xp.empty(min(step, vals.size), dtype=dtypes.storage_dtype(r.dtype))
         for a in range(0, vals.size, step):
             b = min(a + step, vals.size)
@@ -496,7 +499,7 @@ class Aggregator:
                 del means
                 # the cap was applied to every payload; every client's base + delta is finite, so the mean's is
                 # (its rounding aside, at the very edge of the dtype's range)
-                return _engine.decompress(_engine.Payload(recs, []), base=self._base, max_output_bytes=None)
+                return _decode.decompress(Payload(recs, []), base=self._base, max_output_bytes=None)
             kind = self._like or "numpy"
             return {n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind) for n, shape, dt in entries}
 
@@ -507,7 +510,7 @@ def aggregate(
     base: Mapping[str, Any] | None = None,
     *,
     like: str | None = None,
-    max_output_bytes: int | None = _engine.DEFAULT_MAX_OUTPUT_BYTES,
+    max_output_bytes: int | None = _decode.DEFAULT_MAX_OUTPUT_BYTES,
 ) -> dict[str, Any]:
     """Weighted mean of compressed updates, computed from their sparse form.
 

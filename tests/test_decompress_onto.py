@@ -8,7 +8,7 @@ import pytest
 from gpu_codec.cpu_fallback import kernels as twins
 
 import gpu_codec
-from gpu_codec import engine
+from gpu_codec import decode
 from gpu_codec.backends.cpu import CpuBackend
 from gpu_codec.constants import DT_BF16, DT_F16, DT_F32, DT_F64, SCATTER_ADD
 from gpu_codec.errors import PayloadValueError
@@ -67,7 +67,7 @@ def test_scatter_onto_reports_bad_entries_and_overflow():
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 def test_decompress_onto_a_base_over_many_chunks(backend, dtype, monkeypatch):
-    monkeypatch.setattr(engine, "DECODE_CHUNK", (64, 64))  # entry chunks of 64 ...
+    monkeypatch.setattr(decode, "DECODE_CHUNK", (64, 64))  # entry chunks of 64 ...
     monkeypatch.setattr(twins, "ONTO_BLOCK", 512)  # ... each spanning several blocks
     rng = np.random.default_rng(3)
     base = {"w": rng.standard_normal(40_000).astype(dtype), "b": rng.standard_normal(300).astype(dtype)}

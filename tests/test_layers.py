@@ -11,7 +11,18 @@ PKG = ROOT / "gpu_codec"
 # Rank of each module group: a module may import only groups of a lower or equal rank.
 BOTTOM = {"constants", "errors", "dtypes", "format"}  # format: the container, which codecs register into
 RANK = {"bottom": 0, "cpu_fallback": 1, "kernels": 1, "xp": 1, "backends": 2, "codecs": 3, "core": 4, "adapters": 5}
-CORE = {"engine", "aggregate", "arrays", "error_feedback", "pending", "schedules", "synthetic"}
+CORE = {
+    "engine",
+    "encode",
+    "decode",
+    "payload",
+    "aggregate",
+    "arrays",
+    "error_feedback",
+    "pending",
+    "schedules",
+    "synthetic",
+}
 ADAPTERS = {"clara", "openfl", "fl4health", "flower", "nvflare", "adapt", "cli", "testing", "__init__"}
 
 

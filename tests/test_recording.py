@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import gpu_codec
-from gpu_codec import engine
+from gpu_codec import decode
 from gpu_codec.backends import get_backend, using_backend
 from gpu_codec.errors import GpuCodecError
 from tests.common import HAS_EMULATOR, use_backend
@@ -147,7 +147,7 @@ def _device(emulator):
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 @pytest.mark.parametrize("fraction", [0.03, None])
 def test_the_device_decode_gives_the_cpu_bytes(emulator, dtype, fraction, monkeypatch):
-    monkeypatch.setattr(engine, "DECODE_CHUNK_DEVICE", (64, 64))  # chunks of entries: their order is checked
+    monkeypatch.setattr(decode, "DECODE_CHUNK_DEVICE", (64, 64))  # chunks of entries: their order is checked
     rng = np.random.default_rng(5)
     sizes = [300_000 if fraction else 3000, 5, 0, 7000, 1]  # (a dense tensor is never decoded in a run)
     base = {f"t{i}": rng.standard_normal(s).astype(dtype) for i, s in enumerate(sizes)}
@@ -198,7 +198,7 @@ def _hostile(kind: str):
 @pytest.mark.parametrize("kind", ["order", "chunks", "run", "range", "nan", "overflow"])
 def test_the_device_decode_refuses_what_the_cpu_refuses_with_its_error(emulator, kind, monkeypatch):
     for name in ("DECODE_CHUNK", "DECODE_CHUNK_DEVICE"):  # (the messages name a chunk of entries)
-        monkeypatch.setattr(engine, name, (256, 256))
+        monkeypatch.setattr(decode, name, (256, 256))
     errors = []
     for place in ("cpu", "device"):
         p, base = _hostile(kind)

@@ -1,0 +1,501 @@
+"""Decompression: a payload back to dense tensors, alone or onto a base (:func:`decompress`), and the pieces the
+aggregator shares (the output cap, the decoded records, the device checks, the entries decoded per step).
+
+>>> import numpy as np, gpu_codec
+>>> blob = gpu_codec.compress({"w": np.array([0, 3, 0, -5], np.float32)}, fraction=0.5).to_bytes()
+>>> gpu_codec.decompress(blob)["w"].tolist()
+[0.0, 3.0, 0.0, -5.0]
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .arrays import Tensor, from_backend, to_tensor
+from .backends import Backend, get_backend
+from .backends.base import all_finite, some_nonfinite
+from .codecs import decoder_for
+from .constants import SCATTER_ADD, SCATTER_ZEROS, U64_MAX
+from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
+from .format import (
+    TensorRecord,
+)
+from .format.fingerprint import check_base
+from .payload import Payload, as_mapping
+
+DEFAULT_MAX_OUTPUT_BYTES = 4 << 30  # decompress's cap on the dense output a payload may declare
+# Entries written per scatter: a 256th of the tensor, within these bounds, so the temporaries of a chunk (about
+# 40 bytes per entry on the host) stay a small share of the output; on the GPU a launch has a fixed cost.
+DECODE_CHUNK = (1 << 14, 1 << 20)
+DECODE_CHUNK_DEVICE = (1 << 20, 1 << 24)
+
+
+def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[str, Any]:
+    if base_tensors:
+        return base_tensors[0].kind, base_tensors[0].device
+    if like is None:
+        return "numpy", None
+    if like not in ("numpy", "cupy", "torch"):
+        raise InvalidInputError(f"like must be 'numpy', 'cupy' or 'torch', got {like!r}")
+    return like, None
+
+
+def _output_itemsize(r: TensorRecord, with_base: bool) -> int:
+    logical = r.dtype if with_base else dtypes.value_dtype(r.dtype)
+    return dtypes.storage_dtype(logical).itemsize
+
+
+def check_output_cap(
+    records: list[TensorRecord], with_base: bool, max_output_bytes: Any, max_elements: Any = None
+) -> None:
+    """Refuse (``PayloadLimitError``) a payload whose declared dense output is over the cap, before anything is
+    decompressed or allocated: :func:`decompress`'s check, shared with :mod:`gpu_codec.aggregate`."""
+    if max_elements is not None:
+        total = sum(r.numel for r in records)
+        if total > max_elements:
+            raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
+    if max_output_bytes is None:
+        return
+    declared = sum(r.numel * _output_itemsize(r, with_base) for r in records)
+    if declared > max_output_bytes:
+        raise PayloadLimitError(
+            f"payload declares {declared} bytes of dense output ({len(records)} tensors), over "
+            f"max_output_bytes={max_output_bytes}; pass a larger cap (or None) to accept it"
+        )
+
+
+def chunk_entries(nnz: int, bounds: tuple[int, int]) -> int:
+    return min(bounds[1], max(bounds[0], nnz // 256))
+
+
+def _check_indices(d: Any, numel: int, xp: Any, chunk: int) -> None:
+    """Every index of a sparse tensor in range and strictly ascending, before its output exists."""
+    last = -1
+    for a in range(0, d.nnz, chunk):
+        i = d.indices(a, min(a + chunk, d.nnz))
+        first, end = int(i[0]), int(i[-1])
+        ok = first > last and end < numel and (i.size < 2 or bool(xp.all(i[1:] > i[:-1])))
+        if not ok:
+            raise PayloadIndexError(
+                f"tensor {d.name!r}: a sparse index in entries [{a}, {a + int(i.size)}) is out of range [0, {numel}), "
+                "repeated or not increasing; nothing was decoded"
+            )
+        last = end
+
+
+def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, int], out_of: Any) -> Any:
+    """One tensor's dense output into ``out_of()`` (its slice of the decode's one allocation, zeros without a base,
+    asked for once the indices are checked; the base is copied, never written), filled a chunk at a time; onto a
+    base, each chunk of entries copies the base up to its last index and adds them (``scatter_onto``)."""
+    xp = backend.xp
+    numel = d.numel
+    chunk = chunk_entries(d.nnz, bounds)
+    if d.indices is not None:
+        _check_indices(d, numel, xp, chunk)
+    logical = d.dtype if base is not None else dtypes.value_dtype(d.dtype)
+    mode = SCATTER_ADD if base is not None else SCATTER_ZEROS
+    code = dtypes.code(logical)
+    dense = d.indices is None
+    base_arr = backend.asarray(base.data) if base is not None else None
+    onto = not dense and base_arr is not None
+    out = out_of()
+    copied = 0  # onto a base: elements [0, copied) of out are written
+    step = max(d.step, chunk // d.step * d.step)
+    for a in range(0, d.nnz, step):
+        b = min(a + step, d.nnz)
+        vals = d.values(a, b)
+        finite = True
+        if dense:
+            idx = None
+            part = None if base_arr is None else base_arr[a:b]
+            bad = backend.dense_apply([out[a:b]], [code], [part], [vals], mode)
+            finite = bad is not None or mode != SCATTER_ADD or all_finite(out[a:b], code, xp)
+        elif onto:
+            idx = d.indices(a, b)  # checked ascending and in range: the last chunk copies the base to its end
+            stop = numel if b == d.nnz else int(idx[-1]) + 1
+            bad, finite = backend.scatter_onto(out, base_arr, copied, stop, code, numel, idx, vals)
+            copied = stop
+        else:
+            idx = d.indices(a, b)
+            bad = backend.scatter([out], [code], [numel], [idx], [vals], mode)
+        if bad is not None:
+            raise PayloadIndexError(
+                f"tensor {d.name!r}: sparse index at entry {a + bad} is out of range, repeated or not "
+                "increasing, or its value is not finite; nothing was decoded"
+            )
+        # a finite delta can still take the base past its dtype's range (fp16: 60000 + 60000 = inf)
+        if not finite:
+            raise PayloadValueError(
+                f"tensor {d.name!r}: adding the update to the base gives inf or NaN in {logical} (a delta past the "
+                "dtype's range, or a non-finite base entry); nothing was decoded and the base is unchanged"
+            )
+        del vals, idx
+    if onto and copied < numel:  # no entry at all: the base itself
+        out[copied:] = base_arr[copied:]
+    return out
+
+
+class DeviceChecks:
+    """The checks of a decode left on the device, read by the host once (a device backend's first pass):
+    error words of the scatter and dense passes, and flags (0-d bool arrays, true where a check failed)."""
+
+    def __init__(self, xp: Any):
+        self.xp = xp
+        self.words: list[Any] = []
+        self.flags: list[Any] = []
+
+    def word(self, err: Any) -> None:
+        if err is not None:
+            self.words.append(err)
+
+    def flag(self, bad: Any) -> None:
+        self.flags.append(bad)
+
+    def passed(self) -> bool:
+        """Whether every check passed: one read by the host."""
+        xp = self.xp
+        parts = [xp.stack(self.flags).any()] if self.flags else []
+        if self.words:
+            parts.append(xp.concatenate(self.words).min() != U64_MAX)
+        return not parts or not bool(xp.stack(parts).any() if len(parts) > 1 else parts[0])
+
+
+def _decode_one_deferred(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, int], out_of: Any, checks: Any):
+    """:func:`_decode_one` with no host wait: the checks it reads are left in ``checks`` (a failed one: the caller
+    decodes again with :func:`_decode_one`, which raises the error). Onto a base, the base is copied whole and the
+    entries added: the same bytes as :meth:`~gpu_codec.backends.base.Backend.scatter_onto` on a kernel backend."""
+    xp = backend.xp
+    numel = d.numel
+    logical = d.dtype if base is not None else dtypes.value_dtype(d.dtype)
+    mode = SCATTER_ADD if base is not None else SCATTER_ZEROS
+    code = dtypes.code(logical)
+    base_arr = backend.asarray(base.data) if base is not None else None
+    out = out_of()
+    step = max(d.step, chunk_entries(d.nnz, bounds) // d.step * d.step)
+    if d.indices is None:
+        for a in range(0, d.nnz, step):
+            b = min(a + step, d.nnz)
+            part = None if base_arr is None else base_arr[a:b]
+            checks.word(backend.dense_apply([out[a:b]], [code], [part], [d.values(a, b)], mode, defer=True))
+            if mode == SCATTER_ADD:
+                checks.flag(some_nonfinite(out[a:b], code, xp))
+        return
+    if base_arr is not None:
+        out[...] = base_arr
+    last = None
+    for a in range(0, d.nnz, step):
+        b = min(a + step, d.nnz)
+        idx = d.indices(a, b)
+        checks.word(backend.scatter([out], [code], [numel], [idx], [d.values(a, b)], mode, defer=True))
+        if last is not None:  # each chunk's entries after the last chunk's (the scatter checks within a chunk)
+            checks.flag(idx[0] <= last)
+        last = idx[-1]
+        if mode == SCATTER_ADD:  # (an index out of range is clamped here: the scatter's word reports it)
+            checks.flag(some_nonfinite(out[xp.minimum(idx, max(numel - 1, 0))], code, xp))
+
+
+SMALL_TENSOR = 1 << 18  # sparse tensors of at most this many elements are decoded in runs, a few calls a run
+SMALL_RUN = 1 << 20  # elements of output a run covers at the most
+SMALL_RUN_ENTRIES = 1 << 14  # ... and entries (its temporaries, about 20 bytes an entry, stay near 320 KiB)
+
+
+def _decode_run(
+    run: list, flat_of: Any, offsets: list[int], bases: list, logical: str, backend: Any, checks: Any = None
+) -> bool:
+    """A run of small sparse tensors, adjacent in the buffer ``flat_of()`` gives (``offsets``: each one's start,
+    then the run's end), which is asked for once the entries are checked:
+    their bases copied in, then every entry checked and added (or written) in one scatter over the run's span.
+    False where an index or value is bad or a sum not finite: the caller then decodes them one by one, which
+    raises the error that names the tensor. With ``checks`` (:class:`DeviceChecks`) nothing is read back: the
+    checks are left there, and the result is True."""
+    xp = backend.xp
+    host = xp.asarray if backend.on_device else np.asarray  # small host tables, where the entries are
+    idx = [d.indices(0, d.nnz) for d in run]
+    counts = [int(i.size) for i in idx]
+    o0, o1 = offsets[0], offsets[-1]
+    code = dtypes.code(logical)
+    if sum(counts):
+        wide = any(i.dtype.itemsize > 4 for i in idx)  # (a payload may give a small tensor 64-bit indices)
+        gi = xp.concatenate([i.astype(np.int64 if wide else np.uint32, copy=False) for i in idx])
+        vals = xp.concatenate([d.values(0, d.nnz) for d in run])
+        ends = np.cumsum(counts)
+        some = np.flatnonzero(np.asarray(counts) > 0)
+        last = gi[host(ends[some] - 1)]  # ascending within each tensor: its last entry is its largest
+        numels = host(np.asarray([run[j].numel for j in some], np.int64))
+        step = gi[1:] > gi[:-1]
+        firsts = ends[:-1] - 1  # where a tensor's first entry follows the last one's
+        step[host(firsts[(firsts >= 0) & (firsts < step.size)])] = True
+        ok = xp.all(last < numels) & xp.all(step)
+        if wide:
+            ok = ok & xp.all(gi >= 0)
+        if checks is not None:
+            checks.flag(~ok)
+        elif not bool(ok):
+            return False
+        gi += host(np.repeat(np.asarray(offsets[:-1], np.int64) - o0, counts).astype(gi.dtype))
+        gi = gi.astype(dtypes.index_dtype(o1 - o0), copy=False)
+    flat = flat_of()
+    span = flat[o0:o1]
+    for b, o, n in zip(bases, offsets, np.diff(offsets).tolist()):
+        if b is not None:
+            flat[o : o + n] = backend.asarray(b.data)
+    if not sum(counts):
+        return True
+    mode = SCATTER_ADD if bases[0] is not None else SCATTER_ZEROS
+    if checks is not None:
+        checks.word(backend.scatter([span], [code], [o1 - o0], [gi], [vals], mode, defer=True))
+        if mode == SCATTER_ADD and o1 > o0:  # (an index out of range is clamped: the checks above report it)
+            checks.flag(some_nonfinite(span[xp.minimum(gi, o1 - o0 - 1)], code, xp))
+        return True
+    if backend.scatter([span], [code], [o1 - o0], [gi], [vals], mode) is not None:
+        return False  # a value is not finite
+    return mode != SCATTER_ADD or all_finite(span[gi], code, xp)
+
+
+def decoded_records(payload: Payload, backend: Backend) -> list[TensorRecord]:
+    """The payload's records decoded by its own pipeline to ``coo``/``dense`` buffers on ``backend`` (quantized
+    values, coded indices, lossless stages), all at once, as :mod:`gpu_codec.aggregate` takes them. Indices and
+    values are not checked here: the caller checks them before use (:func:`decompress` streams instead)."""
+    return decoder_for(payload.pipeline).decode(payload.tensors, backend)
+
+
+def _runs(records: list[TensorRecord], logical: list[str]) -> list[int | None]:
+    """Each record's run (small sparse tensors of one dtype decoded together, see :func:`_decode_run`), or None for a
+    tensor decoded alone: at most SMALL_RUN elements and SMALL_RUN_ENTRIES entries a run."""
+    out: list[int | None] = []
+    run, size, entries = -1, 0, 0
+    for i, r in enumerate(records):
+        inner = r.codec.get("inner", r.encoding) if r.encoding in ("zstd", "nvcomp") else r.encoding
+        if inner not in ("coo", "sparse") or r.numel > SMALL_TENSOR:
+            out.append(None)
+            continue
+        joins = i and out[-1] == run and logical[i] == logical[i - 1]
+        if not (joins and size + r.numel <= SMALL_RUN and entries + r.nnz <= SMALL_RUN_ENTRIES):
+            run, size, entries = run + 1, 0, 0
+        out.append(run)
+        size += r.numel
+        entries += r.nnz
+    return out
+
+
+class _Outputs:
+    """Every tensor's flat output: views of one allocation per storage dtype in record order, on a device (the
+    allocator pools them) and onto a base (every element written); for a delta on the host, one zeroed allocation
+    per run of small tensors and one per other tensor (the C allocator recycles those, where one zeroed allocation
+    of the whole output, written sparsely, paid fresh pages on every call: 5.1M parameters in 28 tensors, top-1%,
+    took 27-46 ms to decompress instead of 7 ms).
+    An allocation is made when its first output is asked for, after that tensor's entries are checked (a payload
+    that fails its first check allocates nothing). Zeros where outputs are deltas (a sparse tensor's other
+    elements stay 0); onto a base every element is written."""
+
+    def __init__(self, records: list[TensorRecord], logical: list[str], runs: list, onto: bool, backend: Any):
+        storage = [dtypes.storage_dtype(lg) for lg in logical]
+        if backend.on_device or onto:
+            self._key = storage
+        else:
+            self._key = [("tensor", i) if g is None else ("run", g) for i, g in enumerate(runs)]
+        self._dtype = dict(zip(self._key, storage))
+        self.numels = [r.numel for r in records]
+        self.starts: list[int] = []
+        self._sizes: dict = {}
+        for n, key in zip(self.numels, self._key):
+            self.starts.append(self._sizes.get(key, 0))
+            self._sizes[key] = self.starts[-1] + n
+        self._alloc = backend.xp.empty if onto else backend.xp.zeros
+        self._flats: dict = {}
+
+    def flat(self, i: int) -> Any:
+        """The allocation that holds tensor i's output."""
+        key = self._key[i]
+        if key not in self._flats:
+            self._flats[key] = self._alloc(self._sizes[key], dtype=self._dtype[key])
+        return self._flats[key]
+
+    def __getitem__(self, i: int) -> Any:
+        return self.flat(i)[self.starts[i] : self.starts[i] + self.numels[i]]
+
+
+def _decode_all(
+    pipe: Any,
+    records: list,
+    bases: list,
+    logical: list,
+    runs: list,
+    outs: _Outputs,
+    backend: Any,
+    bounds: Any,
+    defer: bool,
+) -> bool:
+    """Every record decoded into ``outs``, streamed (see :func:`decompress`). ``defer``: no check is read until the
+    end (:class:`DeviceChecks`); False where one failed or the decoders refused the payload. Without it, the first
+    failed check raises its error."""
+    checks = DeviceChecks(backend.xp) if defer else None
+    run: list = []  # (position, decoded) of the tensors of one run, adjacent in their buffer
+
+    def one(i: int, d: Any) -> None:
+        if checks is not None:
+            _decode_one_deferred(d, bases[i], backend, bounds, lambda: outs[i], checks)
+        else:
+            _decode_one(d, bases[i], backend, bounds, lambda: outs[i])
+
+    def flush() -> None:
+        first, last = run[0][0], run[-1][0]
+        offsets = outs.starts[first : last + 1] + [outs.starts[last] + outs.numels[last]]
+        ds = [d for _, d in run]
+        if len(run) == 1 or not _decode_run(
+            ds, lambda: outs.flat(first), offsets, bases[first : last + 1], logical[first], backend, checks
+        ):
+            for i, d in run:  # one by one (one alone; a bad run: the error names the tensor)
+                one(i, d)
+        run.clear()
+
+    try:
+        for i, d in enumerate(pipe.decode_stream(records, backend)):
+            if run and runs[i] != runs[run[-1][0]]:
+                flush()
+            if runs[i] is not None:
+                run.append((i, d))
+            else:
+                one(i, d)
+        if run:
+            flush()
+    except PayloadError:
+        if checks is None:
+            raise
+        return False  # (the second pass raises it, or an error of an earlier tensor)
+    return checks is None or checks.passed()
+
+
+def decompress(
+    payload: Payload | bytes | bytearray | memoryview,
+    base: Mapping[str, Any] | None = None,
+    *,
+    like: str | None = None,
+    max_output_bytes: int | None = DEFAULT_MAX_OUTPUT_BYTES,
+    max_elements: int | None = None,
+) -> dict[str, Any]:
+    """Rebuild dense tensors from a payload (bytes or :class:`Payload`).
+
+    Parameters
+    ----------
+    payload
+        The bytes :meth:`Payload.to_bytes` wrote (treated as hostile), or a :class:`Payload`.
+    base
+        Mapping name -> array with exactly the payload's names, shapes and dtypes. With it the result is
+        ``base + delta`` per tensor, rounded to the base's dtype, as the base's kind on its device; the base itself
+        is never written. Without it, the dense delta (fp32, fp64 for fp64 tensors).
+    like
+        Kind of the result without a base: ``'numpy'`` (default), ``'cupy'`` or ``'torch'``.
+    max_output_bytes
+        Cap on the bytes of dense output the payload declares (the sum over its tensors of elements x output
+        itemsize: the base's dtype with a base, fp32/fp64 without), checked before anything is decompressed or
+        allocated. Default 4 GiB; ``None`` removes the cap.
+    max_elements
+        Deprecated (a cap on elements, which ignored the dtype): use ``max_output_bytes``.
+
+    Returns
+    -------
+    dict
+        name -> dense tensor, in the payload's order.
+
+    Raises
+    ------
+    PayloadError
+        A subclass naming the tensor and the problem: a malformed payload, an output over the cap
+        (``PayloadLimitError``), an index out of range or not increasing or a non-finite value
+        (``PayloadIndexError``), a sum with the base that is not finite in its dtype (``PayloadValueError``), a
+        base other than the one whose fingerprint the payload records (``BaseMismatchError``).
+        Nothing is returned and the base is unchanged.
+
+    Notes
+    -----
+    Decoding streams: one tensor is decoded, checked and written into its output before the next is decoded,
+    and a dense tensor a slice at a time, so peak memory stays near the output's size (the payload itself
+    aside). Every header count and offset is checked when the payload is parsed; a tensor's indices are checked
+    before its output is allocated; values are checked as they are written. On a GPU the checks of the entries
+    stay on the device and are read back once, at the end (the scatter refuses an entry out of range as it
+    writes); where one failed, the decode runs again reading each check as it is made, and raises its error.
+
+    >>> import numpy as np, gpu_codec
+    >>> blob = gpu_codec.compress({"w": np.ones((1000, 1000), np.float32)}, fraction=0.001).to_bytes()
+    >>> decompress(blob, max_output_bytes=1 << 20)
+    Traceback (most recent call last):
+    ...
+    gpu_codec.errors.PayloadLimitError: payload declares 4000000 bytes of dense output (1 tensors), over ...
+    >>> int(np.count_nonzero(decompress(blob)["w"]))
+    1000
+    """
+    if max_elements is not None:
+        warnings.warn(
+            "decompress(max_elements=...) is deprecated: use max_output_bytes, which counts bytes and applies "
+            "with or without a base",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+    cap = max_output_bytes
+    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
+        raise InvalidInputError(f"max_output_bytes must be a non-negative integer or None, got {max_output_bytes!r}")
+    if not isinstance(payload, Payload):
+        payload = Payload.from_bytes(payload)
+    records = payload.tensors
+    names = [r.name for r in records]
+    base_tensors = None
+    if base is not None:
+        base = as_mapping(base, "base")
+        missing = [n for n in names if n not in base]
+        known = set(names)
+        extra = [n for n in base if n not in known]
+        if missing or extra:
+            raise InvalidInputError(
+                f"payload and base name different tensors: missing from base {missing[:5]}, not in payload {extra[:5]}"
+            )
+        base_tensors = []
+        for r in records:
+            b = to_tensor(base[r.name], r.name)
+            if b.shape != tuple(r.shape) or b.dtype != r.dtype:
+                raise InvalidInputError(
+                    f"tensor {r.name!r}: base is {b.dtype}{list(b.shape)}, the payload holds {r.dtype}{list(r.shape)}"
+                )
+            base_tensors.append(b)
+    kind, device = _output_kind(like, base_tensors)
+    check_output_cap(records, base_tensors is not None, max_output_bytes, max_elements)
+    pipe = decoder_for(payload.pipeline)
+    backend = get_backend()
+    bounds = DECODE_CHUNK_DEVICE if backend.on_device else DECODE_CHUNK
+    logical = [r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype) for r in records]
+    runs = _runs(records, logical)
+    outs = _Outputs(records, logical, runs, base_tensors is not None, backend)
+    bases = base_tensors if base_tensors is not None else [None] * len(records)
+    with backend.stream(base_tensors or []):
+        if base_tensors is not None and payload.base_fingerprint is not None:
+            check_base(
+                payload.base_fingerprint, [(r.name, r.dtype, b.data) for r, b in zip(records, base_tensors)], backend
+            )
+        # on a device, a first pass reads its checks back once, at the end; where one failed, the decode runs again
+        # reading each check as it is made, which raises the error that names the tensor
+        if not (backend.on_device and _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, True)):
+            if backend.on_device:
+                outs = _Outputs(records, logical, runs, base_tensors is not None, backend)
+            _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, False)
+    result = {}
+    for i, r in enumerate(records):
+        out = outs[i]
+        logical = r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)
+        dev = base_tensors[i].device if base_tensors is not None else device
+        result[r.name] = from_backend(out, logical, tuple(r.shape), kind, dev)
+    return result
+
+
+__all__ = [
+    "DEFAULT_MAX_OUTPUT_BYTES",
+    "DeviceChecks",
+    "check_output_cap",
+    "chunk_entries",
+    "decoded_records",
+    "decompress",
+]

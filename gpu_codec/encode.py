@@ -1,0 +1,370 @@
+"""Compression: the exact top-k of ``update - base`` (:func:`compress`) and a payload of given sparse entries
+(:func:`encode_coo`).
+
+>>> import numpy as np, gpu_codec
+>>> payload = gpu_codec.compress({"w": np.array([0, 3, 0, -5], np.float32)}, fraction=0.5)
+>>> payload.tensors[0].buffers["indices"].tolist()
+[1, 3]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Mapping
+from fractions import Fraction
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from . import dtypes
+from .arrays import Tensor, to_tensor
+from .backends import Backend, get_backend
+from .backends.base import DeltaRequest, SelectRequest, all_finite
+from .codecs import SCOPES, as_pipeline, check_fraction
+from .constants import DType
+from .errors import InvalidInputError
+from .format import (
+    MAX_TENSORS,
+    TensorRecord,
+)
+from .format.fingerprint import fingerprint
+from .payload import Payload, as_mapping, check_header_size, check_limits, check_metadata
+
+if TYPE_CHECKING:
+    from .pending import PendingPayload
+
+ScoreFn = Callable[[Mapping[str, Any], Mapping[str, Any] | None], Mapping[str, Any]]
+
+
+def kept_count(fraction: float, n: int) -> int:
+    """k = ceil(fraction x n), computed on the decimal value the user wrote (0.01 x 100 is 1, not 2).
+
+    >>> kept_count(0.01, 100), kept_count(0.01, 101), kept_count(1.0, 7), kept_count(0.5, 0)
+    (1, 2, 7, 0)
+    """
+    return min(n, math.ceil(Fraction(repr(float(fraction))) * n))
+
+
+def _check_tensors(
+    update: Mapping[str, Any], base: Mapping[str, Any] | None
+) -> tuple[list[str], list[Tensor], list[Tensor | None]]:
+    names = list(update.keys())
+    if not names:
+        raise InvalidInputError("the update is empty: nothing to compress")
+    if len(names) > MAX_TENSORS:
+        raise InvalidInputError(f"the update has {len(names)} tensors, the wire format allows {MAX_TENSORS}")
+    for n in names:
+        check_limits(n, ())
+    if base is not None:
+        missing = [n for n in names if n not in base]
+        extra = [n for n in base if n not in update]
+        if missing or extra:
+            raise InvalidInputError(
+                f"update and base name different tensors: missing from base {missing[:5]}, "
+                f"missing from update {extra[:5]}"
+            )
+    news, bases = [], []
+    for n in names:
+        t = to_tensor(update[n], n)
+        check_limits(n, t.shape)
+        if t.dtype not in dtypes.FLOAT_DTYPES:
+            raise InvalidInputError(
+                f"tensor {n!r}: dtype {t.dtype} is not a float dtype (float32, float16, "
+                "bfloat16, float64); a delta makes no sense for it"
+            )
+        b = None
+        if base is not None:
+            b = to_tensor(base[n], n)
+            if b.shape != t.shape:
+                raise InvalidInputError(f"tensor {n!r}: update shape {t.shape} differs from base shape {b.shape}")
+            if b.dtype != t.dtype:
+                raise InvalidInputError(f"tensor {n!r}: update dtype {t.dtype} differs from base dtype {b.dtype}")
+        news.append(t)
+        bases.append(b)
+    return names, news, bases
+
+
+def _segments(numels: list[int], fraction: float, scope: str) -> tuple[list[list[int]], list[int]]:
+    if scope == "global":
+        return [list(range(len(numels)))], [kept_count(fraction, sum(numels))]
+    return [[t] for t in range(len(numels))], [kept_count(fraction, n) for n in numels]
+
+
+def _external_scores(score: ScoreFn, update, base, names, news, backend: Backend) -> tuple[list, list[int]]:
+    try:
+        out = score(update, base)
+    except Exception as e:
+        raise InvalidInputError(f"the score function raised {type(e).__name__}: {e}") from e
+    if not isinstance(out, Mapping):
+        raise InvalidInputError(f"the score function must return a mapping name -> scores, got {type(out).__name__}")
+    arrays, codes = [], []
+    for n, t in zip(names, news):
+        if n not in out:
+            raise InvalidInputError(f"tensor {n!r}: the score function returned no scores for it")
+        s = to_tensor(out[n], n)
+        if s.shape != t.shape:
+            raise InvalidInputError(f"tensor {n!r}: scores have shape {s.shape}, the tensor has {t.shape}")
+        if s.dtype not in dtypes.FLOAT_DTYPES:
+            raise InvalidInputError(f"tensor {n!r}: scores must be floats, got {s.dtype}")
+        arrays.append(backend.asarray(s.data))
+        codes.append(dtypes.code(s.dtype))
+    return arrays, codes
+
+
+def compress(
+    update: Mapping[str, Any],
+    base: Mapping[str, Any] | None = None,
+    *,
+    fraction: float | None = 0.01,
+    scope: str = "global",
+    score: str | ScoreFn = "magnitude",
+    residual: Any = None,
+    metadata: Mapping[str, Any] | None = None,
+    pipeline: Any = None,
+    fingerprint_base: bool = False,
+    blocking: bool = True,
+) -> Payload | PendingPayload:
+    """Compress ``update - base`` to its exact top-k entries as sparse COO.
+
+    Parameters
+    ----------
+    update, base
+        Mappings of name -> array (NumPy, CuPy or torch, CPU or CUDA; fp32, fp16, bf16 or fp64). ``base``
+        defaults to zeros (``update`` is then the delta itself). Names, shapes and dtypes must agree.
+    fraction
+        Share of entries kept, in (0, 1]: k = ceil(fraction x N), as fl4health's ``sparsity_level``. ``None``:
+        dense, no sparsification (every tensor is encoded ``dense``; value codecs still apply).
+    scope
+        ``"global"`` (one threshold across all tensors, ties broken by tensor order then index) or
+        ``"per_tensor"`` (k per tensor).
+    score
+        ``"magnitude"`` (|delta|, the default), one of fl4health's six criteria (``largest_final_magnitude``,
+        ``smallest_final_magnitude``, ``largest_magnitude_change``, ``smallest_magnitude_change``,
+        ``largest_increase_in_magnitude``, ``smallest_increase_in_magnitude``), or a callable
+        ``score(update, base) -> {name: scores}`` returning arrays on the same backend.
+    residual
+        An error-feedback state (:class:`gpu_codec.ErrorFeedback`) or None.
+    metadata
+        JSON-serializable values stored in the header.
+    pipeline
+        The stages after top-k (:mod:`gpu_codec.codecs`): None, a :class:`~gpu_codec.Pipeline`, or a list of
+        codecs or codec configs, e.g. ``[Quantize("float16"), RiceIndices(), Zstd()]``. A ``topk`` stage in it
+        replaces ``fraction``, ``scope`` and ``score``.
+    fingerprint_base
+        Store an 8-byte sampled fingerprint of ``base`` (:mod:`gpu_codec.format.fingerprint`: at most 256
+        elements per tensor, gathered where the base lives), which :func:`decompress` checks against the base
+        it is given. Off by default; needs a ``base``.
+    blocking
+        ``False``: return a :class:`~gpu_codec.pending.PendingPayload` as soon as the work is queued, without the
+        final wait described below (its ``wait()`` / ``to_bytes()`` wait; ``ready()`` asks).
+
+    Returns
+    -------
+    Payload
+        Kept entries per tensor: ``indices`` (flat, ascending, uint32 where the tensor allows) and ``values``
+        (the delta in fp32, fp64 for fp64 tensors). A kept value of exactly 0.0 is kept.
+
+    Notes
+    -----
+    Host waits on the GPU. The call runs on the caller's current torch stream (CuPy's current stream for
+    CuPy inputs), and the host waits for that stream at these points: each small read-back of the selection
+    (an error word after scoring, the sampled keys, the per-tensor kept counts; with codecs, the ternary means
+    and Rice bit counts), each of which waits for everything queued on the stream before it, so the first one
+    also waits for the work the caller queued before the call (an optimizer step, say); and the end of the
+    call, which waits for the whole stream so that the payload's device buffers are complete
+    (``blocking=False`` skips only this last wait). :meth:`Payload.to_bytes` then copies the buffers to the
+    host, and a stored error-feedback residual carries an event that the next call's stream waits on.
+
+    >>> import numpy as np
+    >>> p = compress({"a": np.array([1., -4., 2.], np.float32), "b": np.array([4., 0.5], np.float32)},
+    ...              fraction=0.4)                        # k = ceil(0.4 x 5) = 2, tie at 4.0: "a" comes first
+    >>> [(r.name, r.buffers["indices"].tolist()) for r in p.tensors]
+    [('a', [1]), ('b', [0])]
+    """
+    if not blocking:  # the same call, with its end-of-call wait turned into an event (gpu_codec.pending)
+        from .pending import PendingPayload
+
+        kw = dict(fraction=fraction, scope=scope, score=score, residual=residual, metadata=metadata)
+        kw["fingerprint_base"] = fingerprint_base
+        return PendingPayload.run(lambda: compress(update, base, pipeline=pipeline, **kw))
+    update = as_mapping(update, "update")
+    if base is not None:
+        base = as_mapping(base, "base")
+    # the stages after top-k; a topk stage in the pipeline sets the selection
+    pipe = as_pipeline(pipeline)
+    if pipe.topk is not None:
+        fraction, scope = pipe.topk.fraction, pipe.topk.scope
+        if pipe.topk.score != "custom":  # "custom" names a callable, which only the caller can pass
+            score = pipe.topk.score
+    dense = fraction is None
+    fraction = None if dense else check_fraction(fraction)
+    if scope not in SCOPES:
+        raise InvalidInputError(f"scope must be one of {SCOPES}, got {scope!r}")
+    if callable(score):
+        crit, score_name = dtypes.CRIT_EXTERNAL, "custom"
+    elif isinstance(score, str) and score in dtypes.CRITERIA:
+        crit, score_name = dtypes.CRITERIA[score], score
+    else:
+        raise InvalidInputError(f"score must be a callable or one of {sorted(dtypes.CRITERIA)}, got {score!r}")
+    metadata = check_metadata(metadata)
+    if dense and pipe.indices is not None:
+        raise InvalidInputError(
+            f"the {pipe.indices.codec_id!r} index stage needs a sparse (top-k) update; "
+            "fraction=None encodes every tensor densely, with no indices"
+        )
+    from .error_feedback import ErrorFeedback
+
+    if residual is not None and not isinstance(residual, ErrorFeedback):
+        raise InvalidInputError(f"residual must be a gpu_codec.ErrorFeedback or None, got {type(residual).__name__}")
+    names, news, bases = _check_tensors(update, base)
+    if fingerprint_base and base is None:
+        raise InvalidInputError("fingerprint_base=True needs the base the update is made against")
+    backend = get_backend()
+    nt = len(news)
+    dtype_codes = [dtypes.code(t.dtype) for t in news]
+    session = residual.session(names, news, backend) if residual is not None else contextlib.nullcontext()
+    # the residual is held from reading to storing, and stored only once the payload is complete
+    with backend.stream(news + bases), session as binding:
+        new_arrays = [backend.asarray(t.data) for t in news]
+        base_arrays = [backend.asarray(b.data) if b is not None else None for b in bases]
+        if crit == dtypes.CRIT_EXTERNAL:
+            ext, ext_dt = _external_scores(score, update, base, names, news, backend)
+        else:
+            ext, ext_dt = [None] * nt, [DType.F32] * nt  # (no scores to read)
+        res_in, res_out = [None] * nt, [None] * nt
+        if binding is not None:  # (the value codecs round kept values and fix their residuals themselves)
+            res_in, res_out = binding.res_in, binding.res_out
+        if dense:  # every entry of every tensor, in one pass (no keys, no selection)
+            req = DeltaRequest(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit)
+            values, bad = backend.dense_delta(req)
+            indices = [None] * nt
+        else:
+            segments, ks = _segments([t.numel for t in news], fraction, scope)
+            req = SelectRequest(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks)
+            indices, values, bad = backend.topk_select(req)
+        if bad is not None:
+            raise InvalidInputError(_bad_input(names[bad], new_arrays[bad], base_arrays[bad], res_in[bad], crit))
+        records = []
+        for n, t, idx, val in zip(names, news, indices, values):
+            if dense:
+                records.append(TensorRecord(n, t.dtype, t.shape, "dense", t.numel, {"values": val}))
+                continue
+            records.append(TensorRecord(n, t.dtype, t.shape, "coo", int(idx.size), {"indices": idx, "values": val}))
+        pipeline_cfg = [] if dense else [{"id": "topk", "fraction": fraction, "scope": scope, "score": score_name}]
+        # value, index and lossless stages, on the backend; they fix the kept residuals
+        records = pipe.encode(records, backend, res_out if binding is not None else None)
+        pipeline_cfg += pipe.after_topk()
+        payload = Payload(records, pipeline_cfg, metadata, backend=backend.name)
+        if fingerprint_base:
+            payload.base_fingerprint = fingerprint(zip(names, [t.dtype for t in news], base_arrays), backend)
+        check_header_size(payload)
+        if binding is not None:
+            residual.commit(binding, backend)
+    return payload
+
+
+def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int) -> str:
+    """Why the selection refused tensor ``name``: a non-finite value, or (fp64) a finite delta whose fp32 score
+    overflows, which only dense mode can send (top-k compares scores in fp32)."""
+    if new.dtype == np.float64 and crit != dtypes.CRIT_EXTERNAL:
+        with np.errstate(over="ignore", invalid="ignore"):
+            d = new - base if base is not None else new
+            d = d + res if res is not None else d
+        if all_finite(d, dtypes.code("float64"), get_backend().xp):
+            return (
+                f"tensor {name!r}: a finite float64 delta past the float32 range (|delta| > 3.4e38) has no float32 "
+                "score for top-k to compare; compress with fraction=None (dense), which sends float64 values exactly"
+            )
+    return f"tensor {name!r}: the update, its delta against base or its score holds a non-finite value (inf or NaN)"
+
+
+class SparseEntries(NamedTuple):
+    """One tensor's kept entries for :func:`encode_coo`: flat ``indices`` (strictly ascending), their
+    ``values``, and the dense tensor's ``shape`` and ``dtype`` (``"float32"``, ``"float16"``, ``"bfloat16"``,
+    ``"float64"``)."""
+
+    indices: Any
+    values: Any
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def encode_coo(
+    entries: Mapping[str, SparseEntries],
+    *,
+    pipeline: Any = None,
+    metadata: Mapping[str, Any] | None = None,
+    selection: Mapping[str, Any] | None = None,
+) -> Payload:
+    """A payload from entries the caller chose (no top-k here), encoded by ``pipeline``'s later stages.
+
+    For adapters whose selection is not the engine's (fl4health's packings, a value other than the delta). Every
+    entry is checked: indices integral, strictly ascending and inside the tensor; values finite. ``selection``
+    (a registered codec config, e.g. ``{"id": "topk", ...}``) is recorded first in the header's pipeline.
+
+    >>> import numpy as np
+    >>> p = encode_coo({"w": SparseEntries(np.array([1, 3]), np.array([0.5, -2.0]), (2, 2), "float32")})
+    >>> from gpu_codec import decompress
+    >>> decompress(p.to_bytes())["w"].tolist()
+    [[0.0, 0.5], [0.0, -2.0]]
+    """
+    if not isinstance(entries, Mapping) or not entries:
+        raise InvalidInputError("encode_coo takes a non-empty mapping of name -> SparseEntries")
+    if len(entries) > MAX_TENSORS:
+        raise InvalidInputError(f"{len(entries)} tensors, the wire format allows {MAX_TENSORS}")
+    metadata = check_metadata(metadata)
+    pipe = as_pipeline(pipeline)
+    if pipe.topk is not None:
+        raise InvalidInputError("encode_coo encodes given entries: leave the topk stage out of its pipeline")
+    backend = get_backend()
+    xp = backend.xp
+    wrapped = []
+    for name, e in entries.items():
+        if not isinstance(name, str) or not name:
+            raise InvalidInputError(f"tensor names must be non-empty strings, got {name!r}")
+        if not isinstance(e, SparseEntries):
+            raise InvalidInputError(f"tensor {name!r}: expected SparseEntries, got {type(e).__name__}")
+        if e.dtype not in dtypes.FLOAT_DTYPES:
+            raise InvalidInputError(f"tensor {name!r}: dtype {e.dtype!r} is not one of {list(dtypes.FLOAT_DTYPES)}")
+        try:
+            shape = tuple(int(s) for s in e.shape)
+        except (TypeError, ValueError):
+            raise InvalidInputError(f"tensor {name!r}: shape {e.shape!r} is not a tuple of integers") from None
+        if any(s < 0 for s in shape):
+            raise InvalidInputError(f"tensor {name!r}: shape {shape} has a negative dimension")
+        check_limits(name, shape)
+        wrapped.append((name, e.dtype, shape, to_tensor(e.indices, name), to_tensor(e.values, name)))
+    records = []
+    # every check, cast and stage runs on the inputs' device and the caller's stream
+    with backend.stream([t for w in wrapped for t in w[3:]]):
+        for name, dtype, shape, ti, tv in wrapped:
+            numel = math.prod(shape)
+            idx = backend.asarray(ti.data).reshape(-1)
+            val = backend.asarray(tv.data).reshape(-1)
+            if idx.dtype.kind not in "iu":
+                raise InvalidInputError(f"tensor {name!r}: indices must be integers, got {idx.dtype}")
+            if val.dtype.kind != "f" or idx.size != val.size:
+                raise InvalidInputError(
+                    f"tensor {name!r}: values must be {idx.size} floats (one per index), got {val.dtype}[{val.size}]"
+                )
+            if idx.size:
+                lo, hi = int(idx.min()), int(idx.max())
+                if lo < 0 or hi >= numel or bool(xp.any(idx[1:] <= idx[:-1])):
+                    raise InvalidInputError(
+                        f"tensor {name!r}: indices must be strictly ascending and inside [0, {numel}), "
+                        f"got a range [{lo}, {hi}]"
+                    )
+                if not bool(xp.all(xp.isfinite(val))):
+                    raise InvalidInputError(f"tensor {name!r}: a value is not finite (inf or NaN)")
+            idx = idx.astype(dtypes.index_dtype(numel), copy=False)
+            val = val.astype(dtypes.value_dtype(dtype), copy=False)
+            records.append(TensorRecord(name, dtype, shape, "coo", int(idx.size), {"indices": idx, "values": val}))
+        records = pipe.encode(records, backend, None)
+    head = [dict(selection)] if selection is not None else []
+    payload = Payload(records, head + pipe.after_topk(), metadata, backend=backend.name)
+    check_header_size(payload)
+    return payload
+
+
+__all__ = ["SparseEntries", "compress", "encode_coo", "kept_count"]

@@ -1,0 +1,249 @@
+"""A compressed update as it travels: :class:`Payload` (tensor records, pipeline, metadata; its bytes in the wire
+format), and the checks of what a payload may hold (metadata JSON, names, shapes, the header's size)."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+from . import dtypes
+from .codecs import wire_layouts
+from .errors import InvalidInputError
+from .format import (
+    MAX_HEADER_BYTES,
+    MAX_NAME,
+    MAX_NDIM,
+    MAX_TENSOR_ELEMENTS,
+    TensorRecord,
+    header_size,
+    pack,
+    packed_size,
+    unpack,
+)
+
+MAX_METADATA_DEPTH = 64  # nesting levels of metadata containers
+MAX_METADATA_INT = 10**40  # the header parser rejects longer integers
+
+
+def check_json(value: Any, path: str = "", depth: int = 0, *, numpy_scalars: bool = False) -> Any:
+    """``value`` as the header stores it, checked: None, bools, strings, finite numbers (integers of at most 40
+    digits), lists and str-keyed dicts of those, nested at most MAX_METADATA_DEPTH deep; tuples become lists and
+    NumPy scalars (with ``numpy_scalars``, as frameworks' metadata holds them) Python numbers. The one check of
+    metadata, for the engine and for every adapter.
+
+    >>> check_json({"a": (1, 2.5)}), check_json(np.float32(0.5), numpy_scalars=True)
+    ({'a': [1, 2.5]}, 0.5)
+    >>> check_json({"x": np.int64(3)})
+    Traceback (most recent call last):
+    ...
+    gpu_codec.errors.InvalidInputError: metadata['x']: a numpy.int64 is not a JSON value (use None, bool, ...)
+    """
+    if numpy_scalars and isinstance(value, np.generic) and isinstance(value, (np.integer, np.floating)):
+        value = value.item()
+    if depth > MAX_METADATA_DEPTH:
+        raise InvalidInputError(f"metadata{path}: nested deeper than {MAX_METADATA_DEPTH} levels")
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        if not -MAX_METADATA_INT < value < MAX_METADATA_INT:
+            raise InvalidInputError(f"metadata{path}: integer with more than 40 digits")
+        return int(value)
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise InvalidInputError(f"metadata{path}: {value!r} is not a finite number (JSON cannot hold it)")
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        return [check_json(v, f"{path}[{i}]", depth + 1, numpy_scalars=numpy_scalars) for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise InvalidInputError(f"metadata{path}: key {k!r} is a {type(k).__name__}; JSON keys are strings")
+            out[k] = check_json(v, f"{path}[{k!r}]", depth + 1, numpy_scalars=numpy_scalars)
+        return out
+    raise InvalidInputError(
+        f"metadata{path}: a {type(value).__module__}.{type(value).__name__} is not a JSON value "
+        "(use None, bool, int, float, str, list or dict; convert NumPy scalars with .item())"
+    )
+
+
+def check_metadata(metadata: Any) -> dict[str, Any]:
+    """Metadata as the header will store it: a dict of JSON values (str keys, finite floats, integers of at most
+    40 digits, at most 64 levels deep, small enough for the header). Raises InvalidInputError otherwise.
+
+    >>> check_metadata({"round": 3, "lr": 0.1, "tags": ("a", "b")})
+    {'round': 3, 'lr': 0.1, 'tags': ['a', 'b']}
+    >>> check_metadata({"loss": float("nan")})
+    Traceback (most recent call last):
+    ...
+    gpu_codec.errors.InvalidInputError: metadata['loss']: nan is not a finite number (JSON cannot hold it)
+    """
+    if metadata is None:
+        return {}
+    if not isinstance(metadata, Mapping):
+        raise InvalidInputError(f"metadata must be a mapping, got {type(metadata).__name__}")
+    out = check_json(metadata)
+    size = len(json.dumps(out, separators=(",", ":"), ensure_ascii=True))
+    if size > MAX_HEADER_BYTES // 2:
+        raise InvalidInputError(
+            f"metadata is {size} bytes as JSON, over {MAX_HEADER_BYTES // 2} (half the header limit of "
+            f"{MAX_HEADER_BYTES} bytes); send large data as tensors"
+        )
+    return out
+
+
+def check_limits(name: Any, shape: tuple[int, ...]) -> None:
+    """A tensor the reader will accept: the wire format's name, rank and element limits."""
+    if not isinstance(name, str) or not name:
+        raise InvalidInputError(f"tensor names must be non-empty strings, got {name!r}")
+    if len(name) > MAX_NAME:
+        raise InvalidInputError(f"tensor {name[:40]!r}...: name of {len(name)} characters, the limit is {MAX_NAME}")
+    if len(shape) > MAX_NDIM:
+        raise InvalidInputError(f"tensor {name!r}: {len(shape)} dimensions, the wire format allows {MAX_NDIM}")
+    if math.prod(s for s in shape if s) > MAX_TENSOR_ELEMENTS:
+        raise InvalidInputError(f"tensor {name!r}: shape {shape} exceeds {MAX_TENSOR_ELEMENTS} elements")
+
+
+# Bytes a tensor's entry in the v2 table can take beside its name: kind, form, 8 dimensions, nnz and the codec
+# fields are each a byte or a varint of at most 10 bytes (about 140 in all at the most), and the name's own varints.
+TABLE_ENTRY_BOUND = 512
+
+
+def _header_bound(payload: Payload) -> int:
+    """An upper bound on the header's bytes from the names, the stage and metadata JSON and the tensor count alone
+    (no layout of the table): where it is within the reader's limit, the exact size need not be computed."""
+    names = sum(len(r.name) for r in payload.tensors)  # UTF-8 takes at most 4 bytes a character
+    cfg = json.dumps([payload.pipeline, payload.metadata], separators=(",", ":"), ensure_ascii=True)
+    return 4 * names + TABLE_ENTRY_BOUND * (len(payload.tensors) + len(payload.pipeline)) + 4 * len(cfg) + 4096
+
+
+def check_header_size(payload: Payload) -> None:
+    if _header_bound(payload) <= MAX_HEADER_BYTES:
+        return
+    header = payload.header_nbytes
+    if header > MAX_HEADER_BYTES:
+        raise InvalidInputError(
+            f"the payload header would be {header} bytes, over the reader's limit of {MAX_HEADER_BYTES}: "
+            f"{len(payload.tensors)} tensors, their names and the metadata do not fit"
+        )
+
+
+def as_mapping(x: Any, what: str) -> Mapping[str, Any]:
+    """``x`` if it is a mapping (of names to arrays), else an InvalidInputError naming ``what``."""
+    if not isinstance(x, Mapping):
+        raise InvalidInputError(f"{what} must be a mapping of name -> array, got {type(x).__name__}")
+    return x
+
+
+class Payload:
+    """A compressed update: tensor records whose buffers stay where they were computed (the GPU on the GPU path)
+    until :meth:`to_bytes`.
+
+    Attributes: ``tensors`` (list of :class:`~gpu_codec.format.TensorRecord`), ``pipeline`` (codec configs, as
+    stored in the header), ``metadata`` (str -> JSON value), ``backend`` (the backend that made it, not stored).
+    """
+
+    def __init__(
+        self, tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None = None, backend: str = "cpu"
+    ):
+        self.tensors = tensors
+        self.pipeline = pipeline
+        self.metadata = dict(metadata or {})
+        self.backend = backend
+        self._wire_cache: dict = {}  # the bytes stage's layout, shared by nbytes, header_nbytes and to_bytes
+        self.version: int | None = None  # the wire version it was read from (None: made here)
+        self.base_fingerprint: str | None = None  # of the base it was made against (compress(fingerprint_base=True))
+
+    def to_bytes(self, version: int | None = None) -> bytes:
+        """Serialize: wire format v2 (``version=None`` or 2; v1 for records v2 cannot describe, which no
+        built-in codec makes; v3 where an ``nvcomp`` tensor is more than one zstd frame, more than 16 MiB of
+        encoded bytes), or v1 or v2 on request (``version=1`` or ``2``, for readers that predate the later
+        versions: a tensor of several frames is then compressed again, on the CPU, as one). On the GPU path this
+        is the one device-to-host copy.
+
+        >>> import numpy as np, gpu_codec
+        >>> p = gpu_codec.compress({"w": np.arange(100, dtype=np.float32)}, fraction=0.05)
+        >>> blob = p.to_bytes()
+        >>> blob[:8], blob[8], len(blob) == p.nbytes, len(p.to_bytes(version=1)) > len(blob)
+        (b'GPUCODEC', 2, True, True)
+        """
+        blob = pack(
+            self.tensors,
+            pipeline=self.pipeline,
+            metadata=self.metadata,
+            layouts=wire_layouts(),
+            version=version,
+            cache=self._wire_cache,
+            fingerprint=self.base_fingerprint,
+        )
+        if blob[8] == 1 and int.from_bytes(blob[12:16], "little") > MAX_HEADER_BYTES:
+            raise InvalidInputError(
+                f"a version-1 header for {len(self.tensors)} tensors would be over the reader's limit of "
+                f"{MAX_HEADER_BYTES} bytes; write version 2 (the default), whose tensor table is compact"
+            )
+        return blob
+
+    @classmethod
+    def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Payload:
+        """Parse and validate a payload of either format version (hostile input is rejected with a
+        PayloadError)."""
+        header, records = unpack(blob, wire_layouts())
+        p = cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
+        p.version = int(header["version"])
+        p.base_fingerprint = header.get("base_fingerprint")
+        return p
+
+    def _laid_out(self, measure: Callable[..., int]) -> int:
+        """A size of the wire layout (sharing the layout with :meth:`to_bytes` through the cache)."""
+        return measure(
+            self.tensors,
+            self.pipeline,
+            self.metadata,
+            wire_layouts(),
+            cache=self._wire_cache,
+            fingerprint=self.base_fingerprint,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        """Exact size of :meth:`to_bytes`, computed without copying anything off the device."""
+        return self._laid_out(packed_size)
+
+    @property
+    def header_nbytes(self) -> int:
+        """Bytes of :meth:`to_bytes` that are neither buffer data nor checksum: the prefix, the tensor table
+        and the metadata (no device copy).
+
+        >>> import numpy as np, gpu_codec
+        >>> u = {f"layer{i}.weight": np.ones(1000, np.float32) * i for i in range(1, 11)}
+        >>> gpu_codec.compress(u, fraction=0.01).header_nbytes / len(u) < 16
+        True
+        """
+        return self._laid_out(header_size)
+
+    @property
+    def dense_nbytes(self) -> int:
+        """Size of the dense update in its original dtypes."""
+        return sum(r.numel * dtypes.storage_dtype(r.dtype).itemsize for r in self.tensors)
+
+    @property
+    def ratio(self) -> float:
+        """Dense size over compressed size."""
+        return self.dense_nbytes / max(1, self.nbytes)
+
+    @property
+    def nnz(self) -> int:
+        return sum(r.nnz for r in self.tensors)
+
+    def __repr__(self) -> str:
+        return (
+            f"Payload({len(self.tensors)} tensors, {self.nnz} kept entries, {self.nbytes} bytes, "
+            f"ratio {self.ratio:.1f}x, backend={self.backend!r})"
+        )
+
+
+__all__ = ["Payload", "as_mapping", "check_header_size", "check_json", "check_limits", "check_metadata"]
