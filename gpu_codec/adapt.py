@@ -13,37 +13,25 @@ in :mod:`gpu_codec.arrays`, re-exported here for the adapters.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from . import engine as _engine
 from .arrays import array_kind, backend_to_torch, torch_to_backend  # noqa: F401 - the adapters' torch bridge
-from .codecs import Pipeline
-from .errors import InvalidInputError
+from .codecs import Pipeline, as_pipeline
+from .errors import CodecConfigError, InvalidInputError, UnknownCodecError
 
 
 def pipeline_configs(pipeline: Any) -> list[dict] | None:
-    """Normalize a codec pipeline (None, a list of stage configs, or a ``gpu_codec.Pipeline``) to stage configs."""
+    """A codec pipeline (None, a list of codecs or stage configs, or a ``gpu_codec.Pipeline``) as stage configs,
+    checked by :func:`gpu_codec.codecs.as_pipeline` (the one normalisation: unknown codecs, bad fields and stages out
+    of order are refused here, as InvalidInputError naming the pipeline)."""
     if pipeline is None:
         return None
-    if hasattr(pipeline, "get_config"):
-        cfg = pipeline.get_config()
-        if isinstance(cfg, Mapping) and "stages" in cfg:
-            cfg = cfg["stages"]
-        pipeline = cfg
-    if isinstance(pipeline, Mapping) or not isinstance(pipeline, Sequence) or isinstance(pipeline, (str, bytes)):
-        raise InvalidInputError(
-            f"a codec pipeline must be a list of stage configs like [{{'id': 'zstd'}}] or a "
-            f"gpu_codec.Pipeline, got {type(pipeline).__name__}"
-        )
-    out = []
-    for i, stage in enumerate(pipeline):
-        if hasattr(stage, "get_config"):  # a codec object
-            stage = stage.get_config()
-        if not isinstance(stage, Mapping) or not isinstance(stage.get("id"), str):
-            raise InvalidInputError(f"pipeline stage {i} must be a dict with a string 'id', got {stage!r}")
-        out.append(dict(stage))
-    return out
+    try:
+        return as_pipeline(pipeline).get_config()
+    except (CodecConfigError, UnknownCodecError) as e:
+        raise InvalidInputError(str(e)) from None
 
 
 def is_lossy(fraction: float | None, pipeline: Any) -> bool:
