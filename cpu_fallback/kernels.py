@@ -14,10 +14,10 @@ from functools import partial
 import numpy as np
 
 from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS
+from gpu_codec.xp.finite import all_finite
 
 from .elementwise import (
     DT_F64,
-    all_finite,
     decoded,
     delta,
     load_f32,

@@ -19,22 +19,14 @@ import math
 
 import numpy as np
 
+from gpu_codec.xp.limbs import add_span, mean_span  # (the steps every backend runs, on its own memory)
+
 from .parallel import parallel_map, spans, thread_count
 
 BLOCK = 1 << 18  # elements per block of the mean (fewer, longer calls: 2^18 took 20 % less time than 2^16 in
 # one thread at 2^24, on an AMD EPYC with AVX-512, though its two fp64 buffers are 4 MiB)
 TASK = 1 << 20  # elements per pool task of a dense limb_add
 ADD_TASK = 1 << 15  # entries per pool task of limb_add
-
-
-def add_span(limbs, idx, qs, a: int, b: int) -> None:
-    """Entries [a, b) of :func:`limb_add`, with the arrays' own module (NumPy or CuPy): ``limbs[j][idx[a:b]] +=
-    qs[j, a:b]`` for every limb j (``idx`` None: elements a to b)."""
-    for j in range(limbs.shape[0]):
-        if idx is None:
-            limbs[j, a:b] += qs[j, a:b]
-        else:
-            limbs[j, idx[a:b]] += qs[j, a:b]
 
 
 def limb_split(vals, w: float, exps: list[int], xp=np):
@@ -55,53 +47,12 @@ def limb_split(vals, w: float, exps: list[int], xp=np):
     return qs
 
 
-def abs_max(vals, to_host=np.asarray) -> float:
-    """``max |v|`` of finite float values on the host, from their bits: the sign bit cleared and the largest
-    magnitude found as an unsigned integer (IEEE order; ``to_host`` copies the one word back), so no float operation
-    runs (a GPU array module's own
-    float kernels flush subnormals to zero).
-
-    >>> abs_max(np.array([-3.0, 2.0, 1e-45], np.float32)), abs_max(np.array([], np.float64))
-    (3.0, 0.0)
-    """
-    if vals.size == 0:
-        return 0.0
-    return from_abs_bits(to_host(abs_max_bits(vals)), vals.dtype)
-
-
-def abs_max_bits(vals):
-    """The bits of :func:`abs_max` of non-empty ``vals``, left where ``vals`` is (a 0-d unsigned array of their
-    width), for a caller that reads many at once and turns each into the value with :func:`from_abs_bits`."""
-    ut = np.uint64 if vals.dtype.itemsize == 8 else np.uint32
-    return (vals.view(ut) & ut(np.iinfo(ut).max >> 1)).max()
-
-
-def from_abs_bits(bits, dtype) -> float:
-    """The float of ``dtype`` whose bits (a host integer or array of one) :func:`abs_max_bits` gave."""
-    ut = np.uint64 if np.dtype(dtype).itemsize == 8 else np.uint32
-    return float(np.asarray(bits).astype(ut).reshape(1).view(dtype)[0])
-
-
 def limb_add(limbs: np.ndarray, idx: np.ndarray | None, qs: np.ndarray) -> None:
     """``limbs[j][idx] += qs[j]`` for every limb j (``idx`` ascending and distinct; ``None``: every element,
     ``qs`` then holds one row of numel per limb). The entries are split into ranges on the pool: distinct
     indices make the ranges' writes disjoint, and int32 sums do not depend on the order.
     """
     parallel_map(lambda c: add_span(limbs, idx, qs, *c), spans(0, qs.shape[1], TASK if idx is None else ADD_TASK))
-
-
-def mean_span(limbs, scales: list[float], total: float, out, a: int, b: int, acc, term) -> None:
-    """Elements [a, b) of :func:`limb_mean`, with the arrays' own module (NumPy or CuPy), through two fp64 buffers
-    ``acc`` and ``term`` of at least b - a elements: the same steps, so the same bytes, for every backend."""
-    s, t = acc[: b - a], term[: b - a]
-    s[...] = limbs[0, a:b]  # int32 -> fp64: exact (a copy casts faster than the ufunc's own casting)
-    s *= scales[0]  # a power of two: exact
-    for j in range(1, limbs.shape[0]):
-        t[...] = limbs[j, a:b]
-        t *= scales[j]
-        s += t
-    s /= total
-    out[a:b] = s
 
 
 def limb_mean(limbs: np.ndarray, scales: list[float], total: float, out: np.ndarray) -> None:

@@ -33,12 +33,13 @@ from . import decode as _decode
 from . import dtypes
 from .arrays import from_backend, to_tensor
 from .backends import events, get_backend
-from .backends.base import abs_max, abs_max_bits, all_finite, from_abs_bits, some_nonfinite
 from .codecs import decoder_for
 from .constants import SCATTER_ADD
 from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import TensorRecord
 from .payload import Payload
+from .xp.finite import all_finite, some_nonfinite
+from .xp.limbs import abs_max, abs_max_bits, from_abs_bits
 
 LIMB_BITS = 18
 LIMBS = 3

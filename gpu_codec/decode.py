@@ -18,7 +18,6 @@ import numpy as np
 from . import dtypes
 from .arrays import Tensor, from_backend, to_tensor
 from .backends import Backend, get_backend
-from .backends.base import all_finite, some_nonfinite
 from .codecs import decoder_for
 from .constants import SCATTER_ADD, SCATTER_ZEROS, U64_MAX
 from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
@@ -27,6 +26,7 @@ from .format import (
 )
 from .format.fingerprint import check_base
 from .payload import Payload, as_mapping
+from .xp.finite import all_finite, some_nonfinite
 
 DEFAULT_MAX_OUTPUT_BYTES = 4 << 30  # decompress's cap on the dense output a payload may declare
 # Entries written per scatter: a 256th of the tensor, within these bounds, so the temporaries of a chunk (about

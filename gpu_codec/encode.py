@@ -20,7 +20,7 @@ import numpy as np
 from . import dtypes
 from .arrays import Tensor, to_tensor
 from .backends import Backend, get_backend
-from .backends.base import DeltaRequest, SelectRequest, all_finite
+from .backends.base import DeltaRequest, SelectRequest
 from .codecs import SCOPES, as_pipeline, check_fraction
 from .constants import DType
 from .errors import InvalidInputError
@@ -30,6 +30,7 @@ from .format import (
 )
 from .format.fingerprint import fingerprint
 from .payload import Payload, as_mapping, check_header_size, check_limits, check_metadata
+from .xp.finite import all_finite
 
 if TYPE_CHECKING:
     from .pending import PendingPayload

@@ -149,11 +149,16 @@ def test_no_import_cycles():
 
 def test_twins_import_nothing_above_them():
     """The NumPy twins of the kernels (cpu_fallback/) take their numbers and rules from gpu_codec.constants alone,
-    as the kernels take them as -D flags (and raise the package's errors): nothing of the format, the codecs, the
-    backends or the array code that backends run (gpu_codec.xp)."""
+    as the kernels take them as -D flags (and raise the package's errors), and the array code every backend runs
+    from gpu_codec.xp, beside them: nothing of the format, the codecs or the backends; and that array code imports no
+    twin."""
     bad = []
     for mod, path in _files().items():
         if mod.startswith("gpu_codec.cpu_fallback."):
             bad += [f"{mod} imports {i}" for i in _imports(mod, path) if not i.startswith("gpu_codec.cpu_fallback")]
-    bad = [b for b in bad if not b.endswith((" imports gpu_codec.constants", " imports gpu_codec.errors"))]
+    allowed = (" imports gpu_codec.constants", " imports gpu_codec.errors", " imports gpu_codec.xp")
+    bad = [b for b in bad if not b.endswith(allowed) and " imports gpu_codec.xp." not in b]
     assert bad == []
+    for mod, path in _files().items():  # the array code stands beside the twins, not on them
+        if mod.startswith("gpu_codec.xp."):
+            assert not any(i.startswith("gpu_codec.cpu_fallback") for i in _imports(mod, path)), mod

@@ -18,14 +18,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from ..constants import Criterion, DType, Rounding
-from ..cpu_fallback.elementwise import all_finite, some_nonfinite  # shared with the twins
-from ..cpu_fallback.limbs import (  # the limb passes' steps, shared with the twins
-    abs_max,
-    abs_max_bits,
-    add_span,
-    from_abs_bits,
-    mean_span,
-)
+from ..xp.finite import all_finite, some_nonfinite  # array code every backend runs (gpu_codec.xp)
+from ..xp.limbs import abs_max, abs_max_bits, add_span, from_abs_bits, mean_span
 
 Array = Any  # an array of the backend's ``xp`` (NumPy or CuPy)
 
