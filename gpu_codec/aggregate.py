@@ -34,7 +34,7 @@ from . import dtypes
 from .arrays import from_backend, to_tensor
 from .backends import events, get_backend
 from .codecs import decoder_for
-from .constants import SCATTER_ADD
+from .constants import ScatterMode
 from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import TensorRecord
 from .payload import Payload
@@ -384,10 +384,10 @@ class Aggregator:
             part = base[a:b] if idx is None else base[idx[a:b]]
             out = buf[: b - a]
             if checks is not None:  # (the values are finite: its error word says nothing more)
-                backend.dense_apply([out], [code], [part], [vals[a:b]], SCATTER_ADD, defer=True)
+                backend.dense_apply([out], [code], [part], [vals[a:b]], ScatterMode.ADD, defer=True)
                 checks.flag(some_nonfinite(out, code, xp))
                 continue
-            backend.dense_apply([out], [code], [part], [vals[a:b]], SCATTER_ADD)
+            backend.dense_apply([out], [code], [part], [vals[a:b]], ScatterMode.ADD)
             if not all_finite(out, code, xp):
                 raise PayloadValueError(
                     f"{what}: tensor {r.name!r}: the update takes the base past the range of {r.dtype} (inf or NaN); "

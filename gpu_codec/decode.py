@@ -19,7 +19,7 @@ from . import dtypes
 from .arrays import Tensor, from_backend, to_tensor
 from .backends import Backend, get_backend
 from .codecs import decoder_for
-from .constants import SCATTER_ADD, SCATTER_ZEROS, U64_MAX
+from .constants import U64_MAX, ScatterMode
 from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import (
     TensorRecord,
@@ -98,7 +98,7 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
     if d.indices is not None:
         _check_indices(d, numel, xp, chunk)
     logical = d.dtype if base is not None else dtypes.value_dtype(d.dtype)
-    mode = SCATTER_ADD if base is not None else SCATTER_ZEROS
+    mode = ScatterMode.ADD if base is not None else ScatterMode.ZEROS
     code = dtypes.code(logical)
     dense = d.indices is None
     base_arr = backend.asarray(base.data) if base is not None else None
@@ -114,7 +114,7 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
             idx = None
             part = None if base_arr is None else base_arr[a:b]
             bad = backend.dense_apply([out[a:b]], [code], [part], [vals], mode)
-            finite = bad is not None or mode != SCATTER_ADD or all_finite(out[a:b], code, xp)
+            finite = bad is not None or mode != ScatterMode.ADD or all_finite(out[a:b], code, xp)
         elif onto:
             idx = d.indices(a, b)  # checked ascending and in range: the last chunk copies the base to its end
             stop = numel if b == d.nnz else int(idx[-1]) + 1
@@ -172,7 +172,7 @@ def _decode_one_deferred(d: Any, base: Tensor | None, backend: Any, bounds: tupl
     xp = backend.xp
     numel = d.numel
     logical = d.dtype if base is not None else dtypes.value_dtype(d.dtype)
-    mode = SCATTER_ADD if base is not None else SCATTER_ZEROS
+    mode = ScatterMode.ADD if base is not None else ScatterMode.ZEROS
     code = dtypes.code(logical)
     base_arr = backend.asarray(base.data) if base is not None else None
     out = out_of()
@@ -182,7 +182,7 @@ def _decode_one_deferred(d: Any, base: Tensor | None, backend: Any, bounds: tupl
             b = min(a + step, d.nnz)
             part = None if base_arr is None else base_arr[a:b]
             checks.word(backend.dense_apply([out[a:b]], [code], [part], [d.values(a, b)], mode, defer=True))
-            if mode == SCATTER_ADD:
+            if mode == ScatterMode.ADD:
                 checks.flag(some_nonfinite(out[a:b], code, xp))
         return
     if base_arr is not None:
@@ -195,7 +195,7 @@ def _decode_one_deferred(d: Any, base: Tensor | None, backend: Any, bounds: tupl
         if last is not None:  # each chunk's entries after the last chunk's (the scatter checks within a chunk)
             checks.flag(idx[0] <= last)
         last = idx[-1]
-        if mode == SCATTER_ADD:  # (an index out of range is clamped here: the scatter's word reports it)
+        if mode == ScatterMode.ADD:  # (an index out of range is clamped here: the scatter's word reports it)
             checks.flag(some_nonfinite(out[xp.minimum(idx, max(numel - 1, 0))], code, xp))
 
 
@@ -246,15 +246,15 @@ def _decode_run(
             flat[o : o + n] = backend.asarray(b.data)
     if not sum(counts):
         return True
-    mode = SCATTER_ADD if bases[0] is not None else SCATTER_ZEROS
+    mode = ScatterMode.ADD if bases[0] is not None else ScatterMode.ZEROS
     if checks is not None:
         checks.word(backend.scatter([span], [code], [o1 - o0], [gi], [vals], mode, defer=True))
-        if mode == SCATTER_ADD and o1 > o0:  # (an index out of range is clamped: the checks above report it)
+        if mode == ScatterMode.ADD and o1 > o0:  # (an index out of range is clamped: the checks above report it)
             checks.flag(some_nonfinite(span[xp.minimum(gi, o1 - o0 - 1)], code, xp))
         return True
     if backend.scatter([span], [code], [o1 - o0], [gi], [vals], mode) is not None:
         return False  # a value is not finite
-    return mode != SCATTER_ADD or all_finite(span[gi], code, xp)
+    return mode != ScatterMode.ADD or all_finite(span[gi], code, xp)
 
 
 def decoded_records(payload: Payload, backend: Backend) -> list[TensorRecord]:

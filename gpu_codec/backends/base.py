@@ -17,7 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..constants import Criterion, DType, Rounding
+from ..constants import Criterion, DType, Rounding, ScatterMode
 from ..xp.finite import all_finite, some_nonfinite  # array code every backend runs (gpu_codec.xp)
 from ..xp.limbs import abs_max, abs_max_bits, add_span, from_abs_bits, mean_span
 
@@ -142,11 +142,11 @@ class Backend(Protocol):
     def scatter(
         self,
         outs: list[Array],
-        out_dtypes: list[int],
+        out_dtypes: list[DType],
         numels: list[int],
         indices: list[Array],
         values: list[Array],
-        mode: int,
+        mode: ScatterMode,
         defer: bool = False,
     ) -> int | Array | None:
         """Write kept entries into dense outputs; the lowest bad entry position, or None. ``defer``: the error
@@ -160,26 +160,28 @@ class Backend(Protocol):
         base: Array,
         start: int,
         stop: int,
-        out_dtype: int,
+        out_dtype: DType,
         numel: int,
         indices: Array,
         values: Array,
     ) -> tuple[int | None, bool]:
         """``out[start:stop] = base[start:stop]`` with one tensor's entries (ascending, within [start, stop)) added
-        as :meth:`scatter` mode 1 adds them: (the lowest bad entry or None, whether every sum is finite in the
-        dtype). The same bytes as a copy of the base and :meth:`scatter`, which the kernel backends run."""
+        as :meth:`scatter` in mode ``ScatterMode.ADD`` adds them: (the lowest bad entry or None, whether every sum
+        is finite in the dtype). The same bytes as a copy of the base and :meth:`scatter`, which the kernel backends
+        run."""
         ...
 
     def dense_apply(
         self,
         outs: list[Array],
-        out_dtypes: list[int],
+        out_dtypes: list[DType],
         bases: list[Array | None],
         values: list[Array],
-        mode: int,
+        mode: ScatterMode,
         defer: bool = False,
     ) -> int | Array | None:
-        """Dense records (every element sent) into fresh outputs: values (mode 0) or base + values (mode 1),
+        """Dense records (every element sent) into fresh outputs: values (``ScatterMode.ZEROS``) or base + values
+        (``ScatterMode.ADD``),
         read in place; the lowest entry with a non-finite value, or None (``defer``: the error word, as
         :meth:`scatter` gives it)."""
         ...
