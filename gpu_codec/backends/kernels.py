@@ -42,16 +42,15 @@ SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
 SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem of reads per input
 SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (their bracket is exact)
-# candidate region of a chunk: the expected count plus this many standard deviations (with the rate's own margin
-# an i.i.d. tensor overflows a region in about 1e-6 of selections at 2^22 to 1e-4 at 2^30, far below the 0.6% at
-# which the bracket misses)
-CAP_SIGMAS = 4.5
-LOCAL_SIGMAS = 5.0  # a region whose own sample is this many standard deviations above its tensor's rate is local
-CAP_MARGIN = 1.25  # (times this where the chunk's own sample says it holds more than its tensor's rate)
-CAP_SLACK = 4
-RATE_SIGMAS = 4.0
-CAP_GROUP = 4  # chunks per fused_scan block (one candidate region each: relatively less spread than a chunk's)
-CAP_PRIOR = 256  # the segment's rate counts as this many samples of each tensor's
+# lo sits this many standard deviations of the sampled count below the k-th key; the deviation counts the runs'
+# design effect (neighbours in a run of trained weights move together: up to SAMPLE_RUN times the variance of
+# independent elements), estimated from the sample itself
+BRACKET_SIGMAS = 2.5
+DESIGN_RANK = 64  # the design effect is measured at the sample's DESIGN_RANK-th key or lower (enough hits)
+# the candidate pool holds the sample's estimate of a segment's candidates plus this many of its standard
+# deviations and POOL_SLACK (device memory only: the traffic is what the candidates are)
+POOL_SIGMAS = 6.0
+POOL_SLACK = 256
 NO_LO = 1 << 32  # lo of a segment with k = 0: above every key
 # a segment of more chunks than this selects on its candidates with a block per chunk (cand_hist) rather than one
 # block (cand_select, one SM): the four histogram rounds then cost a fixed 16 KiB of traffic per segment
@@ -96,8 +95,9 @@ def _check_segments(segments, nt: int) -> None:
 
 
 def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray]:
-    """Per tensor: (sample offsets, nt + 1 entries; sampling stride). A segment of n elements is sampled in runs
-    of SAMPLE_RUN consecutive elements, one run every stride elements (whole when n <= SAMPLE_ALL or k is 0 or n)."""
+    """Per tensor: (sample offsets, nt + 1 entries; sampling window). A segment of n elements is sampled in runs
+    of SAMPLE_RUN consecutive elements, one run in every window of ``stride`` elements (whole when n <=
+    SAMPLE_ALL or k is 0 or n); :func:`gpu_codec.cpu_fallback.fused.sample_positions` says where."""
     nt = len(numels)
     stride = np.full(nt, SAMPLE_RUN, np.int64)
     fixed = [False] * nt
@@ -117,78 +117,60 @@ def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray
     return _offsets(counts), stride
 
 
-def sample_positions(n: int, count: int, stride: int) -> np.ndarray:
-    r = np.arange(count, dtype=np.int64)
-    return (r // SAMPLE_RUN) * stride + r % SAMPLE_RUN
+def design_effect(sample: np.ndarray, rank: int) -> float:
+    """How much more the count of sampled keys at or above the sample's ``rank``-th largest varies than a count
+    of independent elements would (1 to SAMPLE_RUN): the variance of the per-run counts over the binomial one,
+    less its sampling noise."""
+    runs = sample.size // SAMPLE_RUN
+    if runs < 2:
+        return float(SAMPLE_RUN)
+    x = np.partition(sample, sample.size - 1 - rank)[sample.size - 1 - rank]
+    hits = (sample[: runs * SAMPLE_RUN] >= x).reshape(runs, SAMPLE_RUN).sum(axis=1)
+    mean = float(hits.mean())
+    if mean == 0 or mean == SAMPLE_RUN:
+        return float(SAMPLE_RUN) if mean == 0 else 1.0
+    d = float(hits.var()) / (mean * (1 - mean / SAMPLE_RUN))
+    # less two standard errors of a variance over this many runs: independent elements come out at 1, not above
+    return min(float(SAMPLE_RUN), max(1.0, d * (1 - 2 * math.sqrt(2 / (runs - 1)))))
 
 
-def bracket(sample: np.ndarray, n: int, k: int, whole: bool) -> int:
-    """lo: a key at or below the k-th largest of the segment with high probability (exact when sampled whole)."""
+def bracket(sample: np.ndarray, n: int, k: int, whole: bool) -> tuple[int, int]:
+    """(lo, pool): a key at or below the k-th largest of the segment with high probability (exact when sampled
+    whole), and candidate slots enough for the keys at or above it with a far higher one."""
     ms = sample.size
     if whole:
-        pick = k - 1
-    else:
-        r = k * ms / n
-        pick = int(r + 2.5 * math.sqrt(r) + 1)
-        if pick >= ms - 1:
-            return 0  # the sample cannot bracket so low: every element is a candidate
-    return int(np.partition(sample, ms - 1 - pick)[ms - 1 - pick])
+        lo = int(np.partition(sample, ms - k)[ms - k])
+        return lo, int(np.count_nonzero(sample >= lo))
+    r = k * ms / n
+    d = design_effect(sample, min(ms - 1, max(int(r), DESIGN_RANK)))
+    pick = int(r + BRACKET_SIGMAS * math.sqrt(d * r) + 1)
+    if pick >= ms - 1:
+        return 0, n  # the sample cannot bracket so low: every element is a candidate
+    lo = int(np.partition(sample, ms - 1 - pick)[ms - 1 - pick])
+    hits = int(np.count_nonzero(sample >= lo))
+    scale = n / ms
+    return lo, min(n, math.ceil(scale * (hits + POOL_SIGMAS * math.sqrt(d * hits))) + POOL_SLACK)
 
 
-def region_caps(lens: np.ndarray, hit: np.ndarray, above: np.ndarray, stride: int, seg_rate: float) -> np.ndarray:
-    """Candidate slots per region (CAP_GROUP chunks of ``lens`` elements) of a sampled tensor: the expected count
-    plus CAP_SIGMAS standard deviations and CAP_SLACK. Expected: the tensor's sampled rate (drawn towards the
-    segment's where the tensor has few samples, and raised by RATE_SIGMAS of its own spread), or the region's own
-    sample where that is LOCAL_SIGMAS above it."""
-    hits = float(np.count_nonzero(above)) + CAP_PRIOR * seg_rate
-    rate = (hits + RATE_SIGMAS * math.sqrt(hits) + 1.0) / (above.size + CAP_PRIOR)  # the rate is a sample's too
-    scale = float(stride) / SAMPLE_RUN
-    expect_hits = lens * rate / scale
-    local = hit > expect_hits + LOCAL_SIGMAS * np.sqrt(expect_hits) + 3
-    mean = np.where(local, hit * scale * CAP_MARGIN, lens * rate)
-    return np.minimum(lens, np.ceil(mean + CAP_SIGMAS * np.sqrt(mean)).astype(np.int64) + CAP_SLACK)
-
-
-def candidate_plan(host_sample, samp_off, stride, numels, segments, ks, chunk_start, force_miss: bool = False):
-    """(lo per segment, fused_scan's blocks: CAP_GROUP chunks of one tensor each as their first chunks, and the
-    candidate slots of each) from the sampled keys, on the host. ``force_miss``: lo above every key (tests)."""
+def candidate_plan(host_sample, samp_off, numels, segments, ks, force_miss: bool = False) -> tuple[np.ndarray, int]:
+    """(lo per segment, candidate pool slots) from the sampled keys, on the host. ``force_miss``: lo above every
+    key (tests)."""
     nseg = len(segments)
     lo = np.zeros(max(nseg, 1), np.uint64)
-    grp_start: list[int] = []
-    caps: list[int] = []
+    pool = 0
     for s, (seg, k) in enumerate(zip(segments, ks)):
         n = sum(numels[t] for t in seg)
         seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])] if seg else host_sample[:0]
         if k <= 0:
             lo[s] = NO_LO
         elif k >= n:
-            lo[s] = 0
+            lo[s], pool = 0, pool + n
         else:
-            lo[s] = bracket(seg_keys, n, k, n <= SAMPLE_ALL)
+            lo[s], cap = bracket(seg_keys, n, k, n <= SAMPLE_ALL)
+            pool += cap
         if force_miss and k > 0:
             lo[s] = NO_LO - 1
-        seg_rate = float(np.count_nonzero(seg_keys >= lo[s])) / max(1, seg_keys.size)
-        for t in seg:
-            c0, nch = int(chunk_start[t]), int(chunk_start[t + 1] - chunk_start[t])
-            ng = -(-nch // CAP_GROUP)
-            grp_start += range(c0, c0 + nch, CAP_GROUP)
-            glen = np.minimum(CAP_GROUP * CHUNK, numels[t] - CAP_GROUP * CHUNK * np.arange(ng, dtype=np.int64))
-            if k <= 0:
-                caps += [0] * ng
-            elif lo[s] == 0:
-                caps += glen.tolist()
-            else:
-                a = int(samp_off[t])
-                m = int(samp_off[t + 1]) - a
-                pos = sample_positions(numels[t], m, int(stride[t]))
-                above = host_sample[a : a + m] >= lo[s]
-                hit = np.bincount(pos[above] // (CAP_GROUP * CHUNK), minlength=ng)[:ng]
-                if int(stride[t]) == SAMPLE_RUN:  # sampled whole: the counts are exact
-                    caps += hit.tolist()
-                else:
-                    caps += region_caps(glen, hit, above, int(stride[t]), seg_rate).tolist()
-    grp_start.append(int(chunk_start[len(numels)]))
-    return lo, grp_start, caps
+    return lo, pool
 
 
 def _nbytes(*arrays) -> int:
@@ -210,7 +192,7 @@ def _split(flat: Any, counts: list[int]) -> list[Any]:
 class KernelOps:
     """Every op of the :class:`~gpu_codec.backends.base.Backend` protocol that runs kernels, composed from them."""
 
-    _force_fallback = ""  # tests only: "miss" (lo above every key) or "overflow" (empty candidate regions)
+    _force_fallback = ""  # tests only: "miss" (lo above every key) or "overflow" (an empty candidate pool)
     _force_wide = False  # tests only: the fused path writes 64-bit indices whatever the sizes
     _force_select = ""  # tests only: "one" (cand_select) or "multi" (cand_hist) whatever the segments' sizes
 
@@ -222,7 +204,7 @@ class KernelOps:
         self.fused_fallbacks = 0  # fused selections that ran the unfused passes (bracket miss or overflow)
         self.fused_selections = 0  # fused selections that completed without the fallback
         # peak bytes of scratch alive at once in the last fused selection (device memory beyond its inputs and
-        # outputs: the sample, then the candidate regions, per-chunk tables and O(tensors) tables)
+        # outputs: the sample, then the candidate pool, per-chunk tables and O(tensors) tables)
         self.fused_workspace_bytes = 0
 
     def _up(self, host: np.ndarray):
@@ -351,7 +333,7 @@ class KernelOps:
 
     def _topk_fused(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """The selection reading the full tensors once (kernels/topk.cu, "Fused selection"); None where the
-        bracket missed or a candidate region overflowed (the caller then runs the unfused passes)."""
+        bracket missed or the candidate pool overflowed (the caller then runs the unfused passes)."""
         xp, run = self.xp, self.runner
         nt = len(new)
         numels = [int(a.size) for a in new]
@@ -369,7 +351,7 @@ class KernelOps:
         d_dt, d_so = self._up(np.asarray(dtypes, np.int32)), self._up(tb.seg_of)
         p_new, p_base, p_res, p_ext = self._ptrs(new), self._ptrs(base), self._ptrs(res), self._ptrs(ext_scores)
         d_ext_dt = self._up(np.asarray(ext_dtypes, np.int32))
-        # 1) the sample and, on the host, lo per segment and a candidate region per group of CAP_GROUP chunks
+        # 1) the sample and, on the host, lo per segment and the size of the candidate pool
         samp_off, stride = sample_plan(numels, segments, ks)
         ns = int(samp_off[-1])
         tables = _nbytes(d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt)  # live until the end
@@ -381,23 +363,19 @@ class KernelOps:
                 "sample_keys",
                 -(-ns // BLOCK),
                 BLOCK,
-                (nt32, np.uint64(ns), d_off, d_stride, np.int32(SAMPLE_RUN), d_dt, p_new, p_base)
+                (nt32, np.uint64(ns), d_off, d_nm, d_stride, np.int32(SAMPLE_RUN), d_dt, p_new, p_base)
                 + (p_res, p_ext, d_ext_dt, crit32, sample),
             )
             host_sample = run.to_host(sample)
             peak = max(peak, tables + _nbytes(sample, d_off, d_stride))
-            del sample, d_off, d_stride  # freed before the candidate regions are allocated
-        lo, grp_start, caps = candidate_plan(
-            host_sample, samp_off, stride, numels, segments, ks, tb.chunk_start, self._force_fallback == "miss"
-        )
+            del sample, d_off, d_stride  # freed before the candidate pool is allocated
+        lo, pool = candidate_plan(host_sample, samp_off, numels, segments, ks, self._force_fallback == "miss")
         if self._force_fallback == "overflow":
-            caps = [0] * len(caps)
-        grp_off = _offsets(caps)
-        ncap, ngrp = int(grp_off[-1]), len(caps)
+            pool = 0
         cand_base = xp.zeros(grid, dtype=np.uint64)
         cand_cnt = xp.zeros(grid, dtype=np.uint32)
-        cand_idx = xp.empty(max(ncap, 1), dtype=np.uint16)
-        cand_key = xp.empty(max(ncap, 1), dtype=np.uint32)
+        cand_idx = xp.empty(max(pool, 1), dtype=np.uint16)
+        cand_key = xp.empty(max(pool, 1), dtype=np.uint32)
         cands = _nbytes(cand_base, cand_cnt, cand_idx, cand_key)  # live until cand_write
         status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(nseg, np.uint64)]))
         # 2) one pass over every element; the residual is written here where it is not also the residual read
@@ -405,24 +383,26 @@ class KernelOps:
             ro if ro is not None and (r is None or self.runner.ptr(r) != self.runner.ptr(ro)) else None
             for r, ro in zip(res, res_out)
         ]
-        plan = (self._ptrs(early), self._up(lo), self._up(np.asarray(grp_start, np.int64)), self._up(grp_off))
+        p_early = self._ptrs(early)  # live until cand_write
+        plan = (p_early, self._up(lo), np.uint64(pool))
         run.launch(
             "fused_scan",
-            ngrp,
+            grid,
             BLOCK,
             (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32)
             + plan
             + (cand_base, cand_cnt, cand_idx, cand_key, status),
         )
-        peak = max(peak, tables + cands + _nbytes(status, *plan))
+        peak = max(peak, tables + cands + _nbytes(status, *plan[:2]))
+        cands += _nbytes(p_early)
         self.fused_workspace_bytes = peak
         del plan
         st = run.to_host(status)
         del status
         if int(st[0]) != U64_MAX:
             return None, None, int(st[0])
-        if int(st[1]) or any(int(st[2 + s]) < k for s, k in enumerate(ks)):
-            return None  # a region overflowed or the bracket missed
+        if int(st[1]) > pool or any(int(st[2 + s]) < k for s, k in enumerate(ks)):
+            return None  # the pool overflowed or the bracket missed
         # 3) exact selection on the candidates, then the ordered write of the kept entries
         state = self._up(initial_state(ks))
         seg_chunks = np.zeros(nseg + 1, np.int64)
@@ -467,8 +447,8 @@ class KernelOps:
             "cand_write_" + sfx,
             grid,
             BLOCK,
-            (nt32, d_cs, d_dt, d_so, p_new, p_base, p_res, cand_base, cand_cnt, cand_idx, cand_key, state, eq_base)
-            + (out_base, idx, vals32, vals64),
+            (nt32, d_cs, d_dt, d_so, p_new, p_base, p_res, p_early, cand_base, cand_cnt, cand_idx, cand_key, state)
+            + (eq_base, out_base, idx, vals32, vals64),
         )
         del cand_base, cand_cnt, cand_idx, cand_key, state, eq_base, out_base
         host_counts = run.to_host(counts).astype(np.int64)
