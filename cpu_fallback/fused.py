@@ -88,6 +88,7 @@ def fused_scan(
     cand_cnt,
     cand_idx,
     cand_key,
+    eq_cnt,
     status,
 ):
     """Chunks take their places in the pool in chunk order here; the kernel places them in the order its blocks
@@ -106,11 +107,14 @@ def fused_scan(
             status[0] = min(int(status[0]), t)
         if early_ptrs[t] is not None:
             early_ptrs[t][:] = d
-        sel = key.astype(np.uint64) >= np.uint64(int(lo[s]))
+        sel = key.astype(np.uint64) > np.uint64(int(lo[s]))
+        eq = key.astype(np.uint64) == np.uint64(int(lo[s]))
         c0, c1 = _chunks(chunk_start, t)
         for c in range(c0, c1):
             e0 = (c - c0) * CHUNK
             local = np.flatnonzero(sel[e0 : min(n, e0 + CHUNK)])
+            e = int(np.count_nonzero(eq[e0 : min(n, e0 + CHUNK)]))
+            eq_cnt[c] = e
             m = local.size
             at = int(status[1])
             fits = at + m <= cap
@@ -120,7 +124,8 @@ def fused_scan(
                 cand_idx[at : at + m] = local.astype(np.uint16)
                 cand_key[at : at + m] = key[e0 + local]
             status[1] += np.uint64(m)
-            status[2 + s] += np.uint64(m)
+            status[2 + 2 * s] += np.uint64(m)
+            status[3 + 2 * s] += np.uint64(e)
 
 
 def _cands(cand_base, cand_cnt, c):
@@ -166,15 +171,17 @@ def cand_hist(nt, chunk_start, seg_of, cand_base, cand_cnt, cand_key, state, shi
         )
 
 
-def cand_count(nt, chunk_start, seg_of, cand_base, cand_cnt, cand_key, state, cnt):
+def cand_count(nt, chunk_start, seg_of, cand_base, cand_cnt, cand_key, state, lo, eq_cnt, cnt):
     for t in range(int(nt)):
-        T = np.uint32(int(state[2 * int(seg_of[t])]))
+        s = int(seg_of[t])
+        at_lo = int(state[2 * s]) == int(lo[s])
+        T = np.uint32(int(state[2 * s]) & 0xFFFFFFFF)
         c0, c1 = _chunks(chunk_start, t)
         for c in range(c0, c1):
             base, m = _cands(cand_base, cand_cnt, c)
             k = cand_key[base : base + m]
             cnt[2 * c] = np.count_nonzero(k > T)
-            cnt[2 * c + 1] = np.count_nonzero(k == T)
+            cnt[2 * c + 1] = eq_cnt[c] if at_lo else np.count_nonzero(k == T)
 
 
 def _cand_write(
@@ -231,6 +238,56 @@ def cand_write_u32(*args):
 
 def cand_write_u64(*args):
     _cand_write(*args)
+
+
+def _tie_write(
+    nt,
+    chunk_start,
+    numel,
+    dtypes,
+    seg_of,
+    new_ptrs,
+    base_ptrs,
+    res_ptrs,
+    score_ptrs,
+    score_dtypes,
+    crit,
+    lo,
+    cnt,
+    state,
+    eq_base,
+    out_base,
+    out_idx,
+    vals32,
+    vals64,
+):
+    for t in range(int(nt)):
+        s = int(seg_of[t])
+        take = int(state[2 * s + 1])
+        if int(state[2 * s]) != int(lo[s]):
+            continue
+        T = np.uint32(int(state[2 * s]))
+        c0, c1 = _chunks(chunk_start, t)
+        n = int(numel[t])
+        for c in range(c0, c1):
+            if int(eq_base[c]) >= take or int(cnt[2 * c + 1]) == 0:
+                continue
+            pos = np.arange((c - c0) * CHUNK, min(n, (c - c0 + 1) * CHUNK), dtype=np.int64)
+            d, k, _ = _keys(t, pos, new_ptrs, base_ptrs, res_ptrs, score_ptrs, score_dtypes, dtypes, crit)
+            eq = k == T
+            eq_rank = int(eq_base[c]) + np.cumsum(eq, dtype=np.int64) - eq
+            sel = (k > T) | (eq & (eq_rank < take))
+            o, m = int(out_base[c]), int(np.count_nonzero(sel))
+            out_idx[o : o + m] = pos[sel].astype(out_idx.dtype)
+            (vals64 if int(dtypes[t]) == DT_F64 else vals32)[o : o + m] = d[sel]
+
+
+def tie_write_u32(*args):
+    _tie_write(*args)
+
+
+def tie_write_u64(*args):
+    _tie_write(*args)
 
 
 def residual_delta(nt, chunk_start, numel, dtypes, new_ptrs, base_ptrs, res_ptrs, res_out_ptrs):

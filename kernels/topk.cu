@@ -555,23 +555,25 @@ extern "C" __global__ void sample_keys(
 
 // One block per chunk, SCAN_VEC consecutive elements a thread per round and one barrier a round (the per-warp
 // counts double-buffered): key and checks (status[0] = lowest tensor with a non-finite delta or score,
-// initialised to ~0), residual = delta into early_ptrs[t] where non-zero, and the elements whose key is at least
+// initialised to ~0), residual = delta into early_ptrs[t] where non-zero, and the elements whose key is above
 // lo[seg] (lo = 2^32: none) compacted in index order into shared memory (cand_idx = index within the chunk,
-// cand_key = key). The chunk then takes its place in the candidate pool with one atomicAdd on status[1] (the
-// pool's fill, which counts every candidate, stored or not): chunk c's candidates start at cand_base[c] and
-// cand_cnt[c] of them were stored (0 where the pool of pool_cap entries could not hold them). Chunks lie in the
-// pool in the order their blocks finish; later kernels find them through cand_base and cand_cnt only.
-// status[2 + s] += candidates of segment s.
+// cand_key = key); the keys equal to lo are only counted, eq_cnt[c] (a bracket on a value that many elements
+// share, exact zeros or ties, then costs no candidate slots). The chunk then takes its place in the candidate
+// pool with one atomicAdd on status[1] (the pool's fill, which counts every candidate, stored or not): chunk c's
+// candidates start at cand_base[c] and cand_cnt[c] of them were stored (0 where the pool of pool_cap entries
+// could not hold them). Chunks lie in the pool in the order their blocks finish; later kernels find them through
+// cand_base and cand_cnt only. status[2 + 2s] += candidates of segment s, status[3 + 2s] += its keys equal to lo.
 extern "C" __global__ void fused_scan(
     int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
     const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
     int crit, const u64* early_ptrs, const u64* lo, u64 pool_cap, u64* cand_base, u32* cand_cnt, u16* cand_idx,
-    u32* cand_key, u64* status)
+    u32* cand_key, u32* eq_cnt, u64* status)
 {
     __shared__ u32 wsel[2][WARPS];  // per warp, selected in the round; two sets, so one barrier a round
     __shared__ u16 st_idx[CHUNK];   // the chunk's candidates, staged in index order
     __shared__ u32 st_key[CHUNK];
     __shared__ u64 sh_at;
+    __shared__ u32 sh_eq;
     const i64 c = blockIdx.x;
     const int t = tensor_of_chunk(chunk_start, nt, c);
     const u64 L = lo[seg_of[t]];
@@ -585,9 +587,10 @@ extern "C" __global__ void fused_scan(
     const int sdt = score_dtypes[t];
     const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u32 pos = 0;
+    u32 pos = 0, eqs = 0;
     int parity = 0;
     bool bad_any = false;
+    if (threadIdx.x == 0) sh_eq = 0;  // read after the rounds' barriers
     for (int j = 0; j < ITEMS / SCAN_VEC; ++j) {
         const i64 i0 = e0 + (i64)j * (BLOCK * SCAN_VEC);
         if (i0 >= n) break;  // uniform across the block
@@ -608,7 +611,8 @@ extern "C" __global__ void fused_scan(
                     if (dt == DT_F64) ((double*)ep)[i] = d64;
                     else ((float*)ep)[i] = d32;
                 }
-                mask |= (u32)((u64)key[v] >= L) << v;
+                mask |= (u32)((u64)key[v] > L) << v;
+                eqs += (u64)key[v] == L;
             }
         }
         // the round's selected elements in index order: thread by thread, then within a thread
@@ -639,12 +643,18 @@ extern "C" __global__ void fused_scan(
         parity ^= 1;
     }
     if (bad_any) atomicMin(&status[0], (u64)t);
+    for (int o = 16; o > 0; o >>= 1) eqs += __shfl_down_sync(0xFFFFFFFFu, eqs, o);
+    if (lane == 0 && eqs) atomicAdd(&sh_eq, eqs);
+    __syncthreads();
     if (threadIdx.x == 0) {
         const u64 at = pos ? atomicAdd(&status[1], (u64)pos) : 0;
         const bool fits = at + pos <= pool_cap;
+        const int s = seg_of[t];
         cand_base[c] = fits ? at : 0;
         cand_cnt[c] = fits ? pos : 0u;
-        if (pos) atomicAdd(&status[2 + seg_of[t]], (u64)pos);
+        eq_cnt[c] = sh_eq;
+        if (pos) atomicAdd(&status[2 + 2 * s], (u64)pos);
+        if (sh_eq) atomicAdd(&status[3 + 2 * s], (u64)sh_eq);
         sh_at = fits ? at : ~0ull;
     }
     __syncthreads();
@@ -726,10 +736,12 @@ extern "C" __global__ void cand_hist(
         if (bins[b]) atomicAdd(&hist[256 * (i64)s + b], (u64)bins[b]);
 }
 
-// Per chunk, over its candidates: how many keys are above the segment's threshold, and how many equal it.
+// Per chunk, over its candidates: how many keys are above the segment's threshold, and how many equal it; where
+// the threshold is lo itself (fewer candidates than k: the first keys equal to lo make up the rest), the equal
+// ones are eq_cnt[c], which fused_scan counted.
 extern "C" __global__ void cand_count(
     int nt, const i64* chunk_start, const int* seg_of, const u64* cand_base, const u32* cand_cnt,
-    const u32* cand_key, const u64* state, u32* cnt)
+    const u32* cand_key, const u64* state, const u64* lo, const u32* eq_cnt, u32* cnt)
 {
     __shared__ u32 sg[WARPS], se[WARPS];
     const i64 c = blockIdx.x;
@@ -753,8 +765,9 @@ extern "C" __global__ void cand_count(
     if (threadIdx.x == 0) {
         u32 G = 0u, E = 0u;
         for (int w = 0; w < WARPS; ++w) { G += sg[w]; E += se[w]; }
+        const int s = seg_of[t];
         cnt[2 * c] = G;
-        cnt[2 * c + 1] = E;
+        cnt[2 * c + 1] = state[2 * s] == lo[s] ? eq_cnt[c] : E;
     }
 }
 
@@ -822,6 +835,75 @@ extern "C" __global__ void cand_write_u64(
 {
     cand_write_impl<u64>(nt, chunk_start, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, early_ptrs, cand_base,
                          cand_cnt, cand_idx, cand_key, state, eq_base, out_base, out_idx, vals32, vals64);
+}
+
+// The chunks that supply keys equal to the threshold where it is lo (their segment had fewer candidates than k):
+// the chunk read again, every element's key recomputed, and its kept entries written at out_base[c] onwards in
+// index order (over what cand_write wrote there from the candidates alone). Every other block returns at once.
+template <typename IDX>
+__device__ __forceinline__ void tie_write_impl(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, const u64* lo, const u32* cnt, const u64* state, const u64* eq_base, const u64* out_base,
+    IDX* out_idx, float* vals32, double* vals64)
+{
+    __shared__ u32 wsel[WARPS], weq[WARPS];
+    __shared__ u32 tot[2];
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const int s = seg_of[t];
+    const u64 take = state[2 * s + 1];
+    u64 eq_seen = eq_base[c];
+    if (state[2 * s] != lo[s] || eq_seen >= take || cnt[2 * c + 1] == 0) return;  // uniform across the block
+    const u32 T = (u32)state[2 * s];
+    const i64 n = numel[t];
+    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+    const int dt = dtypes[t];
+    const void* nw = (const void*)new_ptrs[t];
+    const void* bs = (const void*)base_ptrs[t];
+    const void* rs = (const void*)res_ptrs[t];
+    const void* sc = (const void*)score_ptrs[t];
+    const int sdt = score_dtypes[t];
+    u64 pos = out_base[c];
+    for (int j = 0; j < ITEMS; ++j) {
+        const i64 i0 = e0 + (i64)j * BLOCK;
+        if (i0 >= n) break;  // uniform across the block
+        const i64 i = i0 + threadIdx.x;
+        const bool valid = i < n;
+        bool bad;
+        float d32 = 0.0f;
+        double d64 = 0.0;
+        const u32 key = valid ? element_key(nw, bs, rs, sc, dt, sdt, crit, i, bad, d32, d64) : 0u;
+        u32 sel_before;
+        const bool sel = rank_select(valid && key > T, valid && key == T, eq_seen, take, wsel, weq, sel_before);
+        if (sel) {
+            const u64 slot = pos + sel_before;
+            out_idx[slot] = (IDX)i;
+            if (dt == DT_F64) vals64[slot] = d64;
+            else vals32[slot] = d32;
+        }
+        rank_advance(wsel, weq, tot, pos, eq_seen);
+    }
+}
+
+extern "C" __global__ void tie_write_u32(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, const u64* lo, const u32* cnt, const u64* state, const u64* eq_base, const u64* out_base,
+    u32* out_idx, float* vals32, double* vals64)
+{
+    tie_write_impl<u32>(nt, chunk_start, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, score_ptrs,
+                        score_dtypes, crit, lo, cnt, state, eq_base, out_base, out_idx, vals32, vals64);
+}
+
+extern "C" __global__ void tie_write_u64(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, const u64* lo, const u32* cnt, const u64* state, const u64* eq_base, const u64* out_base,
+    u64* out_idx, float* vals32, double* vals64)
+{
+    tie_write_impl<u64>(nt, chunk_start, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, score_ptrs,
+                        score_dtypes, crit, lo, cnt, state, eq_base, out_base, out_idx, vals32, vals64);
 }
 
 // residual = delta of every element of t where res_out_ptrs[t] is non-zero (it may alias res_ptrs[t]): the late

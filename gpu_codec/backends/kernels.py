@@ -134,22 +134,29 @@ def design_effect(sample: np.ndarray, rank: int) -> float:
     return min(float(SAMPLE_RUN), max(1.0, d * (1 - 2 * math.sqrt(2 / (runs - 1)))))
 
 
-def bracket(sample: np.ndarray, n: int, k: int, whole: bool) -> tuple[int, int]:
+def bracket(sample: np.ndarray, weight: np.ndarray, n: int, k: int, whole: bool) -> tuple[int, int]:
     """(lo, pool): a key at or below the k-th largest of the segment with high probability (exact when sampled
-    whole), and candidate slots enough for the keys at or above it with a far higher one."""
+    whole), and candidate slots enough for the keys above it with a far higher one. Sampled key i stands for
+    ``weight[i]`` elements (its tensor's size over its sample: a small tensor's run weighs less)."""
     ms = sample.size
     if whole:
         lo = int(np.partition(sample, ms - k)[ms - k])
-        return lo, int(np.count_nonzero(sample >= lo))
-    r = k * ms / n
-    d = design_effect(sample, min(ms - 1, max(int(r), DESIGN_RANK)))
-    pick = int(r + BRACKET_SIGMAS * math.sqrt(d * r) + 1)
+        return lo, int(np.count_nonzero(sample > lo))
+    d = design_effect(sample, min(ms - 1, max(int(k * ms / n), DESIGN_RANK)))
+    order = np.argsort(sample, kind="stable")[::-1]
+    w = weight[order]
+    # elements at or above each sampled key; the estimate's variance at the k-th key (k elements of the mean
+    # weight of the sampled keys above)
+    est = np.cumsum(w)
+    var_k = d * k * np.cumsum(w * w) / est
+    enough = np.flatnonzero(est - BRACKET_SIGMAS * np.sqrt(var_k) >= k)
+    pick = int(enough[0]) + 1 if enough.size else ms  # and one sampled key lower
     if pick >= ms - 1:
         return 0, n  # the sample cannot bracket so low: every element is a candidate
-    lo = int(np.partition(sample, ms - 1 - pick)[ms - 1 - pick])
-    hits = int(np.count_nonzero(sample >= lo))
-    scale = n / ms
-    return lo, min(n, math.ceil(scale * (hits + POOL_SIGMAS * math.sqrt(d * hits))) + POOL_SLACK)
+    lo = int(sample[order[pick]])
+    above = sample > lo  # keys equal to lo are counted, not stored
+    est_above, var_above = float(weight[above].sum()), d * float((weight[above] ** 2).sum())
+    return lo, min(n, math.ceil(est_above + POOL_SIGMAS * math.sqrt(var_above)) + POOL_SLACK)
 
 
 def candidate_plan(host_sample, samp_off, numels, segments, ks, force_miss: bool = False) -> tuple[np.ndarray, int]:
@@ -166,7 +173,9 @@ def candidate_plan(host_sample, samp_off, numels, segments, ks, force_miss: bool
         elif k >= n:
             lo[s], pool = 0, pool + n
         else:
-            lo[s], cap = bracket(seg_keys, n, k, n <= SAMPLE_ALL)
+            m = np.asarray([int(samp_off[t + 1] - samp_off[t]) for t in seg], np.int64)
+            per = np.asarray([numels[t] for t in seg], np.float64) / np.maximum(m, 1)
+            lo[s], cap = bracket(seg_keys, np.repeat(per, m), n, k, n <= SAMPLE_ALL)
             pool += cap
         if force_miss and k > 0:
             lo[s] = NO_LO - 1
@@ -376,35 +385,40 @@ class KernelOps:
         cand_cnt = xp.zeros(grid, dtype=np.uint32)
         cand_idx = xp.empty(max(pool, 1), dtype=np.uint16)
         cand_key = xp.empty(max(pool, 1), dtype=np.uint32)
-        cands = _nbytes(cand_base, cand_cnt, cand_idx, cand_key)  # live until cand_write
-        status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(nseg, np.uint64)]))
+        eq_cnt = xp.zeros(grid, dtype=np.uint32)
+        cands = _nbytes(cand_base, cand_cnt, cand_idx, cand_key, eq_cnt)  # live until cand_write
+        status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(2 * nseg, np.uint64)]))
         # 2) one pass over every element; the residual is written here where it is not also the residual read
         early = [
             ro if ro is not None and (r is None or self.runner.ptr(r) != self.runner.ptr(ro)) else None
             for r, ro in zip(res, res_out)
         ]
         p_early = self._ptrs(early)  # live until cand_write
-        plan = (p_early, self._up(lo), np.uint64(pool))
+        d_lo = self._up(lo)
+        plan = (p_early, d_lo, np.uint64(pool))
         run.launch(
             "fused_scan",
             grid,
             BLOCK,
             (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32)
             + plan
-            + (cand_base, cand_cnt, cand_idx, cand_key, status),
+            + (cand_base, cand_cnt, cand_idx, cand_key, eq_cnt, status),
         )
         peak = max(peak, tables + cands + _nbytes(status, *plan[:2]))
-        cands += _nbytes(p_early)
+        cands += _nbytes(p_early, d_lo)
         self.fused_workspace_bytes = peak
         del plan
         st = run.to_host(status)
         del status
         if int(st[0]) != U64_MAX:
             return None, None, int(st[0])
-        if int(st[1]) > pool or any(int(st[2 + s]) < k for s, k in enumerate(ks)):
+        above, at_lo = st[2::2].astype(np.int64), st[3::2].astype(np.int64)
+        if int(st[1]) > pool or any(int(above[s] + at_lo[s]) < k for s, k in enumerate(ks)):
             return None  # the pool overflowed or the bracket missed
-        # 3) exact selection on the candidates, then the ordered write of the kept entries
-        state = self._up(initial_state(ks))
+        # 3) exact selection on the candidates, then the ordered write of the kept entries. A segment with fewer
+        # candidates than k keeps them all and the first keys equal to lo: threshold lo, no selection to run.
+        tied = [s for s, k in enumerate(ks) if k > 0 and above[s] < k]
+        state = self._up(initial_state([0 if s in tied else k for s, k in enumerate(ks)]))
         seg_chunks = np.zeros(nseg + 1, np.int64)
         for s, seg in enumerate(segments):
             seg_chunks[s + 1] = tb.chunk_start[seg[-1] + 1] if seg else seg_chunks[s]
@@ -428,14 +442,20 @@ class KernelOps:
                 SCAN_THREADS,
                 (np.int32(nseg), self._up(seg_chunks), cand_base) + (cand_cnt, cand_key, state),
             )
+        if tied:  # state = [lo, keys equal to lo to take] for them
+            ix = np.asarray(tied, np.int64)
+            state[self._up(np.concatenate([2 * ix, 2 * ix + 1]))] = self._up(
+                np.concatenate([lo[ix], np.asarray(ks, np.int64)[ix] - above[ix]]).astype(np.uint64)
+            )
         cnt = xp.zeros(2 * grid, dtype=np.uint32)
-        run.launch("cand_count", grid, BLOCK, (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, cnt))
+        run.launch(
+            "cand_count", grid, BLOCK, (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, d_lo, eq_cnt, cnt)
+        )
         eq_base = xp.zeros(grid, dtype=np.uint64)
         out_base = xp.zeros(grid + 1, dtype=np.uint64)
         counts = xp.zeros(nt, dtype=np.uint64)
         scan = self._chunk_scan(tb, d_cs, state, cnt, eq_base, out_base, counts)
         peak = max(peak, tables + cands + scan + _nbytes(state, cnt, eq_base, out_base, counts))
-        del cnt
         K = int(sum(ks))
         wide = self._force_wide or any(index_dtype(n) == np.uint64 for n in numels)
         sfx = "u64" if wide else "u32"
@@ -450,7 +470,15 @@ class KernelOps:
             (nt32, d_cs, d_dt, d_so, p_new, p_base, p_res, p_early, cand_base, cand_cnt, cand_idx, cand_key, state)
             + (eq_base, out_base, idx, vals32, vals64),
         )
-        del cand_base, cand_cnt, cand_idx, cand_key, state, eq_base, out_base
+        if tied:  # the chunks that supply the keys equal to lo, read again
+            run.launch(
+                "tie_write_" + sfx,
+                grid,
+                BLOCK,
+                (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32, d_lo, cnt, state)
+                + (eq_base, out_base, idx, vals32, vals64),
+            )
+        del cand_base, cand_cnt, cand_idx, cand_key, eq_cnt, cnt, state, eq_base, out_base
         host_counts = run.to_host(counts).astype(np.int64)
         del counts
         # 4) residuals read in place are written now that nothing reads them; then the kept entries' residuals
