@@ -119,8 +119,7 @@ def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray
 
 def design_effect(sample: np.ndarray, rank: int) -> float:
     """How much more the count of sampled keys at or above the sample's ``rank``-th largest varies than a count
-    of independent elements would (1 to SAMPLE_RUN): the variance of the per-run counts over the binomial one,
-    less its sampling noise."""
+    of independent elements would (1 to SAMPLE_RUN): the variance of the per-run counts over the binomial one."""
     runs = sample.size // SAMPLE_RUN
     if runs < 2:
         return float(SAMPLE_RUN)
@@ -129,9 +128,7 @@ def design_effect(sample: np.ndarray, rank: int) -> float:
     mean = float(hits.mean())
     if mean == 0 or mean == SAMPLE_RUN:
         return float(SAMPLE_RUN) if mean == 0 else 1.0
-    d = float(hits.var()) / (mean * (1 - mean / SAMPLE_RUN))
-    # less two standard errors of a variance over this many runs: independent elements come out at 1, not above
-    return min(float(SAMPLE_RUN), max(1.0, d * (1 - 2 * math.sqrt(2 / (runs - 1)))))
+    return min(float(SAMPLE_RUN), max(1.0, float(hits.var()) / (mean * (1 - mean / SAMPLE_RUN))))
 
 
 def bracket(sample: np.ndarray, weight: np.ndarray, n: int, k: int, whole: bool) -> tuple[int, int]:
@@ -142,7 +139,7 @@ def bracket(sample: np.ndarray, weight: np.ndarray, n: int, k: int, whole: bool)
     if whole:
         lo = int(np.partition(sample, ms - k)[ms - k])
         return lo, int(np.count_nonzero(sample > lo))
-    d = design_effect(sample, min(ms - 1, max(int(k * ms / n), DESIGN_RANK)))
+    d = design_effect(sample, max(int(k * ms / n), min(DESIGN_RANK, ms // SAMPLE_RUN)))
     order = np.argsort(sample, kind="stable")[::-1]
     w = weight[order]
     # elements at or above each sampled key; the estimate's variance at the k-th key (k elements of the mean
