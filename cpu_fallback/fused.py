@@ -83,6 +83,7 @@ def fused_scan(
     crit,
     early_ptrs,
     lo,
+    own_k,
     pool_cap,
     cand_base,
     cand_cnt,
@@ -114,6 +115,13 @@ def fused_scan(
             e0 = (c - c0) * CHUNK
             local = np.flatnonzero(sel[e0 : min(n, e0 + CHUNK)])
             e = int(np.count_nonzero(eq[e0 : min(n, e0 + CHUNK)]))
+            k = int(own_k[s])
+            if k:  # the segment is this chunk: its k kept entries only, ties lowest index first
+                kc = key[e0 + local]
+                T = np.partition(kc, kc.size - k)[kc.size - k]
+                kept = kc > T
+                kept[np.flatnonzero(kc == T)[: k - int(np.count_nonzero(kept))]] = True
+                local = local[kept]
             eq_cnt[c] = e
             m = local.size
             at = int(status[1])

@@ -553,6 +553,66 @@ extern "C" __global__ void sample_keys(
                           (const void*)score_ptrs[t], dtypes[t], score_dtypes[t], crit, i, bad, d32, d64);
 }
 
+// A segment that is one chunk is selected whole in fused_scan's block: the exact radix select on the m staged keys
+// (every key of the chunk: its lo is 0), then the k kept entries compacted in place, in index order (the keys
+// above the threshold and the first ones equal to it); returns k. The later kernels select these k again, which
+// keeps them all.
+__device__ __forceinline__ u32 own_select(u16* st_idx, u32* st_key, u32 m, u32 k, u32* wa, u32* wb, u32* hist,
+                                          u32& sh_prefix, u32& sh_k)
+{
+    if (threadIdx.x == 0) { sh_prefix = 0; sh_k = k; }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += BLOCK) hist[b] = 0;
+        __syncthreads();
+        const u32 high = sh_prefix >> (shift + 8);  // shift 24: the whole key matches (a shift of 32 is not one)
+        for (u32 j = threadIdx.x; j < m; j += BLOCK) {
+            const u32 key = st_key[j];
+            if (shift == 24 || (key >> (shift + 8)) == high) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 k_rem = sh_k;
+            for (int b = 255; b >= 0; --b) {
+                if (k_rem <= hist[b]) { sh_prefix |= ((u32)b) << shift; break; }
+                k_rem -= hist[b];
+            }
+            sh_k = k_rem;
+        }
+        __syncthreads();
+    }
+    const u32 T = sh_prefix, take = sh_k;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lt_mask = (1u << lane) - 1u;
+    u32 out = 0, eq_seen = 0;
+    for (u32 j0 = 0; j0 < m; j0 += BLOCK) {  // uniform across the block
+        const u32 j = j0 + threadIdx.x;
+        const u32 key = j < m ? st_key[j] : 0u;  // keys are never 0 (a NaN's), so 0 is below every threshold
+        const u16 idx = j < m ? st_idx[j] : (u16)0;
+        const bool eq = j < m && key == T;
+        const u32 beq = __ballot_sync(0xFFFFFFFFu, eq);
+        if (lane == 0) wb[warp] = __popc(beq);
+        __syncthreads();
+        u32 eq_before = eq_seen + __popc(beq & lt_mask);
+        for (int w = 0; w < warp; ++w) eq_before += wb[w];
+        const bool sel = key > T || (eq && eq_before < take);
+        const u32 bsel = __ballot_sync(0xFFFFFFFFu, sel);
+        if (lane == 0) wa[warp] = __popc(bsel);
+        __syncthreads();
+        u32 slot = out + __popc(bsel & lt_mask);
+        for (int w = 0; w < WARPS; ++w) {
+            if (w < warp) slot += wa[w];
+            out += wa[w];
+            eq_seen += wb[w];
+        }
+        if (sel) {  // at or before j: every entry of this round was read before the barriers above
+            st_key[slot] = key;
+            st_idx[slot] = idx;
+        }
+        __syncthreads();  // wa and wb read before the next round writes them
+    }
+    return k;
+}
+
 // One block per chunk, SCAN_VEC consecutive elements a thread per round and one barrier a round (the per-warp
 // counts double-buffered): key and checks (status[0] = lowest tensor with a non-finite delta or score,
 // initialised to ~0), residual = delta into early_ptrs[t] where non-zero, and the elements whose key is above
@@ -566,14 +626,15 @@ extern "C" __global__ void sample_keys(
 extern "C" __global__ void fused_scan(
     int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
     const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
-    int crit, const u64* early_ptrs, const u64* lo, u64 pool_cap, u64* cand_base, u32* cand_cnt, u16* cand_idx,
-    u32* cand_key, u32* eq_cnt, u64* status)
+    int crit, const u64* early_ptrs, const u64* lo, const u64* own_k, u64 pool_cap, u64* cand_base, u32* cand_cnt,
+    u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status)
 {
     __shared__ u32 wsel[2][WARPS];  // per warp, selected in the round; two sets, so one barrier a round
     __shared__ u16 st_idx[CHUNK];   // the chunk's candidates, staged in index order
     __shared__ u32 st_key[CHUNK];
     __shared__ u64 sh_at;
     __shared__ u32 sh_eq;
+    __shared__ u32 own_hist[256], own[2];  // own_select's histogram, threshold and keys equal to it to take
     const i64 c = blockIdx.x;
     const int t = tensor_of_chunk(chunk_start, nt, c);
     const u64 L = lo[seg_of[t]];
@@ -643,6 +704,8 @@ extern "C" __global__ void fused_scan(
         parity ^= 1;
     }
     if (bad_any) atomicMin(&status[0], (u64)t);
+    const u64 K = own_k[seg_of[t]];
+    if (K) pos = own_select(st_idx, st_key, pos, (u32)K, wsel[0], wsel[1], own_hist, own[0], own[1]);  // uniform
     for (int o = 16; o > 0; o >>= 1) eqs += __shfl_down_sync(0xFFFFFFFFu, eqs, o);
     if (lane == 0 && eqs) atomicAdd(&sh_eq, eqs);
     __syncthreads();

@@ -121,3 +121,14 @@ def test_a_pool_too_short_falls_back_to_the_same_bytes(monkeypatch):
     assert got[2] is None and want[2] is None
     for a, b in zip(got[0] + got[1] + res_out, want[0] + want[1] + want_ro):
         assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def test_one_chunk_segments_select_in_the_scan(emulated_runner_log):
+    """Per-tensor segments of one chunk each (ties, every dtype): fused_scan's block selects each whole, with no
+    sample and no fallback, to the NumPy backend's bytes."""
+    log, runner = emulated_runner_log
+    sizes, dtypes = (4096, 1000, 3000, 17, 2500), ("f32", "f16", "bf16", "f64", "f32")
+    for pattern in ("ties", "normal"):
+        case = kc.TopkCase("one_chunk_segments", sizes, dtypes, scope="tensor", k=0.05, pattern=pattern, res=True)
+        assert kc.topk_vs_reference(runner, case.with_(res_out="new")) == []
+    assert "fused_scan" in log and "sample_keys" not in log and "score_keys" not in log

@@ -104,7 +104,7 @@ def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray
     for seg, k in zip(segments, ks):
         n = sum(numels[t] for t in seg)
         for t in seg:
-            fixed[t] = k <= 0 or k >= n  # nothing to bracket: lo is fixed
+            fixed[t] = k <= 0 or k >= n or _one_chunk(seg, numels)  # nothing to bracket: lo is fixed
         if n <= SAMPLE_ALL or k <= 0 or k >= n:
             continue
         ms = min(SAMPLE_MAX, max(SAMPLE_RUN, n // SAMPLE_DENSITY))
@@ -115,6 +115,11 @@ def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray
         for t in range(nt)
     ]
     return _offsets(counts), stride
+
+
+def _one_chunk(seg, numels) -> bool:
+    """Whether a segment is one chunk: fused_scan's block then selects it whole (own_k), without a sample."""
+    return len(seg) == 1 and 0 < numels[seg[0]] <= CHUNK
 
 
 def design_effect(sample: np.ndarray, rank: int) -> float:
@@ -156,11 +161,12 @@ def bracket(sample: np.ndarray, weight: np.ndarray, n: int, k: int, whole: bool)
     return lo, min(n, math.ceil(est_above + POOL_SIGMAS * math.sqrt(var_above)) + POOL_SLACK)
 
 
-def candidate_plan(host_sample, samp_off, numels, segments, ks, force_miss: bool = False) -> tuple[np.ndarray, int]:
-    """(lo per segment, candidate pool slots) from the sampled keys, on the host. ``force_miss``: lo above every
-    key (tests)."""
+def candidate_plan(host_sample, samp_off, numels, segments, ks, force_miss: bool = False):
+    """(lo per segment, k per segment that is one chunk and selected whole in fused_scan's block (else 0),
+    candidate pool slots) from the sampled keys, on the host. ``force_miss``: lo above every key (tests)."""
     nseg = len(segments)
     lo = np.zeros(max(nseg, 1), np.uint64)
+    own_k = np.zeros(max(nseg, 1), np.uint64)
     pool = 0
     for s, (seg, k) in enumerate(zip(segments, ks)):
         n = sum(numels[t] for t in seg)
@@ -169,14 +175,16 @@ def candidate_plan(host_sample, samp_off, numels, segments, ks, force_miss: bool
             lo[s] = NO_LO
         elif k >= n:
             lo[s], pool = 0, pool + n
+        elif _one_chunk(seg, numels):
+            lo[s], own_k[s], pool = 0, k, pool + k
         else:
             m = np.asarray([int(samp_off[t + 1] - samp_off[t]) for t in seg], np.int64)
             per = np.asarray([numels[t] for t in seg], np.float64) / np.maximum(m, 1)
             lo[s], cap = bracket(seg_keys, np.repeat(per, m), n, k, n <= SAMPLE_ALL)
             pool += cap
         if force_miss and k > 0:
-            lo[s] = NO_LO - 1
-    return lo, pool
+            lo[s], own_k[s] = NO_LO - 1, 0
+    return lo, own_k, pool
 
 
 def _nbytes(*arrays) -> int:
@@ -375,7 +383,7 @@ class KernelOps:
             host_sample = run.to_host(sample)
             peak = max(peak, tables + _nbytes(sample, d_off, d_stride))
             del sample, d_off, d_stride  # freed before the candidate pool is allocated
-        lo, pool = candidate_plan(host_sample, samp_off, numels, segments, ks, self._force_fallback == "miss")
+        lo, own_k, pool = candidate_plan(host_sample, samp_off, numels, segments, ks, self._force_fallback == "miss")
         if self._force_fallback == "overflow":
             pool = 0
         cand_base = xp.zeros(grid, dtype=np.uint64)
@@ -392,7 +400,7 @@ class KernelOps:
         ]
         p_early = self._ptrs(early)  # live until cand_write
         d_lo = self._up(lo)
-        plan = (p_early, d_lo, np.uint64(pool))
+        plan = (p_early, d_lo, self._up(own_k), np.uint64(pool))
         run.launch(
             "fused_scan",
             grid,
@@ -401,7 +409,7 @@ class KernelOps:
             + plan
             + (cand_base, cand_cnt, cand_idx, cand_key, eq_cnt, status),
         )
-        peak = max(peak, tables + cands + _nbytes(status, *plan[:2]))
+        peak = max(peak, tables + cands + _nbytes(status, *plan[:3]))
         cands += _nbytes(p_early, d_lo)
         self.fused_workspace_bytes = peak
         del plan
