@@ -477,14 +477,18 @@ extern "C" __global__ void chunk_write_u64(
 // ------------------------------------------------------------------------------------------------------------
 // Fused selection: the full tensors are read once.
 //
-// sample_keys -> (host: a low bracket lo per segment and the size of one candidate pool from the sample) ->
-// fused_scan (one pass, a block per chunk: delta, key, checks, residual = delta where written early, in-order
-// compaction of the chunk's keys >= lo in shared memory, then one atomicAdd for the chunk's place in the pool) ->
-// cand_select (exact radix select on the candidates, one block per segment) or, where a segment has many chunks,
-// 4 x (cand_hist, radix_pick) (a block per chunk) -> cand_count -> the chunk scan -> cand_write_{u32,u64} ->
-// [residual_delta] -> kept_fix_{u32,u64}.
-// If a segment has fewer than k candidates (the bracket missed) or the pool overflows (only the total of every
-// chunk's candidates can), the caller runs the unfused passes above instead, which are exact for any input.
+// sample_keys -> (host: a low bracket lo per segment and the size of one candidate pool from the sample, each
+// sampled key weighed by the elements it stands for) -> fused_scan (one pass, a block per chunk: delta, key,
+// checks, residual = delta where written early, in-order compaction of the chunk's keys above lo in shared memory,
+// the keys equal to lo only counted, then one atomicAdd for the chunk's place in the pool; a segment that is one
+// chunk is selected whole there, without a sample) -> cand_select (exact radix select on the candidates, one
+// block per segment) or, where a segment has many chunks, 4 x (cand_hist, radix_pick) (a block per chunk) ->
+// cand_count -> the chunk scan -> cand_write_{u32,u64} -> [tie_write_{u32,u64}] -> [residual_delta] ->
+// kept_fix_{u32,u64}.
+// A segment with fewer candidates than k but enough keys equal to lo (exact zeros, ties) keeps its candidates and
+// its first keys equal to lo: no selection runs for it, and tie_write reads again the few chunks that supply them.
+// If a segment has fewer than k keys at or above lo (the bracket missed) or the pool overflows (only the total of
+// every chunk's candidates can), the caller runs the unfused passes above instead, which are exact for any input.
 // Twins with the same names and arguments are in cpu_fallback/fused.py.
 
 // fused_scan: consecutive elements a thread per round (a round of BLOCK * SCAN_VEC elements, one barrier)

@@ -7,8 +7,8 @@ A runner (:class:`~gpu_codec.backends.base.Runner`) has ``xp`` (the array module
 exactly what the GPU backend launches.
 
 The only device-to-host copies here are small: one error word after scoring and after a scatter, the sampled keys
-of the fused selection (at most SAMPLE_MAX per segment) and its status words (one per segment), the per-tensor
-kept counts, ternary mu and Rice bit counts.
+of the fused selection (at most SAMPLE_MAX per segment, none for a segment of one chunk) and its status words
+(two per segment), the per-tensor kept counts, ternary mu and Rice bit counts.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
 SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32)
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
 SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem of reads per input
-SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (their bracket is exact)
+SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (exact bracket), but for one of one chunk (none)
 # lo sits this many standard deviations of the sampled count below the k-th key; the deviation counts the runs'
 # design effect (neighbours in a run of trained weights move together: up to SAMPLE_RUN times the variance of
 # independent elements), estimated from the sample itself
