@@ -52,8 +52,9 @@ DESIGN_RANK = 64  # the design effect is measured at the sample's DESIGN_RANK-th
 POOL_SIGMAS = 6.0
 POOL_SLACK = 256
 NO_LO = 1 << 32  # lo of a segment with k = 0: above every key
-# a segment of more chunks than this selects on its candidates with a block per chunk (cand_hist) rather than one
-# block (cand_select, one SM): the four histogram rounds then cost a fixed 16 KiB of traffic per segment
+# where a segment has more chunks than this, and the segments this many on average, the selection on the candidates
+# takes a block per chunk (cand_hist) rather than one block per segment (cand_select, one SM each): the four
+# histogram rounds cost a fixed 16 KiB of traffic per segment, at most a 64th of the inputs' bytes then
 SELECT_BLOCK_CHUNKS = 64
 
 __all__ = ["CHUNK", "FUSED_ENV", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
@@ -428,7 +429,8 @@ class KernelOps:
         for s, seg in enumerate(segments):
             seg_chunks[s + 1] = tb.chunk_start[seg[-1] + 1] if seg else seg_chunks[s]
         widest = int(np.diff(seg_chunks).max()) if nseg else 0
-        if self._force_select == "multi" or (widest > SELECT_BLOCK_CHUNKS and self._force_select != "one"):
+        multi = widest > SELECT_BLOCK_CHUNKS and grid >= SELECT_BLOCK_CHUNKS * nseg
+        if self._force_select == "multi" or (multi and self._force_select != "one"):
             hist = xp.zeros(256 * nseg, dtype=np.uint64)
             for shift in (24, 16, 8, 0):  # a block per chunk: every SM works, whatever the segment count
                 run.launch(
