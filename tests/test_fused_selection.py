@@ -134,3 +134,18 @@ def test_one_chunk_segments_select_in_the_scan(emulated_runner_log):
         case = kc.TopkCase("one_chunk_segments", sizes, dtypes, scope="tensor", k=0.05, pattern=pattern, res=True)
         assert kc.topk_vs_reference(runner, case.with_(res_out="new")) == []
     assert "fused_scan" in log and "sample_keys" not in log and "score_keys" not in log
+
+
+TIED = [
+    kc.TopkCase("equal_global", (3000, 5000, 17), ("f32", "f16", "f64"), k=0.01, pattern="equal", res=True),
+    kc.TopkCase("zeros_tensor", (9000, 20_000), ("bf16", "f32"), scope="tensor", k=0.02, pattern="zeros"),
+    kc.TopkCase("ties_global", (30_000, 7000), ("f32", "f64"), k=0.3, pattern="ties", res=True, res_out="alias"),
+]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("case", TIED, ids=[c.name for c in TIED])
+def test_tie_write_matches_twins_stepwise(case, wide):
+    """Segments kept by their first keys equal to lo, launch by launch against the twins, in shuffled block
+    order, and against the NumPy backend."""
+    assert kc.topk_fused_stepwise(emu.EmulatorRunner(schedule="shuffle", seed=2), case, wide=wide) == []
