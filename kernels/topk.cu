@@ -905,8 +905,9 @@ extern "C" __global__ void cand_write_u64(
 }
 
 // The chunks that supply keys equal to the threshold where it is lo (their segment had fewer candidates than k):
-// the chunk read again, every element's key recomputed, and its kept entries written at out_base[c] onwards in
-// index order (over what cand_write wrote there from the candidates alone). Every other block returns at once.
+// the chunk read again up to its last kept entry, every element's key recomputed, and its kept entries written at
+// out_base[c] onwards in index order (over what cand_write wrote there from the candidates alone). Every other
+// block returns at once.
 template <typename IDX>
 __device__ __forceinline__ void tie_write_impl(
     int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
@@ -932,7 +933,8 @@ __device__ __forceinline__ void tie_write_impl(
     const void* sc = (const void*)score_ptrs[t];
     const int sdt = score_dtypes[t];
     u64 pos = out_base[c];
-    for (int j = 0; j < ITEMS; ++j) {
+    const u64 end = out_base[c + 1];
+    for (int j = 0; j < ITEMS && pos < end; ++j) {  // up to the chunk's last kept entry (uniform across the block)
         const i64 i0 = e0 + (i64)j * BLOCK;
         if (i0 >= n) break;  // uniform across the block
         const i64 i = i0 + threadIdx.x;
