@@ -568,10 +568,10 @@ __device__ __forceinline__ u32 own_select(u16* st_idx, u32* st_key, u32 m, u32 k
     for (int shift = 24; shift >= 0; shift -= 8) {
         for (int b = threadIdx.x; b < 256; b += BLOCK) hist[b] = 0;
         __syncthreads();
-        const u32 high = sh_prefix >> (shift + 8);  // shift 24: the whole key matches (a shift of 32 is not one)
+        const u32 top = sh_prefix >> (shift + 8);  // shift 24: the whole key matches (a shift of 32 is not one)
         for (u32 j = threadIdx.x; j < m; j += BLOCK) {
             const u32 key = st_key[j];
-            if (shift == 24 || (key >> (shift + 8)) == high) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+            if (shift == 24 || (key >> (shift + 8)) == top) atomicAdd(&hist[(key >> shift) & 255u], 1u);
         }
         __syncthreads();
         if (threadIdx.x == 0) {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -42,10 +43,11 @@ SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
 SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem of reads per input
 SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (exact bracket), but for one of one chunk (none)
-# lo sits this many standard deviations of the sampled count below the k-th key; the deviation counts the runs'
-# design effect (neighbours in a run of trained weights move together: up to SAMPLE_RUN times the variance of
-# independent elements), estimated from the sample itself
-BRACKET_SIGMAS = 2.5
+# the chance that lo lands above the k-th key (a miss: the unfused passes run), shared by the sampled segments of
+# a selection; the sampled keys above the k-th are counted as Poisson clusters of the runs' design effect
+# (neighbours in a run of trained weights move together: up to SAMPLE_RUN times the variance of independent
+# elements), estimated from the sample itself
+BRACKET_MISS = 5e-3
 DESIGN_RANK = 64  # the design effect is measured at the sample's DESIGN_RANK-th key or lower (enough hits)
 # the candidate pool holds the sample's estimate of a segment's candidates plus this many of its standard
 # deviations and POOL_SLACK (device memory only: the traffic is what the candidates are)
@@ -137,7 +139,26 @@ def design_effect(sample: np.ndarray, rank: int) -> float:
     return min(float(SAMPLE_RUN), max(1.0, float(hits.var()) / (mean * (1 - mean / SAMPLE_RUN))))
 
 
-def bracket(sample: np.ndarray, weight: np.ndarray, n: int, k: int, whole: bool) -> tuple[int, int]:
+def poisson_upper(lam: float, alpha: float) -> int:
+    """The least m with P(X > m) <= alpha for X ~ Poisson(lam) (a normal approximation past lam = 200).
+
+    >>> poisson_upper(1.0, 1e-3), poisson_upper(100.0, 1e-3)
+    (5, 132)
+    """
+    if lam > 200:
+        return math.ceil(lam + NormalDist().inv_cdf(1 - alpha) * math.sqrt(lam))
+    pmf = cdf = math.exp(-lam)
+    m = 0
+    while 1 - cdf > alpha:
+        m += 1
+        pmf *= lam / m
+        cdf += pmf
+    return m
+
+
+def bracket(
+    sample: np.ndarray, weight: np.ndarray, n: int, k: int, whole: bool, alpha: float = BRACKET_MISS
+) -> tuple[int, int]:
     """(lo, pool): a key at or below the k-th largest of the segment with high probability (exact when sampled
     whole), and candidate slots enough for the keys above it with a far higher one. Sampled key i stands for
     ``weight[i]`` elements (its tensor's size over its sample: a small tensor's run weighs less)."""
@@ -148,12 +169,15 @@ def bracket(sample: np.ndarray, weight: np.ndarray, n: int, k: int, whole: bool)
     d = design_effect(sample, max(int(k * ms / n), min(DESIGN_RANK, ms // SAMPLE_RUN)))
     order = np.argsort(sample, kind="stable")[::-1]
     w = weight[order]
-    # elements at or above each sampled key; the estimate's variance at the k-th key (k elements of the mean
-    # weight of the sampled keys above)
-    est = np.cumsum(w)
-    var_k = d * k * np.cumsum(w * w) / est
-    enough = np.flatnonzero(est - BRACKET_SIGMAS * np.sqrt(var_k) >= k)
-    pick = int(enough[0]) + 1 if enough.size else ms  # and one sampled key lower
+    est = np.cumsum(w)  # elements at or above each sampled key
+    reach = np.flatnonzero(est >= k)
+    if not reach.size:
+        return 0, n
+    wk = float(np.sum(w[: reach[0] + 1] ** 2) / est[reach[0]])  # the mean weight of a sampled key above the k-th
+    # sampled keys above the k-th: Poisson(k / wk) in clusters of d; lo is the one past their (1 - alpha) quantile
+    above_k = d * poisson_upper(k / wk / d, alpha)
+    enough = np.flatnonzero(est >= (above_k + 1) * wk)
+    pick = int(enough[0]) if enough.size else ms
     if pick >= ms - 1:
         return 0, n  # the sample cannot bracket so low: every element is a candidate
     lo = int(sample[order[pick]])
@@ -166,6 +190,7 @@ def candidate_plan(host_sample, samp_off, numels, segments, ks, force_miss: bool
     """(lo per segment, k per segment that is one chunk and selected whole in fused_scan's block (else 0),
     candidate pool slots) from the sampled keys, on the host. ``force_miss``: lo above every key (tests)."""
     nseg = len(segments)
+    sampled = sum(1 for seg in segments if seg and samp_off[seg[-1] + 1] > samp_off[seg[0]])
     lo = np.zeros(max(nseg, 1), np.uint64)
     own_k = np.zeros(max(nseg, 1), np.uint64)
     pool = 0
@@ -181,7 +206,7 @@ def candidate_plan(host_sample, samp_off, numels, segments, ks, force_miss: bool
         else:
             m = np.asarray([int(samp_off[t + 1] - samp_off[t]) for t in seg], np.int64)
             per = np.asarray([numels[t] for t in seg], np.float64) / np.maximum(m, 1)
-            lo[s], cap = bracket(seg_keys, np.repeat(per, m), n, k, n <= SAMPLE_ALL)
+            lo[s], cap = bracket(seg_keys, np.repeat(per, m), n, k, n <= SAMPLE_ALL, BRACKET_MISS / max(1, sampled))
             pool += cap
         if force_miss and k > 0:
             lo[s], own_k[s] = NO_LO - 1, 0
