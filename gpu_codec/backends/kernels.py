@@ -42,6 +42,9 @@ FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
 SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32)
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
 SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem of reads per input
+# segments of fewer elements than SAMPLE_SMALL are sampled twice as densely: their brackets, a few sampled keys
+# wide, would cost more candidates than the sample's reads
+SAMPLE_SMALL, SAMPLE_DENSITY_SMALL = 1 << 17, 64
 SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (exact bracket), but for one of one chunk (none)
 # the chance that lo lands above the k-th key (a miss: the unfused passes run), shared by the sampled segments of
 # a selection; the sampled keys above the k-th are counted as Poisson clusters of the runs' design effect
@@ -110,7 +113,7 @@ def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray
             fixed[t] = k <= 0 or k >= n or _one_chunk(seg, numels)  # nothing to bracket: lo is fixed
         if n <= SAMPLE_ALL or k <= 0 or k >= n:
             continue
-        ms = min(SAMPLE_MAX, max(SAMPLE_RUN, n // SAMPLE_DENSITY))
+        ms = min(SAMPLE_MAX, max(SAMPLE_RUN, n // (SAMPLE_DENSITY_SMALL if n < SAMPLE_SMALL else SAMPLE_DENSITY)))
         for t in seg:
             stride[t] = max(SAMPLE_RUN, SAMPLE_RUN * (n // ms))
     counts = [
