@@ -68,7 +68,7 @@ def test_real_updates_select_in_one_pass(name, elements):
 def test_zeros_and_ties_select_in_one_pass(name):
     """A bracket on a value that many elements share (exact zeros, three levels, fewer non-zeros than k): the
     equal keys are counted rather than stored, and the few chunks that supply the kept ones are read again."""
-    u = update(name, 1 << 16)
+    u = update(name, 1 << 18)
     rows = bench_zoo.emulated_rows(u)
     for r in rows:
         cfg = (r["fraction"], r["scope"], r["residual"])
