@@ -729,6 +729,9 @@ def workload(runner_kind: str) -> int:
     m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_u64", scope="tensor", res_out="alias"), wide=True)
     m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_miss"), force="miss")
     m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_multi"), select="multi")
+    tied = topk.with_(name="workload_fused_tied", pattern="equal", k=0.01)  # kept by the first keys equal to lo
+    m += kc.topk_fused_stepwise(r, tied)
+    m += kc.topk_fused_stepwise(r, tied.with_(name="workload_fused_tied_u64"), wide=True)
     m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter", (3000, 700), ("f16", "f64"), mode=1))
     m += kc.scatter_stepwise(
         r,

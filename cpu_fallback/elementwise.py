@@ -158,7 +158,8 @@ def decoded(d: np.ndarray, qmode: int) -> np.ndarray:
 
 def tensor_delta_scores(t, new_ptrs, base_ptrs, res_ptrs, dtypes, crit, score_ptrs, score_dtypes, idx=None):
     """(dtype code, delta, fp32 scores, bad) of tensor ``t`` (at positions ``idx``; all of it for None): the
-    per-tensor front of every selection twin (``score_keys``, ``dense_delta``, ``fused_scan``, ``sample_keys``)."""
+    per-tensor front of every selection twin (``score_keys``, ``dense_delta``, ``fused_scan``, ``sample_keys``,
+    ``tie_write``)."""
 
     def at(a):
         return None if a is None else (a if idx is None else a[idx])

@@ -20,16 +20,48 @@ def _keys(t, idx, new_ptrs, base_ptrs, res_ptrs, score_ptrs, score_dtypes, dtype
     return d, score_key(s), bad
 
 
+def sample_positions(t, n, count, stride, run):
+    """The elements that the ``count`` sample slots of tensor ``t`` (``n`` elements) read: slot r lies in window
+    w = r // run (the elements [w * stride, (w + 1) * stride)), at a run-aligned offset that a hash of (t, w)
+    picks among the window's whole runs (kernels/topk.cu, sample_position).
+
+    >>> sample_positions(1, 64, 16, 32, 8).tolist()
+    [16, 17, 18, 19, 20, 21, 22, 23, 48, 49, 50, 51, 52, 53, 54, 55]
+    """
+    run, stride = int(run), int(stride)
+    r = np.arange(int(count), dtype=np.int64)
+    w = r // run
+    start = w * stride
+    runs = np.minimum(int(n) - start, stride) // run
+    h = (w.astype(np.uint32) ^ np.uint32((int(t) * 0x632BE5AB) & 0xFFFFFFFF)) * np.uint32(0x9E3779B1)
+    h ^= h >> np.uint32(15)
+    h *= np.uint32(0x85EBCA6B)
+    h ^= h >> np.uint32(13)
+    off = np.where(runs > 1, (h.astype(np.int64) % np.maximum(runs, 1)) * run, 0)
+    return start + off + r % run
+
+
 def sample_keys(
-    nt, total, samp_off, stride, run, dtypes, new_ptrs, base_ptrs, res_ptrs, score_ptrs, score_dtypes, crit, keys
+    nt,
+    total,
+    samp_off,
+    numel,
+    stride,
+    run,
+    dtypes,
+    new_ptrs,
+    base_ptrs,
+    res_ptrs,
+    score_ptrs,
+    score_dtypes,
+    crit,
+    keys,
 ):
-    run = int(run)
     for t in range(int(nt)):
         a, b = int(samp_off[t]), int(samp_off[t + 1])
         if b <= a:
             continue
-        r = np.arange(b - a, dtype=np.int64)
-        pos = (r // run) * int(stride[t]) + r % run
+        pos = sample_positions(t, int(numel[t]), b - a, int(stride[t]), run)
         keys[a:b] = _keys(t, pos, new_ptrs, base_ptrs, res_ptrs, score_ptrs, score_dtypes, dtypes, crit)[1]
 
 
@@ -51,17 +83,21 @@ def fused_scan(
     crit,
     early_ptrs,
     lo,
-    grp_start,
-    grp_off,
+    own_k,
+    pool_cap,
     cand_base,
     cand_cnt,
     cand_idx,
     cand_key,
+    eq_cnt,
     status,
 ):
+    """Chunks take their places in the pool in chunk order here; the kernel places them in the order its blocks
+    finish. Later kernels reach a chunk's candidates through cand_base and cand_cnt only, so the placement never
+    reaches the results (the step-by-step comparison in gpu_codec.testing.kernel_cases compares candidates per
+    chunk)."""
     nt = int(nt)
-    cs = np.asarray(chunk_start[: nt + 1], dtype=np.int64)
-    gs = np.asarray(grp_start, dtype=np.int64)
+    cap = int(pool_cap)
     for t in range(nt):
         n = int(numel[t])
         if n == 0:
@@ -72,23 +108,32 @@ def fused_scan(
             status[0] = min(int(status[0]), t)
         if early_ptrs[t] is not None:
             early_ptrs[t][:] = d
-        sel = key.astype(np.uint64) >= np.uint64(int(lo[s]))
+        sel = key.astype(np.uint64) > np.uint64(int(lo[s]))
+        eq = key.astype(np.uint64) == np.uint64(int(lo[s]))
         c0, c1 = _chunks(chunk_start, t)
-        for g in range(int(np.searchsorted(gs, c0)), int(np.searchsorted(gs, c1))):
-            base, cap = int(grp_off[g]), int(grp_off[g + 1]) - int(grp_off[g])
-            pos = 0
-            for c in range(int(gs[g]), int(gs[g + 1])):
-                e0 = (c - int(cs[t])) * CHUNK
-                local = np.flatnonzero(sel[e0 : min(n, e0 + CHUNK)])
-                a, b = min(pos, cap), min(pos + local.size, cap)
-                cand_idx[base + a : base + b] = local[: b - a].astype(np.uint16)
-                cand_key[base + a : base + b] = key[e0 + local[: b - a]]
-                cand_base[c] = base + a
-                cand_cnt[c] = b - a
-                pos += local.size
-            if pos > cap:
-                status[1] += np.uint64(1)
-            status[2 + s] += np.uint64(pos)
+        for c in range(c0, c1):
+            e0 = (c - c0) * CHUNK
+            local = np.flatnonzero(sel[e0 : min(n, e0 + CHUNK)])
+            e = int(np.count_nonzero(eq[e0 : min(n, e0 + CHUNK)]))
+            k = int(own_k[s])
+            if k:  # the segment is this chunk: its k kept entries only, ties lowest index first
+                kc = key[e0 + local]
+                T = np.partition(kc, kc.size - k)[kc.size - k]
+                kept = kc > T
+                kept[np.flatnonzero(kc == T)[: k - int(np.count_nonzero(kept))]] = True
+                local = local[kept]
+            eq_cnt[c] = e
+            m = local.size
+            at = int(status[1])
+            fits = at + m <= cap
+            cand_base[c] = at if fits and m else 0
+            cand_cnt[c] = m if fits else 0
+            if fits and m:
+                cand_idx[at : at + m] = local.astype(np.uint16)
+                cand_key[at : at + m] = key[e0 + local]
+            status[1] += np.uint64(m)
+            status[2 + 2 * s] += np.uint64(m)
+            status[3 + 2 * s] += np.uint64(e)
 
 
 def _cands(cand_base, cand_cnt, c):
@@ -134,15 +179,17 @@ def cand_hist(nt, chunk_start, seg_of, cand_base, cand_cnt, cand_key, state, shi
         )
 
 
-def cand_count(nt, chunk_start, seg_of, cand_base, cand_cnt, cand_key, state, cnt):
+def cand_count(nt, chunk_start, seg_of, cand_base, cand_cnt, cand_key, state, lo, eq_cnt, cnt):
     for t in range(int(nt)):
-        T = np.uint32(int(state[2 * int(seg_of[t])]))
+        s = int(seg_of[t])
+        at_lo = int(state[2 * s]) == int(lo[s])
+        T = np.uint32(int(state[2 * s]) & 0xFFFFFFFF)
         c0, c1 = _chunks(chunk_start, t)
         for c in range(c0, c1):
             base, m = _cands(cand_base, cand_cnt, c)
             k = cand_key[base : base + m]
             cnt[2 * c] = np.count_nonzero(k > T)
-            cnt[2 * c + 1] = np.count_nonzero(k == T)
+            cnt[2 * c + 1] = eq_cnt[c] if at_lo else np.count_nonzero(k == T)
 
 
 def _cand_write(
@@ -153,6 +200,7 @@ def _cand_write(
     new_ptrs,
     base_ptrs,
     res_ptrs,
+    early_ptrs,
     cand_base,
     cand_cnt,
     cand_idx,
@@ -180,6 +228,9 @@ def _cand_write(
             out_idx[o : o + i.size] = i.astype(out_idx.dtype)
             if i.size == 0:
                 continue
+            if early_ptrs[t] is not None:  # the delta as fused_scan wrote it
+                (vals64 if dt == DT_F64 else vals32)[o : o + i.size] = early_ptrs[t][i]
+                continue
             d = delta(
                 new_ptrs[t][i],
                 None if base_ptrs[t] is None else base_ptrs[t][i],
@@ -195,6 +246,56 @@ def cand_write_u32(*args):
 
 def cand_write_u64(*args):
     _cand_write(*args)
+
+
+def _tie_write(
+    nt,
+    chunk_start,
+    numel,
+    dtypes,
+    seg_of,
+    new_ptrs,
+    base_ptrs,
+    res_ptrs,
+    score_ptrs,
+    score_dtypes,
+    crit,
+    lo,
+    cnt,
+    state,
+    eq_base,
+    out_base,
+    out_idx,
+    vals32,
+    vals64,
+):
+    for t in range(int(nt)):
+        s = int(seg_of[t])
+        take = int(state[2 * s + 1])
+        if int(state[2 * s]) != int(lo[s]):
+            continue
+        T = np.uint32(int(state[2 * s]))
+        c0, c1 = _chunks(chunk_start, t)
+        n = int(numel[t])
+        for c in range(c0, c1):
+            if int(eq_base[c]) >= take or int(cnt[2 * c + 1]) == 0:
+                continue
+            pos = np.arange((c - c0) * CHUNK, min(n, (c - c0 + 1) * CHUNK), dtype=np.int64)
+            d, k, _ = _keys(t, pos, new_ptrs, base_ptrs, res_ptrs, score_ptrs, score_dtypes, dtypes, crit)
+            eq = k == T
+            eq_rank = int(eq_base[c]) + np.cumsum(eq, dtype=np.int64) - eq
+            sel = (k > T) | (eq & (eq_rank < take))
+            o, m = int(out_base[c]), int(np.count_nonzero(sel))
+            out_idx[o : o + m] = pos[sel].astype(out_idx.dtype)
+            (vals64 if int(dtypes[t]) == DT_F64 else vals32)[o : o + m] = d[sel]
+
+
+def tie_write_u32(*args):
+    _tie_write(*args)
+
+
+def tie_write_u64(*args):
+    _tie_write(*args)
 
 
 def residual_delta(nt, chunk_start, numel, dtypes, new_ptrs, base_ptrs, res_ptrs, res_out_ptrs):

@@ -477,12 +477,18 @@ extern "C" __global__ void chunk_write_u64(
 // ------------------------------------------------------------------------------------------------------------
 // Fused selection: the full tensors are read once.
 //
-// sample_keys -> (host: a low bracket lo per segment and candidate capacities per chunk from the sample) ->
-// fused_scan (one pass: delta, key, checks, residual = delta where written early, in-order compaction of the
-// keys >= lo into a per-chunk region) -> cand_select (exact radix select on the candidates, one block per
-// segment) or, where a segment has many chunks, 4 x (cand_hist, radix_pick) (a block per chunk) -> cand_count -> the chunk scan -> cand_write_{u32,u64} -> [residual_delta] -> kept_fix_{u32,u64}.
-// If a segment has fewer than k candidates (the bracket missed) or a chunk overflows its region, the caller
-// runs the unfused passes above instead, which are exact for any input.
+// sample_keys -> (host: a low bracket lo per segment and the size of one candidate pool from the sample, each
+// sampled key weighed by the elements it stands for) -> fused_scan (one pass, a block per chunk: delta, key,
+// checks, residual = delta where written early, in-order compaction of the chunk's keys above lo in shared memory,
+// the keys equal to lo only counted, then one atomicAdd for the chunk's place in the pool; a segment that is one
+// chunk is selected whole there, without a sample) -> cand_select (exact radix select on the candidates, one
+// block per segment) or, where a segment has many chunks, 4 x (cand_hist, radix_pick) (a block per chunk) ->
+// cand_count -> the chunk scan -> cand_write_{u32,u64} -> [tie_write_{u32,u64}] -> [residual_delta] ->
+// kept_fix_{u32,u64}.
+// A segment with fewer candidates than k but enough keys equal to lo (exact zeros, ties) keeps its candidates and
+// its first keys equal to lo: no selection runs for it, and tie_write reads again the few chunks that supply them.
+// If a segment has fewer than k keys at or above lo (the bracket missed) or the pool overflows (only the total of
+// every chunk's candidates can), the caller runs the unfused passes above instead, which are exact for any input.
 // Twins with the same names and arguments are in cpu_fallback/fused.py.
 
 // fused_scan: consecutive elements a thread per round (a round of BLOCK * SCAN_VEC elements, one barrier)
@@ -516,19 +522,34 @@ __device__ __forceinline__ u32 element_key(const void* nw, const void* bs, const
     return score_key(s);
 }
 
-// keys[j] = key of sample slot j. Slot j of tensor t (samp_off[t] <= j < samp_off[t + 1]) is element
-// (r / run) * stride[t] + r % run with r = j - samp_off[t]: runs of `run` consecutive elements, one run every
-// stride[t] elements. Non-finite values are not reported here (fused_scan checks every element).
+// The element that sample slot r of tensor t reads (see sample_keys); the NumPy twin is
+// gpu_codec.backends.kernels.sample_positions.
+__device__ __forceinline__ i64 sample_position(int t, i64 r, i64 n, i64 stride, int run)
+{
+    const i64 w = r / run;
+    const i64 start = w * stride;
+    const i64 len = (n - start < stride ? n - start : stride) / run;  // whole runs in window w
+    u32 h = ((u32)w ^ ((u32)t * 0x632BE5ABu)) * 0x9E3779B1u;
+    h ^= h >> 15;
+    h *= 0x85EBCA6Bu;
+    h ^= h >> 13;
+    const i64 off = len > 1 ? (i64)((u64)h % (u64)len) * run : 0;
+    return start + off + r % run;
+}
+
+// keys[j] = key of sample slot j. Slot j of tensor t (samp_off[t] <= j < samp_off[t + 1]) is slot r = j - samp_off[t]
+// of window w = r / run (the elements [w * stride[t], (w + 1) * stride[t])): runs of `run` consecutive elements,
+// one run a window at a run-aligned place that a hash of (t, w) picks, so that the sample does not fall in step
+// with rows or channels. Non-finite values are not reported here (fused_scan checks every element).
 extern "C" __global__ void sample_keys(
-    int nt, u64 total, const u64* samp_off, const i64* stride, int run, const int* dtypes,
+    int nt, u64 total, const u64* samp_off, const i64* numel, const i64* stride, int run, const int* dtypes,
     const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
     int crit, u32* keys)
 {
     const u64 j = (u64)blockIdx.x * BLOCK + threadIdx.x;
     if (j >= total) return;
     const int t = tensor_of_entry(samp_off, nt, j);
-    const i64 r = (i64)(j - samp_off[t]);
-    const i64 i = (r / run) * stride[t] + r % run;
+    const i64 i = sample_position(t, (i64)(j - samp_off[t]), numel[t], stride[t], run);
     bool bad;
     float d32;
     double d64;
@@ -536,25 +557,91 @@ extern "C" __global__ void sample_keys(
                           (const void*)score_ptrs[t], dtypes[t], score_dtypes[t], crit, i, bad, d32, d64);
 }
 
-// One pass over every element, SCAN_VEC consecutive elements a thread per round and one barrier a round (the
-// per-warp counts double-buffered): key and checks (status[0] = lowest tensor with a non-finite delta or score,
-// initialised to ~0), residual = delta into early_ptrs[t] where non-zero, and the elements whose key is at least
-// lo[seg] (lo = 2^32: none) compacted in index order. Block g handles the chunks [grp_start[g], grp_start[g + 1])
-// of one tensor into the region [grp_off[g], grp_off[g + 1]): cand_idx = index within the chunk, cand_key = key;
-// chunk c's candidates start at cand_base[c] and cand_cnt[c] of them were stored. A region too small stores what
-// fits and counts in status[1]; status[2 + s] += candidates of segment s (stored or not).
+// A segment that is one chunk is selected whole in fused_scan's block: the exact radix select on the m staged keys
+// (every key of the chunk: its lo is 0), then the k kept entries compacted in place, in index order (the keys
+// above the threshold and the first ones equal to it); returns k. The later kernels select these k again, which
+// keeps them all.
+__device__ __forceinline__ u32 own_select(u16* st_idx, u32* st_key, u32 m, u32 k, u32* wa, u32* wb, u32* hist,
+                                          u32& sh_prefix, u32& sh_k)
+{
+    if (threadIdx.x == 0) { sh_prefix = 0; sh_k = k; }
+    for (int shift = 24; shift >= 0; shift -= 8) {
+        for (int b = threadIdx.x; b < 256; b += BLOCK) hist[b] = 0;
+        __syncthreads();
+        const u32 top = sh_prefix >> (shift + 8);  // shift 24: the whole key matches (a shift of 32 is not one)
+        for (u32 j = threadIdx.x; j < m; j += BLOCK) {
+            const u32 key = st_key[j];
+            if (shift == 24 || (key >> (shift + 8)) == top) atomicAdd(&hist[(key >> shift) & 255u], 1u);
+        }
+        __syncthreads();
+        if (threadIdx.x == 0) {
+            u32 k_rem = sh_k;
+            for (int b = 255; b >= 0; --b) {
+                if (k_rem <= hist[b]) { sh_prefix |= ((u32)b) << shift; break; }
+                k_rem -= hist[b];
+            }
+            sh_k = k_rem;
+        }
+        __syncthreads();
+    }
+    const u32 T = sh_prefix, take = sh_k;
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 lt_mask = (1u << lane) - 1u;
+    u32 out = 0, eq_seen = 0;
+    for (u32 j0 = 0; j0 < m; j0 += BLOCK) {  // uniform across the block
+        const u32 j = j0 + threadIdx.x;
+        const u32 key = j < m ? st_key[j] : 0u;  // keys are never 0 (a NaN's), so 0 is below every threshold
+        const u16 idx = j < m ? st_idx[j] : (u16)0;
+        const bool eq = j < m && key == T;
+        const u32 beq = __ballot_sync(0xFFFFFFFFu, eq);
+        if (lane == 0) wb[warp] = __popc(beq);
+        __syncthreads();
+        u32 eq_before = eq_seen + __popc(beq & lt_mask);
+        for (int w = 0; w < warp; ++w) eq_before += wb[w];
+        const bool sel = key > T || (eq && eq_before < take);
+        const u32 bsel = __ballot_sync(0xFFFFFFFFu, sel);
+        if (lane == 0) wa[warp] = __popc(bsel);
+        __syncthreads();
+        u32 slot = out + __popc(bsel & lt_mask);
+        for (int w = 0; w < WARPS; ++w) {
+            if (w < warp) slot += wa[w];
+            out += wa[w];
+            eq_seen += wb[w];
+        }
+        if (sel) {  // at or before j: every entry of this round was read before the barriers above
+            st_key[slot] = key;
+            st_idx[slot] = idx;
+        }
+        __syncthreads();  // wa and wb read before the next round writes them
+    }
+    return k;
+}
+
+// One block per chunk, SCAN_VEC consecutive elements a thread per round and one barrier a round (the per-warp
+// counts double-buffered): key and checks (status[0] = lowest tensor with a non-finite delta or score,
+// initialised to ~0), residual = delta into early_ptrs[t] where non-zero, and the elements whose key is above
+// lo[seg] (lo = 2^32: none) compacted in index order into shared memory (cand_idx = index within the chunk,
+// cand_key = key); the keys equal to lo are only counted, eq_cnt[c] (a bracket on a value that many elements
+// share, exact zeros or ties, then costs no candidate slots). The chunk then takes its place in the candidate
+// pool with one atomicAdd on status[1] (the pool's fill, which counts every candidate, stored or not): chunk c's
+// candidates start at cand_base[c] and cand_cnt[c] of them were stored (0 where the pool of pool_cap entries
+// could not hold them). Chunks lie in the pool in the order their blocks finish; later kernels find them through
+// cand_base and cand_cnt only. status[2 + 2s] += candidates of segment s, status[3 + 2s] += its keys equal to lo.
 extern "C" __global__ void fused_scan(
     int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
     const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
-    int crit, const u64* early_ptrs, const u64* lo, const i64* grp_start, const u64* grp_off, u64* cand_base,
-    u32* cand_cnt, u16* cand_idx, u32* cand_key, u64* status)
+    int crit, const u64* early_ptrs, const u64* lo, const u64* own_k, u64 pool_cap, u64* cand_base, u32* cand_cnt,
+    u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status)
 {
     __shared__ u32 wsel[2][WARPS];  // per warp, selected in the round; two sets, so one barrier a round
-    const i64 g = blockIdx.x;
-    const i64 c_first = grp_start[g], c_end = grp_start[g + 1];
-    const int t = tensor_of_chunk(chunk_start, nt, c_first);
-    const int s = seg_of[t];
-    const u64 L = lo[s];
+    __shared__ u16 st_idx[CHUNK];   // the chunk's candidates, staged in index order
+    __shared__ u32 st_key[CHUNK];
+    __shared__ u64 sh_at;
+    __shared__ u32 sh_eq;
+    __shared__ u32 own_hist[256], own[2];  // own_select's histogram, threshold and keys equal to it to take
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const u64 L = lo[seg_of[t]];
     const i64 n = numel[t];
     const int dt = dtypes[t];
     const void* nw = (const void*)new_ptrs[t];
@@ -563,77 +650,87 @@ extern "C" __global__ void fused_scan(
     const void* sc = (const void*)score_ptrs[t];
     void* ep = (void*)early_ptrs[t];
     const int sdt = score_dtypes[t];
-    const u64 base = grp_off[g];
-    const u64 cap = grp_off[g + 1] - base;
+    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    u64 pos = 0;
+    u32 pos = 0, eqs = 0;
     int parity = 0;
     bool bad_any = false;
-    for (i64 c = c_first; c < c_end; ++c) {
-        const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
-        const u64 pos0 = pos;
-        for (int j = 0; j < ITEMS / SCAN_VEC; ++j) {
-            const i64 i0 = e0 + (i64)j * (BLOCK * SCAN_VEC);
-            if (i0 >= n) break;  // uniform across the block
-            const i64 ib = i0 + (i64)threadIdx.x * SCAN_VEC;  // SCAN_VEC consecutive elements a thread
-            u32 key[SCAN_VEC];
-            u32 mask = 0;
+    if (threadIdx.x == 0) sh_eq = 0;  // read after the rounds' barriers
+    for (int j = 0; j < ITEMS / SCAN_VEC; ++j) {
+        const i64 i0 = e0 + (i64)j * (BLOCK * SCAN_VEC);
+        if (i0 >= n) break;  // uniform across the block
+        const i64 ib = i0 + (i64)threadIdx.x * SCAN_VEC;  // SCAN_VEC consecutive elements a thread
+        u32 key[SCAN_VEC];
+        u32 mask = 0;
 #pragma unroll
-            for (int v = 0; v < SCAN_VEC; ++v) {
-                const i64 i = ib + v;
-                key[v] = 0;
-                if (i < n) {
-                    bool bad;
-                    float d32 = 0.0f;
-                    double d64 = 0.0;
-                    key[v] = element_key(nw, bs, rs, sc, dt, sdt, crit, i, bad, d32, d64);
-                    bad_any |= bad;
-                    if (ep) {
-                        if (dt == DT_F64) ((double*)ep)[i] = d64;
-                        else ((float*)ep)[i] = d32;
-                    }
-                    mask |= (u32)((u64)key[v] >= L) << v;
+        for (int v = 0; v < SCAN_VEC; ++v) {
+            const i64 i = ib + v;
+            key[v] = 0;
+            if (i < n) {
+                bool bad;
+                float d32 = 0.0f;
+                double d64 = 0.0;
+                key[v] = element_key(nw, bs, rs, sc, dt, sdt, crit, i, bad, d32, d64);
+                bad_any |= bad;
+                if (ep) {
+                    if (dt == DT_F64) ((double*)ep)[i] = d64;
+                    else ((float*)ep)[i] = d32;
                 }
+                mask |= (u32)((u64)key[v] > L) << v;
+                eqs += (u64)key[v] == L;
             }
-            // the round's selected elements in index order: thread by thread, then within a thread
-            const u32 cnt = __popc(mask);
-            u32 incl = cnt;
-            for (int o = 1; o < 32; o <<= 1) {
-                const u32 y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-                if (lane >= o) incl += y;
-            }
-            if (lane == 31) wsel[parity][warp] = incl;
-            __syncthreads();
-            u32 before = incl - cnt, total = 0;
-            for (int w = 0; w < WARPS; ++w) {
-                const u32 x = wsel[parity][w];
-                total += x;
-                if (w < warp) before += x;
-            }
-            u64 slot = pos + before;
+        }
+        // the round's selected elements in index order: thread by thread, then within a thread
+        const u32 cnt = __popc(mask);
+        u32 incl = cnt;
+        for (int o = 1; o < 32; o <<= 1) {
+            const u32 y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+            if (lane >= o) incl += y;
+        }
+        if (lane == 31) wsel[parity][warp] = incl;
+        __syncthreads();
+        u32 before = incl - cnt, total = 0;
+        for (int w = 0; w < WARPS; ++w) {
+            const u32 x = wsel[parity][w];
+            total += x;
+            if (w < warp) before += x;
+        }
+        u32 slot = pos + before;
 #pragma unroll
-            for (int v = 0; v < SCAN_VEC; ++v) {
-                if ((mask >> v) & 1u) {
-                    if (slot < cap) {
-                        cand_idx[base + slot] = (u16)(ib + v - e0);
-                        cand_key[base + slot] = key[v];
-                    }
-                    ++slot;
-                }
+        for (int v = 0; v < SCAN_VEC; ++v) {
+            if ((mask >> v) & 1u) {
+                st_idx[slot] = (u16)(ib + v - e0);
+                st_key[slot] = key[v];
+                ++slot;
             }
-            pos += total;
-            parity ^= 1;
         }
-        if (threadIdx.x == 0) {
-            const u64 a = pos0 < cap ? pos0 : cap, b = pos < cap ? pos : cap;
-            cand_base[c] = base + a;
-            cand_cnt[c] = (u32)(b - a);
-        }
+        pos += total;
+        parity ^= 1;
     }
     if (bad_any) atomicMin(&status[0], (u64)t);
+    const u64 K = own_k[seg_of[t]];
+    if (K) pos = own_select(st_idx, st_key, pos, (u32)K, wsel[0], wsel[1], own_hist, own[0], own[1]);  // uniform
+    for (int o = 16; o > 0; o >>= 1) eqs += __shfl_down_sync(0xFFFFFFFFu, eqs, o);
+    if (lane == 0 && eqs) atomicAdd(&sh_eq, eqs);
+    __syncthreads();
     if (threadIdx.x == 0) {
-        if (pos > cap) atomicAdd(&status[1], 1ull);
-        if (pos) atomicAdd(&status[2 + s], pos);
+        const u64 at = pos ? atomicAdd(&status[1], (u64)pos) : 0;
+        const bool fits = at + pos <= pool_cap;
+        const int s = seg_of[t];
+        cand_base[c] = fits ? at : 0;
+        cand_cnt[c] = fits ? pos : 0u;
+        eq_cnt[c] = sh_eq;
+        if (pos) atomicAdd(&status[2 + 2 * s], (u64)pos);
+        if (sh_eq) atomicAdd(&status[3 + 2 * s], (u64)sh_eq);
+        sh_at = fits ? at : ~0ull;
+    }
+    __syncthreads();
+    const u64 at = sh_at;
+    if (at != ~0ull) {
+        for (u32 j = threadIdx.x; j < pos; j += BLOCK) {
+            cand_idx[at + j] = st_idx[j];
+            cand_key[at + j] = st_key[j];
+        }
     }
 }
 
@@ -706,10 +803,12 @@ extern "C" __global__ void cand_hist(
         if (bins[b]) atomicAdd(&hist[256 * (i64)s + b], (u64)bins[b]);
 }
 
-// Per chunk, over its candidates: how many keys are above the segment's threshold, and how many equal it.
+// Per chunk, over its candidates: how many keys are above the segment's threshold, and how many equal it; where
+// the threshold is lo itself (fewer candidates than k: the first keys equal to lo make up the rest), the equal
+// ones are eq_cnt[c], which fused_scan counted.
 extern "C" __global__ void cand_count(
     int nt, const i64* chunk_start, const int* seg_of, const u64* cand_base, const u32* cand_cnt,
-    const u32* cand_key, const u64* state, u32* cnt)
+    const u32* cand_key, const u64* state, const u64* lo, const u32* eq_cnt, u32* cnt)
 {
     __shared__ u32 sg[WARPS], se[WARPS];
     const i64 c = blockIdx.x;
@@ -733,17 +832,19 @@ extern "C" __global__ void cand_count(
     if (threadIdx.x == 0) {
         u32 G = 0u, E = 0u;
         for (int w = 0; w < WARPS; ++w) { G += sg[w]; E += se[w]; }
+        const int s = seg_of[t];
         cnt[2 * c] = G;
-        cnt[2 * c + 1] = E;
+        cnt[2 * c + 1] = state[2 * s] == lo[s] ? eq_cnt[c] : E;
     }
 }
 
-// Ordered write of the kept candidates (as chunk_write, over the candidates only): index and delta (recomputed
-// from new, base and the residual read, which nothing has overwritten yet) at out_base[c] onwards.
+// Ordered write of the kept candidates (as chunk_write, over the candidates only): index and delta at out_base[c]
+// onwards. The delta is read from early_ptrs[t] where fused_scan wrote it there (one input read instead of
+// three), else recomputed from new, base and the residual read, which nothing has overwritten yet.
 template <typename IDX>
 __device__ __forceinline__ void cand_write_impl(
     int nt, const i64* chunk_start, const int* dtypes, const int* seg_of,
-    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* early_ptrs,
     const u64* cand_base, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
     const u64* state, const u64* eq_base, const u64* out_base, IDX* out_idx, float* vals32, double* vals64)
 {
@@ -759,6 +860,7 @@ __device__ __forceinline__ void cand_write_impl(
     const void* nw = (const void*)new_ptrs[t];
     const void* bs = (const void*)base_ptrs[t];
     const void* rs = (const void*)res_ptrs[t];
+    const void* ep = (const void*)early_ptrs[t];
     const u64 base = cand_base[c];
     const u32 m = cand_cnt[c];
     u64 eq_seen = eq_base[c];
@@ -775,8 +877,8 @@ __device__ __forceinline__ void cand_write_impl(
             const u64 slot = pos + sel_before;
             const i64 i = e0 + (i64)cand_idx[base + j];
             out_idx[slot] = (IDX)i;
-            if (dt == DT_F64) vals64[slot] = delta_f64(nw, bs, rs, i);
-            else vals32[slot] = delta_f32(nw, bs, rs, dt, i);
+            if (dt == DT_F64) vals64[slot] = ep ? ((const double*)ep)[i] : delta_f64(nw, bs, rs, i);
+            else vals32[slot] = ep ? ((const float*)ep)[i] : delta_f32(nw, bs, rs, dt, i);
         }
         rank_advance(wsel, weq, tot, pos, eq_seen);
     }
@@ -784,22 +886,93 @@ __device__ __forceinline__ void cand_write_impl(
 
 extern "C" __global__ void cand_write_u32(
     int nt, const i64* chunk_start, const int* dtypes, const int* seg_of,
-    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* early_ptrs,
     const u64* cand_base, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
     const u64* state, const u64* eq_base, const u64* out_base, u32* out_idx, float* vals32, double* vals64)
 {
-    cand_write_impl<u32>(nt, chunk_start, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, cand_base, cand_cnt, cand_idx,
-                         cand_key, state, eq_base, out_base, out_idx, vals32, vals64);
+    cand_write_impl<u32>(nt, chunk_start, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, early_ptrs, cand_base,
+                         cand_cnt, cand_idx, cand_key, state, eq_base, out_base, out_idx, vals32, vals64);
 }
 
 extern "C" __global__ void cand_write_u64(
     int nt, const i64* chunk_start, const int* dtypes, const int* seg_of,
-    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* early_ptrs,
     const u64* cand_base, const u32* cand_cnt, const u16* cand_idx, const u32* cand_key,
     const u64* state, const u64* eq_base, const u64* out_base, u64* out_idx, float* vals32, double* vals64)
 {
-    cand_write_impl<u64>(nt, chunk_start, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, cand_base, cand_cnt, cand_idx,
-                         cand_key, state, eq_base, out_base, out_idx, vals32, vals64);
+    cand_write_impl<u64>(nt, chunk_start, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, early_ptrs, cand_base,
+                         cand_cnt, cand_idx, cand_key, state, eq_base, out_base, out_idx, vals32, vals64);
+}
+
+// The chunks that supply keys equal to the threshold where it is lo (their segment had fewer candidates than k):
+// the chunk read again up to its last kept entry, every element's key recomputed, and its kept entries written at
+// out_base[c] onwards in index order (over what cand_write wrote there from the candidates alone). Every other
+// block returns at once.
+template <typename IDX>
+__device__ __forceinline__ void tie_write_impl(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, const u64* lo, const u32* cnt, const u64* state, const u64* eq_base, const u64* out_base,
+    IDX* out_idx, float* vals32, double* vals64)
+{
+    __shared__ u32 wsel[WARPS], weq[WARPS];
+    __shared__ u32 tot[2];
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const int s = seg_of[t];
+    const u64 take = state[2 * s + 1];
+    u64 eq_seen = eq_base[c];
+    if (state[2 * s] != lo[s] || eq_seen >= take || cnt[2 * c + 1] == 0) return;  // uniform across the block
+    const u32 T = (u32)state[2 * s];
+    const i64 n = numel[t];
+    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+    const int dt = dtypes[t];
+    const void* nw = (const void*)new_ptrs[t];
+    const void* bs = (const void*)base_ptrs[t];
+    const void* rs = (const void*)res_ptrs[t];
+    const void* sc = (const void*)score_ptrs[t];
+    const int sdt = score_dtypes[t];
+    u64 pos = out_base[c];
+    const u64 end = out_base[c + 1];
+    for (int j = 0; j < ITEMS && pos < end; ++j) {  // up to the chunk's last kept entry (uniform across the block)
+        const i64 i0 = e0 + (i64)j * BLOCK;
+        if (i0 >= n) break;  // uniform across the block
+        const i64 i = i0 + threadIdx.x;
+        const bool valid = i < n;
+        bool bad;
+        float d32 = 0.0f;
+        double d64 = 0.0;
+        const u32 key = valid ? element_key(nw, bs, rs, sc, dt, sdt, crit, i, bad, d32, d64) : 0u;
+        u32 sel_before;
+        const bool sel = rank_select(valid && key > T, valid && key == T, eq_seen, take, wsel, weq, sel_before);
+        if (sel) {
+            const u64 slot = pos + sel_before;
+            out_idx[slot] = (IDX)i;
+            if (dt == DT_F64) vals64[slot] = d64;
+            else vals32[slot] = d32;
+        }
+        rank_advance(wsel, weq, tot, pos, eq_seen);
+    }
+}
+
+extern "C" __global__ void tie_write_u32(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, const u64* lo, const u32* cnt, const u64* state, const u64* eq_base, const u64* out_base,
+    u32* out_idx, float* vals32, double* vals64)
+{
+    tie_write_impl<u32>(nt, chunk_start, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, score_ptrs,
+                        score_dtypes, crit, lo, cnt, state, eq_base, out_base, out_idx, vals32, vals64);
+}
+
+extern "C" __global__ void tie_write_u64(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, const u64* lo, const u32* cnt, const u64* state, const u64* eq_base, const u64* out_base,
+    u64* out_idx, float* vals32, double* vals64)
+{
+    tie_write_impl<u64>(nt, chunk_start, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, score_ptrs,
+                        score_dtypes, crit, lo, cnt, state, eq_base, out_base, out_idx, vals32, vals64);
 }
 
 // residual = delta of every element of t where res_out_ptrs[t] is non-zero (it may alias res_ptrs[t]): the late

@@ -7,14 +7,15 @@ A runner (:class:`~gpu_codec.backends.base.Runner`) has ``xp`` (the array module
 exactly what the GPU backend launches.
 
 The only device-to-host copies here are small: one error word after scoring and after a scatter, the sampled keys
-of the fused selection (at most SAMPLE_MAX per segment) and its status words (one per segment), the per-tensor
-kept counts, ternary mu and Rice bit counts.
+of the fused selection (at most SAMPLE_MAX per segment, none for a segment of one chunk) and its status words
+(two per segment), the per-tensor kept counts, ternary mu and Rice bit counts.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
@@ -41,20 +42,24 @@ FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
 SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32)
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
 SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem of reads per input
-SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (their bracket is exact)
-# candidate region of a chunk: the expected count plus this many standard deviations (with the rate's own margin
-# an i.i.d. tensor overflows a region in about 1e-6 of selections at 2^22 to 1e-4 at 2^30, far below the 0.6% at
-# which the bracket misses)
-CAP_SIGMAS = 4.5
-LOCAL_SIGMAS = 5.0  # a region whose own sample is this many standard deviations above its tensor's rate is local
-CAP_MARGIN = 1.25  # (times this where the chunk's own sample says it holds more than its tensor's rate)
-CAP_SLACK = 4
-RATE_SIGMAS = 4.0
-CAP_GROUP = 4  # chunks per fused_scan block (one candidate region each: relatively less spread than a chunk's)
-CAP_PRIOR = 256  # the segment's rate counts as this many samples of each tensor's
+# segments of fewer elements than SAMPLE_SMALL are sampled twice as densely: their brackets, a few sampled keys
+# wide, would cost more candidates than the sample's reads
+SAMPLE_SMALL, SAMPLE_DENSITY_SMALL = 1 << 17, 64
+SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (exact bracket), but for one of one chunk (none)
+# the chance that lo lands above the k-th key (a miss: the unfused passes run), shared by the sampled segments of
+# a selection; the sampled keys above the k-th are counted as Poisson clusters of the runs' design effect
+# (neighbours in a run of trained weights move together: up to SAMPLE_RUN times the variance of independent
+# elements), estimated from the sample itself
+BRACKET_MISS = 5e-3
+DESIGN_RANK = 64  # the design effect is measured at the sample's DESIGN_RANK-th key or lower (enough hits)
+# the candidate pool holds the sample's estimate of a segment's candidates plus this many of its standard
+# deviations and POOL_SLACK (device memory only: the traffic is what the candidates are)
+POOL_SIGMAS = 6.0
+POOL_SLACK = 256
 NO_LO = 1 << 32  # lo of a segment with k = 0: above every key
-# a segment of more chunks than this selects on its candidates with a block per chunk (cand_hist) rather than one
-# block (cand_select, one SM): the four histogram rounds then cost a fixed 16 KiB of traffic per segment
+# where a segment has more chunks than this, and the segments this many on average, the selection on the candidates
+# takes a block per chunk (cand_hist) rather than one block per segment (cand_select, one SM each): the four
+# histogram rounds cost a fixed 16 KiB of traffic per segment, at most a 64th of the inputs' bytes then
 SELECT_BLOCK_CHUNKS = 64
 
 __all__ = ["CHUNK", "FUSED_ENV", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
@@ -96,18 +101,19 @@ def _check_segments(segments, nt: int) -> None:
 
 
 def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray]:
-    """Per tensor: (sample offsets, nt + 1 entries; sampling stride). A segment of n elements is sampled in runs
-    of SAMPLE_RUN consecutive elements, one run every stride elements (whole when n <= SAMPLE_ALL or k is 0 or n)."""
+    """Per tensor: (sample offsets, nt + 1 entries; sampling window). A segment of n elements is sampled in runs
+    of SAMPLE_RUN consecutive elements, one run in every window of ``stride`` elements (whole when n <=
+    SAMPLE_ALL or k is 0 or n); :func:`gpu_codec.cpu_fallback.fused.sample_positions` says where."""
     nt = len(numels)
     stride = np.full(nt, SAMPLE_RUN, np.int64)
     fixed = [False] * nt
     for seg, k in zip(segments, ks):
         n = sum(numels[t] for t in seg)
         for t in seg:
-            fixed[t] = k <= 0 or k >= n  # nothing to bracket: lo is fixed
+            fixed[t] = k <= 0 or k >= n or _one_chunk(seg, numels)  # nothing to bracket: lo is fixed
         if n <= SAMPLE_ALL or k <= 0 or k >= n:
             continue
-        ms = min(SAMPLE_MAX, max(SAMPLE_RUN, n // SAMPLE_DENSITY))
+        ms = min(SAMPLE_MAX, max(SAMPLE_RUN, n // (SAMPLE_DENSITY_SMALL if n < SAMPLE_SMALL else SAMPLE_DENSITY)))
         for t in seg:
             stride[t] = max(SAMPLE_RUN, SAMPLE_RUN * (n // ms))
     counts = [
@@ -117,78 +123,97 @@ def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray
     return _offsets(counts), stride
 
 
-def sample_positions(n: int, count: int, stride: int) -> np.ndarray:
-    r = np.arange(count, dtype=np.int64)
-    return (r // SAMPLE_RUN) * stride + r % SAMPLE_RUN
+def _one_chunk(seg, numels) -> bool:
+    """Whether a segment is one chunk: fused_scan's block then selects it whole (own_k), without a sample."""
+    return len(seg) == 1 and 0 < numels[seg[0]] <= CHUNK
 
 
-def bracket(sample: np.ndarray, n: int, k: int, whole: bool) -> int:
-    """lo: a key at or below the k-th largest of the segment with high probability (exact when sampled whole)."""
+def design_effect(sample: np.ndarray, rank: int) -> float:
+    """How much more the count of sampled keys at or above the sample's ``rank``-th largest varies than a count
+    of independent elements would (1 to SAMPLE_RUN): the variance of the per-run counts over the binomial one."""
+    runs = sample.size // SAMPLE_RUN
+    if runs < 2:
+        return float(SAMPLE_RUN)
+    x = np.partition(sample, sample.size - 1 - rank)[sample.size - 1 - rank]
+    hits = (sample[: runs * SAMPLE_RUN] >= x).reshape(runs, SAMPLE_RUN).sum(axis=1)
+    mean = float(hits.mean())
+    if mean == 0 or mean == SAMPLE_RUN:
+        return float(SAMPLE_RUN) if mean == 0 else 1.0
+    return min(float(SAMPLE_RUN), max(1.0, float(hits.var()) / (mean * (1 - mean / SAMPLE_RUN))))
+
+
+def poisson_upper(lam: float, alpha: float) -> int:
+    """The least m with P(X > m) <= alpha for X ~ Poisson(lam) (a normal approximation past lam = 200).
+
+    >>> poisson_upper(1.0, 1e-3), poisson_upper(100.0, 1e-3)
+    (5, 132)
+    """
+    if lam > 200:
+        return math.ceil(lam + NormalDist().inv_cdf(1 - alpha) * math.sqrt(lam))
+    pmf = cdf = math.exp(-lam)
+    m = 0
+    while 1 - cdf > alpha:
+        m += 1
+        pmf *= lam / m
+        cdf += pmf
+    return m
+
+
+def bracket(
+    sample: np.ndarray, weight: np.ndarray, n: int, k: int, whole: bool, alpha: float = BRACKET_MISS
+) -> tuple[int, int]:
+    """(lo, pool): a key at or below the k-th largest of the segment with high probability (exact when sampled
+    whole), and candidate slots enough for the keys above it with a far higher one. Sampled key i stands for
+    ``weight[i]`` elements (its tensor's size over its sample: a small tensor's run weighs less)."""
     ms = sample.size
     if whole:
-        pick = k - 1
-    else:
-        r = k * ms / n
-        pick = int(r + 2.5 * math.sqrt(r) + 1)
-        if pick >= ms - 1:
-            return 0  # the sample cannot bracket so low: every element is a candidate
-    return int(np.partition(sample, ms - 1 - pick)[ms - 1 - pick])
+        lo = int(np.partition(sample, ms - k)[ms - k])
+        return lo, int(np.count_nonzero(sample > lo))
+    d = design_effect(sample, max(int(k * ms / n), min(DESIGN_RANK, ms // SAMPLE_RUN)))
+    order = np.argsort(sample, kind="stable")[::-1]
+    w = weight[order]
+    est = np.cumsum(w)  # elements at or above each sampled key
+    reach = np.flatnonzero(est >= k)
+    if not reach.size:
+        return 0, n
+    wk = float(np.sum(w[: reach[0] + 1] ** 2) / est[reach[0]])  # the mean weight of a sampled key above the k-th
+    # sampled keys above the k-th: Poisson(k / wk) in clusters of d; lo is the one past their (1 - alpha) quantile
+    above_k = d * poisson_upper(k / wk / d, alpha)
+    enough = np.flatnonzero(est >= (above_k + 1) * wk)
+    pick = int(enough[0]) if enough.size else ms
+    if pick >= ms - 1:
+        return 0, n  # the sample cannot bracket so low: every element is a candidate
+    lo = int(sample[order[pick]])
+    above = sample > lo  # keys equal to lo are counted, not stored
+    est_above, var_above = float(weight[above].sum()), d * float((weight[above] ** 2).sum())
+    return lo, min(n, math.ceil(est_above + POOL_SIGMAS * math.sqrt(var_above)) + POOL_SLACK)
 
 
-def region_caps(lens: np.ndarray, hit: np.ndarray, above: np.ndarray, stride: int, seg_rate: float) -> np.ndarray:
-    """Candidate slots per region (CAP_GROUP chunks of ``lens`` elements) of a sampled tensor: the expected count
-    plus CAP_SIGMAS standard deviations and CAP_SLACK. Expected: the tensor's sampled rate (drawn towards the
-    segment's where the tensor has few samples, and raised by RATE_SIGMAS of its own spread), or the region's own
-    sample where that is LOCAL_SIGMAS above it."""
-    hits = float(np.count_nonzero(above)) + CAP_PRIOR * seg_rate
-    rate = (hits + RATE_SIGMAS * math.sqrt(hits) + 1.0) / (above.size + CAP_PRIOR)  # the rate is a sample's too
-    scale = float(stride) / SAMPLE_RUN
-    expect_hits = lens * rate / scale
-    local = hit > expect_hits + LOCAL_SIGMAS * np.sqrt(expect_hits) + 3
-    mean = np.where(local, hit * scale * CAP_MARGIN, lens * rate)
-    return np.minimum(lens, np.ceil(mean + CAP_SIGMAS * np.sqrt(mean)).astype(np.int64) + CAP_SLACK)
-
-
-def candidate_plan(host_sample, samp_off, stride, numels, segments, ks, chunk_start, force_miss: bool = False):
-    """(lo per segment, fused_scan's blocks: CAP_GROUP chunks of one tensor each as their first chunks, and the
-    candidate slots of each) from the sampled keys, on the host. ``force_miss``: lo above every key (tests)."""
+def candidate_plan(host_sample, samp_off, numels, segments, ks, force_miss: bool = False):
+    """(lo per segment, k per segment that is one chunk and selected whole in fused_scan's block (else 0),
+    candidate pool slots) from the sampled keys, on the host. ``force_miss``: lo above every key (tests)."""
     nseg = len(segments)
+    sampled = sum(1 for seg in segments if seg and samp_off[seg[-1] + 1] > samp_off[seg[0]])
     lo = np.zeros(max(nseg, 1), np.uint64)
-    grp_start: list[int] = []
-    caps: list[int] = []
+    own_k = np.zeros(max(nseg, 1), np.uint64)
+    pool = 0
     for s, (seg, k) in enumerate(zip(segments, ks)):
         n = sum(numels[t] for t in seg)
         seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])] if seg else host_sample[:0]
         if k <= 0:
             lo[s] = NO_LO
         elif k >= n:
-            lo[s] = 0
+            lo[s], pool = 0, pool + n
+        elif _one_chunk(seg, numels):
+            lo[s], own_k[s], pool = 0, k, pool + k
         else:
-            lo[s] = bracket(seg_keys, n, k, n <= SAMPLE_ALL)
+            m = np.asarray([int(samp_off[t + 1] - samp_off[t]) for t in seg], np.int64)
+            per = np.asarray([numels[t] for t in seg], np.float64) / np.maximum(m, 1)
+            lo[s], cap = bracket(seg_keys, np.repeat(per, m), n, k, n <= SAMPLE_ALL, BRACKET_MISS / max(1, sampled))
+            pool += cap
         if force_miss and k > 0:
-            lo[s] = NO_LO - 1
-        seg_rate = float(np.count_nonzero(seg_keys >= lo[s])) / max(1, seg_keys.size)
-        for t in seg:
-            c0, nch = int(chunk_start[t]), int(chunk_start[t + 1] - chunk_start[t])
-            ng = -(-nch // CAP_GROUP)
-            grp_start += range(c0, c0 + nch, CAP_GROUP)
-            glen = np.minimum(CAP_GROUP * CHUNK, numels[t] - CAP_GROUP * CHUNK * np.arange(ng, dtype=np.int64))
-            if k <= 0:
-                caps += [0] * ng
-            elif lo[s] == 0:
-                caps += glen.tolist()
-            else:
-                a = int(samp_off[t])
-                m = int(samp_off[t + 1]) - a
-                pos = sample_positions(numels[t], m, int(stride[t]))
-                above = host_sample[a : a + m] >= lo[s]
-                hit = np.bincount(pos[above] // (CAP_GROUP * CHUNK), minlength=ng)[:ng]
-                if int(stride[t]) == SAMPLE_RUN:  # sampled whole: the counts are exact
-                    caps += hit.tolist()
-                else:
-                    caps += region_caps(glen, hit, above, int(stride[t]), seg_rate).tolist()
-    grp_start.append(int(chunk_start[len(numels)]))
-    return lo, grp_start, caps
+            lo[s], own_k[s] = NO_LO - 1, 0
+    return lo, own_k, pool
 
 
 def _nbytes(*arrays) -> int:
@@ -210,7 +235,7 @@ def _split(flat: Any, counts: list[int]) -> list[Any]:
 class KernelOps:
     """Every op of the :class:`~gpu_codec.backends.base.Backend` protocol that runs kernels, composed from them."""
 
-    _force_fallback = ""  # tests only: "miss" (lo above every key) or "overflow" (empty candidate regions)
+    _force_fallback = ""  # tests only: "miss" (lo above every key) or "overflow" (an empty candidate pool)
     _force_wide = False  # tests only: the fused path writes 64-bit indices whatever the sizes
     _force_select = ""  # tests only: "one" (cand_select) or "multi" (cand_hist) whatever the segments' sizes
 
@@ -222,7 +247,7 @@ class KernelOps:
         self.fused_fallbacks = 0  # fused selections that ran the unfused passes (bracket miss or overflow)
         self.fused_selections = 0  # fused selections that completed without the fallback
         # peak bytes of scratch alive at once in the last fused selection (device memory beyond its inputs and
-        # outputs: the sample, then the candidate regions, per-chunk tables and O(tensors) tables)
+        # outputs: the sample, then the candidate pool, per-chunk tables and O(tensors) tables)
         self.fused_workspace_bytes = 0
 
     def _up(self, host: np.ndarray):
@@ -351,7 +376,7 @@ class KernelOps:
 
     def _topk_fused(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """The selection reading the full tensors once (kernels/topk.cu, "Fused selection"); None where the
-        bracket missed or a candidate region overflowed (the caller then runs the unfused passes)."""
+        bracket missed or the candidate pool overflowed (the caller then runs the unfused passes)."""
         xp, run = self.xp, self.runner
         nt = len(new)
         numels = [int(a.size) for a in new]
@@ -369,7 +394,7 @@ class KernelOps:
         d_dt, d_so = self._up(np.asarray(dtypes, np.int32)), self._up(tb.seg_of)
         p_new, p_base, p_res, p_ext = self._ptrs(new), self._ptrs(base), self._ptrs(res), self._ptrs(ext_scores)
         d_ext_dt = self._up(np.asarray(ext_dtypes, np.int32))
-        # 1) the sample and, on the host, lo per segment and a candidate region per group of CAP_GROUP chunks
+        # 1) the sample and, on the host, lo per segment and the size of the candidate pool
         samp_off, stride = sample_plan(numels, segments, ks)
         ns = int(samp_off[-1])
         tables = _nbytes(d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt)  # live until the end
@@ -381,55 +406,59 @@ class KernelOps:
                 "sample_keys",
                 -(-ns // BLOCK),
                 BLOCK,
-                (nt32, np.uint64(ns), d_off, d_stride, np.int32(SAMPLE_RUN), d_dt, p_new, p_base)
+                (nt32, np.uint64(ns), d_off, d_nm, d_stride, np.int32(SAMPLE_RUN), d_dt, p_new, p_base)
                 + (p_res, p_ext, d_ext_dt, crit32, sample),
             )
             host_sample = run.to_host(sample)
             peak = max(peak, tables + _nbytes(sample, d_off, d_stride))
-            del sample, d_off, d_stride  # freed before the candidate regions are allocated
-        lo, grp_start, caps = candidate_plan(
-            host_sample, samp_off, stride, numels, segments, ks, tb.chunk_start, self._force_fallback == "miss"
-        )
+            del sample, d_off, d_stride  # freed before the candidate pool is allocated
+        lo, own_k, pool = candidate_plan(host_sample, samp_off, numels, segments, ks, self._force_fallback == "miss")
         if self._force_fallback == "overflow":
-            caps = [0] * len(caps)
-        grp_off = _offsets(caps)
-        ncap, ngrp = int(grp_off[-1]), len(caps)
+            pool = 0
         cand_base = xp.zeros(grid, dtype=np.uint64)
         cand_cnt = xp.zeros(grid, dtype=np.uint32)
-        cand_idx = xp.empty(max(ncap, 1), dtype=np.uint16)
-        cand_key = xp.empty(max(ncap, 1), dtype=np.uint32)
-        cands = _nbytes(cand_base, cand_cnt, cand_idx, cand_key)  # live until cand_write
-        status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(nseg, np.uint64)]))
+        cand_idx = xp.empty(max(pool, 1), dtype=np.uint16)
+        cand_key = xp.empty(max(pool, 1), dtype=np.uint32)
+        eq_cnt = xp.zeros(grid, dtype=np.uint32)
+        cands = _nbytes(cand_base, cand_cnt, cand_idx, cand_key, eq_cnt)  # live until cand_write
+        status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(2 * nseg, np.uint64)]))
         # 2) one pass over every element; the residual is written here where it is not also the residual read
         early = [
             ro if ro is not None and (r is None or self.runner.ptr(r) != self.runner.ptr(ro)) else None
             for r, ro in zip(res, res_out)
         ]
-        plan = (self._ptrs(early), self._up(lo), self._up(np.asarray(grp_start, np.int64)), self._up(grp_off))
+        p_early = self._ptrs(early)  # live until cand_write
+        d_lo = self._up(lo)
+        plan = (p_early, d_lo, self._up(own_k), np.uint64(pool))
         run.launch(
             "fused_scan",
-            ngrp,
+            grid,
             BLOCK,
             (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32)
             + plan
-            + (cand_base, cand_cnt, cand_idx, cand_key, status),
+            + (cand_base, cand_cnt, cand_idx, cand_key, eq_cnt, status),
         )
-        peak = max(peak, tables + cands + _nbytes(status, *plan))
+        peak = max(peak, tables + cands + _nbytes(status, *plan[:3]))
+        cands += _nbytes(p_early, d_lo)
         self.fused_workspace_bytes = peak
         del plan
         st = run.to_host(status)
         del status
         if int(st[0]) != U64_MAX:
             return None, None, int(st[0])
-        if int(st[1]) or any(int(st[2 + s]) < k for s, k in enumerate(ks)):
-            return None  # a region overflowed or the bracket missed
-        # 3) exact selection on the candidates, then the ordered write of the kept entries
-        state = self._up(initial_state(ks))
+        above, at_lo = st[2::2].astype(np.int64), st[3::2].astype(np.int64)
+        if int(st[1]) > pool or any(int(above[s] + at_lo[s]) < k for s, k in enumerate(ks)):
+            return None  # the pool overflowed or the bracket missed
+        # 3) exact selection on the candidates, then the ordered write of the kept entries. A segment with fewer
+        # candidates than k keeps them all and the first keys equal to lo: threshold lo, no selection to run.
+        tied = [s for s, k in enumerate(ks) if k > 0 and above[s] < k]
+        state = self._up(initial_state([0 if s in tied else k for s, k in enumerate(ks)]))
         seg_chunks = np.zeros(nseg + 1, np.int64)
         for s, seg in enumerate(segments):
             seg_chunks[s + 1] = tb.chunk_start[seg[-1] + 1] if seg else seg_chunks[s]
         widest = int(np.diff(seg_chunks).max()) if nseg else 0
-        if self._force_select == "multi" or (widest > SELECT_BLOCK_CHUNKS and self._force_select != "one"):
+        multi = widest > SELECT_BLOCK_CHUNKS and grid >= SELECT_BLOCK_CHUNKS * nseg
+        if self._force_select == "multi" or (multi and self._force_select != "one"):
             hist = xp.zeros(256 * nseg, dtype=np.uint64)
             for shift in (24, 16, 8, 0):  # a block per chunk: every SM works, whatever the segment count
                 run.launch(
@@ -448,14 +477,20 @@ class KernelOps:
                 SCAN_THREADS,
                 (np.int32(nseg), self._up(seg_chunks), cand_base) + (cand_cnt, cand_key, state),
             )
+        if tied:  # state = [lo, keys equal to lo to take] for them
+            ix = np.asarray(tied, np.int64)
+            state[self._up(np.concatenate([2 * ix, 2 * ix + 1]))] = self._up(
+                np.concatenate([lo[ix], np.asarray(ks, np.int64)[ix] - above[ix]]).astype(np.uint64)
+            )
         cnt = xp.zeros(2 * grid, dtype=np.uint32)
-        run.launch("cand_count", grid, BLOCK, (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, cnt))
+        run.launch(
+            "cand_count", grid, BLOCK, (nt32, d_cs, d_so, cand_base, cand_cnt, cand_key, state, d_lo, eq_cnt, cnt)
+        )
         eq_base = xp.zeros(grid, dtype=np.uint64)
         out_base = xp.zeros(grid + 1, dtype=np.uint64)
         counts = xp.zeros(nt, dtype=np.uint64)
         scan = self._chunk_scan(tb, d_cs, state, cnt, eq_base, out_base, counts)
         peak = max(peak, tables + cands + scan + _nbytes(state, cnt, eq_base, out_base, counts))
-        del cnt
         K = int(sum(ks))
         wide = self._force_wide or any(index_dtype(n) == np.uint64 for n in numels)
         sfx = "u64" if wide else "u32"
@@ -467,10 +502,18 @@ class KernelOps:
             "cand_write_" + sfx,
             grid,
             BLOCK,
-            (nt32, d_cs, d_dt, d_so, p_new, p_base, p_res, cand_base, cand_cnt, cand_idx, cand_key, state, eq_base)
-            + (out_base, idx, vals32, vals64),
+            (nt32, d_cs, d_dt, d_so, p_new, p_base, p_res, p_early, cand_base, cand_cnt, cand_idx, cand_key, state)
+            + (eq_base, out_base, idx, vals32, vals64),
         )
-        del cand_base, cand_cnt, cand_idx, cand_key, state, eq_base, out_base
+        if tied:  # the chunks that supply the keys equal to lo, read again
+            run.launch(
+                "tie_write_" + sfx,
+                grid,
+                BLOCK,
+                (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32, d_lo, cnt, state)
+                + (eq_base, out_base, idx, vals32, vals64),
+            )
+        del cand_base, cand_cnt, cand_idx, cand_key, eq_cnt, cnt, state, eq_base, out_base
         host_counts = run.to_host(counts).astype(np.int64)
         del counts
         # 4) residuals read in place are written now that nothing reads them; then the kept entries' residuals

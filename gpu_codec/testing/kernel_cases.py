@@ -577,6 +577,19 @@ class _Stop(Exception):
     """A launch's buffers differ from the twins': stop before later kernels run on inconsistent inputs."""
 
 
+def _by_chunk(arrays: dict[str, np.ndarray]) -> list[np.ndarray]:
+    """The arrays of one launch, the candidate pool (cand_idx, cand_key) as its chunks' candidates in chunk order
+    and cand_base as where they start in that order: fused_scan places chunks in the pool in the order its blocks
+    finish, which later kernels never see (they find a chunk's candidates through cand_base and cand_cnt)."""
+    if {"cand_base", "cand_cnt"} <= arrays.keys():
+        base, cnt = arrays["cand_base"].astype(np.int64), arrays["cand_cnt"].astype(np.int64)
+        for p in {"cand_idx", "cand_key"} & arrays.keys():
+            a = arrays[p]
+            arrays[p] = np.concatenate([a[:0]] + [a[b : b + m] for b, m in zip(base.tolist(), cnt.tolist()) if m])
+        arrays["cand_base"] = np.concatenate([[0], np.cumsum(cnt)[:-1]]).astype(np.uint64)
+    return list(arrays.values())
+
+
 class RecordingRunner:
     """Wraps a runner: after every launch, a host copy of each array argument that is not a table of addresses
     (name, [arrays]). With ``expect`` (another RecordingRunner's log), each launch is compared with the same launch
@@ -600,9 +613,9 @@ class RecordingRunner:
 
         self.inner.launch(name, grid, block, args)
         params = kernel_signatures()[name][1]
-        keep = [a for (_, p), a in zip(params, args) if not isinstance(a, np.generic) and not p.endswith("_ptrs")]
+        kept = [(p, a) for (_, p), a in zip(params, args) if not isinstance(a, np.generic) and not p.endswith("_ptrs")]
         step = len(self.log)
-        self.log.append((name, [self.inner.to_host(a) for a in keep]))
+        self.log.append((name, _by_chunk({p: self.inner.to_host(a) for p, a in kept})))
         if self.expect is None:
             return
         if step >= len(self.expect) or self.expect[step][0] != name:

@@ -1,0 +1,151 @@
+"""The fused one-pass selection on real distributions (kernels/topk.cu, "Fused selection"): real trained updates
+with and without error feedback, exact zeros, ties and fewer non-zeros than k select without falling back to the
+unfused passes, within the traffic targets by the emulator's count and to the same bytes as the NumPy backend; a
+candidate pool too short still gives the same bytes through the fallback."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+from gpu_codec.cpu_fallback.select import topk_select
+
+import gpu_codec
+from benchmarks import bench_zoo
+from benchmarks.zoo import ZOO
+from gpu_codec.backends import emulated as emu
+from gpu_codec.backends import kernels as K
+from gpu_codec.backends import using_backend
+from gpu_codec.backends.numpy import NumpyBackend
+from gpu_codec.testing import kernel_cases as kc
+
+from .common import HAS_EMULATOR
+
+pytestmark = pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler")
+
+TARGET = {False: 10.0, True: 18.0}  # B/elem of one compress, without and with error feedback (issue 26)
+
+
+@functools.cache
+def update(name: str, elements: int):
+    entry = ZOO[name]
+    return entry.build(bench_zoo.scale_for(entry, elements))
+
+
+def _same_bytes_as_numpy(u, fraction: float, scope: str) -> None:
+    """One compress with an error-feedback residual carried from the update's earlier rounds, on the emulated and
+    the NumPy backends: the same payload and the same residual afterwards."""
+    out = []
+    for backend in (NumpyBackend(), emu.EmulatedBackend()):
+        with using_backend(backend):
+            ef = bench_zoo.warm_residual(u, fraction, scope)
+            blob = gpu_codec.compress(u.new, u.base, fraction=fraction, scope=scope, residual=ef).to_bytes()
+            out.append((blob, {k: np.asarray(ef.residual(k)).copy() for k in u.new}))
+    (b_cpu, r_cpu), (b_emu, r_emu) = out
+    assert b_cpu == b_emu
+    assert all(np.array_equal(r_cpu[k], r_emu[k]) for k in r_cpu)
+
+
+@pytest.mark.parametrize(("name", "elements"), [("digits-cnn-sgd", 1 << 19), ("char-transformer", 1 << 16)])
+def test_real_updates_select_in_one_pass(name, elements):
+    """1% and 0.1%, global and per tensor, with and without error feedback (the residual of the earlier rounds):
+    no fallback, and the traffic targets by the emulator's count (digits: all 281,674 parameters; the NumPy and
+    emulated bytes of every entry are compared at a small scale in tests/test_zoo.py)."""
+    u = update(name, elements)
+    rows = bench_zoo.emulated_rows(u)
+    assert len(rows) == len(bench_zoo.EMU_CONFIGS) == 8
+    for r in rows:
+        cfg = (r["fraction"], r["scope"], r["residual"])
+        assert (r["fallbacks"], r["fused"]) == (0, 1), cfg
+        assert r["bytes_per_element"] <= TARGET[r["residual"]], cfg
+    if name == "char-transformer":
+        _same_bytes_as_numpy(u, 0.01, "global")
+        _same_bytes_as_numpy(u, 0.001, "per_tensor")
+
+
+@pytest.mark.parametrize("name", ["zeros-99", "zeros-100", "three-level", "fewer-than-k"])
+def test_zeros_and_ties_select_in_one_pass(name):
+    """A bracket on a value that many elements share (exact zeros, three levels, fewer non-zeros than k): the
+    equal keys are counted rather than stored, and the few chunks that supply the kept ones are read again."""
+    u = update(name, 1 << 18)
+    rows = bench_zoo.emulated_rows(u)
+    for r in rows:
+        cfg = (r["fraction"], r["scope"], r["residual"])
+        assert (r["fallbacks"], r["fused"]) == (0, 1), cfg
+        assert r["bytes_per_element"] <= TARGET[r["residual"]], cfg
+    _same_bytes_as_numpy(u, 0.01, "global")
+
+
+def test_tied_segments_take_tie_write(emulated_runner_log):
+    """All-zero and three-level tensors kept by their first keys equal to the threshold: tie_write runs, and the
+    result is the NumPy backend's to the byte."""
+    log, runner = emulated_runner_log
+    case = kc.TopkCase("zeros_and_levels", (9000, 20_000), ("f32", "f32"), scope="tensor", k=0.01, pattern="zeros")
+    assert kc.topk_vs_reference(runner, case) == []
+    assert "tie_write_u32" in log
+
+
+@pytest.fixture
+def emulated_runner_log():
+    runner = emu.EmulatorRunner(schedule="shuffle", seed=11)
+    log: list[str] = []
+    launch = runner.launch
+
+    def logged(name, grid, block, args):
+        log.append(name)
+        return launch(name, grid, block, args)
+
+    runner.launch = logged
+    return log, runner
+
+
+def test_a_pool_too_short_falls_back_to_the_same_bytes(monkeypatch):
+    """Candidate pools a third of their planned size: the pool overflows (chunks placed in shuffled order, some
+    stored and some not), the unfused passes run, counted, and the bytes are the NumPy backend's."""
+    bracket = K.bracket
+
+    def short(*args):
+        lo, cap = bracket(*args)
+        return lo, cap // 3
+
+    monkeypatch.setattr(K, "bracket", short)
+    case = kc.TopkCase("short_pool", (50_000, 30_000), ("f32", "f16"), k=0.01, res=True, res_out="new")
+    inp = kc.make_topk_inputs(case)
+    runner = emu.EmulatorRunner(schedule="shuffle", seed=3)
+    ops = K.KernelOps(runner, fused=True)
+    res_out = [np.zeros(n, np.float32) for n in case.sizes]
+    want_ro = [np.zeros(n, np.float32) for n in case.sizes]
+    rest = (inp["dtypes"], inp["ext"], inp["ext_dtypes"], inp["crit"], inp["segments"], inp["ks"], inp["qmode"])
+    got = ops.topk_select(inp["new"], inp["base"], [r.copy() for r in inp["res"]], res_out, *rest)
+    want = topk_select(inp["new"], inp["base"], [r.copy() for r in inp["res"]], want_ro, *rest)
+    assert (ops.fused_selections, ops.fused_fallbacks) == (0, 1)
+    assert got[2] is None and want[2] is None
+    for a, b in zip(got[0] + got[1] + res_out, want[0] + want[1] + want_ro):
+        assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+
+
+def test_one_chunk_segments_select_in_the_scan(emulated_runner_log):
+    """Per-tensor segments of one chunk each (ties, every dtype): fused_scan's block selects each whole, with no
+    sample and no fallback, to the NumPy backend's bytes."""
+    log, runner = emulated_runner_log
+    sizes, dtypes = (4096, 1000, 3000, 17, 2500), ("f32", "f16", "bf16", "f64", "f32")
+    for pattern in ("ties", "normal"):
+        case = kc.TopkCase("one_chunk_segments", sizes, dtypes, scope="tensor", k=0.05, pattern=pattern, res=True)
+        assert kc.topk_vs_reference(runner, case.with_(res_out="new")) == []
+    assert "fused_scan" in log and "sample_keys" not in log and "score_keys" not in log
+
+
+TIED = [
+    kc.TopkCase("equal_global", (3000, 5000, 17), ("f32", "f16", "f64"), k=0.01, pattern="equal", res=True),
+    kc.TopkCase("zeros_tensor", (9000, 20_000), ("bf16", "f32"), scope="tensor", k=0.02, pattern="zeros"),
+    kc.TopkCase("ties_global", (30_000, 7000), ("f32", "f64"), k=0.3, pattern="ties", res=True, res_out="alias"),
+]
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("case", TIED, ids=[c.name for c in TIED])
+def test_tie_write_matches_twins_stepwise(case, wide):
+    """Segments kept by their first keys equal to lo, launch by launch against the twins, in shuffled block
+    order, and against the NumPy backend."""
+    assert kc.topk_fused_stepwise(emu.EmulatorRunner(schedule="shuffle", seed=2), case, wide=wide) == []
