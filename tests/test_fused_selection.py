@@ -17,7 +17,7 @@ from benchmarks.zoo import ZOO
 from gpu_codec.backends import emulated as emu
 from gpu_codec.backends import kernels as K
 from gpu_codec.backends import using_backend
-from gpu_codec.backends.numpy import NumpyBackend
+from gpu_codec.backends.cpu import CpuBackend
 from gpu_codec.testing import kernel_cases as kc
 
 from .common import HAS_EMULATOR
@@ -37,7 +37,7 @@ def _same_bytes_as_numpy(u, fraction: float, scope: str) -> None:
     """One compress with an error-feedback residual carried from the update's earlier rounds, on the emulated and
     the NumPy backends: the same payload and the same residual afterwards."""
     out = []
-    for backend in (NumpyBackend(), emu.EmulatedBackend()):
+    for backend in (CpuBackend(), emu.EmulatedBackend()):
         with using_backend(backend):
             ef = bench_zoo.warm_residual(u, fraction, scope)
             blob = gpu_codec.compress(u.new, u.base, fraction=fraction, scope=scope, residual=ef).to_bytes()
