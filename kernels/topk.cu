@@ -44,6 +44,34 @@ __device__ __forceinline__ double criterion_f64(int crit, double w, double w0, d
     }
 }
 
+// The one per-element front of every selection kernel: the fp32 score of element i (the caller's, or the
+// criterion's of the delta and the weights) and its delta (d32, or d64 for an fp64 tensor); bad: the delta is
+// not finite.
+__device__ __forceinline__ float element_score(const void* nw, const void* bs, const void* rs, const void* sc, int dt,
+                                               int sdt, int crit, i64 i, bool& bad, float& d32, double& d64)
+{
+    if (dt == DT_F64) {
+        d64 = delta_f64(nw, bs, rs, i);
+        bad = !finite_f64(d64);
+        if (crit == CRIT_EXTERNAL) return load_f32(sc, sdt, i);
+        const double w = ((const double*)nw)[i], w0 = bs ? ((const double*)bs)[i] : 0.0;
+        return (float)criterion_f64(crit, w, w0, d64);
+    }
+    d32 = delta_f32(nw, bs, rs, dt, i);
+    bad = !finite_f32(d32);
+    if (crit == CRIT_EXTERNAL) return load_f32(sc, sdt, i);
+    return criterion_f32(crit, load_f32(nw, dt, i), bs ? load_f32(bs, dt, i) : 0.0f, d32);
+}
+
+// The fp32 score key of element i and whether its delta or score is non-finite; the delta goes to d32 or d64.
+__device__ __forceinline__ u32 element_key(const void* nw, const void* bs, const void* rs, const void* sc, int dt,
+                                           int sdt, int crit, i64 i, bool& bad, float& d32, double& d64)
+{
+    const float s = element_score(nw, bs, rs, sc, dt, sdt, crit, i, bad, d32, d64);
+    bad |= !finite_f32(s);
+    return score_key(s);
+}
+
 // keys[elem_off[t] + i] = key(score of element i of tensor t). A non-finite delta or score records the lowest
 // offending tensor index in *err (initialised to ~0 by the caller).
 extern "C" __global__ void score_keys(
@@ -66,27 +94,11 @@ extern "C" __global__ void score_keys(
     for (int j = 0; j < ITEMS; ++j) {
         const i64 i = e0 + (i64)j * BLOCK + threadIdx.x;
         if (i >= n) break;
-        float s;
-        if (dt == DT_F64) {
-            const double d = delta_f64(nw, bs, rs, i);
-            bad |= !finite_f64(d);
-            if (crit == CRIT_EXTERNAL) {
-                s = load_f32(sc, sdt, i);
-            } else {
-                const double w = ((const double*)nw)[i], w0 = bs ? ((const double*)bs)[i] : 0.0;
-                s = (float)criterion_f64(crit, w, w0, d);
-            }
-        } else {
-            const float d = delta_f32(nw, bs, rs, dt, i);
-            bad |= !finite_f32(d);
-            if (crit == CRIT_EXTERNAL) {
-                s = load_f32(sc, sdt, i);
-            } else {
-                s = criterion_f32(crit, load_f32(nw, dt, i), bs ? load_f32(bs, dt, i) : 0.0f, d);
-            }
-        }
-        bad |= !finite_f32(s);
-        out[i] = score_key(s);
+        bool b;
+        float d32;
+        double d64;
+        out[i] = element_key(nw, bs, rs, sc, dt, sdt, crit, i, b, d32, d64);
+        bad |= b;
     }
     if (bad) atomicMin(err, (u64)t);
 }
@@ -116,28 +128,13 @@ extern "C" __global__ void dense_delta(
     for (int j = 0; j < ITEMS; ++j) {
         const i64 i = e0 + (i64)j * BLOCK + threadIdx.x;
         if (i >= n) break;
-        float s;
-        if (dt == DT_F64) {
-            const double d = delta_f64(nw, bs, rs, i);
-            bad |= !finite_f64(d);
-            if (crit == CRIT_EXTERNAL) {
-                s = load_f32(sc, sdt, i);
-            } else {
-                const double w = ((const double*)nw)[i], w0 = bs ? ((const double*)bs)[i] : 0.0;
-                s = (float)criterion_f64(crit, w, w0, d);
-            }
-            vals64[off + i] = d;
-        } else {
-            const float d = delta_f32(nw, bs, rs, dt, i);
-            bad |= !finite_f32(d);
-            if (crit == CRIT_EXTERNAL) {
-                s = load_f32(sc, sdt, i);
-            } else {
-                s = criterion_f32(crit, load_f32(nw, dt, i), bs ? load_f32(bs, dt, i) : 0.0f, d);
-            }
-            vals32[off + i] = d;
-        }
-        if (crit == CRIT_EXTERNAL) bad |= !finite_f32(s);
+        bool b;
+        float d32;
+        double d64;
+        const float s = element_score(nw, bs, rs, sc, dt, sdt, crit, i, b, d32, d64);
+        if (dt == DT_F64) vals64[off + i] = d64;
+        else vals32[off + i] = d32;
+        bad |= b || (crit == CRIT_EXTERNAL && !finite_f32(s));
     }
     if (bad) atomicMin(err, (u64)t);
 }
@@ -495,32 +492,6 @@ extern "C" __global__ void chunk_write_u64(
 #define SCAN_VEC 2
 static_assert(ITEMS % SCAN_VEC == 0, "a chunk is a whole number of fused_scan rounds");
 
-// The fp32 score key of element i and whether its delta or score is non-finite; the delta goes to d32 or d64.
-__device__ __forceinline__ u32 element_key(const void* nw, const void* bs, const void* rs, const void* sc, int dt,
-                                           int sdt, int crit, i64 i, bool& bad, float& d32, double& d64)
-{
-    float s;
-    if (dt == DT_F64) {
-        d64 = delta_f64(nw, bs, rs, i);
-        bad = !finite_f64(d64);
-        if (crit == CRIT_EXTERNAL) {
-            s = load_f32(sc, sdt, i);
-        } else {
-            const double w = ((const double*)nw)[i], w0 = bs ? ((const double*)bs)[i] : 0.0;
-            s = (float)criterion_f64(crit, w, w0, d64);
-        }
-    } else {
-        d32 = delta_f32(nw, bs, rs, dt, i);
-        bad = !finite_f32(d32);
-        if (crit == CRIT_EXTERNAL) {
-            s = load_f32(sc, sdt, i);
-        } else {
-            s = criterion_f32(crit, load_f32(nw, dt, i), bs ? load_f32(bs, dt, i) : 0.0f, d32);
-        }
-    }
-    bad |= !finite_f32(s);
-    return score_key(s);
-}
 
 // The element that sample slot r of tensor t reads (see sample_keys); the NumPy twin is
 // gpu_codec.backends.kernels.sample_positions.

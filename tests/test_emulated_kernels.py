@@ -153,8 +153,8 @@ def test_fused_fallback_is_counted(emulated):
     ops = KernelOps(emulated, fused=True)
     want = ops.topk_select(*args)
     assert (ops.fused_selections, ops.fused_fallbacks) == (1, 0)
-    ops._force_fallback = "miss"
-    got = ops.topk_select(*args)
+    with kc.forced("miss"):
+        got = ops.topk_select(*args)
     assert (ops.fused_selections, ops.fused_fallbacks) == (1, 1)
     for a, b in zip(want[0] + want[1], got[0] + got[1]):
         assert a.tobytes() == b.tobytes()

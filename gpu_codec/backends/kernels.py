@@ -189,9 +189,9 @@ def bracket(
     return lo, min(n, math.ceil(est_above + POOL_SIGMAS * math.sqrt(var_above)) + POOL_SLACK)
 
 
-def candidate_plan(host_sample, samp_off, numels, segments, ks, force_miss: bool = False):
+def candidate_plan(host_sample, samp_off, numels, segments, ks):
     """(lo per segment, k per segment that is one chunk and selected whole in fused_scan's block (else 0),
-    candidate pool slots) from the sampled keys, on the host. ``force_miss``: lo above every key (tests)."""
+    candidate pool slots) from the sampled keys, on the host."""
     nseg = len(segments)
     sampled = sum(1 for seg in segments if seg and samp_off[seg[-1] + 1] > samp_off[seg[0]])
     lo = np.zeros(max(nseg, 1), np.uint64)
@@ -211,9 +211,19 @@ def candidate_plan(host_sample, samp_off, numels, segments, ks, force_miss: bool
             per = np.asarray([numels[t] for t in seg], np.float64) / np.maximum(m, 1)
             lo[s], cap = bracket(seg_keys, np.repeat(per, m), n, k, n <= SAMPLE_ALL, BRACKET_MISS / max(1, sampled))
             pool += cap
-        if force_miss and k > 0:
-            lo[s], own_k[s] = NO_LO - 1, 0
     return lo, own_k, pool
+
+
+def hist_select(widest: int, chunks: int, nseg: int) -> bool:
+    """Whether the selection on the candidates runs as histogram rounds with a block per chunk (cand_hist), rather
+    than one block per segment (cand_select): where the widest segment spans more than SELECT_BLOCK_CHUNKS chunks
+    and the segments average at least that many."""
+    return widest > SELECT_BLOCK_CHUNKS and chunks >= SELECT_BLOCK_CHUNKS * nseg
+
+
+def wide_indices(numels: list[int]) -> bool:
+    """Whether the fused path writes 64-bit indices: where a tensor has more elements than uint32 indexes."""
+    return any(index_dtype(n) == np.uint64 for n in numels)
 
 
 def _nbytes(*arrays) -> int:
@@ -234,10 +244,6 @@ def _split(flat: Any, counts: list[int]) -> list[Any]:
 
 class KernelOps:
     """Every op of the :class:`~gpu_codec.backends.base.Backend` protocol that runs kernels, composed from them."""
-
-    _force_fallback = ""  # tests only: "miss" (lo above every key) or "overflow" (an empty candidate pool)
-    _force_wide = False  # tests only: the fused path writes 64-bit indices whatever the sizes
-    _force_select = ""  # tests only: "one" (cand_select) or "multi" (cand_hist) whatever the segments' sizes
 
     def __init__(self, runner: Runner, fused: bool | None = None):
         self.runner = runner
@@ -412,9 +418,7 @@ class KernelOps:
             host_sample = run.to_host(sample)
             peak = max(peak, tables + _nbytes(sample, d_off, d_stride))
             del sample, d_off, d_stride  # freed before the candidate pool is allocated
-        lo, own_k, pool = candidate_plan(host_sample, samp_off, numels, segments, ks, self._force_fallback == "miss")
-        if self._force_fallback == "overflow":
-            pool = 0
+        lo, own_k, pool = candidate_plan(host_sample, samp_off, numels, segments, ks)
         cand_base = xp.zeros(grid, dtype=np.uint64)
         cand_cnt = xp.zeros(grid, dtype=np.uint32)
         cand_idx = xp.empty(max(pool, 1), dtype=np.uint16)
@@ -457,8 +461,7 @@ class KernelOps:
         for s, seg in enumerate(segments):
             seg_chunks[s + 1] = tb.chunk_start[seg[-1] + 1] if seg else seg_chunks[s]
         widest = int(np.diff(seg_chunks).max()) if nseg else 0
-        multi = widest > SELECT_BLOCK_CHUNKS and grid >= SELECT_BLOCK_CHUNKS * nseg
-        if self._force_select == "multi" or (multi and self._force_select != "one"):
+        if hist_select(widest, grid, nseg):
             hist = xp.zeros(256 * nseg, dtype=np.uint64)
             for shift in (24, 16, 8, 0):  # a block per chunk: every SM works, whatever the segment count
                 run.launch(
@@ -492,7 +495,7 @@ class KernelOps:
         scan = self._chunk_scan(tb, d_cs, state, cnt, eq_base, out_base, counts)
         peak = max(peak, tables + cands + scan + _nbytes(state, cnt, eq_base, out_base, counts))
         K = int(sum(ks))
-        wide = self._force_wide or any(index_dtype(n) == np.uint64 for n in numels)
+        wide = wide_indices(numels)
         sfx = "u64" if wide else "u32"
         idx = xp.empty(max(K, 1), dtype=np.uint64 if wide else np.uint32)
         has64 = any(int(d) == DT_F64 for d in dtypes)

@@ -10,7 +10,9 @@ Used by tests/test_emulated_kernels.py and benchmarks/gpu_suite.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -630,6 +632,45 @@ class RecordingRunner:
             raise _Stop("; ".join(out))
 
 
+@contextlib.contextmanager
+def forced(fallback: str = "", wide: bool = False, select: str = "") -> Iterator[None]:
+    """The fused selection driven where a test needs it, for the block: the plan functions of
+    :mod:`gpu_codec.backends.kernels` replaced (nothing in the production classes knows about tests).
+    ``fallback``: "miss" (lo above every key of every segment with k > 0) or "overflow" (an empty candidate pool);
+    ``wide``: 64-bit indices whatever the sizes; ``select``: "one" (cand_select) or "multi" (cand_hist and
+    radix_pick) whatever the segments' sizes."""
+    from gpu_codec.backends import kernels as K
+
+    saved: dict[str, Any] = {}
+
+    def patch(name: str, fn: Any) -> None:
+        saved[name] = getattr(K, name)
+        setattr(K, name, fn)
+
+    if fallback:
+        plan = K.candidate_plan
+
+        def forced_plan(host_sample, samp_off, numels, segments, ks):
+            lo, own_k, pool = plan(host_sample, samp_off, numels, segments, ks)
+            if fallback == "overflow":
+                return lo, own_k, 0
+            for s, k in enumerate(ks):
+                if k > 0:
+                    lo[s], own_k[s] = K.NO_LO - 1, 0
+            return lo, own_k, pool
+
+        patch("candidate_plan", forced_plan)
+    if wide:
+        patch("wide_indices", lambda numels: True)
+    if select:
+        patch("hist_select", lambda widest, chunks, nseg: select == "multi")
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(K, name, fn)
+
+
 def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str = "", select: str = "") -> list[str]:
     """The fused selection (KernelOps with fused=True) on the twins, then on ``runner`` launch by launch: every
     array argument compared after every launch (the first difference stops the run), then the outputs and
@@ -652,9 +693,11 @@ def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str =
         d = {k: [up(a) for a in inp[k]] for k in ("new", "base", "res", "ext")}
         d_ro = _res_out(inp, d["res"], up)
         ops = Ops(rr, fused=True)
-        ops._force_fallback, ops._force_wide, ops._force_select = force, wide, select
         try:
-            gi, gv, gbad = ops.topk_select(d["new"], d["base"], d["res"], d_ro, inp["dtypes"], d["ext"], *_rest(inp))
+            with forced(force, wide, select):
+                gi, gv, gbad = ops.topk_select(
+                    d["new"], d["base"], d["res"], d_ro, inp["dtypes"], d["ext"], *_rest(inp)
+                )
         except _Stop as e:
             return [str(e)]
         results.append((gi, gv, gbad, d_ro, rr, ops))
