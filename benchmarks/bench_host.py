@@ -28,7 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import gpu_codec
 from benchmarks.bench_topk import machine_info
-from benchmarks.bench_zoo import HOST_MS, SYNCS, commit_label, scale_for
+from benchmarks.bench_zoo import HOST_MS, SYNCS, TIMED, commit_label, host_verdicts, scale_for
 from benchmarks.zoo import ZOO, Update, split_update
 from gpu_codec.backends.cpu import CpuBackend
 from gpu_codec.testing.recording import Measurement, measure
@@ -36,7 +36,6 @@ from gpu_codec.testing.recording import Measurement, measure
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 OPS = ("compress", "decompress", "add")
-TIMED = ("compress", "decompress")  # the ops with a time target
 TENSORS = (1, 10, 100, 1000)
 
 
@@ -112,17 +111,7 @@ def _line(row: dict[str, Any]) -> str:
 def check(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(PASS | FAIL, row, what) per target: syncs at every count, host time at 1,000 tensors (and, reported
     against the same formula, at every other count)."""
-    out = []
-    for r in doc["rows"]:
-        for op in OPS:
-            c = r["ops"][op]
-            lim = SYNCS[op]
-            out.append(("PASS" if c["syncs"] <= lim else "FAIL", r["entry"], f"{op} syncs {c['syncs']} <= {lim}"))
-            if op in TIMED:
-                ms = HOST_MS(r["tensors"])
-                ok = c["host_ms"] <= ms
-                out.append(("PASS" if ok else "FAIL", r["entry"], f"{op} host {c['host_ms']:.2f} <= {ms:.2f} ms"))
-    return out
+    return [v for r in doc["rows"] for v in host_verdicts(r["entry"], r["tensors"], r["ops"])]
 
 
 def markdown(doc: dict[str, Any]) -> str:

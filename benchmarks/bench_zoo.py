@@ -63,6 +63,23 @@ DISTRIBUTION_X_IID, TRANSFORMER_X_SUBTRACT = 1.5, 5.0
 # Targets of the recording launcher (GPU host side): ms at 1,000 tensors, syncs per call
 HOST_MS = lambda tensors: 1.0 + 0.002 * tensors  # noqa: E731
 SYNCS = {"compress": 4, "decompress": 2, "add": 2}
+TIMED = ("compress", "decompress")  # the ops with a host-time target
+
+
+def host_verdicts(entry: str, tensors: int, ops: dict[str, dict[str, Any]]) -> list[tuple[str, str, str]]:
+    """(PASS | FAIL, entry, what) for the GPU host side's targets, from the recording launcher's columns per op:
+    syncs of each op, then host ms of compress and decompress against ``HOST_MS(tensors)``."""
+    out = []
+    for op, lim in SYNCS.items():
+        if op in ops:
+            out.append(
+                ("PASS" if ops[op]["syncs"] <= lim else "FAIL", entry, f"{op} syncs {ops[op]['syncs']} <= {lim}")
+            )
+    for op in ("compress", "decompress"):
+        if op in ops:
+            ms, lim = ops[op]["host_ms"], HOST_MS(tensors)
+            out.append(("PASS" if ms <= lim else "FAIL", entry, f"{op} host {ms:.2f} <= {lim:.2f} ms"))
+    return out
 
 
 def recording_columns(update: Update, fraction: float, scope: str, repeat: int = 5) -> dict[str, Any]:
@@ -277,13 +294,7 @@ def check(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
             if rec is None:
                 out.append(("N/A", name, "GPU host side: not measured in this run"))
             else:
-                for op, lim in SYNCS.items():
-                    if op in rec:
-                        verdict(rec[op]["syncs"] <= lim, name, f"{op} syncs {rec[op]['syncs']} <= {lim}")
-                for op in ("compress", "decompress"):
-                    if op in rec:
-                        lim = HOST_MS(r["tensors"])
-                        verdict(rec[op]["host_ms"] <= lim, name, f"{op} host {rec[op]['host_ms']:.2f} <= {lim:.2f} ms")
+                out += host_verdicts(name, r["tensors"], rec)
         c = r.get("cpu")
         if not c:
             continue

@@ -7,9 +7,8 @@ A :class:`Field` is one named value: ``varint`` (an integer in [lo, hi]), ``u8``
 byte), ``choice`` (one of ``choices``, as its index in one byte), ``decimal`` (a float in (0, 1] as its shortest
 decimal ``m x 10^-e``, two varints) or ``f32`` (a finite, non-negative float32, its 4 bits LE).
 
->>> f = Field("level", "u8", lo=1, hi=22)
->>> f.encode(3), f.decode(_Bytes(b"\\x03"))
-(b'\\x03', 3)
+>>> Field("level", "u8", lo=1, hi=22).encode(3)
+b'\\x03'
 >>> Field("fraction", "decimal").encode(0.01)
 b'\\x01\\x02'
 >>> Field("dtype", "choice", choices=("float32", "float16")).encode("bfloat16")
@@ -61,34 +60,6 @@ def uvarint(n: int) -> bytes:
 
 
 _ONE_BYTE = [bytes([b]) for b in range(0x80)]
-
-
-class _Bytes:
-    """The least a field needs to read itself (the v2 reader's ``_Reader`` has the same three methods)."""
-
-    def __init__(self, buf: bytes):
-        self.buf, self.pos, self.what = buf, 0, "bytes"
-
-    def u8(self, field: str) -> int:
-        req(self.pos < len(self.buf), PayloadHeaderError, f"{self.what} ends inside {field}")
-        self.pos += 1
-        return self.buf[self.pos - 1]
-
-    def take(self, n: int, field: str) -> bytes:
-        req(self.pos + n <= len(self.buf), PayloadHeaderError, f"{self.what} ends inside {field}")
-        self.pos += n
-        return bytes(self.buf[self.pos - n : self.pos])
-
-    def varint(self, field: str, hi: int, exc: type = PayloadHeaderError) -> int:
-        n, shift = 0, 0
-        while True:
-            b = self.u8(field)
-            n |= (b & 0x7F) << shift
-            shift += 7
-            if not b & 0x80:
-                break
-        req(n <= hi, exc, f"{self.what}: {field} {n} exceeds its limit {hi}")
-        return n
 
 
 def decimal_of(f: float) -> tuple[int, int]:
