@@ -309,6 +309,7 @@ class Suite:
             ("quantize", kc.quant_cases(), kc.quant_stepwise),
             ("rice", kc.rice_cases(), kc.rice_stepwise),
             ("floats", [3001, 1 << 20], lambda r, n: kc.float_steps(r, f"floats_{n}", n)),
+            ("gather_copy", [kc.GATHER_SIZES, (1 << 20, 3, 1 << 18)], kc.gather_copy_vs_twin),
         ]
         failures, n = [], 0
         for gname, cases, fn in groups:
@@ -746,6 +747,7 @@ def workload(runner_kind: str) -> int:
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice", (300, 5000, 0), (30000, 9000, 10)))
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice_u64", (300, 5000), (1 << 36, 9000), wide=True))
     m += kc.float_steps(r, "workload_floats", 3001)
+    m += kc.gather_copy_vs_twin(r)
     _sync(inner)
     from gpu_codec.backends.sources import kernel_signatures
 

@@ -333,3 +333,22 @@ def scatter_u32(*args):
 
 def scatter_u64(*args):
     _scatter(*args)
+
+
+def gather_copy(nt, total, ent_start, src_ptrs, esize, out):
+    """Twin of ``gather_copy`` (kernels/scatter.cu): tensor t's elements, bits as they are, at ``out[ent_start[t]:
+    ent_start[t + 1]]``; ``src_ptrs`` is the list of source arrays, ``esize`` the bytes of an element.
+
+    >>> out = np.zeros(5, np.float32)
+    >>> gather_copy(2, 5, np.array([0, 2, 5], np.uint64), [np.ones(2, np.float32), np.full(3, -0.0, np.float32)],
+    ...             4, out)
+    >>> out.tolist()
+    [1.0, 1.0, -0.0, -0.0, -0.0]
+    """
+    word = {2: np.uint16, 4: np.uint32, 8: np.uint64}[int(esize)]
+    es = np.asarray(ent_start, dtype=np.uint64)
+    dst = out.view(word)
+    for t in range(int(nt)):
+        a, b = int(es[t]), int(es[t + 1])
+        if b > a:
+            dst[a:b] = src_ptrs[t].reshape(-1).view(word)[: b - a]

@@ -215,14 +215,20 @@ def _decode_run(
     checks are left there, and the result is True."""
     xp = backend.xp
     host = xp.asarray if backend.on_device else np.asarray  # small host tables, where the entries are
-    idx = [d.indices(0, d.nnz) for d in run]
+    # plain COO entries read from bytes are joined on the host and copied to the device at once; decoded ones
+    # (coded, or a payload's own device buffers) are joined where they are
+    joined = all(d.host is not None for d in run)
+    idx = [d.host[0][: d.nnz] if joined else d.indices(0, d.nnz) for d in run]
     counts = [int(i.size) for i in idx]
     o0, o1 = offsets[0], offsets[-1]
     code = dtypes.code(logical)
     if sum(counts):
         wide = any(i.dtype.itemsize > 4 for i in idx)  # (a payload may give a small tensor 64-bit indices)
-        gi = xp.concatenate([i.astype(np.int64 if wide else np.uint32, copy=False) for i in idx])
-        vals = xp.concatenate([d.values(0, d.nnz) for d in run])
+        join = np.concatenate if joined else xp.concatenate
+        gi = join([i.astype(np.int64 if wide else np.uint32, copy=False) for i in idx])
+        vals = join([d.host[1][: d.nnz] if joined else d.values(0, d.nnz) for d in run])
+        if joined:
+            gi, vals = backend.asarray(gi), backend.asarray(vals)
         ends = np.cumsum(counts)
         some = np.flatnonzero(np.asarray(counts) > 0)
         last = gi[host(ends[some] - 1)]  # ascending within each tensor: its last entry is its largest
@@ -241,9 +247,8 @@ def _decode_run(
         gi = gi.astype(dtypes.index_dtype(o1 - o0), copy=False)
     flat = flat_of()
     span = flat[o0:o1]
-    for b, o, n in zip(bases, offsets, np.diff(offsets).tolist()):
-        if b is not None:
-            flat[o : o + n] = backend.asarray(b.data)
+    if bases[0] is not None:  # (a run is all onto a base, or none of it)
+        backend.gather_copy(span, [backend.asarray(b.data) for b in bases])
     if not sum(counts):
         return True
     mode = ScatterMode.ADD if bases[0] is not None else ScatterMode.ZEROS

@@ -69,3 +69,23 @@ extern "C" __global__ void dense_apply(
         store_f32(out, dt, i, mode == SCATTER_ADD ? load_f32(base, dt, i) + v : v);
     }
 }
+
+// Whole tensors copied end to end into one output, in one launch (a decode onto a base starts from the bases of a
+// run of small tensors): element j of the output, owned by tensor t where ent_start[t] <= j < ent_start[t + 1], is
+// element j - ent_start[t] of src_ptrs[t]. esize is the bytes of an element (2, 4 or 8); the bits are copied as
+// they are (no float arithmetic, so no rounding and no flush of subnormals).
+extern "C" __global__ void gather_copy(
+    int nt, u64 total, const u64* ent_start, const u64* src_ptrs, int esize, void* out)
+{
+    const u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= total) return;
+    const int t = tensor_of_entry(ent_start, nt, j);
+    const u64 i = j - ent_start[t];
+    if (esize == 8) {
+        ((u64*)out)[j] = ((const u64*)src_ptrs[t])[i];
+    } else if (esize == 4) {
+        ((u32*)out)[j] = ((const u32*)src_ptrs[t])[i];
+    } else {
+        ((u16*)out)[j] = ((const u16*)src_ptrs[t])[i];
+    }
+}

@@ -266,6 +266,15 @@ def test_scatter_reports_lowest_bad_entry(emulated):
         assert bad is not None and first <= bad < first + inp["idx"][case.bad_tensor].size, case.name
 
 
+def test_gather_copy_matches_twin(emulated):
+    """gather_copy (a run's bases copied into its output in one launch) keeps every bit, against its twin."""
+    from gpu_codec.backends.kernels import KernelOps
+
+    assert kc.gather_copy_vs_twin(emulated) == []
+    with pytest.raises(ValueError, match="gather_copy"):  # sources that do not fill the output exactly
+        KernelOps(emulated).gather_copy(np.zeros(3, np.float32), [np.zeros(2, np.float32)])
+
+
 def test_every_kernel_is_exercised():
     """The cases above launch every kernel of kernels/*.cu (a new kernel needs cases here)."""
     r = emu.EmulatorRunner()
@@ -285,6 +294,7 @@ def test_every_kernel_is_exercised():
     kc.rice_stepwise(r, RICE[1])
     assert kc.dense_vs_reference(r, TOPK[0]) == []
     assert kc.float_steps(r, n=300) == []
+    assert kc.gather_copy_vs_twin(r) == []
     missing = set(kernel_signatures()) - set(r.launch_counts)
     assert not missing, f"kernels without emulated test cases: {sorted(missing)}"
 

@@ -140,6 +140,21 @@ def test_decompress_and_add_sync_at_most_twice_at_any_tensor_count(emulator, ten
     assert d.counts.d2h_bytes <= 8 and a.counts.d2h_bytes <= 8 * (tensors + 2)  # flags, and each tensor's max
 
 
+def test_decompress_of_small_tensors_launches_and_copies_as_often_at_any_tensor_count(emulator):
+    """A run of small tensors read from bytes: its entries joined on the host and copied once, its bases copied
+    in one launch; so the device work (launches, array-module kernels, host-to-device copies) does not grow with
+    the tensor count."""
+    work = {}
+    for t in (30, 300):
+        new, base = _update(t, 1 << 16, seed=t)
+        blob = _cpu_blob(new, base, fraction=0.01)
+        m = measure(lambda _, b=blob, bs=base: gpu_codec.decompress(b, base=bs), resident=[base], emulator=emulator)
+        c = m.counts
+        work[t] = (c.launches, c.array_ops, c.h2d, c.syncs)
+        assert c.kernels["gather_copy"] == 1 and not c.host_numpy
+    assert work[30] == work[300], work
+
+
 def _device(emulator):
     return using_backend(RecordingBackend(emulator))  # the GPU path's code, run on the emulator
 

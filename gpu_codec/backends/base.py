@@ -171,6 +171,11 @@ class Backend(Protocol):
         run."""
         ...
 
+    def gather_copy(self, out: Array, sources: list[Array]) -> None:
+        """``out`` = the ``sources`` end to end (flat, of ``out``'s element size; their sizes sum to ``out.size``),
+        the bits copied as they are: a run of small tensors' bases into their outputs, in one pass."""
+        ...
+
     def dense_apply(
         self,
         outs: list[Array],

@@ -85,6 +85,10 @@ class CpuBackend(ArrayDecoders):
     def scatter_onto(self, out, base, start, stop, out_dtype, numel, indices, values):
         return _twins.scatter_onto(out, base, start, stop, out_dtype, numel, indices, values)
 
+    def gather_copy(self, out, sources):
+        ends = np.cumsum([0] + [int(a.size) for a in sources], dtype=np.uint64)
+        _twins.gather_copy(len(sources), int(ends[-1]), ends, sources, out.dtype.itemsize, out)
+
     def dense_apply(self, outs, out_dtypes, bases, values, mode, defer=False):
         counts = [int(o.size) for o in outs]
         ent_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)

@@ -677,6 +677,27 @@ class KernelOps:
         bad = int(self.runner.to_host(err)[0])
         return None if bad == U64_MAX else bad
 
+    def gather_copy(self, out, sources) -> None:
+        """``out`` = the sources end to end, bits as they are, in one launch (kernels/scatter.cu)."""
+        counts = [int(a.size) for a in sources]
+        total = sum(counts)
+        if total != out.size:
+            raise ValueError(f"gather_copy: the sources hold {total} elements, the output {out.size}")
+        if total:
+            self.runner.launch(
+                "gather_copy",
+                math.ceil(total / BLOCK),
+                BLOCK,
+                (
+                    np.int32(len(sources)),
+                    np.uint64(total),
+                    self._up(_offsets(counts)),
+                    self._ptrs(sources, skip_empty=True),
+                    np.int32(out.dtype.itemsize),
+                    out,
+                ),
+            )
+
     def _entry_tables(self, values, indices, res):
         counts = [int(v.size) for v in values]
         return (
@@ -804,6 +825,9 @@ class KernelBackendBase:
 
     def limb_add(self, limbs, idx, qs):
         add_span(limbs, idx, qs, 0, qs.shape[1])
+
+    def gather_copy(self, out, sources):
+        self.ops.gather_copy(out, sources)
 
     def dense_apply(self, outs, out_dtypes, bases, values, mode, defer=False):
         return self.ops.dense_apply(outs, out_dtypes, bases, values, mode, defer)

@@ -233,7 +233,8 @@ class Pipeline:
 class Decoded:
     """One tensor's entries, decoded on demand: ``values(a, b)`` are entries ``[a, b)`` as fp32 (fp64 for fp64
     tensors) backend arrays, ``indices(a, b)`` their flat positions (``None`` for a dense tensor, where entry
-    ``l`` is element ``l``). ``a`` must be a multiple of ``step``."""
+    ``l`` is element ``l``). ``a`` must be a multiple of ``step``. ``host``: a plain COO record's indices and
+    values as read from bytes (host arrays), which a decode may join on the host before one copy to the device."""
 
     name: str
     dtype: str
@@ -242,6 +243,7 @@ class Decoded:
     values: Callable[[int, int], Any]
     indices: Callable[[int, int], Any] | None
     step: int = 1
+    host: tuple[np.ndarray, np.ndarray] | None = None
 
     @property
     def numel(self) -> int:
@@ -285,7 +287,9 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
     vd = np.dtype(value_dtype(rec.dtype))
     head = (rec.name, rec.dtype, tuple(rec.shape), rec.nnz)
     if rec.encoding == "coo":
-        return Decoded(*head, _slicer(rec.buffers["values"], backend), _slicer(rec.buffers["indices"], backend))
+        vals, idx = rec.buffers["values"], rec.buffers["indices"]
+        host = (idx, vals) if isinstance(idx, np.ndarray) and isinstance(vals, np.ndarray) else None
+        return Decoded(*head, _slicer(vals, backend), _slicer(idx, backend), host=host)
     if rec.encoding == "dense":
         return Decoded(*head, _slicer(rec.buffers["values"], backend), None)
     vform = value_forms()[rec.codec["v"]]

@@ -257,6 +257,32 @@ def dense_vs_reference(runner, case: TopkCase) -> list[str]:
     return out
 
 
+GATHER_SIZES = (0, 1, 700, 0, 256, 1025, 3)  # empty tensors first, between and (with the last dropped) at the end
+
+
+def gather_copy_vs_twin(runner, sizes: tuple[int, ...] = GATHER_SIZES, seed: int = 0) -> list[str]:
+    """KernelOps(runner).gather_copy against its twin (cpu_fallback/kernels.py) for 2-, 4- and 8-byte elements:
+    tensors of uneven sizes (empty ones included) copied end to end, every bit kept (NaN payloads, -0.0,
+    subnormals: the bits are random); the output's tail past the sources must stay as it was."""
+    from gpu_codec.backends.cpu import CpuBackend
+
+    rng = np.random.default_rng(seed)
+    up = _uploader(runner)
+    out: list[str] = []
+    for word in (np.uint16, np.uint32, np.uint64):
+        for n_src in (len(sizes), len(sizes) - 1):
+            srcs = [rng.integers(0, np.iinfo(word).max, size=n, dtype=word, endpoint=True) for n in sizes[:n_src]]
+            total = sum(sizes[:n_src])
+            host = np.zeros(total, word)
+            dev = up(np.zeros(total, word))
+            KernelOps(runner).gather_copy(dev, [up(a) for a in srcs])
+            CpuBackend().gather_copy(host, srcs)
+            want = np.concatenate(srcs) if srcs else host
+            _cmp(f"gather_copy {np.dtype(word).name} x{n_src}: kernel", runner.to_host(dev), want, out)
+            _cmp(f"gather_copy {np.dtype(word).name} x{n_src}: twin", host, want, out)
+    return out
+
+
 def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     """Every top-k kernel launched on its own and compared, buffer by buffer, with its twin after each launch.
 
