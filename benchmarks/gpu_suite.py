@@ -302,6 +302,7 @@ class Suite:
             ("topk_stepwise", kc.topk_cases(), kc.topk_stepwise),
             ("topk_stepwise_u64", kc.topk_cases()[::4], lambda r, c: kc.topk_stepwise(r, c, wide=True)),
             ("topk_fused", kc.topk_cases(), kc.topk_fused_stepwise),
+            ("topk_fused_bracket", kc.topk_cases(), lambda r, c: kc.topk_fused_stepwise(r, c, own="one")),
             ("topk_fused_multi", kc.topk_cases(), lambda r, c: kc.topk_fused_stepwise(r, c, select="multi")),
             ("scatter", kc.scatter_cases(), kc.scatter_vs_reference),
             ("scatter_stepwise", kc.scatter_cases(), kc.scatter_stepwise),
@@ -726,13 +727,16 @@ def workload(runner_kind: str) -> int:
     m += kc.topk_stepwise(r, topk)
     m += kc.topk_stepwise(r, topk.with_(name="workload_u64", scope="tensor", res_out="alias"), wide=True)
     m += kc.topk_vs_reference(r, topk.with_(name="workload_ops", pattern="ties"))
-    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused"))
-    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_u64", scope="tensor", res_out="alias"), wide=True)
-    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_miss"), force="miss")
-    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_multi"), select="multi")
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_own"))  # small segments: selected by their chunks
+    # and bracketed by a sample, as larger segments are
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused"), own="one")
+    u64 = topk.with_(name="workload_fused_u64", scope="tensor", res_out="alias")
+    m += kc.topk_fused_stepwise(r, u64, wide=True, own="one")
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_miss"), force="miss", own="one")
+    m += kc.topk_fused_stepwise(r, topk.with_(name="workload_fused_multi"), select="multi", own="one")
     tied = topk.with_(name="workload_fused_tied", pattern="equal", k=0.01)  # kept by the first keys equal to lo
-    m += kc.topk_fused_stepwise(r, tied)
-    m += kc.topk_fused_stepwise(r, tied.with_(name="workload_fused_tied_u64"), wide=True)
+    m += kc.topk_fused_stepwise(r, tied, own="one")
+    m += kc.topk_fused_stepwise(r, tied.with_(name="workload_fused_tied_u64"), wide=True, own="one")
     m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter", (3000, 700), ("f16", "f64"), mode=1))
     m += kc.scatter_stepwise(
         r,

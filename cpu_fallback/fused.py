@@ -116,7 +116,7 @@ def fused_scan(
             local = np.flatnonzero(sel[e0 : min(n, e0 + CHUNK)])
             e = int(np.count_nonzero(eq[e0 : min(n, e0 + CHUNK)]))
             k = int(own_k[s])
-            if k:  # the segment is this chunk: its k kept entries only, ties lowest index first
+            if k and local.size > k:  # the chunk's own k best only (all where it holds fewer), ties lowest index first
                 kc = key[e0 + local]
                 T = np.partition(kc, kc.size - k)[kc.size - k]
                 kept = kc > T

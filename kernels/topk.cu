@@ -528,10 +528,11 @@ extern "C" __global__ void sample_keys(
                           (const void*)score_ptrs[t], dtypes[t], score_dtypes[t], crit, i, bad, d32, d64);
 }
 
-// A segment that is one chunk is selected whole in fused_scan's block: the exact radix select on the m staged keys
-// (every key of the chunk: its lo is 0), then the k kept entries compacted in place, in index order (the keys
-// above the threshold and the first ones equal to it); returns k. The later kernels select these k again, which
-// keeps them all.
+// A segment of a few chunks (own_k: gpu_codec/backends/kernels.py OWN_CHUNKS) is selected by fused_scan's blocks: in
+// each chunk, the exact radix select on the m staged keys (every key of the chunk: its lo is 0), then the k kept
+// entries compacted in place, in index order (the keys above the threshold and the first ones equal to it);
+// returns min(k, m) (a chunk of at most k elements keeps them all). The segment's k best are among the chunks'
+// (a chunk leaves out only elements that k of its own beat), and the later kernels select them exactly.
 __device__ __forceinline__ u32 own_select(u16* st_idx, u32* st_key, u32 m, u32 k, u32* wa, u32* wb, u32* hist,
                                           u32& sh_prefix, u32& sh_k)
 {
@@ -585,7 +586,7 @@ __device__ __forceinline__ u32 own_select(u16* st_idx, u32* st_key, u32 m, u32 k
         }
         __syncthreads();  // wa and wb read before the next round writes them
     }
-    return k;
+    return m < k ? m : k;
 }
 
 // One block per chunk, SCAN_VEC consecutive elements a thread per round and one barrier a round (the per-warp

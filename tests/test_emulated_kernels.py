@@ -112,12 +112,14 @@ def test_chunk_write_u64_matches_twin(runner, case):
     assert kc.topk_stepwise(runner, case, wide=True) == []
 
 
+@pytest.mark.parametrize("own", ["", "one"], ids=["own_few_chunks", "own_one_chunk"])
 @pytest.mark.parametrize("case", TOPK, ids=[c.name for c in TOPK])
-def test_fused_topk_matches_twins_stepwise(runner, case):
+def test_fused_topk_matches_twins_stepwise(runner, case, own):
     """The fused selection (sample_keys, fused_scan, cand_select, cand_count, chunk_scan_*, cand_write,
     residual_delta, kept_fix) against the twins of cpu_fallback/fused.py launch by launch, and against the NumPy
-    backend."""
-    assert kc.topk_fused_stepwise(runner, case) == []
+    backend; with the production rule (segments of a few chunks selected by their blocks) and with only one-chunk
+    segments so (the others bracketed by a sample, as larger segments are)."""
+    assert kc.topk_fused_stepwise(runner, case, own=own) == []
 
 
 @pytest.mark.parametrize("force", ["miss", "overflow"])
@@ -285,8 +287,8 @@ def test_every_kernel_is_exercised():
     kc.topk_fused_stepwise(r, next(c for c in TOPK if c.res_out == "new"), wide=True)
     kc.topk_fused_stepwise(r, alias, select="multi")
     tied = kc.TopkCase("equal_global", (3000, 5000), ("f32", "f16"), k=0.01, pattern="equal")
-    kc.topk_fused_stepwise(r, tied)
-    kc.topk_fused_stepwise(r, tied, wide=True)
+    kc.topk_fused_stepwise(r, tied, own="one")
+    kc.topk_fused_stepwise(r, tied, wide=True, own="one")
     kc.scatter_stepwise(r, SCATTER[0])
     kc.scatter_stepwise(r, SCATTER[1])
     kc.quant_stepwise(r, QUANT[0])

@@ -136,6 +136,18 @@ def test_one_chunk_segments_select_in_the_scan(emulated_runner_log):
     assert "fused_scan" in log and "sample_keys" not in log and "score_keys" not in log
 
 
+def test_segments_of_a_few_chunks_are_selected_by_their_chunks(emulated_runner_log):
+    """Per-tensor segments of two to OWN_CHUNKS chunks, whose last chunk holds fewer elements than k (it keeps them
+    all), with ties across chunks and residuals: each chunk keeps its own k best, no sample is taken, and the
+    bytes are the NumPy backend's."""
+    log, runner = emulated_runner_log
+    sizes = (2 * 4096 + 5, 3 * 4096, 4 * 4096 - 1, 4096 + 4097)
+    for pattern in ("ties", "normal", "equal"):
+        case = kc.TopkCase("own_chunks", sizes, ("f32", "bf16", "f16", "f64"), scope="tensor", k=0.05, pattern=pattern)
+        assert kc.topk_vs_reference(runner, case.with_(res=True, res_out="new")) == [], pattern
+    assert "fused_scan" in log and "sample_keys" not in log and "score_keys" not in log
+
+
 TIED = [
     kc.TopkCase("equal_global", (3000, 5000, 17), ("f32", "f16", "f64"), k=0.01, pattern="equal", res=True),
     kc.TopkCase("zeros_tensor", (9000, 20_000), ("bf16", "f32"), scope="tensor", k=0.02, pattern="zeros"),
@@ -147,5 +159,9 @@ TIED = [
 @pytest.mark.parametrize("case", TIED, ids=[c.name for c in TIED])
 def test_tie_write_matches_twins_stepwise(case, wide):
     """Segments kept by their first keys equal to lo, launch by launch against the twins, in shuffled block
-    order, and against the NumPy backend."""
-    assert kc.topk_fused_stepwise(emu.EmulatorRunner(schedule="shuffle", seed=2), case, wide=wide) == []
+    order, and against the NumPy backend (every segment bracketed: a small one would otherwise be selected by its
+    chunks, with no bracket)."""
+    runner = emu.EmulatorRunner(schedule="shuffle", seed=2)
+    assert kc.topk_fused_stepwise(runner, case, wide=wide, own="one") == []
+    if case.pattern in ("equal", "zeros"):  # (the ties of ties_global fall above its bracket)
+        assert runner.launch_counts["tie_write_u64" if wide else "tie_write_u32"] > 0

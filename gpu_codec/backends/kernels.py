@@ -7,8 +7,8 @@ A runner (:class:`~gpu_codec.backends.base.Runner`) has ``xp`` (the array module
 exactly what the GPU backend launches.
 
 The only device-to-host copies here are small: one error word after scoring and after a scatter, the sampled keys
-of the fused selection (at most SAMPLE_MAX per segment, none for a segment of one chunk) and its status words
-(two per segment), the per-tensor kept counts, ternary mu and Rice bit counts.
+of the fused selection (at most SAMPLE_MAX per segment, none for a segment of OWN_CHUNKS chunks or fewer) and its
+status words (two per segment), the per-tensor kept counts, ternary mu and Rice bit counts.
 """
 
 from __future__ import annotations
@@ -45,7 +45,10 @@ SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem
 # segments of fewer elements than SAMPLE_SMALL are sampled twice as densely: their brackets, a few sampled keys
 # wide, would cost more candidates than the sample's reads
 SAMPLE_SMALL, SAMPLE_DENSITY_SMALL = 1 << 17, 64
-SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (exact bracket), but for one of one chunk (none)
+SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (exact bracket), but those of OWN_CHUNKS (none)
+# a segment of at most this many chunks is selected by fused_scan's blocks, each chunk keeping its own k best: at
+# most OWN_CHUNKS x k candidates, where a bracket from a small segment's few sampled keys took 5-15 x k
+OWN_CHUNKS = 4
 # the chance that lo lands above the k-th key (a miss: the unfused passes run), shared by the sampled segments of
 # a selection; the sampled keys above the k-th are counted as Poisson clusters of the runs' design effect
 # (neighbours in a run of trained weights move together: up to SAMPLE_RUN times the variance of independent
@@ -110,7 +113,7 @@ def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray
     for seg, k in zip(segments, ks):
         n = sum(numels[t] for t in seg)
         for t in seg:
-            fixed[t] = k <= 0 or k >= n or _one_chunk(seg, numels)  # nothing to bracket: lo is fixed
+            fixed[t] = k <= 0 or k >= n or _own(seg, numels)  # nothing to bracket: lo is fixed
         if n <= SAMPLE_ALL or k <= 0 or k >= n:
             continue
         ms = min(SAMPLE_MAX, max(SAMPLE_RUN, n // (SAMPLE_DENSITY_SMALL if n < SAMPLE_SMALL else SAMPLE_DENSITY)))
@@ -123,9 +126,22 @@ def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray
     return _offsets(counts), stride
 
 
-def _one_chunk(seg, numels) -> bool:
-    """Whether a segment is one chunk: fused_scan's block then selects it whole (own_k), without a sample."""
-    return len(seg) == 1 and 0 < numels[seg[0]] <= CHUNK
+def _chunks_of(seg, numels) -> int:
+    return sum(-(-numels[t] // CHUNK) for t in seg)
+
+
+def _own(seg, numels) -> bool:
+    """Whether fused_scan's blocks select a segment themselves (own_k), without a sample: a segment of at most
+    OWN_CHUNKS chunks, each of which keeps its own k best (all of its elements where it holds fewer). The
+    segment's k best are among them (a chunk leaves out only elements that k of its own beat), so the later
+    kernels' exact selection on these at most OWN_CHUNKS x k candidates keeps the same entries, and no bracket can
+    miss."""
+    return 0 < _chunks_of(seg, numels) <= OWN_CHUNKS
+
+
+def _own_pool(seg, numels, k: int) -> int:
+    """The candidates of a segment selected by its chunks (:func:`_own`): each chunk's k, or all it holds."""
+    return sum(min(k, CHUNK) * (n // CHUNK) + min(k, n % CHUNK) for n in (numels[t] for t in seg))
 
 
 def design_effect(sample: np.ndarray, rank: int) -> float:
@@ -190,7 +206,7 @@ def bracket(
 
 
 def candidate_plan(host_sample, samp_off, numels, segments, ks):
-    """(lo per segment, k per segment that is one chunk and selected whole in fused_scan's block (else 0),
+    """(lo per segment, k per segment whose chunks fused_scan's blocks select themselves (:func:`_own`; else 0),
     candidate pool slots) from the sampled keys, on the host."""
     nseg = len(segments)
     sampled = sum(1 for seg in segments if seg and samp_off[seg[-1] + 1] > samp_off[seg[0]])
@@ -204,8 +220,8 @@ def candidate_plan(host_sample, samp_off, numels, segments, ks):
             lo[s] = NO_LO
         elif k >= n:
             lo[s], pool = 0, pool + n
-        elif _one_chunk(seg, numels):
-            lo[s], own_k[s], pool = 0, k, pool + k
+        elif _own(seg, numels):
+            lo[s], own_k[s], pool = 0, k, pool + _own_pool(seg, numels, k)
         else:
             m = np.asarray([int(samp_off[t + 1] - samp_off[t]) for t in seg], np.int64)
             per = np.asarray([numels[t] for t in seg], np.float64) / np.maximum(m, 1)

@@ -659,12 +659,13 @@ class RecordingRunner:
 
 
 @contextlib.contextmanager
-def forced(fallback: str = "", wide: bool = False, select: str = "") -> Iterator[None]:
+def forced(fallback: str = "", wide: bool = False, select: str = "", own: str = "") -> Iterator[None]:
     """The fused selection driven where a test needs it, for the block: the plan functions of
     :mod:`gpu_codec.backends.kernels` replaced (nothing in the production classes knows about tests).
     ``fallback``: "miss" (lo above every key of every segment with k > 0) or "overflow" (an empty candidate pool);
     ``wide``: 64-bit indices whatever the sizes; ``select``: "one" (cand_select) or "multi" (cand_hist and
-    radix_pick) whatever the segments' sizes."""
+    radix_pick) whatever the segments' sizes; ``own``: "one" (only a segment of one chunk is selected by its
+    block, every other is sampled and bracketed, so small cases take the bracket's path)."""
     from gpu_codec.backends import kernels as K
 
     saved: dict[str, Any] = {}
@@ -690,6 +691,8 @@ def forced(fallback: str = "", wide: bool = False, select: str = "") -> Iterator
         patch("wide_indices", lambda numels: True)
     if select:
         patch("hist_select", lambda widest, chunks, nseg: select == "multi")
+    if own:
+        patch("_own", lambda seg, numels: len(seg) == 1 and 0 < numels[seg[0]] <= K.CHUNK)
     try:
         yield
     finally:
@@ -697,13 +700,16 @@ def forced(fallback: str = "", wide: bool = False, select: str = "") -> Iterator
             setattr(K, name, fn)
 
 
-def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str = "", select: str = "") -> list[str]:
+def topk_fused_stepwise(
+    runner, case: TopkCase, wide: bool = False, force: str = "", select: str = "", own: str = ""
+) -> list[str]:
     """The fused selection (KernelOps with fused=True) on the twins, then on ``runner`` launch by launch: every
     array argument compared after every launch (the first difference stops the run), then the outputs and
     residuals of both against the NumPy backend.
 
     ``force``: "miss" or "overflow" forces the fallback to the unfused passes; ``wide`` 64-bit indices;
-    ``select``: "one" (cand_select) or "multi" (cand_hist and radix_pick) for the selection on the candidates."""
+    ``select``: "one" (cand_select) or "multi" (cand_hist and radix_pick) for the selection on the candidates;
+    ``own``: "one", only one-chunk segments selected by their blocks (see :func:`forced`)."""
     from gpu_codec.backends.kernels import KernelOps as Ops
 
     inp = make_topk_inputs(case)
@@ -720,7 +726,7 @@ def topk_fused_stepwise(runner, case: TopkCase, wide: bool = False, force: str =
         d_ro = _res_out(inp, d["res"], up)
         ops = Ops(rr, fused=True)
         try:
-            with forced(force, wide, select):
+            with forced(force, wide, select, own):
                 gi, gv, gbad = ops.topk_select(
                     d["new"], d["base"], d["res"], d_ro, inp["dtypes"], d["ext"], *_rest(inp)
                 )
