@@ -2,4 +2,5 @@
 
 import importlib.util
 
-collect_ignore = [] if importlib.util.find_spec("flwr") else ["gpu_codec/flower.py"]
+_FRAMEWORKS = {"gpu_codec/flower.py": "flwr", "gpu_codec/openfl.py": "openfl"}
+collect_ignore = [path for path, module in _FRAMEWORKS.items() if importlib.util.find_spec(module) is None]
