@@ -732,6 +732,11 @@ def workload(runner_kind: str) -> int:
     tied = topk.with_(name="workload_fused_tied", pattern="equal", k=0.01)  # kept by the first keys equal to lo
     m += kc.topk_fused_stepwise(r, tied)
     m += kc.topk_fused_stepwise(r, tied.with_(name="workload_fused_tied_u64"), wide=True)
+    # fp32 by the delta's magnitude: fused_scan_f32, its 128-bit loads (tails of 1 and 3 elements) and, at arrays
+    # one element into their allocations, its scalar loads
+    f32 = kc.TopkCase("workload_fused_f32", (4097, 5000, 3, 0), ("f32",) * 4, res=True, res_out="new", qmode=1, k=0.1)
+    m += kc.topk_fused_stepwise(r, f32)
+    m += kc.topk_fused_stepwise(r, f32.with_(name="workload_fused_f32_misaligned", shift=1))
     m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter", (3000, 700), ("f16", "f64"), mode=1))
     m += kc.scatter_stepwise(
         r,

@@ -278,6 +278,7 @@ def test_every_kernel_is_exercised():
     tied = kc.TopkCase("equal_global", (3000, 5000), ("f32", "f16"), k=0.01, pattern="equal")
     kc.topk_fused_stepwise(r, tied)
     kc.topk_fused_stepwise(r, tied, wide=True)
+    kc.topk_fused_stepwise(r, next(c for c in TOPK if c.name == "f32_residual_q1"))  # fused_scan_f32
     kc.scatter_stepwise(r, SCATTER[0])
     kc.scatter_stepwise(r, SCATTER[1])
     kc.quant_stepwise(r, QUANT[0])
