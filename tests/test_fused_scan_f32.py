@@ -367,3 +367,16 @@ def test_planted_bugs_in_the_vector_path_are_caught(plant):
     for which in ("all", "mid"):
         lo = lo_for(misaligned, which)
         assert_same(run_scan(bad, "fused_scan_f32", misaligned, lo), run_scan(runner(), "fused_scan", misaligned, lo))
+
+
+def test_forced_general_scan_gives_the_same_bytes():
+    """kernel_cases.forced(scan="fused_scan") (what the GPU suite compares against) launches the general scan on
+    fp32 inputs, to the same outputs; any other name is refused."""
+    case = kc.TopkCase("f32_forced", (5000, 4097, 3), ("f32",) * 3, k=0.02, res=True, res_out="new")
+    r = emu.EmulatorRunner()
+    log = _logged(r)
+    with kc.forced(scan="fused_scan"):
+        assert kc.topk_fused_stepwise(r, case) == []
+    assert "fused_scan" in log and "fused_scan_f32" not in log
+    with pytest.raises(ValueError, match="scan must be"), kc.forced(scan="fused_scan_f64"):
+        pass

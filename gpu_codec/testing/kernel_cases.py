@@ -640,12 +640,13 @@ class RecordingRunner:
 
 
 @contextlib.contextmanager
-def forced(fallback: str = "", wide: bool = False, select: str = "") -> Iterator[None]:
+def forced(fallback: str = "", wide: bool = False, select: str = "", scan: str = "") -> Iterator[None]:
     """The fused selection driven where a test needs it, for the block: the plan functions of
     :mod:`gpu_codec.backends.kernels` replaced (nothing in the production classes knows about tests).
     ``fallback``: "miss" (lo above every key of every segment with k > 0) or "overflow" (an empty candidate pool);
     ``wide``: 64-bit indices whatever the sizes; ``select``: "one" (cand_select) or "multi" (cand_hist and
-    radix_pick) whatever the segments' sizes."""
+    radix_pick) whatever the segments' sizes; ``scan``: "fused_scan" (the general scan) where the plan would
+    launch fused_scan_f32 (a comparison of the two on the same inputs)."""
     from gpu_codec.backends import kernels as K
 
     saved: dict[str, Any] = {}
@@ -671,6 +672,10 @@ def forced(fallback: str = "", wide: bool = False, select: str = "") -> Iterator
         patch("wide_indices", lambda numels: True)
     if select:
         patch("hist_select", lambda widest, chunks, nseg: select == "multi")
+    if scan:
+        if scan != "fused_scan":
+            raise ValueError(f"scan must be 'fused_scan', got {scan!r}")
+        patch("scan_kernel", lambda dtypes, crit, ext_scores: scan)
     try:
         yield
     finally:
