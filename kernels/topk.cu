@@ -475,10 +475,11 @@ extern "C" __global__ void chunk_write_u64(
 // Fused selection: the full tensors are read once.
 //
 // sample_keys -> (host: a low bracket lo per segment and the size of one candidate pool from the sample, each
-// sampled key weighed by the elements it stands for) -> fused_scan (one pass, a block per chunk: delta, key,
-// checks, residual = delta where written early, in-order compaction of the chunk's keys above lo in shared memory,
-// the keys equal to lo only counted, then one atomicAdd for the chunk's place in the pool; a segment that is one
-// chunk is selected whole there, without a sample) -> cand_select (exact radix select on the candidates, one
+// sampled key weighed by the elements it stands for) -> fused_scan, or fused_scan_f32 for fp32 tensors scored by
+// the magnitude of their delta (one pass, a block per chunk: delta, key, checks, residual = delta where written
+// early, in-order compaction of the chunk's keys above lo in shared memory, the keys equal to lo only counted,
+// then one atomicAdd for the chunk's place in the pool; a segment that is one chunk is selected whole there,
+// without a sample) -> cand_select (exact radix select on the candidates, one
 // block per segment) or, where a segment has many chunks, 4 x (cand_hist, radix_pick) (a block per chunk) ->
 // cand_count -> the chunk scan -> cand_write_{u32,u64} -> [tie_write_{u32,u64}] -> [residual_delta] ->
 // kept_fix_{u32,u64}.
