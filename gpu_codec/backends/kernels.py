@@ -63,7 +63,8 @@ NO_LO = 1 << 32  # lo of a segment with k = 0: above every key
 # takes a block per chunk (cand_hist) rather than one block per segment (cand_select, one SM each): the four
 # histogram rounds cost a fixed 16 KiB of traffic per segment, at most a 64th of the inputs' bytes then
 SELECT_BLOCK_CHUNKS = 64
-# the criteria whose fp32 score is the magnitude of the delta (kernels/topk.cu, criterion_f32): fused_scan_f32's
+# the criteria whose fp32 score is the magnitude of the delta (kernels/topk.cu, criterion_f32's default case),
+# the ones fused_scan_f32 scores by
 MAGNITUDE_CRITERIA = (CRIT_MAGNITUDE, CRIT_LARGEST_CHANGE)
 
 __all__ = ["CHUNK", "FUSED_ENV", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
