@@ -4,10 +4,10 @@
 Launched on the emulator beside fused_scan and the NumPy twin with the same arguments, it gives the same outputs
 to the bit (candidates per chunk, counts of keys equal to lo, check word, early residual) over aligned and
 misaligned tensors, odd sizes and tails, with and without base and residual; with lo = 0 every element is a
-candidate exactly once, in index order; nothing past a tensor's end is written; its counted traffic is
+candidate exactly once, in index order; nothing past a tensor's end is written; its counted traffic is not above
 fused_scan's; the backend launches it for fp32 and the magnitude criteria only, to the NumPy backend's bytes; and
 planted bugs in its vector path (an element dropped and another duplicated, vectors run past the tail) fail these
-checks."""
+checks, while misaligned tensors, read with scalar loads, do not reach them."""
 
 from __future__ import annotations
 
