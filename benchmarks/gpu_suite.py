@@ -18,7 +18,10 @@ Steps, in order (each recorded in OUTDIR/summary.json as pass / fail / skip, wit
              stream behind queued work, equal to the CPU's bytes; subnormals through every stage and pipeline
              (CuPy's -ftz kernels would flush them); nvCOMP's frames (odd tensor sizes, so staged alignment)
              decoded by the CPU zstandard library; compress(blocking=False) against the blocking bytes; DRAM
-             bytes per element of fused_scan and the candidate selection under ncu -> ncu_traffic.log.
+             bytes per element of the fused scan and the candidate selection under ncu -> ncu_traffic.log;
+             the fused scan's loads under ncu (fused_scan_f32's 128-bit loads against fused_scan's 32-bit ones
+             on the same fp32 inputs, and its scalar loads on misaligned ones: load requests, sectors, DRAM
+             bytes and time per element) -> ncu_scan.log.
              With --runner emulated: the subnormal checks on the emulated backend, the rest skipped.
 A human-readable log goes to OUTDIR/suite.log. The exit status is 1 if any step failed. Steps stop being started
 once --budget-s seconds have passed (540 by default), so a run under a time limit still writes its summary.
@@ -438,6 +441,7 @@ class Suite:
                 ("nvcomp", glue_nvcomp),
                 ("nonblocking", glue_nonblocking),
                 ("ncu_traffic", lambda r: glue_ncu(self.out)),
+                ("ncu_scan_loads", lambda r: glue_scan_ncu(self.out)),
             ]
         for name, fn in checks:
             t1 = time.monotonic()
@@ -619,7 +623,17 @@ def glue_nonblocking(runner: str) -> list[str]:
 
 
 NCU_N = 1 << 24  # elements of the update ncu measures (one global segment of 4096 chunks: cand_hist's path)
-NCU_KERNELS = ("fused_scan", "cand_hist", "cand_select", "radix_pick", "cand_count", "cand_write_u32")
+NCU_KERNELS = ("fused_scan", "cand_hist", "cand_select", "radix_pick", "cand_count", "cand_write_u32")  # a prefix each
+NCU_SCAN_METRICS = (
+    "dram__bytes_read.sum",
+    "dram__bytes_write.sum",
+    "gpu__time_duration.sum",
+    "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",
+    "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
+)
+# the scan step's launches, in order: fused_scan_f32 on aligned arrays, fused_scan on the same, fused_scan_f32 on
+# arrays one element into their allocations
+NCU_SCAN_RUNS = (("vector", "fused_scan_f32"), ("general", "fused_scan"), ("misaligned", "fused_scan_f32"))
 _NCU_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
 
 
@@ -640,6 +654,45 @@ def ncu_workload() -> int:
     return 0
 
 
+def ncu_scan_workload(backend: str = "gpu", n: int = NCU_N) -> int:
+    """What the scan step profiles: after a warm-up compress that gives error feedback a residual, three compresses
+    of n fp32 elements against a base with that residual (the scan reads new, base and residual and writes the new
+    residual), global scope, as NCU_SCAN_RUNS says; the three payloads must be equal. ``backend`` "emulated" and a
+    small n check the workload itself on the CPU."""
+    import numpy as np
+
+    import gpu_codec
+    from gpu_codec.testing import kernel_cases as kc
+    from gpu_codec.testing import use_backend
+
+    rng = np.random.default_rng(0)
+    w0 = rng.standard_normal(n).astype(np.float32)
+    w = w0 + rng.standard_normal(n).astype(np.float32)
+    with use_backend(backend) as b:
+        xp = b.runner.xp
+
+        def at(values, shift):
+            a = xp.empty(values.size + 1, dtype=values.dtype)[shift : shift + values.size]
+            a[...] = xp.asarray(values)
+            return a
+
+        ef = gpu_codec.ErrorFeedback()
+        gpu_codec.compress({"w": at(w0 * 0.5, 0)}, {"w": at(w0, 0)}, fraction=0.01, residual=ef)
+        state = ef.to_bytes()
+        blobs = []
+        for name, _ in NCU_SCAN_RUNS:
+            shift = 1 if name == "misaligned" else 0
+            new, base = {"w": at(w, shift)}, {"w": at(w0, shift)}
+            with kc.forced(scan="fused_scan" if name == "general" else ""):
+                res = gpu_codec.ErrorFeedback.from_bytes(state)
+                blobs.append(gpu_codec.compress(new, base, fraction=0.01, residual=res).to_bytes())
+    if len(set(blobs)) != 1:
+        print("ncu scan workload: the three scans gave different payloads")
+        return 1
+    print("ncu scan workload: ok")
+    return 0
+
+
 def parse_ncu_csv(text: str) -> dict[str, float]:
     """DRAM bytes (read + write) per kernel name from ``ncu --csv`` output."""
     import csv
@@ -655,8 +708,85 @@ def parse_ncu_csv(text: str) -> dict[str, float]:
     return out
 
 
+_NCU_TIME_UNITS = {"nsecond": 1e-9, "usecond": 1e-6, "msecond": 1e-3, "second": 1.0}
+
+
+def parse_ncu_launches(text: str) -> list[dict]:
+    """Per profiled launch, in order: its kernel name and every metric of ``ncu --csv`` output (bytes in bytes,
+    times in seconds, counts as they are)."""
+    import csv
+    import io
+
+    rows = [ln for ln in text.splitlines() if ln.startswith('"')]
+    out: dict[str, dict] = {}
+    for r in csv.DictReader(io.StringIO("\n".join(rows))):
+        launch = out.setdefault(r.get("ID", ""), {"kernel": (r.get("Kernel Name") or "").split("(")[0]})
+        unit = r.get("Metric Unit", "")
+        scale = _NCU_UNITS.get(unit) or _NCU_TIME_UNITS.get(unit) or 1
+        launch[r.get("Metric Name", "")] = float(str(r.get("Metric Value", "0")).replace(",", "")) * scale
+    return [out[k] for k in sorted(out, key=lambda k: int(k) if k.isdigit() else k)]
+
+
+def scan_loads(launches: list[dict]) -> tuple[dict, list[str]]:
+    """Per element of each NCU_SCAN_RUNS launch: DRAM bytes, load requests, sectors a request, time (ns) and DRAM
+    GB/s; and the problems: a launch missing or another kernel, fused_scan_f32's aligned loads not fewer requests
+    than fused_scan's, or either scan moving more DRAM bytes than fused_scan (beyond 2 %)."""
+    scans = [x for x in launches if x["kernel"].startswith("fused_scan")][1:]  # after the warm-up's
+    want = [k for _, k in NCU_SCAN_RUNS]
+    if [x["kernel"] for x in scans] != want:
+        return {}, [f"ncu profiled scans {[x['kernel'] for x in scans]}, expected {want}"]
+    per = {}
+    for (name, _), x in zip(NCU_SCAN_RUNS, scans):
+        dram = x.get("dram__bytes_read.sum", 0.0) + x.get("dram__bytes_write.sum", 0.0)
+        req = x.get("l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum", 0.0)
+        sec = x.get("l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum", 0.0)
+        t = x.get("gpu__time_duration.sum", 0.0)
+        per[name] = {
+            "kernel": x["kernel"],
+            "dram_bytes_per_element": round(dram / NCU_N, 3),
+            "load_requests_per_element": round(req / NCU_N, 4),
+            "sectors_per_request": round(sec / req, 2) if req else 0.0,
+            "ns_per_element": round(t / NCU_N * 1e9, 4),
+            "dram_gb_per_s": round(dram / t / 1e9, 1) if t else 0.0,
+        }
+    problems = []
+    if not per["vector"]["load_requests_per_element"] < per["general"]["load_requests_per_element"]:
+        problems.append(f"fused_scan_f32's loads are not wider than fused_scan's: {per}")
+    for name in ("vector", "misaligned"):
+        if per[name]["dram_bytes_per_element"] > 1.02 * per["general"]["dram_bytes_per_element"]:
+            problems.append(f"fused_scan_f32 ({name}) moved more DRAM bytes than fused_scan: {per}")
+    return per, problems
+
+
+def glue_scan_ncu(out_dir) -> list[str]:
+    """The fused scan's loads under Nsight Compute (ncu_scan_workload): fused_scan_f32's 128-bit loads issue fewer
+    requests than fused_scan's on the same inputs, and neither its aligned nor its misaligned run moves more DRAM
+    bytes; the times per element are logged (not judged)."""
+    ncu = shutil.which("ncu") or ("/usr/local/cuda/bin/ncu" if os.path.exists("/usr/local/cuda/bin/ncu") else None)
+    if not ncu:
+        return ["skip: ncu is not installed"]
+    cmd = [
+        ncu,
+        "--csv",
+        "--metrics",
+        ",".join(NCU_SCAN_METRICS),
+        "--kernel-name",
+        "regex:^fused_scan",
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--ncu-scan-workload",
+    ]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
+    (Path(out_dir) / "ncu_scan.log").write_text(r.stdout + r.stderr)
+    if r.returncode != 0 or "ncu scan workload: ok" not in r.stdout:
+        return [f"ncu failed (exit {r.returncode}); see ncu_scan.log"]
+    per, problems = scan_loads(parse_ncu_launches(r.stdout))
+    print("ncu scan loads: " + json.dumps(per))
+    return problems
+
+
 def glue_ncu(out_dir) -> list[str]:
-    """DRAM traffic per kernel under Nsight Compute: fused_scan reads new and base once (8 B an element, fp32),
+    """DRAM traffic per kernel under Nsight Compute: fused_scan_f32 reads new and base once (8 B an element, fp32),
     and the selection on the candidates adds little."""
     ncu = shutil.which("ncu") or ("/usr/local/cuda/bin/ncu" if os.path.exists("/usr/local/cuda/bin/ncu") else None)
     if not ncu:
@@ -678,10 +808,10 @@ def glue_ncu(out_dir) -> list[str]:
         return [f"ncu failed (exit {r.returncode}); see ncu_traffic.log"]
     per = {k: v / NCU_N for k, v in parse_ncu_csv(r.stdout).items()}
     problems = []
-    if "fused_scan" not in per:
-        problems.append(f"no fused_scan in ncu's report: {sorted(per)}")
-    elif per["fused_scan"] > 8.8:
-        problems.append(f"fused_scan moved {per['fused_scan']:.2f} B an element (new and base: 8)")
+    if "fused_scan_f32" not in per:
+        problems.append(f"no fused_scan_f32 in ncu's report: {sorted(per)}")
+    elif per["fused_scan_f32"] > 8.8:
+        problems.append(f"fused_scan_f32 moved {per['fused_scan_f32']:.2f} B an element (new and base: 8)")
     sel = sum(per.get(k, 0.0) for k in ("cand_hist", "cand_select", "radix_pick"))
     if sel > 0.5:
         problems.append(f"the selection on the candidates moved {sel:.2f} B an element")
@@ -737,6 +867,11 @@ def workload(runner_kind: str) -> int:
     tied = topk.with_(name="workload_fused_tied", pattern="equal", k=0.01)  # kept by the first keys equal to lo
     m += kc.topk_fused_stepwise(r, tied, own="one")
     m += kc.topk_fused_stepwise(r, tied.with_(name="workload_fused_tied_u64"), wide=True, own="one")
+    # fp32 by the delta's magnitude: fused_scan_f32, its 128-bit loads (tails of 1 and 3 elements) and, at arrays
+    # one element into their allocations, its scalar loads
+    f32 = kc.TopkCase("workload_fused_f32", (4097, 5000, 3, 0), ("f32",) * 4, res=True, res_out="new", qmode=1, k=0.1)
+    m += kc.topk_fused_stepwise(r, f32)
+    m += kc.topk_fused_stepwise(r, f32.with_(name="workload_fused_f32_misaligned", shift=1))
     m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter", (3000, 700), ("f16", "f64"), mode=1))
     m += kc.scatter_stepwise(
         r,
@@ -799,12 +934,15 @@ def main(argv: list[str] | None = None) -> int:
         help="internal: launch every kernel once and check it (what compute-sanitizer runs)",
     )
     ap.add_argument("--ncu-workload", action="store_true", help="internal: the compress ncu profiles (glue step)")
+    ap.add_argument("--ncu-scan-workload", action="store_true", help="internal: the scans ncu profiles (glue step)")
     args = ap.parse_args(argv)
     _ensure_importable()
     if args.workload:
         return workload(args.runner)
     if args.ncu_workload:
         return ncu_workload()
+    if args.ncu_scan_workload:
+        return ncu_scan_workload()
     if not args.out:
         ap.error("--out is required")
     suite = Suite(args)

@@ -475,10 +475,11 @@ extern "C" __global__ void chunk_write_u64(
 // Fused selection: the full tensors are read once.
 //
 // sample_keys -> (host: a low bracket lo per segment and the size of one candidate pool from the sample, each
-// sampled key weighed by the elements it stands for) -> fused_scan (one pass, a block per chunk: delta, key,
-// checks, residual = delta where written early, in-order compaction of the chunk's keys above lo in shared memory,
-// the keys equal to lo only counted, then one atomicAdd for the chunk's place in the pool; a segment that is one
-// chunk is selected whole there, without a sample) -> cand_select (exact radix select on the candidates, one
+// sampled key weighed by the elements it stands for) -> fused_scan, or fused_scan_f32 for fp32 tensors scored by
+// the magnitude of their delta (one pass, a block per chunk: delta, key, checks, residual = delta where written
+// early, in-order compaction of the chunk's keys above lo in shared memory, the keys equal to lo only counted,
+// then one atomicAdd for the chunk's place in the pool; a segment that is one chunk is selected whole there,
+// without a sample) -> cand_select (exact radix select on the candidates, one
 // block per segment) or, where a segment has many chunks, 4 x (cand_hist, radix_pick) (a block per chunk) ->
 // cand_count -> the chunk scan -> cand_write_{u32,u64} -> [tie_write_{u32,u64}] -> [residual_delta] ->
 // kept_fix_{u32,u64}.
@@ -589,6 +590,74 @@ __device__ __forceinline__ u32 own_select(u16* st_idx, u32* st_key, u32 m, u32 k
     return m < k ? m : k;
 }
 
+// fused_scan's round (BLOCK threads, VEC consecutive elements a thread from local index lb, keys key[], mask: those
+// above lo): the selected ones staged in index order (thread by thread, then within a thread) at pos onwards in
+// st_idx / st_key; ws: this round's WARPS per-warp counts (two sets alternate, so one barrier a round). Returns the
+// round's selected count.
+template <int VEC>
+__device__ __forceinline__ u32 stage_round(const u32 (&key)[VEC], u32 mask, u32 lb, u32 pos, u32* ws, u16* st_idx,
+                                           u32* st_key)
+{
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const u32 cnt = __popc(mask);
+    u32 incl = cnt;
+    for (int o = 1; o < 32; o <<= 1) {
+        const u32 y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
+        if (lane >= o) incl += y;
+    }
+    if (lane == 31) ws[warp] = incl;
+    __syncthreads();
+    u32 before = incl - cnt, total = 0;
+    for (int w = 0; w < WARPS; ++w) {
+        const u32 x = ws[w];
+        total += x;
+        if (w < warp) before += x;
+    }
+    u32 slot = pos + before;
+#pragma unroll
+    for (int v = 0; v < VEC; ++v) {
+        if ((mask >> v) & 1u) {
+            st_idx[slot] = (u16)(lb + v);
+            st_key[slot] = key[v];
+            ++slot;
+        }
+    }
+    return total;
+}
+
+// The end of fused_scan's block, after its rounds (pos staged candidates, eqs this thread's keys equal to lo):
+// the check word, the chunk selected whole where its segment is this chunk, and the chunk's place in the pool.
+__device__ __forceinline__ void place_chunk(
+    i64 c, int t, int s, bool bad_any, u32 pos, u32 eqs, const u64* own_k, u64 pool_cap, u64* cand_base,
+    u32* cand_cnt, u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status, u32 (*wsel)[WARPS], u16* st_idx,
+    u32* st_key, u64& sh_at, u32& sh_eq, u32* own_hist, u32* own)
+{
+    if (bad_any) atomicMin(&status[0], (u64)t);
+    const u64 K = own_k[s];
+    if (K) pos = own_select(st_idx, st_key, pos, (u32)K, wsel[0], wsel[1], own_hist, own[0], own[1]);  // uniform
+    for (int o = 16; o > 0; o >>= 1) eqs += __shfl_down_sync(0xFFFFFFFFu, eqs, o);
+    if ((threadIdx.x & 31) == 0 && eqs) atomicAdd(&sh_eq, eqs);
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        const u64 at = pos ? atomicAdd(&status[1], (u64)pos) : 0;
+        const bool fits = at + pos <= pool_cap;
+        cand_base[c] = fits ? at : 0;
+        cand_cnt[c] = fits ? pos : 0u;
+        eq_cnt[c] = sh_eq;
+        if (pos) atomicAdd(&status[2 + 2 * s], (u64)pos);
+        if (sh_eq) atomicAdd(&status[3 + 2 * s], (u64)sh_eq);
+        sh_at = fits ? at : ~0ull;
+    }
+    __syncthreads();
+    const u64 at = sh_at;
+    if (at != ~0ull) {
+        for (u32 j = threadIdx.x; j < pos; j += BLOCK) {
+            cand_idx[at + j] = st_idx[j];
+            cand_key[at + j] = st_key[j];
+        }
+    }
+}
+
 // One block per chunk, SCAN_VEC consecutive elements a thread per round and one barrier a round (the per-warp
 // counts double-buffered): key and checks (status[0] = lowest tensor with a non-finite delta or score,
 // initialised to ~0), residual = delta into early_ptrs[t] where non-zero, and the elements whose key is above
@@ -599,6 +668,7 @@ __device__ __forceinline__ u32 own_select(u16* st_idx, u32* st_key, u32 m, u32 k
 // candidates start at cand_base[c] and cand_cnt[c] of them were stored (0 where the pool of pool_cap entries
 // could not hold them). Chunks lie in the pool in the order their blocks finish; later kernels find them through
 // cand_base and cand_cnt only. status[2 + 2s] += candidates of segment s, status[3 + 2s] += its keys equal to lo.
+// Any dtype, criterion and score; fused_scan_f32 below is the common case's specialisation.
 extern "C" __global__ void fused_scan(
     int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
     const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
@@ -613,7 +683,8 @@ extern "C" __global__ void fused_scan(
     __shared__ u32 own_hist[256], own[2];  // own_select's histogram, threshold and keys equal to it to take
     const i64 c = blockIdx.x;
     const int t = tensor_of_chunk(chunk_start, nt, c);
-    const u64 L = lo[seg_of[t]];
+    const int s = seg_of[t];
+    const u64 L = lo[s];
     const i64 n = numel[t];
     const int dt = dtypes[t];
     const void* nw = (const void*)new_ptrs[t];
@@ -623,7 +694,6 @@ extern "C" __global__ void fused_scan(
     void* ep = (void*)early_ptrs[t];
     const int sdt = score_dtypes[t];
     const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     u32 pos = 0, eqs = 0;
     int parity = 0;
     bool bad_any = false;
@@ -652,58 +722,106 @@ extern "C" __global__ void fused_scan(
                 eqs += (u64)key[v] == L;
             }
         }
-        // the round's selected elements in index order: thread by thread, then within a thread
-        const u32 cnt = __popc(mask);
-        u32 incl = cnt;
-        for (int o = 1; o < 32; o <<= 1) {
-            const u32 y = __shfl_up_sync(0xFFFFFFFFu, incl, o);
-            if (lane >= o) incl += y;
-        }
-        if (lane == 31) wsel[parity][warp] = incl;
-        __syncthreads();
-        u32 before = incl - cnt, total = 0;
-        for (int w = 0; w < WARPS; ++w) {
-            const u32 x = wsel[parity][w];
-            total += x;
-            if (w < warp) before += x;
-        }
-        u32 slot = pos + before;
-#pragma unroll
-        for (int v = 0; v < SCAN_VEC; ++v) {
-            if ((mask >> v) & 1u) {
-                st_idx[slot] = (u16)(ib + v - e0);
-                st_key[slot] = key[v];
-                ++slot;
-            }
-        }
-        pos += total;
+        pos += stage_round<SCAN_VEC>(key, mask, (u32)(ib - e0), pos, wsel[parity], st_idx, st_key);
         parity ^= 1;
     }
-    if (bad_any) atomicMin(&status[0], (u64)t);
-    const u64 K = own_k[seg_of[t]];
-    if (K) pos = own_select(st_idx, st_key, pos, (u32)K, wsel[0], wsel[1], own_hist, own[0], own[1]);  // uniform
-    for (int o = 16; o > 0; o >>= 1) eqs += __shfl_down_sync(0xFFFFFFFFu, eqs, o);
-    if (lane == 0 && eqs) atomicAdd(&sh_eq, eqs);
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        const u64 at = pos ? atomicAdd(&status[1], (u64)pos) : 0;
-        const bool fits = at + pos <= pool_cap;
-        const int s = seg_of[t];
-        cand_base[c] = fits ? at : 0;
-        cand_cnt[c] = fits ? pos : 0u;
-        eq_cnt[c] = sh_eq;
-        if (pos) atomicAdd(&status[2 + 2 * s], (u64)pos);
-        if (sh_eq) atomicAdd(&status[3 + 2 * s], (u64)sh_eq);
-        sh_at = fits ? at : ~0ull;
-    }
-    __syncthreads();
-    const u64 at = sh_at;
-    if (at != ~0ull) {
-        for (u32 j = threadIdx.x; j < pos; j += BLOCK) {
-            cand_idx[at + j] = st_idx[j];
-            cand_key[at + j] = st_key[j];
+    place_chunk(c, t, s, bad_any, pos, eqs, own_k, pool_cap, cand_base, cand_cnt, cand_idx, cand_key, eq_cnt,
+                status, wsel, st_idx, st_key, sh_at, sh_eq, own_hist, own);
+}
+
+// fused_scan_f32: fused_scan where every tensor is fp32 (its base and residual too) and scored by the magnitude of
+// its delta (CRIT_MAGNITUDE or CRIT_LARGEST_CHANGE, no score of the caller's), which the host checks before it
+// launches this instead (gpu_codec/backends/kernels.py, scan_kernel): the same arguments, the same outputs to the
+// bit. It aims at the full width of the memory system: SCAN_VEC_F32 = 4 consecutive elements a thread per round,
+// so that new, base and residual are read, and the early residual written, with one 128-bit access a thread each
+// (a warp's access is 512 contiguous bytes) where the tensor's four addresses are 16-byte aligned (a chunk starts
+// CHUNK elements apart, so every thread's 4 elements then are too); scalar accesses for the elements past the last
+// whole vector of a tensor and for every element of a tensor with a misaligned address. 32-bit offsets within the
+// chunk keep it within fused_scan's register budget. Its speed on a GPU is unmeasured (benchmarks/gpu_suite.py's
+// ncu step measures both scans' loads and traffic on the first run).
+#define SCAN_VEC_F32 4
+static_assert(ITEMS % SCAN_VEC_F32 == 0, "a chunk is a whole number of fused_scan_f32 rounds");
+static_assert(CHUNK % SCAN_VEC_F32 == 0 && CHUNK <= 65536, "chunks start 16-byte aligned; u16 local indices");
+
+extern "C" __global__ void fused_scan_f32(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, const u64* early_ptrs, const u64* lo, const u64* own_k, u64 pool_cap, u64* cand_base, u32* cand_cnt,
+    u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status)
+{
+    __shared__ u32 wsel[2][WARPS];
+    __shared__ u16 st_idx[CHUNK];
+    __shared__ u32 st_key[CHUNK];
+    __shared__ u64 sh_at;
+    __shared__ u32 sh_eq;
+    __shared__ u32 own_hist[256], own[2];
+    const i64 c = blockIdx.x;
+    const int t = tensor_of_chunk(chunk_start, nt, c);
+    const int s = seg_of[t];
+    const u64 L = lo[s];
+    const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
+    const i64 left = numel[t] - e0;
+    const u32 m = left < CHUNK ? (u32)left : (u32)CHUNK;  // elements in this chunk
+    const u64 pn = new_ptrs[t], pb = base_ptrs[t], pr = res_ptrs[t], pe = early_ptrs[t];
+    const bool vec = ((pn | pb | pr | pe) & 15u) == 0;  // uniform across the block
+    const float* nw = (const float*)pn + e0;
+    const float* bs = pb ? (const float*)pb + e0 : nullptr;
+    const float* rs = pr ? (const float*)pr + e0 : nullptr;
+    float* ep = pe ? (float*)pe + e0 : nullptr;
+    u32 pos = 0, eqs = 0;
+    int parity = 0;
+    bool bad_any = false;
+    if (threadIdx.x == 0) sh_eq = 0;  // read after the rounds' barriers
+    for (u32 r0 = 0; r0 < m; r0 += BLOCK * SCAN_VEC_F32) {  // uniform across the block
+        const u32 ib = r0 + threadIdx.x * SCAN_VEC_F32;
+        float d[SCAN_VEC_F32];
+        if (vec && ib + SCAN_VEC_F32 <= m) {
+            float4 a = __ldg((const float4*)(nw + ib));
+            if (bs) {
+                const float4 b = __ldg((const float4*)(bs + ib));
+                a.x = a.x - b.x;
+                a.y = a.y - b.y;
+                a.z = a.z - b.z;
+                a.w = a.w - b.w;
+            }
+            if (rs) {
+                const float4 r = __ldg((const float4*)(rs + ib));
+                a.x = a.x + r.x;
+                a.y = a.y + r.y;
+                a.z = a.z + r.z;
+                a.w = a.w + r.w;
+            }
+            if (ep) *(float4*)(ep + ib) = a;
+            d[0] = a.x;
+            d[1] = a.y;
+            d[2] = a.z;
+            d[3] = a.w;
+        } else {
+#pragma unroll
+            for (int v = 0; v < SCAN_VEC_F32; ++v) {
+                d[v] = 0.0f;
+                if (ib + v < m) {
+                    d[v] = __ldg(nw + ib + v) - (bs ? __ldg(bs + ib + v) : 0.0f);
+                    if (rs) d[v] = d[v] + __ldg(rs + ib + v);
+                    if (ep) ep[ib + v] = d[v];
+                }
+            }
         }
+        u32 key[SCAN_VEC_F32];
+        u32 mask = 0;
+#pragma unroll
+        for (int v = 0; v < SCAN_VEC_F32; ++v) {
+            const bool valid = ib + v < m;
+            key[v] = valid ? score_key(fabsf(d[v])) : 0u;
+            bad_any |= valid && !finite_f32(d[v]);
+            mask |= (u32)(valid && (u64)key[v] > L) << v;
+            eqs += valid && (u64)key[v] == L;
+        }
+        pos += stage_round<SCAN_VEC_F32>(key, mask, ib, pos, wsel[parity], st_idx, st_key);
+        parity ^= 1;
     }
+    place_chunk(c, t, s, bad_any, pos, eqs, own_k, pool_cap, cand_base, cand_cnt, cand_idx, cand_key, eq_cnt,
+                status, wsel, st_idx, st_key, sh_at, sh_eq, own_hist, own);
 }
 
 // Exact radix select on the candidates, one block (SCAN_THREADS threads, a chunk each in turn) per segment s over chunks

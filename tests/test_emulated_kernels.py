@@ -289,6 +289,7 @@ def test_every_kernel_is_exercised():
     tied = kc.TopkCase("equal_global", (3000, 5000), ("f32", "f16"), k=0.01, pattern="equal")
     kc.topk_fused_stepwise(r, tied, own="one")
     kc.topk_fused_stepwise(r, tied, wide=True, own="one")
+    kc.topk_fused_stepwise(r, next(c for c in TOPK if c.name == "f32_residual_q1"))  # fused_scan_f32
     kc.scatter_stepwise(r, SCATTER[0])
     kc.scatter_stepwise(r, SCATTER[1])
     kc.quant_stepwise(r, QUANT[0])
@@ -938,3 +939,46 @@ def test_gpu_suite_reads_ncu_csv():
         ]
     )
     assert gs.parse_ncu_csv(text) == {"fused_scan": 134.22e6 + 1024e3, "cand_hist": 512.0}
+
+
+def _scan_csv(requests: dict[str, float], names=("fused_scan_f32", "fused_scan_f32", "fused_scan", "fused_scan_f32")):
+    """ncu --csv rows of the scan step's launches (a warm-up, then NCU_SCAN_RUNS): 12 B an element of DRAM
+    traffic in 1 ms each, ``requests`` load requests an element by run name."""
+    gs = _suite_module()
+    n = gs.NCU_N
+    rows = ['"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"']
+    for i, name in enumerate(names):
+        run = gs.NCU_SCAN_RUNS[i - 1][0] if i else "vector"
+        k = f'"{i}","{name}(int, const long *)"'
+        rows += [
+            f'{k},"dram__bytes_read.sum","byte","{12 * n}"',
+            f'{k},"gpu__time_duration.sum","msecond","1"',
+            f'{k},"l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum","","{requests[run] * n}"',
+            f'{k},"l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum","sector","{n}"',
+        ]
+    return gs, "\n".join(rows)
+
+
+def test_gpu_suite_judges_the_scan_loads():
+    """The ncu scan step's reading: per run the DRAM bytes, requests, sectors a request and time per element; a
+    vector scan with as many load requests as fused_scan's, or launches other than expected, are problems."""
+    gs, text = _scan_csv({"vector": 0.04, "general": 0.1, "misaligned": 0.1})
+    launches = gs.parse_ncu_launches(text)
+    assert [x["kernel"] for x in launches] == ["fused_scan_f32", "fused_scan_f32", "fused_scan", "fused_scan_f32"]
+    assert launches[1]["gpu__time_duration.sum"] == pytest.approx(1e-3)
+    per, problems = gs.scan_loads(launches)
+    assert problems == []
+    assert per["vector"]["load_requests_per_element"] == 0.04 and per["general"]["sectors_per_request"] == 10.0
+    assert per["vector"]["dram_bytes_per_element"] == 12.0 and per["vector"]["dram_gb_per_s"] == pytest.approx(
+        12 * gs.NCU_N / 1e-3 / 1e9, rel=1e-3
+    )
+    gs, text = _scan_csv({"vector": 0.1, "general": 0.1, "misaligned": 0.1})
+    assert "not wider" in gs.scan_loads(gs.parse_ncu_launches(text))[1][0]
+    gs, text = _scan_csv({"vector": 0.04, "general": 0.1, "misaligned": 0.1}, names=("fused_scan",) * 4)
+    assert "expected" in gs.scan_loads(gs.parse_ncu_launches(text))[1][0]
+
+
+def test_gpu_suite_scan_workload_on_the_emulator():
+    """The workload the ncu scan step profiles, on the emulator at a small size: the three scans' payloads agree."""
+    gs = _suite_module()
+    assert gs.ncu_scan_workload("emulated", n=3 * 4096 + 5) == 0

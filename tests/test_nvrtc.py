@@ -122,9 +122,29 @@ def test_resources_script(tmp_path):
 
 @pytest.mark.skipif(not HAVE_NVCC, reason="nvcc not on PATH")
 def test_resources_with_nvcc():
-    rep = kr.collect(("sm_90",), ("nvcc",))
+    rep = kr.collect(ARCHS, ("nvcc",))
     assert rep.problems == []
-    assert {r.function for r in rep.rows if r.entry} == set(kernel_signatures())
+    for arch in ARCHS:
+        assert {r.function for r in rep.rows if r.entry and r.arch == arch} == set(kernel_signatures())
+    for r in rep.rows:
+        assert not r.entry or r.registers <= MAX_REGISTERS, f"{r.function} ({r.arch}, nvcc): {r.registers} registers"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_scan_f32_reads_and_writes_128_bits_a_thread(arch):
+    """fused_scan_f32 reads new, base and residual with one 128-bit load each (read-only path) and writes the early
+    residual with one 128-bit store, beside its scalar loads for tails and misaligned tensors; fused_scan keeps its
+    32-bit accesses."""
+    import re
+    from collections import Counter
+
+    per = kr._per_entry(kr._ptx(kernel_source("topk.cu"), "topk.cu", arch))
+    ops = {
+        k: Counter(m for line in per[k] for m in re.findall(r"^(?:@!?%\w+\s+)?((?:ld|st)\.[a-z.]*v4\.f32)", line))
+        for k in ("fused_scan_f32", "fused_scan")
+    }
+    assert ops["fused_scan_f32"] == {"ld.global.nc.v4.f32": 3, "st.v4.f32": 1}, ops
+    assert not ops["fused_scan"], ops
 
 
 SPILLER = """

@@ -51,9 +51,10 @@ def test_counter_counts_sectors_of_global_buffers_only():
 
 
 def test_benchmark_measures_compress(traffic, tmp_path):
-    """At N = 8192: compress reads new and base once (fused_scan); the selection and the write touch the sample
-    and the candidates only. With error feedback the same pass reads the residual and writes the new one (into a
-    separate array, stored only when the call succeeds), and only the kept entries are fixed afterwards."""
+    """At N = 8192: compress reads new and base once (fused_scan_f32, fp32 tensors); the selection and the write
+    touch the sample and the candidates only. With error feedback the same pass reads the residual and writes the
+    new one (into a separate array, stored only when the call succeeds), and only the kept entries are fixed
+    afterwards."""
     records = traffic.run(8192, quick=True)
     ops = {(r["op"], r["residual"]) for r in records}
     assert {("compress", False), ("compress", True), ("decompress", False), ("decompress_dense", False)} <= ops
@@ -62,14 +63,14 @@ def test_benchmark_measures_compress(traffic, tmp_path):
         assert {"op", "fraction", "residual", "tensors", "n", "bytes_per_element"} <= set(r)
     c = next(r for r in records if r["op"] == "compress" and not r["residual"])
     assert "score_keys" not in c["kernels"] and "radix_hist" not in c["kernels"]  # no fallback to the full passes
-    assert c["kernels"]["fused_scan"]["launches"] == 1
-    scan = c["kernels"]["fused_scan"]
+    assert c["kernels"]["fused_scan_f32"]["launches"] == 1 and "fused_scan" not in c["kernels"]
+    scan = c["kernels"]["fused_scan_f32"]
     assert scan["read_bytes"] / 8192 == pytest.approx(8.0, abs=0.1)  # new and base, once
     assert scan["write_bytes"] / 8192 < 0.5  # the candidates (6 B each; the sample of 64 brackets widely here)
-    rest = c["bytes_per_element"] - c["kernels"]["fused_scan"]["bytes_per_element"]
+    rest = c["bytes_per_element"] - scan["bytes_per_element"]
     assert rest < 2.0  # sample, candidates, kept entries
     cr = next(r for r in records if r["op"] == "compress" and r["residual"])
-    assert cr["kernels"]["fused_scan"]["bytes_per_element"] == pytest.approx(16.0, abs=0.3)  # and the residual
+    assert cr["kernels"]["fused_scan_f32"]["bytes_per_element"] == pytest.approx(16.0, abs=0.3)  # and the residual
     assert "residual_delta" not in cr["kernels"] and "score_keys" not in cr["kernels"]
     assert traffic.main(["--n", "4096", "--quick", "--json", str(tmp_path / "t.json")]) == 0
     assert (tmp_path / "t.json").read_text().startswith("[")

@@ -25,6 +25,8 @@ from ..constants import (
     CHUNK,
     CHUNK_SCAN_PART,
     CHUNK_SCAN_THREADS,
+    CRIT_LARGEST_CHANGE,
+    CRIT_MAGNITUDE,
     DT_F32,
     DT_F64,
     NO_SEG_THRESHOLD,
@@ -64,6 +66,9 @@ NO_LO = 1 << 32  # lo of a segment with k = 0: above every key
 # takes a block per chunk (cand_hist) rather than one block per segment (cand_select, one SM each): the four
 # histogram rounds cost a fixed 16 KiB of traffic per segment, at most a 64th of the inputs' bytes then
 SELECT_BLOCK_CHUNKS = 64
+# the criteria whose fp32 score is the magnitude of the delta (kernels/topk.cu, criterion_f32's default case),
+# the ones fused_scan_f32 scores by
+MAGNITUDE_CRITERIA = (CRIT_MAGNITUDE, CRIT_LARGEST_CHANGE)
 
 __all__ = ["CHUNK", "FUSED_ENV", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
 
@@ -235,6 +240,19 @@ def hist_select(widest: int, chunks: int, nseg: int) -> bool:
     than one block per segment (cand_select): where the widest segment spans more than SELECT_BLOCK_CHUNKS chunks
     and the segments average at least that many."""
     return widest > SELECT_BLOCK_CHUNKS and chunks >= SELECT_BLOCK_CHUNKS * nseg
+
+
+def scan_kernel(dtypes, crit: int, ext_scores) -> str:
+    """The fused selection's one pass over the inputs: ``fused_scan_f32`` (four consecutive elements a thread, read
+    with 128-bit loads where a tensor's addresses are 16-byte aligned) where every tensor is fp32 and scored by the
+    magnitude of its delta with no score of the caller's, else ``fused_scan`` (any dtype, criterion and score).
+    Both write the same outputs.
+
+    >>> scan_kernel([DT_F32, DT_F32], CRIT_MAGNITUDE, [None, None]), scan_kernel([DT_F64], CRIT_MAGNITUDE, [None])
+    ('fused_scan_f32', 'fused_scan')
+    """
+    f32 = all(int(d) == DT_F32 for d in dtypes) and all(e is None for e in ext_scores)
+    return "fused_scan_f32" if f32 and int(crit) in MAGNITUDE_CRITERIA else "fused_scan"
 
 
 def wide_indices(numels: list[int]) -> bool:
@@ -451,7 +469,7 @@ class KernelOps:
         d_lo = self._up(lo)
         plan = (p_early, d_lo, self._up(own_k), np.uint64(pool))
         run.launch(
-            "fused_scan",
+            scan_kernel(dtypes, crit, ext_scores),
             grid,
             BLOCK,
             (nt32, d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt, crit32)

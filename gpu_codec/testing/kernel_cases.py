@@ -38,7 +38,9 @@ class TopkCase:
     """One top-k selection over a tensor list.
 
     ``k``: a fraction of each segment, or "zero", "one", "all", "random"; ``res_out``: "none", "new" (separate
-    output arrays) or "alias" (written over the residual inputs, as the engine does in place).
+    output arrays) or "alias" (written over the residual inputs, as the engine does in place); ``shift``: every
+    array on the runner starts this many elements into its allocation (1: fp32 tensors 4 bytes past a 16-byte
+    boundary, which fused_scan_f32 reads with scalar loads).
     """
 
     name: str
@@ -54,6 +56,7 @@ class TopkCase:
     ext_dtypes: tuple[str, ...] | None = None
     pattern: str = "normal"
     seed: int = 0
+    shift: int = 0
 
     def with_(self, **kw) -> TopkCase:
         return dataclasses.replace(self, **kw)
@@ -188,11 +191,15 @@ def _cmp(where: str, got: Any, want: Any, out: list[str]) -> None:
         )
 
 
-def _uploader(runner):
+def _uploader(runner, shift: int = 0):
     xp = runner.xp
 
     def up(a):
-        return None if a is None else xp.array(a, copy=True)
+        if a is None or not shift:
+            return None if a is None else xp.array(a, copy=True)
+        out = xp.empty(a.size + shift, dtype=a.dtype)[shift:]
+        out[...] = xp.asarray(a)
+        return out
 
     return up
 
@@ -200,7 +207,7 @@ def _uploader(runner):
 def topk_vs_reference(runner, case: TopkCase) -> list[str]:
     """KernelOps(runner).topk_select against the NumPy backend's cpu_fallback.select.topk_select."""
     inp = make_topk_inputs(case)
-    up = _uploader(runner)
+    up = _uploader(runner, case.shift)
     d = {k: [up(a) for a in inp[k]] for k in ("new", "base", "res", "ext")}
     h = {k: [None if a is None else a.copy() for a in inp[k]] for k in ("new", "base", "res", "ext")}
     d_ro, h_ro = _res_out(inp, d["res"], up), _res_out(inp, h["res"], np.copy)
@@ -226,7 +233,7 @@ def dense_vs_reference(runner, case: TopkCase) -> list[str]:
     from gpu_codec.backends.cpu import CpuBackend
 
     inp = make_topk_inputs(case)
-    up = _uploader(runner)
+    up = _uploader(runner, case.shift)
     d = {k: [up(a) for a in inp[k]] for k in ("new", "base", "res", "ext")}
     h = {k: [None if a is None else a.copy() for a in inp[k]] for k in ("new", "base", "res", "ext")}
     args = (inp["dtypes"], None, inp["ext_dtypes"], inp["crit"])
@@ -289,7 +296,7 @@ def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     ``wide`` uses chunk_write_u64 (64-bit output indices) whatever the tensor sizes.
     """
     inp = make_topk_inputs(case)
-    up = _uploader(runner)
+    up = _uploader(runner, case.shift)
     nt = len(case.sizes)
     seg_of = [0] * nt
     for s, seg in enumerate(inp["segments"]):
@@ -659,13 +666,14 @@ class RecordingRunner:
 
 
 @contextlib.contextmanager
-def forced(fallback: str = "", wide: bool = False, select: str = "", own: str = "") -> Iterator[None]:
+def forced(fallback: str = "", wide: bool = False, select: str = "", scan: str = "", own: str = "") -> Iterator[None]:
     """The fused selection driven where a test needs it, for the block: the plan functions of
     :mod:`gpu_codec.backends.kernels` replaced (nothing in the production classes knows about tests).
     ``fallback``: "miss" (lo above every key of every segment with k > 0) or "overflow" (an empty candidate pool);
     ``wide``: 64-bit indices whatever the sizes; ``select``: "one" (cand_select) or "multi" (cand_hist and
-    radix_pick) whatever the segments' sizes; ``own``: "one" (only a segment of one chunk is selected by its
-    block, every other is sampled and bracketed, so small cases take the bracket's path)."""
+    radix_pick) whatever the segments' sizes; ``scan``: "fused_scan" (the general scan) where the plan would
+    launch fused_scan_f32 (a comparison of the two on the same inputs); ``own``: "one" (only a segment of one
+    chunk is selected by its block, every other is sampled and bracketed, so small cases take the bracket's path)."""
     from gpu_codec.backends import kernels as K
 
     saved: dict[str, Any] = {}
@@ -691,6 +699,10 @@ def forced(fallback: str = "", wide: bool = False, select: str = "", own: str = 
         patch("wide_indices", lambda numels: True)
     if select:
         patch("hist_select", lambda widest, chunks, nseg: select == "multi")
+    if scan:
+        if scan != "fused_scan":
+            raise ValueError(f"scan must be 'fused_scan', got {scan!r}")
+        patch("scan_kernel", lambda dtypes, crit, ext_scores: scan)
     if own:
         patch("_own", lambda seg, numels: len(seg) == 1 and 0 < numels[seg[0]] <= K.CHUNK)
     try:
@@ -721,12 +733,12 @@ def topk_fused_stepwise(
     dev.skip_keys = rbad is not None
     results = []
     for rr in (twin, dev):
-        up = _uploader(rr)
+        up = _uploader(rr, case.shift)
         d = {k: [up(a) for a in inp[k]] for k in ("new", "base", "res", "ext")}
         d_ro = _res_out(inp, d["res"], up)
         ops = Ops(rr, fused=True)
         try:
-            with forced(force, wide, select, own):
+            with forced(force, wide, select, own=own):
                 gi, gv, gbad = ops.topk_select(
                     d["new"], d["base"], d["res"], d_ro, inp["dtypes"], d["ext"], *_rest(inp)
                 )
@@ -961,6 +973,14 @@ def topk_cases() -> list[TopkCase]:
         )
     for p in ("nonfinite_inf", "nonfinite_nan", "f64_overflow"):
         c.append(TopkCase(f"reject_{p}", (1000, 2000, 3000), ("f32", "f64", "f16"), pattern=p))
+    # fp32 with the delta's magnitude (fused_scan_f32 in the fused selection): residuals, ties, misaligned arrays
+    f32 = ("f32",) * 4
+    c.append(TopkCase("f32_residual_q1", (5000, 4097, 700, 3), f32, res=True, res_out="new", qmode=1, k=0.05))
+    c.append(TopkCase("f32_alias_tensor", (4096, 4097), f32[:2], res=True, res_out="alias", scope="tensor"))
+    c.append(TopkCase("f32_zeros", (4100, 900, 8200), f32[:3], k=0.37, pattern="zeros"))
+    c.append(TopkCase("f32_change_ties", (5000, 600), f32[:2], crit=3, k=0.3, pattern="ties", scope="tensor"))
+    c.append(TopkCase("f32_misaligned", (5000, 4097, 700, 3), f32, res=True, res_out="new", k=0.05, shift=1))
+    c.append(TopkCase("f32_reject_nan", (1000, 2000, 3000), f32[:3], pattern="nonfinite_nan"))
     return c
 
 

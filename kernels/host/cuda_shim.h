@@ -60,6 +60,17 @@ struct dim3 {
     unsigned int x, y, z;
 };
 
+// ------------------------------------------------------------------------------------------------ vector types
+// As CUDA's: 16-byte aligned, so that a load or store of one is a single 128-bit access (and one 16-byte access in
+// the traffic-counting build).
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+static_assert(sizeof(float4) == 16 && alignof(float4) == 16, "float4 is CUDA's 16-byte vector");
+// The read-only data path's load: an ordinary load here.
+static __forceinline__ float4 __ldg(const float4* p) { return *p; }
+static __forceinline__ float __ldg(const float* p) { return *p; }
+
 namespace emu {
 struct Thread {
     uint3 tid;  // threadIdx of this fiber
