@@ -44,7 +44,18 @@ def kept_count(fraction: float, n: int) -> int:
     >>> kept_count(0.01, 100), kept_count(0.01, 101), kept_count(1.0, 7), kept_count(0.5, 0)
     (1, 2, 7, 0)
     """
-    return min(n, math.ceil(Fraction(repr(float(fraction))) * n))
+    return kept_counts(fraction, [n])[0]
+
+
+def kept_counts(fraction: float, numels: list[int]) -> list[int]:
+    """:func:`kept_count` of each size, the fraction's decimal value read once.
+
+    >>> kept_counts(0.01, [100, 101, 0])
+    [1, 2, 0]
+    """
+    f = Fraction(repr(float(fraction)))
+    p, q = f.numerator, f.denominator
+    return [min(n, -(-n * p // q)) for n in numels]
 
 
 def _check_tensors(
@@ -89,7 +100,7 @@ def _check_tensors(
 def _segments(numels: list[int], fraction: float, scope: str) -> tuple[list[list[int]], list[int]]:
     if scope == "global":
         return [list(range(len(numels)))], [kept_count(fraction, sum(numels))]
-    return [[t] for t in range(len(numels))], [kept_count(fraction, n) for n in numels]
+    return [[t] for t in range(len(numels))], kept_counts(fraction, numels)
 
 
 def _external_scores(score: ScoreFn, update, base, names, news, backend: Backend) -> tuple[list, list[int]]:
