@@ -49,7 +49,7 @@ SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem
 SAMPLE_SMALL, SAMPLE_DENSITY_SMALL = 1 << 17, 64
 SAMPLE_ALL = 1 << 12  # segments at most this large are sampled whole (exact bracket), but those of OWN_CHUNKS (none)
 # a segment of at most this many chunks is selected by fused_scan's blocks, each chunk keeping its own k best: at
-# most OWN_CHUNKS x k candidates, where a bracket from a small segment's few sampled keys took 5-15 x k
+# most OWN_CHUNKS x k candidates (own_rule), where a bracket from a small segment's few sampled keys took 5-15 x k
 OWN_CHUNKS = 4
 # the chance that lo lands above the k-th key (a miss: the unfused passes run), shared by the sampled segments of
 # a selection; the sampled keys above the k-th are counted as Poisson clusters of the runs' design effect
@@ -108,45 +108,50 @@ def _check_segments(segments, nt: int) -> None:
         raise ValueError(f"segments must be consecutive runs covering tensors 0..{nt - 1} in order")
 
 
-def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray]:
-    """Per tensor: (sample offsets, nt + 1 entries; sampling window). A segment of n elements is sampled in runs
-    of SAMPLE_RUN consecutive elements, one run in every window of ``stride`` elements (whole when n <=
-    SAMPLE_ALL or k is 0 or n); :func:`gpu_codec.cpu_fallback.fused.sample_positions` says where."""
-    nt = len(numels)
-    stride = np.full(nt, SAMPLE_RUN, np.int64)
-    fixed = [False] * nt
-    for seg, k in zip(segments, ks):
-        n = sum(numels[t] for t in seg)
-        for t in seg:
-            fixed[t] = k <= 0 or k >= n or _own(seg, numels)  # nothing to bracket: lo is fixed
-        if n <= SAMPLE_ALL or k <= 0 or k >= n:
-            continue
-        ms = min(SAMPLE_MAX, max(SAMPLE_RUN, n // (SAMPLE_DENSITY_SMALL if n < SAMPLE_SMALL else SAMPLE_DENSITY)))
-        for t in seg:
-            stride[t] = max(SAMPLE_RUN, SAMPLE_RUN * (n // ms))
-    counts = [
-        0 if fixed[t] else numels[t] // int(stride[t]) * SAMPLE_RUN + min(SAMPLE_RUN, numels[t] % int(stride[t]))
-        for t in range(nt)
-    ]
-    return _offsets(counts), stride
+class SegmentTable:
+    """Per segment of a selection, as arrays (segments are consecutive runs of tensors, in order): elements ``n``,
+    kept count ``k``, ``chunks``, ``tensors``, ``first`` tensor; and per tensor ``numel`` and ``seg_of``."""
+
+    def __init__(self, numels: list[int], segments, ks):
+        self.numel = np.asarray(numels, np.int64).reshape(-1)
+        self.tensors = np.fromiter((len(seg) for seg in segments), np.int64, len(segments))
+        self.first = np.concatenate([[0], np.cumsum(self.tensors)])[:-1].astype(np.int64)
+        self.seg_of = np.repeat(np.arange(len(segments), dtype=np.int64), self.tensors)
+        self.k = np.asarray([int(k) for k in ks], np.int64).reshape(-1)
+        self.n = self._sum(self.numel)
+        self.chunks = self._sum(-(-self.numel // CHUNK))
+        self.own = own_rule(self.chunks, self.tensors) & (self.k > 0) & (self.k < self.n)
+
+    def _sum(self, per_tensor: np.ndarray) -> np.ndarray:
+        c = np.concatenate([[0], np.cumsum(per_tensor, dtype=np.int64)])
+        return c[self.first + self.tensors] - c[self.first]
 
 
-def _chunks_of(seg, numels) -> int:
-    return sum(-(-numels[t] // CHUNK) for t in seg)
-
-
-def _own(seg, numels) -> bool:
-    """Whether fused_scan's blocks select a segment themselves (own_k), without a sample: a segment of at most
+def own_rule(chunks: np.ndarray, tensors: np.ndarray) -> np.ndarray:
+    """Which segments fused_scan's blocks select themselves (own_k), without a sample: those of at most
     OWN_CHUNKS chunks, each of which keeps its own k best (all of its elements where it holds fewer). The
     segment's k best are among them (a chunk leaves out only elements that k of its own beat), so the later
     kernels' exact selection on these at most OWN_CHUNKS x k candidates keeps the same entries, and no bracket can
     miss."""
-    return 0 < _chunks_of(seg, numels) <= OWN_CHUNKS
+    return (chunks > 0) & (chunks <= OWN_CHUNKS)
 
 
-def _own_pool(seg, numels, k: int) -> int:
-    """The candidates of a segment selected by its chunks (:func:`_own`): each chunk's k, or all it holds."""
-    return sum(min(k, CHUNK) * (n // CHUNK) + min(k, n % CHUNK) for n in (numels[t] for t in seg))
+def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray]:
+    """Per tensor: (sample offsets, nt + 1 entries; sampling window). A segment of n elements is sampled in runs
+    of SAMPLE_RUN consecutive elements, one run in every window of ``stride`` elements (whole when n <=
+    SAMPLE_ALL or k is 0 or n); :func:`gpu_codec.cpu_fallback.fused.sample_positions` says where. A segment with
+    nothing to bracket (k is 0 or n, or its chunks select it: :func:`own_rule`) takes no sample."""
+    st = SegmentTable(numels, segments, ks)
+    n, k = st.n, st.k
+    fixed = ((k <= 0) | (k >= n) | st.own)[st.seg_of]
+    windowed = (n > SAMPLE_ALL) & (k > 0) & (k < n)
+    ms = np.minimum(
+        SAMPLE_MAX, np.maximum(SAMPLE_RUN, n // np.where(n < SAMPLE_SMALL, SAMPLE_DENSITY_SMALL, SAMPLE_DENSITY))
+    )
+    stride = np.where(windowed, np.maximum(SAMPLE_RUN, SAMPLE_RUN * (n // ms)), SAMPLE_RUN)[st.seg_of]
+    numel = st.numel
+    counts = np.where(fixed, 0, numel // stride * SAMPLE_RUN + np.minimum(SAMPLE_RUN, numel % stride))
+    return _offsets(counts), stride.astype(np.int64)
 
 
 def design_effect(sample: np.ndarray, rank: int) -> float:
@@ -211,27 +216,32 @@ def bracket(
 
 
 def candidate_plan(host_sample, samp_off, numels, segments, ks):
-    """(lo per segment, k per segment whose chunks fused_scan's blocks select themselves (:func:`_own`; else 0),
-    candidate pool slots) from the sampled keys, on the host."""
+    """(lo per segment, k per segment whose chunks fused_scan's blocks select themselves (:func:`own_rule`; else
+    0), candidate pool slots) from the sampled keys, on the host: every segment at once but those bracketed by
+    their sample."""
+    st = SegmentTable(numels, segments, ks)
     nseg = len(segments)
-    sampled = sum(1 for seg in segments if seg and samp_off[seg[-1] + 1] > samp_off[seg[0]])
+    n, k, own = st.n, st.k, st.own
+    samp_off = np.asarray(samp_off, np.int64)
+    sampled = int(np.count_nonzero((st.tensors > 0) & (samp_off[st.first + st.tensors] > samp_off[st.first])))
     lo = np.zeros(max(nseg, 1), np.uint64)
     own_k = np.zeros(max(nseg, 1), np.uint64)
-    pool = 0
-    for s, (seg, k) in enumerate(zip(segments, ks)):
-        n = sum(numels[t] for t in seg)
-        seg_keys = host_sample[int(samp_off[seg[0]]) : int(samp_off[seg[-1] + 1])] if seg else host_sample[:0]
-        if k <= 0:
-            lo[s] = NO_LO
-        elif k >= n:
-            lo[s], pool = 0, pool + n
-        elif _own(seg, numels):
-            lo[s], own_k[s], pool = 0, k, pool + _own_pool(seg, numels, k)
-        else:
-            m = np.asarray([int(samp_off[t + 1] - samp_off[t]) for t in seg], np.int64)
-            per = np.asarray([numels[t] for t in seg], np.float64) / np.maximum(m, 1)
-            lo[s], cap = bracket(seg_keys, np.repeat(per, m), n, k, n <= SAMPLE_ALL, BRACKET_MISS / max(1, sampled))
-            pool += cap
+    lo[:nseg][k <= 0] = NO_LO
+    full = (k > 0) & (k >= n)
+    own_k[:nseg][own] = k[own]
+    kt, numel = k[st.seg_of], st.numel  # each chunk of a segment its chunks select keeps its k, or all it holds
+    chunk_keeps = np.minimum(kt, CHUNK) * (numel // CHUNK) + np.minimum(kt, numel % CHUNK)
+    pool = int(n[full].sum()) + int(chunk_keeps[own[st.seg_of]].sum())
+    for s in np.flatnonzero((k > 0) & (k < n) & ~own).tolist():
+        seg = segments[s]
+        a, b = int(samp_off[seg[0]]), int(samp_off[seg[-1] + 1])
+        m = np.diff(samp_off[seg[0] : seg[-1] + 2])
+        per = st.numel[seg[0] : seg[-1] + 1].astype(np.float64) / np.maximum(m, 1)
+        ns, ks_ = int(n[s]), int(k[s])
+        lo[s], cap = bracket(
+            host_sample[a:b], np.repeat(per, m), ns, ks_, ns <= SAMPLE_ALL, BRACKET_MISS / max(1, sampled)
+        )
+        pool += cap
     return lo, own_k, pool
 
 

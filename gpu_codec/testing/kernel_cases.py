@@ -704,7 +704,7 @@ def forced(fallback: str = "", wide: bool = False, select: str = "", scan: str =
             raise ValueError(f"scan must be 'fused_scan', got {scan!r}")
         patch("scan_kernel", lambda dtypes, crit, ext_scores: scan)
     if own:
-        patch("_own", lambda seg, numels: len(seg) == 1 and 0 < numels[seg[0]] <= K.CHUNK)
+        patch("own_rule", lambda chunks, tensors: (chunks == 1) & (tensors == 1))
     try:
         yield
     finally:
