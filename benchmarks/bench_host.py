@@ -26,51 +26,14 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-import gpu_codec
 from benchmarks.bench_topk import machine_info
-from benchmarks.bench_zoo import HOST_MS, SYNCS, TIMED, commit_label, host_verdicts, scale_for
-from benchmarks.zoo import ZOO, Update, split_update
-from gpu_codec.backends.cpu import CpuBackend
-from gpu_codec.testing.recording import Measurement, measure
+from benchmarks.bench_zoo import HOST_MS, SYNCS, TIMED, commit_label, host_columns, host_verdicts, scale_for
+from benchmarks.zoo import ZOO, split_update
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 OPS = ("compress", "decompress", "add")
 TENSORS = (1, 10, 100, 1000)
-
-
-def _columns(m: Measurement) -> dict[str, Any]:
-    c = m.counts
-    return {
-        "host_ms": m.ms,
-        "array_ms": sorted(m.array_ms)[len(m.array_ms) // 2],
-        "replay_ms": m.replay_ms,
-        **c.totals(),
-        "kernels": dict(c.kernels),
-        "array_ops_by_op": dict(c.ops),
-        "sync_sites": dict(c.sync_sites),
-        "host_numpy": dict(c.host_numpy),
-    }
-
-
-def host_columns(update: Update, fraction: float = 0.01, scope: str = "global", repeat: int = 5) -> dict[str, Any]:
-    """The recording launcher's figures for one compress, one decompress onto the base and one aggregator ``add``
-    of ``update`` (NumPy arrays, standing for tensors already on the device): op -> columns (``host_ms``,
-    ``launches``, ``syncs``, ...), as benchmarks/bench_zoo.py's ``recording_columns`` reports them."""
-    new, base = update.new, update.base
-    from gpu_codec.backends import using_backend
-
-    with using_backend(CpuBackend()):  # the same bytes as the GPU path's (tests/test_codecs_parity.py)
-        blob = gpu_codec.compress(new, base, fraction=fraction, scope=scope).to_bytes()
-    calls = {
-        "compress": (None, lambda _: gpu_codec.compress(new, base, fraction=fraction, scope=scope), [new, base]),
-        "decompress": (None, lambda _: gpu_codec.decompress(blob, base=base), [base]),
-        "add": (lambda: gpu_codec.Aggregator(base=base), lambda agg: agg.add(blob), [base]),
-    }
-    return {
-        op: _columns(measure(call, setup=setup, resident=resident, repeat=repeat))
-        for op, (setup, call, resident) in calls.items()
-    }
 
 
 def run(tensors: list[int], elements: int, entries: list[str], repeat: int, seed: int = 0) -> dict[str, Any]:

@@ -39,7 +39,9 @@ from benchmarks.bench_topk import interleaved, machine_info
 from benchmarks.traffic import TARGETS, _measured, _record, device_aligned, traced_backend
 from benchmarks.zoo import ZOO, Entry, Update
 from gpu_codec.backends import using_backend
+from gpu_codec.backends.cpu import CpuBackend
 from gpu_codec.cli.bench import numpy_topk, torch_topk
+from gpu_codec.testing.recording import Measurement, measure
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -82,12 +84,42 @@ def host_verdicts(entry: str, tensors: int, ops: dict[str, dict[str, Any]]) -> l
     return out
 
 
+def _columns(m: Measurement) -> dict[str, Any]:
+    c = m.counts
+    return {
+        "host_ms": m.ms,
+        "array_ms": sorted(m.array_ms)[len(m.array_ms) // 2],
+        "replay_ms": m.replay_ms,
+        **c.totals(),
+        "kernels": dict(c.kernels),
+        "array_ops_by_op": dict(c.ops),
+        "sync_sites": dict(c.sync_sites),
+        "host_numpy": dict(c.host_numpy),
+    }
+
+
+def host_columns(update: Update, fraction: float = 0.01, scope: str = "global", repeat: int = 5) -> dict[str, Any]:
+    """The recording launcher's figures for one compress, one decompress onto the base and one aggregator ``add``
+    of ``update`` (NumPy arrays, standing for tensors already on the device): op -> columns (``host_ms``,
+    ``launches``, ``syncs``, ...), as :func:`recording_columns` reports them."""
+    new, base = update.new, update.base
+    with using_backend(CpuBackend()):  # the same bytes as the GPU path's (tests/test_codecs_parity.py)
+        blob = gpu_codec.compress(new, base, fraction=fraction, scope=scope).to_bytes()
+    calls = {
+        "compress": (None, lambda _: gpu_codec.compress(new, base, fraction=fraction, scope=scope), [new, base]),
+        "decompress": (None, lambda _: gpu_codec.decompress(blob, base=base), [base]),
+        "add": (lambda: gpu_codec.Aggregator(base=base), lambda agg: agg.add(blob), [base]),
+    }
+    return {
+        op: _columns(measure(call, setup=setup, resident=resident, repeat=repeat))
+        for op, (setup, call, resident) in calls.items()
+    }
+
+
 def recording_columns(update: Update, fraction: float, scope: str, repeat: int = 5) -> dict[str, Any]:
     """The recording launcher's figures (:mod:`gpu_codec.testing.recording`) for one compress, one decompress onto
     the base and one aggregator ``add`` of ``update``: op -> host ms, launches, array ops, syncs (the GPU path's
-    host side, measured without a GPU; benchmarks/bench_host.py's columns)."""
-    from benchmarks.bench_host import host_columns  # (it takes this module's targets)
-
+    host side, measured without a GPU; :func:`host_columns`, which benchmarks/bench_host.py reports whole)."""
     cols = host_columns(update, fraction, scope, repeat)
     keep = ("host_ms", "array_ms", "launches", "array_ops", "syncs", "h2d")
     return {op: {k: c[k] for k in keep if k in c} for op, c in cols.items()}
@@ -435,8 +467,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _numpy_backend():
-    from gpu_codec.backends.cpu import CpuBackend
-
     return CpuBackend()
 
 
