@@ -872,6 +872,9 @@ def workload(runner_kind: str) -> int:
     f32 = kc.TopkCase("workload_fused_f32", (4097, 5000, 3, 0), ("f32",) * 4, res=True, res_out="new", qmode=1, k=0.1)
     m += kc.topk_fused_stepwise(r, f32)
     m += kc.topk_fused_stepwise(r, f32.with_(name="workload_fused_f32_misaligned", shift=1))
+    h16 = f32.with_(name="workload_fused_h16", dtypes=("bf16", "f16", "bf16", "f16"))  # fused_scan_h16
+    m += kc.topk_fused_stepwise(r, h16)
+    m += kc.topk_fused_stepwise(r, h16.with_(name="workload_fused_h16_misaligned", shift=1))
     m += kc.scatter_stepwise(r, kc.ScatterCase("workload_scatter", (3000, 700), ("f16", "f64"), mode=1))
     m += kc.scatter_stepwise(
         r,

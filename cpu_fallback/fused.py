@@ -142,6 +142,13 @@ def fused_scan_f32(*args):
     fused_scan(*args)
 
 
+def fused_scan_h16(*args):
+    """fused_scan's specialisation for fp16 and bf16 tensors scored by the magnitude of their delta: the kernel reads
+    wider (64-bit loads of the inputs, 128-bit of the fp32 residual, where aligned), its outputs are fused_scan's,
+    so its twin is fused_scan's."""
+    fused_scan(*args)
+
+
 def _cands(cand_base, cand_cnt, c):
     return int(cand_base[c]), int(cand_cnt[c])
 

@@ -743,29 +743,54 @@ extern "C" __global__ void fused_scan(
 static_assert(ITEMS % SCAN_VEC_F32 == 0, "a chunk is a whole number of fused_scan_f32 rounds");
 static_assert(CHUNK % SCAN_VEC_F32 == 0 && CHUNK <= 65536, "chunks start 16-byte aligned; u16 local indices");
 
-extern "C" __global__ void fused_scan_f32(
-    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
-    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
-    int crit, const u64* early_ptrs, const u64* lo, const u64* own_k, u64 pool_cap, u64* cand_base, u32* cand_cnt,
-    u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status)
+// Element i of a 16-bit tensor (fp16 or bf16, as dt says) widened to fp32, exactly.
+__device__ __forceinline__ float h16_to_f32(u16 h, int dt) {
+    return dt == DT_BF16 ? bf16_bits_to_float(h) : f16_bits_to_float(h);
+}
+
+// Elements i..i + 3 of a tensor widened to fp32: one 128-bit read-only load (fp32) or one 64-bit one (H16: fp16 or
+// bf16, dt says which; element i is the low half of the first word).
+template <bool H16>
+__device__ __forceinline__ float4 load4(const void* p, u32 i, int dt) {
+    if (!H16) return __ldg((const float4*)((const float*)p + i));
+    const uint2 w = __ldg((const uint2*)((const u16*)p + i));
+    float4 a;
+    a.x = h16_to_f32((u16)(w.x & 0xFFFFu), dt);
+    a.y = h16_to_f32((u16)(w.x >> 16), dt);
+    a.z = h16_to_f32((u16)(w.y & 0xFFFFu), dt);
+    a.w = h16_to_f32((u16)(w.y >> 16), dt);
+    return a;
+}
+
+template <bool H16>
+__device__ __forceinline__ float load1(const void* p, u32 i, int dt) {
+    if (!H16) return __ldg((const float*)p + i);
+    return h16_to_f32(__ldg((const u16*)p + i), dt);
+}
+
+// The body of fused_scan_f32 (H16 false: every tensor fp32) and fused_scan_h16 (H16 true: every tensor fp16 or
+// bf16, its residual fp32): the inputs read four elements a thread with one wide load each where the tensor's
+// addresses allow it (new and base 16-byte aligned for fp32, 8-byte for 16-bit; residual and early residual, fp32,
+// 16-byte), scalar loads otherwise; the same outputs as fused_scan.
+template <bool H16>
+__device__ __forceinline__ void scan_vec(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of, const u64* new_ptrs,
+    const u64* base_ptrs, const u64* res_ptrs, const u64* early_ptrs, const u64* lo, const u64* own_k, u64 pool_cap,
+    u64* cand_base, u32* cand_cnt, u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status, u32 (&wsel)[2][WARPS],
+    u16* st_idx, u32* st_key, u64& sh_at, u32& sh_eq, u32* own_hist, u32* own)
 {
-    __shared__ u32 wsel[2][WARPS];
-    __shared__ u16 st_idx[CHUNK];
-    __shared__ u32 st_key[CHUNK];
-    __shared__ u64 sh_at;
-    __shared__ u32 sh_eq;
-    __shared__ u32 own_hist[256], own[2];
     const i64 c = blockIdx.x;
     const int t = tensor_of_chunk(chunk_start, nt, c);
     const int s = seg_of[t];
     const u64 L = lo[s];
+    const int dt = H16 ? dtypes[t] : DT_F32;
     const i64 e0 = (c - chunk_start[t]) * (i64)CHUNK;
     const i64 left = numel[t] - e0;
     const u32 m = left < CHUNK ? (u32)left : (u32)CHUNK;  // elements in this chunk
     const u64 pn = new_ptrs[t], pb = base_ptrs[t], pr = res_ptrs[t], pe = early_ptrs[t];
-    const bool vec = ((pn | pb | pr | pe) & 15u) == 0;  // uniform across the block
-    const float* nw = (const float*)pn + e0;
-    const float* bs = pb ? (const float*)pb + e0 : nullptr;
+    const bool vec = (((pn | pb) & (H16 ? 7u : 15u)) | ((pr | pe) & 15u)) == 0;  // uniform across the block
+    const void* nw = H16 ? (const void*)((const u16*)pn + e0) : (const void*)((const float*)pn + e0);
+    const void* bs = pb ? (H16 ? (const void*)((const u16*)pb + e0) : (const void*)((const float*)pb + e0)) : nullptr;
     const float* rs = pr ? (const float*)pr + e0 : nullptr;
     float* ep = pe ? (float*)pe + e0 : nullptr;
     u32 pos = 0, eqs = 0;
@@ -776,9 +801,9 @@ extern "C" __global__ void fused_scan_f32(
         const u32 ib = r0 + threadIdx.x * SCAN_VEC_F32;
         float d[SCAN_VEC_F32];
         if (vec && ib + SCAN_VEC_F32 <= m) {
-            float4 a = __ldg((const float4*)(nw + ib));
+            float4 a = load4<H16>(nw, ib, dt);
             if (bs) {
-                const float4 b = __ldg((const float4*)(bs + ib));
+                const float4 b = load4<H16>(bs, ib, dt);
                 a.x = a.x - b.x;
                 a.y = a.y - b.y;
                 a.z = a.z - b.z;
@@ -801,7 +826,7 @@ extern "C" __global__ void fused_scan_f32(
             for (int v = 0; v < SCAN_VEC_F32; ++v) {
                 d[v] = 0.0f;
                 if (ib + v < m) {
-                    d[v] = __ldg(nw + ib + v) - (bs ? __ldg(bs + ib + v) : 0.0f);
+                    d[v] = load1<H16>(nw, ib + v, dt) - (bs ? load1<H16>(bs, ib + v, dt) : 0.0f);
                     if (rs) d[v] = d[v] + __ldg(rs + ib + v);
                     if (ep) ep[ib + v] = d[v];
                 }
@@ -822,6 +847,43 @@ extern "C" __global__ void fused_scan_f32(
     }
     place_chunk(c, t, s, bad_any, pos, eqs, own_k, pool_cap, cand_base, cand_cnt, cand_idx, cand_key, eq_cnt,
                 status, wsel, st_idx, st_key, sh_at, sh_eq, own_hist, own);
+}
+
+extern "C" __global__ void fused_scan_f32(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, const u64* early_ptrs, const u64* lo, const u64* own_k, u64 pool_cap, u64* cand_base, u32* cand_cnt,
+    u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status)
+{
+    __shared__ u32 wsel[2][WARPS];
+    __shared__ u16 st_idx[CHUNK];
+    __shared__ u32 st_key[CHUNK];
+    __shared__ u64 sh_at;
+    __shared__ u32 sh_eq;
+    __shared__ u32 own_hist[256], own[2];
+    scan_vec<false>(nt, chunk_start, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, early_ptrs, lo, own_k,
+                    pool_cap, cand_base, cand_cnt, cand_idx, cand_key, eq_cnt, status, wsel, st_idx, st_key, sh_at,
+                    sh_eq, own_hist, own);
+}
+
+// fused_scan_h16: fused_scan_f32 where every tensor is fp16 or bf16 (a bf16 model's update, say; the residual fp32),
+// four elements a thread read with one 64-bit load each of new and base and one 128-bit load of the residual where
+// aligned; the same arguments and outputs as fused_scan. Its speed on a GPU is unmeasured.
+extern "C" __global__ void fused_scan_h16(
+    int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of,
+    const u64* new_ptrs, const u64* base_ptrs, const u64* res_ptrs, const u64* score_ptrs, const int* score_dtypes,
+    int crit, const u64* early_ptrs, const u64* lo, const u64* own_k, u64 pool_cap, u64* cand_base, u32* cand_cnt,
+    u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status)
+{
+    __shared__ u32 wsel[2][WARPS];
+    __shared__ u16 st_idx[CHUNK];
+    __shared__ u32 st_key[CHUNK];
+    __shared__ u64 sh_at;
+    __shared__ u32 sh_eq;
+    __shared__ u32 own_hist[256], own[2];
+    scan_vec<true>(nt, chunk_start, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, early_ptrs, lo, own_k,
+                   pool_cap, cand_base, cand_cnt, cand_idx, cand_key, eq_cnt, status, wsel, st_idx, st_key, sh_at,
+                   sh_eq, own_hist, own);
 }
 
 // Exact radix select on the candidates, one block (SCAN_THREADS threads, a chunk each in turn) per segment s over chunks

@@ -290,6 +290,8 @@ def test_every_kernel_is_exercised():
     kc.topk_fused_stepwise(r, tied, own="one")
     kc.topk_fused_stepwise(r, tied, wide=True, own="one")
     kc.topk_fused_stepwise(r, next(c for c in TOPK if c.name == "f32_residual_q1"))  # fused_scan_f32
+    h16 = kc.TopkCase("h16", (5000, 300), ("bf16", "f16"), k=0.05, res=True, res_out="new")
+    kc.topk_fused_stepwise(r, h16)  # fused_scan_h16
     kc.scatter_stepwise(r, SCATTER[0])
     kc.scatter_stepwise(r, SCATTER[1])
     kc.quant_stepwise(r, QUANT[0])

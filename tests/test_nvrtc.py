@@ -147,6 +147,19 @@ def test_fused_scan_f32_reads_and_writes_128_bits_a_thread(arch):
     assert not ops["fused_scan"], ops
 
 
+@pytest.mark.parametrize("arch", ARCHS)
+def test_fused_scan_h16_reads_new_and_base_64_bits_a_thread(arch):
+    """fused_scan_h16 reads new and base (fp16/bf16) with one 64-bit load each and the fp32 residual with one 128-bit
+    load, and writes the early residual with one 128-bit store."""
+    import re
+    from collections import Counter
+
+    per = kr._per_entry(kr._ptx(kernel_source("topk.cu"), "topk.cu", arch))
+    vec = r"^(?:@!?%\w+\s+)?((?:ld|st)\.[a-z.]*v[24]\.[a-z0-9]+)"
+    ops = Counter(m for line in per["fused_scan_h16"] for m in re.findall(vec, line))
+    assert ops == {"ld.global.nc.v2.u32": 2, "ld.global.nc.v4.f32": 1, "st.v4.f32": 1}, ops
+
+
 SPILLER = """
 extern "C" __global__ void spiller(const int* idx, float* out) {
     float a[256];

@@ -27,6 +27,8 @@ from ..constants import (
     CHUNK_SCAN_THREADS,
     CRIT_LARGEST_CHANGE,
     CRIT_MAGNITUDE,
+    DT_BF16,
+    DT_F16,
     DT_F32,
     DT_F64,
     NO_SEG_THRESHOLD,
@@ -67,7 +69,7 @@ NO_LO = 1 << 32  # lo of a segment with k = 0: above every key
 # histogram rounds cost a fixed 16 KiB of traffic per segment, at most a 64th of the inputs' bytes then
 SELECT_BLOCK_CHUNKS = 64
 # the criteria whose fp32 score is the magnitude of the delta (kernels/topk.cu, criterion_f32's default case),
-# the ones fused_scan_f32 scores by
+# the ones fused_scan_f32 and fused_scan_h16 score by
 MAGNITUDE_CRITERIA = (CRIT_MAGNITUDE, CRIT_LARGEST_CHANGE)
 
 __all__ = ["CHUNK", "FUSED_ENV", "KernelBackendBase", "KernelOps", "TensorTables", "initial_state", "scatter_args"]
@@ -253,16 +255,25 @@ def hist_select(widest: int, chunks: int, nseg: int) -> bool:
 
 
 def scan_kernel(dtypes, crit: int, ext_scores) -> str:
-    """The fused selection's one pass over the inputs: ``fused_scan_f32`` (four consecutive elements a thread, read
-    with 128-bit loads where a tensor's addresses are 16-byte aligned) where every tensor is fp32 and scored by the
-    magnitude of its delta with no score of the caller's, else ``fused_scan`` (any dtype, criterion and score).
-    Both write the same outputs.
+    """The fused selection's one pass over the inputs: where every tensor is scored by the magnitude of its delta
+    with no score of the caller's, ``fused_scan_f32`` (every tensor fp32) or ``fused_scan_h16`` (every tensor fp16
+    or bf16): four consecutive elements a thread, read with one wide load each where a tensor's addresses allow it;
+    else ``fused_scan`` (any dtype, criterion and score). All write the same outputs.
 
     >>> scan_kernel([DT_F32, DT_F32], CRIT_MAGNITUDE, [None, None]), scan_kernel([DT_F64], CRIT_MAGNITUDE, [None])
     ('fused_scan_f32', 'fused_scan')
+    >>> none = [None, None]
+    >>> scan_kernel([DT_BF16, DT_F16], CRIT_MAGNITUDE, none), scan_kernel([DT_BF16, DT_F32], CRIT_MAGNITUDE, none)
+    ('fused_scan_h16', 'fused_scan')
     """
-    f32 = all(int(d) == DT_F32 for d in dtypes) and all(e is None for e in ext_scores)
-    return "fused_scan_f32" if f32 and int(crit) in MAGNITUDE_CRITERIA else "fused_scan"
+    if int(crit) not in MAGNITUDE_CRITERIA or any(e is not None for e in ext_scores):
+        return "fused_scan"
+    codes = {int(d) for d in dtypes}
+    if codes <= {DT_F32}:
+        return "fused_scan_f32"
+    if codes <= {DT_F16, DT_BF16}:
+        return "fused_scan_h16"
+    return "fused_scan"
 
 
 def wide_indices(numels: list[int]) -> bool:

@@ -68,8 +68,14 @@ struct alignas(16) float4 {
 };
 static_assert(sizeof(float4) == 16 && alignof(float4) == 16, "float4 is CUDA's 16-byte vector");
 // The read-only data path's load: an ordinary load here.
+struct alignas(8) uint2 {
+    unsigned int x, y;
+};
+static_assert(sizeof(uint2) == 8 && alignof(uint2) == 8, "uint2 is CUDA's 8-byte vector");
 static __forceinline__ float4 __ldg(const float4* p) { return *p; }
+static __forceinline__ uint2 __ldg(const uint2* p) { return *p; }
 static __forceinline__ float __ldg(const float* p) { return *p; }
+static __forceinline__ unsigned short __ldg(const unsigned short* p) { return *p; }
 
 namespace emu {
 struct Thread {
