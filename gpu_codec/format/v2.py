@@ -389,25 +389,31 @@ def _plain_buffers(rec: TensorRecord, enc: str) -> tuple[list[Any], int] | None:
             if type(d) is not int or not 0 <= d <= MAX_TENSOR_ELEMENTS:
                 return None
             numel *= d
+        values = bufs["values"]
         vd = _TENSOR_DTYPE.get(dtype, "float32")
         if enc == "coo":
-            layout = (("indices", "uint32" if numel <= _INDEX_BOUND else "uint64", nnz), ("values", vd, nnz))
+            indices = bufs["indices"]
+            idx = "uint32" if numel <= _INDEX_BOUND else "uint64"
+            if indices.size != nnz or not _dtype_is(indices, idx, "indices", rec.buffer_dtypes):
+                return None
+            out, size = [indices, values], nnz * BUFFER_DTYPES[idx].itemsize
         elif nnz == numel:
-            layout = (("values", vd, numel),)
+            out, size = [values], 0
         else:
             return None
-        stored, out, size = rec.buffer_dtypes, [], 0
-        for role, dt, count in layout:
-            a = bufs[role]
-            item = BUFFER_DTYPES[dt].itemsize
-            got = stored[role] if role in stored else dtype_name(a.dtype)
-            if got != dt or int(a.size) != count or a.dtype.itemsize != item:
-                return None
-            out.append(a)
-            size += count * item
-        return out, size
+        if values.size != nnz or not _dtype_is(values, vd, "values", rec.buffer_dtypes):
+            return None
+        return out, size + nnz * BUFFER_DTYPES[vd].itemsize
     except Exception:  # whatever the checks raise, plan's own run of them raises too
         return None
+
+
+def _dtype_is(a: Any, dt: str, role: str, stored: dict[str, str]) -> bool:
+    """Whether :func:`_check_buffers` takes ``a``'s dtype for ``dt``."""
+    if not stored and a.dtype is BUFFER_DTYPES[dt]:  # (NumPy's own dtypes are single objects)
+        return True
+    name = stored[role] if role in stored else dtype_name(a.dtype)
+    return name == dt and a.dtype.itemsize == BUFFER_DTYPES[dt].itemsize
 
 
 class _Plan:
@@ -504,7 +510,7 @@ def plan(
     forms, fields, parts = [], [], []
     all_zstd = bool(tensors) and all(r.encoding == "zstd" for r in tensors)
     plain = {enc: layouts.get(enc) is rule for enc, rule in BASE_LAYOUTS.items()}
-    plain_bytes, generic = 0, []
+    plain_bytes, generic, zbytes = 0, [], []
     for rec in tensors:
         enc = rec.encoding
         if type(enc) is str and plain.get(enc):
@@ -514,6 +520,7 @@ def plan(
                 plain_bytes += laid[1]
                 forms.append(_PLAIN_FORMS[enc])
                 fields.append(b"")
+                zbytes.append(None)
                 continue
         if not isinstance(rec.shape, tuple) or len(rec.shape) > MAX_NDIM:
             raise Unrepresentable(f"tensor {rec.name!r}: shape")
@@ -547,7 +554,8 @@ def plan(
             generic.extend(comp)
         forms.append(form)
         fields.append(f)
-    mode, zbytes = DATA_RECORDS, [r.codec.get("zbytes") for r in tensors]
+        zbytes.append(rec.codec.get("zbytes"))
+    mode = DATA_RECORDS
     if all_zstd:
         mode, parts, zbytes = _wrapped_data(tensors, zstd_level(pipeline), cache, data_mode)
         plain_bytes, generic = 0, parts
@@ -617,7 +625,7 @@ def _entries_of(names: tuple) -> tuple[bytes, ...]:
             first.append(i - x)
             second.append(i - y)
     width = max(map(len, encoded), default=0)
-    if encoded and len(encoded) * width <= _NAME_CELLS:
+    if len(encoded) >= _VECTOR_NAMES and len(encoded) * width <= _NAME_CELLS:
         return _entries_vector(encoded, first, second, width)
     return _entries_scalar(encoded, first, second)
 
@@ -684,6 +692,7 @@ def _entries_scalar(encoded: list[bytes], first: list[int], second: list[int]) -
 
 
 _NAME_CELLS = 1 << 21  # the most bytes of names, padded to one width, compared at once (beyond: name by name)
+_VECTOR_NAMES = 96  # the fewest names compared at once (below, NumPy's cost per call outweighs its gain)
 
 
 def _entries_vector(encoded: list[bytes], first: list[int], second: list[int], width: int) -> tuple[bytes, ...]:
@@ -771,7 +780,11 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
             wrapped = form[0] in WRAPPERS
             has = counted[form] = ((form[1] if wrapped else form[0]) in ("coo", "sparse"), wrapped)
         if has[0]:
-            t += uvarint(rec.nnz)
+            nnz = rec.nnz
+            if type(nnz) is int and 0 <= nnz < 0x80:
+                t.append(nnz)
+            else:
+                t += uvarint(nnz)
         if f:
             t += f
         if has[1] and mode == DATA_RECORDS:
@@ -789,31 +802,31 @@ def _gather(parts: list[Any], total: int) -> bytes:
         if not views:
             return b""
         return cupy.asnumpy(cupy.concatenate(views)).tobytes()  # the one device-to-host copy of a compress
-    return b"".join(_host_bytes(parts))
-
-
-def _host_bytes(parts: list[Any]) -> list[Any]:
-    """Host parts as objects whose buffers hold their bytes in order (bytes, or C-contiguous arrays)."""
-    out = []
+    out = bytearray(total)
+    off = 0
     for a in parts:
-        if not isinstance(a, bytes) and not (
-            type(a) is np.ndarray and a.flags.c_contiguous and a.dtype.isbuiltin == 1  # (exports its buffer)
-        ):
-            a = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-        out.append(a)
-    return out
+        b = a if isinstance(a, bytes) else np.ascontiguousarray(a).reshape(-1).view(np.uint8).tobytes()
+        out[off : off + len(b)] = b
+        off += len(b)
+    return bytes(out)
 
 
 def write(p: _Plan) -> bytes:
-    if any(type(a).__module__.startswith("cupy") for a in p.parts):
-        body = p.head + _gather(p.parts, p.data_len)
-        return body + _CRC.pack(zlib.crc32(body) & 0xFFFFFFFF)
-    parts = [p.head, *_host_bytes(p.parts)]
-    crc = 0
-    for a in parts:  # the checksum part by part, so the payload is put together by one copy
-        crc = zlib.crc32(a, crc)
-    parts.append(_CRC.pack(crc & 0xFFFFFFFF))
-    return b"".join(parts)
+    parts = [p.head]
+    for a in p.parts:
+        if type(a) is np.ndarray or isinstance(a, bytes):
+            parts.append(a)
+        elif type(a).__module__.startswith("cupy"):
+            body = p.head + _gather(p.parts, p.data_len)
+            break
+        else:
+            parts.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    else:
+        try:
+            body = b"".join(parts)  # each array's memory as it lies, as _gather copies it
+        except (BufferError, TypeError, ValueError):  # an array that is not contiguous, or a dtype without a buffer
+            body = p.head + _gather(p.parts, p.data_len)
+    return body + _CRC.pack(zlib.crc32(body) & 0xFFFFFFFF)
 
 
 def pack(
@@ -1139,7 +1152,7 @@ def _check_not_truncated(mv: memoryview, version: int, flags: int, layouts) -> N
 
 
 def unpack(
-    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None
+    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None, *, describe: bool = True
 ) -> tuple[dict, list[TensorRecord]]:
     """Validate a v2 or v3 payload completely; return (header, records). See :func:`gpu_codec.format.unpack`."""
     layouts = BASE_LAYOUTS if layouts is None else layouts
@@ -1202,13 +1215,14 @@ def unpack(
         "data": DATA_MODES[mode],
         "header_nbytes": header_end,
         "data_length": data_len,
-        "tensors": [
+    }
+    if describe:
+        header["tensors"] = [
             {"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "encoding": r.encoding, "nnz": r.nnz}
             | ({"codec": r.codec} if r.codec else {})
             | ({"chunk": r.chunk} if r.chunk is not None else {})
             for r in records
-        ],
-    }
+        ]
     if fingerprint is not None:
         header["base_fingerprint"] = fingerprint
     return header, records
