@@ -125,7 +125,8 @@ class _Reader:
         self.buf, self.pos, self.end, self.what = buf, pos, end, what
 
     def _need(self, n: int, field: str) -> None:
-        req(self.pos + n <= self.end, PayloadHeaderError, f"{self.what} ends inside {field}")
+        if self.pos + n > self.end:
+            raise PayloadHeaderError(f"{self.what} ends inside {field}")
 
     def u8(self, field: str) -> int:
         pos = self.pos
@@ -146,7 +147,8 @@ class _Reader:
         if pos < self.end and self.buf[pos] < 0x80:  # one byte: most fields of a table (a call per byte costs)
             n = self.buf[pos]
             self.pos = pos + 1
-            req(n <= hi, exc, f"{self.what}: {field} {n} exceeds its limit {hi}")
+            if n > hi:
+                raise exc(f"{self.what}: {field} {n} exceeds its limit {hi}")
             return n
         n, shift, start = 0, 0, self.pos
         while True:
@@ -155,18 +157,18 @@ class _Reader:
             shift += 7
             if not b & 0x80:
                 break
-            req(shift < 70, PayloadHeaderError, f"{self.what}: varint {field} runs past 10 bytes")
-        req(
-            n < 1 << 64 and not (b == 0 and self.pos - start > 1),
-            PayloadHeaderError,
-            f"{self.what}: varint {field} is not canonical or exceeds 64 bits",
-        )
-        req(n <= hi, exc, f"{self.what}: {field} {n} exceeds its limit {hi}")
+            if shift >= 70:
+                raise PayloadHeaderError(f"{self.what}: varint {field} runs past 10 bytes")
+        if n >= 1 << 64 or (b == 0 and self.pos - start > 1):
+            raise PayloadHeaderError(f"{self.what}: varint {field} is not canonical or exceeds 64 bits")
+        if n > hi:
+            raise exc(f"{self.what}: {field} {n} exceeds its limit {hi}")
         return n
 
     def code(self, field: str, table: tuple) -> str:
         c = self.u8(field)
-        req(c < len(table), PayloadHeaderError, f"{self.what}: unknown {field} code {c}")
+        if c >= len(table):
+            raise PayloadHeaderError(f"{self.what}: unknown {field} code {c}")
         return table[c]
 
 
@@ -231,7 +233,8 @@ def _read_form(r: _Reader, tables: WireTables) -> tuple:
     base = enc
     if enc in WRAPPERS:
         inner = r.code("inner encoding", ENCODING_CODES)
-        req(inner in INNER_ENCODINGS, PayloadHeaderError, f"{r.what}: a {enc} record cannot wrap {inner!r}")
+        if inner not in INNER_ENCODINGS:
+            raise PayloadHeaderError(f"{r.what}: a {enc} record cannot wrap {inner!r}")
         base = inner
     if base in ("sparse", "dense_q"):
         v, vparams = read_form(r, tables.value_codes, tables.value_forms, "value")
@@ -884,7 +887,8 @@ def _read_name(t: _Reader, earlier: list[bytes]) -> bytes:
         p = t.varint("name prefix length", len(ref))
         q = t.varint("name suffix length", len(ref) - p)
     m = t.varint("name middle length", MAX_NAME_BYTES - p - q)
-    req(p + q + m > 0, PayloadHeaderError, f"{t.what}: a tensor name is empty")
+    if p + q + m <= 0:
+        raise PayloadHeaderError(f"{t.what}: a tensor name is empty")
     return ref[:p] + t.take(m, "a tensor name") + ref[len(ref) - q :]
 
 
@@ -1003,12 +1007,15 @@ def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode:
         name = nb.decode("utf-8")
     except UnicodeDecodeError:
         raise PayloadHeaderError(f"{t.what}: tensor name {nb[:64]!r} is not UTF-8") from None
-    req(len(name) <= MAX_NAME, PayloadHeaderError, f"{t.what}: tensor name of {len(name)} characters (max {MAX_NAME})")
+    if len(name) > MAX_NAME:
+        raise PayloadHeaderError(f"{t.what}: tensor name of {len(name)} characters (max {MAX_NAME})")
     where = f"tensor {name!r}"
     kind = t.u8("tensor kind")
-    req(not kind & 0x80, PayloadHeaderError, f"{where}: reserved bit 7 of the kind byte is set")
+    if kind & 0x80:
+        raise PayloadHeaderError(f"{where}: reserved bit 7 of the kind byte is set")
     dtype, ndim = DTYPE_CODES[kind & 3], (kind >> 2) & 15
-    req(ndim <= MAX_NDIM, PayloadLimitError, f"{where}: {ndim} dimensions (at most {MAX_NDIM})")
+    if ndim > MAX_NDIM:
+        raise PayloadLimitError(f"{where}: {ndim} dimensions (at most {MAX_NDIM})")
     form = _read_form(t, layouts) if kind & 0x40 else default
     shape = tuple(t.varint("a dimension", MAX_TENSOR_ELEMENTS, PayloadLimitError) for _ in range(ndim))
     numel = check_shape(shape, where)
@@ -1028,24 +1035,24 @@ def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode:
         chunk = None
         if enc == "nvcomp" and version == CHUNKED and mode == DATA_RECORDS:
             log2 = t.u8("nvcomp chunk size")
-            req(
-                MIN_CHUNK_LOG2 <= log2 <= MAX_CHUNK_LOG2,
-                PayloadHeaderError,
-                f"{where}: nvcomp chunk size 2^{log2} is not from 2^{MIN_CHUNK_LOG2} to 2^{MAX_CHUNK_LOG2}",
-            )
+            if not (MIN_CHUNK_LOG2 <= log2 <= MAX_CHUNK_LOG2):
+                raise PayloadHeaderError(
+                    f"{where}: nvcomp chunk size 2^{log2} is not from 2^{MIN_CHUNK_LOG2} to 2^{MAX_CHUNK_LOG2}"
+                )
             chunk = 1 << log2
         if mode == DATA_RECORDS:
             bound = compress_bound(raw) if chunk is None else frames_bound(raw, chunk)
             wc["zbytes"] = t.varint("compressed size", bound, PayloadLayoutError)
         else:
-            req(enc == "zstd", PayloadLayoutError, f"{where}: a shared frame holds only zstd records, not {enc!r}")
+            if enc != "zstd":
+                raise PayloadLayoutError(f"{where}: a shared frame holds only zstd records, not {enc!r}")
         if codec:
             wc["ic"] = codec
         rec = TensorRecord(name, dtype, shape, enc, nnz, {}, wc, chunk=chunk)
         if mode != DATA_RECORDS:
             return rec, nb, [("", "uint8", raw)]
-    else:
-        req(mode == DATA_RECORDS, PayloadLayoutError, f"{where}: a shared frame holds only zstd records")
+    elif mode != DATA_RECORDS:
+        raise PayloadLayoutError(f"{where}: a shared frame holds only zstd records")
     return rec, nb, _rule(rec, layouts, where)
 
 
@@ -1063,7 +1070,8 @@ def _read_part(t: _Reader, spec: FormSpec, params: tuple, nnz: int, numel: int, 
 
 def _rule(rec: TensorRecord, layouts, where: str) -> list[tuple[str, str, int]]:
     rule = layouts.get(rec.encoding)
-    req(rule is not None, PayloadHeaderError, f"{where}: encoding {rec.encoding!r} is not known to this reader")
+    if rule is None:
+        raise PayloadHeaderError(f"{where}: encoding {rec.encoding!r} is not known to this reader")
     try:
         layout = rule(rec)
     except PayloadError:
@@ -1093,7 +1101,8 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
     if flags & FLAG_METADATA:
         mlen = t.varint("metadata length", t.end - t.pos)
         metadata = loads_json(t.take(mlen, "metadata"), "metadata")
-        req(isinstance(metadata, dict), PayloadHeaderError, "metadata must be a JSON object")
+        if not isinstance(metadata, dict):
+            raise PayloadHeaderError("metadata must be a JSON object")
     fingerprint = None
     if flags & FLAG_FINGERPRINT:
         fingerprint = t.take(FINGERPRINT_BYTES, "the base fingerprint").hex()
@@ -1109,11 +1118,13 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
                 break
         rec, nb, lay = _read_tensor(t, earlier, default, tables, mode, version)
         earlier.append(nb)
-        req(rec.name not in names, PayloadHeaderError, f"tensor {rec.name!r} appears twice")
+        if rec.name in names:
+            raise PayloadHeaderError(f"tensor {rec.name!r} appears twice")
         names.add(rec.name)
         records.append(rec)
         layouts_of.append(lay)
-    req(t.pos == t.end, PayloadHeaderError, f"tensor table has {t.end - t.pos} bytes after its last tensor")
+    if t.pos != t.end:
+        raise PayloadHeaderError(f"tensor table has {t.end - t.pos} bytes after its last tensor")
     return r.pos, pipeline, metadata, fingerprint, records, layouts_of
 
 
