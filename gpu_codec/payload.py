@@ -191,7 +191,7 @@ class Payload:
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Payload:
         """Parse and validate a payload of either format version (hostile input is rejected with a
         PayloadError)."""
-        header, records = unpack(blob, wire_layouts())
+        header, records = unpack(blob, wire_layouts(), describe=False)
         p = cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
         p.version = int(header["version"])
         p.base_fingerprint = header.get("base_fingerprint")

@@ -99,7 +99,8 @@ def _plan(tensors, pipeline, metadata, layouts, version, cache, fingerprint=None
         return None
     if version == 2:
         tensors = _single_frame_records(tensors, pipeline, shared=False)
-    chosen = version or (v2.CHUNKED if any(v2.multi_frame(r) for r in tensors) else v2.VERSION)
+    chunked = [r for r in tensors if r.chunk is not None]  # (multi_frame needs one)
+    chosen = version or (v2.CHUNKED if any(v2.multi_frame(r) for r in chunked) else v2.VERSION)
     try:
         return v2.plan(tensors, pipeline, metadata, layouts, cache, version=chosen, fingerprint=fingerprint)
     except v2.Unrepresentable as e:
@@ -187,7 +188,7 @@ def payload_version(blob: bytes | bytearray | memoryview) -> int:
 
 
 def unpack(
-    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None
+    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None, *, describe: bool = True
 ) -> tuple[dict, list[TensorRecord]]:
     """Validate a payload (version 1, 2 or 3) completely and return (header, records).
 
@@ -195,12 +196,13 @@ def unpack(
     tensors at once holds its share of that frame in ``frame`` instead, decompressed when it is decoded.
     ``layouts`` maps each encoding the reader accepts to its layout rule; the default is the container's own
     ``coo`` and ``dense``. :meth:`gpu_codec.Payload.from_bytes` passes every encoding the codecs declare.
-    ``header`` holds ``version``, ``pipeline``, ``metadata`` and a ``tensors`` list. Raises a
+    ``header`` holds ``version``, ``pipeline``, ``metadata`` and a ``tensors`` list (what the records say of
+    each tensor; a v2 or v3 header leaves it out with ``describe=False``). Raises a
     :class:`~gpu_codec.errors.PayloadError` subclass naming the tensor and the problem.
     """
     if payload_version(blob) == 1:
         return v1.unpack(blob, layouts)
-    return v2.unpack(blob, layouts)
+    return v2.unpack(blob, layouts, describe=describe)
 
 
 __all__ = [

@@ -205,19 +205,18 @@ def dumps_json(obj: Any) -> bytes:
 def check_shape(shape: Any, where: str) -> int:
     """Validate a shape (at most 8 non-negative integers, the element count and every dimension within
     :data:`MAX_TENSOR_ELEMENTS`, a zero dimension included) and return its element count."""
-    req(
-        isinstance(shape, (list, tuple)) and len(shape) <= MAX_NDIM and all(is_int(s) and s >= 0 for s in shape),
-        PayloadLimitError,
-        f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {shape!r}",
-    )
+    if not (isinstance(shape, (list, tuple)) and len(shape) <= MAX_NDIM and all(is_int(s) and s >= 0 for s in shape)):
+        raise PayloadLimitError(
+            f"{where}: shape must be a list of at most {MAX_NDIM} non-negative integers, got {shape!r}"
+        )
     bound = 1  # the product of the non-zero dimensions, checked on every prefix: a zero cannot hide a huge one
     for s in shape:
         bound *= max(s, 1)
-        req(
-            bound <= MAX_TENSOR_ELEMENTS,
-            PayloadLimitError,
-            f"{where}: shape {list(shape)} exceeds the limit of {MAX_TENSOR_ELEMENTS} elements (zero dimensions aside)",
-        )
+        if bound > MAX_TENSOR_ELEMENTS:  # (each message built only where it is raised: this runs per tensor)
+            raise PayloadLimitError(
+                f"{where}: shape {list(shape)} exceeds the limit of {MAX_TENSOR_ELEMENTS} elements "
+                "(zero dimensions aside)"
+            )
     return math.prod(shape)
 
 

@@ -27,6 +27,7 @@ declarations come with the layout rules (:func:`gpu_codec.codecs.wire_layouts`):
 
 from __future__ import annotations
 
+import functools
 import re
 import struct
 import zlib
@@ -37,6 +38,7 @@ from typing import Any
 import numpy as np
 import zstandard
 
+from ..dtypes import dtype_name
 from ..errors import (
     InvalidInputError,
     PayloadChecksumError,
@@ -100,6 +102,9 @@ SHARED_FRAME_MAX = 1 << 20  # the largest raw size the writer puts in one shared
 DTYPE_CODES = ("float32", "float16", "bfloat16", "float64")
 ENCODING_CODES = ("coo", "dense", "sparse", "dense_q", "zstd", "nvcomp")
 INNER_ENCODINGS = ENCODING_CODES[:4]
+_DTYPE_CODE = {name: code for code, name in enumerate(DTYPE_CODES)}
+_TENSOR_DTYPE = {"float64": "float64"}  # the dtype of a coo/dense record's values (float32 for every other dtype)
+_INDEX_BOUND = 1 << 32  # the largest element count whose indices are uint32 (gpu_codec.constants.index_dtype)
 WRAPPERS = ("zstd", "nvcomp")
 STAGE_JSON = 0  # a pipeline stage stored as JSON (every code above it is a codec's own: gpu_codec.codecs)
 
@@ -120,7 +125,8 @@ class _Reader:
         self.buf, self.pos, self.end, self.what = buf, pos, end, what
 
     def _need(self, n: int, field: str) -> None:
-        req(self.pos + n <= self.end, PayloadHeaderError, f"{self.what} ends inside {field}")
+        if self.pos + n > self.end:
+            raise PayloadHeaderError(f"{self.what} ends inside {field}")
 
     def u8(self, field: str) -> int:
         pos = self.pos
@@ -141,7 +147,8 @@ class _Reader:
         if pos < self.end and self.buf[pos] < 0x80:  # one byte: most fields of a table (a call per byte costs)
             n = self.buf[pos]
             self.pos = pos + 1
-            req(n <= hi, exc, f"{self.what}: {field} {n} exceeds its limit {hi}")
+            if n > hi:
+                raise exc(f"{self.what}: {field} {n} exceeds its limit {hi}")
             return n
         n, shift, start = 0, 0, self.pos
         while True:
@@ -150,18 +157,18 @@ class _Reader:
             shift += 7
             if not b & 0x80:
                 break
-            req(shift < 70, PayloadHeaderError, f"{self.what}: varint {field} runs past 10 bytes")
-        req(
-            n < 1 << 64 and not (b == 0 and self.pos - start > 1),
-            PayloadHeaderError,
-            f"{self.what}: varint {field} is not canonical or exceeds 64 bits",
-        )
-        req(n <= hi, exc, f"{self.what}: {field} {n} exceeds its limit {hi}")
+            if shift >= 70:
+                raise PayloadHeaderError(f"{self.what}: varint {field} runs past 10 bytes")
+        if n >= 1 << 64 or (b == 0 and self.pos - start > 1):
+            raise PayloadHeaderError(f"{self.what}: varint {field} is not canonical or exceeds 64 bits")
+        if n > hi:
+            raise exc(f"{self.what}: {field} {n} exceeds its limit {hi}")
         return n
 
     def code(self, field: str, table: tuple) -> str:
         c = self.u8(field)
-        req(c < len(table), PayloadHeaderError, f"{self.what}: unknown {field} code {c}")
+        if c >= len(table):
+            raise PayloadHeaderError(f"{self.what}: unknown {field} code {c}")
         return table[c]
 
 
@@ -226,7 +233,8 @@ def _read_form(r: _Reader, tables: WireTables) -> tuple:
     base = enc
     if enc in WRAPPERS:
         inner = r.code("inner encoding", ENCODING_CODES)
-        req(inner in INNER_ENCODINGS, PayloadHeaderError, f"{r.what}: a {enc} record cannot wrap {inner!r}")
+        if inner not in INNER_ENCODINGS:
+            raise PayloadHeaderError(f"{r.what}: a {enc} record cannot wrap {inner!r}")
         base = inner
     if base in ("sparse", "dense_q"):
         v, vparams = read_form(r, tables.value_codes, tables.value_forms, "value")
@@ -356,6 +364,61 @@ def _raw_of(rec: TensorRecord) -> bytes:
     return bounded_decompress(np.asarray(comp).tobytes(), rec.codec["raw"], f"tensor {rec.name!r}")
 
 
+_PLAIN_FORMS: dict[str, Form] = {enc: (enc, None, None, (), None, ()) for enc in BASE_LAYOUTS}
+_PLAIN_ROLES = {"coo": ["indices", "values"], "dense": ["values"]}
+
+
+def _plain_buffers(rec: TensorRecord, enc: str) -> tuple[list[Any], int] | None:
+    """The buffers of a ``coo`` or ``dense`` record without codec fields and their bytes, where :func:`plan`'s
+    checks of it (:func:`_record_form`, :func:`_layout_of` with the container's own rule, :func:`_check_buffers`)
+    all pass; None where any might not (:func:`plan` then runs them, and raises what they raise). The same checks
+    with fewer calls: tests/test_format_fast.py writes the same records through both."""
+    try:
+        shape, dtype, nnz, codec, bufs = rec.shape, rec.dtype, rec.nnz, rec.codec, rec.buffers
+        if (
+            type(shape) is not tuple
+            or len(shape) > MAX_NDIM
+            or type(dtype) is not str
+            or dtype not in _DTYPE_CODE
+            or type(nnz) is not int
+            or type(codec) is not dict
+            or codec
+            or type(bufs) is not dict
+            or list(bufs) != _PLAIN_ROLES[enc]
+        ):
+            return None
+        numel = 1
+        for d in shape:
+            if type(d) is not int or not 0 <= d <= MAX_TENSOR_ELEMENTS:
+                return None
+            numel *= d
+        values = bufs["values"]
+        vd = _TENSOR_DTYPE.get(dtype, "float32")
+        if enc == "coo":
+            indices = bufs["indices"]
+            idx = "uint32" if numel <= _INDEX_BOUND else "uint64"
+            if indices.size != nnz or not _dtype_is(indices, idx, "indices", rec.buffer_dtypes):
+                return None
+            out, size = [indices, values], nnz * BUFFER_DTYPES[idx].itemsize
+        elif nnz == numel:
+            out, size = [values], 0
+        else:
+            return None
+        if values.size != nnz or not _dtype_is(values, vd, "values", rec.buffer_dtypes):
+            return None
+        return out, size + nnz * BUFFER_DTYPES[vd].itemsize
+    except Exception:  # whatever the checks raise, plan's own run of them raises too
+        return None
+
+
+def _dtype_is(a: Any, dt: str, role: str, stored: dict[str, str]) -> bool:
+    """Whether :func:`_check_buffers` takes ``a``'s dtype for ``dt``."""
+    if not stored and a.dtype is BUFFER_DTYPES[dt]:  # (NumPy's own dtypes are single objects)
+        return True
+    name = stored[role] if role in stored else dtype_name(a.dtype)
+    return name == dt and a.dtype.itemsize == BUFFER_DTYPES[dt].itemsize
+
+
 class _Plan:
     """What :func:`pack` writes: the header (prefix and table) and the data parts, sized without any copy."""
 
@@ -449,7 +512,19 @@ def plan(
         raise Unrepresentable("too many tensors")
     forms, fields, parts = [], [], []
     all_zstd = bool(tensors) and all(r.encoding == "zstd" for r in tensors)
+    plain = {enc: layouts.get(enc) is rule for enc, rule in BASE_LAYOUTS.items()}
+    plain_bytes, generic, zbytes = 0, [], []
     for rec in tensors:
+        enc = rec.encoding
+        if type(enc) is str and plain.get(enc):
+            laid = _plain_buffers(rec, enc)
+            if laid is not None:
+                parts += laid[0]
+                plain_bytes += laid[1]
+                forms.append(_PLAIN_FORMS[enc])
+                fields.append(b"")
+                zbytes.append(None)
+                continue
         if not isinstance(rec.shape, tuple) or len(rec.shape) > MAX_NDIM:
             raise Unrepresentable(f"tensor {rec.name!r}: shape")
         if rec.dtype not in DTYPE_CODES or not is_int(rec.nnz):
@@ -473,15 +548,20 @@ def plan(
                 comp = _check_buffers(rec, _layout_of(rec, layouts))
                 if not all_zstd:
                     parts.extend(comp)
+                    generic.extend(comp)
             elif not all_zstd:
                 raise Unrepresentable(f"tensor {rec.name!r}: a shared-frame record among other encodings")
         else:
-            parts.extend(_check_buffers(rec, _layout_of(rec, layouts)))
+            comp = _check_buffers(rec, _layout_of(rec, layouts))
+            parts.extend(comp)
+            generic.extend(comp)
         forms.append(form)
         fields.append(f)
-    mode, zbytes = DATA_RECORDS, [r.codec.get("zbytes") for r in tensors]
+        zbytes.append(rec.codec.get("zbytes"))
+    mode = DATA_RECORDS
     if all_zstd:
         mode, parts, zbytes = _wrapped_data(tensors, zstd_level(pipeline), cache, data_mode)
+        plain_bytes, generic = 0, parts
     table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, layouts, fingerprint)
     flags = (FLAG_METADATA if metadata else 0) | (mode << DATA_SHIFT) | (FLAG_FINGERPRINT if fingerprint else 0)
     z = _cached(cache, "table", table, lambda: _compress_table(table))
@@ -493,7 +573,7 @@ def plan(
     head = _PREFIX.pack(MAGIC, version, flags) + stored
     if len(table) > MAX_HEADER_BYTES:
         raise InvalidInputError(f"the tensor table is {len(table)} bytes, over the limit of {MAX_HEADER_BYTES}")
-    data_len = sum(len(p) if isinstance(p, bytes) else int(p.size) * p.dtype.itemsize for p in parts)
+    data_len = plain_bytes + sum(len(p) if isinstance(p, bytes) else int(p.size) * p.dtype.itemsize for p in generic)
     return _Plan(head, parts, data_len)
 
 
@@ -519,32 +599,147 @@ def _common_suffix(a: bytes, b: bytes) -> int:
 _DIGITS = re.compile(rb"[0-9]+")
 
 
-def _name_entries(names: tuple) -> list[bytes]:
+def _name_entries(names: tuple) -> tuple[bytes, ...]:
     """Each name coded against an earlier one: the previous name, or the last one with the same shape up to
-    digits (``blocks.3.mlp.weight`` refers to ``blocks.2.mlp.weight``), whichever costs fewer bytes."""
-    out, encoded, last, seen = [], [], {}, set()
-    for i, name in enumerate(names):
+    digits (``blocks.3.mlp.weight`` refers to ``blocks.2.mlp.weight``), whichever costs fewer bytes. Remembered
+    for the latest few tuples of names, which an update repeats round after round."""
+    try:
+        return _remembered_entries(names)
+    except TypeError:  # a name that cannot be hashed (which _entries_of refuses)
+        return _entries_of(names)
+
+
+@functools.lru_cache(maxsize=4)
+def _remembered_entries(names: tuple) -> tuple[bytes, ...]:
+    return _entries_of(names)
+
+
+def _entries_of(names: tuple) -> tuple[bytes, ...]:
+    encoded = _encoded_names(names)
+    first, second, last = [], [], {}  # each name's references: indices of earlier names (-1: none)
+    for i, skeleton in enumerate(_skeletons(encoded)):
+        j = last.get(skeleton)
+        last[skeleton] = i
+        if j is None or j == i - 1:
+            first.append(i - 1)
+            second.append(-1)
+        else:
+            x, y = {1, i - j}  # (the set's order breaks ties)
+            first.append(i - x)
+            second.append(i - y)
+    width = max(map(len, encoded), default=0)
+    if len(encoded) >= _VECTOR_NAMES and len(encoded) * width <= _NAME_CELLS:
+        return _entries_vector(encoded, first, second, width)
+    return _entries_scalar(encoded, first, second)
+
+
+def _encoded_names(names: tuple) -> list[bytes]:
+    """The names in UTF-8; Unrepresentable at the first that is not a string of 1 to MAX_NAME characters
+    encodable as UTF-8, or that repeats an earlier one."""
+    if set(map(type, names)) <= {str} and len(set(names)) == len(names):
+        lengths = list(map(len, names))
+        if not names or (min(lengths) > 0 and max(lengths) <= MAX_NAME):
+            try:
+                joined = "\n".join(names).encode("utf-8")
+            except UnicodeEncodeError:
+                pass
+            else:
+                if joined.count(b"\n") == len(names) - 1:  # (no name holds a newline)
+                    return joined.split(b"\n") if names else []
+    encoded, seen = [], set()
+    for name in names:
         if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME or name in seen:
             raise Unrepresentable(f"tensor name {name!r}")
         seen.add(name)
         try:
-            nb = name.encode("utf-8")
+            encoded.append(name.encode("utf-8"))
         except UnicodeEncodeError:
             raise Unrepresentable(f"tensor name {name!r} is not encodable as UTF-8") from None
+    return encoded
+
+
+def _skeletons(encoded: list[bytes]) -> list[bytes]:
+    """Each name with every run of digits replaced by one ``#``."""
+    joined = b"\n".join(encoded)
+    if joined.count(b"\n") != len(encoded) - 1:  # a name holds a newline: name by name
+        return [_DIGITS.sub(b"#", nb) for nb in encoded]
+    if b"#" in joined:
+        return _DIGITS.sub(b"#", joined).split(b"\n")
+    # no name holds a "#": every "#" is a digit's, and a run of them one run of digits
+    s = joined.translate(_DIGITS_TO_HASH)
+    while b"##" in s:
+        s = s.replace(b"##", b"#")
+    return s.split(b"\n")
+
+
+_DIGITS_TO_HASH = bytes.maketrans(b"0123456789", b"#" * 10)
+
+
+def _entries_scalar(encoded: list[bytes], first: list[int], second: list[int]) -> tuple[bytes, ...]:
+    """Each name's entry: against each of its references in order (earlier names), the one that costs fewest
+    bytes (the first of those that tie), or against none where that costs fewer."""
+    out = []
+    for i, nb in enumerate(encoded):
         best = uvarint(0) + uvarint(len(nb)) + nb
-        skeleton = _DIGITS.sub(b"#", nb)
-        j = last.get(skeleton)
-        for d in {1, i - j} if j is not None else ({1} if i else set()):
-            ref = encoded[i - d]
+        for r in (first[i], second[i]):
+            if r < 0:
+                continue
+            ref = encoded[r]
             p = _common_prefix(nb, ref)
             q = min(_common_suffix(nb, ref), len(ref) - p, len(nb) - p)
-            e = uvarint(d) + uvarint(p) + uvarint(q) + uvarint(len(nb) - p - q) + nb[p : len(nb) - q]
+            e = uvarint(i - r) + uvarint(p) + uvarint(q) + uvarint(len(nb) - p - q) + nb[p : len(nb) - q]
             if len(e) < len(best):
                 best = e
-        last[skeleton] = i
-        encoded.append(nb)
         out.append(best)
-    return out
+    return tuple(out)
+
+
+_NAME_CELLS = 1 << 21  # the most bytes of names, padded to one width, compared at once (beyond: name by name)
+_VECTOR_NAMES = 96  # the fewest names compared at once (below, NumPy's cost per call outweighs its gain)
+
+
+def _entries_vector(encoded: list[bytes], first: list[int], second: list[int], width: int) -> tuple[bytes, ...]:
+    """:func:`_entries_scalar`, its comparisons and sizes computed by NumPy over every name at once."""
+    n = len(encoded)
+    lens = np.array(list(map(len, encoded)), np.intp)
+    # each name left-aligned in a row of the width, and reversed (its suffixes as prefixes), zero-padded
+    flat = np.frombuffer(b"".join(encoded), np.uint8)
+    row = np.repeat(np.arange(n), lens)
+    col = np.arange(flat.size) - np.repeat(np.cumsum(lens) - lens, lens)
+    rows = np.zeros((n, 2, width), np.uint8)
+    rows[row, 0, col] = flat
+    rows[row, 1, lens[row] - 1 - col] = flat
+    sizes = [1 + _varint_sizes(lens) + lens]  # against no earlier name
+    fields = []
+    for refs in (first, second):
+        ref = np.array(refs, np.intp)
+        has = ref >= 0
+        ref[~has] = 0
+        differ = rows != rows[ref]
+        same = np.where(differ.any(axis=2), differ.argmax(axis=2), width)  # (n, 2): prefix, suffix
+        shorter = np.minimum(lens, lens[ref])
+        p = np.minimum(same[:, 0], shorter)
+        q = np.minimum(same[:, 1], shorter - p)
+        d, m = np.arange(n) - ref, lens - p - q
+        e = _varint_sizes(d) + _varint_sizes(p) + _varint_sizes(q) + _varint_sizes(m) + m
+        sizes.append(np.where(has, e, np.iinfo(np.intp).max))
+        fields.append((d, p, q, m))
+    choice = np.argmin(np.stack(sizes), axis=0)  # the first of the smallest, as the scalar loop keeps it
+    pick = [np.where(choice == 1, a, b).tolist() for a, b in zip(*fields)]
+    out = []
+    for nb, c, d, p, q, m in zip(encoded, choice.tolist(), *pick):
+        if not c:
+            out.append(b"\x00" + uvarint(len(nb)) + nb)
+        elif d | p | q | m < 0x80:
+            out.append(bytes((d, p, q, m)) + nb[p : len(nb) - q])
+        else:
+            out.append(uvarint(d) + uvarint(p) + uvarint(q) + uvarint(m) + nb[p : len(nb) - q])
+    return tuple(out)
+
+
+def _varint_sizes(x: np.ndarray) -> np.ndarray:
+    """The length of :func:`uvarint` of each of ``x`` (non-negative, below 2^35)."""
+    return 1 + (x >= 1 << 7) + (x >= 1 << 14) + (x >= 1 << 21) + (x >= 1 << 28)
 
 
 def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tables, fingerprint=None) -> bytes:
@@ -565,24 +760,37 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
     default = Counter(forms).most_common(1)[0][0] if forms else _NO_FORM
     t += _form_bytes(default, tables)
     t += uvarint(len(tensors))
-    names = tuple(rec.name for rec in tensors)
+    names = tuple([rec.name for rec in tensors])
+    counted: dict[Form, tuple[bool, bool]] = {}  # form -> (has an nnz, has a zbytes)
     for rec, entry, form, f, zb in zip(
         tensors, _cached(cache, "names", names, lambda: _name_entries(names)), forms, fields, zbytes
     ):
         t += entry
-        kind = DTYPE_CODES.index(rec.dtype) | len(rec.shape) << 2 | (0x40 if form != default else 0)
-        t.append(kind)
-        if form != default:
+        shape = rec.shape
+        own = form is not default and form != default
+        t.append(DTYPE_CODES.index(rec.dtype) | len(shape) << 2 | (0x40 if own else 0))
+        if own:
             t += _form_bytes(form, tables)
-        for d in rec.shape:
-            if not is_int(d) or not 0 <= d <= MAX_TENSOR_ELEMENTS:
+        for d in shape:
+            if type(d) is int and 0 <= d < 0x80:
+                t.append(d)
+            elif is_int(d) and 0 <= d <= MAX_TENSOR_ELEMENTS:
+                t += uvarint(d)
+            else:
                 raise Unrepresentable("dimension")
-            t += uvarint(d)
-        base = form[1] if form[0] in WRAPPERS else form[0]
-        if base in ("coo", "sparse"):
-            t += uvarint(rec.nnz)
-        t += f
-        if form[0] in WRAPPERS and mode == DATA_RECORDS:
+        has = counted.get(form)
+        if has is None:
+            wrapped = form[0] in WRAPPERS
+            has = counted[form] = ((form[1] if wrapped else form[0]) in ("coo", "sparse"), wrapped)
+        if has[0]:
+            nnz = rec.nnz
+            if type(nnz) is int and 0 <= nnz < 0x80:
+                t.append(nnz)
+            else:
+                t += uvarint(nnz)
+        if f:
+            t += f
+        if has[1] and mode == DATA_RECORDS:
             if not is_int(zb) or zb < 1:
                 raise Unrepresentable("zbytes")
             t += uvarint(zb)
@@ -607,7 +815,20 @@ def _gather(parts: list[Any], total: int) -> bytes:
 
 
 def write(p: _Plan) -> bytes:
-    body = p.head + _gather(p.parts, p.data_len)
+    parts = [p.head]
+    for a in p.parts:
+        if type(a) is np.ndarray or isinstance(a, bytes):
+            parts.append(a)
+        elif type(a).__module__.startswith("cupy"):
+            body = p.head + _gather(p.parts, p.data_len)
+            break
+        else:
+            parts.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+    else:
+        try:
+            body = b"".join(parts)  # each array's memory as it lies, as _gather copies it
+        except (BufferError, TypeError, ValueError):  # an array that is not contiguous, or a dtype without a buffer
+            body = p.head + _gather(p.parts, p.data_len)
     return body + _CRC.pack(zlib.crc32(body) & 0xFFFFFFFF)
 
 
@@ -636,10 +857,25 @@ def header_size(
 # ------------------------------------------------------------------------------------------ reader
 
 
-def _view(mv: memoryview, dt: str, count: int, off: int) -> np.ndarray:
-    # a view, aligned or not (v2 has no padding): NumPy reads unaligned arrays, and the decoder streams it a
-    # slice at a time, so copying it whole here would cost as much memory as the buffer itself
-    return np.frombuffer(mv, dtype=BUFFER_DTYPES[dt], count=count, offset=off)
+def _data_size(layouts_of: list) -> int:
+    """Bytes of the buffers of every record's layout."""
+    size = BUFFER_DTYPES
+    return sum([n * size[dt].itemsize for lay in layouts_of for _, dt, n in lay])
+
+
+def _views(records: list[TensorRecord], layouts_of: list, data: memoryview) -> None:
+    """Each record's buffers, back to back in ``data`` (whose size the caller checked against the layouts)."""
+    # views, aligned or not (v2 has no padding): NumPy reads unaligned arrays, and the decoder streams them a
+    # slice at a time, so copying them whole here would cost as much memory as the buffers themselves
+    frombuffer, dtypes = np.frombuffer, BUFFER_DTYPES
+    off = 0
+    for rec, lay in zip(records, layouts_of):
+        bufs, names = rec.buffers, rec.buffer_dtypes
+        for role, dt, count in lay:
+            npdt = dtypes[dt]
+            bufs[role] = frombuffer(data, npdt, count, off)  # (positional: keywords cost twice as much)
+            names[role] = dt
+            off += count * npdt.itemsize
 
 
 def _read_name(t: _Reader, earlier: list[bytes]) -> bytes:
@@ -651,8 +887,118 @@ def _read_name(t: _Reader, earlier: list[bytes]) -> bytes:
         p = t.varint("name prefix length", len(ref))
         q = t.varint("name suffix length", len(ref) - p)
     m = t.varint("name middle length", MAX_NAME_BYTES - p - q)
-    req(p + q + m > 0, PayloadHeaderError, f"{t.what}: a tensor name is empty")
+    if p + q + m <= 0:
+        raise PayloadHeaderError(f"{t.what}: a tensor name is empty")
     return ref[:p] + t.take(m, "a tensor name") + ref[len(ref) - q :]
+
+
+class _Leave(Exception):
+    """A table entry the plain-record reader leaves to :func:`_read_tensor` (which reads it again, and raises
+    whatever is wrong with it)."""
+
+
+def _varint_tail(buf: bytes, pos: int, n: int) -> tuple[int, int]:
+    """The rest of a varint whose first byte ``n`` (>= 0x80) is read: (value, position after it), or _Leave where
+    :meth:`_Reader.varint` would refuse it (past 10 bytes, a redundant zero group; past the end: IndexError)."""
+    n &= 0x7F
+    shift = 7
+    while True:
+        b = buf[pos]
+        pos += 1
+        n |= (b & 0x7F) << shift
+        shift += 7
+        if b < 0x80:
+            if not b:
+                raise _Leave
+            return n, pos
+        if shift >= 70:
+            raise _Leave
+
+
+def _read_plain(t: _Reader, left: int, enc: str, earlier: list[bytes], names: set, records: list, lays: list) -> None:
+    """Read up to ``left`` table entries of the table's default form where that is plain ``coo`` or ``dense``
+    (the records of a payload without value, index or bytes stages), appending what :func:`_read_tensor` would
+    give; stop before the first entry that has a form of its own or that any check of :func:`_read_tensor` (or
+    the duplicate-name check) would refuse, leaving ``t.pos`` at its start. The same checks with fewer calls:
+    tests/test_format_fast.py reads valid and corrupt tables through both."""
+    buf, pos, end = t.buf, t.pos, t.end
+    coo = enc == "coo"
+    for _ in range(left):
+        start = pos
+        try:
+            d = buf[pos]
+            pos += 1
+            if d >= 0x80:
+                d, pos = _varint_tail(buf, pos, d)
+            if d:
+                if d > len(earlier):
+                    raise _Leave
+                ref = earlier[-d]
+                p = buf[pos]
+                pos += 1
+                if p >= 0x80:
+                    p, pos = _varint_tail(buf, pos, p)
+                q = buf[pos]
+                pos += 1
+                if q >= 0x80:
+                    q, pos = _varint_tail(buf, pos, q)
+                m = buf[pos]
+                pos += 1
+                if m >= 0x80:
+                    m, pos = _varint_tail(buf, pos, m)
+                if p > len(ref) or q > len(ref) - p or m > MAX_NAME_BYTES - p - q or pos + m > end:
+                    raise _Leave
+                nb = ref[:p] + buf[pos : pos + m] + ref[len(ref) - q :]
+            else:
+                m = buf[pos]
+                pos += 1
+                if m >= 0x80:
+                    m, pos = _varint_tail(buf, pos, m)
+                if m > MAX_NAME_BYTES or pos + m > end:
+                    raise _Leave
+                nb = buf[pos : pos + m]
+            pos += m
+            name = nb.decode("utf-8")
+            if not nb or len(name) > MAX_NAME or name in names:
+                raise _Leave
+            kind = buf[pos]
+            pos += 1
+            ndim = kind >> 2
+            if kind & 0xC0 or ndim > MAX_NDIM:
+                raise _Leave
+            numel = bound = 1
+            dims = []
+            for _ in range(ndim):
+                s = buf[pos]
+                pos += 1
+                if s >= 0x80:
+                    s, pos = _varint_tail(buf, pos, s)
+                numel *= s
+                bound *= s or 1
+                if bound > MAX_TENSOR_ELEMENTS:
+                    raise _Leave
+                dims.append(s)
+            dtype = DTYPE_CODES[kind & 3]
+            vd = _TENSOR_DTYPE.get(dtype, "float32")
+            if coo:
+                nnz = buf[pos]
+                pos += 1
+                if nnz >= 0x80:
+                    nnz, pos = _varint_tail(buf, pos, nnz)
+                if nnz > numel:
+                    raise _Leave
+                lay = [("indices", "uint32" if numel <= _INDEX_BOUND else "uint64", nnz), ("values", vd, nnz)]
+            else:
+                nnz = numel
+                lay = [("values", vd, numel)]
+        except (_Leave, IndexError, UnicodeDecodeError):
+            t.pos = start
+            return
+        names.add(name)
+        earlier.append(nb)
+        records.append(TensorRecord(name, dtype, tuple(dims), enc, nnz, {}, {}))
+        lays.append(lay)
+    t.pos = pos
 
 
 def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode: int, version: int):
@@ -661,12 +1007,15 @@ def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode:
         name = nb.decode("utf-8")
     except UnicodeDecodeError:
         raise PayloadHeaderError(f"{t.what}: tensor name {nb[:64]!r} is not UTF-8") from None
-    req(len(name) <= MAX_NAME, PayloadHeaderError, f"{t.what}: tensor name of {len(name)} characters (max {MAX_NAME})")
+    if len(name) > MAX_NAME:
+        raise PayloadHeaderError(f"{t.what}: tensor name of {len(name)} characters (max {MAX_NAME})")
     where = f"tensor {name!r}"
     kind = t.u8("tensor kind")
-    req(not kind & 0x80, PayloadHeaderError, f"{where}: reserved bit 7 of the kind byte is set")
+    if kind & 0x80:
+        raise PayloadHeaderError(f"{where}: reserved bit 7 of the kind byte is set")
     dtype, ndim = DTYPE_CODES[kind & 3], (kind >> 2) & 15
-    req(ndim <= MAX_NDIM, PayloadLimitError, f"{where}: {ndim} dimensions (at most {MAX_NDIM})")
+    if ndim > MAX_NDIM:
+        raise PayloadLimitError(f"{where}: {ndim} dimensions (at most {MAX_NDIM})")
     form = _read_form(t, layouts) if kind & 0x40 else default
     shape = tuple(t.varint("a dimension", MAX_TENSOR_ELEMENTS, PayloadLimitError) for _ in range(ndim))
     numel = check_shape(shape, where)
@@ -686,24 +1035,24 @@ def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode:
         chunk = None
         if enc == "nvcomp" and version == CHUNKED and mode == DATA_RECORDS:
             log2 = t.u8("nvcomp chunk size")
-            req(
-                MIN_CHUNK_LOG2 <= log2 <= MAX_CHUNK_LOG2,
-                PayloadHeaderError,
-                f"{where}: nvcomp chunk size 2^{log2} is not from 2^{MIN_CHUNK_LOG2} to 2^{MAX_CHUNK_LOG2}",
-            )
+            if not (MIN_CHUNK_LOG2 <= log2 <= MAX_CHUNK_LOG2):
+                raise PayloadHeaderError(
+                    f"{where}: nvcomp chunk size 2^{log2} is not from 2^{MIN_CHUNK_LOG2} to 2^{MAX_CHUNK_LOG2}"
+                )
             chunk = 1 << log2
         if mode == DATA_RECORDS:
             bound = compress_bound(raw) if chunk is None else frames_bound(raw, chunk)
             wc["zbytes"] = t.varint("compressed size", bound, PayloadLayoutError)
         else:
-            req(enc == "zstd", PayloadLayoutError, f"{where}: a shared frame holds only zstd records, not {enc!r}")
+            if enc != "zstd":
+                raise PayloadLayoutError(f"{where}: a shared frame holds only zstd records, not {enc!r}")
         if codec:
             wc["ic"] = codec
         rec = TensorRecord(name, dtype, shape, enc, nnz, {}, wc, chunk=chunk)
         if mode != DATA_RECORDS:
             return rec, nb, [("", "uint8", raw)]
-    else:
-        req(mode == DATA_RECORDS, PayloadLayoutError, f"{where}: a shared frame holds only zstd records")
+    elif mode != DATA_RECORDS:
+        raise PayloadLayoutError(f"{where}: a shared frame holds only zstd records")
     return rec, nb, _rule(rec, layouts, where)
 
 
@@ -721,7 +1070,8 @@ def _read_part(t: _Reader, spec: FormSpec, params: tuple, nnz: int, numel: int, 
 
 def _rule(rec: TensorRecord, layouts, where: str) -> list[tuple[str, str, int]]:
     rule = layouts.get(rec.encoding)
-    req(rule is not None, PayloadHeaderError, f"{where}: encoding {rec.encoding!r} is not known to this reader")
+    if rule is None:
+        raise PayloadHeaderError(f"{where}: encoding {rec.encoding!r} is not known to this reader")
     try:
         layout = rule(rec)
     except PayloadError:
@@ -751,21 +1101,30 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
     if flags & FLAG_METADATA:
         mlen = t.varint("metadata length", t.end - t.pos)
         metadata = loads_json(t.take(mlen, "metadata"), "metadata")
-        req(isinstance(metadata, dict), PayloadHeaderError, "metadata must be a JSON object")
+        if not isinstance(metadata, dict):
+            raise PayloadHeaderError("metadata must be a JSON object")
     fingerprint = None
     if flags & FLAG_FINGERPRINT:
         fingerprint = t.take(FINGERPRINT_BYTES, "the base fingerprint").hex()
     default = _read_form(t, tables)
     count = t.varint("tensor count", MAX_TENSORS, PayloadLimitError)
     records, layouts_of, names, earlier = [], [], set(), []
-    for _ in range(count):
+    enc = default[0]
+    plain = reader is _Reader and mode == DATA_RECORDS and enc in BASE_LAYOUTS and tables.get(enc) is BASE_LAYOUTS[enc]
+    while len(records) < count:
+        if plain:
+            _read_plain(t, count - len(records), enc, earlier, names, records, layouts_of)
+            if len(records) == count:
+                break
         rec, nb, lay = _read_tensor(t, earlier, default, tables, mode, version)
         earlier.append(nb)
-        req(rec.name not in names, PayloadHeaderError, f"tensor {rec.name!r} appears twice")
+        if rec.name in names:
+            raise PayloadHeaderError(f"tensor {rec.name!r} appears twice")
         names.add(rec.name)
         records.append(rec)
         layouts_of.append(lay)
-    req(t.pos == t.end, PayloadHeaderError, f"tensor table has {t.end - t.pos} bytes after its last tensor")
+    if t.pos != t.end:
+        raise PayloadHeaderError(f"tensor table has {t.end - t.pos} bytes after its last tensor")
     return r.pos, pipeline, metadata, fingerprint, records, layouts_of
 
 
@@ -798,13 +1157,13 @@ def _check_not_truncated(mv: memoryview, version: int, flags: int, layouts) -> N
         need = header_end + size + _CRC.size
         req(need <= n, PayloadTruncatedError, f"{what}, its shared zstd frame and checksum need {need}")
         return
-    total = sum(c * BUFFER_DTYPES[dt].itemsize for lay in layouts_of for _, dt, c in lay)
+    total = _data_size(layouts_of)
     need = header_end + total + _CRC.size
     req(need <= n, PayloadTruncatedError, f"{what}, its tensor table implies {need} ({total} bytes of data)")
 
 
 def unpack(
-    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None
+    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None, *, describe: bool = True
 ) -> tuple[dict, list[TensorRecord]]:
     """Validate a v2 or v3 payload completely; return (header, records). See :func:`gpu_codec.format.unpack`."""
     layouts = BASE_LAYOUTS if layouts is None else layouts
@@ -826,7 +1185,7 @@ def unpack(
     end = n - _CRC.size
     header_end, pipeline, metadata, fingerprint, records, layouts_of = _read_table(mv, version, flags, end, layouts)
     data_len = end - header_end
-    total = sum(n * BUFFER_DTYPES[dt].itemsize for lay in layouts_of for _, dt, n in lay)
+    total = _data_size(layouts_of)
     data = mv[header_end:end]
     if mode == DATA_RECORDS:
         req(
@@ -834,12 +1193,7 @@ def unpack(
             PayloadTruncatedError if total > data_len else PayloadLayoutError,
             f"data section is {data_len} bytes, the tensor table implies {total}",
         )
-        off = 0
-        for rec, lay in zip(records, layouts_of):
-            for role, dt, count in lay:
-                rec.buffers[role] = _view(data, dt, count, off)
-                rec.buffer_dtypes[role] = dt
-                off += count * BUFFER_DTYPES[dt].itemsize
+        _views(records, layouts_of, data)
     else:
         req(bool(records), PayloadLayoutError, "a shared frame needs at least one tensor")
         if mode == DATA_ZSTD:
@@ -872,13 +1226,14 @@ def unpack(
         "data": DATA_MODES[mode],
         "header_nbytes": header_end,
         "data_length": data_len,
-        "tensors": [
+    }
+    if describe:
+        header["tensors"] = [
             {"name": r.name, "dtype": r.dtype, "shape": list(r.shape), "encoding": r.encoding, "nnz": r.nnz}
             | ({"codec": r.codec} if r.codec else {})
             | ({"chunk": r.chunk} if r.chunk is not None else {})
             for r in records
-        ],
-    }
+        ]
     if fingerprint is not None:
         header["base_fingerprint"] = fingerprint
     return header, records

@@ -1,0 +1,229 @@
+"""The wire format's host cost per tensor: :meth:`gpu_codec.Payload.from_bytes` (parse and check a payload) and
+:meth:`gpu_codec.Payload.to_bytes` (lay out and write one), in µs per tensor.
+
+Updates: ``--elements`` fp32 elements split into 1, 100 and 1,000 uneven tensors (benchmarks/zoo.py
+``split_update``) and the zoo's ResNet-50 (320 tensors with their real names), compressed top-1% global
+(plain ``coo`` records); and the 1,000-tensor split with float16 values and Rice-coded indices (``sparse``
+records, which the reader and writer take through the codecs' declarations). ``to_bytes`` writes records as a
+compress leaves them (contiguous arrays of their own), on a fresh payload each time: with names the writer has
+not seen before (its front-coded name entries forgotten first) and with names it has (every round after the
+first of a federated run). Beside them, one copy of the payload's bytes (``np.copy``), the floor of any reader
+or writer.
+
+Each figure is the best of ``--repeat`` samples in a child process, the processes of the checkout and (with
+``--against REV``) of the package at git revision REV alternating ``--rounds`` times, so both see the same
+machine load; the child also checks that the package writes the very bytes it read.
+
+    python benchmarks/bench_wire.py                     # writes benchmarks/results/wire_cpu.{json,md}
+    python benchmarks/bench_wire.py --against d158447   # and the same at that revision, in the same run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from typing import Any
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+
+import gpu_codec
+from benchmarks.bench_topk import cpu_info
+from benchmarks.bench_zoo import commit_label, scale_for
+from benchmarks.zoo import ZOO, split_update
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+TENSORS = (1, 100, 1000)
+OPS = ("from_bytes", "to_bytes", "to_bytes_names_seen", "copy")
+
+# Run in a child whose sys.path starts with the package to time; argv: directory of payloads, samples.
+CHILD = r"""
+import json, pathlib, sys, time
+import numpy as np
+import gpu_codec
+from gpu_codec import Payload
+from gpu_codec.format import TensorRecord, v2
+
+def own(records):
+    return [TensorRecord(r.name, r.dtype, r.shape, r.encoding, r.nnz,
+                         {k: np.array(v) for k, v in r.buffers.items()}, dict(r.codec), dict(r.buffer_dtypes))
+            for r in records]
+
+def best(fn, number, samples):
+    out = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(number):
+            fn()
+        out.append((time.perf_counter() - t0) / number)
+    return min(out)
+
+folder, samples = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+rows = {"package": str(pathlib.Path(gpu_codec.__file__).parent)}
+for path in sorted(folder.glob("*.bin")):
+    blob = path.read_bytes()
+    p = Payload.from_bytes(blob)
+    recs, n = own(p.tensors), len(p.tensors)
+    write = lambda: Payload(recs, p.pipeline, p.metadata).to_bytes()
+    remembered = getattr(v2, "_remembered_entries", None)  # the names' entries, remembered (where they are)
+    def write_new_names():
+        if remembered is not None:
+            remembered.cache_clear()
+        return write()
+    same = write_new_names() == blob and write() == blob
+    number = max(1, 1000 // n)
+    rows[path.stem] = {
+        "tensors": n, "bytes": len(blob), "same_bytes": same,
+        "from_bytes": best(lambda: Payload.from_bytes(blob), number, samples),
+        "to_bytes": best(write_new_names, number, samples),
+        "to_bytes_names_seen": best(write, number, samples),
+        "copy": best(lambda: np.frombuffer(blob, np.uint8).copy(), number, samples),
+    }
+print(json.dumps(rows))
+"""
+
+
+def payloads(elements: int, seed: int = 0) -> dict[str, bytes]:
+    """Case name -> payload bytes (made by this checkout)."""
+    out = {}
+    for t in TENSORS:
+        u = split_update(elements, t, seed)
+        out[f"split-{t:04d}"] = gpu_codec.compress(u.new, u.base, fraction=0.01).to_bytes()
+        if t == 1000:
+            pipe = [gpu_codec.Quantize("float16"), gpu_codec.RiceIndices()]
+            p = gpu_codec.compress(u.new, u.base, fraction=0.01, pipeline=pipe)
+            out[f"split-{t:04d}-fp16-rice"] = p.to_bytes()
+    e = ZOO["resnet-50"]
+    u = e.build(scale_for(e, elements), seed)
+    out["resnet-50"] = gpu_codec.compress(u.new, u.base, fraction=0.01).to_bytes()
+    return out
+
+
+def package_at(rev: str, into: pathlib.Path) -> pathlib.Path:
+    """The package as it was at git revision ``rev``, laid out under ``into`` as the wheel lays it out (kernels
+    and the NumPy twins inside it)."""
+    for src, dst in (
+        ("gpu_codec", "gpu_codec"),
+        ("kernels", "gpu_codec/kernels"),
+        ("cpu_fallback", "gpu_codec/cpu_fallback"),
+    ):
+        tar = subprocess.run(["git", "archive", rev, src], cwd=ROOT, capture_output=True, check=True).stdout
+        with tarfile.open(fileobj=__import__("io").BytesIO(tar)) as tf:
+            tf.extractall(into / "_tmp", filter="data")
+        (into / dst).parent.mkdir(parents=True, exist_ok=True)
+        (into / "_tmp" / src).rename(into / dst)
+    return into
+
+
+def child(src: pathlib.Path, folder: pathlib.Path, samples: int) -> dict[str, Any]:
+    code = f"import sys; sys.path.insert(0, {str(src)!r})\n" + CHILD
+    env = {**os.environ, "PYTHONPATH": str(src)}
+    args = [sys.executable, "-c", code, str(folder), str(samples)]
+    out = subprocess.run(args, cwd=src, env=env, capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise RuntimeError(f"the timing process for {src} failed:\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def run(elements: int, samples: int, rounds: int, against: str | None) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = pathlib.Path(tmp) / "payloads"
+        folder.mkdir()
+        for name, blob in payloads(elements).items():
+            (folder / f"{name}.bin").write_bytes(blob)
+        trees = {"checkout": ROOT}
+        if against:
+            trees[against] = package_at(against, pathlib.Path(tmp) / "at")
+        best: dict[str, dict[str, Any]] = {}
+        for _ in range(rounds):
+            for label, src in trees.items():
+                got = child(src, folder, samples)
+                if label != "checkout" and not got["package"].startswith(tmp):
+                    raise RuntimeError(f"the timing process for {label} imported {got['package']}")
+                for case, row in got.items():
+                    if case == "package":
+                        continue
+                    old = best.setdefault(label, {}).get(case)
+                    best[label][case] = row if old is None else {**row, **{op: min(row[op], old[op]) for op in OPS}}
+    rows = []
+    for case in sorted(best["checkout"]):
+        for label in trees:
+            r = best[label][case]
+            rows.append(
+                {
+                    "case": case,
+                    "package": label,
+                    "tensors": r["tensors"],
+                    "bytes": r["bytes"],
+                    "same_bytes": r["same_bytes"],
+                    **{f"{op}_us_per_tensor": r[op] * 1e6 / r["tensors"] for op in OPS},
+                    **{f"{op}_ms": r[op] * 1e3 for op in OPS},
+                }
+            )
+    return {
+        "benchmark": "wire",
+        "commit": commit_label(),
+        "against": against,
+        "machine": {**cpu_info(), "cpu_count": os.cpu_count(), "load_average": os.getloadavg()},
+        "elements": elements,
+        "samples": samples,
+        "rounds": rounds,
+        "rows": rows,
+    }
+
+
+def markdown(doc: dict[str, Any]) -> str:
+    m = doc["machine"]
+    lines = [
+        f"Measured at commit {doc['commit']} on {m['cpu_model']} ({m['simd']}), {m['cpu_count']} cores shared with "
+        f"other work (load average {', '.join(f'{x:.1f}' for x in m['load_average'])}): µs per tensor, the best of "
+        f"{doc['samples']} samples in each of {doc['rounds']} alternating rounds. Payloads: top-1% global of "
+        f"{doc['elements']:,} fp32 elements split into uneven tensors, and of the zoo's ResNet-50; copy: one "
+        "np.copy of the payload's bytes. to_bytes: names the writer has not seen (a first round); names seen: the "
+        "same names again (every later round of a federated run; a package that remembers nothing times the "
+        "same). Same bytes: the package writes exactly the payload it read."
+        + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
+        "",
+        "| payload | package | tensors | bytes | from_bytes | to_bytes | to_bytes, names seen | copy | same bytes |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in doc["rows"]:
+        lines.append(
+            f"| {r['case']} | {r['package']} | {r['tensors']:,} | {r['bytes']:,} | "
+            f"{r['from_bytes_us_per_tensor']:.2f} | {r['to_bytes_us_per_tensor']:.2f} | "
+            f"{r['to_bytes_names_seen_us_per_tensor']:.2f} | {r['copy_us_per_tensor']:.3f} | "
+            f"{'yes' if r['same_bytes'] else 'NO'} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--elements", type=int, default=1 << 23, help="elements of each split (and ResNet-50's cap)")
+    ap.add_argument("--repeat", type=int, default=7, help="samples per figure in each round")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds of the packages")
+    ap.add_argument("--against", metavar="REV", help="also time the package at this git revision")
+    ap.add_argument("--out", type=pathlib.Path, help="JSON output (default benchmarks/results/wire_cpu.json)")
+    a = ap.parse_args(argv)
+    t0 = time.perf_counter()
+    doc = run(a.elements, a.repeat, a.rounds, a.against)
+    doc["command"] = " ".join(["python benchmarks/bench_wire.py", *(sys.argv[1:] if argv is None else argv)])
+    print(markdown(doc))
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    out = a.out or RESULTS / "wire_cpu.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    out.with_suffix(".md").write_text(markdown(doc))
+    print(f"wrote {out} and {out.with_suffix('.md')}")
+    return 0 if all(r["same_bytes"] for r in doc["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,354 @@
+"""The wire format's fast paths against its general ones, on the same inputs, valid and invalid alike: the same
+records, the same bytes, or the same error (type and message).
+
+- Reader: plain ``coo``/``dense`` table entries read by ``v2._read_plain`` and by ``v2._read_tensor`` alone (the
+  fast reader switched off), on random payloads and on structure-aware mutations of their tables
+  (gpu_codec.testing.fuzz.mutate_table).
+- Writer: plain records checked by ``v2._plain_buffers`` and by the general checks of ``v2.plan`` alone, on
+  valid records and on records broken one way at a time.
+- Names: front-coded by NumPy over all names (``v2._entries_vector``) and name by name (``v2._entries_scalar``),
+  both against the rule of docs/FORMAT.md written out here.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+
+import numpy as np
+import pytest
+
+from gpu_codec.codecs import wire_layouts
+from gpu_codec.format import TensorRecord, pack, unpack, v2
+from gpu_codec.format.schema import Unrepresentable
+from gpu_codec.testing import fuzz
+
+
+def outcome(fn):
+    try:
+        return "ok", fn()
+    except Exception as e:  # compared, type and message, with the other path's
+        return type(e).__name__, str(e)
+
+
+# ------------------------------------------------------------------------------------------ payloads
+
+
+def record(rng: random.Random, name: str, enc: str | None = None) -> TensorRecord:
+    dtype = rng.choice(["float32", "float16", "bfloat16", "float64"])
+    ndim = rng.choice([0, 1, 1, 2, 3, 4])
+    shape = tuple(rng.choice([0, 1, 2, 3, 7, 130, 300]) if rng.random() < 0.9 else 0 for _ in range(ndim))
+    if rng.random() < 0.05:
+        shape = (1 << 33,)  # indices of uint64
+    numel = int(np.prod(shape))
+    vd = np.float64 if dtype == "float64" else np.float32
+    enc = enc or ("dense" if numel < 64 and rng.random() < 0.3 else "coo")
+    if enc == "dense":
+        if numel > 4096:
+            shape = (rng.choice([0, 1, 5, 17]),)
+            numel = shape[0]
+        return TensorRecord(name, dtype, shape, "dense", numel, {"values": np.arange(numel, dtype=vd)})
+    nnz = min(numel, rng.choice([0, 1, 2, 5, 150]))
+    idx = np.uint32 if numel <= 1 << 32 else np.uint64
+    bufs = {"indices": np.arange(nnz, dtype=idx) * 2 % max(numel, 1), "values": np.arange(nnz, dtype=vd) - 0.5}
+    return TensorRecord(name, dtype, shape, "coo", nnz, bufs)
+
+
+def names(rng: random.Random, n: int) -> list[str]:
+    parts = ["layer", "blocks", "weight", "bias", "é", "ü", "attn", "x" * 140, "#", "\x00"]
+    out: dict[str, None] = {}
+    while len(out) < n:
+        k = rng.randrange(1, 5)
+        s = ".".join(rng.choice(parts) + (str(rng.randrange(200)) if rng.random() < 0.6 else "") for _ in range(k))
+        out[s] = None
+    got = list(out)
+    if rng.random() < 0.5:
+        got.sort()
+    return got
+
+
+def payload(rng: random.Random) -> bytes:
+    n = rng.choice([1, 2, 5, 20, 150])
+    recs = [record(rng, nm) for nm in names(rng, n)]
+    if rng.random() < 0.3:  # most records dense: the table's default form is dense, coo entries carry their own
+        recs = [record(rng, nm, "dense") if rng.random() < 0.8 else record(rng, nm, "coo") for nm in names(rng, n)]
+    meta = {"round": rng.randrange(9)} if rng.random() < 0.3 else None
+    return pack(recs, pipeline=[{"id": "topk", "fraction": 0.01}], metadata=meta, layouts=wire_layouts(), version=2)
+
+
+def read(blob: bytes):
+    header, recs = unpack(blob, wire_layouts())
+    rows = [
+        (r.name, r.dtype, r.shape, r.encoding, r.nnz, r.codec, r.chunk, dict(r.buffer_dtypes))
+        + tuple((k, v.dtype.str, v.tobytes()) for k, v in r.buffers.items())
+        for r in recs
+    ]
+    return header, rows
+
+
+def read_both(blob: bytes):
+    fast = outcome(lambda: read(blob))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(v2, "_read_plain", lambda *a: None)  # every entry read by _read_tensor
+        general = outcome(lambda: read(blob))
+    assert fast == general
+    return fast
+
+
+def test_plain_entries_are_read_by_the_fast_reader():
+    rng = random.Random(0)
+    recs = [record(rng, f"t{i}", "coo") for i in range(50)]
+    blob = pack(recs, pipeline=[], layouts=wire_layouts())
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(v2, "_read_tensor", None)  # not called: every entry read by _read_plain
+        _, back = unpack(blob, wire_layouts())
+    assert [r.name for r in back] == [r.name for r in recs]
+    assert read_both(blob)[0] == "ok"
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_both_readers_agree_on_valid_and_mutated_tables(seed):
+    rng = random.Random(seed)
+    seen = set()
+    for _ in range(12):
+        blob = payload(rng)
+        assert read_both(blob)[0] == "ok"
+        for _ in range(25):
+            got = read_both(fuzz.mutate_table(blob, rng, rng.randrange(1, 3)))
+            seen.add(got[0])
+    assert {"ok", "PayloadHeaderError", "PayloadLayoutError", "PayloadLimitError"} <= seen, seen
+
+
+FIRST = b"\x00\x01t\x04\x01\x00"  # "t": float32, shape (1,), nnz 0
+
+
+@pytest.mark.parametrize(
+    ("entry", "data", "valid"),
+    [
+        (b"\x01\x00\x00\x01u\x04\x01\x00", b"", True),  # "u", against "t"
+        (b"\x00\x01v\x44\x01\x01", b"\x00" * 4, True),  # a form of its own: dense, shape (1,)
+        (b"\x00\x01v\x00\x01", b"\x00" * 8, True),  # a scalar, nnz 1: indices and values
+        (b"\x00\x01a\x04\x05", b"", False),  # the nnz missing
+        (b"\x00\x01a\x84\x05\x00", b"", False),  # reserved bit 7
+        (b"\x00\x01a\x24" + b"\x01" * 10, b"", False),  # 9 dimensions
+        (b"\x00\x81\x00a\x04\x01\x00", b"", False),  # a non-canonical name length
+        (b"\x00\x01\xff\x04\x01\x00", b"", False),  # a name that is not UTF-8
+        (b"\x00\x00\x04\x01\x00", b"", False),  # an empty name
+        (b"\x00\x01a\x04\x02\x03", b"", False),  # nnz above numel
+        (b"\x00\x01a\x08" + b"\x80" * 10 + b"\x01\x01\x00", b"", False),  # a varint past 10 bytes
+        (b"\x00\x01a\x08" + b"\xff\xff\xff\xff\x1f" * 2 + b"\x00", b"", False),  # too many elements
+        (b"\x02\x00\x00\x01b\x04\x01\x00", b"", False),  # a reference to a name not yet read
+        (b"\x01\x02\x00\x01b\x04\x01\x00", b"", False),  # a prefix longer than the name referred to
+        (FIRST, b"", False),  # the name of the tensor before it
+        (b"\x00\x01a\x04\x01\x00\x00", b"", False),  # a byte after the last tensor
+    ],
+)
+def test_both_readers_agree_on_single_entries(entry, data, valid):
+    table = b"\x00\x00\x02" + FIRST + entry  # no stages, default form coo, two tensors
+    body = v2._PREFIX.pack(b"GPUCODEC", 2, 0) + v2.uvarint(len(table)) + table + data
+    got = read_both(fuzz._with_crc(body))
+    assert (got[0] == "ok") == valid, got
+
+
+def test_written_bytes_are_each_buffer_as_it_lies():
+    rng = random.Random(5)
+    recs = [record(rng, f"w{i}", "coo") for i in range(4)]
+    recs = [r for r in recs if r.nnz > 1]
+    want = pack(recs, pipeline=[], layouts=wire_layouts())
+    strided = [broken(r, "values strided") for r in recs]
+    assert not strided[0].buffers["values"].flags.c_contiguous
+    assert pack(strided, pipeline=[], layouts=wire_layouts()) == want
+
+
+# ------------------------------------------------------------------------------------------ writer
+
+
+def write_both(recs: list[TensorRecord], version: int | None = 2):
+    def go():
+        return pack(recs, pipeline=[], layouts=wire_layouts(), version=version)
+
+    fast = outcome(go)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(v2, "_plain_buffers", lambda rec, enc: None)  # every record through plan's general checks
+        general = outcome(go)
+    assert fast == general
+    return fast
+
+
+def broken(rec: TensorRecord, how: str) -> TensorRecord:
+    b = dict(rec.buffers)
+    r = TensorRecord(rec.name, rec.dtype, rec.shape, rec.encoding, rec.nnz, b, dict(rec.codec))
+    if how.startswith("indices") and "indices" not in b:  # a dense record: an indices buffer it cannot have
+        b["indices"] = np.zeros(rec.nnz, np.uint32)
+    elif how == "indices int64":
+        b["indices"] = b["indices"].astype(np.int64)
+    elif how == "indices uint64":
+        b["indices"] = b["indices"].astype(np.uint64)
+    elif how == "values float64":
+        b["values"] = b["values"].astype(np.float64)
+    elif how == "values big-endian":
+        b["values"] = b["values"].astype(">f4")
+    elif how == "values strided":
+        b["values"] = np.repeat(b["values"], 2)[::2]
+    elif how == "values a list":
+        b["values"] = b["values"].tolist()
+    elif how == "indices one more":
+        b["indices"] = np.append(b["indices"], b["indices"][:1])
+    elif how == "one value more":
+        b["values"] = np.append(b["values"], np.float32(1))
+    elif how == "buffers reversed":
+        r.buffers = dict(reversed(list(b.items())))
+    elif how == "a buffer more":
+        b["scales"] = np.zeros(1, np.float32)
+    elif how == "values missing":
+        del b["values"]
+    elif how == "stored dtypes":
+        r.buffer_dtypes = {"indices": "uint32", "values": "float32"}
+    elif how == "stored dtype wrong":
+        r.buffer_dtypes = {"indices": "uint64", "values": "float32"}
+    elif how == "codec field":
+        r.codec = {"x": 1}
+    elif how == "shape a list":
+        r.shape = list(rec.shape)
+    elif how == "numpy dimension":
+        r.shape = tuple(np.int64(d) for d in rec.shape)
+    elif how == "negative dimension":
+        r.shape = (-1, *rec.shape)
+    elif how == "huge dimension":
+        r.shape = (1 << 41,)
+    elif how == "nnz a bool":
+        r.nnz = True
+    elif how == "nnz above numel":
+        r.nnz = rec.nnz + 10**6
+    elif how == "dtype int8":
+        r.dtype = "int8"
+    elif how == "dense":
+        r.encoding = "dense"
+    return r
+
+
+HOW = [
+    "indices int64",
+    "indices uint64",
+    "values float64",
+    "values big-endian",
+    "values strided",
+    "values a list",
+    "indices one more",
+    "one value more",
+    "buffers reversed",
+    "a buffer more",
+    "values missing",
+    "stored dtypes",
+    "stored dtype wrong",
+    "codec field",
+    "shape a list",
+    "numpy dimension",
+    "negative dimension",
+    "huge dimension",
+    "nnz a bool",
+    "nnz above numel",
+    "dtype int8",
+    "dense",
+]
+
+
+@pytest.mark.parametrize("version", [2, None])
+def test_both_writers_agree_on_valid_and_broken_records(version):
+    rng = random.Random(3)
+    recs = [record(rng, f"w{i}", "coo") for i in range(6)] + [record(rng, f"d{i}", "dense") for i in range(3)]
+    recs = [r for r in recs if r.nnz]
+    ok = write_both(recs, version)
+    assert ok[0] == "ok" and read_both(ok[1])[0] == "ok"
+    results = set()
+    for how in HOW:
+        for i in (0, len(recs) - 1):
+            mixed = list(recs)
+            mixed[i] = broken(recs[i], how)
+            got = write_both(mixed, version)
+            results.add(got[0])
+            if got[0] == "ok":
+                read_both(got[1])  # (what a v1 fallback wrote need not read back; the readers agree on it)
+    assert {"ok", "InvalidInputError" if version else "AttributeError"} <= results, results
+
+
+# ------------------------------------------------------------------------------------------ names
+
+
+def reference_entries(names: tuple) -> list[bytes]:
+    """docs/FORMAT.md's name coding as the writer applies it: each name against no earlier name, the previous one
+    (distance 1), and the last earlier one whose digits-collapsed form is the same, the shortest entry winning,
+    the earlier tried of two that tie (tried in the order of the set {1, distance})."""
+    out, encoded, last = [], [], {}
+    for i, name in enumerate(names):
+        if not isinstance(name, str) or not 0 < len(name) <= v2.MAX_NAME or name in names[:i]:
+            raise Unrepresentable(f"tensor name {name!r}")
+        try:
+            nb = name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise Unrepresentable(f"tensor name {name!r} is not encodable as UTF-8") from None
+        best = v2.uvarint(0) + v2.uvarint(len(nb)) + nb
+        skeleton = re.sub(rb"[0-9]+", b"#", nb)
+        j = last.get(skeleton)
+        for d in {1, i - j} if j is not None else ({1} if i else set()):
+            ref = encoded[i - d]
+            p = 0
+            while p < min(len(nb), len(ref)) and nb[p] == ref[p]:
+                p += 1
+            s = 0
+            while s < min(len(nb), len(ref)) and nb[-1 - s] == ref[-1 - s]:
+                s += 1
+            q = min(s, len(ref) - p, len(nb) - p)
+            e = v2.uvarint(d) + v2.uvarint(p) + v2.uvarint(q) + v2.uvarint(len(nb) - p - q) + nb[p : len(nb) - q]
+            if len(e) < len(best):
+                best = e
+        last[skeleton] = i
+        encoded.append(nb)
+        out.append(best)
+    return out
+
+
+def entries_both(names: tuple):
+    want = outcome(lambda: reference_entries(names))
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(v2, "_VECTOR_NAMES", 1)
+        vector = outcome(lambda: list(v2._entries_of(names)))
+        m.setattr(v2, "_NAME_CELLS", 0)
+        scalar = outcome(lambda: list(v2._entries_of(names)))
+    assert vector == want and scalar == want
+    return want
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_names_coded_by_numpy_and_name_by_name_as_the_rule_says(seed):
+    rng = random.Random(seed)
+    alphabet = ["a", "b", ".", "0", "1", "9", "12", "é", "weight", "layer", "\x00", "x" * 130]
+    for trial in range(150):
+        letters = alphabet + (["#"] if trial % 3 == 0 else []) + (["\n"] if trial % 5 == 0 else [])
+        got: dict[str, None] = {}
+        for _ in range(rng.randrange(0, 80)):
+            k = rng.randrange(1, 6)
+            got["".join(rng.choice(letters) for _ in range(k)) + str(rng.randrange(300))] = None
+        t = list(got)
+        if rng.random() < 0.5:
+            t.sort()
+        assert entries_both(tuple(t))[0] == "ok"
+    far = tuple(f"blk{i % 7}.{'y' * (i % 3)}.{i}" for i in range(400))  # references 7 back, and past 127
+    assert entries_both(far + tuple(f"z{i}" for i in range(200)))[0] == "ok"
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [("a", 3), ("a", ""), ("a", "a"), ("a", "\ud800"), ("a", "x" * 1025), ("a", ["b"]), (b"a",)],
+)
+def test_names_refused_as_before(bad):
+    want = entries_both(bad)
+    assert want[0] == "Unrepresentable"
+    assert outcome(lambda: v2._name_entries(bad)) == want  # through the memo too (an unhashable name included)
+
+
+def test_names_remembered_for_the_same_names():
+    t = tuple(f"layer{i}.weight" for i in range(200))
+    first = v2._name_entries(t)
+    assert v2._name_entries(tuple(f"layer{i}.weight" for i in range(200))) is first  # equal, not the same
+    assert list(first) == reference_entries(t)
