@@ -155,6 +155,43 @@ def test_decompress_of_small_tensors_launches_and_copies_as_often_at_any_tensor_
     assert work[30] == work[300], work
 
 
+def test_add_and_mean_of_small_tensors_launch_and_copy_as_often_at_any_tensor_count(emulator):
+    """An aggregator's add of a payload of small tensors (its entries joined a run at a time, checked, split and
+    added by one launch a run; the grids that coarsen moved by one launch) and its mean (one launch a value dtype):
+    the device work does not grow with the tensor count; and the accumulator holds the CPU's bytes."""
+    work = {}
+    for t in (30, 300):
+        new, base = _update(t, 1 << 16, seed=t)
+        finer = {k: base[k] + (new[k] - base[k]) * np.float32(2**-30) for k in base}  # every grid coarsens after it
+        blobs = [_cpu_blob(finer, base, fraction=0.01), _cpu_blob(new, base, fraction=0.01)]
+
+        def first(blobs=blobs, base=base):
+            agg = gpu_codec.Aggregator(base=base)
+            agg.add(blobs[0], weight=3)
+            return agg
+
+        means = []
+        add = measure(lambda agg, b=blobs[1]: agg.add(b), setup=first, resident=[base], emulator=emulator, repeat=1)
+        mean = measure(
+            lambda agg, b=blobs[1]: (agg.add(b), means.append(agg.mean_delta())),
+            setup=first,
+            resident=[base],
+            emulator=emulator,
+            repeat=1,
+        )
+        a = add.counts
+        assert a.kernels["limb_shift"] == 1 and sum(v for k, v in a.kernels.items() if "accumulate" in k) == 1
+        assert a.syncs <= SYNCS["add"] and not a.host_numpy and not mean.counts.host_numpy
+        work[t] = (a.launches, a.array_ops, a.h2d, mean.counts.launches, mean.counts.array_ops, mean.counts.h2d)
+        with use_backend("cpu"):
+            agg = gpu_codec.Aggregator(base=base)
+            agg.add(blobs[1])  # (the other order: the same bytes)
+            agg.add(blobs[0], weight=3)
+            want = agg.mean_delta()
+        assert all(np.asarray(means[0][k]).tobytes() == want[k].tobytes() for k in want)
+    assert work[30] == work[300], work
+
+
 def _device(emulator):
     return using_backend(RecordingBackend(emulator))  # the GPU path's code, run on the emulator
 
