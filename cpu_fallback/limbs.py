@@ -102,23 +102,24 @@ def limb_mean(limbs: np.ndarray, starts, numels, scales, total: float, out: np.n
     """Twin of kernels/limbs.cu ``limb_mean_*``: ``out`` (the tensors end to end) = ``(limbs[0] * scales[t][0] +
     limbs[1] * scales[t][1] + ...) / total`` over each tensor's elements (from ``starts[t]``), each step in fp64 and
     the last cast to ``out``'s dtype, as ``((l0.astype(f64) * s0 + l1.astype(f64) * s1 + ...) /
-    total).astype(out.dtype)`` computes it; in blocks of BLOCK elements on the pool, each task through two fp64
-    buffers of its own.
+    total).astype(out.dtype)`` computes it; in blocks of at most BLOCK elements (and an eighth of the tensor) on the
+    pool, each task through two fp64 buffers of its own.
     """
     tasks, o = [], 0
     for t, (a, n) in enumerate(zip(starts, numels)):
         a, n = int(a), int(n)
-        step = -(-n // (thread_count() * BLOCK)) * BLOCK  # a large tensor: one task per thread, in whole blocks
-        tasks += [(t, a, o, lo, hi) for lo, hi in spans(0, n, max(step, 1))]
+        blk = min(BLOCK, max(n // 8, 1 << 16))  # the fp64 buffers: at most an eighth of the tensor's elements
+        step = -(-n // (thread_count() * blk)) * blk  # a large tensor: one task per thread, in whole blocks
+        tasks += [(t, a, o, lo, hi, blk) for lo, hi in spans(0, n, max(step, 1))]
         o += n
 
-    def task(job: tuple[int, int, int, int, int]) -> None:
-        t, a, o, lo, hi = job
-        acc = np.empty(min(BLOCK, hi - lo), np.float64)
+    def task(job: tuple[int, int, int, int, int, int]) -> None:
+        t, a, o, lo, hi, blk = job
+        acc = np.empty(min(blk, hi - lo), np.float64)
         term = np.empty_like(acc)
         sc = [float(x) for x in scales[t]]
-        for b in range(lo, hi, BLOCK):
-            e = min(hi, b + BLOCK)
+        for b in range(lo, hi, blk):
+            e = min(hi, b + blk)
             mean_span(limbs[:, a + b : a + e], sc, total, out[o + b : o + e], 0, e - b, acc, term)
 
     parallel_map(task, tasks)
