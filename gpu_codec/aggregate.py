@@ -1,7 +1,9 @@
 """Server-side aggregation straight from the sparse form: the weighted mean of many clients' compressed updates.
 
-One accumulator per tensor on the backend's device; each payload is decoded by its own pipeline to
-(index, value) pairs and scatter-added into it. No client is ever made dense.
+One accumulator for the whole model on the backend's device (every tensor at its offset, with its own grid); each
+payload is decoded by its own pipeline to (index, value) pairs and scatter-added into it. No client is ever made
+dense. On a device, runs of small sparse tensors are joined as :func:`gpu_codec.decompress` joins them, checked
+with one read-back and added by one launch a run, so an add makes the same few launches at any tensor count.
 
 Determinism: each weighted value ``w * v`` is formed in fp64 and rounded once to a grid fixed per tensor, no
 coarser than 2^-35 of the largest ``|w * v|`` that tensor has received (the grid only depends on that maximum, so
