@@ -589,16 +589,42 @@ class Aggregator:
                 means = self._mean_delta()
                 entries = self._template.entries
             if self._base is not None:
+                # the cap was applied to every payload; every client's base + delta is finite, so the mean's is
+                # (its rounding aside, at the very edge of the dtype's range)
+                out = self._onto_base(means, bases, entries) if self._backend.on_device else None
+                if out is not None:
+                    return out
                 recs = [
                     TensorRecord(n, dt, shape, "dense", math.prod(shape), {"values": means[n]})
                     for n, shape, dt in entries
                 ]
                 del means
-                # the cap was applied to every payload; every client's base + delta is finite, so the mean's is
-                # (its rounding aside, at the very edge of the dtype's range)
                 return _decode.decompress(Payload(recs, []), base=self._base, max_output_bytes=None)
             kind = self._like or "numpy"
             return {n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind) for n, shape, dt in entries}
+
+    def _onto_base(self, means: dict[str, Any], bases: list, entries: list) -> dict[str, Any] | None:
+        """``base + mean`` of every tensor as :func:`gpu_codec.decompress` adds a dense delta onto its base (the
+        same bytes), in one launch over all of them into one allocation per dtype, checked with one read-back;
+        None where a sum is not finite (decompress then raises its error)."""
+        backend, xp = self._backend, self._backend.xp
+        logical = [dt for _, _, dt in entries]
+        recs = [TensorRecord(n, dt, shape, "dense", math.prod(shape), {}) for n, shape, dt in entries]
+        outs = _decode._Outputs(recs, logical, [None] * len(recs), True, backend)
+        views = [outs[i] for i in range(len(recs))]
+        checks = _decode.DeviceChecks(xp)
+        codes = [dtypes.code(dt) for dt in logical]
+        vals = [means[n] for n, _, _ in entries]
+        checks.word(
+            backend.dense_apply(views, codes, [backend.asarray(b.data) for b in bases], vals, ScatterMode.ADD, True)
+        )
+        del vals, means
+        for dt in dict.fromkeys(logical):  # one allocation (and one check) per dtype
+            checks.flag(some_nonfinite(outs.flat(logical.index(dt)), dtypes.code(dt), xp))
+        if not checks.passed():
+            return None
+        kind = bases[0].kind
+        return {n: from_backend(views[i], dt, shape, kind, bases[i].device) for i, (n, shape, dt) in enumerate(entries)}
 
 
 def aggregate(

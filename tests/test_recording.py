@@ -157,8 +157,9 @@ def test_decompress_of_small_tensors_launches_and_copies_as_often_at_any_tensor_
 
 def test_add_and_mean_of_small_tensors_launch_and_copy_as_often_at_any_tensor_count(emulator):
     """An aggregator's add of a payload of small tensors (its entries joined a run at a time, checked, split and
-    added by one launch a run; the grids that coarsen moved by one launch) and its mean (one launch a value dtype):
-    the device work does not grow with the tensor count; and the accumulator holds the CPU's bytes."""
+    added by one launch a run; the grids that coarsen moved by one launch), its mean (one launch a value dtype) and
+    its result onto the base (one launch): the device work does not grow with the tensor count; and the
+    accumulator holds the CPU's bytes."""
     work = {}
     for t in (30, 300):
         new, base = _update(t, 1 << 16, seed=t)
@@ -181,10 +182,14 @@ def test_add_and_mean_of_small_tensors_launch_and_copy_as_often_at_any_tensor_co
             emulator=emulator,
             repeat=1,
         )
+        res = measure(
+            lambda agg: agg.result(), setup=lambda first=first: first(both=True), resident=[base], emulator=emulator
+        )
         a = add.counts
         assert a.kernels["limb_shift"] == 1 and sum(v for k, v in a.kernels.items() if "accumulate" in k) == 1
         assert a.syncs <= SYNCS["add"] and not a.host_numpy and not mean.counts.host_numpy
-        work[t] = (a.launches, a.array_ops, a.h2d, mean.counts.launches, mean.counts.array_ops, mean.counts.h2d)
+        assert res.counts.syncs <= SYNCS["add"] and res.counts.kernels["dense_apply"] == 1
+        work[t] = [(c.launches, c.array_ops, c.h2d) for c in (a, mean.counts, res.counts)]
         with use_backend("cpu"):
             agg = gpu_codec.Aggregator(base=base)
             agg.add(blobs[1])  # (the other order: the same bytes)
