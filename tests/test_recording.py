@@ -230,6 +230,41 @@ def test_the_device_decode_gives_the_cpu_bytes(emulator, dtype, fraction, monkey
             assert np.asarray(g[k]).tobytes() == w[k].tobytes(), k
 
 
+@pytest.mark.parametrize("with_base", [True, False])
+def test_the_device_aggregator_gives_the_cpu_bytes_whatever_the_order_dtypes_and_pipelines(emulator, with_base):
+    """Payloads whose tensors come in another order than the aggregation's (runs cut where they are not adjacent
+    in the accumulator), of mixed dtypes (runs cut at a dtype), with empty and all-zero tensors, sent sparse and
+    dense, raw and coded, with weights whose grids coarsen and refine: the device path's accumulator, mean and
+    result are the CPU's, to the byte."""
+    rng = np.random.default_rng(9)
+    dts = [np.float32, np.float32, np.float32, np.float64, np.float16, np.float32, np.float64, np.float16, np.float16]
+    sizes = [40, 30, 0, 50, 7, 300_000, 60, 25, 9]
+    base = {f"t{i}": rng.standard_normal(n).astype(dt) for i, (n, dt) in enumerate(zip(sizes, dts))}
+    names = list(base)
+    coded = [gpu_codec.Quantize("float16"), gpu_codec.RiceIndices(), gpu_codec.Zstd()]
+    blobs = []
+    for c, (order, fraction, pipe) in enumerate(
+        [(names, 0.2, None), (names[::-1], 0.3, None), (names[3:] + names[:3], 0.5, coded), (names, None, None)]
+    ):
+        scale = 10.0 ** (2 * c - 4)
+        new = {k: (base[k] + rng.standard_normal(base[k].size) * scale).astype(base[k].dtype) for k in order}
+        new["t4"] = base["t4"].copy()  # nothing changes: all zeros
+        blobs.append(_cpu_blob(new, base, fraction=fraction, pipeline=pipe))
+    weights = [3.0, 0.5, 1.0, 2.0]
+    got = {}
+    for place in ("cpu", "device"):
+        with use_backend("cpu") if place == "cpu" else _device(emulator):
+            agg = gpu_codec.Aggregator(base=base if with_base else None)
+            states = []
+            for b, w in zip(blobs, weights):
+                agg.add(b, weight=w)
+                states.append((np.asarray(agg._limbs).tobytes(), agg._beta.tobytes()))
+            mean = {k: np.asarray(v).tobytes() for k, v in agg.mean_delta().items()}
+            out = {k: np.asarray(v).tobytes() for k, v in agg.result().items()}
+            got[place] = (states, mean, out)
+    assert got["device"] == got["cpu"]
+
+
 def _hostile(kind: str):
     """(payload, base) that decompress and add refuse: each check of the decode, in the tensor after a good one."""
     rng = np.random.default_rng(2)
