@@ -1,8 +1,8 @@
 // Float steps of the aggregator (gpu_codec/aggregate.py) and of decoding, in our kernels rather than CuPy's
 // elementwise ones: CuPy compiles those with -ftz=true, which flushes single-precision subnormals (in a cast from
-// or to fp32, in an fp32 multiply) where the NumPy twins keep them. One thread per element, grid-stride loops,
-// 64-bit indexing. NumPy twins: cpu_fallback/limbs.py (limb_accumulate, limb_shift, segment_abs_max, limb_mean) and cpu_fallback/quantize.py
-// (int8_decode, widen_f32); the same bytes.
+// or to fp32, in an fp32 multiply) where the NumPy twins keep them. One thread per element or entry (grid-stride
+// loops where the grid is capped), 64-bit indexing. NumPy twins: cpu_fallback/limbs.py (limb_accumulate,
+// limb_shift, segment_abs_max, limb_mean) and cpu_fallback/quantize.py (int8_decode, widen_f32); the same bytes.
 #include "common.cuh"
 
 #define LIMB_COUNT 3
