@@ -318,9 +318,9 @@ class Aggregator:
         backend = self._backend
         bounds = _decode.DECODE_CHUNK_DEVICE if backend.on_device else _decode.DECODE_CHUNK
         pos = np.asarray([template.pos[r.name] for r in payload.tensors], np.int64)
-        # every check before the accumulator changes; on a device, read back at once (where one fails, they run
-        # again one by one, reading each, which raises the error of the first tensor that fails)
-        planned = self._plan_deferred(payload, pos, template, w, what, bounds) if backend.on_device else None
+        # every check before the accumulator changes, read back at once (where one fails, they run again one by one,
+        # reading each, which raises the error of the first tensor that fails)
+        planned = self._plan_deferred(payload, pos, template, w, what, bounds)
         if planned is None:
             records = _decoded_entries(payload, backend, bounds)
             plan = self._plan(records, w, weight, what)
@@ -360,10 +360,11 @@ class Aggregator:
     def _plan_deferred(
         self, payload: Payload, pos: np.ndarray, template: _Template, w: float, what: str, bounds: tuple[int, int]
     ) -> tuple[list[_Segment], np.ndarray] | None:
-        """:meth:`_plan` on a device, with every check left there and read back at once (twice with a base: the
-        sums with the base are formed once the ranges are known good): (segments, each tensor's grid exponent),
-        or None where a check fails. Runs of small sparse tensors adjacent in the accumulator (as
-        :func:`gpu_codec.decode.decompress` forms them) are joined, checked and added a run at a time."""
+        """:meth:`_plan` with every check left on the backend and read back at once (twice with a base: the sums
+        with the base are formed once the ranges are known good): (segments, each tensor's grid exponent), or None
+        where a check fails. Runs of small sparse tensors adjacent in the accumulator (as
+        :func:`gpu_codec.decode.decompress` forms them) are joined, checked and added a run at a time: on a
+        device a few launches a run, on the host a few NumPy calls (not a few per tensor)."""
         backend, xp = self._backend, self._backend.xp
         records = payload.tensors
         with_base = self._base is not None
