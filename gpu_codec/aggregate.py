@@ -408,6 +408,8 @@ class Aggregator:
                 segs.append(_Segment([int(pos[i])], [int(vals.size)], vals, idx, r))
         except PayloadError:
             return None
+        if not flags:  # no entry at all (runs of empty tensors, or no tensor): nothing to check, nothing to add
+            return segs, np.full(len(records), NO_GRID, np.int64)
         host = backend.to_host(xp.concatenate([xp.stack(flags).any().astype(np.uint64).reshape(1), *parts]))
         if host[0]:
             return None
