@@ -57,7 +57,7 @@ def limb_split(vals, w: float, exps, xp=np, counts=None):
 def limb_accumulate(limbs: np.ndarray, start: int, counts, exps, vals, idx, w: float) -> None:
     """Twin of kernels/limbs.cu ``limb_accumulate_*``: ``limbs[j][start + e] += q_j`` for every entry, ``q`` the
     limbs of ``vals * w`` (:func:`limb_split`) on its tensor's grids (a row of ``exps`` per tensor, whose entries
-    are ``counts`` of ``vals`` in turn), ``e`` its index ``idx`` (``None``: a dense tensor's entries, element ``e``
+    are ``counts`` of ``vals`` in turn), ``e`` its index ``idx`` (``None``: dense tensors end to end, element ``e``
     the entry's position)."""
     qs = limb_split(vals, w, exps, counts=counts)
     limb_add(limbs[:, start:] if idx is not None else limbs[:, start : start + qs.shape[1]], idx, qs)

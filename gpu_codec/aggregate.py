@@ -369,7 +369,7 @@ class Aggregator:
         records = payload.tensors
         with_base = self._base is not None
         logical = [r.dtype if with_base else dtypes.value_dtype(r.dtype) for r in records]
-        runs = self._runs(records, logical, pos)
+        runs, dense = self._runs(records, logical, pos)
         segs: list[_Segment] = []
         flags, parts = [], []
         where = np.full(len(records), -1, np.int64)  # each tensor's largest |v| in the read-back (-1: none)
@@ -385,12 +385,18 @@ class Aggregator:
                     first = i + 1 - len(group)
                     ps = [int(p) for p in pos[first : i + 1]]
                     starts = [int(template.starts[p]) for p in ps]
-                    joined = _decode.join_run(group, [*starts, starts[-1] + group[-1].numel], backend)
+                    if runs[i] in dense:
+                        joined = self._join_dense(records[first : i + 1], backend)
+                    else:
+                        joined = _decode.join_run(group, [*starts, starts[-1] + group[-1].numel], backend)
+                    if joined is None and runs[i] in dense:
+                        return None  # (a record that does not hold its elements: checked one by one, which raises)
                     if joined is not None:
                         gi, vals, counts, ok = joined
                         if counts != [dd.nnz for dd in group] or int(vals.size) != sum(counts):
                             return None
-                        flags.append(~ok)
+                        if ok is not None:
+                            flags.append(~ok)
                         parts.append(backend.segment_abs_max(vals, counts))
                         where[first : i + 1] = np.arange(filled, filled + len(ps))
                         wide[first : i + 1] = vals.dtype.itemsize == 8
@@ -408,9 +414,10 @@ class Aggregator:
                 segs.append(_Segment([int(pos[i])], [int(vals.size)], vals, idx, r))
         except PayloadError:
             return None
-        if not flags:  # no entry at all (runs of empty tensors, or no tensor): nothing to check, nothing to add
+        if not parts:  # no entry at all (runs of empty tensors, or no tensor): nothing to check, nothing to add
             return segs, np.full(len(records), NO_GRID, np.int64)
-        host = backend.to_host(xp.concatenate([xp.stack(flags).any().astype(np.uint64).reshape(1), *parts]))
+        bad = xp.stack(flags).any().astype(np.uint64).reshape(1) if flags else xp.zeros(1, dtype=np.uint64)
+        host = backend.to_host(xp.concatenate([bad, *parts]))
         if host[0]:
             return None
         bits = np.where(where >= 0, host[np.maximum(where, 0)], 0).astype(np.uint64)
@@ -429,24 +436,74 @@ class Aggregator:
                 lg = template.entries[seg.pos[0]][2]
                 span = xp.empty(int(template.numels[seg.pos].sum()), dtype=dtypes.storage_dtype(lg))
                 bases = [to_tensor(self._base[n], n) for n in names]
-                _decode.apply_run(seg.idx, seg.vals, span, bases, lg, backend, checks)
+                if seg.idx is not None:
+                    _decode.apply_run(seg.idx, seg.vals, span, bases, lg, backend, checks)
+                    continue
+                # a dense run: every element's sum with its base, as decompress forms it, in one pass
+                ends = np.cumsum(seg.counts).tolist()
+                cut = [(b - c, b) for c, b in zip(seg.counts, ends)]
+                code = dtypes.code(lg)
+                checks.word(
+                    backend.dense_apply(
+                        [span[a:b] for a, b in cut],
+                        [code] * len(cut),
+                        [backend.asarray(t.data) for t in bases],
+                        [seg.vals[a:b] for a, b in cut],
+                        ScatterMode.ADD,
+                        True,
+                    )
+                )
+                checks.flag(some_nonfinite(span, code, xp))
             if not checks.passed():
                 return None
         return segs, _grid_exponents(cmax)
 
     @staticmethod
-    def _runs(records: list[TensorRecord], logical: list[str], pos: np.ndarray) -> list[int | None]:
-        """Each record's run (:func:`gpu_codec.decode.decompress`'s runs of small sparse tensors, cut where the
-        tensors are not adjacent in the accumulator), or None for a tensor added alone."""
-        out: list[int | None] = []
+    def _join_dense(records: list[TensorRecord], backend: Any) -> tuple[None, Any, list[int], None] | None:
+        """A run of plain dense records' values end to end (joined on the host where they were read from bytes,
+        and copied once): (None, values, each one's count, None); None where a record does not hold one value of
+        its value dtype per element."""
+        vals = [r.buffers.get("values") for r in records]
+        if any(
+            v is None or r.nnz != r.numel or v.size != r.numel or v.dtype != dtypes.value_dtype(r.dtype)
+            for r, v in zip(records, vals)
+        ):
+            return None
+        if all(isinstance(v, np.ndarray) for v in vals):
+            joined = backend.asarray(np.concatenate([v.reshape(-1) for v in vals]))
+        else:
+            joined = backend.xp.concatenate([backend.asarray(v).reshape(-1) for v in vals])
+        return None, joined, [r.numel for r in records], None
+
+    @staticmethod
+    def _runs(records: list[TensorRecord], logical: list[str], pos: np.ndarray) -> tuple[list[int | None], set[int]]:
+        """Each record's run, or None for a tensor added alone: :func:`gpu_codec.decode.decompress`'s runs of small
+        sparse tensors, and runs of small plain dense ones (as many elements), each cut where the tensors are not
+        adjacent in the accumulator; and the runs that are dense."""
         given = _decode._runs(records, logical)
-        rid = -1
-        for i, g in enumerate(given):
-            if g is not None and not (i and given[i - 1] == g and pos[i] == pos[i - 1] + 1):
-                rid += 1
-            out.append(None if g is None else rid)
+        out: list[int | None] = []
+        dense: set[int] = set()
+        rid, size = -1, 0
+        for i, (g, r) in enumerate(zip(given, records)):
+            plain = g is None and r.encoding == "dense" and r.numel <= _decode.SMALL_TENSOR
+            if g is None and not plain:
+                out.append(None)
+                continue
+            after = i and pos[i] == pos[i - 1] + 1 and out[-1] is not None
+            if g is not None:
+                joins = after and given[i - 1] == g and out[-1] not in dense
+            else:
+                joins = (
+                    after and out[-1] in dense and logical[i] == logical[i - 1] and size + r.numel <= _decode.SMALL_RUN
+                )
+            if not joins:
+                rid, size = rid + 1, 0
+                if plain:
+                    dense.add(rid)
+            out.append(rid)
+            size += r.numel
         sizes = Counter(out)
-        return [None if g is None or sizes[g] < 2 else g for g in out]
+        return [None if g is None or sizes[g] < 2 else g for g in out], dense
 
     def _check_weight_sum(self, w: float, weight: Any, what: str) -> None:
         if self._wsum + w < 2.0**1000:

@@ -12,8 +12,8 @@
 // [ent_start[t], ent_start[t + 1]), found by binary search (tensor_of_entry). Integer steps only, but for the
 // split and the mean, whose fp64 steps are written out (__dmul_rn, rint: NumPy's round half to even).
 
-// limbs[j][o0 + e] += q_j for entry i of tensor t, e = idx[i] (dense: i - ent_start[t]): the limbs of
-// (double)v[i] * w on the grids of t, grid[6 t + j] = 2^-e_j and grid[6 t + 3 + j] = 2^e_j (e_0 the coarsest):
+// limbs[j][o0 + e] += q_j for entry i of tensor t, e = idx[i] (dense: i, the tensors' elements end to end): the
+// limbs of (double)v[i] * w on the grids of t, grid[6 t + j] = 2^-e_j and grid[6 t + 3 + j] = 2^e_j (e_0 the coarsest):
 // rem = v * w; q_j = rint(rem * 2^-e_j); rem = rem - q_j * 2^e_j (but after the last limb). Every product is by a
 // power of two, so exact. The entries of one launch own distinct elements: plain adds, no atomics.
 template <typename T, typename IDX>
@@ -24,7 +24,7 @@ __device__ __forceinline__ void limb_accumulate_one(int nt, u64 total, const u64
     if (i >= total) return;
     const int t = tensor_of_entry(ent_start, nt, i);
     const double* g = grid + 2 * LIMB_COUNT * t;
-    const u64 e = o0 + (dense ? i - ent_start[t] : (u64)idx[i]);
+    const u64 e = o0 + (dense ? i : (u64)idx[i]);
     double rem = __dmul_rn((double)v[i], w);
     for (int j = 0; j < LIMB_COUNT; ++j) {
         const double q = rint(__dmul_rn(rem, g[j]));

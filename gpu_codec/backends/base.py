@@ -205,7 +205,8 @@ class Backend(Protocol):
     ) -> None:
         """``limbs[j][start + e] += q_j`` for every entry: ``q`` the int32 limbs of ``vals * w`` (fp64) on its
         tensor's grids ``2^exps[t][j]`` (a host row per tensor, coarsest first; the entries are ``counts`` of
-        ``vals`` in turn), ``e`` its index (``idx``, distinct; ``None``: a dense tensor, entry e is element e)."""
+        ``vals`` in turn), ``e`` its index (``idx``, distinct; ``None``: dense tensors end to end, entry e is
+        element e)."""
         ...
 
     def limb_shift(self, limbs: Array, starts: np.ndarray, numels: np.ndarray, shifts: np.ndarray) -> None:

@@ -1389,17 +1389,15 @@ def float_steps(runner, name: str = "floats", n: int = 3001) -> list[str]:
     for k, dt in enumerate((np.float32, np.float64)):
         v = subnormal_mix(n, dt, 11 + k)
         tiny = v[np.abs(v) < (2.0**-120 if dt == np.float32 else 2.0**-1000)]
-        for vals in (v, tiny):
-            cs = counts if vals is v else [vals.size]
+        # sparse tensors (32- and 64-bit indices), dense tensors end to end, one dense tensor of subnormals only
+        for vals, cs, forms in ((v, counts, (np.uint32, np.uint64, None)), (tiny, [tiny.size], (None,))):
             ends = np.cumsum(cs)
             for w in (1.0, 0.75, 3.0):
                 # each tensor's grid as the aggregator picks it: fine enough for subnormals where they are all there is
                 m = [float(np.abs(vals[e - c : e]).max()) if c else 0.0 for c, e in zip(cs, ends)]
                 exps = np.asarray([_grid_exponent(w * x) or 0 for x in m], np.int64)[:, None] + rows
-                for wide in (False, True):
-                    ix = None if vals is tiny else idx.astype(np.uint64 if wide else np.uint32)
-                    if vals is tiny and wide:
-                        continue
+                for form in forms:
+                    ix = None if form is None else idx.astype(form)
                     limbs = rng.integers(-(1 << 20), 1 << 20, size=(LIMBS, size), dtype=np.int32)
                     want, d_limbs = limbs.copy(), up(limbs)
                     lt.limb_accumulate(want, int(starts[0]), cs, exps, vals, ix, w)
