@@ -362,9 +362,9 @@ class Aggregator:
     ) -> tuple[list[_Segment], np.ndarray] | None:
         """:meth:`_plan` with every check left on the backend and read back at once (twice with a base: the sums
         with the base are formed once the ranges are known good): (segments, each tensor's grid exponent), or None
-        where a check fails. Runs of small sparse tensors adjacent in the accumulator (as
-        :func:`gpu_codec.decode.decompress` forms them) are joined, checked and added a run at a time: on a
-        device a few launches a run, on the host a few NumPy calls (not a few per tensor)."""
+        where a check fails. Runs of small tensors adjacent in the accumulator (sparse ones as
+        :func:`gpu_codec.decode.decompress` forms them, and plain dense ones) are joined, checked and added a run at
+        a time: on a device a few launches a run, on the host a few NumPy calls (not a few per tensor)."""
         backend, xp = self._backend, self._backend.xp
         records = payload.tensors
         with_base = self._base is not None
@@ -390,7 +390,7 @@ class Aggregator:
                     else:
                         joined = _decode.join_run(group, [*starts, starts[-1] + group[-1].numel], backend)
                     if joined is None and runs[i] in dense:
-                        return None  # (a record that does not hold its elements: checked one by one, which raises)
+                        return None  # (values that are not one per element: added one by one, or refused)
                     if joined is not None:
                         gi, vals, counts, ok = joined
                         if counts != [dd.nnz for dd in group] or int(vals.size) != sum(counts):
@@ -465,7 +465,10 @@ class Aggregator:
         its value dtype per element."""
         vals = [r.buffers.get("values") for r in records]
         if any(
-            v is None or r.nnz != r.numel or v.size != r.numel or v.dtype != dtypes.value_dtype(r.dtype)
+            not hasattr(v, "reshape")  # (an array, not a buffer streamed from a frame)
+            or r.nnz != r.numel
+            or v.size != r.numel
+            or v.dtype != dtypes.value_dtype(r.dtype)
             for r, v in zip(records, vals)
         ):
             return None
