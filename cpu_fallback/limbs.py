@@ -8,7 +8,7 @@ order).
 >>> limbs[:, 1].tolist(), limbs[:, 3].tolist()
 ([1, 3, 5], [2, 4, 6])
 >>> out = np.empty(5, np.float32)
->>> limb_mean(limbs, [4.0, 2.0, 1.0], 2.0, out)
+>>> limb_mean(limbs, [0, 3], [3, 2], [[4.0, 2.0, 1.0], [4.0, 2.0, 1.0]], 2.0, out)
 >>> out.tolist()                                    # (1*4 + 3*2 + 5) / 2 and (2*4 + 4*2 + 6) / 2
 [0.0, 7.5, 0.0, 11.0, 0.0]
 """
@@ -29,22 +29,65 @@ TASK = 1 << 20  # elements per pool task of a dense limb_add
 ADD_TASK = 1 << 15  # entries per pool task of limb_add
 
 
-def limb_split(vals, w: float, exps: list[int], xp=np):
+def limb_split(vals, w: float, exps, xp=np, counts=None):
     """The limbs of ``vals * w`` (fp64) on the grids ``2^exps[j]`` (coarsest first), as int32 rows: ``rem = v * w``;
     ``q_j = rint(rem * 2^-e_j)``; ``rem -= q_j * 2^e_j`` but after the last. Every product is by a power of two,
-    so exact. Twin of kernels/limbs.cu ``limb_split_f32`` / ``limb_split_f64``.
+    so exact. With ``counts``, ``exps`` holds a row of grids per tensor, whose entries are ``counts`` of ``vals``
+    in turn. The split of kernels/limbs.cu ``limb_accumulate_*``.
 
     >>> limb_split(np.array([1.5, -0.25], np.float32), 2.0, [0, -1, -2]).tolist()
     [[3, 0], [0, -1], [0, 0]]
     """
     rem = vals.astype(np.float64) * w
-    qs = xp.empty((len(exps), rem.size), dtype=np.int32)
-    for j, e in enumerate(exps):
-        q = xp.rint(rem * math.ldexp(1.0, -e))
-        if j < len(exps) - 1:
-            rem = rem - q * math.ldexp(1.0, e)  # exact: q * 2^e is within half a grid step of rem
+    per = counts is not None and len(counts) > 1
+    rows = np.asarray(exps, np.int64).reshape(-1, np.shape(exps)[-1])
+    nl = rows.shape[1]
+    qs = xp.empty((nl, rem.size), dtype=np.int32)
+    for j in range(nl):
+        e = rows[:, j]
+        inv = np.repeat(np.ldexp(1.0, -e), counts) if per else math.ldexp(1.0, -int(e[0]))
+        q = xp.rint(rem * inv)
+        if j < nl - 1:
+            step = np.repeat(np.ldexp(1.0, e), counts) if per else math.ldexp(1.0, int(e[0]))
+            rem = rem - q * step  # exact: q * 2^e is within half a grid step of rem
         qs[j] = q
     return qs
+
+
+def limb_accumulate(limbs: np.ndarray, start: int, counts, exps, vals, idx, w: float) -> None:
+    """Twin of kernels/limbs.cu ``limb_accumulate_*``: ``limbs[j][start + e] += q_j`` for every entry, ``q`` the
+    limbs of ``vals * w`` (:func:`limb_split`) on its tensor's grids (a row of ``exps`` per tensor, whose entries
+    are ``counts`` of ``vals`` in turn), ``e`` its index ``idx`` (``None``: dense tensors end to end, element ``e``
+    the entry's position)."""
+    qs = limb_split(vals, w, exps, counts=counts)
+    limb_add(limbs[:, start:] if idx is not None else limbs[:, start : start + qs.shape[1]], idx, qs)
+
+
+def limb_shift(limbs: np.ndarray, starts, numels, shifts) -> None:
+    """Twin of kernels/limbs.cu ``limb_shift``: each tensor's grid made coarser by ``shifts[t]`` whole limbs (row j
+    takes row j - s, 0 past the top; the lowest falls off)."""
+    nl = limbs.shape[0]
+    for a, n, s in zip(starts, numels, shifts):
+        a, n, s = int(a), int(n), int(s)
+        for j in range(nl - 1, -1, -1):
+            limbs[j, a : a + n] = limbs[j - s, a : a + n] if j >= s else 0
+
+
+def segment_abs_max(bits: np.ndarray, counts) -> np.ndarray:
+    """Twin of kernels/limbs.cu ``segment_abs_max_*``: each tensor's largest magnitude as bits (uint64; 0 for no
+    entry), ``bits`` the unsigned view of its values.
+
+    >>> segment_abs_max(np.array([-3.0, 2.0, 5.0], np.float32).view(np.uint32), [2, 0, 1]).view(np.uint64)
+    array([1077936128,          0, 1084227584], dtype=uint64)
+    """
+    counts = np.asarray(counts, np.int64)
+    out = np.zeros(counts.size, np.uint64)
+    mag = bits & bits.dtype.type(np.iinfo(bits.dtype).max >> 1)
+    some = counts > 0
+    if some.any():
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        out[some] = np.maximum.reduceat(mag, starts[some]).astype(np.uint64)
+    return out
 
 
 def limb_add(limbs: np.ndarray, idx: np.ndarray | None, qs: np.ndarray) -> None:
@@ -55,18 +98,28 @@ def limb_add(limbs: np.ndarray, idx: np.ndarray | None, qs: np.ndarray) -> None:
     parallel_map(lambda c: add_span(limbs, idx, qs, *c), spans(0, qs.shape[1], TASK if idx is None else ADD_TASK))
 
 
-def limb_mean(limbs: np.ndarray, scales: list[float], total: float, out: np.ndarray) -> None:
-    """``out = (limbs[0] * scales[0] + limbs[1] * scales[1] + ...) / total``, each step in fp64 and the last cast
-    to ``out``'s dtype, as ``((l0.astype(f64) * s0 + l1.astype(f64) * s1 + ...) / total).astype(out.dtype)``
-    computes it; one task per thread, each in blocks of BLOCK elements through two fp64 buffers of its own.
+def limb_mean(limbs: np.ndarray, starts, numels, scales, total: float, out: np.ndarray) -> None:
+    """Twin of kernels/limbs.cu ``limb_mean_*``: ``out`` (the tensors end to end) = ``(limbs[0] * scales[t][0] +
+    limbs[1] * scales[t][1] + ...) / total`` over each tensor's elements (from ``starts[t]``), each step in fp64 and
+    the last cast to ``out``'s dtype, as ``((l0.astype(f64) * s0 + l1.astype(f64) * s1 + ...) /
+    total).astype(out.dtype)`` computes it; in blocks of at most BLOCK elements (and an eighth of the tensor) on the
+    pool, each task through two fp64 buffers of its own.
     """
-    numel = limbs.shape[1]
-    step = -(-numel // (thread_count() * BLOCK)) * BLOCK  # one task per thread, in whole blocks
+    tasks, o = [], 0
+    for t, (a, n) in enumerate(zip(starts, numels)):
+        a, n = int(a), int(n)
+        blk = min(BLOCK, max(n // 8, 1 << 16))  # the fp64 buffers: at most an eighth of the tensor's elements
+        step = -(-n // (thread_count() * blk)) * blk  # a large tensor: one task per thread, in whole blocks
+        tasks += [(t, a, o, lo, hi, blk) for lo, hi in spans(0, n, max(step, 1))]
+        o += n
 
-    def task(span: tuple[int, int]) -> None:
-        acc = np.empty(min(BLOCK, span[1] - span[0]), np.float64)
+    def task(job: tuple[int, int, int, int, int, int]) -> None:
+        t, a, o, lo, hi, blk = job
+        acc = np.empty(min(blk, hi - lo), np.float64)
         term = np.empty_like(acc)
-        for a in range(span[0], span[1], BLOCK):
-            mean_span(limbs, scales, total, out, a, min(span[1], a + BLOCK), acc, term)
+        sc = [float(x) for x in scales[t]]
+        for b in range(lo, hi, blk):
+            e = min(hi, b + blk)
+            mean_span(limbs[:, a + b : a + e], sc, total, out[o + b : o + e], 0, e - b, acc, term)
 
-    parallel_map(task, spans(0, numel, step))
+    parallel_map(task, tasks)

@@ -1,7 +1,9 @@
 """Server-side aggregation straight from the sparse form: the weighted mean of many clients' compressed updates.
 
-One accumulator per tensor on the backend's device; each payload is decoded by its own pipeline to
-(index, value) pairs and scatter-added into it. No client is ever made dense.
+One accumulator for the whole model on the backend's device (every tensor at its offset, with its own grid); each
+payload is decoded by its own pipeline to (index, value) pairs and scatter-added into it. No client is ever made
+dense. On a device, runs of small sparse tensors are joined as :func:`gpu_codec.decompress` joins them, checked
+with one read-back and added by one launch a run, so an add makes the same few launches at any tensor count.
 
 Determinism: each weighted value ``w * v`` is formed in fp64 and rounded once to a grid fixed per tensor, no
 coarser than 2^-35 of the largest ``|w * v|`` that tensor has received (the grid only depends on that maximum, so
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -39,7 +42,7 @@ from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadL
 from .format import TensorRecord
 from .payload import Payload
 from .xp.finite import all_finite, some_nonfinite
-from .xp.limbs import abs_max, abs_max_bits, from_abs_bits
+from .xp.limbs import abs_max, abs_max_bits
 
 LIMB_BITS = 18
 LIMBS = 3
@@ -52,13 +55,21 @@ SPARSE_ENTRY_BYTES = 32  # decoding a sparse tensor, per kept entry: at most 28 
 __all__ = ["MAX_PAYLOADS", "SPARSE_ENTRY_BYTES", "Aggregator", "aggregate", "held_bytes"]
 
 
+NO_GRID = np.iinfo(np.int64).min  # a tensor's grid exponent where it has received nothing but zeros
+
+
+def _grid_exponents(m: np.ndarray) -> np.ndarray:
+    """Per value of ``m``: the smallest multiple of LIMB_BITS, beta, with m < 2^(beta + 3 LIMB_BITS - 1), not below
+    the floor (NO_GRID for m == 0)."""
+    e = np.frexp(np.asarray(m, np.float64))[1].astype(np.int64)  # m < 2^e
+    beta = np.maximum(-((-(e - LIMBS * LIMB_BITS + 1)) // LIMB_BITS) * LIMB_BITS, _BETA_MIN)
+    return np.where(np.asarray(m) == 0.0, NO_GRID, beta)
+
+
 def _grid_exponent(m: float) -> int | None:
-    """Smallest multiple of LIMB_BITS, beta, with m < 2^(beta + 3 LIMB_BITS - 1) (None for m == 0)."""
-    if m == 0.0:
-        return None
-    e = math.frexp(m)[1]  # m < 2^e
-    beta = -((-(e - LIMBS * LIMB_BITS + 1)) // LIMB_BITS) * LIMB_BITS
-    return max(beta, _BETA_MIN)
+    """:func:`_grid_exponents` of one value (None for m == 0)."""
+    beta = int(_grid_exponents(np.asarray([m]))[0])
+    return None if beta == NO_GRID else beta
 
 
 def _check_weight(weight: Any) -> float:
@@ -79,6 +90,9 @@ class _Template:
     def __init__(self, entries: list[tuple[str, tuple[int, ...], str]]):
         self.entries = entries
         self.by_name = {n: (s, d) for n, s, d in entries}
+        self.pos = {n: i for i, (n, _, _) in enumerate(entries)}  # each tensor's place in the accumulator
+        self.numels = np.asarray([math.prod(s) for _, s, _ in entries], np.int64)
+        self.starts = np.concatenate([[0], np.cumsum(self.numels)])[:-1].astype(np.int64)
 
     def records(self) -> list[TensorRecord]:
         return [TensorRecord(n, d, s, "dense", math.prod(s), {}) for n, s, d in self.entries]
@@ -132,32 +146,46 @@ def held_bytes(records: Iterable[Any], with_base: bool) -> int:
     return max(result, adding)
 
 
-def _decoded_entries(payload: Any, backend: Any, bounds: tuple[int, int]) -> list[TensorRecord]:
-    """Each tensor's entries decoded by the payload's own pipeline (``values``, and ``indices`` for a sparse
-    tensor); a dense tensor a slice at a time, so that the decoder's temporaries are a slice's."""
+def _entries_of(d: Any, backend: Any, bounds: tuple[int, int]) -> TensorRecord:
+    """A tensor's entries decoded by the payload's own pipeline (``values``, and ``indices`` for a sparse tensor);
+    a dense tensor a slice at a time, so that the decoder's temporaries are a slice's."""
     xp = backend.xp
-    out = []
-    for d in decoder_for(payload.pipeline).decode_stream(payload.tensors, backend):
-        if d.indices is not None:  # the decoder makes a sparse tensor's entries at once: taken as they are
-            vals, idx = d.values(0, d.nnz), d.indices(0, d.nnz) if d.nnz else xp.empty(0, dtype=np.uint32)
-            if vals.size != d.nnz or idx.size != d.nnz:
-                raise PayloadIndexError(f"tensor {d.name!r}: {vals.size} values and {idx.size} indices for {d.nnz}")
-        else:  # a dense one a slice at a time, into one compact array
-            vals, idx = xp.empty(d.nnz, dtype=dtypes.value_dtype(d.dtype)), None
-            step = max(d.step, _decode.chunk_entries(d.nnz, bounds) // d.step * d.step)
-            for a in range(0, d.nnz, step):
-                b = min(a + step, d.nnz)
-                v = d.values(a, b)
-                if v.size != b - a:
-                    raise PayloadIndexError(f"tensor {d.name!r}: entries [{a}, {b}) decode to {v.size} values")
-                vals[a:b] = v
-                del v
-        out.append(
-            TensorRecord(
-                d.name, d.dtype, d.shape, "dense" if idx is None else "coo", d.nnz, {"values": vals, "indices": idx}
-            )
-        )
-    return out
+    if d.indices is not None:  # the decoder makes a sparse tensor's entries at once: taken as they are
+        vals, idx = d.values(0, d.nnz), d.indices(0, d.nnz) if d.nnz else xp.empty(0, dtype=np.uint32)
+        if vals.size != d.nnz or idx.size != d.nnz:
+            raise PayloadIndexError(f"tensor {d.name!r}: {vals.size} values and {idx.size} indices for {d.nnz}")
+    else:  # a dense one a slice at a time, into one compact array
+        vals, idx = xp.empty(d.nnz, dtype=dtypes.value_dtype(d.dtype)), None
+        step = max(d.step, _decode.chunk_entries(d.nnz, bounds) // d.step * d.step)
+        for a in range(0, d.nnz, step):
+            b = min(a + step, d.nnz)
+            v = d.values(a, b)
+            if v.size != b - a:
+                raise PayloadIndexError(f"tensor {d.name!r}: entries [{a}, {b}) decode to {v.size} values")
+            vals[a:b] = v
+            del v
+    return TensorRecord(
+        d.name, d.dtype, d.shape, "dense" if idx is None else "coo", d.nnz, {"values": vals, "indices": idx}
+    )
+
+
+def _decoded_entries(payload: Any, backend: Any, bounds: tuple[int, int]) -> list[TensorRecord]:
+    """Each tensor's entries (:func:`_entries_of`), in the payload's order."""
+    return [
+        _entries_of(d, backend, bounds) for d in decoder_for(payload.pipeline).decode_stream(payload.tensors, backend)
+    ]
+
+
+class _Segment:
+    """Entries of tensors adjacent in the accumulator, added in one pass: ``pos`` (their places in the template),
+    ``counts`` (entries of each, in turn), ``vals``, ``idx`` (each entry's element, counted from the first tensor's
+    start; None: one dense tensor, entry e is element e) and, where read from a payload one tensor at a time, the
+    record (for the checks that name it)."""
+
+    __slots__ = ("counts", "idx", "pos", "record", "vals")
+
+    def __init__(self, pos: list[int], counts: list[int], vals: Any, idx: Any, record: Any = None):
+        self.pos, self.counts, self.vals, self.idx, self.record = pos, counts, vals, idx, record
 
 
 class Aggregator:
@@ -244,8 +272,8 @@ class Aggregator:
                     f"an aggregation over this base needs {need} bytes (accumulator, mean and result), over "
                     f"max_output_bytes={cap}; pass a larger cap (or None)"
                 )
-        self._limbs: dict[str, Any] = {}
-        self._beta: dict[str, int | None] = {}
+        self._limbs: Any = None  # int32 (LIMBS, elements): every tensor at its start (template order)
+        self._beta = np.zeros(0, np.int64)  # each tensor's grid exponent (NO_GRID: nothing but zeros so far)
         self._weights: list[float] = []
         self._wsum = 0.0  # plain running sum: an exact one is taken only near fp64's range
         self._ready: Any = None  # device backends: an event after the last limb update (see backends.events)
@@ -289,21 +317,23 @@ class Aggregator:
         template.check(payload.tensors, what)
         backend = self._backend
         bounds = _decode.DECODE_CHUNK_DEVICE if backend.on_device else _decode.DECODE_CHUNK
-        records = _decoded_entries(payload, backend, bounds)
-        # every check before the accumulator changes; on a device, read back at once (where one fails, they run
-        # again one by one, reading each, which raises the error of the first tensor that fails)
-        plan = self._plan_deferred(records, w, what) if backend.on_device else None
-        if plan is None:
+        pos = np.asarray([template.pos[r.name] for r in payload.tensors], np.int64)
+        # every check before the accumulator changes, read back at once (where one fails, they run again one by one,
+        # reading each, which raises the error of the first tensor that fails)
+        planned = self._plan_deferred(payload, pos, template, w, what, bounds)
+        if planned is None:
+            records = _decoded_entries(payload, backend, bounds)
             plan = self._plan(records, w, weight, what)
-        del records
+            del records
+            segs = [_Segment([int(p)], [int(vals.size)], vals, idx) for p, (_, idx, vals, _) in zip(pos, plan)]
+            betas = np.asarray([NO_GRID if beta is None else beta for _, _, _, beta in plan], np.int64)
+            del plan
+        else:
+            segs, betas = planned
         if self._template is None:
             self._template = template
         events.wait(backend, self._ready)  # the previous add may have run on another stream
-        for r, idx, vals, beta in plan:
-            step = _decode.chunk_entries(vals.size, bounds)  # the fp64 and limb temporaries of one chunk at a time
-            for a in range(0, max(vals.size, 1), step):
-                b = min(a + step, vals.size)
-                self._accumulate(r, None if idx is None else idx[a:b], vals[a:b], w, beta, a)
+        self._commit(segs, pos, betas, w, bounds)
         self._ready = events.record(backend)
         self._weights.append(w)
         self._wsum += w
@@ -327,34 +357,156 @@ class Aggregator:
             plan.append((r, idx, vals, _grid_exponent(cmax)))
         return plan
 
-    def _plan_deferred(self, records: list[TensorRecord], w: float, what: str) -> list | None:
-        """:meth:`_plan` with every check left on the device and read back at once (twice with a base: the sums
-        with the base are formed once the ranges are known good); None where a check fails."""
+    def _plan_deferred(
+        self, payload: Payload, pos: np.ndarray, template: _Template, w: float, what: str, bounds: tuple[int, int]
+    ) -> tuple[list[_Segment], np.ndarray] | None:
+        """:meth:`_plan` with every check left on the backend and read back at once (twice with a base: the sums
+        with the base are formed once the ranges are known good): (segments, each tensor's grid exponent), or None
+        where a check fails. Runs of small tensors adjacent in the accumulator (sparse ones as
+        :func:`gpu_codec.decode.decompress` forms them, and plain dense ones) are joined, checked and added a run at
+        a time: on a device a few launches a run, on the host a few NumPy calls (not a few per tensor)."""
         backend, xp = self._backend, self._backend.xp
+        records = payload.tensors
+        with_base = self._base is not None
+        logical = [r.dtype if with_base else dtypes.value_dtype(r.dtype) for r in records]
+        runs, dense = self._runs(records, logical, pos)
+        segs: list[_Segment] = []
+        flags, parts = [], []
+        where = np.full(len(records), -1, np.int64)  # each tensor's largest |v| in the read-back (-1: none)
+        wide = np.zeros(len(records), bool)
+        group: list = []
+        filled = 1  # (word 0: the flags)
         try:
-            entries = [self._entries(r, backend, what) for r in records]
+            for i, d in enumerate(decoder_for(payload.pipeline).decode_stream(records, backend)):
+                if runs[i] is not None:
+                    group.append(d)
+                    if i + 1 < len(records) and runs[i + 1] == runs[i]:
+                        continue
+                    first = i + 1 - len(group)
+                    ps = [int(p) for p in pos[first : i + 1]]
+                    starts = [int(template.starts[p]) for p in ps]
+                    if runs[i] in dense:
+                        joined = self._join_dense(records[first : i + 1], backend)
+                    else:
+                        joined = _decode.join_run(group, [*starts, starts[-1] + group[-1].numel], backend)
+                    if joined is None and runs[i] in dense:
+                        return None  # (values that are not one per element: added one by one, or refused)
+                    if joined is not None:
+                        gi, vals, counts, ok = joined
+                        if counts != [dd.nnz for dd in group] or int(vals.size) != sum(counts):
+                            return None
+                        if ok is not None:
+                            flags.append(~ok)
+                        parts.append(backend.segment_abs_max(vals, counts))
+                        where[first : i + 1] = np.arange(filled, filled + len(ps))
+                        wide[first : i + 1] = vals.dtype.itemsize == 8
+                        filled += len(ps)
+                        segs.append(_Segment(ps, counts, vals, gi))
+                    group = []
+                    continue
+                r = _entries_of(d, backend, bounds)
+                vals, idx, bad = self._entries(r, backend, what)
+                flags.append(bad)
+                if vals.size:
+                    parts.append(abs_max_bits(vals).astype(np.uint64).reshape(1))
+                    where[i], wide[i] = filled, vals.dtype.itemsize == 8
+                    filled += 1
+                segs.append(_Segment([int(pos[i])], [int(vals.size)], vals, idx, r))
         except PayloadError:
             return None
-        tops = [abs_max_bits(vals).astype(np.uint64) for vals, _, _ in entries if vals.size]
-        bad = xp.stack([bad for _, _, bad in entries]).any().astype(np.uint64)
-        host = backend.to_host(xp.stack([bad, *tops]))
+        if not parts:  # no entry at all (runs of empty tensors, or no tensor): nothing to check, nothing to add
+            return segs, np.full(len(records), NO_GRID, np.int64)
+        bad = xp.stack(flags).any().astype(np.uint64).reshape(1) if flags else xp.zeros(1, dtype=np.uint64)
+        host = backend.to_host(xp.concatenate([bad, *parts]))
         if host[0]:
             return None
-        plan, j = [], 1
-        for r, (vals, idx, _) in zip(records, entries):
-            m = 0.0
-            if vals.size:
-                m, j = from_abs_bits(host[j], vals.dtype), j + 1
-            if not w * m < _C_MAX:
+        bits = np.where(where >= 0, host[np.maximum(where, 0)], 0).astype(np.uint64)
+        m = np.where(wide, bits.view(np.float64), bits.astype(np.uint32).view(np.float32).astype(np.float64))
+        with np.errstate(over="ignore", invalid="ignore"):
+            cmax = w * m
+            if not (np.isfinite(m).all() and (cmax < _C_MAX).all()):
                 return None
-            plan.append((r, idx, vals, _grid_exponent(w * m)))
-        if self._base is not None:
+        if with_base:
             checks = _decode.DeviceChecks(xp)
-            for r, idx, vals, _ in plan:
-                self._check_onto_base(r, idx, vals, what, checks)
+            for seg in segs:
+                if seg.record is not None:
+                    self._check_onto_base(seg.record, seg.idx, seg.vals, what, checks)
+                    continue
+                names = [template.entries[p][0] for p in seg.pos]
+                lg = template.entries[seg.pos[0]][2]
+                span = xp.empty(int(template.numels[seg.pos].sum()), dtype=dtypes.storage_dtype(lg))
+                bases = [to_tensor(self._base[n], n) for n in names]
+                if seg.idx is not None:
+                    _decode.apply_run(seg.idx, seg.vals, span, bases, lg, backend, checks)
+                    continue
+                # a dense run: every element's sum with its base, as decompress forms it, in one pass
+                ends = np.cumsum(seg.counts).tolist()
+                cut = [(b - c, b) for c, b in zip(seg.counts, ends)]
+                code = dtypes.code(lg)
+                checks.word(
+                    backend.dense_apply(
+                        [span[a:b] for a, b in cut],
+                        [code] * len(cut),
+                        [backend.asarray(t.data) for t in bases],
+                        [seg.vals[a:b] for a, b in cut],
+                        ScatterMode.ADD,
+                        True,
+                    )
+                )
+                checks.flag(some_nonfinite(span, code, xp))
             if not checks.passed():
                 return None
-        return plan
+        return segs, _grid_exponents(cmax)
+
+    @staticmethod
+    def _join_dense(records: list[TensorRecord], backend: Any) -> tuple[None, Any, list[int], None] | None:
+        """A run of plain dense records' values end to end (joined on the host where they were read from bytes,
+        and copied once): (None, values, each one's count, None); None where a record does not hold one value of
+        its value dtype per element."""
+        vals = [r.buffers.get("values") for r in records]
+        if any(
+            not hasattr(v, "reshape")  # (an array, not a buffer streamed from a frame)
+            or r.nnz != r.numel
+            or v.size != r.numel
+            or v.dtype != dtypes.value_dtype(r.dtype)
+            for r, v in zip(records, vals)
+        ):
+            return None
+        if all(isinstance(v, np.ndarray) for v in vals):
+            joined = backend.asarray(np.concatenate([v.reshape(-1) for v in vals]))
+        else:
+            joined = backend.xp.concatenate([backend.asarray(v).reshape(-1) for v in vals])
+        return None, joined, [r.numel for r in records], None
+
+    @staticmethod
+    def _runs(records: list[TensorRecord], logical: list[str], pos: np.ndarray) -> tuple[list[int | None], set[int]]:
+        """Each record's run, or None for a tensor added alone: :func:`gpu_codec.decode.decompress`'s runs of small
+        sparse tensors, and runs of small plain dense ones (as many elements), each cut where the tensors are not
+        adjacent in the accumulator; and the runs that are dense."""
+        given = _decode._runs(records, logical)
+        out: list[int | None] = []
+        dense: set[int] = set()
+        rid, size = -1, 0
+        for i, (g, r) in enumerate(zip(given, records)):
+            plain = g is None and r.encoding == "dense" and r.numel <= _decode.SMALL_TENSOR
+            if g is None and not plain:
+                out.append(None)
+                continue
+            after = i and pos[i] == pos[i - 1] + 1 and out[-1] is not None
+            if g is not None:
+                joins = after and given[i - 1] == g and out[-1] not in dense
+            else:
+                joins = (
+                    after and out[-1] in dense and logical[i] == logical[i - 1] and size + r.numel <= _decode.SMALL_RUN
+                )
+            if not joins:
+                rid, size = rid + 1, 0
+                if plain:
+                    dense.add(rid)
+            out.append(rid)
+            size += r.numel
+        sizes = Counter(out)
+        return [None if g is None or sizes[g] < 2 else g for g in out], dense
 
     def _check_weight_sum(self, w: float, weight: Any, what: str) -> None:
         if self._wsum + w < 2.0**1000:
@@ -422,31 +574,39 @@ class Aggregator:
             bad |= (idx[-1] >= r.numel) | (idx[1:] <= idx[:-1]).any()
         return vals, idx, bad
 
-    def _accumulate(self, r: TensorRecord, idx: Any, vals: Any, w: float, beta: int | None, lo: int = 0) -> None:
-        """Add ``w * vals`` at ``idx`` (None: at elements ``lo`` to ``lo + vals.size``)."""
-        xp = self._backend.xp
-        limbs = self._limbs.get(r.name)
-        if limbs is None:
-            limbs = xp.zeros((LIMBS, r.numel), dtype=np.int32)
-            self._limbs[r.name] = limbs
-            self._beta[r.name] = None
-        cur = self._beta[r.name]
-        if beta is not None and (cur is None or beta > cur):
-            if cur is not None:  # a coarser grid: whole limbs move down, the lowest falls off (exactly)
-                s = (beta - cur) // LIMB_BITS
-                for j in range(LIMBS - 1, -1, -1):
-                    if j >= s:
-                        limbs[j] = limbs[j - s]
-                    else:
-                        limbs[j] = 0
-            self._beta[r.name] = cur = beta
-        if cur is None or vals.size == 0:
-            return  # nothing but zeros so far
-        qs = self._backend.limb_split(vals, w, [cur + (LIMBS - 1 - j) * LIMB_BITS for j in range(LIMBS)])
-        if idx is None:
-            self._backend.limb_add(limbs[:, lo : lo + vals.size], None, qs)
-        else:
-            self._backend.limb_add(limbs, idx, qs)
+    def _commit(self, segs: list[_Segment], pos: np.ndarray, betas: np.ndarray, w: float, bounds: Any) -> None:
+        """Add the checked segments with weight ``w`` (``betas``: the grid exponent each tensor of ``pos`` needs);
+        a tensor whose grid coarsens has its limbs moved down first, for all such tensors at once."""
+        backend, tpl = self._backend, self._template
+        if self._limbs is None:
+            self._limbs = backend.xp.zeros((LIMBS, int(tpl.numels.sum())), dtype=np.int32)
+            self._beta = np.full(len(tpl.entries), NO_GRID, np.int64)
+        limbs = self._limbs
+        cur = self._beta[pos]
+        up = (betas != NO_GRID) & ((cur == NO_GRID) | (betas > cur))
+        move = up & (cur != NO_GRID)
+        if move.any():  # a coarser grid: whole limbs move down, the lowest falls off (exactly)
+            at = pos[move]
+            backend.limb_shift(limbs, tpl.starts[at], tpl.numels[at], (betas[move] - cur[move]) // LIMB_BITS)
+        self._beta[pos[up]] = betas[up]
+        rows = (LIMBS - 1 - np.arange(LIMBS)) * LIMB_BITS
+        for seg in segs:
+            grid = self._beta[seg.pos]
+            if not seg.vals.size or (grid == NO_GRID).all():
+                continue  # nothing but zeros so far (a tensor of a run with no grid yet sends zeros: adds 0)
+            exps = np.where(grid == NO_GRID, 0, grid)[:, None] + rows
+            start = int(tpl.starts[seg.pos[0]])
+            if len(seg.pos) > 1:
+                backend.limb_accumulate(limbs, start, seg.counts, exps, seg.vals, seg.idx, w)
+                continue
+            n = int(seg.vals.size)
+            step = _decode.chunk_entries(n, bounds)  # the fp64 and limb temporaries of one chunk at a time
+            for a in range(0, n, step):
+                b = min(a + step, n)
+                if seg.idx is None:
+                    backend.limb_accumulate(limbs, start + a, [b - a], exps, seg.vals[a:b], None, w)
+                else:
+                    backend.limb_accumulate(limbs, start, [b - a], exps, seg.vals[a:b], seg.idx[a:b], w)
 
     def mean_delta(self) -> dict[str, Any]:
         """The weighted mean delta per tensor as flat backend arrays (fp32; fp64 for fp64 tensors)."""
@@ -459,27 +619,26 @@ class Aggregator:
         total = self.total_weight
         if total <= 0.0:
             raise InvalidInputError("the weights sum to zero: the weighted mean is undefined")
-        xp = self._backend.xp
+        xp, tpl = self._backend.xp, self._template
         events.wait(self._backend, self._ready)  # the adds' limb updates, on whatever stream they ran
-        out = {}
-        for n, shape, dt in self._template.entries:
-            numel = math.prod(shape)
-            vd = np.dtype(dtypes.value_dtype(dt))
-            beta, limbs = self._beta.get(n), self._limbs.get(n)
-            if beta is None:
-                out[n] = xp.zeros(numel, dtype=vd)
+        none = self._beta == NO_GRID
+        exps = np.where(none, 0, self._beta)[:, None] + (LIMBS - 1 - np.arange(LIMBS)) * LIMB_BITS
+        scales = np.where(none[:, None], 0.0, np.ldexp(1.0, exps))  # (limbs of a tensor with no grid are 0)
+        f64 = np.asarray([dtypes.value_dtype(dt) == "float64" for _, _, dt in tpl.entries], bool)
+        flat: list[Any] = [None] * len(tpl.entries)
+        for wide in (False, True):  # one pass per value dtype, into one allocation
+            at = np.flatnonzero(f64 == wide)
+            if not at.size:
                 continue
-            mean = xp.empty(numel, dtype=vd)
-            scales = [math.ldexp(1.0, beta + (LIMBS - 1 - j) * LIMB_BITS) for j in range(LIMBS)]
-            # in limb order, in fp64, then rounded once; on the host an eighth of the tensor per call bounds the fp64
-            # buffers, on a device the kernel keeps them in registers: one call
-            step = numel if self._backend.on_device else max(numel // 8, 1 << 16)
-            for a in range(0, numel, step):
-                b = min(a + step, numel)
-                self._backend.limb_mean(limbs[:, a:b], scales, total, mean[a:b])
-            out[n] = mean
+            numels = tpl.numels[at]
+            mean = xp.empty(int(numels.sum()), dtype=np.float64 if wide else np.float32)
+            # in limb order, in fp64, then rounded once (on the host the twin bounds its fp64 buffers by blocks)
+            self._backend.limb_mean(self._limbs, tpl.starts[at], numels, scales[at], total, mean)
+            ends = np.cumsum(numels).tolist()
+            for p, b, n in zip(at.tolist(), ends, numels.tolist()):
+                flat[p] = mean[b - n : b]
         self._ready = events.record(self._backend)
-        return out
+        return {n: flat[i] for i, (n, _, _) in enumerate(tpl.entries)}
 
     def result(self) -> dict[str, Any]:
         """``base + mean delta`` (with a base) or the mean delta, as :func:`gpu_codec.decompress` returns them.
@@ -493,16 +652,42 @@ class Aggregator:
                 means = self._mean_delta()
                 entries = self._template.entries
             if self._base is not None:
+                # the cap was applied to every payload; every client's base + delta is finite, so the mean's is
+                # (its rounding aside, at the very edge of the dtype's range)
+                out = self._onto_base(means, bases, entries) if self._backend.on_device else None
+                if out is not None:
+                    return out
                 recs = [
                     TensorRecord(n, dt, shape, "dense", math.prod(shape), {"values": means[n]})
                     for n, shape, dt in entries
                 ]
                 del means
-                # the cap was applied to every payload; every client's base + delta is finite, so the mean's is
-                # (its rounding aside, at the very edge of the dtype's range)
                 return _decode.decompress(Payload(recs, []), base=self._base, max_output_bytes=None)
             kind = self._like or "numpy"
             return {n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind) for n, shape, dt in entries}
+
+    def _onto_base(self, means: dict[str, Any], bases: list, entries: list) -> dict[str, Any] | None:
+        """``base + mean`` of every tensor as :func:`gpu_codec.decompress` adds a dense delta onto its base (the
+        same bytes), in one launch over all of them into one allocation per dtype, checked with one read-back;
+        None where a sum is not finite (decompress then raises its error)."""
+        backend, xp = self._backend, self._backend.xp
+        logical = [dt for _, _, dt in entries]
+        recs = [TensorRecord(n, dt, shape, "dense", math.prod(shape), {}) for n, shape, dt in entries]
+        outs = _decode._Outputs(recs, logical, [None] * len(recs), True, backend)
+        views = [outs[i] for i in range(len(recs))]
+        checks = _decode.DeviceChecks(xp)
+        codes = [dtypes.code(dt) for dt in logical]
+        vals = [means[n] for n, _, _ in entries]
+        checks.word(
+            backend.dense_apply(views, codes, [backend.asarray(b.data) for b in bases], vals, ScatterMode.ADD, True)
+        )
+        del vals, means
+        for dt in dict.fromkeys(logical):  # one allocation (and one check) per dtype
+            checks.flag(some_nonfinite(outs.flat(logical.index(dt)), dtypes.code(dt), xp))
+        if not checks.passed():
+            return None
+        kind = bases[0].kind
+        return {n: from_backend(views[i], dt, shape, kind, bases[i].device) for i, (n, shape, dt) in enumerate(entries)}
 
 
 def aggregate(

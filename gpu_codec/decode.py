@@ -204,6 +204,63 @@ SMALL_RUN = 1 << 20  # elements of output a run covers at the most
 SMALL_RUN_ENTRIES = 1 << 14  # ... and entries (its temporaries, about 20 bytes an entry, stay near 320 KiB)
 
 
+def join_run(run: list, offsets: list[int], backend: Any) -> tuple[Any, Any, list[int], Any] | None:
+    """The entries of a run of small sparse tensors (``offsets``: each one's start in a span, then the span's end)
+    joined: (each entry's place in the span, counted from ``offsets[0]``; the values; each tensor's entry count; a
+    0-d flag on the device, true where every index is in range and ascending within its tensor), or None where the
+    run has no entry. Plain COO entries read from bytes are joined on the host and copied to the device at once;
+    decoded ones (coded, or a payload's own device buffers) are joined where they are."""
+    xp = backend.xp
+    host = xp.asarray if backend.on_device else np.asarray  # small host tables, where the entries are
+    joined = all(d.host is not None for d in run)
+    idx = [d.host[0][: d.nnz] if joined else d.indices(0, d.nnz) for d in run]
+    counts = [int(i.size) for i in idx]
+    if not sum(counts):
+        return None
+    o0, o1 = offsets[0], offsets[-1]
+    wide = any(i.dtype.itemsize > 4 for i in idx)  # (a payload may give a small tensor 64-bit indices)
+    join = np.concatenate if joined else xp.concatenate
+    gi = join([i.astype(np.int64 if wide else np.uint32, copy=False) for i in idx])
+    vals = join([d.host[1][: d.nnz] if joined else d.values(0, d.nnz) for d in run])
+    if joined:
+        gi, vals = backend.asarray(gi), backend.asarray(vals)
+    ends = np.cumsum(counts)
+    some = np.flatnonzero(np.asarray(counts) > 0)
+    last = gi[host(ends[some] - 1)]  # ascending within each tensor: its last entry is its largest
+    numels = host(np.asarray([run[j].numel for j in some], np.int64))
+    step = gi[1:] > gi[:-1]
+    firsts = ends[:-1] - 1  # where a tensor's first entry follows the last one's
+    step[host(firsts[(firsts >= 0) & (firsts < step.size)])] = True
+    ok = xp.all(last < numels) & xp.all(step)
+    if wide:
+        ok = ok & xp.all(gi >= 0)
+    gi += host(np.repeat(np.asarray(offsets[:-1], np.int64) - o0, counts).astype(gi.dtype))
+    return gi.astype(dtypes.index_dtype(o1 - o0), copy=False), vals, counts, ok
+
+
+def apply_run(gi: Any, vals: Any, span: Any, bases: list, logical: str, backend: Any, checks: Any = None) -> bool:
+    """A run's joined entries (:func:`join_run`) written (or added onto its bases, copied in first) into ``span``,
+    the run's outputs end to end, in one scatter. False where a value is not finite or a sum with the base is not;
+    with ``checks`` (:class:`DeviceChecks`) nothing is read back: the checks are left there, and the result is
+    True."""
+    xp = backend.xp
+    n = int(span.size)
+    code = dtypes.code(logical)
+    if bases[0] is not None:  # (a run is all onto a base, or none of it)
+        backend.gather_copy(span, [backend.asarray(b.data) for b in bases])
+    if gi is None:
+        return True
+    mode = ScatterMode.ADD if bases[0] is not None else ScatterMode.ZEROS
+    if checks is not None:
+        checks.word(backend.scatter([span], [code], [n], [gi], [vals], mode, defer=True))
+        if mode == ScatterMode.ADD and n:  # (an index out of range is clamped: the checks above report it)
+            checks.flag(some_nonfinite(span[xp.minimum(gi, n - 1)], code, xp))
+        return True
+    if backend.scatter([span], [code], [n], [gi], [vals], mode) is not None:
+        return False  # a value is not finite
+    return mode != ScatterMode.ADD or all_finite(span[gi], code, xp)
+
+
 def _decode_run(
     run: list, flat_of: Any, offsets: list[int], bases: list, logical: str, backend: Any, checks: Any = None
 ) -> bool:
@@ -213,53 +270,15 @@ def _decode_run(
     False where an index or value is bad or a sum not finite: the caller then decodes them one by one, which
     raises the error that names the tensor. With ``checks`` (:class:`DeviceChecks`) nothing is read back: the
     checks are left there, and the result is True."""
-    xp = backend.xp
-    host = xp.asarray if backend.on_device else np.asarray  # small host tables, where the entries are
-    # plain COO entries read from bytes are joined on the host and copied to the device at once; decoded ones
-    # (coded, or a payload's own device buffers) are joined where they are
-    joined = all(d.host is not None for d in run)
-    idx = [d.host[0][: d.nnz] if joined else d.indices(0, d.nnz) for d in run]
-    counts = [int(i.size) for i in idx]
-    o0, o1 = offsets[0], offsets[-1]
-    code = dtypes.code(logical)
-    if sum(counts):
-        wide = any(i.dtype.itemsize > 4 for i in idx)  # (a payload may give a small tensor 64-bit indices)
-        join = np.concatenate if joined else xp.concatenate
-        gi = join([i.astype(np.int64 if wide else np.uint32, copy=False) for i in idx])
-        vals = join([d.host[1][: d.nnz] if joined else d.values(0, d.nnz) for d in run])
-        if joined:
-            gi, vals = backend.asarray(gi), backend.asarray(vals)
-        ends = np.cumsum(counts)
-        some = np.flatnonzero(np.asarray(counts) > 0)
-        last = gi[host(ends[some] - 1)]  # ascending within each tensor: its last entry is its largest
-        numels = host(np.asarray([run[j].numel for j in some], np.int64))
-        step = gi[1:] > gi[:-1]
-        firsts = ends[:-1] - 1  # where a tensor's first entry follows the last one's
-        step[host(firsts[(firsts >= 0) & (firsts < step.size)])] = True
-        ok = xp.all(last < numels) & xp.all(step)
-        if wide:
-            ok = ok & xp.all(gi >= 0)
+    joined = join_run(run, offsets, backend)
+    gi = vals = None
+    if joined is not None:
+        gi, vals, _, ok = joined
         if checks is not None:
             checks.flag(~ok)
         elif not bool(ok):
             return False
-        gi += host(np.repeat(np.asarray(offsets[:-1], np.int64) - o0, counts).astype(gi.dtype))
-        gi = gi.astype(dtypes.index_dtype(o1 - o0), copy=False)
-    flat = flat_of()
-    span = flat[o0:o1]
-    if bases[0] is not None:  # (a run is all onto a base, or none of it)
-        backend.gather_copy(span, [backend.asarray(b.data) for b in bases])
-    if not sum(counts):
-        return True
-    mode = ScatterMode.ADD if bases[0] is not None else ScatterMode.ZEROS
-    if checks is not None:
-        checks.word(backend.scatter([span], [code], [o1 - o0], [gi], [vals], mode, defer=True))
-        if mode == ScatterMode.ADD and o1 > o0:  # (an index out of range is clamped: the checks above report it)
-            checks.flag(some_nonfinite(span[xp.minimum(gi, o1 - o0 - 1)], code, xp))
-        return True
-    if backend.scatter([span], [code], [o1 - o0], [gi], [vals], mode) is not None:
-        return False  # a value is not finite
-    return mode != ScatterMode.ADD or all_finite(span[gi], code, xp)
+    return apply_run(gi, vals, flat_of()[offsets[0] : offsets[-1]], bases, logical, backend, checks)
 
 
 def decoded_records(payload: Payload, backend: Backend) -> list[TensorRecord]:
@@ -499,8 +518,10 @@ def decompress(
 __all__ = [
     "DEFAULT_MAX_OUTPUT_BYTES",
     "DeviceChecks",
+    "apply_run",
     "check_output_cap",
     "chunk_entries",
     "decoded_records",
     "decompress",
+    "join_run",
 ]

@@ -220,3 +220,24 @@ def test_benchmark_runs_and_meets_its_memory_bound(tmp_path):
         assert row["sparse_add_peak_bytes"] < row["dense_add_peak_bytes"], row
         assert row["max_abs_difference"] <= 2**-20 * row["max_abs_mean"], row
     assert "| fp16 + Rice + zstd |" in r.stdout
+
+
+def test_a_payload_with_no_entry_adds_only_its_weight():
+    from gpu_codec.format import TensorRecord
+
+    names = ["a", "b", "c"]
+    empty = gpu_codec.Payload(
+        [
+            TensorRecord(
+                n, "float32", (10,), "coo", 0, {"indices": np.zeros(0, np.uint32), "values": np.zeros(0, np.float32)}
+            )
+            for n in names
+        ],
+        [],
+    )
+    p = gpu_codec.compress({n: np.arange(10, dtype=np.float32) * (i + 1) for i, n in enumerate(names)}, fraction=0.5)
+    agg = Aggregator()
+    agg.add(empty.to_bytes())
+    agg.add(p)
+    want = aggregate([p])
+    assert agg.count == 2 and all(np.array_equal(v, want[n] / 2) for n, v in agg.result().items())

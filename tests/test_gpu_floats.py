@@ -54,6 +54,33 @@ def test_gpu_path_runs_no_flushable_float_op_outside_our_kernels(audit, pipe):
     assert [(e.op, e.dtypes, e.where) for e in log] == []
 
 
+def test_the_device_aggregator_runs_no_flushable_float_op_outside_our_kernels():
+    """The aggregator's device path (runs of small tensors checked on the device, a segmented max, the limb
+    passes over many tensors, the result onto the base in one pass), on the audited array module."""
+    from gpu_codec.testing.recording import _Cuda
+
+    try:
+        b = ftz_audit.audit_backend()
+    except emu.EmulatorUnavailableError as e:
+        pytest.skip(str(e))
+    b.on_device = True  # the GPU backend's paths (its stream events on a stand-in)
+    b.xp.cuda = _Cuda()
+    rng = np.random.default_rng(3)
+    base = {f"w{i}": rng.standard_normal(200).astype(np.float32) for i in range(6)}
+    base["d"] = rng.standard_normal(300)
+    new = {k: v + kc.subnormal_mix(v.size, v.dtype, i) * 1e-3 for i, (k, v) in enumerate(base.items())}
+    with using_backend(b), ftz_audit.recording() as log:
+        for pipe in ("raw", "int8", "f16"):
+            p = gpu_codec.compress(new, base, fraction=0.2, pipeline=PIPELINES[pipe])
+            agg = gpu_codec.Aggregator(base=base)
+            agg.add(p.to_bytes(), 1.0)
+            agg.add(p, 0.75)
+            agg.result()
+            gpu_codec.aggregate([p.to_bytes()], weights=[3.0])
+    assert b.runner.launch_counts["segment_abs_max_u32"]  # (the device path ran)
+    assert [(e.op, e.dtypes, e.where) for e in log] == []
+
+
 def test_audit_sees_the_forms_the_kernels_replaced():
     """The audit is not vacuous: the array-module forms that ran before (the fp64 cast and multiply of the limb
     split, the limb mean's fp32 store, the int8 decode's multiply, abs().max()) are logged."""

@@ -85,13 +85,13 @@ class StreamedBackend(CpuBackend):
         finally:
             self.cuda.current = prev
 
-    def limb_mean(self, limbs, scales, total, out):
+    def limb_mean(self, *args):
         self.cuda.log.append(("limb_mean", self.cuda.current, None))
-        super().limb_mean(limbs, scales, total, out)
+        super().limb_mean(*args)
 
-    def limb_add(self, limbs, idx, qs):
+    def limb_accumulate(self, *args):
         self.cuda.log.append(("limb_add", self.cuda.current, None))
-        super().limb_add(limbs, idx, qs)
+        super().limb_accumulate(*args)
 
 
 def _index(log, entry):

@@ -8,7 +8,7 @@ import pytest
 from gpu_codec.cpu_fallback import limbs as L
 from gpu_codec.cpu_fallback import parallel
 
-from gpu_codec.backends.kernels import KernelBackendBase
+from gpu_codec.aggregate import _grid_exponent
 
 
 def _emulated():
@@ -26,19 +26,23 @@ def _limbs(n: int, seed: int) -> np.ndarray:
 @pytest.mark.parametrize("odt", [np.float32, np.float64])
 def test_mean_matches_the_whole_array_form(threads, odt, monkeypatch):
     monkeypatch.setenv(parallel.ENV, threads)
-    monkeypatch.setattr(L, "BLOCK", 96)  # 1,001 elements: several blocks per task, the last one short
-    limbs = _limbs(1001, 1)
-    scales, total = [2.0**-20, 2.0**-38, 2.0**-56], 7.25
-    got, want = np.empty(1001, odt), np.empty(1001, odt)
-    L.limb_mean(limbs, scales, total, got)
-    acc = limbs[0].astype(np.float64) * scales[0]
-    for j in (1, 2):
-        acc += limbs[j].astype(np.float64) * scales[j]
-    want[...] = (acc / total).astype(odt)
-    assert got.tobytes() == want.tobytes()
-    kernel = np.empty(1001, odt)  # the kernel backends' form: kernels/limbs.cu, on the emulator
-    _emulated().limb_mean(limbs, scales, total, kernel)
-    assert kernel.tobytes() == want.tobytes()
+    monkeypatch.setattr(L, "BLOCK", 96)  # several blocks per task, the last one short
+    limbs = _limbs(1001 + 77 + 5, 1)
+    starts, numels = [5, 1006, 0], [1001, 77, 5]  # tensors in any order in the accumulator
+    scales = np.asarray([[2.0**-20, 2.0**-38, 2.0**-56], [2.0**10, 2.0**-8, 2.0**-26], [0.0, 0.0, 0.0]])
+    total = 7.25
+    got = np.empty(sum(numels), odt)
+    L.limb_mean(limbs, starts, numels, scales, total, got)
+    want = []
+    for a, n, sc in zip(starts, numels, scales):
+        acc = limbs[0, a : a + n].astype(np.float64) * sc[0]
+        for j in (1, 2):
+            acc += limbs[j, a : a + n].astype(np.float64) * sc[j]
+        want.append((acc / total).astype(odt))
+    assert got.tobytes() == np.concatenate(want).tobytes()
+    kernel = np.empty(sum(numels), odt)  # the kernel backends' form: kernels/limbs.cu, on the emulator
+    _emulated().limb_mean(limbs, np.asarray(starts), np.asarray(numels), scales, total, kernel)
+    assert kernel.tobytes() == got.tobytes()
 
 
 @pytest.mark.parametrize("threads", ["1", "2"])
@@ -51,13 +55,35 @@ def test_add_matches_the_whole_array_form(threads, sparse, monkeypatch):
     rng = np.random.default_rng(2)
     idx = np.sort(rng.choice(n, 60, replace=False)).astype(np.uint32) if sparse else None
     qs = rng.integers(-1000, 1000, size=(3, 60 if sparse else n), dtype=np.int32)
-    got, want = _limbs(n, 3) >> 8, _limbs(n, 3) >> 8
+    got = _limbs(n, 3) >> 8
     L.limb_add(got, idx, qs)
-    KernelBackendBase.limb_add(None, want, idx, qs)
     for j in range(3):
         ref = (_limbs(n, 3) >> 8)[j]
         if sparse:
             ref[idx] += qs[j]
         else:
             ref += qs[j]
-        assert np.array_equal(got[j], ref) and np.array_equal(want[j], ref)
+        assert np.array_equal(got[j], ref)
+
+
+def test_accumulate_over_tensors_is_the_split_of_each():
+    """One limb_accumulate over several tensors, each on its own grid, adds what a split of each tensor alone adds
+    (the twin's per-entry grids against its per-tensor form); the emulated kernel the same."""
+    rng = np.random.default_rng(4)
+    counts = [40, 0, 25, 1]
+    vals = (rng.standard_normal(sum(counts)) * 10.0 ** rng.integers(-30, 30, sum(counts))).astype(np.float32)
+    ends = np.cumsum(counts)
+    top = [float(np.abs(vals[e - c : e]).max()) * 1.5 if c else 0.0 for c, e in zip(counts, ends)]
+    exps = np.asarray([[_grid_exponent(m) or 0] for m in top]) + np.asarray([36, 18, 0])
+    idx = np.concatenate([np.sort(rng.choice(100, c, replace=False)) + 100 * t for t, c in enumerate(counts)])
+    limbs = _limbs(420, 5) >> 8
+    got, kernel = limbs.copy(), limbs.copy()
+    L.limb_accumulate(got, 3, counts, exps, vals, idx.astype(np.uint32), 1.5)
+    a = 0
+    for t, c in enumerate(counts):
+        qs = L.limb_split(vals[a : a + c], 1.5, list(exps[t]))
+        limbs[:, 3 + idx[a : a + c]] += qs
+        a += c
+    assert got.tobytes() == limbs.tobytes()
+    _emulated().limb_accumulate(kernel, 3, counts, exps, vals, idx.astype(np.uint64), 1.5)
+    assert kernel.tobytes() == limbs.tobytes()

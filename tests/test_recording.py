@@ -155,6 +155,53 @@ def test_decompress_of_small_tensors_launches_and_copies_as_often_at_any_tensor_
     assert work[30] == work[300], work
 
 
+def test_add_and_mean_of_small_tensors_launch_and_copy_as_often_at_any_tensor_count(emulator):
+    """An aggregator's add of a payload of small tensors (its entries joined a run at a time, checked, split and
+    added by one launch a run; the grids that coarsen moved by one launch), its mean (one launch a value dtype) and
+    its result onto the base (one launch), and an add of a dense payload (runs of dense tensors): the device work
+    does not grow with the tensor count; and the accumulator holds the CPU's bytes."""
+    work = {}
+    for t in (30, 300):
+        new, base = _update(t, 1 << 16, seed=t)
+        finer = {k: base[k] + (new[k] - base[k]) * np.float32(2**-30) for k in base}  # every grid coarsens after it
+        blobs = [_cpu_blob(finer, base, fraction=0.01), _cpu_blob(new, base, fraction=0.01)]
+
+        def first(blobs=blobs, base=base, both=False):
+            agg = gpu_codec.Aggregator(base=base)
+            agg.add(blobs[0], weight=3)
+            if both:
+                agg.add(blobs[1])
+            return agg
+
+        means: list = []
+        add = measure(lambda agg, b=blobs[1]: agg.add(b), setup=first, resident=[base], emulator=emulator, repeat=1)
+        mean = measure(
+            lambda agg, means=means: means.append(agg.mean_delta()),
+            setup=lambda first=first: first(both=True),
+            resident=[base],
+            emulator=emulator,
+            repeat=1,
+        )
+        res = measure(
+            lambda agg: agg.result(), setup=lambda first=first: first(both=True), resident=[base], emulator=emulator
+        )
+        a = add.counts
+        assert a.kernels["limb_shift"] == 1 and sum(v for k, v in a.kernels.items() if "accumulate" in k) == 1
+        assert a.syncs <= SYNCS["add"] and not a.host_numpy and not mean.counts.host_numpy
+        assert res.counts.syncs <= SYNCS["add"] and res.counts.kernels["dense_apply"] == 1
+        dense_blob = _cpu_blob(new, base, fraction=None)  # every element sent: runs of dense tensors
+        dense = measure(lambda agg, b=dense_blob: agg.add(b), setup=first, resident=[base], emulator=emulator).counts
+        assert dense.syncs <= SYNCS["add"] and sum(v for k, v in dense.kernels.items() if "accumulate" in k) == 1
+        work[t] = [(c.launches, c.array_ops, c.h2d) for c in (a, mean.counts, res.counts, dense)]
+        with use_backend("cpu"):
+            agg = gpu_codec.Aggregator(base=base)
+            agg.add(blobs[1])  # (the other order: the same bytes)
+            agg.add(blobs[0], weight=3)
+            want = agg.mean_delta()
+        assert all(np.asarray(means[0][k]).tobytes() == want[k].tobytes() for k in want)
+    assert work[30] == work[300], work
+
+
 def _device(emulator):
     return using_backend(RecordingBackend(emulator))  # the GPU path's code, run on the emulator
 
@@ -186,17 +233,57 @@ def test_the_device_decode_gives_the_cpu_bytes(emulator, dtype, fraction, monkey
             assert np.asarray(g[k]).tobytes() == w[k].tobytes(), k
 
 
+@pytest.mark.parametrize("with_base", [True, False])
+def test_the_device_aggregator_gives_the_cpu_bytes_whatever_the_order_dtypes_and_pipelines(emulator, with_base):
+    """Payloads whose tensors come in another order than the aggregation's (runs cut where they are not adjacent
+    in the accumulator), of mixed dtypes (runs cut at a dtype), with empty and all-zero tensors, sent sparse and
+    dense, raw and coded, with weights whose grids coarsen and refine: the device path's accumulator, mean and
+    result are the CPU's, to the byte."""
+    rng = np.random.default_rng(9)
+    dts = [np.float32, np.float32, np.float32, np.float64, np.float16, np.float32, np.float64, np.float16, np.float16]
+    sizes = [40, 30, 0, 50, 7, 300_000, 60, 25, 9]
+    base = {f"t{i}": rng.standard_normal(n).astype(dt) for i, (n, dt) in enumerate(zip(sizes, dts))}
+    names = list(base)
+    coded = [gpu_codec.Quantize("float16"), gpu_codec.RiceIndices(), gpu_codec.Zstd()]
+    blobs = []
+    for c, (order, fraction, pipe) in enumerate(
+        [(names, 0.2, None), (names[::-1], 0.3, None), (names[3:] + names[:3], 0.5, coded), (names, None, None)]
+    ):
+        scale = 10.0 ** (2 * c - 4)
+        new = {k: (base[k] + rng.standard_normal(base[k].size) * scale).astype(base[k].dtype) for k in order}
+        new["t4"] = base["t4"].copy()  # nothing changes: all zeros
+        blobs.append(_cpu_blob(new, base, fraction=fraction, pipeline=pipe))
+    weights = [3.0, 0.5, 1.0, 2.0]
+    got = {}
+    for place in ("cpu", "device"):
+        with use_backend("cpu") if place == "cpu" else _device(emulator):
+            agg = gpu_codec.Aggregator(base=base if with_base else None)
+            states = []
+            for b, w in zip(blobs, weights):
+                agg.add(b, weight=w)
+                states.append((np.asarray(agg._limbs).tobytes(), agg._beta.tobytes()))
+            mean = {k: np.asarray(v).tobytes() for k, v in agg.mean_delta().items()}
+            out = {k: np.asarray(v).tobytes() for k, v in agg.result().items()}
+            got[place] = (states, mean, out)
+    assert got["device"] == got["cpu"]
+
+
 def _hostile(kind: str):
     """(payload, base) that decompress and add refuse: each check of the decode, in the tensor after a good one."""
     rng = np.random.default_rng(2)
-    dtype = np.float16 if kind == "overflow" else np.float32
+    dtype = np.float16 if "overflow" in kind else np.float32
     base = {"a": np.ones(50, dtype), "b": np.ones(400_000, dtype), "c": np.ones(60, dtype), "d": np.ones(40, dtype)}
     new = {k: (v + rng.standard_normal(v.size)).astype(dtype) for k, v in base.items()}
     with use_backend("cpu"):
-        p = gpu_codec.compress(new, base, fraction=0.05, scope="per_tensor")
-    t = 2 if kind == "run" else 1
-    idx, vals = p.tensors[t].buffers["indices"], p.tensors[t].buffers["values"]
-    if kind in ("order", "run"):  # ("c" and "d" are decoded in one run)
+        p = gpu_codec.compress(new, base, fraction=None if "dense" in kind else 0.05, scope="per_tensor")
+    t = 2 if kind in ("run", "dense_nan", "dense_overflow") else 1
+    idx, vals = p.tensors[t].buffers.get("indices"), p.tensors[t].buffers["values"]
+    if kind == "dense_nan":  # ("c" and "d" are added in one run of dense tensors)
+        vals[7] = np.nan
+    elif kind == "dense_overflow":
+        base["c"][5] = 60000
+        vals[5] = 60000
+    elif kind in ("order", "run"):  # ("c" and "d" are decoded in one run)
         idx[[1, 2]] = idx[[2, 1]]
     elif kind == "chunks":  # each chunk of 256 entries ascending, the second starting below the first's end
         idx[[255, 256]] = idx[[256, 255]]
@@ -210,7 +297,7 @@ def _hostile(kind: str):
     return p, base
 
 
-@pytest.mark.parametrize("kind", ["order", "chunks", "run", "range", "nan", "overflow"])
+@pytest.mark.parametrize("kind", ["order", "chunks", "run", "range", "nan", "overflow", "dense_nan", "dense_overflow"])
 def test_the_device_decode_refuses_what_the_cpu_refuses_with_its_error(emulator, kind, monkeypatch):
     for name in ("DECODE_CHUNK", "DECODE_CHUNK_DEVICE"):  # (the messages name a chunk of entries)
         monkeypatch.setattr(decode, name, (256, 256))

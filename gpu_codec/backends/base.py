@@ -193,18 +193,38 @@ class Backend(Protocol):
 
     # --- the aggregator's integer limbs (gpu_codec.aggregate) ---------------------------------------------------
 
-    def limb_add(self, limbs: Array, idx: Array | None, qs: Array) -> None:
-        """``limbs[j][idx] += qs[j]`` for every limb j (int32; ``idx`` ascending and distinct, or None: every
-        element)."""
+    def limb_accumulate(
+        self,
+        limbs: Array,
+        start: int,
+        counts: Sequence[int],
+        exps: np.ndarray,
+        vals: Array,
+        idx: Array | None,
+        w: float,
+    ) -> None:
+        """``limbs[j][start + e] += q_j`` for every entry: ``q`` the int32 limbs of ``vals * w`` (fp64) on its
+        tensor's grids ``2^exps[t][j]`` (a host row per tensor, coarsest first; the entries are ``counts`` of
+        ``vals`` in turn), ``e`` its index (``idx``, distinct; ``None``: dense tensors end to end, entry e is
+        element e)."""
         ...
 
-    def limb_mean(self, limbs: Array, scales: list[float], total: float, out: Array) -> None:
-        """``out = (sum over j of limbs[j] * scales[j]) / total``: each step in fp64, in limb order, the last cast
-        to ``out``'s dtype."""
+    def limb_shift(self, limbs: Array, starts: np.ndarray, numels: np.ndarray, shifts: np.ndarray) -> None:
+        """Each listed tensor's grid made coarser by ``shifts[t]`` whole limbs (row j takes row j - s, 0 past the
+        top)."""
         ...
 
-    def limb_split(self, vals: Array, w: float, exps: list[int]) -> Array:
-        """The int32 limbs (one row per grid ``2^exps[j]``, coarsest first) of ``vals * w`` in fp64."""
+    def segment_abs_max(self, vals: Array, counts: Sequence[int]) -> Array:
+        """The bits of each tensor's largest ``|v|`` (uint64, 0 for no entry; inf or NaN above every finite one),
+        the entries being ``counts`` of ``vals`` in turn; left on the device."""
+        ...
+
+    def limb_mean(
+        self, limbs: Array, starts: np.ndarray, numels: np.ndarray, scales: np.ndarray, total: float, out: Array
+    ) -> None:
+        """``out`` (the listed tensors end to end) = ``(sum over j of limbs[j] * scales[t][j]) / total`` over each
+        tensor's elements (from ``starts[t]``): each step in fp64, in limb order, the last cast to ``out``'s
+        dtype."""
         ...
 
     # --- value and index codecs (encode) -----------------------------------------------------------------

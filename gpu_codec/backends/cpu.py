@@ -73,14 +73,17 @@ class CpuBackend(ArrayDecoders):
         bad = int(err[0])
         return None if bad == U64_MAX else bad
 
-    def limb_add(self, limbs, idx, qs):
-        _limbs.limb_add(limbs, idx, qs)
+    def limb_accumulate(self, limbs, start, counts, exps, vals, idx, w):
+        _limbs.limb_accumulate(limbs, start, counts, exps, vals, idx, w)
 
-    def limb_mean(self, limbs, scales, total, out):
-        _limbs.limb_mean(limbs, scales, total, out)
+    def limb_shift(self, limbs, starts, numels, shifts):
+        _limbs.limb_shift(limbs, starts, numels, shifts)
 
-    def limb_split(self, vals, w, exps):
-        return _limbs.limb_split(vals, w, exps)
+    def segment_abs_max(self, vals, counts):
+        return _limbs.segment_abs_max(vals.view(np.uint64 if vals.dtype.itemsize == 8 else np.uint32), counts)
+
+    def limb_mean(self, limbs, starts, numels, scales, total, out):
+        _limbs.limb_mean(limbs, starts, numels, scales, total, out)
 
     def scatter_onto(self, out, base, start, stop, out_dtype, numel, indices, values):
         return _twins.scatter_onto(out, base, start, stop, out_dtype, numel, indices, values)

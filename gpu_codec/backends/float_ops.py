@@ -10,12 +10,12 @@ no other float operation of the GPU path runs through the array module.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import numpy as np
 
 from ..constants import BLOCK
+from .kernels import _offsets
 
 GRID_MAX = 1 << 16  # blocks of a grid-stride launch (enough to fill any device; each thread loops beyond)
 
@@ -31,32 +31,101 @@ class KernelFloatOps:
     runner: Any
     xp: Any
 
-    def limb_split(self, vals: Any, w: float, exps: list[int]) -> Any:
-        qs = self.xp.empty((len(exps), vals.size), dtype=np.int32)
-        if vals.size:
-            grid = [math.ldexp(1.0, -e) for e in exps] + [math.ldexp(1.0, e) for e in exps]
-            f64 = vals.dtype == np.float64
-            self.runner.launch(
-                "limb_split_f64" if f64 else "limb_split_f32",
-                _grid(vals.size),
-                BLOCK,
-                (np.uint64(vals.size), vals, np.float64(w), self.xp.asarray(np.asarray(grid, np.float64)), qs),
-            )
-        return qs
+    def limb_accumulate(self, limbs: Any, start: int, counts: Any, exps: Any, vals: Any, idx: Any, w: float) -> None:
+        total = int(vals.size)
+        if not total:
+            return
+        exps = np.asarray(exps, np.int64).reshape(len(counts), -1)
+        ent = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)]).astype(np.uint64)
+        grid = np.concatenate([np.ldexp(1.0, -exps), np.ldexp(1.0, exps)], axis=1)  # powers of two: exact
+        tables = self.xp.asarray(np.concatenate([ent.view(np.float64), grid.ravel()]))  # one copy to the device
+        dense, wide = idx is None, idx is not None and idx.dtype.itemsize == 8
+        if dense:
+            idx = tables.view(np.uint32)  # (not read: a dense tensor's entries are its elements)
+        elif idx.dtype.kind != "u":
+            idx = idx.view(np.uint64 if wide else np.uint32)
+        self.runner.launch(
+            f"limb_accumulate_{'f64' if vals.dtype == np.float64 else 'f32'}_{'u64' if wide else 'u32'}",
+            -(-total // BLOCK),
+            BLOCK,
+            (
+                np.int32(len(counts)),
+                np.uint64(total),
+                tables[: ent.size].view(np.uint64),
+                tables[ent.size :],
+                self.xp.ascontiguousarray(vals),
+                idx,
+                np.int32(dense),
+                np.float64(w),
+                np.uint64(start),
+                np.uint64(limbs.shape[1]),
+                limbs,
+            ),
+        )
 
-    def limb_mean(self, limbs: Any, scales: list[float], total: float, out: Any) -> None:
-        n = int(limbs.shape[1])
+    def limb_shift(self, limbs: Any, starts: Any, numels: Any, shifts: Any) -> None:
+        numels = np.asarray(numels, np.int64)
+        total = int(numels.sum())
+        if total:
+            nt = numels.size
+            shift = np.zeros(nt + nt % 2, np.int32)
+            shift[:nt] = shifts
+            tables = self.xp.asarray(
+                np.concatenate([_offsets(numels), np.asarray(starts, np.uint64), shift.view(np.uint64)])
+            )
+            self.runner.launch(
+                "limb_shift",
+                -(-total // BLOCK),
+                BLOCK,
+                (
+                    np.int32(nt),
+                    np.uint64(total),
+                    tables[: nt + 1],
+                    tables[nt + 1 : 2 * nt + 1],
+                    tables[2 * nt + 1 :].view(np.int32),
+                    np.uint64(limbs.shape[1]),
+                    limbs,
+                ),
+            )
+
+    def segment_abs_max(self, vals: Any, counts: Any) -> Any:
+        out = self.xp.zeros(len(counts), dtype=np.uint64)
+        total = int(vals.size)
+        if total:
+            wide = vals.dtype.itemsize == 8
+            self.runner.launch(
+                "segment_abs_max_u64" if wide else "segment_abs_max_u32",
+                -(-total // BLOCK),
+                BLOCK,
+                (
+                    np.int32(len(counts)),
+                    np.uint64(total),
+                    self.xp.asarray(_offsets(counts)),
+                    self.xp.ascontiguousarray(vals).view(np.uint64 if wide else np.uint32),
+                    out,
+                ),
+            )
+        return out
+
+    def limb_mean(self, limbs: Any, starts: Any, numels: Any, scales: Any, total: float, out: Any) -> None:
+        numels = np.asarray(numels, np.int64)
+        n = int(numels.sum())
         if n:
-            limbs = self.xp.ascontiguousarray(limbs)  # the kernel reads rows of n: a column slice is copied
+            nt = numels.size
+            ent = np.concatenate([_offsets(numels), np.asarray(starts, np.uint64)])
+            tables = self.xp.asarray(np.concatenate([ent.view(np.float64), np.asarray(scales, np.float64).ravel()]))
             self.runner.launch(
                 "limb_mean_f64" if out.dtype == np.float64 else "limb_mean_f32",
                 _grid(n),
                 BLOCK,
                 (
-                    np.int32(limbs.shape[0]),
+                    np.int32(nt),
                     np.uint64(n),
+                    tables[: nt + 1].view(np.uint64),
+                    tables[nt + 1 : 2 * nt + 1].view(np.uint64),
+                    tables[2 * nt + 1 :],
+                    np.uint64(limbs.shape[1]),
                     limbs,
-                    self.xp.asarray(np.asarray(scales, np.float64)),
                     np.float64(total),
                     out,
                 ),

@@ -40,7 +40,7 @@ from ..constants import (
     U64_MAX,
     index_dtype,
 )
-from .base import Runner, add_span, all_finite, dense_values, flat_tables, scatter_args, split_values
+from .base import Runner, all_finite, dense_values, flat_tables, scatter_args, split_values
 
 FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
 SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32)
@@ -877,9 +877,6 @@ class KernelBackendBase:
         out[start:stop] = base[start:stop]
         bad = self.ops.scatter([out], [out_dtype], [numel], [indices], [values], SCATTER_ADD)
         return bad, bad is not None or all_finite(out[indices], out_dtype, self.xp)
-
-    def limb_add(self, limbs, idx, qs):
-        add_span(limbs, idx, qs, 0, qs.shape[1])
 
     def gather_copy(self, out, sources):
         self.ops.gather_copy(out, sources)

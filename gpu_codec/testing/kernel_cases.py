@@ -1388,8 +1388,10 @@ def subnormal_mix(n: int, dtype: Any, seed: int) -> np.ndarray:
 
 
 def float_steps(runner, name: str = "floats", n: int = 3001) -> list[str]:
-    """limb_split_f32/_f64, limb_mean_f32/_f64, int8_dequant and widen_f32 (KernelFloatOps on ``runner``) against
-    their twins (cpu_fallback/limbs.py, cpu_fallback/quantize.py), on subnormal-rich inputs."""
+    """limb_accumulate_*, limb_shift, segment_abs_max_*, limb_mean_f32/_f64, int8_dequant and widen_f32
+    (KernelFloatOps on ``runner``) against their twins (cpu_fallback/limbs.py, cpu_fallback/quantize.py), on
+    subnormal-rich inputs: the limb passes over several tensors at once (an empty one among them), each on its own
+    grid, sparse (32- and 64-bit indices) and dense."""
     from gpu_codec.backends.float_ops import KernelFloatOps
     from gpu_codec.cpu_fallback import limbs as lt
     from gpu_codec.cpu_fallback import quantize as qt
@@ -1400,27 +1402,58 @@ def float_steps(runner, name: str = "floats", n: int = 3001) -> list[str]:
     out: list[str] = []
     from gpu_codec.aggregate import LIMB_BITS, LIMBS, _grid_exponent
 
+    rows = (LIMBS - 1 - np.arange(LIMBS)) * LIMB_BITS
+    counts = [n // 3, 0, n - n // 3 - 1, 1]  # entries of each tensor, in turn
+    numels = [2 * c + 5 for c in counts]
+    starts = np.concatenate([[7], 7 + np.cumsum(numels)[:-1]]).astype(np.int64)  # (the accumulator's first 7 unused)
+    size = int(starts[-1]) + numels[-1]
+    rng = np.random.default_rng(19)
+    # each tensor's entries at distinct ascending elements of its own range, counted from the first tensor's start
+    idx = np.concatenate(
+        [np.sort(rng.choice(m, c, replace=False)) + a - starts[0] for c, m, a in zip(counts, numels, starts)]
+    )
     for k, dt in enumerate((np.float32, np.float64)):
         v = subnormal_mix(n, dt, 11 + k)
         tiny = v[np.abs(v) < (2.0**-120 if dt == np.float32 else 2.0**-1000)]
-        for vals in (v, tiny):
+        # sparse tensors (32- and 64-bit indices), dense tensors end to end, one dense tensor of subnormals only
+        for vals, cs, forms in ((v, counts, (np.uint32, np.uint64, None)), (tiny, [tiny.size], (None,))):
+            ends = np.cumsum(cs)
             for w in (1.0, 0.75, 3.0):
-                # the aggregator's grid for these values: fine enough for subnormals where they are all there is
-                beta = _grid_exponent(w * float(np.abs(vals).max()))
-                exps = [beta + (LIMBS - 1 - j) * LIMB_BITS for j in range(LIMBS)]
-                got = host(ops.limb_split(up(vals), w, exps))
-                _cmp(f"{name}: limb_split {np.dtype(dt)}[{vals.size}] w={w}", got, lt.limb_split(vals, w, exps), out)
-        rng = np.random.default_rng(20 + k)
-        limbs = rng.integers(-(1 << 17), 1 << 17, size=(3, n), dtype=np.int32)
-        limbs[:, : n // 2] = rng.integers(-3, 4, size=(3, n // 2), dtype=np.int32)
+                # each tensor's grid as the aggregator picks it: fine enough for subnormals where they are all there is
+                m = [float(np.abs(vals[e - c : e]).max()) if c else 0.0 for c, e in zip(cs, ends)]
+                exps = np.asarray([_grid_exponent(w * x) or 0 for x in m], np.int64)[:, None] + rows
+                for form in forms:
+                    ix = None if form is None else idx.astype(form)
+                    limbs = rng.integers(-(1 << 20), 1 << 20, size=(LIMBS, size), dtype=np.int32)
+                    want, d_limbs = limbs.copy(), up(limbs)
+                    lt.limb_accumulate(want, int(starts[0]), cs, exps, vals, ix, w)
+                    ops.limb_accumulate(d_limbs, int(starts[0]), cs, exps, up(vals), None if ix is None else up(ix), w)
+                    what = f"{name}: limb_accumulate {np.dtype(dt)}[{vals.size}] {'dense' if ix is None else ix.dtype}"
+                    _cmp(f"{what} w={w}", host(d_limbs), want, out)
+        sub = v.view(np.uint64 if dt == np.float64 else np.uint32)
+        _cmp(
+            f"{name}: segment_abs_max {np.dtype(dt)}",
+            host(ops.segment_abs_max(up(v), counts)),
+            lt.segment_abs_max(sub, counts),
+            out,
+        )
+        limbs = rng.integers(-(1 << 17), 1 << 17, size=(3, size), dtype=np.int32)
+        limbs[:, : size // 2] = rng.integers(-3, 4, size=(3, size // 2), dtype=np.int32)
         beta = -162 if dt == np.float32 else -1008  # fp32: small limbs give subnormal means
-        scales = [2.0 ** (beta + 36), 2.0 ** (beta + 18), 2.0**beta]
+        scales = np.asarray([np.ldexp(1.0, beta + s + rows) for s in (0, 18, 36, 0)])
+        scales[1] = 0.0  # a tensor with no grid yet
         for total in (1.0, 3.0, 7.25):
-            want = np.empty(n, dt)
-            lt.limb_mean(limbs, scales, total, want)
-            d_out = up(np.empty(n, dt))
-            ops.limb_mean(up(limbs), scales, total, d_out)
+            want = np.empty(sum(numels), dt)
+            lt.limb_mean(limbs, starts, numels, scales, total, want)
+            d_out = up(np.empty(sum(numels), dt))
+            ops.limb_mean(up(limbs), starts, numels, scales, total, d_out)
             _cmp(f"{name}: limb_mean {np.dtype(dt)} total={total}", host(d_out), want, out)
+    shifts = np.asarray([1, 0, 2, 5], np.int64)
+    limbs = rng.integers(-(1 << 20), 1 << 20, size=(LIMBS, size), dtype=np.int32)
+    want, d_limbs = limbs.copy(), up(limbs)
+    lt.limb_shift(want, starts, numels, shifts)
+    ops.limb_shift(d_limbs, starts, numels, shifts)
+    _cmp(f"{name}: limb_shift", host(d_limbs), want, out)
     rng = np.random.default_rng(30)
     q = rng.integers(-127, 128, size=n, dtype=np.int8)
     for block in (1, 64, 256):
