@@ -21,7 +21,8 @@ Steps, in order (each recorded in OUTDIR/summary.json as pass / fail / skip, wit
              bytes per element of the fused scan and the candidate selection under ncu -> ncu_traffic.log;
              the fused scan's loads under ncu (fused_scan_f32's 128-bit loads against fused_scan's 32-bit ones
              on the same fp32 inputs, and its scalar loads on misaligned ones: load requests, sectors, DRAM
-             bytes and time per element) -> ncu_scan.log.
+             bytes and time per element; fused_scan_h16's 64-bit loads against fused_scan's on fp16
+             inputs) -> ncu_scan.log.
              With --runner emulated: the subnormal checks on the emulated backend, the rest skipped.
 A human-readable log goes to OUTDIR/suite.log. The exit status is 1 if any step failed. Steps stop being started
 once --budget-s seconds have passed (540 by default), so a run under a time limit still writes its summary.
@@ -631,9 +632,14 @@ NCU_SCAN_METRICS = (
     "l1tex__t_requests_pipe_lsu_mem_global_op_ld.sum",
     "l1tex__t_sectors_pipe_lsu_mem_global_op_ld.sum",
 )
-# the scan step's launches, in order: fused_scan_f32 on aligned arrays, fused_scan on the same, fused_scan_f32 on
-# arrays one element into their allocations
-NCU_SCAN_RUNS = (("vector", "fused_scan_f32"), ("general", "fused_scan"), ("misaligned", "fused_scan_f32"))
+# the scan step's launches, in order, after a warm-up compress of each dtype (which gives error feedback a
+# residual): fp32, fused_scan_f32 on aligned arrays, fused_scan on the same, fused_scan_f32 on arrays one element
+# into their allocations; fp16, fused_scan_h16 on aligned arrays and fused_scan on the same
+NCU_SCAN_GROUPS = (
+    ("float32", (("vector", "fused_scan_f32"), ("general", "fused_scan"), ("misaligned", "fused_scan_f32"))),
+    ("float16", (("vector_h16", "fused_scan_h16"), ("general_h16", "fused_scan"))),
+)
+NCU_SCAN_RUNS = tuple(run for _, runs in NCU_SCAN_GROUPS for run in runs)
 _NCU_UNITS = {"byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9, "KB": 1e3, "MB": 1e6, "GB": 1e9}
 
 
@@ -655,10 +661,10 @@ def ncu_workload() -> int:
 
 
 def ncu_scan_workload(backend: str = "gpu", n: int = NCU_N) -> int:
-    """What the scan step profiles: after a warm-up compress that gives error feedback a residual, three compresses
-    of n fp32 elements against a base with that residual (the scan reads new, base and residual and writes the new
-    residual), global scope, as NCU_SCAN_RUNS says; the three payloads must be equal. ``backend`` "emulated" and a
-    small n check the workload itself on the CPU."""
+    """What the scan step profiles, per dtype of NCU_SCAN_GROUPS: a warm-up compress that gives error feedback a
+    residual, then the group's compresses of n elements against a base with that residual (the scan reads new,
+    base and residual and writes the new residual), global scope; a group's payloads must be equal. ``backend``
+    "emulated" and a small n check the workload itself on the CPU."""
     import numpy as np
 
     import gpu_codec
@@ -671,24 +677,25 @@ def ncu_scan_workload(backend: str = "gpu", n: int = NCU_N) -> int:
     with use_backend(backend) as b:
         xp = b.runner.xp
 
-        def at(values, shift):
-            a = xp.empty(values.size + 1, dtype=values.dtype)[shift : shift + values.size]
-            a[...] = xp.asarray(values)
+        def at(values, shift, dtype):
+            a = xp.empty(values.size + 1, dtype=dtype)[shift : shift + values.size]
+            a[...] = xp.asarray(values.astype(dtype))
             return a
 
-        ef = gpu_codec.ErrorFeedback()
-        gpu_codec.compress({"w": at(w0 * 0.5, 0)}, {"w": at(w0, 0)}, fraction=0.01, residual=ef)
-        state = ef.to_bytes()
-        blobs = []
-        for name, _ in NCU_SCAN_RUNS:
-            shift = 1 if name == "misaligned" else 0
-            new, base = {"w": at(w, shift)}, {"w": at(w0, shift)}
-            with kc.forced(scan="fused_scan" if name == "general" else ""):
-                res = gpu_codec.ErrorFeedback.from_bytes(state)
-                blobs.append(gpu_codec.compress(new, base, fraction=0.01, residual=res).to_bytes())
-    if len(set(blobs)) != 1:
-        print("ncu scan workload: the three scans gave different payloads")
-        return 1
+        for dtype, runs in NCU_SCAN_GROUPS:
+            ef = gpu_codec.ErrorFeedback()
+            gpu_codec.compress({"w": at(w0 * 0.5, 0, dtype)}, {"w": at(w0, 0, dtype)}, fraction=0.01, residual=ef)
+            state = ef.to_bytes()
+            blobs = []
+            for name, _ in runs:
+                shift = 1 if name.startswith("misaligned") else 0
+                new, base = {"w": at(w, shift, dtype)}, {"w": at(w0, shift, dtype)}
+                with kc.forced(scan="fused_scan" if name.startswith("general") else ""):
+                    res = gpu_codec.ErrorFeedback.from_bytes(state)
+                    blobs.append(gpu_codec.compress(new, base, fraction=0.01, residual=res).to_bytes())
+            if len(set(blobs)) != 1:
+                print(f"ncu scan workload: the {dtype} scans gave different payloads")
+                return 1
     print("ncu scan workload: ok")
     return 0
 
@@ -729,12 +736,18 @@ def parse_ncu_launches(text: str) -> list[dict]:
 
 def scan_loads(launches: list[dict]) -> tuple[dict, list[str]]:
     """Per element of each NCU_SCAN_RUNS launch: DRAM bytes, load requests, sectors a request, time (ns) and DRAM
-    GB/s; and the problems: a launch missing or another kernel, fused_scan_f32's aligned loads not fewer requests
-    than fused_scan's, or either scan moving more DRAM bytes than fused_scan (beyond 2 %)."""
-    scans = [x for x in launches if x["kernel"].startswith("fused_scan")][1:]  # after the warm-up's
-    want = [k for _, k in NCU_SCAN_RUNS]
+    GB/s; and the problems: a launch missing or another kernel, a vector scan's aligned loads (fused_scan_f32's,
+    fused_scan_h16's) not fewer requests than fused_scan's on the same inputs, or a vector scan moving more DRAM
+    bytes than fused_scan (beyond 2 %)."""
+    scans = [x for x in launches if x["kernel"].startswith("fused_scan")]
+    want = [k for _, runs in NCU_SCAN_GROUPS for k in (runs[0][1], *(k for _, k in runs))]  # each group's warm-up
     if [x["kernel"] for x in scans] != want:
         return {}, [f"ncu profiled scans {[x['kernel'] for x in scans]}, expected {want}"]
+    warm, at = set(), 0
+    for _, runs in NCU_SCAN_GROUPS:
+        warm.add(at)
+        at += 1 + len(runs)
+    scans = [x for i, x in enumerate(scans) if i not in warm]
     per = {}
     for (name, _), x in zip(NCU_SCAN_RUNS, scans):
         dram = x.get("dram__bytes_read.sum", 0.0) + x.get("dram__bytes_write.sum", 0.0)
@@ -750,11 +763,13 @@ def scan_loads(launches: list[dict]) -> tuple[dict, list[str]]:
             "dram_gb_per_s": round(dram / t / 1e9, 1) if t else 0.0,
         }
     problems = []
-    if not per["vector"]["load_requests_per_element"] < per["general"]["load_requests_per_element"]:
-        problems.append(f"fused_scan_f32's loads are not wider than fused_scan's: {per}")
-    for name in ("vector", "misaligned"):
-        if per[name]["dram_bytes_per_element"] > 1.02 * per["general"]["dram_bytes_per_element"]:
-            problems.append(f"fused_scan_f32 ({name}) moved more DRAM bytes than fused_scan: {per}")
+    for vector, general, others in (("vector", "general", ("misaligned",)), ("vector_h16", "general_h16", ())):
+        kernel = per[vector]["kernel"]
+        if not per[vector]["load_requests_per_element"] < per[general]["load_requests_per_element"]:
+            problems.append(f"{kernel}'s loads are not wider than fused_scan's: {per}")
+        for name in (vector, *others):
+            if per[name]["dram_bytes_per_element"] > 1.02 * per[general]["dram_bytes_per_element"]:
+                problems.append(f"{kernel} ({name}) moved more DRAM bytes than fused_scan: {per}")
     return per, problems
 
 

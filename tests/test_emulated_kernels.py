@@ -943,14 +943,19 @@ def test_gpu_suite_reads_ncu_csv():
     assert gs.parse_ncu_csv(text) == {"fused_scan": 134.22e6 + 1024e3, "cand_hist": 512.0}
 
 
-def _scan_csv(requests: dict[str, float], names=("fused_scan_f32", "fused_scan_f32", "fused_scan", "fused_scan_f32")):
-    """ncu --csv rows of the scan step's launches (a warm-up, then NCU_SCAN_RUNS): 12 B an element of DRAM
-    traffic in 1 ms each, ``requests`` load requests an element by run name."""
+SCAN_LAUNCHES = ("fused_scan_f32", "fused_scan_f32", "fused_scan", "fused_scan_f32", "fused_scan_h16")
+SCAN_LAUNCHES += ("fused_scan_h16", "fused_scan")
+SCAN_RUNS = ("vector", "vector", "general", "misaligned", "vector_h16", "vector_h16", "general_h16")
+
+
+def _scan_csv(requests: dict[str, float], names=SCAN_LAUNCHES):
+    """ncu --csv rows of the scan step's launches (per dtype a warm-up, then its NCU_SCAN_GROUPS runs): 12 B an
+    element of DRAM traffic in 1 ms each, ``requests`` load requests an element by run name."""
     gs = _suite_module()
     n = gs.NCU_N
     rows = ['"ID","Kernel Name","Metric Name","Metric Unit","Metric Value"']
     for i, name in enumerate(names):
-        run = gs.NCU_SCAN_RUNS[i - 1][0] if i else "vector"
+        run = SCAN_RUNS[i]
         k = f'"{i}","{name}(int, const long *)"'
         rows += [
             f'{k},"dram__bytes_read.sum","byte","{12 * n}"',
@@ -964,23 +969,29 @@ def _scan_csv(requests: dict[str, float], names=("fused_scan_f32", "fused_scan_f
 def test_gpu_suite_judges_the_scan_loads():
     """The ncu scan step's reading: per run the DRAM bytes, requests, sectors a request and time per element; a
     vector scan with as many load requests as fused_scan's, or launches other than expected, are problems."""
-    gs, text = _scan_csv({"vector": 0.04, "general": 0.1, "misaligned": 0.1})
+    good = {"vector": 0.04, "general": 0.1, "misaligned": 0.1, "vector_h16": 0.02, "general_h16": 0.05}
+    gs, text = _scan_csv(good)
     launches = gs.parse_ncu_launches(text)
-    assert [x["kernel"] for x in launches] == ["fused_scan_f32", "fused_scan_f32", "fused_scan", "fused_scan_f32"]
+    assert [x["kernel"] for x in launches] == list(SCAN_LAUNCHES)
     assert launches[1]["gpu__time_duration.sum"] == pytest.approx(1e-3)
     per, problems = gs.scan_loads(launches)
     assert problems == []
+    assert [per[r]["kernel"] for r, _ in gs.NCU_SCAN_RUNS] == [k for _, k in gs.NCU_SCAN_RUNS]
     assert per["vector"]["load_requests_per_element"] == 0.04 and per["general"]["sectors_per_request"] == 10.0
+    assert per["vector_h16"]["load_requests_per_element"] == 0.02
     assert per["vector"]["dram_bytes_per_element"] == 12.0 and per["vector"]["dram_gb_per_s"] == pytest.approx(
         12 * gs.NCU_N / 1e-3 / 1e9, rel=1e-3
     )
-    gs, text = _scan_csv({"vector": 0.1, "general": 0.1, "misaligned": 0.1})
-    assert "not wider" in gs.scan_loads(gs.parse_ncu_launches(text))[1][0]
-    gs, text = _scan_csv({"vector": 0.04, "general": 0.1, "misaligned": 0.1}, names=("fused_scan",) * 4)
+    gs, text = _scan_csv({**good, "vector": 0.1})
+    assert "fused_scan_f32's loads are not wider" in gs.scan_loads(gs.parse_ncu_launches(text))[1][0]
+    gs, text = _scan_csv({**good, "vector_h16": 0.05})
+    assert "fused_scan_h16's loads are not wider" in gs.scan_loads(gs.parse_ncu_launches(text))[1][0]
+    gs, text = _scan_csv(good, names=("fused_scan",) * 7)
     assert "expected" in gs.scan_loads(gs.parse_ncu_launches(text))[1][0]
 
 
 def test_gpu_suite_scan_workload_on_the_emulator():
-    """The workload the ncu scan step profiles, on the emulator at a small size: the three scans' payloads agree."""
+    """The workload the ncu scan step profiles, on the emulator at a small size: each dtype's scans give the same
+    payload."""
     gs = _suite_module()
     assert gs.ncu_scan_workload("emulated", n=3 * 4096 + 5) == 0
