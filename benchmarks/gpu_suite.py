@@ -773,28 +773,29 @@ def scan_loads(launches: list[dict]) -> tuple[dict, list[str]]:
     return per, problems
 
 
+def _run_ncu(out_dir, metrics: str, kernels: str, workload: str, log: str):
+    """This script's ``workload`` flag under ``ncu --csv`` (the ``metrics`` of the kernels matching the regex
+    ``kernels``), its output kept in out_dir/``log``: the completed process, or the step's problems as a list (ncu
+    missing, or the run failing)."""
+    ncu = shutil.which("ncu") or ("/usr/local/cuda/bin/ncu" if os.path.exists("/usr/local/cuda/bin/ncu") else None)
+    if not ncu:
+        return ["skip: ncu is not installed"]
+    cmd = [ncu, "--csv", "--metrics", metrics, "--kernel-name", "regex:" + kernels]
+    cmd += [sys.executable, str(Path(__file__).resolve()), workload]
+    r = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
+    (Path(out_dir) / log).write_text(r.stdout + r.stderr)
+    if r.returncode != 0 or "workload: ok" not in r.stdout:
+        return [f"ncu failed (exit {r.returncode}); see {log}"]
+    return r
+
+
 def glue_scan_ncu(out_dir) -> list[str]:
     """The fused scan's loads under Nsight Compute (ncu_scan_workload): fused_scan_f32's 128-bit loads issue fewer
     requests than fused_scan's on the same inputs, and neither its aligned nor its misaligned run moves more DRAM
     bytes; the times per element are logged (not judged)."""
-    ncu = shutil.which("ncu") or ("/usr/local/cuda/bin/ncu" if os.path.exists("/usr/local/cuda/bin/ncu") else None)
-    if not ncu:
-        return ["skip: ncu is not installed"]
-    cmd = [
-        ncu,
-        "--csv",
-        "--metrics",
-        ",".join(NCU_SCAN_METRICS),
-        "--kernel-name",
-        "regex:^fused_scan",
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--ncu-scan-workload",
-    ]
-    r = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
-    (Path(out_dir) / "ncu_scan.log").write_text(r.stdout + r.stderr)
-    if r.returncode != 0 or "ncu scan workload: ok" not in r.stdout:
-        return [f"ncu failed (exit {r.returncode}); see ncu_scan.log"]
+    r = _run_ncu(out_dir, ",".join(NCU_SCAN_METRICS), "^fused_scan", "--ncu-scan-workload", "ncu_scan.log")
+    if isinstance(r, list):
+        return r
     per, problems = scan_loads(parse_ncu_launches(r.stdout))
     print("ncu scan loads: " + json.dumps(per))
     return problems
@@ -803,24 +804,10 @@ def glue_scan_ncu(out_dir) -> list[str]:
 def glue_ncu(out_dir) -> list[str]:
     """DRAM traffic per kernel under Nsight Compute: fused_scan_f32 reads new and base once (8 B an element, fp32),
     and the selection on the candidates adds little."""
-    ncu = shutil.which("ncu") or ("/usr/local/cuda/bin/ncu" if os.path.exists("/usr/local/cuda/bin/ncu") else None)
-    if not ncu:
-        return ["skip: ncu is not installed"]
-    cmd = [
-        ncu,
-        "--csv",
-        "--metrics",
-        "dram__bytes_read.sum,dram__bytes_write.sum",
-        "--kernel-name",
-        "regex:" + "|".join(NCU_KERNELS),
-        sys.executable,
-        str(Path(__file__).resolve()),
-        "--ncu-workload",
-    ]
-    r = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=300)
-    (Path(out_dir) / "ncu_traffic.log").write_text(r.stdout + r.stderr)
-    if r.returncode != 0 or "ncu workload: ok" not in r.stdout:
-        return [f"ncu failed (exit {r.returncode}); see ncu_traffic.log"]
+    dram = "dram__bytes_read.sum,dram__bytes_write.sum"
+    r = _run_ncu(out_dir, dram, "|".join(NCU_KERNELS), "--ncu-workload", "ncu_traffic.log")
+    if isinstance(r, list):
+        return r
     per = {k: v / NCU_N for k, v in parse_ncu_csv(r.stdout).items()}
     problems = []
     if "fused_scan_f32" not in per:

@@ -776,9 +776,14 @@ template <bool H16>
 __device__ __forceinline__ void scan_vec(
     int nt, const i64* chunk_start, const i64* numel, const int* dtypes, const int* seg_of, const u64* new_ptrs,
     const u64* base_ptrs, const u64* res_ptrs, const u64* early_ptrs, const u64* lo, const u64* own_k, u64 pool_cap,
-    u64* cand_base, u32* cand_cnt, u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status, u32 (&wsel)[2][WARPS],
-    u16* st_idx, u32* st_key, u64& sh_at, u32& sh_eq, u32* own_hist, u32* own)
+    u64* cand_base, u32* cand_cnt, u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status)
 {
+    __shared__ u32 wsel[2][WARPS];  // fused_scan's shared memory, one set per instantiation (per kernel)
+    __shared__ u16 st_idx[CHUNK];
+    __shared__ u32 st_key[CHUNK];
+    __shared__ u64 sh_at;
+    __shared__ u32 sh_eq;
+    __shared__ u32 own_hist[256], own[2];
     const i64 c = blockIdx.x;
     const int t = tensor_of_chunk(chunk_start, nt, c);
     const int s = seg_of[t];
@@ -855,15 +860,8 @@ extern "C" __global__ void fused_scan_f32(
     int crit, const u64* early_ptrs, const u64* lo, const u64* own_k, u64 pool_cap, u64* cand_base, u32* cand_cnt,
     u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status)
 {
-    __shared__ u32 wsel[2][WARPS];
-    __shared__ u16 st_idx[CHUNK];
-    __shared__ u32 st_key[CHUNK];
-    __shared__ u64 sh_at;
-    __shared__ u32 sh_eq;
-    __shared__ u32 own_hist[256], own[2];
     scan_vec<false>(nt, chunk_start, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, early_ptrs, lo, own_k,
-                    pool_cap, cand_base, cand_cnt, cand_idx, cand_key, eq_cnt, status, wsel, st_idx, st_key, sh_at,
-                    sh_eq, own_hist, own);
+                    pool_cap, cand_base, cand_cnt, cand_idx, cand_key, eq_cnt, status);
 }
 
 // fused_scan_h16: fused_scan_f32 where every tensor is fp16 or bf16 (a bf16 model's update, say; the residual fp32),
@@ -875,15 +873,8 @@ extern "C" __global__ void fused_scan_h16(
     int crit, const u64* early_ptrs, const u64* lo, const u64* own_k, u64 pool_cap, u64* cand_base, u32* cand_cnt,
     u16* cand_idx, u32* cand_key, u32* eq_cnt, u64* status)
 {
-    __shared__ u32 wsel[2][WARPS];
-    __shared__ u16 st_idx[CHUNK];
-    __shared__ u32 st_key[CHUNK];
-    __shared__ u64 sh_at;
-    __shared__ u32 sh_eq;
-    __shared__ u32 own_hist[256], own[2];
     scan_vec<true>(nt, chunk_start, numel, dtypes, seg_of, new_ptrs, base_ptrs, res_ptrs, early_ptrs, lo, own_k,
-                   pool_cap, cand_base, cand_cnt, cand_idx, cand_key, eq_cnt, status, wsel, st_idx, st_key, sh_at,
-                   sh_eq, own_hist, own);
+                   pool_cap, cand_base, cand_cnt, cand_idx, cand_key, eq_cnt, status);
 }
 
 // Exact radix select on the candidates, one block (SCAN_THREADS threads, a chunk each in turn) per segment s over chunks

@@ -37,6 +37,20 @@ def has_emulator() -> bool:
 
 HAS_EMULATOR = has_emulator()
 
+
+def logged_launches(runner) -> list[str]:
+    """The names of the kernels ``runner`` launches from now on, in order (its ``launch`` wrapped)."""
+    log: list[str] = []
+    launch = runner.launch
+
+    def logged(name, grid, block, args):
+        log.append(name)
+        return launch(name, grid, block, args)
+
+    runner.launch = logged
+    return log
+
+
 BACKENDS = [
     pytest.param("cpu", id="cpu"),
     pytest.param("emulated", id="emulated", marks=pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler")),

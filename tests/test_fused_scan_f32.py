@@ -25,7 +25,7 @@ from gpu_codec.backends.cpu import CpuBackend
 from gpu_codec.constants import BLOCK, CHUNK, CRIT_LARGEST_CHANGE, CRIT_MAGNITUDE, DT_F32, U64_MAX
 from gpu_codec.testing import kernel_cases as kc
 
-from .common import HAS_EMULATOR
+from .common import HAS_EMULATOR, logged_launches
 
 pytestmark = pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler")
 
@@ -87,8 +87,8 @@ def _keys(t) -> np.ndarray:
     return score_key(np.abs(d))
 
 
-def lo_for(tensors, which: str) -> int:
-    keys = np.concatenate([_keys(t) for t in tensors])
+def lo_for(tensors, which: str, key_of=_keys) -> int:
+    keys = np.concatenate([key_of(t) for t in tensors])
     return {
         "all": 0,  # every element a candidate
         "mid": int(np.sort(keys)[keys.size * 9 // 10]),
@@ -97,10 +97,12 @@ def lo_for(tensors, which: str) -> int:
     }[which]
 
 
-def scan_args(runner, tensors, lo, scope="global", own_k=None, pool_cap=None) -> tuple[tuple, list]:
-    """The arguments of a scan over ``tensors`` (its outputs cleared) and the early residuals with their guards."""
+def scan_args(runner, tensors, lo, scope="global", own_k=None, pool_cap=None, dtypes=None) -> tuple[tuple, list]:
+    """The arguments of a scan over ``tensors`` (its outputs cleared) and the early residuals with their guards;
+    ``dtypes``: each tensor's dtype code (default fp32)."""
     numels = [t[0].size for t in tensors]
     nt = len(tensors)
+    codes = np.full(nt, DT_F32, np.int32) if dtypes is None else np.asarray(dtypes, np.int32)
     segments = [list(range(nt))] if scope == "global" else [[t] for t in range(nt)]
     seg_of = [s for s, seg in enumerate(segments) for _ in seg]
     tb = K.TensorTables(numels, seg_of, len(segments))
@@ -115,13 +117,13 @@ def scan_args(runner, tensors, lo, scope="global", own_k=None, pool_cap=None) ->
         np.int32(nt),
         tb.chunk_start,
         tb.numel,
-        np.full(nt, DT_F32, np.int32),
+        codes,
         tb.seg_of,
         ptrs([t[0] for t in tensors]),
         ptrs([t[1] for t in tensors]),
         ptrs([t[2] for t in tensors]),
         np.zeros(nt, np.uint64),
-        np.full(nt, DT_F32, np.int32),
+        codes,
         np.int32(CRIT_MAGNITUDE),
         ptrs([None if e is None else e[:n] for e, n in zip(early, numels)]),
         np.full(nseg, lo, np.uint64),
@@ -285,18 +287,6 @@ def test_scan_kernel_routes_by_dtype_criterion_and_score():
     assert K.scan_kernel([DT_F32], 7, [f]) == "fused_scan"  # the caller's scores
 
 
-def _logged(r: emu.EmulatorRunner) -> list[str]:
-    log: list[str] = []
-    launch = r.launch
-
-    def logged(name, grid, block, args):
-        log.append(name)
-        return launch(name, grid, block, args)
-
-    r.launch = logged
-    return log
-
-
 @pytest.mark.parametrize(
     ("case", "scan"),
     [
@@ -313,7 +303,7 @@ def test_backend_launches_the_f32_scan_where_it_applies(case, scan):
     """The fused selection through KernelOps on the emulator: the scan the plan picks, and the NumPy backend's
     outputs and residuals."""
     r = emu.EmulatorRunner()
-    log = _logged(r)
+    log = logged_launches(r)
     assert kc.topk_vs_reference(r, case) == []
     assert "fused_scan" + scan in log and "fused_scan" + ("" if scan else "_f32") not in log
 
@@ -331,7 +321,7 @@ def test_compress_of_misaligned_views_with_error_feedback_matches_numpy():
         for _ in range(3)
     ]  # fmt: skip
     emulated = emu.EmulatedBackend()
-    log = _logged(emulated.runner)
+    log = logged_launches(emulated.runner)
     out = []
     for backend in (CpuBackend(), emulated):
         with using_backend(backend):
@@ -374,7 +364,7 @@ def test_forced_general_scan_gives_the_same_bytes():
     fp32 inputs, to the same outputs; any other name is refused."""
     case = kc.TopkCase("f32_forced", (5000, 4097, 3), ("f32",) * 3, k=0.02, res=True, res_out="new")
     r = emu.EmulatorRunner()
-    log = _logged(r)
+    log = logged_launches(r)
     with kc.forced(scan="fused_scan"):
         assert kc.topk_fused_stepwise(r, case) == []
     assert "fused_scan" in log and "fused_scan_f32" not in log

@@ -16,12 +16,12 @@ import pytest
 from gpu_codec.cpu_fallback.elementwise import f32_to_bf16_bits, score_key
 
 from gpu_codec.backends import emulated as emu
-from gpu_codec.backends import kernels as K
-from gpu_codec.constants import CRIT_MAGNITUDE, DT_BF16, DT_F16, U64_MAX
+from gpu_codec.constants import DT_BF16, DT_F16
 from gpu_codec.testing import kernel_cases as kc
 
-from .common import HAS_EMULATOR
-from .test_fused_scan_f32 import GUARD, SENTINEL, SIZES, assert_same, launch_scan, placed
+from . import test_fused_scan_f32 as f32
+from .common import HAS_EMULATOR, logged_launches
+from .test_fused_scan_f32 import GUARD, SENTINEL, SIZES, assert_same, placed
 
 pytestmark = pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler")
 
@@ -50,7 +50,7 @@ def _widen(b: np.ndarray, dt: int) -> np.ndarray:
 
 
 def inputs(layout: str, base: bool, res: bool, pattern: str = "normal", seed: int = 0):
-    """Per tensor (dtype, new bits, base bits, fp32 residual, early shift), fp16 and bf16 alternating."""
+    """Per tensor (dtype code, (new bits, base bits, fp32 residual, early shift)), fp16 and bf16 alternating."""
     rng = np.random.default_rng(seed)
     out = []
     for t, n in enumerate(SIZES):
@@ -70,64 +70,24 @@ def inputs(layout: str, base: bool, res: bool, pattern: str = "normal", seed: in
             w[n - 1 if t == 4 else n // 2] = np.nan
         b = placed16(_bits(w0, dt), sh["base"]) if base else None
         r = placed((rng.standard_normal(n) * 0.01).astype(np.float32), sh["res"]) if res else None
-        out.append((dt, placed16(_bits(w, dt), sh["new"]), b, r, sh["early"] if res else None))
+        out.append((dt, (placed16(_bits(w, dt), sh["new"]), b, r, sh["early"] if res else None)))
     return out
 
 
+def _keys16(t) -> np.ndarray:
+    dt, (nw, bs, rs, _) = t
+    d = _widen(nw, dt) - (_widen(bs, dt) if bs is not None else np.float32(0))
+    return score_key(np.abs(d + rs if rs is not None else d))
+
+
 def lo_for(tensors, which: str) -> int:
-    keys = []
-    for dt, nw, bs, rs, _ in tensors:
-        d = _widen(nw, dt) - (_widen(bs, dt) if bs is not None else np.float32(0))
-        if rs is not None:
-            d = d + rs
-        keys.append(score_key(np.abs(d)))
-    keys = np.concatenate(keys)
-    return {
-        "all": 0,
-        "mid": int(np.sort(keys)[keys.size * 9 // 10]),
-        "zero": int(score_key(np.zeros(1, np.float32))[0]),
-        "none": K.NO_LO,
-    }[which]
-
-
-def scan_args(runner, tensors, lo):
-    numels = [t[1].size for t in tensors]
-    nt = len(tensors)
-    tb = K.TensorTables(numels, [0] * nt, 1)
-    early = [
-        None if sh is None else placed(np.full(n + GUARD, SENTINEL, np.float32), sh)
-        for n, (*_, sh) in zip(numels, tensors)
-    ]
-    ptrs = lambda arrays: np.asarray([0 if a is None else runner.ptr(a) for a in arrays], np.uint64)  # noqa: E731
-    cap, grid = sum(numels), tb.nchunks
-    args = (
-        np.int32(nt),
-        tb.chunk_start,
-        tb.numel,
-        np.asarray([t[0] for t in tensors], np.int32),
-        tb.seg_of,
-        ptrs([t[1] for t in tensors]),
-        ptrs([t[2] for t in tensors]),
-        ptrs([t[3] for t in tensors]),
-        np.zeros(nt, np.uint64),
-        np.asarray([t[0] for t in tensors], np.int32),
-        np.int32(CRIT_MAGNITUDE),
-        ptrs([None if e is None else e[:n] for e, n in zip(early, numels)]),
-        np.full(1, lo, np.uint64),
-        np.zeros(1, np.uint64),
-        np.uint64(cap),
-        np.zeros(grid, np.uint64),
-        np.zeros(grid, np.uint32),
-        np.zeros(max(cap, 1), np.uint16),
-        np.zeros(max(cap, 1), np.uint32),
-        np.zeros(grid, np.uint32),
-        np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(2, np.uint64)]),
-    )
-    return args, early
+    return f32.lo_for(tensors, which, key_of=_keys16)
 
 
 def run_scan(runner, name, tensors, lo):
-    return launch_scan(runner, name, *scan_args(runner, tensors, lo))
+    """One launch of ``name`` over ``tensors``, (dtype code, (new, base, res, early shift)) each."""
+    args, early = f32.scan_args(runner, [t for _, t in tensors], lo, dtypes=[dt for dt, _ in tensors])
+    return f32.launch_scan(runner, name, args, early)
 
 
 RUNNER = None
@@ -174,18 +134,6 @@ def test_block_and_thread_order_do_not_matter():
         assert_same(run_scan(emu.EmulatorRunner(schedule=schedule, seed=3), "fused_scan_h16", tensors, lo), want)
 
 
-def _logged(r: emu.EmulatorRunner) -> list[str]:
-    log: list[str] = []
-    launch = r.launch
-
-    def logged(name, grid, block, args):
-        log.append(name)
-        return launch(name, grid, block, args)
-
-    r.launch = logged
-    return log
-
-
 @pytest.mark.parametrize(
     ("case", "scan"),
     [
@@ -219,6 +167,6 @@ def test_backend_launches_the_h16_scan_where_it_applies(case, scan):
     """The fused selection through KernelOps on the emulator: the scan the plan picks, and the NumPy backend's
     outputs and residuals."""
     r = emu.EmulatorRunner()
-    log = _logged(r)
+    log = logged_launches(r)
     assert kc.topk_vs_reference(r, case) == []
     assert ("fused_scan_h16" in log) == (scan == "_h16"), log

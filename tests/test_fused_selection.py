@@ -20,7 +20,7 @@ from gpu_codec.backends import using_backend
 from gpu_codec.backends.cpu import CpuBackend
 from gpu_codec.testing import kernel_cases as kc
 
-from .common import HAS_EMULATOR
+from .common import HAS_EMULATOR, logged_launches
 
 pytestmark = pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler")
 
@@ -89,15 +89,7 @@ def test_tied_segments_take_tie_write(emulated_runner_log):
 @pytest.fixture
 def emulated_runner_log():
     runner = emu.EmulatorRunner(schedule="shuffle", seed=11)
-    log: list[str] = []
-    launch = runner.launch
-
-    def logged(name, grid, block, args):
-        log.append(name)
-        return launch(name, grid, block, args)
-
-    runner.launch = logged
-    return log, runner
+    return logged_launches(runner), runner
 
 
 def test_a_pool_too_short_falls_back_to_the_same_bytes(monkeypatch):

@@ -110,6 +110,11 @@ def _check_segments(segments, nt: int) -> None:
         raise ValueError(f"segments must be consecutive runs covering tensors 0..{nt - 1} in order")
 
 
+def segment_of(segments) -> np.ndarray:
+    """Each tensor's segment (segments are consecutive runs of tensors, in order: _check_segments)."""
+    return np.repeat(np.arange(len(segments), dtype=np.int64), [len(seg) for seg in segments])
+
+
 class SegmentTable:
     """Per segment of a selection, as arrays (segments are consecutive runs of tensors, in order): elements ``n``,
     kept count ``k``, ``chunks``, ``tensors``, ``first`` tensor; and per tensor ``numel`` and ``seg_of``."""
@@ -118,7 +123,7 @@ class SegmentTable:
         self.numel = np.asarray(numels, np.int64).reshape(-1)
         self.tensors = np.fromiter((len(seg) for seg in segments), np.int64, len(segments))
         self.first = np.concatenate([[0], np.cumsum(self.tensors)])[:-1].astype(np.int64)
-        self.seg_of = np.repeat(np.arange(len(segments), dtype=np.int64), self.tensors)
+        self.seg_of = segment_of(segments)
         self.k = np.asarray([int(k) for k in ks], np.int64).reshape(-1)
         self.n = self._sum(self.numel)
         self.chunks = self._sum(-(-self.numel // CHUNK))
@@ -340,10 +345,7 @@ class KernelOps:
         input."""
         xp, run = self.xp, self.runner
         nt = len(new)
-        seg_of = [0] * nt
-        for s, seg in enumerate(segments):
-            for t in seg:
-                seg_of[t] = s
+        seg_of = segment_of(segments)
         tb = TensorTables([int(a.size) for a in new], seg_of, len(segments))
         d_chunk_start, d_elem_off, d_numel = self._up(tb.chunk_start), self._up(tb.elem_off), self._up(tb.numel)
         d_seg_of = self._up(tb.seg_of)
@@ -441,10 +443,7 @@ class KernelOps:
         xp, run = self.xp, self.runner
         nt = len(new)
         numels = [int(a.size) for a in new]
-        seg_of = [0] * nt
-        for s, seg in enumerate(segments):
-            for t in seg:
-                seg_of[t] = s
+        seg_of = segment_of(segments)
         nseg = len(segments)
         tb = TensorTables(numels, seg_of, nseg)
         grid = tb.nchunks
