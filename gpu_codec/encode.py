@@ -28,6 +28,7 @@ from .format import (
     MAX_TENSORS,
     TensorRecord,
 )
+from .format.common import SegmentBuffers, Segmented
 from .format.fingerprint import fingerprint
 from .payload import Payload, as_mapping, check_header_size, check_limits, check_metadata
 from .xp.finite import all_finite
@@ -257,12 +258,22 @@ def compress(
             indices, values, bad = backend.topk_select(req)
         if bad is not None:
             raise InvalidInputError(_bad_input(names[bad], new_arrays[bad], base_arrays[bad], res_in[bad], crit))
-        records = []
-        for n, t, idx, val in zip(names, news, indices, values):
-            if dense:
-                records.append(TensorRecord(n, t.dtype, t.shape, "dense", t.numel, {"values": val}))
-                continue
-            records.append(TensorRecord(n, t.dtype, t.shape, "coo", int(idx.size), {"indices": idx, "values": val}))
+        if dense:
+            records = [
+                TensorRecord(n, t.dtype, t.shape, "dense", t.numel, {"values": val})
+                for n, t, val in zip(names, news, values)
+            ]
+        elif type(indices) is Segmented and type(values) is Segmented:  # shared outputs: no array per tensor
+            roles, off = {"indices": indices, "values": values}, indices.offsets
+            records = [
+                TensorRecord(n, t.dtype, t.shape, "coo", off[i + 1] - off[i], SegmentBuffers(roles, i))
+                for i, (n, t) in enumerate(zip(names, news))
+            ]
+        else:
+            records = [
+                TensorRecord(n, t.dtype, t.shape, "coo", int(idx.size), {"indices": idx, "values": val})
+                for n, t, idx, val in zip(names, news, indices, values)
+            ]
         pipeline_cfg = [] if dense else [{"id": "topk", "fraction": fraction, "scope": scope, "score": score_name}]
         # value, index and lossless stages, on the backend; they fix the kept residuals
         records = pipe.encode(records, backend, res_out if binding is not None else None)

@@ -163,7 +163,8 @@ class Payload:
         built-in codec makes; v3 where an ``nvcomp`` tensor is more than one zstd frame, more than 16 MiB of
         encoded bytes), or v1 or v2 on request (``version=1`` or ``2``, for readers that predate the later
         versions: a tensor of several frames is then compressed again, on the CPU, as one). On the GPU path this
-        is the one device-to-host copy.
+        is where the payload leaves the device: one copy of each array the selection wrote for all tensors
+        (indices, values), of the range the records cover, and one of any other device buffers.
 
         >>> import numpy as np, gpu_codec
         >>> p = gpu_codec.compress({"w": np.arange(100, dtype=np.float32)}, fraction=0.05)

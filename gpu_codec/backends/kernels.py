@@ -40,6 +40,7 @@ from ..constants import (
     U64_MAX,
     index_dtype,
 )
+from ..format.common import Segmented
 from .base import Runner, all_finite, dense_values, flat_tables, scatter_args, split_values
 
 FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
@@ -612,17 +613,19 @@ class KernelOps:
         return int(part.nbytes) + int(sfc.nbytes)
 
     def _split_output(self, idx, vals32, vals64, host_counts, numels, dtypes, K):
-        indices, values = [], []
-        a = 0
-        for t in range(len(numels)):
-            c = int(host_counts[t])
-            it = idx[a : a + c]
-            want = index_dtype(numels[t])
-            indices.append(it if it.dtype == want else it.astype(want))
-            values.append((vals64 if int(dtypes[t]) == DT_F64 else vals32)[a : a + c])
-            a += c
-        if a != K:
-            raise AssertionError(f"kernels kept {a} entries, expected {K}")
+        """Per-tensor indices and values as :class:`~gpu_codec.format.common.Segmented` ranges of the shared
+        outputs (no array made per tensor until one is read); tensors whose index dtype is narrower than the
+        shared one's (every tensor beside one of over 2^32 elements) get theirs cast, one by one."""
+        offsets = np.zeros(len(numels) + 1, np.int64)
+        np.cumsum(host_counts[: len(numels)], out=offsets[1:])
+        if int(offsets[-1]) != K:
+            raise AssertionError(f"kernels kept {int(offsets[-1])} entries, expected {K}")
+        off = offsets.tolist()
+        which = (np.asarray(dtypes, np.int32) == DT_F64).astype(np.int8).tolist()
+        values = Segmented((vals32, vals64), off, which)
+        indices: Any = Segmented((idx,), off)
+        if idx.dtype == np.uint64 and any(index_dtype(n) != np.uint64 for n in numels):
+            indices = [a if a.dtype == index_dtype(n) else a.astype(index_dtype(n)) for a, n in zip(indices, numels)]
         return indices, values, None
 
     def dense_delta(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit):

@@ -51,7 +51,7 @@ refused with :class:`ProcessorOrderError`. A lone :class:`ModelEncryptor` encryp
 >>> glob = {"w": np.zeros(4, np.float32)}
 >>> ctx = DataContext(model={"w": np.array([0.0, 3.0, -1.0, 8.0], np.float32)})
 >>> app = AppContext(round_number=2, global_model=glob, n_iter=120)
->>> blob = serialize(chain.process_outgoing(ctx, app))            # the one device-to-host copy
+>>> blob = serialize(chain.process_outgoing(ctx, app))            # where it leaves the device
 >>> server = deserialize(blob)
 >>> _ = chain.process_incoming(server, app)
 >>> server.get_model()["w"].tolist(), server.get_metadata("n_iter")

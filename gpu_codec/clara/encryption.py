@@ -171,7 +171,7 @@ class ModelEncryptor(_KeyedProcessor):
         App-context entries bound into the associated data (default ``("round",)``; ``()`` binds nothing,
         ``("round", "task")`` also the task). The decryptor must see the same values.
 
-    A compressed model (a Payload) is serialized here, its one device-to-host copy; an uncompressed one is
+    A compressed model (a Payload) is serialized here, where it leaves the device; an uncompressed one is
     first packed losslessly. Envelope: ``b"GCAESGCM"``, version, an 8-byte key id, a fresh 96-bit nonce, then
     ciphertext and tag; the header and the bound values are authenticated.
     """

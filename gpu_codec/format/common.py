@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import zstandard
@@ -95,11 +95,102 @@ class _SliceSource:
         return self.s.frame.read(self.s.offset + start, self.s.offset + end, self.what)
 
 
+class Segmented(Sequence):
+    """Per-tensor ranges of a few shared 1-D arrays, one allocation each for every tensor of an update (a
+    selection's output): item ``t`` is ``sources[which[t]][offsets[t]:offsets[t + 1]]``, sliced when it is read.
+    ``which`` (one source index per tensor) defaults to source 0 for every tensor; ``offsets`` is a host sequence
+    of ``len + 1`` ascending positions.
+
+    >>> s = Segmented((np.arange(5), np.zeros(5)), [0, 4, 5], which=[0, 1])
+    >>> len(s), s[0].tolist(), s[1].tolist(), s.range(1)[1:]
+    (2, [0, 1, 2, 3], [0.0], (4, 5))
+    """
+
+    __slots__ = ("offsets", "sources", "which")
+
+    def __init__(self, sources: tuple, offsets: Sequence[int], which: Sequence[int] | None = None):
+        self.sources, self.offsets, self.which = tuple(sources), offsets, which
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def range(self, t: int) -> tuple[Any, int, int]:
+        """(source array, start, stop) of tensor ``t``, without slicing."""
+        src = self.sources[0 if self.which is None else self.which[t]]
+        return src, self.offsets[t], self.offsets[t + 1]
+
+    def __getitem__(self, t):  # type: ignore[override]
+        if isinstance(t, slice):
+            return [self[i] for i in range(*t.indices(len(self)))]
+        if not -len(self) <= t < len(self):
+            raise IndexError(t)
+        src, a, b = self.range(t % len(self))
+        return src[a:b]
+
+    def __add__(self, other: Sequence) -> list:  # as the lists it stands for
+        return list(self) + list(other)
+
+    def __radd__(self, other: Sequence) -> list:
+        return list(other) + list(self)
+
+
+class SegmentPart(NamedTuple):
+    """A buffer of a record as a range of a shared array (what :class:`SegmentBuffers` hands the writer): the
+    writer copies each shared array off the device once and slices it there."""
+
+    source: Any
+    start: int
+    stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def dtype(self) -> Any:
+        return self.source.dtype
+
+
+class SegmentBuffers(Mapping):
+    """A record's buffers (role -> 1-D array) as tensor ``t`` of :class:`Segmented` outputs: reading a role slices
+    it (once); :meth:`part` gives the range without slicing. Made per tensor by a selection whose outputs are
+    one allocation per role, so that a payload of many tensors makes no per-tensor array until one is read.
+
+    >>> b = SegmentBuffers({"indices": Segmented((np.arange(3, dtype=np.uint32),), [0, 1, 3])}, 1)
+    >>> list(b), b["indices"].tolist(), b.part("indices").size
+    (['indices'], [1, 2], 2)
+    """
+
+    __slots__ = ("_made", "_roles", "_t")
+
+    def __init__(self, roles: dict[str, Segmented], t: int):
+        self._roles, self._t, self._made = roles, t, None
+
+    def part(self, role: str) -> SegmentPart:
+        return SegmentPart(*self._roles[role].range(self._t))
+
+    def __getitem__(self, role: str) -> Any:
+        made = self._made
+        if made is None:
+            made = self._made = {}
+        a = made.get(role)
+        if a is None:
+            a = made[role] = self._roles[role][self._t]
+        return a
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._roles)
+
+    def __len__(self) -> int:
+        return len(self._roles)
+
+
 @dataclass
 class TensorRecord:
     """One tensor of a payload: what it was, how it is encoded, and its buffers (role -> 1-D array).
 
-    Buffers are NumPy arrays after :func:`unpack`, and backend arrays (possibly on the GPU) before :func:`pack`.
+    Buffers are NumPy arrays after :func:`unpack`, and backend arrays (possibly on the GPU) before :func:`pack`,
+    held in a dict or, from a selection whose outputs are shared arrays, in :class:`SegmentBuffers`.
     ``codec`` holds per-tensor codec parameters (JSON values) that the encoding's layout rule may use.
     ``frame`` is set instead of buffers on a ``zstd`` record read from a v2 payload whose bytes stage ran over
     all tensors as one frame: the record's share of that frame, decompressed when the record is decoded.
@@ -112,7 +203,7 @@ class TensorRecord:
     shape: tuple[int, ...]
     encoding: str
     nnz: int
-    buffers: dict[str, Any]
+    buffers: Mapping[str, Any]
     codec: dict[str, Any] = field(default_factory=dict)
     buffer_dtypes: dict[str, str] = field(default_factory=dict)
     frame: FrameSlice | None = None

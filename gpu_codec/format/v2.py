@@ -61,6 +61,8 @@ from .common import (
     MIN_CHUNK_LOG2,
     FrameSlice,
     LayoutRule,
+    SegmentBuffers,
+    SegmentPart,
     SharedFrame,
     TensorRecord,
     bounded_decompress,
@@ -383,19 +385,20 @@ def _plain_buffers(rec: TensorRecord, enc: str) -> tuple[list[Any], int] | None:
             or type(nnz) is not int
             or type(codec) is not dict
             or codec
-            or type(bufs) is not dict
+            or type(bufs) not in (dict, SegmentBuffers)
             or list(bufs) != _PLAIN_ROLES[enc]
         ):
             return None
+        get = bufs.part if type(bufs) is SegmentBuffers else bufs.__getitem__  # (a range: no slice made)
         numel = 1
         for d in shape:
             if type(d) is not int or not 0 <= d <= MAX_TENSOR_ELEMENTS:
                 return None
             numel *= d
-        values = bufs["values"]
+        values = get("values")
         vd = _TENSOR_DTYPE.get(dtype, "float32")
         if enc == "coo":
-            indices = bufs["indices"]
+            indices = get("indices")
             idx = "uint32" if numel <= _INDEX_BOUND else "uint64"
             if indices.size != nnz or not _dtype_is(indices, idx, "indices", rec.buffer_dtypes):
                 return None
@@ -797,17 +800,50 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
     return bytes(t)
 
 
-def _gather(parts: list[Any], total: int) -> bytes:
-    if any(type(a).__module__.startswith("cupy") for a in parts):
-        import cupy
+def _on_device(a: Any) -> bool:
+    return type(a.source if type(a) is SegmentPart else a).__module__.startswith("cupy")
 
-        views = [cupy.ascontiguousarray(cupy.asarray(a)).reshape(-1).view(cupy.uint8) for a in parts if len(a)]
-        if not views:
-            return b""
-        return cupy.asnumpy(cupy.concatenate(views)).tobytes()  # the one device-to-host copy of a compress
+
+def _host_parts(parts: list[Any]) -> list[Any]:
+    """``parts`` with every device array's bytes on the host: one copy of each shared array that segment parts
+    range over (the part of it they cover), and one of the other device arrays, concatenated on the device."""
+    import cupy
+
+    spans: dict[int, list] = {}  # id(source) -> [source, lo, hi]
+    loose = []
+    for a in parts:
+        if type(a) is SegmentPart:
+            if a.stop > a.start:
+                s = spans.setdefault(id(a.source), [a.source, a.start, a.stop])
+                s[1], s[2] = min(s[1], a.start), max(s[2], a.stop)
+        elif _on_device(a) and len(a):
+            loose.append(cupy.ascontiguousarray(cupy.asarray(a)).reshape(-1).view(cupy.uint8))
+    host = {k: (cupy.asnumpy(src[lo:hi]), lo) for k, (src, lo, hi) in spans.items()}
+    joined = cupy.asnumpy(cupy.concatenate(loose)) if loose else None
+    out, pos = [], 0
+    for a in parts:
+        if type(a) is SegmentPart:
+            if a.stop > a.start:
+                h, lo = host[id(a.source)]
+                out.append(h[a.start - lo : a.stop - lo])
+        elif _on_device(a):
+            if len(a):
+                n = int(a.size) * a.dtype.itemsize
+                out.append(joined[pos : pos + n])
+                pos += n
+        else:
+            out.append(a)
+    return out
+
+
+def _gather(parts: list[Any], total: int) -> bytes:
+    if any(_on_device(a) for a in parts):
+        parts = _host_parts(parts)  # the device-to-host copies of a compress: one per shared array, at most
     out = bytearray(total)
     off = 0
     for a in parts:
+        if type(a) is SegmentPart:
+            a = np.asarray(a.source)[a.start : a.stop]
         b = a if isinstance(a, bytes) else np.ascontiguousarray(a).reshape(-1).view(np.uint8).tobytes()
         out[off : off + len(b)] = b
         off += len(b)
@@ -819,9 +855,11 @@ def write(p: _Plan) -> bytes:
     for a in p.parts:
         if type(a) is np.ndarray or isinstance(a, bytes):
             parts.append(a)
-        elif type(a).__module__.startswith("cupy"):
+        elif _on_device(a):
             body = p.head + _gather(p.parts, p.data_len)
             break
+        elif type(a) is SegmentPart:
+            parts.append(np.asarray(a.source)[a.start : a.stop])
         else:
             parts.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
     else:
