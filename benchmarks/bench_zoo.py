@@ -2,7 +2,8 @@
 
 For each entry, on the NumPy backend (CPU): compress (top-k 1% global; also per-tensor, 0.1% and 1% with error
 feedback after the entry's earlier rounds) as a multiple of one ``np.subtract`` pass over the same bytes (the
-memory floor), against the NumPy pipeline (concatenate, subtract, abs, argpartition, sort, gather) and torch's
+memory floor; and, beside it, one ``np.subtract`` call per tensor, the floor of any pass that takes the tensors one
+by one), against the NumPy pipeline (concatenate, subtract, abs, argpartition, sort, gather) and torch's
 (cat, sub, abs, topk, sort, gather), and decompress onto the base as a multiple of the subtract pass: medians of
 ``--repeat`` rounds, every timing of an entry once a round in a shuffled order (benchmarks/bench_topk.py's
 ``interleaved``). On the emulated backend (kernels/*.cu on the CPU, benchmarks/traffic.py's traffic count), for
@@ -174,6 +175,13 @@ def cpu_row(update: Update, repeat: int, seed: int, torch_too: bool) -> dict[str
     scratch = np.empty_like(new_raw)
     k = gpu_codec.kept_count(0.01, n)
     timed = {"subtract_s": lambda: np.subtract(new_raw, base_raw, out=scratch)}
+    # the floor of any pass that takes the tensors one by one: one subtract call a tensor, into the same scratch
+    pairs, at = [], 0
+    for a, b in zip(new.values(), base.values()):
+        ra, rb = _raw(a), _raw(b)
+        pairs.append((ra, rb, scratch[at : at + ra.size]))
+        at += ra.size
+    timed["subtract_tensors_s"] = lambda: [np.subtract(a, b, out=o) for a, b, o in pairs]
     for key, (fraction, scope, ef) in CPU_CONFIGS.items():
         res = warm_residual(update, fraction, scope) if ef else None
         timed[key] = lambda f=fraction, s=scope, r=res: gpu_codec.compress(new, base, fraction=f, scope=s, residual=r)
@@ -197,6 +205,7 @@ def cpu_row(update: Update, repeat: int, seed: int, torch_too: bool) -> dict[str
     row["x_numpy"] = row["numpy_s"] / row["ours_s"]
     row["x_torch"] = row["torch_s"] / row["ours_s"] if torch_too else None
     row["decompress_x_subtract"] = row["decompress_s"] / sub
+    row["tensors_x_subtract"] = row["subtract_tensors_s"] / sub
     row.update(n=n, k=k, bytes=int(new_raw.nbytes), bf16=bf16)
     return row
 
@@ -298,7 +307,7 @@ def _line(row: dict[str, Any]) -> str:
         out += (
             f"  {c['n']:>11,} elem: x sub {c['x_subtract']:.2f} (per-tensor {c['x_subtract_per_tensor']:.2f}, "
             f"0.1% {c['x_subtract_0.1']:.2f}, EF {c['x_subtract_ef']:.2f}), x numpy {c['x_numpy']:.2f}, "
-            f"dec/sub {c['decompress_x_subtract']:.2f}"
+            f"dec/sub {c['decompress_x_subtract']:.2f}, sub a tensor {c['tensors_x_subtract']:.2f}"
         )
     e = row.get("emulated")
     if e:
@@ -354,19 +363,22 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Measured at commit {doc['commit']} on {m['cpu_model']} ({m['simd']}), {m['threads']} threads, "
         f"median of {doc['repeat']} interleaved rounds. Ratios to one `np.subtract` pass over the same bytes "
         "(x sub; lower is better) and speed-ups over the NumPy and torch pipelines (higher is better); top-k 1% "
-        "global unless named." + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
+        "global unless named. Sub a tensor: one `np.subtract` call per tensor over the same bytes, in x sub (the "
+        "floor of any pass that takes the tensors one by one)."
+        + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
         "",
-        "| entry | dtype | tensors | elements | x sub | per-tensor | 0.1% | 1% + EF | x NumPy | x torch | "
-        "decompress x sub |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| entry | dtype | tensors | elements | sub a tensor | x sub | per-tensor | 0.1% | 1% + EF | x NumPy | "
+        "x torch | decompress x sub |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
         c = r.get("cpu")
         if not c:
             continue
         tt = f"{c['x_torch']:.2f}" if c.get("x_torch") else "–"
+        st = f"{c['tensors_x_subtract']:.2f}" if c.get("tensors_x_subtract") else "–"
         lines.append(
-            f"| {r['entry']} | {r['dtype']} | {r['tensors']} | {c['n']:,} | {c['x_subtract']:.2f} | "
+            f"| {r['entry']} | {r['dtype']} | {r['tensors']} | {c['n']:,} | {st} | {c['x_subtract']:.2f} | "
             f"{c['x_subtract_per_tensor']:.2f} | {c['x_subtract_0.1']:.2f} | {c['x_subtract_ef']:.2f} | "
             f"{c['x_numpy']:.2f} | {tt} | {c['decompress_x_subtract']:.2f} |"
         )
