@@ -157,3 +157,42 @@ def test_tie_write_matches_twins_stepwise(case, wide):
     assert kc.topk_fused_stepwise(runner, case, wide=wide, own="one") == []
     if case.pattern in ("equal", "zeros"):  # (the ties of ties_global fall above its bracket)
         assert runner.launch_counts["tie_write_u64" if wide else "tie_write_u32"] > 0
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_bracket_sorting_a_prefix_picks_what_sorting_all_picks(monkeypatch, seed):
+    """bracket sorts only the sample's largest keys (BRACKET_TOP_MIN or a few times the keys it expects above the
+    k-th, ties at the cut included) and sorts them all where the pick lies past them: (lo, pool) as a full sort's."""
+    from gpu_codec.backends import kernels as K
+
+    rng = np.random.default_rng(seed)
+    ms = int(rng.integers(5_000, 40_000))
+    levels = int(rng.choice([3, 50, 1 << 20]))  # heavy ties to distinct keys
+    sample = rng.integers(0, levels, ms).astype(np.uint32)
+    # small tensors' runs weigh less; a few heavy ones make the prefix fall short and the full sort run
+    weight = rng.choice([0.5, 3.0, 40.0, 4000.0], ms, p=[0.3, 0.5, 0.19, 0.01])
+    n = int(weight.sum())
+    for k in (1, n // 1000, n // 100, n // 3):
+        got = K.bracket(sample, weight, n, k, False)
+        with monkeypatch.context() as m:
+            m.setattr(K, "BRACKET_TOP_MIN", 1 << 40)
+            want = K.bracket(sample, weight, n, k, False)
+        assert got == want, (seed, k)
+
+
+def test_bracket_sorts_the_whole_sample_where_its_largest_keys_weigh_too_little(monkeypatch):
+    """The largest sampled keys come from tiny tensors (their runs weigh little): the pick lies past the sorted
+    prefix, so bracket sorts every key, and picks what a full sort picks."""
+    from gpu_codec.backends import kernels as K
+
+    rng = np.random.default_rng(7)
+    sample = rng.permutation(30_000).astype(np.uint32)
+    weight = np.where(sample >= 24_000, 0.01, 50.0)  # the top fifth of the keys stands for almost nothing
+    n = int(weight.sum())
+    seen = []
+    real = K._descending
+    monkeypatch.setattr(K, "_descending", lambda s, top: seen.append(top) or real(s, top))
+    got = K.bracket(sample, weight, n, n // 100, False)
+    assert seen[0] < sample.size and seen[-1] == sample.size  # the prefix fell short, then all were sorted
+    monkeypatch.setattr(K, "BRACKET_TOP_MIN", 1 << 40)
+    assert got == K.bracket(sample, weight, n, n // 100, False)

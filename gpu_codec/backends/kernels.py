@@ -59,6 +59,8 @@ OWN_CHUNKS = 4
 # (neighbours in a run of trained weights move together: up to SAMPLE_RUN times the variance of independent
 # elements), estimated from the sample itself
 BRACKET_MISS = 5e-3
+# bracket sorts the sample's largest keys first, at least this many (and all of them where the pick lies past)
+BRACKET_TOP_MIN = 4096
 DESIGN_RANK = 64  # the design effect is measured at the sample's DESIGN_RANK-th key or lower (enough hits)
 # the candidate pool holds the sample's estimate of a segment's candidates plus this many of its standard
 # deviations and POOL_SLACK (device memory only: the traffic is what the candidates are)
@@ -204,16 +206,23 @@ def bracket(
         lo = int(np.partition(sample, ms - k)[ms - k])
         return lo, int(np.count_nonzero(sample > lo))
     d = design_effect(sample, max(int(k * ms / n), min(DESIGN_RANK, ms // SAMPLE_RUN)))
-    order = np.argsort(sample, kind="stable")[::-1]
-    w = weight[order]
-    est = np.cumsum(w)  # elements at or above each sampled key
-    reach = np.flatnonzero(est >= k)
-    if not reach.size:
-        return 0, n
-    wk = float(np.sum(w[: reach[0] + 1] ** 2) / est[reach[0]])  # the mean weight of a sampled key above the k-th
-    # sampled keys above the k-th: Poisson(k / wk) in clusters of d; lo is the one past their (1 - alpha) quantile
-    above_k = d * poisson_upper(k / wk / d, alpha)
-    enough = np.flatnonzero(est >= (above_k + 1) * wk)
+    # the sampled keys in descending order (ties: the later first), sorted only as far as the pick can reach
+    top = min(ms, max(BRACKET_TOP_MIN, 8 * (k * ms // n + 1)))
+    while True:
+        order = _descending(sample, top)
+        w = weight[order]
+        est = np.cumsum(w)  # elements at or above each sampled key
+        reach = np.flatnonzero(est >= k)
+        if reach.size:
+            wk = float(np.sum(w[: reach[0] + 1] ** 2) / est[reach[0]])  # the mean weight of a key above the k-th
+            # sampled keys above the k-th: Poisson(k / wk) in clusters of d; lo is the one past their 1 - alpha quantile
+            above_k = d * poisson_upper(k / wk / d, alpha)
+            enough = np.flatnonzero(est >= (above_k + 1) * wk)
+            if enough.size or order.size == ms:
+                break
+        elif order.size == ms:
+            return 0, n
+        top = ms  # the prefix fell short: sort them all
     pick = int(enough[0]) if enough.size else ms
     if pick >= ms - 1:
         return 0, n  # the sample cannot bracket so low: every element is a candidate
@@ -221,6 +230,21 @@ def bracket(
     above = sample > lo  # keys equal to lo are counted, not stored
     est_above, var_above = float(weight[above].sum()), d * float((weight[above] ** 2).sum())
     return lo, min(n, math.ceil(est_above + POOL_SIGMAS * math.sqrt(var_above)) + POOL_SLACK)
+
+
+def _descending(sample: np.ndarray, top: int) -> np.ndarray:
+    """Positions of the sample's keys in descending order, ties the later first (``argsort(stable)[::-1]``): all
+    of them, or the prefix of that order holding every key at or above the ``top``-th largest (ties included).
+
+    >>> s = np.array([3, 9, 1, 9, 5, 3], np.uint32)
+    >>> _descending(s, 6).tolist(), _descending(s, 3).tolist(), _descending(s, 4).tolist()
+    ([3, 1, 4, 5, 0, 2], [3, 1, 4], [3, 1, 4, 5, 0])
+    """
+    ms = sample.size
+    if top >= ms:
+        return np.argsort(sample, kind="stable")[::-1]
+    at = np.flatnonzero(sample >= np.partition(sample, ms - top)[ms - top])
+    return at[np.argsort(sample[at], kind="stable")][::-1]
 
 
 def candidate_plan(host_sample, samp_off, numels, segments, ks):
