@@ -178,6 +178,10 @@ def test_bracket_sorting_a_prefix_picks_what_sorting_all_picks(monkeypatch, seed
             m.setattr(K, "BRACKET_TOP_MIN", 1 << 40)
             want = K.bracket(sample, weight, n, k, False)
         assert got == want, (seed, k)
+    # the design effect's key, read off the sorted prefix, is the one a partition finds
+    order = K._descending(sample, 4096)
+    for rank in (0, 64, 1000, 4095):
+        assert K.design_effect(sample, rank, sample[order[rank]]) == K.design_effect(sample, rank)
 
 
 def test_bracket_sorts_the_whole_sample_where_its_largest_keys_weigh_too_little(monkeypatch):

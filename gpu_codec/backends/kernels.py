@@ -164,13 +164,15 @@ def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray
     return _offsets(counts), stride.astype(np.int64)
 
 
-def design_effect(sample: np.ndarray, rank: int) -> float:
-    """How much more the count of sampled keys at or above the sample's ``rank``-th largest varies than a count
-    of independent elements would (1 to SAMPLE_RUN): the variance of the per-run counts over the binomial one."""
+def design_effect(sample: np.ndarray, rank: int, x: Any = None) -> float:
+    """How much more the count of sampled keys at or above the sample's ``rank``-th largest (``x``, where the
+    caller knows it) varies than a count of independent elements would (1 to SAMPLE_RUN): the variance of the
+    per-run counts over the binomial one."""
     runs = sample.size // SAMPLE_RUN
     if runs < 2:
         return float(SAMPLE_RUN)
-    x = np.partition(sample, sample.size - 1 - rank)[sample.size - 1 - rank]
+    if x is None:
+        x = np.partition(sample, sample.size - 1 - rank)[sample.size - 1 - rank]
     hits = (sample[: runs * SAMPLE_RUN] >= x).reshape(runs, SAMPLE_RUN).sum(axis=1)
     mean = float(hits.mean())
     if mean == 0 or mean == SAMPLE_RUN:
@@ -205,11 +207,12 @@ def bracket(
     if whole:
         lo = int(np.partition(sample, ms - k)[ms - k])
         return lo, int(np.count_nonzero(sample > lo))
-    d = design_effect(sample, max(int(k * ms / n), min(DESIGN_RANK, ms // SAMPLE_RUN)))
+    rank = max(int(k * ms / n), min(DESIGN_RANK, ms // SAMPLE_RUN))
     # the sampled keys in descending order (ties: the later first), sorted only as far as the pick can reach
-    top = min(ms, max(BRACKET_TOP_MIN, 8 * (k * ms // n + 1)))
+    top = min(ms, max(BRACKET_TOP_MIN, 8 * (k * ms // n + 1), rank + 1))
+    order = _descending(sample, top)
+    d = design_effect(sample, rank, sample[order[rank]])
     while True:
-        order = _descending(sample, top)
         w = weight[order]
         est = np.cumsum(w)  # elements at or above each sampled key
         reach = np.flatnonzero(est >= k)
@@ -222,7 +225,7 @@ def bracket(
                 break
         elif order.size == ms:
             return 0, n
-        top = ms  # the prefix fell short: sort them all
+        order = _descending(sample, ms)  # the prefix fell short: sort them all
     pick = int(enough[0]) if enough.size else ms
     if pick >= ms - 1:
         return 0, n  # the sample cannot bracket so low: every element is a candidate
