@@ -269,10 +269,12 @@ def run(
     emulated: bool = True,
     torch_too: bool = True,
     seed: int = 0,
+    traffic_from: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     commit = commit_label()  # the code as it was when the run began
     rows = []
     backend = traced_backend() if emulated else None
+    earlier = {r["entry"]: r for r in traffic_from["rows"] if r.get("emulated")} if traffic_from else None
     for name in names:
         entry = ZOO[name]
         row: dict[str, Any] = {"entry": name, "kind": entry.kind, "dtype": entry.dtype, "tensors": entry.tensors()}
@@ -288,7 +290,13 @@ def run(
             s = scale_for(entry, emu_max_params)
             row["emulated_scale"], row["emulated_params"] = s, entry.params(s)
             update = entry.build(s, seed)
-            row["emulated"] = emulated_rows(update, backend)
+            if earlier is None:
+                row["emulated"] = emulated_rows(update, backend)
+            else:  # the traffic of an earlier run at the same scale (the kernels unchanged since: the caller's word)
+                old = earlier.get(name)
+                if old is None or old["emulated_params"] != row["emulated_params"]:
+                    raise SystemExit(f"--traffic-from: no traffic of {name} at {row['emulated_params']:,} elements")
+                row["emulated"], row["emulated_commit"] = old["emulated"], traffic_from["commit"]
             # the host side's cost follows the tensor count, not the elements: measured at the emulator's scale
             row["recording"] = recording_columns(update, 0.01, "global", repeat)
             del update
@@ -390,7 +398,9 @@ def markdown(doc: dict[str, Any]) -> str:
         lines += [
             "",
             "Emulated GPU path: bytes per element of one compress (the emulator's count) and, marked *, the "
-            "configurations where the fused selection fell back to the exact passes.",
+            "configurations where the fused selection fell back to the exact passes"
+            + "".join(sorted({f" (measured at commit {r['emulated_commit']})" for r in emu if "emulated_commit" in r}))
+            + ".",
             "",
             f"| entry | elements | {head} |",
             "|---|---:|" + "---:|" * len(EMU_CONFIGS),
@@ -440,6 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--from-json", type=pathlib.Path, help="no run: read these results")
     ap.add_argument("--check", action="store_true", help="PASS/FAIL per target; exit 1 on a FAIL")
     ap.add_argument("--readme", action="store_true", help="rewrite README.md's zoo section from the results")
+    ap.add_argument(
+        "--traffic-from",
+        type=pathlib.Path,
+        help="take the emulated traffic from this earlier run (same --emulated-max-params) instead of measuring it "
+        "again: for a rerun whose kernels and selection are those of that run; the rows name its commit",
+    )
     a = ap.parse_args(argv)
     if a.from_json:
         doc = json.loads(a.from_json.read_text())
@@ -458,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
                 cpu=not a.no_cpu,
                 emulated=not a.no_emulated,
                 torch_too=not a.no_torch,
+                traffic_from=json.loads(a.traffic_from.read_text()) if a.traffic_from else None,
             )
         doc["command"] = " ".join(["python benchmarks/bench_zoo.py", *(sys.argv[1:] if argv is None else argv)])
         print(f"({time.perf_counter() - t0:.1f} s)")

@@ -180,6 +180,28 @@ def test_quick_run_end_to_end(tmp_path, capsys):
     assert md == bench_zoo.markdown(doc) and "| split-2^23-100 |" in md
 
 
+@pytest.mark.skipif(not HAS_EMULATOR, reason="the emulated traffic needs the emulator")
+def test_traffic_from_an_earlier_run_is_taken_at_the_same_scale_only(tmp_path):
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    names = ["three-level"]
+    bench_zoo.main(["--quick", "--entries", *names, "--out", str(first), "--no-torch", "--no-cpu"])
+    a = json.loads(first.read_text())
+    a["commit"] = "abc1234"
+    a["rows"][0]["emulated"][0]["bytes_per_element"] = 99.0  # tells the copy from a new count
+    first.write_text(json.dumps(a))
+    bench_zoo.main(["--quick", "--entries", *names, "--out", str(second), "--no-cpu", "--traffic-from", str(first)])
+    b = json.loads(second.read_text())
+    row = b["rows"][0]
+    assert row["emulated"] == a["rows"][0]["emulated"] and row["emulated_commit"] == "abc1234"
+    assert row["recording"]["compress"]["launches"] > 0  # the host side is measured again
+    assert "(measured at commit abc1234)" in bench_zoo.markdown(b)
+    with pytest.raises(SystemExit, match="no traffic of three-level"):  # another scale: nothing to take
+        bench_zoo.main(
+            ["--entries", *names, "--no-cpu", "--emulated-max-params", "4096", "--repeat", "1"]
+            + ["--out", str(tmp_path / "c.json"), "--traffic-from", str(first)]
+        )
+
+
 def test_check_judges_each_target():
     def row(name, **cpu):
         return {"entry": name, "tensors": 100, "cpu": {"n": 1 << 23, **cpu}, "recording": None, "emulated": []}
