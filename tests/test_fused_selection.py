@@ -182,6 +182,10 @@ def test_bracket_sorting_a_prefix_picks_what_sorting_all_picks(monkeypatch, seed
     order = K._descending(sample, 4096)
     for rank in (0, 64, 1000, 4095):
         assert K.design_effect(sample, rank, sample[order[rank]]) == K.design_effect(sample, rank)
+    # a run's hits counted as the set bits of its flags' word, as a sum of its flags counts them
+    effects = [K.design_effect(sample, r) for r in (0, 64, 1000)]
+    monkeypatch.delattr(np, "bitwise_count", raising=False)
+    assert effects == [K.design_effect(sample, r) for r in (0, 64, 1000)]
 
 
 def test_bracket_sorts_the_whole_sample_where_its_largest_keys_weigh_too_little(monkeypatch):

@@ -44,7 +44,7 @@ from ..format.common import Segmented
 from .base import Runner, all_finite, dense_values, flat_tables, scatter_args, split_values
 
 FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
-SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32)
+SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32; design_effect counts on 8)
 SAMPLE_MAX = 1 << 16  # most sampled keys per segment
 SAMPLE_DENSITY = 128  # about one sampled element in SAMPLE_DENSITY: 1/16 B/elem of reads per input
 # segments of fewer elements than SAMPLE_SMALL are sampled twice as densely: their brackets, a few sampled keys
@@ -60,7 +60,7 @@ OWN_CHUNKS = 4
 # elements), estimated from the sample itself
 BRACKET_MISS = 5e-3
 # bracket sorts the sample's largest keys first, at least this many (and all of them where the pick lies past)
-BRACKET_TOP_MIN = 4096
+BRACKET_TOP_MIN = 1024
 DESIGN_RANK = 64  # the design effect is measured at the sample's DESIGN_RANK-th key or lower (enough hits)
 # the candidate pool holds the sample's estimate of a segment's candidates plus this many of its standard
 # deviations and POOL_SLACK (device memory only: the traffic is what the candidates are)
@@ -173,7 +173,11 @@ def design_effect(sample: np.ndarray, rank: int, x: Any = None) -> float:
         return float(SAMPLE_RUN)
     if x is None:
         x = np.partition(sample, sample.size - 1 - rank)[sample.size - 1 - rank]
-    hits = (sample[: runs * SAMPLE_RUN] >= x).reshape(runs, SAMPLE_RUN).sum(axis=1)
+    at = sample[: runs * SAMPLE_RUN] >= x
+    if hasattr(np, "bitwise_count"):  # a run's eight flags are one 64-bit word: its hits are the word's set bits
+        hits = np.bitwise_count(at.view(np.uint64))
+    else:  # (NumPy before 2.0)
+        hits = at.reshape(runs, SAMPLE_RUN).sum(axis=1)
     mean = float(hits.mean())
     if mean == 0 or mean == SAMPLE_RUN:
         return float(SAMPLE_RUN) if mean == 0 else 1.0
