@@ -308,21 +308,19 @@ def _runs(records: list[TensorRecord], logical: list[str]) -> list[int | None]:
 
 
 class _Outputs:
-    """Every tensor's flat output: views of one allocation per storage dtype in record order, on a device (the
-    allocator pools them) and onto a base (every element written); for a delta on the host, one zeroed allocation
-    per run of small tensors and one per other tensor (the C allocator recycles those, where one zeroed allocation
-    of the whole output, written sparsely, paid fresh pages on every call: 5.1M parameters in 28 tensors, top-1%,
-    took 27-46 ms to decompress instead of 7 ms).
+    """Every tensor's flat output: on a device and onto a base, views of one allocation (one region per storage
+    dtype, in record order; on a device the allocator pools it; onto a base every element is written); for a delta
+    on the host, one zeroed allocation per run of small tensors and one per other tensor (the C allocator recycles
+    those, where one zeroed allocation of the whole output, written sparsely, paid fresh pages on every call: 5.1M
+    parameters in 28 tensors, top-1%, took 27-46 ms to decompress instead of 7 ms).
     An allocation is made when its first output is asked for, after that tensor's entries are checked (a payload
     that fails its first check allocates nothing). Zeros where outputs are deltas (a sparse tensor's other
     elements stay 0); onto a base every element is written."""
 
     def __init__(self, records: list[TensorRecord], logical: list[str], runs: list, onto: bool, backend: Any):
         storage = [dtypes.storage_dtype(lg) for lg in logical]
-        if backend.on_device or onto:
-            self._key = storage
-        else:
-            self._key = [("tensor", i) if g is None else ("run", g) for i, g in enumerate(runs)]
+        self._one = backend.on_device or onto
+        self._key = storage if self._one else [("tensor", i) if g is None else ("run", g) for i, g in enumerate(runs)]
         self._dtype = dict(zip(self._key, storage))
         self.numels = [r.numel for r in records]
         self.starts: list[int] = []
@@ -333,15 +331,37 @@ class _Outputs:
         self._alloc = backend.xp.empty if onto else backend.xp.zeros
         self._flats: dict = {}
 
+    def key(self, i: int) -> Any:
+        """What tensor i's allocation (or region of the one allocation) is known by."""
+        return self._key[i]
+
     def flat(self, i: int) -> Any:
-        """The allocation that holds tensor i's output."""
+        """The allocation (or region of the one allocation) that holds tensor i's output."""
         key = self._key[i]
         if key not in self._flats:
-            self._flats[key] = self._alloc(self._sizes[key], dtype=self._dtype[key])
+            if self._one:
+                self._allocate()
+            else:
+                self._flats[key] = self._alloc(self._sizes[key], dtype=self._dtype[key])
         return self._flats[key]
+
+    def _allocate(self) -> None:
+        """The one allocation, cut into a region per storage dtype (each starting on a 64-byte boundary)."""
+        at, regions = 0, {}
+        for key, n in self._sizes.items():
+            regions[key] = at
+            at += -(-n * np.dtype(self._dtype[key]).itemsize // 64) * 64
+        whole = self._alloc(at, dtype=np.uint8)
+        for key, n in self._sizes.items():
+            dt = np.dtype(self._dtype[key])
+            self._flats[key] = whole[regions[key] : regions[key] + n * dt.itemsize].view(dt)
 
     def __getitem__(self, i: int) -> Any:
         return self.flat(i)[self.starts[i] : self.starts[i] + self.numels[i]]
+
+    def views(self) -> list[Any]:
+        """Every tensor's output, in record order."""
+        return [self.flat(i)[a : a + n] for i, (a, n) in enumerate(zip(self.starts, self.numels))]
 
 
 def _decode_all(
@@ -393,6 +413,121 @@ def _decode_all(
             raise
         return False  # (the second pass raises it, or an error of an earlier tensor)
     return checks is None or checks.passed()
+
+
+BATCH_ENTRIES = (1 << 14, 1 << 22)  # entries of a batch onto a base on the host: a 64th of the output's bytes, within
+
+
+def batch_entries(output_bytes: int) -> int:
+    """Entries a batch of sparse tensors decoded onto their bases on the host holds at most: a 64th of the output's
+    bytes (an entry's temporaries take about 24 bytes, so peak memory stays near the output's size), within
+    BATCH_ENTRIES."""
+    return min(BATCH_ENTRIES[1], max(BATCH_ENTRIES[0], output_bytes // 64))
+
+
+def _join_host(idx: list, vals: list, nnz: list, numels: np.ndarray, starts: np.ndarray) -> tuple | None:
+    """A batch's entries joined on the host (its tensors adjacent, from ``starts``, counted from the first one's):
+    (each entry's flat position in the batch's span, its value), or None where a buffer is not ``nnz`` long or not
+    flat, the indices are not unsigned integers or the values not floats, or an index is past its tensor or not
+    above the one before it in the tensor. Every check at once, over the joined indices."""
+    counts = np.fromiter((a.size for a in idx), np.int64, len(idx))
+    try:
+        gi, v = np.concatenate(idx), np.concatenate(vals)
+    except ValueError:  # (arrays of different ranks)
+        return None
+    if (
+        gi.ndim != 1
+        or gi.dtype.kind != "u"
+        or v.dtype not in (np.float32, np.float64)
+        or v.shape != gi.shape
+        or not np.array_equal(counts, nnz)
+    ):
+        return None
+    if gi.size:
+        ends = np.cumsum(counts)
+        some = counts > 0
+        if not (gi[ends[some] - 1] < numels[some]).all():  # ascending within a tensor: its last entry is its largest
+            return None
+        step = gi[1:] > gi[:-1]
+        seams = ends[:-1] - 1  # where a tensor's first entry follows the last one's entries
+        step[seams[(seams >= 0) & (seams < step.size)]] = True
+        if not step.all():
+            return None
+    span = dtypes.index_dtype(int(starts[-1] + numels[-1]))
+    gi = gi.astype(span, copy=False)
+    gi += np.repeat(starts.astype(span), counts)  # (in range: every index checked against its tensor)
+    return gi, v
+
+
+def _decode_onto_host(
+    pipe: Any, records: list, bases: list, logical: list, outs: _Outputs, backend: Any, bounds: Any
+) -> None:
+    """Every record decoded onto its base into ``outs``, on the host. Sparse tensors go in batches (tensors adjacent
+    in their dtype's region, at most :func:`batch_entries` entries): each batch's entries are joined and checked at
+    once (:func:`_join_host`), then written with the bases in one call (``scatter_onto_bases``: one pass over the
+    memory, whatever the tensor count). A batch that fails a check is decoded again tensor by tensor, which raises
+    the error that names the tensor. Dense tensors and larger sparse ones are decoded alone, streamed
+    (:func:`_decode_one`), after the batches before them. A plain COO record (of a pipeline with no stage after
+    top-k) is read from its buffers as they are, without a decoder."""
+    numels = np.asarray(outs.numels, np.int64)
+    starts = np.asarray(outs.starts, np.int64)
+    cap = batch_entries(sum(n * dtypes.storage_dtype(lg).itemsize for n, lg in zip(outs.numels, logical)))
+    plain = pipe.values is None and pipe.indices is None and pipe.bytes is None
+    pending: dict[Any, list] = {}  # storage dtype -> [(position, record, indices, values)] of its batch
+    held: dict[Any, int] = {}  # ... and the batch's entries
+
+    def alone(i: int, d: Any) -> None:
+        _decode_one(d, bases[i], backend, bounds, lambda: outs[i])
+
+    def decoded(r: TensorRecord) -> Any:
+        return next(pipe.decode_stream([r], backend))
+
+    def flush(key: Any) -> None:
+        run = pending.pop(key)
+        held.pop(key)
+        pos = [i for i, _, _, _ in run]
+        at = starts[pos]
+        joined = _join_host([x[2] for x in run], [x[3] for x in run], [x[1].nnz for x in run], numels[pos], at - at[0])
+        srcs = [backend.asarray(bases[i].data) for i in pos]
+        if joined is not None:
+            gi, vals = joined
+            span = outs.flat(pos[0])[int(at[0]) : int(at[-1]) + int(numels[pos[-1]])]
+            bad, finite = backend.scatter_onto_bases(span, srcs, dtypes.code(logical[pos[0]]), gi, vals)
+            if bad is None and finite:
+                return
+            del gi, vals
+        for i, r, _, _ in run:  # one by one: the error names the tensor
+            alone(i, decoded(r))
+
+    def flush_all() -> None:
+        for k in list(pending):
+            flush(k)
+
+    try:
+        for i, r in enumerate(records):
+            if plain and r.encoding == "coo":
+                b = r.buffers
+                item, n = (i, r, b["indices"], b["values"]), r.nnz
+                if n > cap:
+                    flush_all()
+                    alone(i, decoded(r))
+                    continue
+            else:
+                d = decoded(r)
+                if d.indices is None or d.nnz > cap:
+                    flush_all()
+                    alone(i, d)
+                    continue
+                item, n = (i, r, d.indices(0, d.nnz), d.values(0, d.nnz)), d.nnz
+            key = outs.key(i)
+            if key in pending and held[key] + n > cap:
+                flush(key)
+            pending.setdefault(key, []).append(item)
+            held[key] = held.get(key, 0) + n
+    except PayloadError:
+        flush_all()  # an error of an earlier tensor first
+        raise
+    flush_all()
 
 
 def decompress(
@@ -492,7 +627,8 @@ def decompress(
     backend = get_backend()
     bounds = DECODE_CHUNK_DEVICE if backend.on_device else DECODE_CHUNK
     logical = [r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype) for r in records]
-    runs = _runs(records, logical)
+    host_onto = base_tensors is not None and not backend.on_device
+    runs = [] if host_onto else _runs(records, logical)  # (batched otherwise, see _decode_onto_host)
     outs = _Outputs(records, logical, runs, base_tensors is not None, backend)
     bases = base_tensors if base_tensors is not None else [None] * len(records)
     with backend.stream(base_tensors or []):
@@ -500,19 +636,23 @@ def decompress(
             check_base(
                 payload.base_fingerprint, [(r.name, r.dtype, b.data) for r, b in zip(records, base_tensors)], backend
             )
+        if host_onto:
+            _decode_onto_host(pipe, records, bases, logical, outs, backend, bounds)
         # on a device, a first pass reads its checks back once, at the end; where one failed, the decode runs again
         # reading each check as it is made, which raises the error that names the tensor
-        if not (backend.on_device and _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, True)):
+        elif not (backend.on_device and _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, True)):
             if backend.on_device:
                 outs = _Outputs(records, logical, runs, base_tensors is not None, backend)
             _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, False)
-    result = {}
-    for i, r in enumerate(records):
-        out = outs[i]
-        logical = r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)
-        dev = base_tensors[i].device if base_tensors is not None else device
-        result[r.name] = from_backend(out, logical, tuple(r.shape), kind, dev)
-    return result
+    views = outs.views()
+    if (
+        kind == "numpy" and not backend.on_device and "bfloat16" not in logical
+    ):  # (the common case, without from_backend's per-call checks)
+        return {r.name: v.reshape(r.shape) for r, v in zip(records, views)}
+    devs = [b.device for b in base_tensors] if base_tensors is not None else [device] * len(records)
+    return {
+        r.name: from_backend(v, lg, tuple(r.shape), kind, dev) for r, v, lg, dev in zip(records, views, logical, devs)
+    }
 
 
 __all__ = [
