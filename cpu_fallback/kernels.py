@@ -296,8 +296,9 @@ def _onto_blocks(out, sources, start, stop, dt, idx, v):
     """``out[start:stop]`` = the ``sources`` end to end, and the entries ``idx`` (checked: ascending, within
     [start, stop)) added to it, in blocks of ONTO_BLOCK elements on the thread pool, each block's entries applied
     while the block is in cache; whether every sum written is finite."""
-    ends = np.cumsum([int(a.size) for a in sources], dtype=np.int64) + start
-    begins = ends - [int(a.size) for a in sources]
+    sizes = np.fromiter((a.size for a in sources), np.int64, len(sources))
+    ends = np.cumsum(sizes) + start
+    begins = ends - sizes
     firsts = np.arange(start, stop, ONTO_BLOCK, dtype=np.int64)
     lasts = np.minimum(firsts + ONTO_BLOCK, stop)
     n = int(idx.size)
@@ -371,9 +372,9 @@ def scatter_onto_bases(out, bases, dt, idx, vals):
     >>> out.tolist()
     [1.0, 6.0, 7.0, 0.0, 0.0]
     """
-    total = int(out.size)
-    if sum(int(a.size) for a in bases) != total:
-        raise ValueError(f"the bases hold {sum(int(a.size) for a in bases)} elements, the output {total}")
+    total, held = int(out.size), sum([a.size for a in bases])
+    if held != total:
+        raise ValueError(f"the bases hold {held} elements, the output {total}")
     v = vals if dt == DT_F64 else vals.astype(np.float32, copy=False)
     bad = _bad_entries(idx, v, total)
     if bad is not None:

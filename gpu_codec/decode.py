@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,13 @@ def check_output_cap(
             raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
     if max_output_bytes is None:
         return
-    declared = sum(r.numel * _output_itemsize(r, with_base) for r in records)
+    size: dict[str, int] = {}  # itemsize by dtype
+    declared = 0
+    for r in records:
+        s = size.get(r.dtype)
+        if s is None:
+            s = size[r.dtype] = _output_itemsize(r, with_base)
+        declared += r.numel * s
     if declared > max_output_bytes:
         raise PayloadLimitError(
             f"payload declares {declared} bytes of dense output ({len(records)} tensors), over "
@@ -318,22 +325,32 @@ class _Outputs:
     elements stay 0); onto a base every element is written."""
 
     def __init__(self, records: list[TensorRecord], logical: list[str], runs: list, onto: bool, backend: Any):
-        storage = [dtypes.storage_dtype(lg) for lg in logical]
+        kinds = {lg: dtypes.storage_dtype(lg) for lg in dict.fromkeys(logical)}
+        storage = [kinds[lg] for lg in logical]
         self._one = backend.on_device or onto
         self._key = storage if self._one else [("tensor", i) if g is None else ("run", g) for i, g in enumerate(runs)]
         self._dtype = dict(zip(self._key, storage))
         self.numels = [r.numel for r in records]
-        self.starts: list[int] = []
-        self._sizes: dict = {}
-        for n, key in zip(self.numels, self._key):
-            self.starts.append(self._sizes.get(key, 0))
-            self._sizes[key] = self.starts[-1] + n
+        if len(self._dtype) == 1:  # (one region: each output starts where the one before it ends)
+            self.starts = list(accumulate(self.numels[:-1], initial=0)) if records else []
+            self._sizes = {self._key[0]: sum(self.numels)} if records else {}
+        else:
+            self.starts, self._sizes = [], {}
+            for n, key in zip(self.numels, self._key):
+                self.starts.append(self._sizes.get(key, 0))
+                self._sizes[key] = self.starts[-1] + n
         self._alloc = backend.xp.empty if onto else backend.xp.zeros
         self._flats: dict = {}
 
-    def key(self, i: int) -> Any:
-        """What tensor i's allocation (or region of the one allocation) is known by."""
-        return self._key[i]
+    @property
+    def nbytes(self) -> int:
+        """The outputs' bytes."""
+        return sum(n * np.dtype(self._dtype[key]).itemsize for key, n in self._sizes.items())
+
+    @property
+    def keys(self) -> list:
+        """What each tensor's allocation (or region of the one allocation) is known by."""
+        return self._key
 
     def flat(self, i: int) -> Any:
         """The allocation (or region of the one allocation) that holds tensor i's output."""
@@ -361,6 +378,9 @@ class _Outputs:
 
     def views(self) -> list[Any]:
         """Every tensor's output, in record order."""
+        if len(self._sizes) == 1 and self.numels:
+            flat = self.flat(0)
+            return [flat[a : a + n] for a, n in zip(self.starts, self.numels)]
         return [self.flat(i)[a : a + n] for i, (a, n) in enumerate(zip(self.starts, self.numels))]
 
 
@@ -471,59 +491,82 @@ def _decode_onto_host(
     top-k) is read from its buffers as they are, without a decoder."""
     numels = np.asarray(outs.numels, np.int64)
     starts = np.asarray(outs.starts, np.int64)
-    cap = batch_entries(sum(n * dtypes.storage_dtype(lg).itemsize for n, lg in zip(outs.numels, logical)))
+    cap = batch_entries(outs.nbytes)
+    count = len(records)
     plain = pipe.values is None and pipe.indices is None and pipe.bytes is None
-    pending: dict[Any, list] = {}  # storage dtype -> [(position, record, indices, values)] of its batch
+    # each batched tensor's indices, values and entry count
+    idx_of: list = [None] * count
+    val_of: list = [None] * count
+    nnz_of: list = [0] * count
+    every = plain and all(r.encoding == "coo" for r in records)
+    if every:  # (the entries as they lie in the buffers, read in a few passes over the records)
+        bufs = [r.buffers for r in records]
+        idx_of, val_of, nnz_of = [b["indices"] for b in bufs], [b["values"] for b in bufs], [r.nnz for r in records]
+    pending: dict[Any, list] = {}  # storage dtype -> the positions of its batch (adjacent in its region)
     held: dict[Any, int] = {}  # ... and the batch's entries
 
     def alone(i: int, d: Any) -> None:
         _decode_one(d, bases[i], backend, bounds, lambda: outs[i])
 
-    def decoded(r: TensorRecord) -> Any:
-        return next(pipe.decode_stream([r], backend))
+    def decoded(i: int) -> Any:
+        return next(pipe.decode_stream([records[i]], backend))
 
     def flush(key: Any) -> None:
-        run = pending.pop(key)
+        pos = pending.pop(key)
         held.pop(key)
-        pos = [i for i, _, _, _ in run]
-        at = starts[pos]
-        joined = _join_host([x[2] for x in run], [x[3] for x in run], [x[1].nnz for x in run], numels[pos], at - at[0])
-        srcs = [backend.asarray(bases[i].data) for i in pos]
+        a, b = pos[0], pos[-1] + 1
+        if b - a == len(pos):  # (positions a, a + 1, ..., b - 1: slices of the tables)
+            idx, vals, nnz, srcs = idx_of[a:b], val_of[a:b], nnz_of[a:b], bases[a:b]
+            at, sizes = starts[a:b], numels[a:b]
+        else:
+            idx, vals, nnz, srcs = [[t[i] for i in pos] for t in (idx_of, val_of, nnz_of, bases)]
+            at, sizes = starts[pos], numels[pos]
+        joined = _join_host(idx, vals, nnz, sizes, at - at[0])
         if joined is not None:
-            gi, vals = joined
-            span = outs.flat(pos[0])[int(at[0]) : int(at[-1]) + int(numels[pos[-1]])]
-            bad, finite = backend.scatter_onto_bases(span, srcs, dtypes.code(logical[pos[0]]), gi, vals)
+            gi, v = joined
+            span = outs.flat(a)[int(at[0]) : int(at[-1] + sizes[-1])]
+            asarray = backend.asarray
+            code = dtypes.code(logical[a])
+            bad, finite = backend.scatter_onto_bases(span, [asarray(t.data) for t in srcs], code, gi, v)
             if bad is None and finite:
                 return
-            del gi, vals
-        for i, r, _, _ in run:  # one by one: the error names the tensor
-            alone(i, decoded(r))
+            del gi, v
+        for i in pos:  # one by one: the error names the tensor
+            alone(i, decoded(i))
 
     def flush_all() -> None:
         for k in list(pending):
             flush(k)
 
+    keys = outs.keys
     try:
-        for i, r in enumerate(records):
-            if plain and r.encoding == "coo":
-                b = r.buffers
-                item, n = (i, r, b["indices"], b["values"]), r.nnz
-                if n > cap:
-                    flush_all()
-                    alone(i, decoded(r))
+        for i in range(count):
+            if not every:
+                r = records[i]
+                if plain and r.encoding == "coo":
+                    idx_of[i], val_of[i], nnz_of[i] = r.buffers["indices"], r.buffers["values"], r.nnz
+                else:
+                    d = decoded(i)
+                    if d.indices is None or d.nnz > cap:
+                        flush_all()
+                        alone(i, d)
+                        continue
+                    idx_of[i], val_of[i], nnz_of[i] = d.indices(0, d.nnz), d.values(0, d.nnz), d.nnz
+            n = nnz_of[i]
+            if n > cap:
+                flush_all()
+                alone(i, decoded(i))
+                continue
+            key = keys[i]
+            if key in pending:
+                if held[key] + n > cap:
+                    flush(key)
+                else:
+                    pending[key].append(i)
+                    held[key] += n
                     continue
-            else:
-                d = decoded(r)
-                if d.indices is None or d.nnz > cap:
-                    flush_all()
-                    alone(i, d)
-                    continue
-                item, n = (i, r, d.indices(0, d.nnz), d.values(0, d.nnz)), d.nnz
-            key = outs.key(i)
-            if key in pending and held[key] + n > cap:
-                flush(key)
-            pending.setdefault(key, []).append(item)
-            held[key] = held.get(key, 0) + n
+            pending[key] = [i]
+            held[key] = n
     except PayloadError:
         flush_all()  # an error of an earlier tensor first
         raise
@@ -606,10 +649,10 @@ def decompress(
     base_tensors = None
     if base is not None:
         base = as_mapping(base, "base")
-        missing = [n for n in names if n not in base]
         known = set(names)
-        extra = [n for n in base if n not in known]
-        if missing or extra:
+        if len(known) != len(base) or not all(n in base for n in known):
+            missing = [n for n in names if n not in base]
+            extra = [n for n in base if n not in known]
             raise InvalidInputError(
                 f"payload and base name different tensors: missing from base {missing[:5]}, not in payload {extra[:5]}"
             )
