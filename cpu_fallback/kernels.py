@@ -17,6 +17,7 @@ from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS
 from gpu_codec.xp.finite import all_finite
 
 from .elementwise import (
+    DT_F32,
     DT_F64,
     decoded,
     delta,
@@ -239,8 +240,12 @@ def _written(out, ii, v, dt, mode):
     """What the scatter writes at elements ``ii`` of ``out``: v (mode 0) or the element plus v (mode 1), in fp32
     (fp64 for fp64 tensors) rounded to the storage; IEEE overflow to inf, as on the device (the caller checks)."""
     with np.errstate(over="ignore"):
-        if dt == DT_F64:
-            return out[ii] + v if mode == 1 else v
+        if dt == DT_F64 or (dt == DT_F32 and mode == 1):
+            if mode != 1:
+                return v
+            w = out.take(ii)  # (in place: one temporary, the same sums)
+            w += v
+            return w
         return store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)
 
 
@@ -323,7 +328,7 @@ def _onto_blocks(out, sources, start, stop, dt, idx, v):
         a, b = edges[j], edges[j + 1]
         if a == b:
             return True
-        ii = idx[a:b] - idx.dtype.type(s)
+        ii = np.subtract(idx[a:b], s, dtype=np.intp)  # (NumPy indexes with intp: converted once, not twice)
         o[ii] = w = _written(o, ii, v[a:b], dt, 1)
         return all_finite(w, dt)
 
