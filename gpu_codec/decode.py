@@ -453,7 +453,7 @@ def _join_host(idx: list, vals: list, nnz: list, numels: np.ndarray, starts: np.
     counts = np.fromiter((a.size for a in idx), np.int64, len(idx))
     try:
         gi, v = np.concatenate(idx), np.concatenate(vals)
-    except ValueError:  # (arrays of different ranks)
+    except (TypeError, ValueError):  # (arrays of different ranks, or not on the host: a device payload's)
         return None
     if (
         gi.ndim != 1
@@ -623,8 +623,9 @@ def decompress(
     Decoding streams: one tensor is decoded, checked and written into its output before the next is decoded,
     and a dense tensor a slice at a time, so peak memory stays near the output's size (the payload itself
     aside); onto a base on the host, sparse tensors go in batches of at most a 64th of the output's bytes in
-    entries, each batch's indices checked at once and written with its bases in one pass. Every header count and offset is checked when the payload is parsed; a tensor's indices are checked
-    before its output is allocated; values are checked as they are written. On a GPU the checks of the entries
+    entries, each batch's indices checked at once and written with its bases in one pass. Every header count
+    and offset is checked when the payload is parsed; a tensor's indices are checked before its output is
+    allocated; values are checked as they are written. On a GPU the checks of the entries
     stay on the device and are read back once, at the end (the scatter refuses an entry out of range as it
     writes); where one failed, the decode runs again reading each check as it is made, and raises its error.
 
