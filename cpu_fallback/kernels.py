@@ -287,13 +287,17 @@ def _scatter(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, val
 
 
 ONTO_BLOCK = 1 << 20  # elements per pool task of scatter_onto: copied, then its entries applied while in cache
+FEW_CHUNKS = 4  # entry chunks that scatter_onto checks in the calling thread
 
 
 def _bad_entries(idx, v, numel):
     """The lowest entry whose index is out of range [0, numel) or not above the previous one, or whose value is not
     finite; None if there is none."""
     chunks = spans(0, int(idx.size), SCATTER_CHUNK)
-    bad = [f for f in parallel_map(partial(_first_bad, idx, v, 0, numel), chunks) if f is not None]
+    check = partial(_first_bad, idx, v, 0, numel)
+    # (a few chunks take less time in this thread than the pool's hand-over)
+    found = map(check, chunks) if len(chunks) <= FEW_CHUNKS else parallel_map(check, chunks)
+    bad = [f for f in found if f is not None]
     return min(bad) if bad else None
 
 

@@ -451,8 +451,10 @@ def _join_host(idx: list, vals: list, nnz: list, numels: np.ndarray, starts: np.
     flat, the indices are not unsigned integers or the values not floats, or an index is past its tensor or not
     above the one before it in the tensor. Every check at once, over the joined indices."""
     counts = np.fromiter((a.size for a in idx), np.int64, len(idx))
-    try:
-        gi, v = np.concatenate(idx), np.concatenate(vals)
+    try:  # (a batch of one is read where it lies: no copy, no temporary of the entries' size to fault in)
+        gi, v = (
+            (np.asarray(idx[0]), np.asarray(vals[0])) if len(idx) == 1 else (np.concatenate(idx), np.concatenate(vals))
+        )
     except (TypeError, ValueError):  # (arrays of different ranks, or not on the host: a device payload's)
         return None
     if (
@@ -475,7 +477,8 @@ def _join_host(idx: list, vals: list, nnz: list, numels: np.ndarray, starts: np.
             return None
     span = dtypes.index_dtype(int(starts[-1] + numels[-1]))
     gi = gi.astype(span, copy=False)
-    gi += np.repeat(starts.astype(span), counts)  # (in range: every index checked against its tensor)
+    if len(idx) > 1:
+        gi += np.repeat(starts.astype(span), counts)  # (in range: every index checked against its tensor)
     return gi, v
 
 
