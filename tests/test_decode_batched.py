@@ -195,8 +195,12 @@ def test_wide_and_short_index_buffers_of_a_payload_object(monkeypatch):
             assert _outcome(odd, base) == batched
 
 
-def test_scatter_onto_bases_twin_and_default_agree():
-    """The NumPy backend's one pass and the default (gather_copy, then scatter) give the same bytes and verdicts."""
+@pytest.mark.parametrize("chunk", [None, 16], ids=["few-chunks", "many-chunks"])
+def test_scatter_onto_bases_twin_and_default_agree(chunk, monkeypatch):
+    """The NumPy backend's one pass and the default (gather_copy, then scatter) give the same bytes and verdicts,
+    with the entries checked in this thread (a few chunks) or on the pool (many)."""
+    if chunk is not None:
+        monkeypatch.setattr(twins, "SCATTER_CHUNK", chunk)
     from gpu_codec.backends.decode import ArrayDecoders
 
     class Split(CpuBackend):  # the default composition over the NumPy backend's own ops
@@ -213,10 +217,10 @@ def test_scatter_onto_bases_twin_and_default_agree():
         assert CpuBackend().scatter_onto_bases(a, bases, dt, idx, vals) == (None, True)
         assert Split().scatter_onto_bases(b, bases, dt, idx, vals) == (None, True)
         assert a.tobytes() == b.tobytes() == _concat_scatter(bases, dt, idx, vals).tobytes()
-        vals[7] = np.inf
-        assert twins.scatter_onto_bases(a, bases, dt, idx, vals)[0] == 7
-        idx[9] = idx[8]
-        assert twins.scatter_onto_bases(a, bases, dt, idx, vals)[0] == 7
+        vals[250] = np.inf
+        assert twins.scatter_onto_bases(a, bases, dt, idx, vals)[0] == 250
+        idx[101] = idx[100]  # the lowest bad entry, whatever chunk each lies in
+        assert twins.scatter_onto_bases(a, bases, dt, idx, vals)[0] == 101
     with pytest.raises(ValueError, match="hold 3 elements"):
         twins.scatter_onto_bases(np.empty(4, np.float32), [np.ones(3, np.float32)], DT_F32, idx[:0], vals[:0])
 
