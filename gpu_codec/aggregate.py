@@ -474,11 +474,11 @@ class Aggregator:
         :func:`gpu_codec.decompress` forms them, from each base gathered at its entries (not a copy of the run's
         bases: the entries' worth of work, not the elements'), their checks left in ``checks``."""
         backend = self._backend
-        at = (template.starts[seg.pos] - template.starts[seg.pos[0]]).tolist()
+        at = template.starts[seg.pos] - template.starts[seg.pos[0]]
+        local = seg.idx - np.repeat(at, seg.counts).astype(seg.idx.dtype)  # each entry's index in its own tensor
         ends = np.cumsum(seg.counts).tolist()
-        gathered = [
-            backend.asarray(b.data)[seg.idx[e - c : e] - s] for b, s, c, e in zip(bases, at, seg.counts, ends) if c
-        ]
+        take = np.take
+        gathered = [take(backend.asarray(b.data), local[e - c : e]) for b, c, e in zip(bases, seg.counts, ends) if c]
         code = dtypes.code(lg)
         out = np.empty(int(seg.vals.size), dtype=dtypes.storage_dtype(lg))
         if gathered:
