@@ -435,7 +435,7 @@ def _decode_all(
     return checks is None or checks.passed()
 
 
-BATCH_ENTRIES = (1 << 14, 1 << 22)  # entries of a batch onto a base on the host: a 64th of the output's bytes, within
+BATCH_ENTRIES = (1 << 14, 1 << 22)  # the bounds of a batch's entries onto a base on the host (see batch_entries)
 
 
 def batch_entries(output_bytes: int) -> int:
