@@ -17,6 +17,7 @@ from gpu_codec.constants import CHUNK_SCAN_PART, CHUNK_SCAN_THREADS
 from gpu_codec.xp.finite import all_finite
 
 from .elementwise import (
+    DT_F32,
     DT_F64,
     decoded,
     delta,
@@ -239,8 +240,12 @@ def _written(out, ii, v, dt, mode):
     """What the scatter writes at elements ``ii`` of ``out``: v (mode 0) or the element plus v (mode 1), in fp32
     (fp64 for fp64 tensors) rounded to the storage; IEEE overflow to inf, as on the device (the caller checks)."""
     with np.errstate(over="ignore"):
-        if dt == DT_F64:
-            return out[ii] + v if mode == 1 else v
+        if dt == DT_F64 or (dt == DT_F32 and mode == 1):
+            if mode != 1:
+                return v
+            w = out.take(ii)  # (in place: one temporary, the same sums)
+            w += v
+            return w
         return store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)
 
 
@@ -282,6 +287,56 @@ def _scatter(nt, total, ent_start, numel, out_dtypes, out_ptrs, idx, vals32, val
 
 
 ONTO_BLOCK = 1 << 20  # elements per pool task of scatter_onto: copied, then its entries applied while in cache
+FEW_CHUNKS = 4  # entry chunks that scatter_onto checks in the calling thread
+
+
+def _bad_entries(idx, v, numel):
+    """The lowest entry whose index is out of range [0, numel) or not above the previous one, or whose value is not
+    finite; None if there is none."""
+    chunks = spans(0, int(idx.size), SCATTER_CHUNK)
+    check = partial(_first_bad, idx, v, 0, numel)
+    # (a few chunks take less time in this thread than the pool's hand-over)
+    found = map(check, chunks) if len(chunks) <= FEW_CHUNKS else parallel_map(check, chunks)
+    bad = [f for f in found if f is not None]
+    return min(bad) if bad else None
+
+
+def _onto_blocks(out, sources, start, stop, dt, idx, v):
+    """``out[start:stop]`` = the ``sources`` end to end, and the entries ``idx`` (checked: ascending, within
+    [start, stop)) added to it, in blocks of ONTO_BLOCK elements on the thread pool, each block's entries applied
+    while the block is in cache; whether every sum written is finite."""
+    sizes = np.fromiter((a.size for a in sources), np.int64, len(sources))
+    ends = np.cumsum(sizes) + start
+    begins = ends - sizes
+    firsts = np.arange(start, stop, ONTO_BLOCK, dtype=np.int64)
+    lasts = np.minimum(firsts + ONTO_BLOCK, stop)
+    n = int(idx.size)
+    edges = np.searchsorted(idx, firsts.astype(idx.dtype)).tolist() + [n]  # each block's entries
+    src_lo = np.searchsorted(ends, firsts, side="right").tolist()  # the sources each block copies from
+    src_hi = np.searchsorted(begins, lasts, side="left").tolist()
+    begins, ends = begins.tolist(), ends.tolist()
+
+    def block(j: int) -> bool:
+        s, e = int(firsts[j]), int(lasts[j])
+        o = out[s:e]
+        lo, hi = src_lo[j], src_hi[j]
+        parts = sources[lo:hi]
+        if begins[lo] < s:
+            parts[0] = parts[0][s - begins[lo] :]
+        if ends[hi - 1] > e:
+            parts[-1] = parts[-1][: parts[-1].size - (ends[hi - 1] - e)]
+        if len(parts) == 1:
+            np.copyto(o, parts[0], casting="no")
+        else:
+            np.concatenate(parts, out=o, casting="no")
+        a, b = edges[j], edges[j + 1]
+        if a == b:
+            return True
+        ii = np.subtract(idx[a:b], s, dtype=np.intp)  # (NumPy indexes with intp: converted once, not twice)
+        o[ii] = w = _written(o, ii, v[a:b], dt, 1)
+        return all_finite(w, dt)
+
+    return all(parallel_map(block, range(firsts.size)))
 
 
 def scatter_onto(out, base, start, stop, dt, numel, idx, vals):
@@ -306,25 +361,34 @@ def scatter_onto(out, base, start, stop, dt, numel, idx, vals):
     if n and (int(idx[0]) < start or int(idx[-1]) >= stop):
         raise ValueError(f"entries [{int(idx[0])}, {int(idx[-1])}] are not within the range [{start}, {stop})")
     v = vals if dt == DT_F64 else vals.astype(np.float32, copy=False)
-    chunks = spans(0, n, SCATTER_CHUNK)
-    bad = [f for f in parallel_map(partial(_first_bad, idx, v, 0, numel), chunks) if f is not None]
-    if bad:
-        return min(bad), True
-    firsts = np.arange(start, stop, ONTO_BLOCK, dtype=np.int64)
-    edges = np.searchsorted(idx, firsts.astype(idx.dtype)).tolist() + [n]  # each block's entries
+    bad = _bad_entries(idx, v, numel)
+    if bad is not None:
+        return bad, True
+    return None, _onto_blocks(out, [base[start:stop]], start, stop, dt, idx, v)
 
-    def block(j: int) -> bool:
-        s = int(firsts[j])
-        o = out[s : min(stop, s + ONTO_BLOCK)]
-        o[...] = base[s : s + o.size]
-        a, b = edges[j], edges[j + 1]
-        if a == b:
-            return True
-        ii = idx[a:b] - idx.dtype.type(s)
-        o[ii] = w = _written(o, ii, v[a:b], dt, 1)
-        return all_finite(w, dt)
 
-    return None, all(parallel_map(block, range(firsts.size)))
+def scatter_onto_bases(out, bases, dt, idx, vals):
+    """``out`` = the ``bases`` end to end (flat, of ``out``'s dtype, their sizes summing to ``out.size``: a run
+    of tensors), then the entries ``idx`` (flat positions in ``out``, ascending) added as :func:`scatter_onto`
+    adds them, in its blocks: the bytes of :func:`gather_copy` and :func:`scatter_u32` mode 1 over ``out``, in one
+    pass over the memory whatever the number of tensors. Returns ``(bad, finite)`` as :func:`scatter_onto`
+    (an index is bad where it is past ``out``).
+
+    >>> out = np.empty(5, np.float32)
+    >>> scatter_onto_bases(out, [np.ones(2, np.float32), np.zeros(3, np.float32)], 0, np.array([1, 2], np.uint32),
+    ...                    np.array([5, 7], np.float32))
+    (None, True)
+    >>> out.tolist()
+    [1.0, 6.0, 7.0, 0.0, 0.0]
+    """
+    total, held = int(out.size), sum([a.size for a in bases])
+    if held != total:
+        raise ValueError(f"the bases hold {held} elements, the output {total}")
+    v = vals if dt == DT_F64 else vals.astype(np.float32, copy=False)
+    bad = _bad_entries(idx, v, total)
+    if bad is not None:
+        return bad, True
+    return None, _onto_blocks(out, list(bases), 0, total, dt, idx, v)
 
 
 def scatter_u32(*args):

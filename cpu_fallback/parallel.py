@@ -23,6 +23,7 @@ R = TypeVar("R")
 _lock = threading.Lock()
 _pool: ThreadPoolExecutor | None = None
 _pool_size = 0
+_CORES = max(1, os.cpu_count() or 1)  # read once: os.cpu_count() reads the system's files on every call
 
 
 def _forget_pool() -> None:
@@ -38,7 +39,7 @@ def thread_count() -> int:
     """Threads the NumPy backend uses: ``GPU_CODEC_THREADS`` if set (a positive integer), else every core."""
     raw = os.environ.get(ENV, "").strip()
     if not raw:
-        return max(1, os.cpu_count() or 1)
+        return _CORES
     try:
         n = int(raw)
     except ValueError:

@@ -138,11 +138,19 @@ def held_bytes(records: Iterable[Any], with_base: bool) -> int:
     20000
     """
     result = adding = 0
+    sizes: dict[str, tuple[int, int]] = {}  # (value, output) itemsize by dtype
     for r in records:
-        vsize = np.dtype(dtypes.value_dtype(r.dtype)).itemsize
-        osize = dtypes.storage_dtype(r.dtype if with_base else dtypes.value_dtype(r.dtype)).itemsize
-        result += r.numel * (ACCUMULATOR_BYTES + vsize + osize)
-        adding += r.numel * ACCUMULATOR_BYTES + (r.numel * vsize if _sends_dense(r) else r.nnz * SPARSE_ENTRY_BYTES)
+        vo = sizes.get(r.dtype)
+        if vo is None:
+            vd = dtypes.value_dtype(r.dtype)
+            vo = sizes[r.dtype] = (
+                np.dtype(vd).itemsize,
+                dtypes.storage_dtype(r.dtype if with_base else vd).itemsize,
+            )
+        vsize, osize = vo
+        n = r.numel
+        result += n * (ACCUMULATOR_BYTES + vsize + osize)
+        adding += n * ACCUMULATOR_BYTES + (n * vsize if _sends_dense(r) else r.nnz * SPARSE_ENTRY_BYTES)
     return max(result, adding)
 
 
@@ -434,8 +442,11 @@ class Aggregator:
                     continue
                 names = [template.entries[p][0] for p in seg.pos]
                 lg = template.entries[seg.pos[0]][2]
-                span = xp.empty(int(template.numels[seg.pos].sum()), dtype=dtypes.storage_dtype(lg))
                 bases = [to_tensor(self._base[n], n) for n in names]
+                if seg.idx is not None and not backend.on_device:
+                    self._check_run_onto_bases(seg, bases, lg, template, checks)
+                    continue
+                span = xp.empty(int(template.numels[seg.pos].sum()), dtype=dtypes.storage_dtype(lg))
                 if seg.idx is not None:
                     _decode.apply_run(seg.idx, seg.vals, span, bases, lg, backend, checks)
                     continue
@@ -457,6 +468,23 @@ class Aggregator:
             if not checks.passed():
                 return None
         return segs, _grid_exponents(cmax)
+
+    def _check_run_onto_bases(self, seg: _Segment, bases: list, lg: str, template: _Template, checks: Any) -> None:
+        """On the host: the sums with the bases of a sparse run's entries (their indices checked), formed as
+        :func:`gpu_codec.decompress` forms them, from each base gathered at its entries (not a copy of the run's
+        bases: the entries' worth of work, not the elements'), their checks left in ``checks``."""
+        backend = self._backend
+        at = template.starts[seg.pos] - template.starts[seg.pos[0]]
+        local = seg.idx - np.repeat(at, seg.counts).astype(seg.idx.dtype)  # each entry's index in its own tensor
+        ends = np.cumsum(seg.counts).tolist()
+        take = np.take
+        gathered = [take(backend.asarray(b.data), local[e - c : e]) for b, c, e in zip(bases, seg.counts, ends) if c]
+        code = dtypes.code(lg)
+        out = np.empty(int(seg.vals.size), dtype=dtypes.storage_dtype(lg))
+        if gathered:
+            part = np.concatenate(gathered)
+            checks.word(backend.dense_apply([out], [code], [part], [seg.vals], ScatterMode.ADD, True))
+            checks.flag(some_nonfinite(out, code, np))
 
     @staticmethod
     def _join_dense(records: list[TensorRecord], backend: Any) -> tuple[None, Any, list[int], None] | None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from itertools import accumulate
 from typing import Any
 
 import numpy as np
@@ -61,7 +62,13 @@ def check_output_cap(
             raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
     if max_output_bytes is None:
         return
-    declared = sum(r.numel * _output_itemsize(r, with_base) for r in records)
+    size: dict[str, int] = {}  # itemsize by dtype
+    declared = 0
+    for r in records:
+        s = size.get(r.dtype)
+        if s is None:
+            s = size[r.dtype] = _output_itemsize(r, with_base)
+        declared += r.numel * s
     if declared > max_output_bytes:
         raise PayloadLimitError(
             f"payload declares {declared} bytes of dense output ({len(records)} tensors), over "
@@ -308,40 +315,73 @@ def _runs(records: list[TensorRecord], logical: list[str]) -> list[int | None]:
 
 
 class _Outputs:
-    """Every tensor's flat output: views of one allocation per storage dtype in record order, on a device (the
-    allocator pools them) and onto a base (every element written); for a delta on the host, one zeroed allocation
-    per run of small tensors and one per other tensor (the C allocator recycles those, where one zeroed allocation
-    of the whole output, written sparsely, paid fresh pages on every call: 5.1M parameters in 28 tensors, top-1%,
-    took 27-46 ms to decompress instead of 7 ms).
+    """Every tensor's flat output: on a device and onto a base, views of one allocation (one region per storage
+    dtype, in record order; on a device the allocator pools it; onto a base every element is written); for a delta
+    on the host, one zeroed allocation per run of small tensors and one per other tensor (the C allocator recycles
+    those, where one zeroed allocation of the whole output, written sparsely, paid fresh pages on every call: 5.1M
+    parameters in 28 tensors, top-1%, took 27-46 ms to decompress instead of 7 ms).
     An allocation is made when its first output is asked for, after that tensor's entries are checked (a payload
     that fails its first check allocates nothing). Zeros where outputs are deltas (a sparse tensor's other
     elements stay 0); onto a base every element is written."""
 
     def __init__(self, records: list[TensorRecord], logical: list[str], runs: list, onto: bool, backend: Any):
-        storage = [dtypes.storage_dtype(lg) for lg in logical]
-        if backend.on_device or onto:
-            self._key = storage
-        else:
-            self._key = [("tensor", i) if g is None else ("run", g) for i, g in enumerate(runs)]
+        kinds = {lg: dtypes.storage_dtype(lg) for lg in dict.fromkeys(logical)}
+        storage = [kinds[lg] for lg in logical]
+        self._one = backend.on_device or onto
+        self._key = storage if self._one else [("tensor", i) if g is None else ("run", g) for i, g in enumerate(runs)]
         self._dtype = dict(zip(self._key, storage))
         self.numels = [r.numel for r in records]
-        self.starts: list[int] = []
-        self._sizes: dict = {}
-        for n, key in zip(self.numels, self._key):
-            self.starts.append(self._sizes.get(key, 0))
-            self._sizes[key] = self.starts[-1] + n
+        if len(self._dtype) == 1:  # (one region: each output starts where the one before it ends)
+            self.starts = list(accumulate(self.numels[:-1], initial=0)) if records else []
+            self._sizes = {self._key[0]: sum(self.numels)} if records else {}
+        else:
+            self.starts, self._sizes = [], {}
+            for n, key in zip(self.numels, self._key):
+                self.starts.append(self._sizes.get(key, 0))
+                self._sizes[key] = self.starts[-1] + n
         self._alloc = backend.xp.empty if onto else backend.xp.zeros
         self._flats: dict = {}
 
+    @property
+    def nbytes(self) -> int:
+        """The outputs' bytes."""
+        return sum(n * np.dtype(self._dtype[key]).itemsize for key, n in self._sizes.items())
+
+    @property
+    def keys(self) -> list:
+        """What each tensor's allocation (or region of the one allocation) is known by."""
+        return self._key
+
     def flat(self, i: int) -> Any:
-        """The allocation that holds tensor i's output."""
+        """The allocation (or region of the one allocation) that holds tensor i's output."""
         key = self._key[i]
         if key not in self._flats:
-            self._flats[key] = self._alloc(self._sizes[key], dtype=self._dtype[key])
+            if self._one:
+                self._allocate()
+            else:
+                self._flats[key] = self._alloc(self._sizes[key], dtype=self._dtype[key])
         return self._flats[key]
+
+    def _allocate(self) -> None:
+        """The one allocation, cut into a region per storage dtype (each starting on a 64-byte boundary)."""
+        at, regions = 0, {}
+        for key, n in self._sizes.items():
+            regions[key] = at
+            at += -(-n * np.dtype(self._dtype[key]).itemsize // 64) * 64
+        whole = self._alloc(at, dtype=np.uint8)
+        for key, n in self._sizes.items():
+            dt = np.dtype(self._dtype[key])
+            self._flats[key] = whole[regions[key] : regions[key] + n * dt.itemsize].view(dt)
 
     def __getitem__(self, i: int) -> Any:
         return self.flat(i)[self.starts[i] : self.starts[i] + self.numels[i]]
+
+    def views(self) -> list[Any]:
+        """Every tensor's output, in record order."""
+        if len(self._sizes) == 1 and self.numels:
+            flat = self.flat(0)
+            return [flat[a : a + n] for a, n in zip(self.starts, self.numels)]
+        return [self.flat(i)[a : a + n] for i, (a, n) in enumerate(zip(self.starts, self.numels))]
 
 
 def _decode_all(
@@ -395,6 +435,151 @@ def _decode_all(
     return checks is None or checks.passed()
 
 
+BATCH_ENTRIES = (1 << 14, 1 << 22)  # the bounds of a batch's entries onto a base on the host (see batch_entries)
+
+
+def batch_entries(output_bytes: int) -> int:
+    """Entries a batch of sparse tensors decoded onto their bases on the host holds at most: a 64th of the output's
+    bytes (an entry's temporaries take about 24 bytes, so peak memory stays near the output's size), within
+    BATCH_ENTRIES."""
+    return min(BATCH_ENTRIES[1], max(BATCH_ENTRIES[0], output_bytes // 64))
+
+
+def _join_host(idx: list, vals: list, nnz: list, numels: np.ndarray, starts: np.ndarray) -> tuple | None:
+    """A batch's entries joined on the host (its tensors adjacent, from ``starts``, counted from the first one's):
+    (each entry's flat position in the batch's span, its value), or None where a buffer is not ``nnz`` long or not
+    flat, the indices are not unsigned integers or the values not floats, or an index is past its tensor or not
+    above the one before it in the tensor. Every check at once, over the joined indices."""
+    counts = np.fromiter((a.size for a in idx), np.int64, len(idx))
+    try:  # (a batch of one is read where it lies: no copy, no temporary of the entries' size to fault in)
+        gi, v = (
+            (np.asarray(idx[0]), np.asarray(vals[0])) if len(idx) == 1 else (np.concatenate(idx), np.concatenate(vals))
+        )
+    except (TypeError, ValueError):  # (arrays of different ranks, or not on the host: a device payload's)
+        return None
+    if (
+        gi.ndim != 1
+        or gi.dtype.kind != "u"
+        or v.dtype not in (np.float32, np.float64)
+        or v.shape != gi.shape
+        or not np.array_equal(counts, nnz)
+    ):
+        return None
+    if gi.size:
+        ends = np.cumsum(counts)
+        some = counts > 0
+        if not (gi[ends[some] - 1] < numels[some]).all():  # ascending within a tensor: its last entry is its largest
+            return None
+        step = gi[1:] > gi[:-1]
+        seams = ends[:-1] - 1  # where a tensor's first entry follows the last one's entries
+        step[seams[(seams >= 0) & (seams < step.size)]] = True
+        if not step.all():
+            return None
+    span = dtypes.index_dtype(int(starts[-1] + numels[-1]))
+    gi = gi.astype(span, copy=False)
+    if len(idx) > 1:
+        gi += np.repeat(starts.astype(span), counts)  # (in range: every index checked against its tensor)
+    return gi, v
+
+
+def _decode_onto_host(
+    pipe: Any, records: list, bases: list, logical: list, outs: _Outputs, backend: Any, bounds: Any
+) -> None:
+    """Every record decoded onto its base into ``outs``, on the host. Sparse tensors go in batches (tensors adjacent
+    in their dtype's region, at most :func:`batch_entries` entries): each batch's entries are joined and checked at
+    once (:func:`_join_host`), then written with the bases in one call (``scatter_onto_bases``: one pass over the
+    memory, whatever the tensor count). A batch that fails a check is decoded again tensor by tensor, which raises
+    the error that names the tensor. Dense tensors and larger sparse ones are decoded alone, streamed
+    (:func:`_decode_one`), after the batches before them. A plain COO record (of a pipeline with no stage after
+    top-k) is read from its buffers as they are, without a decoder."""
+    numels = np.asarray(outs.numels, np.int64)
+    starts = np.asarray(outs.starts, np.int64)
+    cap = batch_entries(outs.nbytes)
+    count = len(records)
+    plain = pipe.values is None and pipe.indices is None and pipe.bytes is None
+    # each batched tensor's indices, values and entry count
+    idx_of: list = [None] * count
+    val_of: list = [None] * count
+    nnz_of: list = [0] * count
+    every = plain and all(r.encoding == "coo" for r in records)
+    if every:  # (the entries as they lie in the buffers, read in a few passes over the records)
+        bufs = [r.buffers for r in records]
+        idx_of, val_of, nnz_of = [b["indices"] for b in bufs], [b["values"] for b in bufs], [r.nnz for r in records]
+    pending: dict[Any, list] = {}  # storage dtype -> the positions of its batch (adjacent in its region)
+    held: dict[Any, int] = {}  # ... and the batch's entries
+
+    def alone(i: int, d: Any) -> None:
+        _decode_one(d, bases[i], backend, bounds, lambda: outs[i])
+
+    def decoded(i: int) -> Any:
+        return next(pipe.decode_stream([records[i]], backend))
+
+    def flush(key: Any) -> None:
+        pos = pending.pop(key)
+        held.pop(key)
+        a, b = pos[0], pos[-1] + 1
+        if b - a == len(pos):  # (positions a, a + 1, ..., b - 1: slices of the tables)
+            idx, vals, nnz, srcs = idx_of[a:b], val_of[a:b], nnz_of[a:b], bases[a:b]
+            at, sizes = starts[a:b], numels[a:b]
+        else:
+            idx, vals, nnz, srcs = [[t[i] for i in pos] for t in (idx_of, val_of, nnz_of, bases)]
+            at, sizes = starts[pos], numels[pos]
+        joined = _join_host(idx, vals, nnz, sizes, at - at[0])
+        if joined is not None:
+            gi, v = joined
+            span = outs.flat(a)[int(at[0]) : int(at[-1] + sizes[-1])]
+            asarray = backend.asarray
+            code = dtypes.code(logical[a])
+            bad, finite = backend.scatter_onto_bases(span, [asarray(t.data) for t in srcs], code, gi, v)
+            if bad is None and finite:
+                return
+            del gi, v
+        for i in pos:  # one by one: the error names the tensor
+            alone(i, decoded(i))
+
+    def flush_all() -> None:
+        for k in list(pending):
+            flush(k)
+
+    keys = outs.keys
+    if every and count and len(set(keys)) == 1 and sum(nnz_of) <= cap:  # (the common case: one batch of them all)
+        pending[keys[0]], held[keys[0]] = list(range(count)), 0
+        flush_all()
+        return
+    try:
+        for i in range(count):
+            if not every:
+                r = records[i]
+                if plain and r.encoding == "coo":
+                    idx_of[i], val_of[i], nnz_of[i] = r.buffers["indices"], r.buffers["values"], r.nnz
+                else:
+                    d = decoded(i)
+                    if d.indices is None or d.nnz > cap:
+                        flush_all()
+                        alone(i, d)
+                        continue
+                    idx_of[i], val_of[i], nnz_of[i] = d.indices(0, d.nnz), d.values(0, d.nnz), d.nnz
+            n = nnz_of[i]
+            if n > cap:
+                flush_all()
+                alone(i, decoded(i))
+                continue
+            key = keys[i]
+            if key in pending:
+                if held[key] + n > cap:
+                    flush(key)
+                else:
+                    pending[key].append(i)
+                    held[key] += n
+                    continue
+            pending[key] = [i]
+            held[key] = n
+    except PayloadError:
+        flush_all()  # an error of an earlier tensor first
+        raise
+    flush_all()
+
+
 def decompress(
     payload: Payload | bytes | bytearray | memoryview,
     base: Mapping[str, Any] | None = None,
@@ -440,8 +625,10 @@ def decompress(
     -----
     Decoding streams: one tensor is decoded, checked and written into its output before the next is decoded,
     and a dense tensor a slice at a time, so peak memory stays near the output's size (the payload itself
-    aside). Every header count and offset is checked when the payload is parsed; a tensor's indices are checked
-    before its output is allocated; values are checked as they are written. On a GPU the checks of the entries
+    aside); onto a base on the host, sparse tensors go in batches of at most a 64th of the output's bytes in
+    entries, each batch's indices checked at once and written with its bases in one pass. Every header count
+    and offset is checked when the payload is parsed; a tensor's indices are checked before its output is
+    allocated; values are checked as they are written. On a GPU the checks of the entries
     stay on the device and are read back once, at the end (the scatter refuses an entry out of range as it
     writes); where one failed, the decode runs again reading each check as it is made, and raises its error.
 
@@ -471,10 +658,10 @@ def decompress(
     base_tensors = None
     if base is not None:
         base = as_mapping(base, "base")
-        missing = [n for n in names if n not in base]
         known = set(names)
-        extra = [n for n in base if n not in known]
-        if missing or extra:
+        if len(known) != len(base) or not all(n in base for n in known):
+            missing = [n for n in names if n not in base]
+            extra = [n for n in base if n not in known]
             raise InvalidInputError(
                 f"payload and base name different tensors: missing from base {missing[:5]}, not in payload {extra[:5]}"
             )
@@ -492,7 +679,8 @@ def decompress(
     backend = get_backend()
     bounds = DECODE_CHUNK_DEVICE if backend.on_device else DECODE_CHUNK
     logical = [r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype) for r in records]
-    runs = _runs(records, logical)
+    host_onto = base_tensors is not None and not backend.on_device
+    runs = [] if host_onto else _runs(records, logical)  # (batched otherwise, see _decode_onto_host)
     outs = _Outputs(records, logical, runs, base_tensors is not None, backend)
     bases = base_tensors if base_tensors is not None else [None] * len(records)
     with backend.stream(base_tensors or []):
@@ -500,19 +688,23 @@ def decompress(
             check_base(
                 payload.base_fingerprint, [(r.name, r.dtype, b.data) for r, b in zip(records, base_tensors)], backend
             )
+        if host_onto:
+            _decode_onto_host(pipe, records, bases, logical, outs, backend, bounds)
         # on a device, a first pass reads its checks back once, at the end; where one failed, the decode runs again
         # reading each check as it is made, which raises the error that names the tensor
-        if not (backend.on_device and _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, True)):
+        elif not (backend.on_device and _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, True)):
             if backend.on_device:
                 outs = _Outputs(records, logical, runs, base_tensors is not None, backend)
             _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, False)
-    result = {}
-    for i, r in enumerate(records):
-        out = outs[i]
-        logical = r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype)
-        dev = base_tensors[i].device if base_tensors is not None else device
-        result[r.name] = from_backend(out, logical, tuple(r.shape), kind, dev)
-    return result
+    views = outs.views()
+    if (
+        kind == "numpy" and not backend.on_device and "bfloat16" not in logical
+    ):  # (the common case, without from_backend's per-call checks)
+        return {r.name: v.reshape(r.shape) for r, v in zip(records, views)}
+    devs = [b.device for b in base_tensors] if base_tensors is not None else [device] * len(records)
+    return {
+        r.name: from_backend(v, lg, tuple(r.shape), kind, dev) for r, v, lg, dev in zip(records, views, logical, devs)
+    }
 
 
 __all__ = [

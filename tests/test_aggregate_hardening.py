@@ -123,6 +123,34 @@ def test_a_delta_that_takes_the_base_out_of_range_is_refused_at_add(fraction, ba
         check_refusals_onto_a_base(base, fine, payload)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_small_tensor_of_a_run_that_takes_its_base_out_of_range_is_refused(backend):
+    """Small sparse tensors are checked against their bases a run at a time (on the host from each base gathered at
+    its entries): the one past fp16's range is named, the others' sums are fine, nothing is added."""
+    names = [f"t{i}" for i in range(6)]
+    base = {n: np.ones(50, np.float16) for n in names}
+    base["t3"][20] = 60000
+    zero = {n: np.zeros(50, np.float16) for n in names}
+
+    def payload(big: float):
+        new = {n: np.zeros(50, np.float16) for n in names}
+        for i, n in enumerate(names):
+            new[n][i * 3 : i * 3 + 2] = 7
+        new["t3"][20] = big
+        return gpu_codec.compress(new, zero, fraction=0.05)
+
+    with use_backend(backend):
+        agg = Aggregator(base=base)
+        agg.add(payload(3000))
+        before = state(agg)
+        with pytest.raises(PayloadValueError, match=r"'t3'.*past the range of float16"):
+            agg.add(payload(30000))
+        assert state(agg) == before
+        agg.add(payload(-3000))
+        out = agg.result()
+    assert all(np.isfinite(v).all() for v in out.values()) and out["t3"][20] == 60000
+
+
 def check_refusals_onto_a_base(base, fine, payload):
     agg = Aggregator(base=base)
     for p in fine:

@@ -171,6 +171,14 @@ class Backend(Protocol):
         run."""
         ...
 
+    def scatter_onto_bases(
+        self, out: Array, bases: list[Array], out_dtype: DType, indices: Array, values: Array
+    ) -> tuple[int | None, bool]:
+        """``out`` = the ``bases`` end to end (as :meth:`gather_copy`), with the entries (flat positions in ``out``,
+        ascending) added as :meth:`scatter` adds them over ``out`` in mode ``ScatterMode.ADD``: (the lowest bad
+        entry or None, whether every sum is finite in the dtype). A run of tensors onto their bases in one call."""
+        ...
+
     def gather_copy(self, out: Array, sources: list[Array]) -> None:
         """``out`` = the ``sources`` end to end (flat, of ``out``'s element size; their sizes sum to ``out.size``),
         the bits copied as they are: a run of small tensors' bases into their outputs, in one pass."""

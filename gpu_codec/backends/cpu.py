@@ -88,6 +88,9 @@ class CpuBackend(ArrayDecoders):
     def scatter_onto(self, out, base, start, stop, out_dtype, numel, indices, values):
         return _twins.scatter_onto(out, base, start, stop, out_dtype, numel, indices, values)
 
+    def scatter_onto_bases(self, out, bases, out_dtype, indices, values):
+        return _twins.scatter_onto_bases(out, bases, out_dtype, indices, values)
+
     def gather_copy(self, out, sources):
         np.concatenate(sources, out=out, casting="no")  # the twin's bytes (the bits copied), in one call
 

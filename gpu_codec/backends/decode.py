@@ -1,15 +1,18 @@
 """The decoders every backend shares, written once for any ``xp`` (NumPy or CuPy) and run by a backend on its own
 memory through ``self.xp``: the Rice decoder (:mod:`gpu_codec.xp.rice`, array code of its own) and the value
 decoders, which are the twins' own (:mod:`gpu_codec.cpu_fallback.quantize`: the encoders fix residuals with them;
-the kernel backends replace the int8 decode and the widening with their kernels, :mod:`.float_ops`).
+the kernel backends replace the int8 decode and the widening with their kernels, :mod:`.float_ops`); and a run of
+sparse tensors written onto their bases from the backend's own copy and scatter.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from ..constants import ScatterMode
 from ..cpu_fallback import quantize as _q
 from ..xp import rice as _rice
+from ..xp.finite import all_finite
 
 
 class ArrayDecoders:
@@ -35,3 +38,10 @@ class ArrayDecoders:
 
     def rice_decode(self, stream: Any, bits: int, k: int, nnz: int, numel: int) -> Any:
         return _rice.rice_decode(stream, bits, k, nnz, numel, self.xp)
+
+    def scatter_onto_bases(self, out: Any, bases: list, out_dtype: Any, indices: Any, values: Any) -> tuple:
+        """The bases copied in (``gather_copy``), then the entries added (``scatter``): a kernel backend's two
+        launches (the NumPy backend runs both in one pass: ``cpu_fallback.kernels.scatter_onto_bases``)."""
+        self.gather_copy(out, bases)
+        bad = self.scatter([out], [out_dtype], [int(out.size)], [indices], [values], ScatterMode.ADD)
+        return bad, bad is not None or all_finite(out[indices], out_dtype, self.xp)

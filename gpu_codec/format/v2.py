@@ -905,15 +905,25 @@ def _views(records: list[TensorRecord], layouts_of: list, data: memoryview) -> N
     """Each record's buffers, back to back in ``data`` (whose size the caller checked against the layouts)."""
     # views, aligned or not (v2 has no padding): NumPy reads unaligned arrays, and the decoder streams them a
     # slice at a time, so copying them whole here would cost as much memory as the buffers themselves
+    # where a buffer starts at a multiple of its itemsize, it is a slice of the whole data read as its dtype (a
+    # third of the cost of a view of its own)
     frombuffer, dtypes = np.frombuffer, BUFFER_DTYPES
+    typed: dict[str, np.ndarray] = {}
     off = 0
     for rec, lay in zip(records, layouts_of):
         bufs, names = rec.buffers, rec.buffer_dtypes
         for role, dt, count in lay:
             npdt = dtypes[dt]
-            bufs[role] = frombuffer(data, npdt, count, off)  # (positional: keywords cost twice as much)
+            size = npdt.itemsize
+            if off % size:
+                bufs[role] = frombuffer(data, npdt, count, off)  # (positional: keywords cost twice as much)
+            else:
+                whole = typed.get(dt)
+                if whole is None:
+                    whole = typed[dt] = frombuffer(data, npdt, len(data) // size, 0)
+                bufs[role] = whole[off // size : off // size + count]
             names[role] = dt
-            off += count * npdt.itemsize
+            off += count * size
 
 
 def _read_name(t: _Reader, earlier: list[bytes]) -> bytes:
