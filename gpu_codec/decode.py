@@ -376,6 +376,28 @@ class _Outputs:
     def __getitem__(self, i: int) -> Any:
         return self.flat(i)[self.starts[i] : self.starts[i] + self.numels[i]]
 
+    def torch_views(self, logical: list[str], devs: list[Any]) -> list[Any] | None:
+        """Every tensor's output as a flat torch tensor, in record order, where the outputs are views of one
+        allocation going to one device: each region becomes one torch tensor (one DLPack exchange, or one
+        ``from_numpy``), cut by one ``torch.split``. None otherwise (the caller converts them one by one)."""
+        if not self._one or not self.numels or any(d != devs[0] for d in devs):
+            return None
+        import torch
+
+        kinds = dict(zip(self._key, logical))
+        if len(kinds) != len(set(zip(self._key, logical))):  # (a region of two logical dtypes)
+            return None
+        members: dict[Any, list[int]] = {}
+        for i, key in enumerate(self._key):
+            members.setdefault(key, []).append(i)
+        out: list[Any] = [None] * len(self.numels)
+        for key, idx in members.items():
+            flat = self.flat(idx[0])
+            whole = from_backend(flat, kinds[key], (int(flat.size),), "torch", devs[0])
+            for i, t in zip(idx, torch.split(whole, [self.numels[i] for i in idx])):
+                out[i] = t
+        return out
+
     def views(self) -> list[Any]:
         """Every tensor's output, in record order."""
         if len(self._sizes) == 1 and self.numels:
@@ -696,12 +718,16 @@ def decompress(
             if backend.on_device:
                 outs = _Outputs(records, logical, runs, base_tensors is not None, backend)
             _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, False)
+    devs = [b.device for b in base_tensors] if base_tensors is not None else [device] * len(records)
+    if kind == "torch":
+        split = outs.torch_views(logical, devs)
+        if split is not None:
+            return {r.name: t.view(r.shape) for r, t in zip(records, split)}
     views = outs.views()
     if (
         kind == "numpy" and not backend.on_device and "bfloat16" not in logical
     ):  # (the common case, without from_backend's per-call checks)
         return {r.name: v.reshape(r.shape) for r, v in zip(records, views)}
-    devs = [b.device for b in base_tensors] if base_tensors is not None else [device] * len(records)
     return {
         r.name: from_backend(v, lg, tuple(r.shape), kind, dev) for r, v, lg, dev in zip(records, views, logical, devs)
     }

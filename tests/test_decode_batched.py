@@ -98,6 +98,27 @@ def test_outputs_are_views_of_one_allocation():
     assert not any(np.shares_memory(out[k], base[k]) for k in base)
 
 
+def test_torch_outputs_are_cut_from_one_tensor_a_dtype(monkeypatch):
+    """Onto torch bases, each dtype's region of the one allocation becomes one torch tensor, cut by torch.split:
+    the outputs of a dtype share its storage, and no tensor goes through from_backend alone."""
+    new, base, _ = _update("torch")
+    blob = gpu_codec.compress(new, base, fraction=0.05).to_bytes()
+    alone = []
+    real = decode.from_backend
+    monkeypatch.setattr(decode, "from_backend", lambda *a, **k: alone.append(a[2]) or real(*a, **k))
+    out = gpu_codec.decompress(blob, base=base)
+    storages: dict = {}
+    for o in out.values():
+        storages.setdefault(o.dtype, set()).add(o.untyped_storage().data_ptr())
+    assert set(storages) == {torch.float32, torch.float16, torch.bfloat16, torch.float64}
+    assert all(len(s) == 1 for s in storages.values())
+    sizes = {}
+    for o in out.values():
+        sizes[o.dtype] = sizes.get(o.dtype, 0) + o.numel()
+    assert sorted(shape for shape in alone) == sorted((n,) for n in sizes.values())  # one flat region a dtype
+    assert all(out[k].shape == base[k].shape and out[k].dtype == base[k].dtype for k in base)
+
+
 def _payload(new: dict, base: dict) -> Payload:
     return gpu_codec.compress(new, base, fraction=0.05)
 
