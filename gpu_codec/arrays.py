@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -128,6 +129,26 @@ def to_tensor(x: Any, name: str) -> Tensor:
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     data = np.ascontiguousarray(arr).reshape(-1)
     return Tensor(data, logical, tuple(arr.shape), "numpy", None)
+
+
+def numpy_tensors(xs: list[Any]) -> list[Tensor] | None:
+    """:func:`to_tensor` of every array of ``xs`` where each is a C-contiguous NumPy float32, float16 or float64
+    array (the common case: checked and wrapped with a few calls over the whole list, not a call per array);
+    None where one is not (then :func:`to_tensor` wraps them one by one, with its errors).
+
+    >>> ts = numpy_tensors([np.zeros((2, 3), np.float32), np.ones(4, np.float16)])
+    >>> [(t.dtype, t.shape, t.data.shape) for t in ts]
+    [('float32', (2, 3), (6,)), ('float16', (4,), (4,))]
+    >>> numpy_tensors([np.zeros(3, np.float32), np.zeros(3, np.int8)]) is None
+    True
+    """
+    if set(map(type, xs)) != {np.ndarray} or not all(x.flags.c_contiguous for x in xs):
+        return None
+    logical = list(map(_NP_TO_LOGICAL.get, [x.dtype for x in xs]))
+    if None in logical:
+        return None
+    shapes = [x.shape for x in xs]
+    return list(map(Tensor, map(np.ndarray.ravel, xs), logical, shapes, repeat("numpy"), repeat(None)))
 
 
 def from_backend(data: Any, logical: str, shape: tuple[int, ...], kind: str, device: Any = None) -> Any:
