@@ -91,6 +91,7 @@ class _Call:
     strict: bool = False  # candidates are the keys above lo (not at or above), and those at lo only counted
     _free: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _early: list | None = None  # writes_residual_early of each tensor, found once a call
 
     def fast(self, t: int) -> bool:
         """The key is |delta|'s fp32 bits: no score array, and non-finite deltas are exactly the keys >= inf."""
@@ -98,8 +99,11 @@ class _Call:
 
     def writes_residual_early(self, t: int) -> bool:
         """The residual can be written during the scan: it does not share memory with the residual read."""
-        r, w = self.res[t], self.res_out[t]
-        return w is not None and (r is None or not np.may_share_memory(r, w))
+        if self._early is None:
+            self._early = [
+                w is not None and (r is None or not np.may_share_memory(r, w)) for r, w in zip(self.res, self.res_out)
+            ]
+        return self._early[t]
 
     def early(self, p: _Part) -> bool:
         """The scan of part ``p`` writes its residuals (every tensor of a packed part can take it early)."""
@@ -414,29 +418,36 @@ def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, 
 
 
 def _fill(c: _Call, part: _Part, s: int, e: int, d: np.ndarray, write_res: bool) -> None:
-    """The fp32 deltas of a packed part's elements [s, e) into ``d`` (one piece of each tensor the range meets),
-    each tensor's residual written first where asked."""
+    """The fp32 deltas of a packed part's elements [s, e) into ``d`` (one piece of each tensor the range meets,
+    a whole tensor without slicing its inputs), each tensor's residual written first where asked."""
     cum, ts = part.cum, part.ts
     j = bisect.bisect_right(cum, s) - 1
+    new, base, res, dts, sub, add = c.new, c.base, c.res, c.dtypes, np.subtract, np.add
+    outs = c.res_out if write_res else None
     o = 0
     while s < e:
-        t, t0 = ts[j], cum[j]
-        stop = min(e, cum[j + 1])
-        a, b = s - t0, stop - t0
-        if b > a:
-            out = d[o : o + b - a]
-            base, res = c.base[t], c.res[t]
-            if c.dtypes[t] == DT_F32:
-                np.subtract(c.new[t][a:b], base[a:b] if base is not None else _ZERO32, out=out)
-                if res is not None:
-                    np.add(out, res[a:b], out=out)
-            else:
-                out[...] = delta(c.new[t][a:b], *(x[a:b] if x is not None else None for x in (base, res)), c.dtypes[t])
-            if write_res and c.res_out[t] is not None:
-                c.res_out[t][a:b] = out
-            o += b - a
-        s = stop
+        t, t0, t1 = ts[j], cum[j], cum[j + 1]
         j += 1
+        stop = t1 if t1 < e else e
+        if stop <= s:  # (an empty tensor)
+            continue
+        a, b = s - t0, stop - t0
+        nv, bv, rv = new[t], base[t], res[t]
+        if b - a != nv.size:  # a piece of the tensor
+            nv = nv[a:b]
+            bv = bv[a:b] if bv is not None else None
+            rv = rv[a:b] if rv is not None else None
+        out = d[o : o + b - a]
+        if dts[t] == DT_F32:
+            sub(nv, bv if bv is not None else _ZERO32, out=out)
+            if rv is not None:
+                add(out, rv, out=out)
+        else:
+            out[...] = delta(nv, bv, rv, dts[t])
+        if outs is not None and outs[t] is not None:
+            outs[t][a:b] = out
+        o += b - a
+        s = stop
 
 
 def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> int:
@@ -681,8 +692,12 @@ def _brackets(sample: np.ndarray, n: int, k: int, crit: int) -> list[np.uint32]:
     return [np.uint32(x) for x in out if x > 0] + [np.uint32(0)]
 
 
-def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int, indices: list, values: list) -> None:
-    """The k largest keys among the parts' entries, written to ``indices`` and ``values`` tensor by tensor.
+def _finish(
+    c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int, indices: list, values: list, packed: list
+) -> None:
+    """The k largest keys among the parts' entries, written to ``indices`` and ``values`` tensor by tensor; each
+    packed part's tensors, their cuts in its entries, and its entries' indices and values are appended to
+    ``packed`` (the tensors' own arrays are views of these).
 
     The parts' counts come from :func:`_threshold`; each part is then copied into its own slice of the output and its
     candidates freed, so the candidates and the output are never held twice. This runs on the calling thread: it touches
@@ -711,16 +726,19 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
         if p.ts is None:
             mine.setdefault(p.t, []).append(i)
             continue
-        # a packed part: its selection at once, then a view of it per tensor, indices made relative in place
+        # a packed part: its selection at once, indices made relative to their tensors in one call, then a view of
+        # it per tensor
         rel, val = np.empty(counts[i], np.uint32), np.empty(counts[i], np.float32)
         _write_part(p, thr, ties[i] if ties is not None else None, extras[i], rel, val, 0)
-        cuts = np.searchsorted(rel, np.asarray(p.cum, np.uint32)).tolist()
-        for j, t in enumerate(p.ts):
-            r = rel[cuts[j] : cuts[j + 1]]
-            r -= np.uint32(p.cum[j])
-            indices[t], values[t] = r, val[cuts[j] : cuts[j + 1]]
+        cum = np.asarray(p.cum, np.uint32)
+        cuts = np.searchsorted(rel, cum)
+        rel -= np.repeat(cum[:-1], np.diff(cuts))
+        cuts = cuts.tolist()
+        for t, a, b in zip(p.ts, cuts, cuts[1:]):
+            indices[t], values[t] = rel[a:b], val[a:b]
+        packed.append((p.ts, cuts, rel, val))
     for t in seg:
-        if indices[t] is not None:
+        if indices[t] is not None:  # (a packed tensor's)
             continue
         own = mine.get(t, [])
         start = offsets[own[0]] if own else 0
@@ -855,16 +873,26 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
                 indices[t], values[t] = np.arange(d.size, dtype=index_dtype(d.size)), np.ascontiguousarray(d)
     if bad:
         return None, None, min(bad)
+    packed: list = []
     for seg, parts, lo, k in sparse:
-        _finish(c, seg, parts, lo, k, indices, values)
+        _finish(c, seg, parts, lo, k, indices, values, packed)
         late = [p for p in parts if c.late(p)]
         c.release()
         if late:  # after _finish: it may read the residual again
             parallel_map(lambda p: _write_residual(c, p), late, c.workers)
             c.release()
+    if all(r is None for r in res_out):
+        return indices, values, None
+    done = set()
+    for ts, cuts, rel, val in packed:  # the kept entries' residuals of a packed part's tensors: one rounding
+        fix, rel = val - decoded(val, qmode), rel.astype(np.intp)  # (intp: no index cast per tensor)
+        for t, a, b in zip(ts, cuts, cuts[1:]):
+            if res_out[t] is not None:
+                res_out[t][rel[a:b]] = fix[a:b]
+        done.update(ts)
     for t in range(nt):
         r = res_out[t]
-        if r is None:
+        if r is None or t in done:
             continue
         if t in full:
             r[:] = full[t]

@@ -108,6 +108,52 @@ def test_blocked_matches_brute_force(tiny_blocks, case):
     assert_same(inp, run_blocked(inp))
 
 
+def _many_small(n: int, seed: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Sizes (0 to 300, a few over a block) and dtypes (fp32 mostly, fp16 and bf16, one fp64) of a table of many
+    small tensors: the packed tasks' every path (tensors across blocks and parts, empty ones, dtype changes)."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(x) for x in rng.integers(0, 300, n)]
+    sizes[3], sizes[7], sizes[8] = 0, 1, 90  # (an empty tensor, a single element)
+    dts = [str(x) for x in rng.choice(["f32", "f32", "f32", "f16", "bf16"], n)]
+    dts[n // 2] = "f64"  # (a tensor the packed tasks leave out)
+    return tuple(sizes), tuple(dts)
+
+
+PACKED = [
+    kc.TopkCase(
+        f"packed_{scope}_{pattern}_{res_out}_q{q}",
+        *_many_small(61, seed),
+        scope=scope,
+        k=k,
+        res=res_out != "none",
+        res_out=res_out,
+        qmode=q,
+        pattern=pattern,
+        seed=seed,
+    )
+    for seed, (scope, pattern, res_out, q, k) in enumerate(
+        [
+            ("global", "normal", "none", 0, 0.05),
+            ("global", "ties", "new", 1, 0.3),
+            ("global", "zeros", "alias", 2, 0.1),
+            ("global", "equal", "new", 0, 0.02),
+            ("global", "normal", "alias", 1, "random"),
+            ("tensor", "ties", "new", 2, 0.2),
+            ("tensor", "normal", "alias", 0, 0.05),
+            ("pairs", "signed_zero", "new", 1, 0.4),
+        ]
+    )
+] + [kc.TopkCase("packed_crit3_res", *_many_small(40, 9), crit=3, k=0.1, res=True, res_out="new", qmode=2)]
+
+
+@pytest.mark.parametrize("case", PACKED, ids=[c.name for c in PACKED])
+def test_many_small_tensors_match_brute_force(tiny_blocks, case):
+    """Tables of many small tensors, packed end to end into the scan's tasks: the same entries and residuals as
+    the definition, with ties, exact zeros, fp16 and bf16, residual rounding, in every scope."""
+    inp = kc.make_topk_inputs(case)
+    assert_same(inp, run_blocked(inp))
+
+
 @pytest.mark.parametrize(
     ("sizes", "span"), [((1 << 24,), 1 << 21), ((1 << 22,), 1 << 20), ((3 << 21, 5 << 21), 1 << 21)]
 )
