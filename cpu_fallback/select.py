@@ -52,6 +52,7 @@ TIE_SHARE = 8  # strict candidates where the keys equal to the bracket would be 
 SMALL_SELECT = 1 << 16  # in per-tensor scope, a tensor of at most this many elements is selected directly (on a
 # model's many small tensors the sample, brackets, tasks and joins cost far more than one partition; its
 # temporaries, about 13 bytes an element, are one small tensor's)
+SMALL_STRIDE = 8  # a small tensor's bracket is read from every SMALL_STRIDE-th key (its partition costs an eighth)
 HIST_BINS = 1 << 10  # a part's histogram of its keys' top 16 bits, counted from lo's up (the last bin takes every
 # higher key): the final threshold is found in one bin's keys instead of by a partition of every candidate
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
@@ -806,26 +807,112 @@ def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Par
     raise AssertionError("the last bracket is 0, where every entry is a candidate")
 
 
-def _select_small(c: _Call, t: int, k: int) -> tuple:
-    """Exact top-k of a small tensor alone (per-tensor scope), by one partition of its keys: (indices, values, the
-    whole delta, whether a delta or score is non-finite). Ties at the threshold: lowest index first.
+def _select_small(c: _Call, t: int, k: int, bufs: tuple[np.ndarray, np.ndarray] | None = None) -> tuple:
+    """Exact top-k of a small tensor alone (per-tensor scope): (indices, values, the whole delta, whether a delta or
+    score is non-finite). Ties at the threshold: lowest index first. The k-th largest key is found among the keys
+    at or above a bracket from a strided sample of the keys (:func:`_bracketed`), or, where that cannot help or
+    misses, by one partition of every key. On the |delta| path with ``bufs`` (fp32 and uint32 buffers of at
+    least the tensor's size, reused from tensor to tensor) the delta and its keys are made there (the delta
+    returned is then a view of ``bufs[0]``), and the caller has set the floating-point error state.
 
     >>> c = _Call([np.array([3, -5, 1, 5, 0], np.float32)], [None], [None], [None], [DT_F32], [None], [0], 0)
     >>> idx, vals, _, bad = _select_small(c, 0, 2)
     >>> idx.tolist(), vals.tolist(), bool(bad)
     ([1, 3], [-5.0, 5.0], False)
+    >>> x = np.repeat(np.arange(40, dtype=np.float32), 100)  # ties: 100 of each value, in runs
+    >>> c = _Call([x], [None], [None], [None], [DT_F32], [None], [0], 0)
+    >>> idx, vals, _, _ = _select_small(c, 0, 150)  # every 39, then the first 50 of the 38s
+    >>> bool((idx == np.r_[3800:3850, 3900:4000]).all()), float(vals.min())
+    (True, 38.0)
     """
-    d, key, bad = _keys(t, c.new[t], c.base[t], c.res[t], c.dtypes[t], c.crit, c.ext[t], c.ext_dt[t])
+    if bufs is not None and c.fast(t):
+        new, base, res, dt = c.new[t], c.base[t], c.res[t], c.dtypes[t]
+        n = new.size
+        d, key = bufs[0][:n], bufs[1][:n]
+        if dt == DT_F32:
+            np.subtract(new, base if base is not None else _ZERO32, out=d)
+            if res is not None:
+                np.add(d, res, out=d)
+        else:
+            d[...] = delta(new, base, res, dt)
+        np.bitwise_and(d.view(np.uint32), _ABS, out=key)  # the keys of _keys: |delta|'s bits
+        bad = n > 0 and key.max() >= _INF_BITS
+    else:
+        d, key, bad = _keys(t, c.new[t], c.base[t], c.res[t], c.dtypes[t], c.crit, c.ext[t], c.ext_dt[t])
     if bad:
         return None, None, d, True
     n = key.size
-    thr = np.partition(key, n - k)[n - k]
-    m = key > thr
+    cand = _bracketed(key, k)
+    kc = key if cand is None else key.take(cand)
+    q = kc.size - k
+    thr = np.partition(kc, q)[q]
+    m = kc > thr
     need = k - int(np.count_nonzero(m))
     if need:
-        m[np.flatnonzero(key == thr)[:need]] = True
-    idx = np.flatnonzero(m).astype(index_dtype(n))
+        m[np.flatnonzero(kc == thr)[:need]] = True
+    idx = np.flatnonzero(m) if cand is None else cand[m]
+    idx = idx.astype(index_dtype(n))
     return idx, d[idx], d, False
+
+
+def _bracketed(key: np.ndarray, k: int) -> np.ndarray | None:
+    """The ascending positions of the keys at or above a bracket below the k-th largest of ``key`` (at least k of
+    them), the bracket read from every SMALL_STRIDE-th key as :func:`_brackets` reads the sample; None where the
+    bracket would take most keys anyway or misses (then every key is partitioned).
+
+    >>> key = np.random.default_rng(0).permutation(20_000).astype(np.uint32)
+    >>> cand = _bracketed(key, 100)
+    >>> bool(100 <= cand.size < 2_000 and (key[cand] >= 19_900).sum() == 100), _bracketed(key, 5_000) is None
+    (True, True)
+    """
+    sample = key[::SMALL_STRIDE]
+    ms = sample.size
+    r = k * ms / key.size
+    pick = int(r + 4 * math.sqrt(r) + 32)
+    if pick >= ms // 4:
+        return None
+    lo = np.partition(sample, ms - 1 - pick)[ms - 1 - pick]
+    cand = np.flatnonzero(key >= lo)
+    return cand if cand.size >= k else None
+
+
+def _select_segments(c: _Call, segments, ks, indices: list, values: list, sparse: list, bad: list, full: dict):
+    """The selection of each segment (:func:`topk_select`): small tensors alone at once, the rest scanned into
+    ``sparse``; the tensors with a non-finite value into ``bad``, whole deltas for the residuals into ``full``.
+    The caller sets the floating-point error state."""
+    new, base, res, res_out, dtypes, crit = c.new, c.base, c.res, c.res_out, c.dtypes, c.crit
+    ext_scores, ext_dtypes = c.ext, c.ext_dt
+    bufs = None  # (per-tensor scope) the small tensors' delta and key buffers, reused from tensor to tensor
+    if len(segments) > 1:
+        small = min(SMALL_SELECT, max((new[seg[0]].size for seg in segments if len(seg) == 1), default=0))
+        bufs = np.empty(small, np.float32), np.empty(small, np.uint32)
+    for seg, k in zip(segments, ks):
+        n = sum(new[t].size for t in seg) if len(seg) != 1 else new[seg[0]].size
+        if 0 < k < n and len(seg) == 1 and n <= SMALL_SELECT and len(segments) > 1:
+            t = seg[0]
+            indices[t], values[t], d, b = _select_small(c, t, k, bufs)
+            if b:
+                bad.append(t)
+            elif res_out[t] is not None:  # the residual: the delta, then (below) the kept entries fixed
+                if c.writes_residual_early(t):
+                    res_out[t][...] = d
+                else:  # it is the residual read: written only once every tensor is known to be finite
+                    full[t] = d.copy()  # (d is in the reused buffer)
+            continue
+        if 0 < k < n:
+            parts, lo = _sparse_segment(c, seg, n, k)
+            bad += [p.first_bad() for p in parts if p.bad]
+            sparse.append((seg, parts, lo, k))
+            continue
+        for t in seg:  # nothing or everything kept: whole deltas, as small as the tensor or as the output
+            d, _, b = _keys(t, new[t], base[t], res[t], dtypes[t], crit, ext_scores[t], ext_dtypes[t])
+            if b:
+                bad.append(t)
+            full[t] = d
+            if k <= 0:
+                indices[t], values[t] = np.zeros(0, index_dtype(d.size)), d[:0].copy()
+            else:
+                indices[t], values[t] = np.arange(d.size, dtype=index_dtype(d.size)), np.ascontiguousarray(d)
 
 
 def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
@@ -844,33 +931,8 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     nt = len(new)
     indices, values = [None] * nt, [None] * nt
     sparse, bad, full = [], [], {}
-    for seg, k in zip(segments, ks):
-        n = sum(new[t].size for t in seg)
-        if 0 < k < n and len(seg) == 1 and n <= SMALL_SELECT and len(segments) > 1:
-            t = seg[0]
-            indices[t], values[t], d, b = _select_small(c, t, k)
-            if b:
-                bad.append(t)
-            elif res_out[t] is not None:  # the residual: the delta, then (below) the kept entries fixed
-                if c.writes_residual_early(t):
-                    res_out[t][...] = d
-                else:  # it is the residual read: written only once every tensor is known to be finite
-                    full[t] = d
-            continue
-        if 0 < k < n:
-            parts, lo = _sparse_segment(c, seg, n, k)
-            bad += [p.first_bad() for p in parts if p.bad]
-            sparse.append((seg, parts, lo, k))
-            continue
-        for t in seg:  # nothing or everything kept: whole deltas, as small as the tensor or as the output
-            d, _, b = _keys(t, new[t], base[t], res[t], dtypes[t], crit, ext_scores[t], ext_dtypes[t])
-            if b:
-                bad.append(t)
-            full[t] = d
-            if k <= 0:
-                indices[t], values[t] = np.zeros(0, index_dtype(d.size)), d[:0].copy()
-            else:
-                indices[t], values[t] = np.arange(d.size, dtype=index_dtype(d.size)), np.ascontiguousarray(d)
+    with np.errstate(over="ignore", invalid="ignore"):  # (non-finite deltas are reported, not warned about)
+        _select_segments(c, segments, ks, indices, values, sparse, bad, full)
     if bad:
         return None, None, min(bad)
     packed: list = []

@@ -146,10 +146,37 @@ PACKED = [
 ] + [kc.TopkCase("packed_crit3_res", *_many_small(40, 9), crit=3, k=0.1, res=True, res_out="new", qmode=2)]
 
 
-@pytest.mark.parametrize("case", PACKED, ids=[c.name for c in PACKED])
+SMALL = [
+    kc.TopkCase(
+        f"small_{pattern}_{res_out}",
+        (5000, 12000, 7001, 300, 20000),
+        ("f32", "f16", "bf16", "f32", "f32"),
+        scope="tensor",
+        k=k,
+        res=res_out != "none",
+        res_out=res_out,
+        qmode=q,
+        pattern=pattern,
+        seed=seed,
+    )
+    for seed, (pattern, res_out, q, k) in enumerate(
+        [
+            ("normal", "none", 0, 0.01),
+            ("ties", "alias", 1, 0.02),
+            ("zeros", "new", 2, 0.01),
+            ("equal", "alias", 0, 0.05),
+            ("signed_zero", "new", 0, 0.01),
+            ("huge", "none", 0, 0.003),
+        ]
+    )
+]
+
+
+@pytest.mark.parametrize("case", PACKED + SMALL, ids=[c.name for c in PACKED + SMALL])
 def test_many_small_tensors_match_brute_force(tiny_blocks, case):
-    """Tables of many small tensors, packed end to end into the scan's tasks: the same entries and residuals as
-    the definition, with ties, exact zeros, fp16 and bf16, residual rounding, in every scope."""
+    """Tables of many small tensors, packed end to end into the scan's tasks, and per-tensor selections of small
+    tensors (bracketed from a strided sample of their keys): the same entries and residuals as the definition,
+    with ties, exact zeros, fp16 and bf16, residual rounding, in every scope."""
     inp = kc.make_topk_inputs(case)
     assert_same(inp, run_blocked(inp))
 
