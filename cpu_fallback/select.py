@@ -52,6 +52,8 @@ TIE_SHARE = 8  # strict candidates where the keys equal to the bracket would be 
 SMALL_SELECT = 1 << 16  # in per-tensor scope, a tensor of at most this many elements is selected directly (on a
 # model's many small tensors the sample, brackets, tasks and joins cost far more than one partition; its
 # temporaries, about 13 bytes an element, are one small tensor's)
+SMALL_TABLE = 1 << 18  # small tensors selected together (per-tensor scope): at most this many elements a table (its
+# delta, key and comparison buffers, 9 bytes an element, and temporaries of a few bytes an element)
 SMALL_STRIDE = 8  # a small tensor's bracket is read from every SMALL_STRIDE-th key (its partition costs an eighth)
 HIST_BINS = 1 << 10  # a part's histogram of its keys' top 16 bits, counted from lo's up (the last bin takes every
 # higher key): the final threshold is found in one bin's keys instead of by a partition of every candidate
@@ -697,8 +699,8 @@ def _finish(
     c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int, indices: list, values: list, packed: list
 ) -> None:
     """The k largest keys among the parts' entries, written to ``indices`` and ``values`` tensor by tensor; each
-    packed part's tensors, their cuts in its entries, and its entries' indices and values are appended to
-    ``packed`` (the tensors' own arrays are views of these).
+    packed part's tensors, where each one's entries start and end in the part's, and the part's indices and values
+    are appended to ``packed`` (the tensors' own arrays are views of these).
 
     The parts' counts come from :func:`_threshold`; each part is then copied into its own slice of the output and its
     candidates freed, so the candidates and the output are never held twice. This runs on the calling thread: it touches
@@ -737,7 +739,7 @@ def _finish(
         cuts = cuts.tolist()
         for t, a, b in zip(p.ts, cuts, cuts[1:]):
             indices[t], values[t] = rel[a:b], val[a:b]
-        packed.append((p.ts, cuts, rel, val))
+        packed.append((p.ts, cuts[:-1], cuts[1:], rel, val))
     for t in seg:
         if indices[t] is not None:  # (a packed tensor's)
             continue
@@ -807,42 +809,32 @@ def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Par
     raise AssertionError("the last bracket is 0, where every entry is a candidate")
 
 
-def _select_small(c: _Call, t: int, k: int, bufs: tuple[np.ndarray, np.ndarray] | None = None) -> tuple:
+def _select_small(c: _Call, t: int, k: int) -> tuple:
     """Exact top-k of a small tensor alone (per-tensor scope): (indices, values, the whole delta, whether a delta or
-    score is non-finite). Ties at the threshold: lowest index first. The k-th largest key is found among the keys
-    at or above a bracket from a strided sample of the keys (:func:`_bracketed`), or, where that cannot help or
-    misses, by one partition of every key. On the |delta| path with ``bufs`` (fp32 and uint32 buffers of at
-    least the tensor's size, reused from tensor to tensor) the delta and its keys are made there (the delta
-    returned is then a view of ``bufs[0]``), and the caller has set the floating-point error state.
+    score is non-finite). Ties at the threshold: lowest index first (:func:`_top_of`).
 
     >>> c = _Call([np.array([3, -5, 1, 5, 0], np.float32)], [None], [None], [None], [DT_F32], [None], [0], 0)
     >>> idx, vals, _, bad = _select_small(c, 0, 2)
     >>> idx.tolist(), vals.tolist(), bool(bad)
     ([1, 3], [-5.0, 5.0], False)
-    >>> x = np.repeat(np.arange(40, dtype=np.float32), 100)  # ties: 100 of each value, in runs
-    >>> c = _Call([x], [None], [None], [None], [DT_F32], [None], [0], 0)
-    >>> idx, vals, _, _ = _select_small(c, 0, 150)  # every 39, then the first 50 of the 38s
-    >>> bool((idx == np.r_[3800:3850, 3900:4000]).all()), float(vals.min())
-    (True, 38.0)
     """
-    if bufs is not None and c.fast(t):
-        new, base, res, dt = c.new[t], c.base[t], c.res[t], c.dtypes[t]
-        n = new.size
-        d, key = bufs[0][:n], bufs[1][:n]
-        if dt == DT_F32:
-            np.subtract(new, base if base is not None else _ZERO32, out=d)
-            if res is not None:
-                np.add(d, res, out=d)
-        else:
-            d[...] = delta(new, base, res, dt)
-        np.bitwise_and(d.view(np.uint32), _ABS, out=key)  # the keys of _keys: |delta|'s bits
-        bad = n > 0 and key.max() >= _INF_BITS
-    else:
-        d, key, bad = _keys(t, c.new[t], c.base[t], c.res[t], c.dtypes[t], c.crit, c.ext[t], c.ext_dt[t])
+    d, key, bad = _keys(t, c.new[t], c.base[t], c.res[t], c.dtypes[t], c.crit, c.ext[t], c.ext_dt[t])
     if bad:
         return None, None, d, True
-    n = key.size
-    cand = _bracketed(key, k)
+    idx = _top_of(key, k, _bracketed(key, k)).astype(index_dtype(key.size))
+    return idx, d[idx], d, False
+
+
+def _top_of(key: np.ndarray, k: int, cand: np.ndarray | None = None) -> np.ndarray:
+    """The ascending positions of the k largest of ``key``, ties at the threshold lowest position first; ``cand``:
+    the positions of the keys at or above a bracket below the k-th largest (at least k of them), where known,
+    among which the threshold is found (else among every key).
+
+    >>> key = np.repeat(np.arange(40, dtype=np.uint32), 100)  # ties: 100 of each value, in runs
+    >>> idx = _top_of(key, 150)  # every 39, then the first 50 of the 38s
+    >>> bool((idx == np.r_[3800:3850, 3900:4000]).all()), bool((_top_of(key, 150, np.arange(3700, 4000)) == idx).all())
+    (True, True)
+    """
     kc = key if cand is None else key.take(cand)
     q = kc.size - k
     thr = np.partition(kc, q)[q]
@@ -850,9 +842,83 @@ def _select_small(c: _Call, t: int, k: int, bufs: tuple[np.ndarray, np.ndarray] 
     need = k - int(np.count_nonzero(m))
     if need:
         m[np.flatnonzero(kc == thr)[:need]] = True
-    idx = np.flatnonzero(m) if cand is None else cand[m]
-    idx = idx.astype(index_dtype(n))
-    return idx, d[idx], d, False
+    return np.flatnonzero(m) if cand is None else cand[m]
+
+
+def _table_buffers() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A table's delta, key and comparison buffers (:func:`_select_small_tables`)."""
+    return np.empty(SMALL_TABLE, np.float32), np.empty(SMALL_TABLE, np.uint32), np.empty(SMALL_TABLE, np.bool_)
+
+
+def _select_small_tables(c: _Call, group: list[tuple[int, int]], bufs, indices, values, packed, bad) -> None:
+    """Exact top-k of each of many small |delta| tensors alone (per-tensor scope), ``group``: (tensor, k) pairs
+    whose deltas fit ``bufs`` (:func:`_table_buffers`) end to end. What :func:`_select_small` does tensor by tensor,
+    with calls over the whole table: the deltas (residuals written) and keys, the candidates (the keys at or above
+    each tensor's bracket: its sample's pick, the sample every SMALL_STRIDE-th key), and the kept entries among
+    them (ties lowest index first). Only the bracket, its comparison and the threshold among the candidates are
+    calls a tensor (:func:`_top_of` of every key of a tensor whose bracket does not help or misses). Writes
+    ``indices`` and ``values``, the tensors and their entries to ``packed`` (as :func:`_finish` does), or the first
+    tensor with a non-finite delta to ``bad``."""
+    ts = tuple(t for t, _ in group)
+    kt = np.array([k for _, k in group], np.int64)
+    sizes = np.array([c.new[t].size for t in ts], np.int64)
+    cum = np.zeros(len(ts) + 1, np.int64)
+    np.cumsum(sizes, out=cum[1:])
+    n = int(cum[-1])
+    d, key = bufs[0][:n], bufs[1][:n]
+    _fill(c, _Part(ts[0], 0, n, ts=ts, cum=cum.tolist()), 0, n, d, True)
+    np.bitwise_and(d.view(np.uint32), _ABS, out=key)
+    if n and key.max() >= _INF_BITS:
+        bad.append(ts[int(np.searchsorted(cum, np.argmax(key >= _INF_BITS), side="right")) - 1])
+        return
+    # each tensor's bracket: its sample's pick-th largest key, three standard deviations above the k-th's expected
+    # rank (a miss costs one tensor's partition); the keys at or above it
+    scut = -(-cum // SMALL_STRIDE)
+    ms = np.diff(scut)
+    r = kt * ms / sizes
+    pick = ms - 1 - (r + 3 * np.sqrt(r) + 2).astype(np.int64)  # (ascending)
+    usable = pick >= ms - ms // 4  # (else most keys are candidates: every key is partitioned)
+    sample, mask, cl, sl = key[::SMALL_STRIDE], bufs[2][:n], cum.tolist(), scut.tolist()
+    for j, (q, use) in enumerate(zip(pick.tolist(), usable.tolist())):
+        lo = np.partition(sample[sl[j] : sl[j + 1]], q)[q] if use else 0
+        np.greater_equal(key[cl[j] : cl[j + 1]], lo, out=mask[cl[j] : cl[j + 1]])
+    cand = np.flatnonzero(mask)
+    ccut = np.searchsorted(cand, cum)
+    cc = np.diff(ccut)
+    ok = usable & (cc >= kt)
+    kc = key.take(cand)
+    thr = np.full(len(ts), 0xFFFFFFFF, np.uint32)  # above every key: nothing kept among the candidates
+    for j in np.flatnonzero(ok).tolist():  # the threshold among each tensor's candidates
+        a, b = ccut[j], ccut[j + 1]
+        q = b - a - kt[j]
+        thr[j] = np.partition(kc[a:b], q)[q]
+    thr_c = np.repeat(thr, cc)
+    keep = kc > thr_c
+    eq = kc == thr_c
+    kc = thr_c = None
+    # ties at each threshold: the first (lowest index) of them, as many as each tensor still needs
+    above_n = np.zeros(cand.size + 1, np.int64)
+    np.cumsum(keep, out=above_n[1:])
+    need = kt - (above_n[ccut[1:]] - above_n[ccut[:-1]])
+    eq_n = np.zeros(cand.size + 1, np.int64)
+    np.cumsum(eq, out=eq_n[1:])
+    rank = eq_n[1:] - np.repeat(eq_n[ccut[:-1]], cc)  # 1-based among the tensor's ties
+    keep |= eq & (rank <= np.repeat(need, cc))
+    sel = cand[keep]
+    kcut = np.searchsorted(sel, cum)
+    val = d.take(sel)
+    rel = (sel - np.repeat(cum[:-1], np.diff(kcut))).astype(np.uint32)
+    lows, highs = kcut[:-1].tolist(), kcut[1:].tolist()
+    done = []
+    for j, t in enumerate(ts):
+        if ok[j]:
+            indices[t], values[t] = rel[lows[j] : highs[j]], val[lows[j] : highs[j]]
+            done.append(j)
+        else:  # a bracket that cannot help or misses: every key of the tensor
+            a, b = int(cum[j]), int(cum[j + 1])
+            idx = _top_of(key[a:b], int(kt[j]), _bracketed(key[a:b], int(kt[j])))
+            indices[t], values[t] = idx.astype(np.uint32), d[a:b].take(idx)
+    packed.append(([ts[j] for j in done], [lows[j] for j in done], [highs[j] for j in done], rel, val))
 
 
 def _bracketed(key: np.ndarray, k: int) -> np.ndarray | None:
@@ -876,28 +942,35 @@ def _bracketed(key: np.ndarray, k: int) -> np.ndarray | None:
     return cand if cand.size >= k else None
 
 
-def _select_segments(c: _Call, segments, ks, indices: list, values: list, sparse: list, bad: list, full: dict):
-    """The selection of each segment (:func:`topk_select`): small tensors alone at once, the rest scanned into
-    ``sparse``; the tensors with a non-finite value into ``bad``, whole deltas for the residuals into ``full``.
-    The caller sets the floating-point error state."""
+def _select_segments(
+    c: _Call, segments, ks, indices: list, values: list, sparse: list, bad: list, full: dict, packed: list
+) -> None:
+    """The selection of each segment (:func:`topk_select`): small tensors alone at once (small |delta| tensors
+    table by table, their entries into ``packed``), the rest scanned into ``sparse``; the tensors with a
+    non-finite value into ``bad``, whole deltas for the residuals into ``full``. The caller sets the
+    floating-point error state."""
     new, base, res, res_out, dtypes, crit = c.new, c.base, c.res, c.res_out, c.dtypes, c.crit
     ext_scores, ext_dtypes = c.ext, c.ext_dt
-    bufs = None  # (per-tensor scope) the small tensors' delta and key buffers, reused from tensor to tensor
-    if len(segments) > 1:
-        small = min(SMALL_SELECT, max((new[seg[0]].size for seg in segments if len(seg) == 1), default=0))
-        bufs = np.empty(small, np.float32), np.empty(small, np.uint32)
+    tables, size = [[]], 0  # (per-tensor scope) small |delta| tensors, selected table by table on the pool
     for seg, k in zip(segments, ks):
         n = sum(new[t].size for t in seg) if len(seg) != 1 else new[seg[0]].size
         if 0 < k < n and len(seg) == 1 and n <= SMALL_SELECT and len(segments) > 1:
             t = seg[0]
-            indices[t], values[t], d, b = _select_small(c, t, k, bufs)
+            if c.fast(t) and n <= SMALL_TABLE and (res_out[t] is None or c.writes_residual_early(t)):
+                if size + n > SMALL_TABLE:
+                    tables.append([])
+                    size = 0
+                tables[-1].append((t, k))
+                size += n
+                continue
+            indices[t], values[t], d, b = _select_small(c, t, k)
             if b:
                 bad.append(t)
             elif res_out[t] is not None:  # the residual: the delta, then (below) the kept entries fixed
                 if c.writes_residual_early(t):
                     res_out[t][...] = d
                 else:  # it is the residual read: written only once every tensor is known to be finite
-                    full[t] = d.copy()  # (d is in the reused buffer)
+                    full[t] = d
             continue
         if 0 < k < n:
             parts, lo = _sparse_segment(c, seg, n, k)
@@ -913,6 +986,24 @@ def _select_segments(c: _Call, segments, ks, indices: list, values: list, sparse
                 indices[t], values[t] = np.zeros(0, index_dtype(d.size)), d[:0].copy()
             else:
                 indices[t], values[t] = np.arange(d.size, dtype=index_dtype(d.size)), np.ascontiguousarray(d)
+    tables = [g for g in tables if g]
+    if tables:
+        free = [_table_buffers()]
+        lock = threading.Lock()
+
+        def table(group: list[tuple[int, int]]) -> None:
+            with lock:
+                bufs = free.pop() if free else None
+            if bufs is None:
+                bufs = _table_buffers()
+            try:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    _select_small_tables(c, group, bufs, indices, values, packed, bad)
+            finally:
+                with lock:
+                    free.append(bufs)
+
+        parallel_map(table, tables, c.workers)
 
 
 def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
@@ -931,11 +1022,11 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     nt = len(new)
     indices, values = [None] * nt, [None] * nt
     sparse, bad, full = [], [], {}
+    packed: list = []
     with np.errstate(over="ignore", invalid="ignore"):  # (non-finite deltas are reported, not warned about)
-        _select_segments(c, segments, ks, indices, values, sparse, bad, full)
+        _select_segments(c, segments, ks, indices, values, sparse, bad, full, packed)
     if bad:
         return None, None, min(bad)
-    packed: list = []
     for seg, parts, lo, k in sparse:
         _finish(c, seg, parts, lo, k, indices, values, packed)
         late = [p for p in parts if c.late(p)]
@@ -946,9 +1037,9 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     if all(r is None for r in res_out):
         return indices, values, None
     done = set()
-    for ts, cuts, rel, val in packed:  # the kept entries' residuals of a packed part's tensors: one rounding
+    for ts, lows, highs, rel, val in packed:  # the kept entries' residuals of a packed part's tensors: one rounding
         fix, rel = val - decoded(val, qmode), rel.astype(np.intp)  # (intp: no index cast per tensor)
-        for t, a, b in zip(ts, cuts, cuts[1:]):
+        for t, a, b in zip(ts, lows, highs):
             if res_out[t] is not None:
                 res_out[t][rel[a:b]] = fix[a:b]
         done.update(ts)

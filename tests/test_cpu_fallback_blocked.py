@@ -172,6 +172,31 @@ SMALL = [
 ]
 
 
+SMALL += [
+    kc.TopkCase(
+        f"small_{p}",
+        (5000, 9000, 7001, 12000, 3000),
+        ("f32", "bf16", "f32", "f16", "f32"),
+        scope="tensor",
+        k=0.01,
+        pattern=p,
+        res=True,
+        res_out="new",
+    )
+    for p in ("nonfinite_inf", "nonfinite_nan")
+]
+
+
+@pytest.mark.parametrize("table", [1 << 18, 16_000])
+@pytest.mark.parametrize("case", SMALL, ids=[c.name for c in SMALL])
+def test_small_tensors_table_by_table_match_brute_force(monkeypatch, case, table):
+    """Per-tensor selections of small tensors, table by table (one table, or a table of one or two tensors each):
+    the same entries, residuals and first non-finite tensor as the definition."""
+    monkeypatch.setattr(sel, "SMALL_TABLE", table)
+    inp = kc.make_topk_inputs(case)
+    assert_same(inp, run_blocked(inp))
+
+
 @pytest.mark.parametrize("case", PACKED + SMALL, ids=[c.name for c in PACKED + SMALL])
 def test_many_small_tensors_match_brute_force(tiny_blocks, case):
     """Tables of many small tensors, packed end to end into the scan's tasks, and per-tensor selections of small
