@@ -49,11 +49,12 @@ TASK = 1 << 21  # elements per pool task, rounded up to whole blocks: each task'
 MIN_TASK = 1 << 20  # ... but a call is split into at least TASK_SPLIT tasks where that leaves them MIN_TASK or more
 TASK_SPLIT = 8  # (in-flight candidates stay a small share of a smaller update: at 2^22 2^21 took 6 % of its bytes)
 TIE_SHARE = 8  # strict candidates where the keys equal to the bracket would be over an eighth of k
-SMALL_SELECT = 1 << 16  # in per-tensor scope, a tensor of at most this many elements is selected directly (on a
-# model's many small tensors the sample, brackets, tasks and joins cost far more than one partition; its
-# temporaries, about 13 bytes an element, are one small tensor's)
 SMALL_TABLE = 1 << 18  # small tensors selected together (per-tensor scope): at most this many elements a table (its
 # delta, key and comparison buffers, 9 bytes an element, and temporaries of a few bytes an element)
+SMALL_SELECT = SMALL_TABLE  # in per-tensor scope, a tensor of at most this many elements is selected without the
+# scan's tasks (on a model's many small tensors their sample, brackets, tasks and joins cost far more than a table's
+# calls: at 100 tensors of 2^23 elements in all, 2^18 took a third less time than 2^16; other than |delta| scores,
+# the temporaries of one tensor alone, about 13 bytes an element)
 SMALL_STRIDE = 8  # a small tensor's bracket is read from every SMALL_STRIDE-th key (its partition costs an eighth)
 HIST_BINS = 1 << 10  # a part's histogram of its keys' top 16 bits, counted from lo's up (the last bin takes every
 # higher key): the final threshold is found in one bin's keys instead of by a partition of every candidate
