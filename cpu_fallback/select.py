@@ -14,6 +14,11 @@ above ``lo``), it is lowered (further down the sample, at last the lowest key) a
 result is always exact. Ties at the threshold are taken lowest flat index first, tensor order first for global
 scope, exactly as ``chunk_write`` does on the device; results are combined in block order, so they do not depend on
 the thread count.
+
+Small tensors are packed end to end into a task, so that the calls a block makes serve every tensor in it. In
+per-tensor scope a tensor of at most SMALL_SELECT elements needs no scan: |delta| tensors are selected table by table
+(tables of many tensors end to end, each one's calls made over the whole table but a bracket, a comparison and a
+partition of the candidates a tensor), any other alone by a partition of its keys.
 """
 
 from __future__ import annotations

@@ -151,6 +151,49 @@ def numpy_tensors(xs: list[Any]) -> list[Tensor] | None:
     return list(map(Tensor, map(np.ndarray.ravel, xs), logical, shapes, repeat("numpy"), repeat(None)))
 
 
+def torch_tensors(xs: list[Any]) -> list[Tensor] | None:
+    """:func:`to_tensor` of every tensor of ``xs`` where each is a dense, contiguous torch CPU tensor of float32,
+    float16, bfloat16 or float64 (checked over the whole list, then a few calls a tensor: no copy); None where one
+    is not (then :func:`to_tensor` wraps them one by one, with its errors).
+
+    >>> import torch
+    >>> ts = torch_tensors([torch.zeros(2, 3), torch.ones(4, dtype=torch.bfloat16)])
+    >>> [(t.dtype, t.shape, t.data.dtype.name, t.kind) for t in ts]
+    [('float32', (2, 3), 'float32', 'torch'), ('bfloat16', (4,), 'uint16', 'torch')]
+    >>> torch_tensors([torch.zeros(3), torch.zeros(4, 2).T]) is None  # (not contiguous)
+    True
+    """
+    if not all(type(x).__module__.startswith("torch") for x in xs):
+        return None
+    import torch
+
+    if not all(isinstance(x, torch.Tensor) and x.layout == torch.strided and x.is_cpu for x in xs):
+        return None
+    logical = list(map(_torch_logical().get, [x.dtype for x in xs]))
+    if None in logical or not all(x.is_contiguous() for x in xs):
+        return None
+    if any(x.requires_grad for x in xs):
+        xs = [x.detach() for x in xs]
+    host = [
+        x.view(torch.int16).numpy().view(np.uint16) if lg == "bfloat16" else x.numpy() for x, lg in zip(xs, logical)
+    ]
+    cpu = torch.device("cpu")
+    return [Tensor(a.reshape(-1), lg, a.shape, "torch", cpu) for a, lg in zip(host, logical)]
+
+
+def _torch_logical() -> dict:
+    """torch dtype -> logical dtype name (made once torch is imported: only for torch inputs)."""
+    global _torch_dtypes
+    if _torch_dtypes is None:
+        import torch
+
+        _torch_dtypes = {getattr(torch, k.removeprefix("torch.")): v for k, v in _TORCH_LOGICAL.items()}
+    return _torch_dtypes
+
+
+_torch_dtypes: dict | None = None
+
+
 def from_backend(data: Any, logical: str, shape: tuple[int, ...], kind: str, device: Any = None) -> Any:
     """Turn a flat backend array into the caller's kind (no copy where the memory can be shared)."""
     on_gpu = _is_cupy(data)

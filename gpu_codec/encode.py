@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from . import dtypes
-from .arrays import Tensor, numpy_tensors, to_tensor
+from .arrays import Tensor, numpy_tensors, to_tensor, torch_tensors
 from .backends import Backend, get_backend
 from .backends.base import DeltaRequest, SelectRequest
 from .codecs import SCOPES, as_pipeline, check_fraction
@@ -103,10 +103,14 @@ def _check_tensors(
 def _numpy_tables(
     update: Mapping[str, Any], base: Mapping[str, Any] | None, names: list[str]
 ) -> tuple[list[Tensor], list[Tensor | None]] | None:
-    """:func:`_check_tensors`' tensors where the update (and base) are C-contiguous NumPy float arrays that pass
-    every check, found with a few calls over the whole table; None where any check may fail (the tensor-by-tensor
-    checks then give the error)."""
-    news = numpy_tensors([update[n] for n in names])
+    """:func:`_check_tensors`' tensors where the update (and base) are C-contiguous NumPy float arrays, or
+    contiguous torch CPU float tensors, that pass every check, found with a few calls over the whole table; None
+    where any check may fail (the tensor-by-tensor checks then give the error)."""
+    arrays = [update[n] for n in names]
+    news = numpy_tensors(arrays)
+    wrap = numpy_tensors
+    if news is None:
+        news, wrap = torch_tensors(arrays), torch_tensors
     if news is None:
         return None
     shapes = [t.shape for t in news]
@@ -116,7 +120,7 @@ def _numpy_tables(
         return news, [None] * len(news)
     if len(base) != len(names) or not all(n in base for n in names):
         return None
-    bases = numpy_tensors([base[n] for n in names])
+    bases = wrap([base[n] for n in names])
     if bases is None or [b.shape for b in bases] != shapes or [b.dtype for b in bases] != [t.dtype for t in news]:
         return None
     return news, bases

@@ -35,8 +35,8 @@ def _both(monkeypatch, update, base):
                 out.append(
                     (
                         names,
-                        [(t.dtype, t.shape, t.kind, t.data.tobytes()) for t in news],
-                        [None if b is None else (b.dtype, b.shape, b.data.tobytes()) for b in bases],
+                        [(t.dtype, t.shape, t.kind, str(t.device), t.data.dtype, t.data.tobytes()) for t in news],
+                        [None if b is None else (b.dtype, b.shape, b.kind, b.data.tobytes()) for b in bases],
                     )
                 )
             except InvalidInputError as e:
@@ -83,6 +83,25 @@ def _case(name: str) -> tuple[dict, dict | None]:
         new["t0"] = np.empty((0, 1 << 21, 1 << 20), np.float32)
     elif name == "empty tensor":
         new["t0"], base["t0"] = np.empty((0, 3), np.float32), np.empty((0, 3), np.float32)
+    elif name.startswith("torch"):
+        torch = pytest.importorskip("torch")
+        new = {k: torch.from_numpy(v) for k, v in new.items()}
+        base = {k: torch.from_numpy(v) for k, v in base.items()}
+        new["t3"], base["t3"] = new["t3"].bfloat16(), base["t3"].bfloat16()
+        new["t4"], base["t4"] = new["t4"].half(), base["t4"].half()
+        new["t5"], base["t5"] = new["t5"].double(), base["t5"].double()
+        if name == "torch grad":
+            new["t1"] = new["t1"].clone().requires_grad_(True)
+        elif name == "torch strided":
+            new["t6"] = new["t6"].T
+        elif name == "torch int":
+            new["t2"] = new["t2"].int()
+        elif name == "torch meta":
+            new["t7"] = torch.empty(new["t7"].shape, device="meta")
+        elif name == "torch sparse":
+            new["t8"] = new["t8"].to_sparse()
+        elif name == "torch base numpy":
+            base["t9"] = base["t9"].numpy()
     elif name == "list":
         new["t8"] = [1.0, 2.0, 3.0]
         base["t8"] = np.ones(3, np.float32)
@@ -110,6 +129,13 @@ CASES = [
     "zero dimension",
     "empty tensor",
     "list",
+    "torch",
+    "torch grad",
+    "torch strided",
+    "torch int",
+    "torch meta",
+    "torch sparse",
+    "torch base numpy",
 ]
 
 
@@ -119,10 +145,10 @@ def test_table_checks_match_the_per_tensor_checks(monkeypatch, name):
     table, per_tensor = _both(monkeypatch, update, base)
     assert table == per_tensor
     taken = encode._numpy_tables(update, base, list(update)) is not None
-    assert taken == (name in ("ok", "no base", "mixed dtypes"))  # else the per-tensor checks ran
+    assert taken == (name in ("ok", "no base", "mixed dtypes", "torch", "torch grad"))  # else the per-tensor checks
 
 
-@pytest.mark.parametrize("name", ["ok", "int tensor", "base dtype", "zero dimension", "mixed dtypes"])
+@pytest.mark.parametrize("name", ["ok", "int tensor", "base dtype", "zero dimension", "mixed dtypes", "torch"])
 def test_compress_agrees_with_the_per_tensor_checks(monkeypatch, name):
     update, base = _case(name)
     out = []
@@ -135,4 +161,4 @@ def test_compress_agrees_with_the_per_tensor_checks(monkeypatch, name):
             except InvalidInputError as e:
                 out.append(str(e))
     assert out[0] == out[1]
-    assert isinstance(out[0], bytes) == (name in ("ok", "mixed dtypes"))
+    assert isinstance(out[0], bytes) == (name in ("ok", "mixed dtypes", "torch"))
