@@ -585,26 +585,26 @@ def _stride(n: int) -> int:
 
 
 def _sample(c: _Call, seg: list[int], n: int) -> np.ndarray:
-    """Keys of a sample of the segment: runs of RUN elements spread evenly over every tensor. The runs of fp32
-    |delta| tensors are gathered into one array first (a view per tensor and array, made in one comprehension over
-    the tensor table), so their keys take a few calls whatever the tensor count."""
+    """Keys of a sample of the segment: runs of RUN elements spread evenly over every tensor. The runs of |delta|
+    tensors of one dtype are gathered into one array first (a view per tensor and array, made in one comprehension
+    over the tensor table), so their keys take a few calls whatever the tensor count."""
     stride = _stride(n)
-    keys, batch = [], {}  # (has base, has residual) -> positions of fp32 |delta| tensors
-    f32 = c.crit in (0, 3)
+    keys, batch = [], {}  # (dtype, has base, has residual) -> positions of |delta| tensors
+    fast = c.crit in (0, 3)
     dts, news, bases, res = c.dtypes, c.new, c.base, c.res
-    if f32:
-        for t in [t for t in seg if dts[t] == DT_F32]:
-            batch.setdefault((bases[t] is not None, res[t] is not None), []).append(t)
+    if fast:
+        for t in [t for t in seg if dts[t] != DT_F64]:
+            batch.setdefault((dts[t], bases[t] is not None, res[t] is not None), []).append(t)
     with np.errstate(over="ignore", invalid="ignore"):
         for t in seg:
-            if f32 and dts[t] == DT_F32:
+            if fast and dts[t] != DT_F64:
                 continue
             views = [_runs(x, stride) for x in (news[t], bases[t], res[t], c.ext[t])]
             for part in (0, 1):
                 nw, bs, rs, ex = (v[part] for v in views)
                 if nw.size:
                     keys.append(_keys(t, nw, bs, rs, dts[t], c.crit, ex, c.ext_dt[t])[1].ravel())
-        for (has_base, has_res), ts in batch.items():
+        for (dt, has_base, has_res), ts in batch.items():
             sizes = np.array([news[t].size for t in ts], np.int64)
             tail = sizes % stride
             rows = (sizes // stride + (tail >= RUN)).tolist()  # each tensor's runs, its tail's first run included
@@ -613,17 +613,18 @@ def _sample(c: _Call, seg: list[int], n: int) -> np.ndarray:
                 _runs_of([xs[t] for t in ts], rows, stride, [xs[t][e:] for t, e in short]) if on else None
                 for xs, on in ((news, True), (bases, has_base), (res, has_res))
             )
-            keys.append(_keys(-1, nw, bs, rs, DT_F32, c.crit, None, 0)[1])
+            keys.append(_keys(-1, nw, bs, rs, dt, c.crit, None, 0)[1])
     return np.concatenate(keys)
 
 
 def _runs_of(xs: list[np.ndarray], rows: list[int], stride: int, short: list[np.ndarray]) -> np.ndarray:
-    """The runs of RUN elements at every ``stride``-th element of each fp32 array of ``xs`` (``rows`` of them: each
-    a view of its array, made by one constructor call), then the ``short`` tails (fewer than RUN elements), in one
-    array: the runs of :func:`_runs`, in another order."""
-    st = (stride * 4, 4)
-    runs = np.concatenate([np.ndarray((r, RUN), np.float32, x, 0, st) for x, r in zip(xs, rows)]).reshape(-1)
-    return np.concatenate([runs, *short]) if short else runs
+    """The runs of RUN elements at every ``stride``-th element of each array of ``xs`` (one dtype; ``rows`` of
+    them: each a view of its array, made by one constructor call), then the ``short`` tails (fewer than RUN
+    elements), in one array: the runs of :func:`_runs`, in another order."""
+    dt = xs[0].dtype
+    st = (stride * dt.itemsize, dt.itemsize)
+    runs = np.concatenate([np.ndarray((r, RUN), dt, x, 0, st) for x, r in zip(xs, rows)]).reshape(-1)
+    return np.concatenate([runs, *[x.view(dt) for x in short]]) if short else runs  # (the bits, as the runs)
 
 
 def _order_stats(x: np.ndarray, ranks: list[int]) -> list[np.uint32]:
@@ -923,7 +924,7 @@ def _select_small_tables(c: _Call, group: list[tuple[int, int]], bufs, indices, 
         else:  # a bracket that cannot help or misses: every key of the tensor
             a, b = int(cum[j]), int(cum[j + 1])
             idx = _top_of(key[a:b], int(kt[j]), _bracketed(key[a:b], int(kt[j])))
-            indices[t], values[t] = idx.astype(np.uint32), d[a:b].take(idx)
+            indices[t], values[t] = idx.astype(index_dtype(b - a)), d[a:b].take(idx)
     packed.append(([ts[j] for j in done], [lows[j] for j in done], [highs[j] for j in done], rel, val))
 
 
