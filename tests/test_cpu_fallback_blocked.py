@@ -287,6 +287,29 @@ def test_bracket_that_misses_or_lands_on_the_threshold(tiny_blocks, monkeypatch,
     assert_same(inp, got)
 
 
+@pytest.mark.parametrize("crit", [0, 1])
+def test_sample_takes_the_runs_of_every_tensor(crit):
+    """The sample's keys (runs of fp32, fp16 and bf16 |delta| tensors batched by dtype, views made over the table)
+    are the keys of every tensor's runs, tails shorter than a run and empty tensors included."""
+    sizes, dts = _many_small(40, 2)
+    case = kc.TopkCase("sample", sizes + (5000, 3, 4099), dts + ("f32", "f16", "bf16"), crit=crit, res=True)
+    inp = kc.make_topk_inputs(case)
+    nt = len(inp["new"])
+    c = sel._Call(inp["new"], inp["base"], inp["res"], [None] * nt, inp["dtypes"], inp["ext"], inp["ext_dtypes"], crit)
+    seg, n = list(range(nt)), sum(x.size for x in inp["new"])
+    stride = sel._stride(n)
+    want = []
+    with np.errstate(over="ignore", invalid="ignore"):
+        for t in seg:
+            views = [sel._runs(x, stride) for x in (inp["new"][t], inp["base"][t], inp["res"][t], inp["ext"][t])]
+            for part in (0, 1):
+                nw, bs, rs, ex = (v[part] for v in views)
+                if nw.size:
+                    key = sel._keys(t, nw, bs, rs, inp["dtypes"][t], crit, ex, inp["ext_dtypes"][t])[1]
+                    want.append(key.ravel())
+    assert np.array_equal(np.sort(sel._sample(c, seg, n)), np.sort(np.concatenate(want)))
+
+
 def test_a_sample_that_misses_is_widened(monkeypatch, small_parallel_blocks):
     """Every sampled element above every other but a band: the first bracket misses (too few entries at or above
     it), the second, reaching four times as far down the sample, holds, so the scan runs twice, not down to the
