@@ -66,7 +66,7 @@ def _check_tensors(
         raise InvalidInputError("the update is empty: nothing to compress")
     if len(names) > MAX_TENSORS:
         raise InvalidInputError(f"the update has {len(names)} tensors, the wire format allows {MAX_TENSORS}")
-    checked = _numpy_tables(update, base, names)
+    checked = _host_tables(update, base, names)
     if checked is not None:
         return names, *checked
     for n in names:
@@ -100,7 +100,7 @@ def _check_tensors(
     return names, news, bases
 
 
-def _numpy_tables(
+def _host_tables(
     update: Mapping[str, Any], base: Mapping[str, Any] | None, names: list[str]
 ) -> tuple[list[Tensor], list[Tensor | None]] | None:
     """:func:`_check_tensors`' tensors where the update (and base) are C-contiguous NumPy float arrays, or

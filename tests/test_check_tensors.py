@@ -1,4 +1,4 @@
-"""The update's checks over the whole tensor table (gpu_codec.encode._numpy_tables) accept exactly what the
+"""The update's checks over the whole tensor table (gpu_codec.encode._host_tables) accept exactly what the
 tensor-by-tensor checks accept, with the same tensors, and leave every error to them."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _both(monkeypatch, update, base):
     for table in (True, False):
         with monkeypatch.context() as m:
             if not table:
-                m.setattr(encode, "_numpy_tables", lambda *a: None)
+                m.setattr(encode, "_host_tables", lambda *a: None)
             try:
                 names, news, bases = encode._check_tensors(update, base)
                 out.append(
@@ -144,7 +144,7 @@ def test_table_checks_match_the_per_tensor_checks(monkeypatch, name):
     update, base = _case(name)
     table, per_tensor = _both(monkeypatch, update, base)
     assert table == per_tensor
-    taken = encode._numpy_tables(update, base, list(update)) is not None
+    taken = encode._host_tables(update, base, list(update)) is not None
     assert taken == (name in ("ok", "no base", "mixed dtypes", "torch", "torch grad"))  # else the per-tensor checks
 
 
@@ -155,7 +155,7 @@ def test_compress_agrees_with_the_per_tensor_checks(monkeypatch, name):
     for table in (True, False):
         with monkeypatch.context() as m:
             if not table:
-                m.setattr(encode, "_numpy_tables", lambda *a: None)
+                m.setattr(encode, "_host_tables", lambda *a: None)
             try:
                 out.append(gpu_codec.compress(update, base, fraction=0.1).to_bytes())
             except InvalidInputError as e:
