@@ -14,6 +14,11 @@ above ``lo``), it is lowered (further down the sample, at last the lowest key) a
 result is always exact. Ties at the threshold are taken lowest flat index first, tensor order first for global
 scope, exactly as ``chunk_write`` does on the device; results are combined in block order, so they do not depend on
 the thread count.
+
+Small tensors are packed end to end into a task, so that the calls a block makes serve every tensor in it. In
+per-tensor scope a tensor of at most SMALL_SELECT elements needs no scan: |delta| tensors are selected table by table
+(tables of many tensors end to end, each one's calls made over the whole table but a bracket, a comparison and a
+partition of the candidates a tensor), any other alone by a partition of its keys.
 """
 
 from __future__ import annotations
@@ -49,9 +54,14 @@ TASK = 1 << 21  # elements per pool task, rounded up to whole blocks: each task'
 MIN_TASK = 1 << 20  # ... but a call is split into at least TASK_SPLIT tasks where that leaves them MIN_TASK or more
 TASK_SPLIT = 8  # (in-flight candidates stay a small share of a smaller update: at 2^22 2^21 took 6 % of its bytes)
 TIE_SHARE = 8  # strict candidates where the keys equal to the bracket would be over an eighth of k
-SMALL_SELECT = 1 << 16  # in per-tensor scope, a tensor of at most this many elements is selected directly (on a
-# model's many small tensors the sample, brackets, tasks and joins cost far more than one partition; its
-# temporaries, about 13 bytes an element, are one small tensor's)
+SMALL_TABLE = 1 << 18  # small tensors selected together (per-tensor scope): at most this many elements a table (its
+# delta, key and comparison buffers, 9 bytes an element, and temporaries of a few bytes an element)
+SMALL_SELECT = SMALL_TABLE  # in per-tensor scope, a tensor of at most this many elements is selected without the
+# scan's tasks (on a model's many small tensors their sample, brackets, tasks and joins cost far more than a table's
+# calls: at 100 tensors of 2^23 elements in all, 2^18 took a third less time than 2^16; other than |delta| scores,
+# the temporaries of one tensor alone, about 13 bytes an element)
+SMALL_STRIDE = 16  # a small tensor's bracket is read from every SMALL_STRIDE-th key (at 1,000 and 100 tensors of 2^23
+# elements in all, 16 took 6 % and 12 % less time than 8)
 HIST_BINS = 1 << 10  # a part's histogram of its keys' top 16 bits, counted from lo's up (the last bin takes every
 # higher key): the final threshold is found in one bin's keys instead of by a partition of every candidate
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
@@ -91,6 +101,7 @@ class _Call:
     strict: bool = False  # candidates are the keys above lo (not at or above), and those at lo only counted
     _free: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _early: list | None = None  # writes_residual_early of each tensor, found once a call
 
     def fast(self, t: int) -> bool:
         """The key is |delta|'s fp32 bits: no score array, and non-finite deltas are exactly the keys >= inf."""
@@ -98,8 +109,11 @@ class _Call:
 
     def writes_residual_early(self, t: int) -> bool:
         """The residual can be written during the scan: it does not share memory with the residual read."""
-        r, w = self.res[t], self.res_out[t]
-        return w is not None and (r is None or not np.may_share_memory(r, w))
+        if self._early is None:
+            self._early = [
+                w is not None and (r is None or not np.may_share_memory(r, w)) for r, w in zip(self.res, self.res_out)
+            ]
+        return self._early[t]
 
     def early(self, p: _Part) -> bool:
         """The scan of part ``p`` writes its residuals (every tensor of a packed part can take it early)."""
@@ -414,29 +428,36 @@ def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, 
 
 
 def _fill(c: _Call, part: _Part, s: int, e: int, d: np.ndarray, write_res: bool) -> None:
-    """The fp32 deltas of a packed part's elements [s, e) into ``d`` (one piece of each tensor the range meets),
-    each tensor's residual written first where asked."""
+    """The fp32 deltas of a packed part's elements [s, e) into ``d`` (one piece of each tensor the range meets,
+    a whole tensor without slicing its inputs), each tensor's residual written first where asked."""
     cum, ts = part.cum, part.ts
     j = bisect.bisect_right(cum, s) - 1
+    new, base, res, dts, sub, add = c.new, c.base, c.res, c.dtypes, np.subtract, np.add
+    outs = c.res_out if write_res else None
     o = 0
     while s < e:
-        t, t0 = ts[j], cum[j]
-        stop = min(e, cum[j + 1])
-        a, b = s - t0, stop - t0
-        if b > a:
-            out = d[o : o + b - a]
-            base, res = c.base[t], c.res[t]
-            if c.dtypes[t] == DT_F32:
-                np.subtract(c.new[t][a:b], base[a:b] if base is not None else _ZERO32, out=out)
-                if res is not None:
-                    np.add(out, res[a:b], out=out)
-            else:
-                out[...] = delta(c.new[t][a:b], *(x[a:b] if x is not None else None for x in (base, res)), c.dtypes[t])
-            if write_res and c.res_out[t] is not None:
-                c.res_out[t][a:b] = out
-            o += b - a
-        s = stop
+        t, t0, t1 = ts[j], cum[j], cum[j + 1]
         j += 1
+        stop = t1 if t1 < e else e
+        if stop <= s:  # (an empty tensor)
+            continue
+        a, b = s - t0, stop - t0
+        nv, bv, rv = new[t], base[t], res[t]
+        if b - a != nv.size:  # a piece of the tensor
+            nv = nv[a:b]
+            bv = bv[a:b] if bv is not None else None
+            rv = rv[a:b] if rv is not None else None
+        out = d[o : o + b - a]
+        if dts[t] == DT_F32:
+            sub(nv, bv if bv is not None else _ZERO32, out=out)
+            if rv is not None:
+                add(out, rv, out=out)
+        else:
+            out[...] = delta(nv, bv, rv, dts[t])
+        if outs is not None and outs[t] is not None:
+            outs[t][a:b] = out
+        o += b - a
+        s = stop
 
 
 def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> int:
@@ -565,33 +586,46 @@ def _stride(n: int) -> int:
 
 
 def _sample(c: _Call, seg: list[int], n: int) -> np.ndarray:
-    """Keys of a sample of the segment: runs of RUN elements spread evenly over every tensor. The runs of fp32
-    |delta| tensors are gathered into one array first, so their keys take a few calls whatever the tensor count."""
+    """Keys of a sample of the segment: runs of RUN elements spread evenly over every tensor. The runs of |delta|
+    tensors of one dtype are gathered into one array first (a view per tensor and array, made in one comprehension
+    over the tensor table), so their keys take a few calls whatever the tensor count."""
     stride = _stride(n)
-    keys, batch = [], {}  # (has base, has residual) -> fp32 |delta| tensors' runs: new, base, residual
+    keys, batch = [], {}  # (dtype, has base, has residual) -> positions of |delta| tensors
+    fast = c.crit in (0, 3)
+    dts, news, bases, res = c.dtypes, c.new, c.base, c.res
+    if fast:
+        for t in [t for t in seg if dts[t] != DT_F64]:
+            batch.setdefault((dts[t], bases[t] is not None, res[t] is not None), []).append(t)
     with np.errstate(over="ignore", invalid="ignore"):
         for t in seg:
-            arrays = (c.new[t], c.base[t], c.res[t])
-            if c.fast(t) and c.dtypes[t] == DT_F32:
-                runs = batch.setdefault((arrays[1] is not None, arrays[2] is not None), ([], [], [], [], [], []))
-                for j, x in enumerate(arrays):
-                    if x is not None:
-                        rows, tail = _runs(x, stride)
-                        runs[j].append(rows)
-                        runs[3 + j].append(tail)
+            if fast and dts[t] != DT_F64:
                 continue
-            views = [_runs(x, stride) for x in (*arrays, c.ext[t])]
+            views = [_runs(x, stride) for x in (news[t], bases[t], res[t], c.ext[t])]
             for part in (0, 1):
                 nw, bs, rs, ex = (v[part] for v in views)
                 if nw.size:
-                    keys.append(_keys(t, nw, bs, rs, c.dtypes[t], c.crit, ex, c.ext_dt[t])[1].ravel())
-        for runs in batch.values():
+                    keys.append(_keys(t, nw, bs, rs, dts[t], c.crit, ex, c.ext_dt[t])[1].ravel())
+        for (dt, has_base, has_res), ts in batch.items():
+            sizes = np.array([news[t].size for t in ts], np.int64)
+            tail = sizes % stride
+            rows = (sizes // stride + (tail >= RUN)).tolist()  # each tensor's runs, its tail's first run included
+            short = [(ts[i], int(sizes[i] - tail[i])) for i in np.flatnonzero((tail > 0) & (tail < RUN)).tolist()]
             nw, bs, rs = (
-                np.concatenate([np.concatenate(runs[j], axis=None), np.concatenate(runs[3 + j])]) if runs[j] else None
-                for j in range(3)
+                _runs_of([xs[t] for t in ts], rows, stride, [xs[t][e:] for t, e in short]) if on else None
+                for xs, on in ((news, True), (bases, has_base), (res, has_res))
             )
-            keys.append(_keys(-1, nw, bs, rs, DT_F32, c.crit, None, 0)[1])
+            keys.append(_keys(-1, nw, bs, rs, dt, c.crit, None, 0)[1])
     return np.concatenate(keys)
+
+
+def _runs_of(xs: list[np.ndarray], rows: list[int], stride: int, short: list[np.ndarray]) -> np.ndarray:
+    """The runs of RUN elements at every ``stride``-th element of each array of ``xs`` (one dtype; ``rows`` of
+    them: each a view of its array, made by one constructor call), then the ``short`` tails (fewer than RUN
+    elements), in one array: the runs of :func:`_runs`, in another order."""
+    dt = xs[0].dtype
+    st = (stride * dt.itemsize, dt.itemsize)
+    runs = np.concatenate([np.ndarray((r, RUN), dt, x, 0, st) for x, r in zip(xs, rows)]).reshape(-1)
+    return np.concatenate([runs, *[x.view(dt) for x in short]]) if short else runs  # (the bits, as the runs)
 
 
 def _order_stats(x: np.ndarray, ranks: list[int]) -> list[np.uint32]:
@@ -669,8 +703,12 @@ def _brackets(sample: np.ndarray, n: int, k: int, crit: int) -> list[np.uint32]:
     return [np.uint32(x) for x in out if x > 0] + [np.uint32(0)]
 
 
-def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int, indices: list, values: list) -> None:
-    """The k largest keys among the parts' entries, written to ``indices`` and ``values`` tensor by tensor.
+def _finish(
+    c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int, indices: list, values: list, packed: list
+) -> None:
+    """The k largest keys among the parts' entries, written to ``indices`` and ``values`` tensor by tensor; each
+    packed part's tensors, where each one's entries start and end in the part's, and the part's indices and values
+    are appended to ``packed`` (the tensors' own arrays are views of these).
 
     The parts' counts come from :func:`_threshold`; each part is then copied into its own slice of the output and its
     candidates freed, so the candidates and the output are never held twice. This runs on the calling thread: it touches
@@ -699,16 +737,19 @@ def _finish(c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int,
         if p.ts is None:
             mine.setdefault(p.t, []).append(i)
             continue
-        # a packed part: its selection at once, then a view of it per tensor, indices made relative in place
+        # a packed part: its selection at once, indices made relative to their tensors in one call, then a view of
+        # it per tensor
         rel, val = np.empty(counts[i], np.uint32), np.empty(counts[i], np.float32)
         _write_part(p, thr, ties[i] if ties is not None else None, extras[i], rel, val, 0)
-        cuts = np.searchsorted(rel, np.asarray(p.cum, np.uint32)).tolist()
-        for j, t in enumerate(p.ts):
-            r = rel[cuts[j] : cuts[j + 1]]
-            r -= np.uint32(p.cum[j])
-            indices[t], values[t] = r, val[cuts[j] : cuts[j + 1]]
+        cum = np.asarray(p.cum, np.uint32)
+        cuts = np.searchsorted(rel, cum)
+        rel -= np.repeat(cum[:-1], np.diff(cuts))
+        cuts = cuts.tolist()
+        for t, a, b in zip(p.ts, cuts, cuts[1:]):
+            indices[t], values[t] = rel[a:b], val[a:b]
+        packed.append((p.ts, cuts[:-1], cuts[1:], rel, val))
     for t in seg:
-        if indices[t] is not None:
+        if indices[t] is not None:  # (a packed tensor's)
             continue
         own = mine.get(t, [])
         start = offsets[own[0]] if own else 0
@@ -777,8 +818,8 @@ def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Par
 
 
 def _select_small(c: _Call, t: int, k: int) -> tuple:
-    """Exact top-k of a small tensor alone (per-tensor scope), by one partition of its keys: (indices, values, the
-    whole delta, whether a delta or score is non-finite). Ties at the threshold: lowest index first.
+    """Exact top-k of a small tensor alone (per-tensor scope): (indices, values, the whole delta, whether a delta or
+    score is non-finite). Ties at the threshold: lowest index first (:func:`_top_of`).
 
     >>> c = _Call([np.array([3, -5, 1, 5, 0], np.float32)], [None], [None], [None], [DT_F32], [None], [0], 0)
     >>> idx, vals, _, bad = _select_small(c, 0, 2)
@@ -788,36 +829,155 @@ def _select_small(c: _Call, t: int, k: int) -> tuple:
     d, key, bad = _keys(t, c.new[t], c.base[t], c.res[t], c.dtypes[t], c.crit, c.ext[t], c.ext_dt[t])
     if bad:
         return None, None, d, True
-    n = key.size
-    thr = np.partition(key, n - k)[n - k]
-    m = key > thr
-    need = k - int(np.count_nonzero(m))
-    if need:
-        m[np.flatnonzero(key == thr)[:need]] = True
-    idx = np.flatnonzero(m).astype(index_dtype(n))
+    idx = _top_of(key, k, _bracketed(key, k)).astype(index_dtype(key.size))
     return idx, d[idx], d, False
 
 
-def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
-    """Exact top-k of every segment of a tensor list.
+def _top_of(key: np.ndarray, k: int, cand: np.ndarray | None = None) -> np.ndarray:
+    """The ascending positions of the k largest of ``key``, ties at the threshold lowest position first; ``cand``:
+    the positions of the keys at or above a bracket below the k-th largest (at least k of them), where known,
+    among which the threshold is found (else among every key).
 
-    Arguments are lists over tensors (flat NumPy arrays, ``None`` where absent) plus ``segments`` (lists of
-    tensor positions sharing one threshold) and ``ks`` (k per segment). Returns ``(indices, values, bad)``:
-    per-tensor ascending indices (uint32 or uint64), per-tensor kept deltas (fp32, fp64 for fp64 tensors), and
-    the lowest tensor position with a non-finite delta or score (None if all are finite). ``res_out[t]``, where
-    given, receives the error-feedback residual: the delta where not kept, delta - decoded(delta) where kept.
-    Where ``res_out[t]`` shares memory with ``res[t]`` (the engine's in-place state) nothing is written to it
-    when a value is non-finite. The result does not depend on ``GPU_CODEC_THREADS``.
+    >>> key = np.repeat(np.arange(40, dtype=np.uint32), 100)  # ties: 100 of each value, in runs
+    >>> idx = _top_of(key, 150)  # every 39, then the first 50 of the 38s
+    >>> bool((idx == np.r_[3800:3850, 3900:4000]).all()), bool((_top_of(key, 150, np.arange(3700, 4000)) == idx).all())
+    (True, True)
     """
-    c = _Call(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit)
-    c.workers, c.block = plan(sum(x.nbytes for x in new), thread_count())
-    nt = len(new)
-    indices, values = [None] * nt, [None] * nt
-    sparse, bad, full = [], [], {}
+    kc = key if cand is None else key.take(cand)
+    q = kc.size - k
+    thr = np.partition(kc, q)[q]
+    m = kc > thr
+    need = k - int(np.count_nonzero(m))
+    if need:
+        m[np.flatnonzero(kc == thr)[:need]] = True
+    return np.flatnonzero(m) if cand is None else cand[m]
+
+
+def _table_buffers() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A table's delta, key and comparison buffers (:func:`_select_small_tables`)."""
+    return np.empty(SMALL_TABLE, np.float32), np.empty(SMALL_TABLE, np.uint32), np.empty(SMALL_TABLE, np.bool_)
+
+
+def _select_small_tables(c: _Call, group: list[tuple[int, int]], bufs, indices, values, packed, bad) -> None:
+    """Exact top-k of each of many small |delta| tensors alone (per-tensor scope), ``group``: (tensor, k) pairs
+    whose deltas fit ``bufs`` (:func:`_table_buffers`) end to end. What :func:`_select_small` does tensor by tensor,
+    with calls over the whole table: the deltas (residuals written) and keys, the candidates (the keys at or above
+    each tensor's bracket: its sample's pick, the sample every SMALL_STRIDE-th key), and the kept entries among
+    them (ties lowest index first). Only the bracket, its comparison and the threshold among the candidates are
+    calls a tensor (:func:`_top_of` of every key of a tensor whose bracket does not help or misses). Writes
+    ``indices`` and ``values``, the tensors and their entries to ``packed`` (as :func:`_finish` does), or the first
+    tensor with a non-finite delta to ``bad``."""
+    ts = tuple(t for t, _ in group)
+    kt = np.array([k for _, k in group], np.int64)
+    sizes = np.array([c.new[t].size for t in ts], np.int64)
+    cum = np.zeros(len(ts) + 1, np.int64)
+    np.cumsum(sizes, out=cum[1:])
+    n = int(cum[-1])
+    d, key = bufs[0][:n], bufs[1][:n]
+    _fill(c, _Part(ts[0], 0, n, ts=ts, cum=cum.tolist()), 0, n, d, True)
+    np.bitwise_and(d.view(np.uint32), _ABS, out=key)
+    if n and key.max() >= _INF_BITS:
+        bad.append(ts[int(np.searchsorted(cum, np.argmax(key >= _INF_BITS), side="right")) - 1])
+        return
+    # each tensor's bracket: its sample's pick-th largest key, three standard deviations above the k-th's expected
+    # rank (a miss costs one tensor's partition); the keys at or above it
+    scut = -(-cum // SMALL_STRIDE)
+    ms = np.diff(scut)
+    r = kt * ms / sizes
+    pick = ms - 1 - (r + 3 * np.sqrt(r) + 2).astype(np.int64)  # (ascending)
+    usable = pick >= ms - ms // 4  # (else most keys are candidates: every key is partitioned)
+    sample, mask, cl, sl = key[::SMALL_STRIDE], bufs[2][:n], cum.tolist(), scut.tolist()
+    ge = np.greater_equal
+    for j, (q, use) in enumerate(zip(pick.tolist(), usable.tolist())):
+        lo = 0
+        if use:  # (the methods: np.partition's wrapper costs about as much as a small partition)
+            lo = sample[sl[j] : sl[j + 1]].copy()
+            lo.partition(q)
+            lo = lo[q]
+        ge(key[cl[j] : cl[j + 1]], lo, out=mask[cl[j] : cl[j + 1]])
+    cand = np.flatnonzero(mask)
+    ccut = np.searchsorted(cand, cum)
+    cc = np.diff(ccut)
+    ok = usable & (cc >= kt)
+    kc = key.take(cand)
+    thr = np.full(len(ts), 0xFFFFFFFF, np.uint32)  # above every key: nothing kept among the candidates
+    cut, kl = ccut.tolist(), kt.tolist()
+    for j in np.flatnonzero(ok).tolist():  # the threshold among each tensor's candidates
+        x = kc[cut[j] : cut[j + 1]].copy()
+        q = x.size - kl[j]
+        x.partition(q)
+        thr[j] = x[q]
+    thr_c = np.repeat(thr, cc)
+    keep = kc > thr_c
+    eq = kc == thr_c
+    kc = thr_c = None
+    # ties at each threshold: the first (lowest index) of them, as many as each tensor still needs
+    above_n = np.zeros(cand.size + 1, np.int64)
+    np.cumsum(keep, out=above_n[1:])
+    need = kt - (above_n[ccut[1:]] - above_n[ccut[:-1]])
+    eq_n = np.zeros(cand.size + 1, np.int64)
+    np.cumsum(eq, out=eq_n[1:])
+    rank = eq_n[1:] - np.repeat(eq_n[ccut[:-1]], cc)  # 1-based among the tensor's ties
+    keep |= eq & (rank <= np.repeat(need, cc))
+    sel = cand[keep]
+    kcut = np.searchsorted(sel, cum)
+    val = d.take(sel)
+    rel = (sel - np.repeat(cum[:-1], np.diff(kcut))).astype(np.uint32)
+    lows, highs = kcut[:-1].tolist(), kcut[1:].tolist()
+    done = []
+    for j, t in enumerate(ts):
+        if ok[j]:
+            indices[t], values[t] = rel[lows[j] : highs[j]], val[lows[j] : highs[j]]
+            done.append(j)
+        else:  # a bracket that cannot help or misses: every key of the tensor
+            a, b = int(cum[j]), int(cum[j + 1])
+            idx = _top_of(key[a:b], int(kt[j]), _bracketed(key[a:b], int(kt[j])))
+            indices[t], values[t] = idx.astype(index_dtype(b - a)), d[a:b].take(idx)
+    packed.append(([ts[j] for j in done], [lows[j] for j in done], [highs[j] for j in done], rel, val))
+
+
+def _bracketed(key: np.ndarray, k: int) -> np.ndarray | None:
+    """The ascending positions of the keys at or above a bracket below the k-th largest of ``key`` (at least k of
+    them), the bracket read from every SMALL_STRIDE-th key as :func:`_brackets` reads the sample; None where the
+    bracket would take most keys anyway or misses (then every key is partitioned).
+
+    >>> key = np.random.default_rng(0).permutation(20_000).astype(np.uint32)
+    >>> cand = _bracketed(key, 100)
+    >>> bool(100 <= cand.size < 2_000 and (key[cand] >= 19_900).sum() == 100), _bracketed(key, 5_000) is None
+    (True, True)
+    """
+    sample = key[::SMALL_STRIDE]
+    ms = sample.size
+    r = k * ms / key.size
+    pick = int(r + 4 * math.sqrt(r) + 32)
+    if pick >= ms // 4:
+        return None
+    lo = np.partition(sample, ms - 1 - pick)[ms - 1 - pick]
+    cand = np.flatnonzero(key >= lo)
+    return cand if cand.size >= k else None
+
+
+def _select_segments(
+    c: _Call, segments, ks, indices: list, values: list, sparse: list, bad: list, full: dict, packed: list
+) -> None:
+    """The selection of each segment (:func:`topk_select`): small tensors alone at once (small |delta| tensors
+    table by table, their entries into ``packed``), the rest scanned into ``sparse``; the tensors with a
+    non-finite value into ``bad``, whole deltas for the residuals into ``full``. The caller sets the
+    floating-point error state."""
+    new, base, res, res_out, dtypes, crit = c.new, c.base, c.res, c.res_out, c.dtypes, c.crit
+    ext_scores, ext_dtypes = c.ext, c.ext_dt
+    tables, size = [[]], 0  # (per-tensor scope) small |delta| tensors, selected table by table on the pool
     for seg, k in zip(segments, ks):
-        n = sum(new[t].size for t in seg)
+        n = sum(new[t].size for t in seg) if len(seg) != 1 else new[seg[0]].size
         if 0 < k < n and len(seg) == 1 and n <= SMALL_SELECT and len(segments) > 1:
             t = seg[0]
+            if c.fast(t) and n <= SMALL_TABLE and (res_out[t] is None or c.writes_residual_early(t)):
+                if size + n > SMALL_TABLE:
+                    tables.append([])
+                    size = 0
+                tables[-1].append((t, k))
+                size += n
+                continue
             indices[t], values[t], d, b = _select_small(c, t, k)
             if b:
                 bad.append(t)
@@ -841,18 +1001,66 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
                 indices[t], values[t] = np.zeros(0, index_dtype(d.size)), d[:0].copy()
             else:
                 indices[t], values[t] = np.arange(d.size, dtype=index_dtype(d.size)), np.ascontiguousarray(d)
+    tables = [g for g in tables if g]
+    if tables:
+        free = [_table_buffers()]
+        lock = threading.Lock()
+
+        def table(group: list[tuple[int, int]]) -> None:
+            with lock:
+                bufs = free.pop() if free else None
+            if bufs is None:
+                bufs = _table_buffers()
+            try:
+                with np.errstate(over="ignore", invalid="ignore"):
+                    _select_small_tables(c, group, bufs, indices, values, packed, bad)
+            finally:
+                with lock:
+                    free.append(bufs)
+
+        parallel_map(table, tables, c.workers)
+
+
+def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
+    """Exact top-k of every segment of a tensor list.
+
+    Arguments are lists over tensors (flat NumPy arrays, ``None`` where absent) plus ``segments`` (lists of
+    tensor positions sharing one threshold) and ``ks`` (k per segment). Returns ``(indices, values, bad)``:
+    per-tensor ascending indices (uint32 or uint64), per-tensor kept deltas (fp32, fp64 for fp64 tensors), and
+    the lowest tensor position with a non-finite delta or score (None if all are finite). ``res_out[t]``, where
+    given, receives the error-feedback residual: the delta where not kept, delta - decoded(delta) where kept.
+    Where ``res_out[t]`` shares memory with ``res[t]`` (the engine's in-place state) nothing is written to it
+    when a value is non-finite. The result does not depend on ``GPU_CODEC_THREADS``.
+    """
+    c = _Call(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit)
+    c.workers, c.block = plan(sum(x.nbytes for x in new), thread_count())
+    nt = len(new)
+    indices, values = [None] * nt, [None] * nt
+    sparse, bad, full = [], [], {}
+    packed: list = []
+    with np.errstate(over="ignore", invalid="ignore"):  # (non-finite deltas are reported, not warned about)
+        _select_segments(c, segments, ks, indices, values, sparse, bad, full, packed)
     if bad:
         return None, None, min(bad)
     for seg, parts, lo, k in sparse:
-        _finish(c, seg, parts, lo, k, indices, values)
+        _finish(c, seg, parts, lo, k, indices, values, packed)
         late = [p for p in parts if c.late(p)]
         c.release()
         if late:  # after _finish: it may read the residual again
             parallel_map(lambda p: _write_residual(c, p), late, c.workers)
             c.release()
+    if all(r is None for r in res_out):
+        return indices, values, None
+    done = set()
+    for ts, lows, highs, rel, val in packed:  # the kept entries' residuals of a packed part's tensors: one rounding
+        fix, rel = val - decoded(val, qmode), rel.astype(np.intp)  # (intp: no index cast per tensor)
+        for t, a, b in zip(ts, lows, highs):
+            if res_out[t] is not None:
+                res_out[t][rel[a:b]] = fix[a:b]
+        done.update(ts)
     for t in range(nt):
         r = res_out[t]
-        if r is None:
+        if r is None or t in done:
             continue
         if t in full:
             r[:] = full[t]

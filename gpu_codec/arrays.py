@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -128,6 +129,69 @@ def to_tensor(x: Any, name: str) -> Tensor:
         arr = arr.astype(arr.dtype.newbyteorder("<"))
     data = np.ascontiguousarray(arr).reshape(-1)
     return Tensor(data, logical, tuple(arr.shape), "numpy", None)
+
+
+def numpy_tensors(xs: list[Any]) -> list[Tensor] | None:
+    """:func:`to_tensor` of every array of ``xs`` where each is a C-contiguous NumPy float32, float16 or float64
+    array (the common case: checked and wrapped with a few calls over the whole list, not a call per array);
+    None where one is not (then :func:`to_tensor` wraps them one by one, with its errors).
+
+    >>> ts = numpy_tensors([np.zeros((2, 3), np.float32), np.ones(4, np.float16)])
+    >>> [(t.dtype, t.shape, t.data.shape) for t in ts]
+    [('float32', (2, 3), (6,)), ('float16', (4,), (4,))]
+    >>> numpy_tensors([np.zeros(3, np.float32), np.zeros(3, np.int8)]) is None
+    True
+    """
+    if set(map(type, xs)) != {np.ndarray} or not all(x.flags.c_contiguous for x in xs):
+        return None
+    logical = list(map(_NP_TO_LOGICAL.get, [x.dtype for x in xs]))
+    if None in logical:
+        return None
+    shapes = [x.shape for x in xs]
+    return list(map(Tensor, map(np.ndarray.ravel, xs), logical, shapes, repeat("numpy"), repeat(None)))
+
+
+def torch_tensors(xs: list[Any]) -> list[Tensor] | None:
+    """:func:`to_tensor` of every tensor of ``xs`` where each is a dense, contiguous torch CPU tensor of float32,
+    float16, bfloat16 or float64 (checked over the whole list, then a few calls a tensor: no copy); None where one
+    is not (then :func:`to_tensor` wraps them one by one, with its errors).
+
+    >>> import torch
+    >>> ts = torch_tensors([torch.zeros(2, 3), torch.ones(4, dtype=torch.bfloat16)])
+    >>> [(t.dtype, t.shape, t.data.dtype.name, t.kind) for t in ts]
+    [('float32', (2, 3), 'float32', 'torch'), ('bfloat16', (4,), 'uint16', 'torch')]
+    >>> torch_tensors([torch.zeros(3), torch.zeros(4, 2).T]) is None  # (not contiguous)
+    True
+    """
+    if not all(type(x).__module__.startswith("torch") for x in xs):
+        return None
+    import torch
+
+    if not all(isinstance(x, torch.Tensor) and x.layout == torch.strided and x.is_cpu for x in xs):
+        return None
+    logical = list(map(_torch_logical().get, [x.dtype for x in xs]))
+    if None in logical or not all(x.is_contiguous() for x in xs):
+        return None
+    if any(x.requires_grad for x in xs):
+        xs = [x.detach() for x in xs]
+    host = [
+        x.view(torch.int16).numpy().view(np.uint16) if lg == "bfloat16" else x.numpy() for x, lg in zip(xs, logical)
+    ]
+    cpu = torch.device("cpu")
+    return [Tensor(a.reshape(-1), lg, a.shape, "torch", cpu) for a, lg in zip(host, logical)]
+
+
+def _torch_logical() -> dict:
+    """torch dtype -> logical dtype name (made once torch is imported: only for torch inputs)."""
+    global _torch_dtypes
+    if _torch_dtypes is None:
+        import torch
+
+        _torch_dtypes = {getattr(torch, k.removeprefix("torch.")): v for k, v in _TORCH_LOGICAL.items()}
+    return _torch_dtypes
+
+
+_torch_dtypes: dict | None = None
 
 
 def from_backend(data: Any, logical: str, shape: tuple[int, ...], kind: str, device: Any = None) -> Any:

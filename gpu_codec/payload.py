@@ -108,6 +108,25 @@ def check_limits(name: Any, shape: tuple[int, ...]) -> None:
         raise InvalidInputError(f"tensor {name!r}: shape {shape} exceeds {MAX_TENSOR_ELEMENTS} elements")
 
 
+def within_limits(names: list[Any], shapes: list[tuple[int, ...]], sizes: list[int] | None = None) -> bool:
+    """Whether every tensor passes :func:`check_limits` (names and shapes, in order; ``sizes``, the shapes'
+    element counts where known), with a few calls over the whole list; where one may not, :func:`check_limits`
+    of each tells which and why. A shape with a zero dimension is left to :func:`check_limits` (its non-zero
+    dimensions count).
+
+    >>> within_limits(["a", "b"], [(2, 3), ()]), within_limits(["a", ""], [(2,), (2,)])
+    (True, False)
+    """
+    if not names:
+        return True
+    if set(map(type, names)) != {str} or not 0 < min(map(len, names)) <= max(map(len, names)) <= MAX_NAME:
+        return False
+    if max(map(len, shapes)) > MAX_NDIM:
+        return False
+    sizes = list(map(math.prod, shapes)) if sizes is None else sizes
+    return min(sizes) > 0 and max(sizes) <= MAX_TENSOR_ELEMENTS
+
+
 # Bytes a tensor's entry in the v2 table can take beside its name: kind, form, 8 dimensions, nnz and the codec
 # fields are each a byte or a varint of at most 10 bytes (about 140 in all at the most), and the name's own varints.
 TABLE_ENTRY_BOUND = 512

@@ -108,6 +108,104 @@ def test_blocked_matches_brute_force(tiny_blocks, case):
     assert_same(inp, run_blocked(inp))
 
 
+def _many_small(n: int, seed: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """Sizes (0 to 300, a few over a block) and dtypes (fp32 mostly, fp16 and bf16, one fp64) of a table of many
+    small tensors: the packed tasks' every path (tensors across blocks and parts, empty ones, dtype changes)."""
+    rng = np.random.default_rng(seed)
+    sizes = [int(x) for x in rng.integers(0, 300, n)]
+    sizes[3], sizes[7], sizes[8] = 0, 1, 90  # (an empty tensor, a single element)
+    dts = [str(x) for x in rng.choice(["f32", "f32", "f32", "f16", "bf16"], n)]
+    dts[n // 2] = "f64"  # (a tensor the packed tasks leave out)
+    return tuple(sizes), tuple(dts)
+
+
+PACKED = [
+    kc.TopkCase(
+        f"packed_{scope}_{pattern}_{res_out}_q{q}",
+        *_many_small(61, seed),
+        scope=scope,
+        k=k,
+        res=res_out != "none",
+        res_out=res_out,
+        qmode=q,
+        pattern=pattern,
+        seed=seed,
+    )
+    for seed, (scope, pattern, res_out, q, k) in enumerate(
+        [
+            ("global", "normal", "none", 0, 0.05),
+            ("global", "ties", "new", 1, 0.3),
+            ("global", "zeros", "alias", 2, 0.1),
+            ("global", "equal", "new", 0, 0.02),
+            ("global", "normal", "alias", 1, "random"),
+            ("tensor", "ties", "new", 2, 0.2),
+            ("tensor", "normal", "alias", 0, 0.05),
+            ("pairs", "signed_zero", "new", 1, 0.4),
+        ]
+    )
+] + [kc.TopkCase("packed_crit3_res", *_many_small(40, 9), crit=3, k=0.1, res=True, res_out="new", qmode=2)]
+
+
+SMALL = [
+    kc.TopkCase(
+        f"small_{pattern}_{res_out}",
+        (5000, 12000, 7001, 300, 20000),
+        ("f32", "f16", "bf16", "f32", "f32"),
+        scope="tensor",
+        k=k,
+        res=res_out != "none",
+        res_out=res_out,
+        qmode=q,
+        pattern=pattern,
+        seed=seed,
+    )
+    for seed, (pattern, res_out, q, k) in enumerate(
+        [
+            ("normal", "none", 0, 0.01),
+            ("ties", "alias", 1, 0.02),
+            ("zeros", "new", 2, 0.01),
+            ("equal", "alias", 0, 0.05),
+            ("signed_zero", "new", 0, 0.01),
+            ("huge", "none", 0, 0.003),
+        ]
+    )
+]
+
+
+SMALL += [
+    kc.TopkCase(
+        f"small_{p}",
+        (5000, 9000, 7001, 12000, 3000),
+        ("f32", "bf16", "f32", "f16", "f32"),
+        scope="tensor",
+        k=0.01,
+        pattern=p,
+        res=True,
+        res_out="new",
+    )
+    for p in ("nonfinite_inf", "nonfinite_nan")
+]
+
+
+@pytest.mark.parametrize("table", [1 << 18, 16_000])
+@pytest.mark.parametrize("case", SMALL, ids=[c.name for c in SMALL])
+def test_small_tensors_table_by_table_match_brute_force(monkeypatch, case, table):
+    """Per-tensor selections of small tensors, table by table (one table, or a table of one or two tensors each):
+    the same entries, residuals and first non-finite tensor as the definition."""
+    monkeypatch.setattr(sel, "SMALL_TABLE", table)
+    inp = kc.make_topk_inputs(case)
+    assert_same(inp, run_blocked(inp))
+
+
+@pytest.mark.parametrize("case", PACKED + SMALL, ids=[c.name for c in PACKED + SMALL])
+def test_many_small_tensors_match_brute_force(tiny_blocks, case):
+    """Tables of many small tensors, packed end to end into the scan's tasks, and per-tensor selections of small
+    tensors (bracketed from a strided sample of their keys): the same entries and residuals as the definition,
+    with ties, exact zeros, fp16 and bf16, residual rounding, in every scope."""
+    inp = kc.make_topk_inputs(case)
+    assert_same(inp, run_blocked(inp))
+
+
 @pytest.mark.parametrize(
     ("sizes", "span"), [((1 << 24,), 1 << 21), ((1 << 22,), 1 << 20), ((3 << 21, 5 << 21), 1 << 21)]
 )
@@ -187,6 +285,29 @@ def test_bracket_that_misses_or_lands_on_the_threshold(tiny_blocks, monkeypatch,
     got = run_blocked(inp)
     assert calls and want[2] is None
     assert_same(inp, got)
+
+
+@pytest.mark.parametrize("crit", [0, 1])
+def test_sample_takes_the_runs_of_every_tensor(crit):
+    """The sample's keys (runs of fp32, fp16 and bf16 |delta| tensors batched by dtype, views made over the table)
+    are the keys of every tensor's runs, tails shorter than a run and empty tensors included."""
+    sizes, dts = _many_small(40, 2)
+    case = kc.TopkCase("sample", sizes + (5000, 3, 4099), dts + ("f32", "f16", "bf16"), crit=crit, res=True)
+    inp = kc.make_topk_inputs(case)
+    nt = len(inp["new"])
+    c = sel._Call(inp["new"], inp["base"], inp["res"], [None] * nt, inp["dtypes"], inp["ext"], inp["ext_dtypes"], crit)
+    seg, n = list(range(nt)), sum(x.size for x in inp["new"])
+    stride = sel._stride(n)
+    want = []
+    with np.errstate(over="ignore", invalid="ignore"):
+        for t in seg:
+            views = [sel._runs(x, stride) for x in (inp["new"][t], inp["base"][t], inp["res"][t], inp["ext"][t])]
+            for part in (0, 1):
+                nw, bs, rs, ex = (v[part] for v in views)
+                if nw.size:
+                    key = sel._keys(t, nw, bs, rs, inp["dtypes"][t], crit, ex, inp["ext_dtypes"][t])[1]
+                    want.append(key.ravel())
+    assert np.array_equal(np.sort(sel._sample(c, seg, n)), np.sort(np.concatenate(want)))
 
 
 def test_a_sample_that_misses_is_widened(monkeypatch, small_parallel_blocks):
