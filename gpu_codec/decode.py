@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
-from .arrays import Tensor, from_backend, to_tensor
+from .arrays import Tensor, from_backend, numpy_tensors, to_tensor, torch_tensors
 from .backends import Backend, get_backend
 from .codecs import decoder_for
 from .constants import U64_MAX, ScatterMode
@@ -602,6 +602,16 @@ def _decode_onto_host(
     flush_all()
 
 
+def _base_tensor(x: Any, r: TensorRecord) -> Tensor:
+    """Tensor ``r``'s base, wrapped and checked against the record's shape and dtype."""
+    b = to_tensor(x, r.name)
+    if b.shape != tuple(r.shape) or b.dtype != r.dtype:
+        raise InvalidInputError(
+            f"tensor {r.name!r}: base is {b.dtype}{list(b.shape)}, the payload holds {r.dtype}{list(r.shape)}"
+        )
+    return b
+
+
 def decompress(
     payload: Payload | bytes | bytearray | memoryview,
     base: Mapping[str, Any] | None = None,
@@ -687,14 +697,12 @@ def decompress(
             raise InvalidInputError(
                 f"payload and base name different tensors: missing from base {missing[:5]}, not in payload {extra[:5]}"
             )
-        base_tensors = []
-        for r in records:
-            b = to_tensor(base[r.name], r.name)
-            if b.shape != tuple(r.shape) or b.dtype != r.dtype:
-                raise InvalidInputError(
-                    f"tensor {r.name!r}: base is {b.dtype}{list(b.shape)}, the payload holds {r.dtype}{list(r.shape)}"
-                )
-            base_tensors.append(b)
+        arrays = [base[n] for n in names]
+        table = (numpy_tensors(arrays) or torch_tensors(arrays)) if arrays else None  # (a few calls in all)
+        if table is not None and all(b.shape == r.shape and b.dtype == r.dtype for b, r in zip(table, records)):
+            base_tensors = table
+        else:
+            base_tensors = [_base_tensor(x, r) for x, r in zip(arrays, records)]
     kind, device = _output_kind(like, base_tensors)
     check_output_cap(records, base_tensors is not None, max_output_bytes, max_elements)
     pipe = decoder_for(payload.pipeline)
