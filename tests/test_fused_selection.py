@@ -162,7 +162,7 @@ def test_tie_write_matches_twins_stepwise(case, wide):
 @pytest.mark.parametrize("seed", range(6))
 def test_bracket_sorting_a_prefix_picks_what_sorting_all_picks(monkeypatch, seed):
     """bracket sorts only the sample's largest keys (BRACKET_TOP_MIN or a few times the keys it expects above the
-    k-th, ties at the cut included) and sorts them all where the pick lies past them: (lo, pool) as a full sort's."""
+    k-th) and sorts them all where the pick lies past them: (lo, pool) as a full sort's."""
     from gpu_codec.backends import kernels as K
 
     rng = np.random.default_rng(seed)
@@ -178,6 +178,11 @@ def test_bracket_sorting_a_prefix_picks_what_sorting_all_picks(monkeypatch, seed
             m.setattr(K, "BRACKET_TOP_MIN", 1 << 40)
             want = K.bracket(sample, weight, n, k, False)
         assert got == want, (seed, k)
+    # the order is a stable argsort's reversed, whole or its first keys, heavy ties (three levels) included
+    full = np.argsort(sample, kind="stable")[::-1]
+    assert np.array_equal(K._descending(sample, ms), full)
+    for top in (1, 777, ms - 1):
+        assert np.array_equal(K._descending(sample, top), full[:top])
     # the design effect's key, read off the sorted prefix, is the one a partition finds
     order = K._descending(sample, 4096)
     for rank in (0, 64, 1000, 4095):

@@ -240,18 +240,21 @@ def bracket(
 
 
 def _descending(sample: np.ndarray, top: int) -> np.ndarray:
-    """Positions of the sample's keys in descending order, ties the later first (``argsort(stable)[::-1]``): all
-    of them, or the prefix of that order holding every key at or above the ``top``-th largest (ties included).
+    """Positions of the sample's keys in descending order, ties the later first (``argsort(stable)[::-1]``): all of
+    them, or the first ``top`` of that order. Each key is made unique by its position (key x 2^32 + position), so
+    the selection of the first ``top`` is a partition that many equal keys do not slow down (NumPy's partition of
+    a sample of 99 % zeros took 17 times as long as of distinct keys).
 
     >>> s = np.array([3, 9, 1, 9, 5, 3], np.uint32)
     >>> _descending(s, 6).tolist(), _descending(s, 3).tolist(), _descending(s, 4).tolist()
-    ([3, 1, 4, 5, 0, 2], [3, 1, 4], [3, 1, 4, 5, 0])
+    ([3, 1, 4, 5, 0, 2], [3, 1, 4], [3, 1, 4, 5])
     """
     ms = sample.size
-    if top >= ms:
-        return np.argsort(sample, kind="stable")[::-1]
-    at = np.flatnonzero(sample >= np.partition(sample, ms - top)[ms - top])
-    return at[np.argsort(sample[at], kind="stable")][::-1]
+    keyed = (sample.astype(np.uint64) << np.uint64(32)) | np.arange(ms, dtype=np.uint64)
+    if top < ms:
+        keyed = np.partition(keyed, ms - top)[ms - top :]
+    keyed.sort()
+    return (keyed[::-1] & np.uint64(0xFFFFFFFF)).astype(np.intp)
 
 
 def candidate_plan(host_sample, samp_off, numels, segments, ks):
