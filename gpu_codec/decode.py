@@ -211,6 +211,25 @@ SMALL_RUN = 1 << 20  # elements of output a run covers at the most
 SMALL_RUN_ENTRIES = 1 << 14  # ... and entries (its temporaries, about 20 bytes an entry, stay near 320 KiB)
 
 
+def entries_ok(gi: Any, counts: np.ndarray, numels: np.ndarray, xp: Any, host: Any) -> Any:
+    """Whether joined indices of adjacent tensors (``counts`` entries each, tensor j's counted in its own
+    ``numels[j]`` elements) are each inside its tensor and above the one before it in the tensor: a 0-d flag where
+    ``gi`` lies (``host`` takes the small host tables there). The one check of a run or batch of joined entries.
+
+    >>> bool(entries_ok(np.array([1, 4, 0, 2]), np.array([2, 0, 2]), np.array([5, 3, 3]), np, np.asarray))
+    True
+    >>> bool(entries_ok(np.array([1, 4, 2, 0]), np.array([2, 0, 2]), np.array([5, 3, 3]), np, np.asarray))
+    False
+    """
+    ends = np.cumsum(counts)
+    some = np.flatnonzero(counts > 0)
+    last = gi[host(ends[some] - 1)]  # ascending within each tensor: its last entry is its largest
+    step = gi[1:] > gi[:-1]
+    firsts = ends[:-1] - 1  # where a tensor's first entry follows the last one's
+    step[host(firsts[(firsts >= 0) & (firsts < step.size)])] = True
+    return xp.all(last < host(numels[some])) & xp.all(step)
+
+
 def join_run(run: list, offsets: list[int], backend: Any) -> tuple[Any, Any, list[int], Any] | None:
     """The entries of a run of small sparse tensors (``offsets``: each one's start in a span, then the span's end)
     joined: (each entry's place in the span, counted from ``offsets[0]``; the values; each tensor's entry count; a
@@ -231,14 +250,7 @@ def join_run(run: list, offsets: list[int], backend: Any) -> tuple[Any, Any, lis
     vals = join([d.host[1][: d.nnz] if joined else d.values(0, d.nnz) for d in run])
     if joined:
         gi, vals = backend.asarray(gi), backend.asarray(vals)
-    ends = np.cumsum(counts)
-    some = np.flatnonzero(np.asarray(counts) > 0)
-    last = gi[host(ends[some] - 1)]  # ascending within each tensor: its last entry is its largest
-    numels = host(np.asarray([run[j].numel for j in some], np.int64))
-    step = gi[1:] > gi[:-1]
-    firsts = ends[:-1] - 1  # where a tensor's first entry follows the last one's
-    step[host(firsts[(firsts >= 0) & (firsts < step.size)])] = True
-    ok = xp.all(last < numels) & xp.all(step)
+    ok = entries_ok(gi, np.asarray(counts), np.asarray([d.numel for d in run], np.int64), xp, host)
     if wide:
         ok = ok & xp.all(gi >= 0)
     gi += host(np.repeat(np.asarray(offsets[:-1], np.int64) - o0, counts).astype(gi.dtype))
@@ -487,16 +499,8 @@ def _join_host(idx: list, vals: list, nnz: list, numels: np.ndarray, starts: np.
         or not np.array_equal(counts, nnz)
     ):
         return None
-    if gi.size:
-        ends = np.cumsum(counts)
-        some = counts > 0
-        if not (gi[ends[some] - 1] < numels[some]).all():  # ascending within a tensor: its last entry is its largest
-            return None
-        step = gi[1:] > gi[:-1]
-        seams = ends[:-1] - 1  # where a tensor's first entry follows the last one's entries
-        step[seams[(seams >= 0) & (seams < step.size)]] = True
-        if not step.all():
-            return None
+    if gi.size and not entries_ok(gi, counts, numels, np, np.asarray):
+        return None
     span = dtypes.index_dtype(int(starts[-1] + numels[-1]))
     gi = gi.astype(span, copy=False)
     if len(idx) > 1:

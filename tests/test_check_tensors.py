@@ -23,25 +23,33 @@ def _table(n: int = 12) -> tuple[dict, dict]:
     return new, base
 
 
-def _both(monkeypatch, update, base):
-    """(what the checks return or raise) with the table-wide checks, then with the tensor-by-tensor ones only."""
+def _with_and_without_tables(monkeypatch, call):
+    """(what ``call()`` returns, or the message it raises) with the table-wide checks, then with the tensor-by-tensor
+    ones only."""
     out = []
     for table in (True, False):
         with monkeypatch.context() as m:
             if not table:
                 m.setattr(encode, "_host_tables", lambda *a: None)
             try:
-                names, news, bases = encode._check_tensors(update, base)
-                out.append(
-                    (
-                        names,
-                        [(t.dtype, t.shape, t.kind, str(t.device), t.data.dtype, t.data.tobytes()) for t in news],
-                        [None if b is None else (b.dtype, b.shape, b.kind, b.data.tobytes()) for b in bases],
-                    )
-                )
+                out.append(call())
             except InvalidInputError as e:
                 out.append(str(e))
     return out
+
+
+def _both(monkeypatch, update, base):
+    """What the checks return or raise, with and without the table-wide checks."""
+
+    def checked():
+        names, news, bases = encode._check_tensors(update, base)
+        return (
+            names,
+            [(t.dtype, t.shape, t.kind, str(t.device), t.data.dtype, t.data.tobytes()) for t in news],
+            [None if b is None else (b.dtype, b.shape, b.kind, b.data.tobytes()) for b in bases],
+        )
+
+    return _with_and_without_tables(monkeypatch, checked)
 
 
 def _case(name: str) -> tuple[dict, dict | None]:
@@ -151,14 +159,6 @@ def test_table_checks_match_the_per_tensor_checks(monkeypatch, name):
 @pytest.mark.parametrize("name", ["ok", "int tensor", "base dtype", "zero dimension", "mixed dtypes", "torch"])
 def test_compress_agrees_with_the_per_tensor_checks(monkeypatch, name):
     update, base = _case(name)
-    out = []
-    for table in (True, False):
-        with monkeypatch.context() as m:
-            if not table:
-                m.setattr(encode, "_host_tables", lambda *a: None)
-            try:
-                out.append(gpu_codec.compress(update, base, fraction=0.1).to_bytes())
-            except InvalidInputError as e:
-                out.append(str(e))
+    out = _with_and_without_tables(monkeypatch, lambda: gpu_codec.compress(update, base, fraction=0.1).to_bytes())
     assert out[0] == out[1]
     assert isinstance(out[0], bytes) == (name in ("ok", "mixed dtypes", "torch"))

@@ -146,12 +146,11 @@ def own_rule(chunks: np.ndarray, tensors: np.ndarray) -> np.ndarray:
     return (chunks > 0) & (chunks <= OWN_CHUNKS)
 
 
-def sample_plan(numels: list[int], segments, ks) -> tuple[np.ndarray, np.ndarray]:
+def sample_plan(st: SegmentTable) -> tuple[np.ndarray, np.ndarray]:
     """Per tensor: (sample offsets, nt + 1 entries; sampling window). A segment of n elements is sampled in runs
     of SAMPLE_RUN consecutive elements, one run in every window of ``stride`` elements (whole when n <=
     SAMPLE_ALL or k is 0 or n); :func:`gpu_codec.cpu_fallback.fused.sample_positions` says where. A segment with
     nothing to bracket (k is 0 or n, or its chunks select it: :func:`own_rule`) takes no sample."""
-    st = SegmentTable(numels, segments, ks)
     n, k = st.n, st.k
     fixed = ((k <= 0) | (k >= n) | st.own)[st.seg_of]
     windowed = (n > SAMPLE_ALL) & (k > 0) & (k < n)
@@ -257,11 +256,10 @@ def _descending(sample: np.ndarray, top: int) -> np.ndarray:
     return (keyed[::-1] & np.uint64(0xFFFFFFFF)).astype(np.intp)
 
 
-def candidate_plan(host_sample, samp_off, numels, segments, ks):
+def candidate_plan(host_sample, samp_off, st: SegmentTable, segments):
     """(lo per segment, k per segment whose chunks fused_scan's blocks select themselves (:func:`own_rule`; else
     0), candidate pool slots) from the sampled keys, on the host: every segment at once but those bracketed by
     their sample."""
-    st = SegmentTable(numels, segments, ks)
     nseg = len(segments)
     n, k, own = st.n, st.k, st.own
     samp_off = np.asarray(samp_off, np.int64)
@@ -490,7 +488,8 @@ class KernelOps:
         p_new, p_base, p_res, p_ext = self._ptrs(new), self._ptrs(base), self._ptrs(res), self._ptrs(ext_scores)
         d_ext_dt = self._up(np.asarray(ext_dtypes, np.int32))
         # 1) the sample and, on the host, lo per segment and the size of the candidate pool
-        samp_off, stride = sample_plan(numels, segments, ks)
+        st = SegmentTable(numels, segments, ks)  # (the sample's plan and the candidates' share it)
+        samp_off, stride = sample_plan(st)
         ns = int(samp_off[-1])
         tables = _nbytes(d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt)  # live until the end
         host_sample = np.zeros(0, np.uint32)
@@ -507,7 +506,7 @@ class KernelOps:
             host_sample = run.to_host(sample)
             peak = max(peak, tables + _nbytes(sample, d_off, d_stride))
             del sample, d_off, d_stride  # freed before the candidate pool is allocated
-        lo, own_k, pool = candidate_plan(host_sample, samp_off, numels, segments, ks)
+        lo, own_k, pool = candidate_plan(host_sample, samp_off, st, segments)
         cand_base = xp.zeros(grid, dtype=np.uint64)
         cand_cnt = xp.zeros(grid, dtype=np.uint32)
         cand_idx = xp.empty(max(pool, 1), dtype=np.uint16)

@@ -685,11 +685,11 @@ def forced(fallback: str = "", wide: bool = False, select: str = "", scan: str =
     if fallback:
         plan = K.candidate_plan
 
-        def forced_plan(host_sample, samp_off, numels, segments, ks):
-            lo, own_k, pool = plan(host_sample, samp_off, numels, segments, ks)
+        def forced_plan(host_sample, samp_off, st, segments):
+            lo, own_k, pool = plan(host_sample, samp_off, st, segments)
             if fallback == "overflow":
                 return lo, own_k, 0
-            for s, k in enumerate(ks):
+            for s, k in enumerate(st.k.tolist()):
                 if k > 0:
                     lo[s], own_k[s] = K.NO_LO - 1, 0
             return lo, own_k, pool
