@@ -5,7 +5,8 @@ pass over cache-sized blocks, spread over the thread pool, computes each block's
 in cache (on the |delta| path the key is made in place in the delta's buffer) and keeps only the candidates: the
 entries whose key is above ``lo`` (a 16-bit index in their sub-block, and their deltas, gathered again from the
 block's inputs while they are in cache), and a count of those equal to ``lo``. The
-blocks are as large as fits in a share of the update's bytes (BUFFER_SHARE, all threads together), so that few NumPy
+blocks are as large as fits in a share of the update's bytes, or two threads' worth where that is more (BUFFER_SHARE,
+BUFFER_FLOOR: all threads together), so that few NumPy
 calls are made per element: with threads, every call is a turn at the interpreter lock, and a turn that has to wait
 for another thread costs far more than the call (the waiting thread sleeps until the kernel wakes it). Exact
 selection (``np.partition``) then runs on the candidates; if the threshold turns out to be ``lo`` itself, the blocks
@@ -42,10 +43,13 @@ RUN = 8  # the sample takes runs of RUN consecutive elements (one 32-byte sector
 BLOCK = 1 << 18  # most elements per block: its buffers stay in a core's L2 (a larger block means fewer calls)
 MIN_BLOCK = 1 << 13
 ALIGN = 1 << 12  # a block's elements are a multiple of ALIGN (16 KiB of fp32: whole pages and cache lines)
-BUFFER_SHARE = 0.02  # the block buffers of all threads together: at most this share of the update's bytes
+BUFFER_SHARE = 0.02  # the block buffers of all threads together: at most this share of the update's bytes ...
 PARALLEL_BLOCK = 1 << 17  # a call uses no more threads than leave each a block this large (smaller ones cost
 # more in turns at the interpreter lock than a second core gives back)
 BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison
+BUFFER_FLOOR = 2 * PARALLEL_BLOCK * BLOCK_BYTES  # ... or as much as gives two threads a PARALLEL_BLOCK each, where the
+# share is less (1.25 MiB: an update under 2^24 fp32 elements; at 2^23 on 2 cores such blocks on both threads took
+# 0.75x the time of the share's one thread, for a peak of 6.3 % of the update's bytes instead of 5.3 %)
 SCORE_BLOCK = 1 << 16  # most elements per block where the score is not |delta| (its temporaries are per block)
 SUB = 1 << 16  # candidates keep a uint16 index within a sub-block of SUB elements, and a count per sub-block
 TASK = 1 << 21  # elements per pool task, rounded up to whole blocks: each task's joins and its share of the final
@@ -173,12 +177,12 @@ def _gathered(ci: np.ndarray, new: np.ndarray, base, res, dt: int) -> np.ndarray
 
 def block_size(nbytes: int, threads: int) -> int:
     """Elements per block: the largest multiple of ALIGN whose buffers, one set per thread, stay within
-    BUFFER_SHARE of the update's ``nbytes`` (between MIN_BLOCK and BLOCK).
+    BUFFER_SHARE of the update's ``nbytes`` or BUFFER_FLOOR, whichever is more (between MIN_BLOCK and BLOCK).
 
-    >>> block_size(4 << 24, 2), block_size(4 << 26, 2), block_size(4 << 20, 2), block_size(4 * 30_000_000, 2)
-    (131072, 262144, 8192, 237568)
+    >>> block_size(4 << 24, 2), block_size(4 << 23, 2), block_size(4 << 26, 16), block_size(4 * 150_000_000, 16)
+    (131072, 131072, 65536, 147456)
     """
-    fit = int(BUFFER_SHARE * nbytes / (BLOCK_BYTES * max(1, threads)))
+    fit = int(max(BUFFER_SHARE * nbytes, BUFFER_FLOOR) / (BLOCK_BYTES * max(1, threads)))
     return max(MIN_BLOCK, min(BLOCK, fit // ALIGN * ALIGN))
 
 
@@ -186,8 +190,8 @@ def plan(nbytes: int, threads: int) -> tuple[int, int]:
     """(threads, elements per block) for an update of ``nbytes``: as many of ``threads`` as still leave each a
     block of PARALLEL_BLOCK elements (at least one), and the block size for that many.
 
-    >>> plan(4 << 24, 2), plan(4 << 22, 2), plan(4 << 26, 16)
-    ((2, 131072), (1, 65536), (8, 131072))
+    >>> plan(4 << 24, 2), plan(4 << 20, 16), plan(4 << 26, 16)
+    ((2, 131072), (2, 131072), (8, 131072))
     """
     workers = max(1, threads)
     while workers > 1 and block_size(nbytes, workers) < PARALLEL_BLOCK:

@@ -245,6 +245,7 @@ def test_blocks_of_any_multiple_of_align(monkeypatch, align):
     monkeypatch.setattr(sel, "MIN_TASK", 150)
     monkeypatch.setattr(sel, "PARALLEL_BLOCK", align)
     monkeypatch.setattr(sel, "BUFFER_SHARE", 0.04)
+    monkeypatch.setattr(sel, "BUFFER_FLOOR", 0)
     monkeypatch.setenv(parallel.ENV, "3")
     for crit in (0, 4):
         inp = _inputs(sizes=(7_001, 33, 2_050), crit=crit, k=0.03, seed=align)
@@ -385,15 +386,17 @@ def test_thread_count_changes_no_byte(monkeypatch, small_parallel_blocks, crit):
 
 
 def test_threads_used_only_where_each_gets_a_large_block():
-    assert sel.plan(4 << 20, 2)[0] == 1  # 1M fp32: one thread
-    assert sel.plan(4 << 24, 2) == (2, sel.PARALLEL_BLOCK)
-    workers, block = sel.plan(4 * 30_000_000, 2)  # between powers of two: blocks fill the share in ALIGN steps
-    assert workers == 2 and block % sel.ALIGN == 0
-    assert workers * block * sel.BLOCK_BYTES <= sel.BUFFER_SHARE * 4 * 30_000_000
-    assert workers * (block + sel.ALIGN) * sel.BLOCK_BYTES > sel.BUFFER_SHARE * 4 * 30_000_000
-    workers, block = sel.plan(4 << 26, 64)
-    assert 1 < workers < 64 and block >= sel.PARALLEL_BLOCK
-    assert workers * block * sel.BLOCK_BYTES <= sel.BUFFER_SHARE * (4 << 26)
+    def budget(nbytes):  # the block buffers of all threads together
+        return max(sel.BUFFER_SHARE * nbytes, sel.BUFFER_FLOOR)
+
+    # the floor: two threads' blocks whatever the update's size
+    assert sel.plan(4 << 16, 2) == sel.plan(4 << 24, 2) == sel.plan(4 << 20, 16) == (2, sel.PARALLEL_BLOCK)
+    for nbytes, threads in ((4 * 30_000_000, 16), (4 << 26, 16), (4 * 300_000_000, 64)):
+        workers, block = sel.plan(nbytes, threads)  # blocks fill the budget in ALIGN steps
+        assert 1 < workers < threads and block >= sel.PARALLEL_BLOCK and block % sel.ALIGN == 0
+        assert workers * block * sel.BLOCK_BYTES <= budget(nbytes)
+        assert block == sel.BLOCK or workers * (block + sel.ALIGN) * sel.BLOCK_BYTES > budget(nbytes)
+        assert sel.block_size(nbytes, workers + 1) < sel.PARALLEL_BLOCK  # one more thread would leave too little
 
 
 def test_compress_bytes_and_residual_independent_of_threads(monkeypatch, small_parallel_blocks):
