@@ -7,13 +7,14 @@ pass that extracts the kept values, rewrites the residual: the full delta where 
 after quantizing, on the GPU and the CPU alike). It saves and loads in gpu_codec's own format (no pickle).
 
 >>> import numpy as np, gpu_codec
->>> ef = gpu_codec.ErrorFeedback()
+>>> from gpu_codec.error_feedback import ErrorFeedback
+>>> ef = ErrorFeedback()
 >>> u = {"w": np.array([1.0, 0.5, -0.25, 0.0], np.float32)}
 >>> p = gpu_codec.compress(u, fraction=0.25, residual=ef)     # sends 1.0, keeps the rest
 >>> ef.residual("w").tolist()
 [0.0, 0.5, -0.25, 0.0]
 >>> p = gpu_codec.compress(u, fraction=0.25, residual=ef)     # 0.5 + 0.5 = 1.0 ties with 1.0: index 0 wins
->>> ef2 = gpu_codec.ErrorFeedback.from_bytes(ef.to_bytes())
+>>> ef2 = ErrorFeedback.from_bytes(ef.to_bytes())
 >>> ef2.residual("w").tolist()
 [0.0, 1.0, -0.5, 0.0]
 """

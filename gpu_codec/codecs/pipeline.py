@@ -7,7 +7,7 @@ the payload alone; every tensor record also says how it is encoded, and the two 
 >>> pipe = gpu_codec.Pipeline([{"id": "quantize", "dtype": "float16"}, gpu_codec.RiceIndices(), gpu_codec.Zstd()])
 >>> pipe.get_config()
 [{'id': 'quantize', 'dtype': 'float16'}, {'id': 'rice'}, {'id': 'zstd', 'level': 3}]
->>> pipe.is_lossy(), Pipeline.from_config(pipe.get_config()) == pipe
+>>> pipe.is_lossy(), gpu_codec.Pipeline.from_config(pipe.get_config()) == pipe
 (True, True)
 >>> u = {"w": np.arange(100, dtype=np.float32)}
 >>> blob = gpu_codec.compress(u, fraction=0.02, pipeline=pipe).to_bytes()
