@@ -148,7 +148,8 @@ def numpy_tensors(xs: list[Any]) -> list[Tensor] | None:
     if None in logical:
         return None
     shapes = [x.shape for x in xs]
-    return list(map(Tensor, map(np.ndarray.ravel, xs), logical, shapes, repeat("numpy"), repeat(None)))
+    flat = [x if len(s) == 1 else x.ravel() for x, s in zip(xs, shapes)]  # (a flat array is its own data)
+    return list(map(Tensor, flat, logical, shapes, repeat("numpy"), repeat(None)))
 
 
 def torch_tensors(xs: list[Any]) -> list[Tensor] | None:

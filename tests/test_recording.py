@@ -105,6 +105,31 @@ def test_the_recorded_call_computes_the_cpu_bytes(emulator):
     assert out[0].to_bytes() == _cpu_blob(new, base, fraction=0.01)  # the first call is the recorded one
 
 
+def test_resident_tensors_of_every_layout_are_read_where_they_lie(emulator):
+    """Resident inputs known by identity (arrays that own their memory, flat or not; slices of one buffer, as a
+    flat parameter store holds them; a reshaped slice): wrapped without a copy, and the kernels read each at its
+    own address (the CPU bytes; a wrong address would read another tensor's elements)."""
+    rng = np.random.default_rng(3)
+    store = rng.standard_normal(30_000).astype(np.float32)
+    store_new = store + rng.standard_normal(30_000).astype(np.float32)
+    new = {
+        "own2d": rng.standard_normal((40, 50)).astype(np.float32),
+        "s0": store_new[:7000],
+        "s1": store_new[7000:19000],
+    }
+    base = {"own2d": rng.standard_normal((40, 50)).astype(np.float32), "s0": store[:7000], "s1": store[7000:19000]}
+    new["r"], base["r"] = store_new[19000:].reshape(100, 110), store[19000:].reshape(100, 110)
+    out = []
+    m = measure(
+        lambda _: out.append(gpu_codec.compress(new, base, fraction=0.01)),
+        resident=[new, base],
+        emulator=emulator,
+        repeat=2,
+    )
+    assert out[0].to_bytes() == _cpu_blob(new, base, fraction=0.01)
+    assert m.counts.h2d_bytes < 1000  # (the tables: no tensor is copied)
+
+
 @pytest.mark.parametrize("scope", ["global", "per_tensor"])
 def test_compress_syncs_at_most_four_times_and_launches_as_often_at_any_tensor_count(emulator, scope):
     launches = {}

@@ -30,7 +30,9 @@ Counted, per call (:class:`Counts`):
 Not counted: NumPy's own functions called directly on a device array (CuPy would refuse most; they are flagged in
 ``host_numpy``, which should stay empty), the driver's cost of a launch or a copy (the replay skips them: on a GPU
 each launch costs a few µs of host time on top), and the time the device itself takes. Inputs named
-``resident`` stand for tensors already on the device (a torch CUDA tensor, say): wrapping them copies nothing.
+``resident`` stand for tensors already on the device (a torch CUDA tensor, say): wrapping them (or a flat view of
+all of one) copies nothing, they are known by identity, and their address is read once, before the call, as
+CuPy's ``data.ptr`` is a field; a slice of a device array is a view, made on the host, with no kernel.
 
 The replay's time is the host's Python between launches, plus the NumPy work that stands for the device's (the
 array module's kernels and the copies; ``array_ms`` reports its share) and the recorder's bookkeeping.
@@ -95,8 +97,11 @@ class Counts:
 
 
 class _Session:
-    def __init__(self, mode: str, tape: list, log: list, resident: set[int]):
-        self.mode, self.tape, self.log, self.resident = mode, tape, log, resident
+    def __init__(self, mode: str, tape: list, log: list, resident: dict[int, tuple[int, int]]):
+        self.mode, self.tape, self.log = mode, tape, log
+        # id(array) -> (its data address, its size): the resident arrays (see :func:`_resident`)
+        self.resident = resident
+        self.addresses = {addr for addr, _ in resident.values()}
         self.pos = self.lpos = 0
         self.counting = False
         self.counts = Counts()
@@ -266,6 +271,8 @@ class DeviceArray(np.ndarray):
         return func(*_plain(args), **_plain(kwargs))
 
     def __getitem__(self, key):
+        if type(key) is slice:  # a view, made on the host as CuPy makes it: no kernel
+            return np.ndarray.__getitem__(self, key)
         s = _session()
         if s is not None and _is_mask(key):
             plain = self.view(np.ndarray)
@@ -455,7 +462,8 @@ class RecordingRunner:
             self.emulator.launch(name, grid, block, tuple(_plain(a) for a in args))
 
     def ptr(self, a: Any) -> int:
-        return int(_plain(a).ctypes.data)
+        addr = getattr(a, "_addr", None)  # (a resident tensor's, known from the start, as CuPy's ``data.ptr``)
+        return int(_plain(a).ctypes.data) if addr is None else addr
 
     def to_host(self, a: Any) -> np.ndarray:
         if not isinstance(a, DeviceArray):
@@ -481,8 +489,15 @@ class RecordingBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
         if not isinstance(a, np.ndarray) and type(a).__module__.split(".")[0] in ("cupy", "torch"):
             raise TypeError(f"the recording backend takes NumPy arrays, got {type(a).__module__}")
         s = _session()
-        host = np.require(np.asarray(a), requirements="A")
-        if s is not None and host.size and int(host.ctypes.data) in s.resident:
+        if s is not None and type(a) is np.ndarray and a.size:
+            # a resident array, or a view of all of one (a flattened tensor): known by identity, no address read
+            known = s.resident.get(id(a)) or s.resident.get(id(a.base))
+            if known is not None and known[1] == a.size and a.flags.c_contiguous:
+                v = a.view(DeviceArray)
+                v._addr = known[0]
+                return v
+        host = a if type(a) is np.ndarray and a.flags.aligned else np.require(np.asarray(a), requirements="A")
+        if s is not None and host.size and int(host.ctypes.data) in s.addresses:
             return host.view(DeviceArray)  # stands for a tensor already on the device
         if s is not None:
             s.alloc()
@@ -513,15 +528,16 @@ class Measurement:
         return float(np.median(self.replay_ms))
 
 
-def _resident(arrays: Iterable[Any]) -> tuple[set[int], list[np.ndarray]]:
-    """The data addresses of the NumPy arrays among ``arrays`` (anything else is copied by every call, so it is
-    not resident), and the arrays, which the caller keeps alive so that no other array takes an address."""
+def _resident(arrays: Iterable[Any]) -> tuple[dict[int, tuple[int, int]], list[np.ndarray]]:
+    """The NumPy arrays among ``arrays`` (anything else is copied by every call, so it is not resident): id ->
+    (data address, size), and the arrays, which the caller keeps alive so that no other array takes an id or an
+    address."""
     kept = []
     for group in arrays:
         for a in group.values() if isinstance(group, Mapping) else group:
             if isinstance(a, np.ndarray) and a.size:
                 kept.append(a)
-    return {int(a.ctypes.data) for a in kept}, kept
+    return {id(a): (int(a.ctypes.data), int(a.size)) for a in kept}, kept
 
 
 @contextlib.contextmanager
