@@ -236,21 +236,30 @@ def join_run(run: list, offsets: list[int], backend: Any) -> tuple[Any, Any, lis
     0-d flag on the device, true where every index is in range and ascending within its tensor), or None where the
     run has no entry. Plain COO entries read from bytes are joined on the host and copied to the device at once;
     decoded ones (coded, or a payload's own device buffers) are joined where they are."""
-    xp = backend.xp
-    host = xp.asarray if backend.on_device else np.asarray  # small host tables, where the entries are
     joined = all(d.host is not None for d in run)
     idx = [d.host[0][: d.nnz] if joined else d.indices(0, d.nnz) for d in run]
+    vals = [d.host[1][: d.nnz] if joined else d.values(0, d.nnz) for d in run]
+    return join_entries(idx, vals, [d.numel for d in run], offsets, backend, joined)
+
+
+def join_entries(
+    idx: list, vals: list, numels: list[int], offsets: list[int], backend: Any, on_host: bool
+) -> tuple[Any, Any, list[int], Any] | None:
+    """:func:`join_run` of the tensors' index and value arrays (host arrays where ``on_host``, joined there and
+    copied to the device at once; else the backend's), ``numels`` elements each."""
+    xp = backend.xp
+    host = xp.asarray if backend.on_device else np.asarray  # small host tables, where the entries are
     counts = [int(i.size) for i in idx]
     if not sum(counts):
         return None
     o0, o1 = offsets[0], offsets[-1]
     wide = any(i.dtype.itemsize > 4 for i in idx)  # (a payload may give a small tensor 64-bit indices)
-    join = np.concatenate if joined else xp.concatenate
+    join = np.concatenate if on_host else xp.concatenate
     gi = join([i.astype(np.int64 if wide else np.uint32, copy=False) for i in idx])
-    vals = join([d.host[1][: d.nnz] if joined else d.values(0, d.nnz) for d in run])
-    if joined:
+    vals = join(vals)
+    if on_host:
         gi, vals = backend.asarray(gi), backend.asarray(vals)
-    ok = entries_ok(gi, np.asarray(counts), np.asarray([d.numel for d in run], np.int64), xp, host)
+    ok = entries_ok(gi, np.asarray(counts), np.asarray(numels, np.int64), xp, host)
     if wide:
         ok = ok & xp.all(gi >= 0)
     gi += host(np.repeat(np.asarray(offsets[:-1], np.int64) - o0, counts).astype(gi.dtype))
@@ -289,7 +298,13 @@ def _decode_run(
     False where an index or value is bad or a sum not finite: the caller then decodes them one by one, which
     raises the error that names the tensor. With ``checks`` (:class:`DeviceChecks`) nothing is read back: the
     checks are left there, and the result is True."""
-    joined = join_run(run, offsets, backend)
+    return _apply_joined(join_run(run, offsets, backend), flat_of, offsets, bases, logical, backend, checks)
+
+
+def _apply_joined(
+    joined: Any, flat_of: Any, offsets: list[int], bases: list, logical: str, backend: Any, checks: Any
+) -> bool:
+    """:func:`_decode_run` of a run's joined entries (:func:`join_entries`)."""
     gi = vals = None
     if joined is not None:
         gi, vals, _, ok = joined
@@ -433,7 +448,8 @@ def _decode_all(
     end (:class:`DeviceChecks`); False where one failed or the decoders refused the payload. Without it, the first
     failed check raises its error."""
     checks = DeviceChecks(backend.xp) if defer else None
-    run: list = []  # (position, decoded) of the tensors of one run, adjacent in their buffer
+    run: list = []  # (position, decoded) of the tensors of one run, adjacent in their buffer (positions: plain)
+    plain = _plain_buffers(pipe, records)
 
     def one(i: int, d: Any) -> None:
         if checks is not None:
@@ -441,25 +457,51 @@ def _decode_all(
         else:
             _decode_one(d, bases[i], backend, bounds, lambda: outs[i])
 
+    def decoded(i: int) -> Any:
+        return next(pipe.decode_stream([records[i]], backend))
+
     def flush() -> None:
-        first, last = run[0][0], run[-1][0]
+        first, last = (run[0], run[-1]) if plain is not None else (run[0][0], run[-1][0])
         offsets = outs.starts[first : last + 1] + [outs.starts[last] + outs.numels[last]]
-        ds = [d for _, d in run]
-        if len(run) == 1 or not _decode_run(
-            ds, lambda: outs.flat(first), offsets, bases[first : last + 1], logical[first], backend, checks
-        ):
-            for i, d in run:  # one by one (one alone; a bad run: the error names the tensor)
-                one(i, d)
+        flat_of, lg, bs = (lambda: outs.flat(first)), logical[first], bases[first : last + 1]
+        if len(run) == 1:
+            ok = False
+        elif plain is not None:  # (the entries as they lie in the buffers: no decoder)
+            idx, vals = plain
+            nnz = [records[i].nnz for i in run]
+            joined = join_entries(
+                [idx[i][:n] for i, n in zip(run, nnz)],
+                [vals[i][:n] for i, n in zip(run, nnz)],
+                outs.numels[first : last + 1],
+                offsets,
+                backend,
+                True,
+            )
+            ok = _apply_joined(joined, flat_of, offsets, bs, lg, backend, checks)
+        else:
+            ok = _decode_run([d for _, d in run], flat_of, offsets, bs, lg, backend, checks)
+        if not ok:
+            for i, d in [(i, decoded(i)) for i in run] if plain is not None else run:
+                one(i, d)  # one by one (one alone; a bad run: the error names the tensor)
         run.clear()
 
     try:
-        for i, d in enumerate(pipe.decode_stream(records, backend)):
-            if run and runs[i] != runs[run[-1][0]]:
-                flush()
-            if runs[i] is not None:
-                run.append((i, d))
-            else:
-                one(i, d)
+        if plain is not None:
+            for i in range(len(records)):
+                if run and runs[i] != runs[run[-1]]:
+                    flush()
+                if runs[i] is not None:
+                    run.append(i)
+                else:
+                    one(i, decoded(i))
+        else:
+            for i, d in enumerate(pipe.decode_stream(records, backend)):
+                if run and runs[i] != runs[run[-1][0]]:
+                    flush()
+                if runs[i] is not None:
+                    run.append((i, d))
+                else:
+                    one(i, d)
         if run:
             flush()
     except PayloadError:
@@ -467,6 +509,21 @@ def _decode_all(
             raise
         return False  # (the second pass raises it, or an error of an earlier tensor)
     return checks is None or checks.passed()
+
+
+def _plain_buffers(pipe: Any, records: list) -> tuple[list, list] | None:
+    """Every record's indices and values where the pipeline has no stage after top-k and every record is ``coo``
+    with host buffers (a payload read from bytes): its entries are read as they lie, with no decoder. None
+    otherwise."""
+    if pipe.values is not None or pipe.indices is not None or pipe.bytes is not None:
+        return None
+    if not all(r.encoding == "coo" for r in records):
+        return None
+    bufs = [r.buffers for r in records]
+    idx, vals = [b.get("indices") for b in bufs], [b.get("values") for b in bufs]
+    if set(map(type, idx)) | set(map(type, vals)) != {np.ndarray}:
+        return None
+    return idx, vals
 
 
 BATCH_ENTRIES = (1 << 14, 1 << 22)  # the bounds of a batch's entries onto a base on the host (see batch_entries)

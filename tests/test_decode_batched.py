@@ -156,35 +156,40 @@ def _nan(v):
     return v
 
 
+# (on a device backend the tensors of a batch are a run, joined from the buffers as they lie: the same errors)
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize(
     "indices,values", [(_past_its_tensor, None), (_repeated, None), (_descending, None), (None, _nan)]
 )
-def test_a_bad_entry_in_a_batch_names_its_tensor(indices, values):
+def test_a_bad_entry_in_a_batch_names_its_tensor(indices, values, backend):
     new, base, _ = _update()
     p = _payload(new, base)
     name = "layer5.float32"  # in the middle of the float32 region, followed by other float32 tensors
     bad = _tamper(p, name, indices, values)
     before = {k: _bits(v) for k, v in base.items()}
-    for src in (bad, bad.to_bytes()):
-        with pytest.raises(PayloadIndexError, match=re.escape(f"tensor '{name}'")):
-            gpu_codec.decompress(src, base=base)
+    with use_backend(backend):
+        for src in (bad, bad.to_bytes()):
+            with pytest.raises(PayloadIndexError, match=re.escape(f"tensor '{name}'")):
+                gpu_codec.decompress(src, base=base)
     assert {k: _bits(v) for k, v in base.items()} == before
 
 
-def test_the_first_bad_tensor_is_named():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_first_bad_tensor_is_named(backend):
     new, base, _ = _update()
     p = _tamper(_tamper(_payload(new, base), "layer7.float32", _repeated), "layer0.float32", values=_nan)
-    with pytest.raises(PayloadIndexError, match=r"tensor 'layer0\.float32'"):
+    with use_backend(backend), pytest.raises(PayloadIndexError, match=r"tensor 'layer0\.float32'"):
         gpu_codec.decompress(p.to_bytes(), base=base)
 
 
-def test_an_overflowing_sum_in_a_batch_names_its_tensor():
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_overflowing_sum_in_a_batch_names_its_tensor(backend):
     base = {f"t{i}": np.full(100, 1.0, np.float16) for i in range(6)}
     new = {k: v.copy() for k, v in base.items()}
     new["t3"][40], new["t3"][:3] = 30000, 5
     blob = gpu_codec.compress(new, base, fraction=0.05).to_bytes()
     base["t3"][40] = 60000  # 60000 + (30000 - 1) is past fp16's range
-    with pytest.raises(PayloadValueError, match=r"tensor 't3'.*inf or NaN"):
+    with use_backend(backend), pytest.raises(PayloadValueError, match=r"tensor 't3'.*inf or NaN"):
         gpu_codec.decompress(blob, base=base)
     assert base["t3"][40] == 60000 and (np.delete(base["t3"], 40) == 1).all()
 
@@ -196,24 +201,27 @@ def _outcome(p: Payload, base: dict):
         return type(e), str(e)
 
 
-def test_wide_and_short_index_buffers_of_a_payload_object(monkeypatch):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_wide_and_short_index_buffers_of_a_payload_object(monkeypatch, backend):
     """A Payload made by hand: 64-bit indices of small tensors decode as 32-bit ones; buffers of another length
     than the record's nnz decode as each tensor alone decodes them."""
     new, base, stored = _update()
     p = _payload(new, base)
     want = _reference(p, stored)
     wide = _tamper(p, "layer5.float32", indices=lambda i, n: i.astype(np.uint64))
-    out = gpu_codec.decompress(wide, base=base)
-    assert all(_bits(out[k]) == want[k].tobytes() for k in out)
-    for odd in (
-        _tamper(p, "layer5.float32", indices=lambda i, n: i[:-1]),
-        _tamper(p, "layer5.float32", values=lambda v: v[:-1]),
-        _tamper(p, "layer5.float32", indices=lambda i, n: i.astype(np.int64)),
-    ):
-        batched = _outcome(odd, base)
-        with monkeypatch.context() as m:
-            m.setattr(decode, "BATCH_ENTRIES", (0, 0))  # every tensor alone
-            assert _outcome(odd, base) == batched
+    with use_backend(backend):
+        out = gpu_codec.decompress(wide, base=base)
+        assert all(_bits(out[k]) == want[k].tobytes() for k in out)
+        for odd in (
+            _tamper(p, "layer5.float32", indices=lambda i, n: i[:-1]),
+            _tamper(p, "layer5.float32", values=lambda v: v[:-1]),
+            _tamper(p, "layer5.float32", indices=lambda i, n: i.astype(np.int64)),
+        ):
+            batched = _outcome(odd, base)
+            with monkeypatch.context() as m:
+                m.setattr(decode, "BATCH_ENTRIES", (0, 0))  # every tensor alone (host)
+                m.setattr(decode, "SMALL_TENSOR", 0)  # (device: no runs)
+                assert _outcome(odd, base) == batched
 
 
 @pytest.mark.parametrize("chunk", [None, 16], ids=["few-chunks", "many-chunks"])
@@ -269,3 +277,52 @@ def test_an_index_that_wraps_past_the_span_is_refused(itype):
     for src in (p, p.to_bytes()):
         with pytest.raises(PayloadIndexError, match="tensor 'b'"):
             gpu_codec.decompress(src, base=base)
+
+
+def _run_update(seed: int = 4) -> tuple[dict, dict]:
+    """Small float32 tensors in a row (one run on a device backend), with an empty one among them."""
+    rng = np.random.default_rng(seed)
+    sizes = [700, 33, 0, 1200, 5, 980, 64, 2500]
+    base = {f"r{i}": rng.standard_normal(n).astype(np.float32) for i, n in enumerate(sizes)}
+    return {k: v + rng.standard_normal(v.size).astype(np.float32) for k, v in base.items()}, base
+
+
+def _device(onto: bool):
+    """A device backend: the GPU path's code on the emulator (the recording backend, outside a recording) onto a
+    base; the emulated backend for deltas."""
+    from gpu_codec.backends import using_backend
+    from gpu_codec.backends.emulated import EmulatorRunner
+    from gpu_codec.testing.recording import RecordingBackend
+
+    return using_backend(RecordingBackend(EmulatorRunner())) if onto else use_backend("emulated")
+
+
+@pytest.mark.parametrize("onto", [True, False], ids=["onto-base", "delta"])
+@pytest.mark.parametrize("flaw", [None, _past_its_tensor, _repeated, _descending, "nan"])
+def test_a_device_run_read_from_bytes_joins_the_buffers_as_they_lie(flaw, onto, monkeypatch):
+    """A plain payload read from bytes, on a device backend: a run of small tensors is joined straight from the
+    records' buffers (no decoder per tensor), with the bytes of each tensor decoded alone and of the NumPy
+    backend, and a bad entry's error names its tensor."""
+    pytest.importorskip("gpu_codec.backends.emulated")
+    new, base = _run_update()
+    p = _payload(new, base)
+    if flaw == "nan":
+        p = _tamper(p, "r3", values=_nan)
+    elif flaw is not None:
+        p = _tamper(p, "r3", indices=flaw)
+    blob = p.to_bytes()
+    on = base if onto else None
+    joins = []
+    real = decode.join_entries
+    monkeypatch.setattr(decode, "join_entries", lambda *a: joins.append(len(a[0])) or real(*a))
+    with _device(onto):
+        got = _outcome(Payload.from_bytes(blob), on)
+        assert joins and max(joins) == len(base)  # (every tensor in one run)
+        with monkeypatch.context() as m:
+            m.setattr(decode, "SMALL_TENSOR", 0)  # each tensor alone
+            assert _outcome(Payload.from_bytes(blob), on) == got
+    if flaw is None:
+        with use_backend("cpu"):
+            assert got == _outcome(Payload.from_bytes(blob), on)
+    else:
+        assert got[0] is PayloadIndexError and "tensor 'r3'" in got[1], got
