@@ -48,8 +48,9 @@ PARALLEL_BLOCK = 1 << 17  # a call uses no more threads than leave each a block 
 # more in turns at the interpreter lock than a second core gives back)
 BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison
 BUFFER_FLOOR = 2 * PARALLEL_BLOCK * BLOCK_BYTES  # ... or as much as gives two threads a PARALLEL_BLOCK each, where the
-# share is less (1.25 MiB: an update under 2^24 fp32 elements; at 2^23 on 2 cores such blocks on both threads took
-# 0.75x the time of the share's one thread, for a peak of 6.3 % of the update's bytes instead of 5.3 %)
+# share is less and the update has two tasks' worth of fp32 (1.25 MiB: an update of 2^21 to 2^24 fp32 elements; at
+# 2^23 on 2 cores such blocks on both threads took 0.75x the time of the share's one thread, for a peak of 6.3 % of
+# the update's bytes instead of 5.3 %; a smaller update is one task, which one thread scans)
 SCORE_BLOCK = 1 << 16  # most elements per block where the score is not |delta| (its temporaries are per block)
 SUB = 1 << 16  # candidates keep a uint16 index within a sub-block of SUB elements, and a count per sub-block
 TASK = 1 << 21  # elements per pool task, rounded up to whole blocks: each task's joins and its share of the final
@@ -177,12 +178,16 @@ def _gathered(ci: np.ndarray, new: np.ndarray, base, res, dt: int) -> np.ndarray
 
 def block_size(nbytes: int, threads: int) -> int:
     """Elements per block: the largest multiple of ALIGN whose buffers, one set per thread, stay within
-    BUFFER_SHARE of the update's ``nbytes`` or BUFFER_FLOOR, whichever is more (between MIN_BLOCK and BLOCK).
+    BUFFER_SHARE of the update's ``nbytes``, or BUFFER_FLOOR where that is more and ``nbytes`` holds two tasks of
+    fp32 (between MIN_BLOCK and BLOCK).
 
-    >>> block_size(4 << 24, 2), block_size(4 << 23, 2), block_size(4 << 26, 16), block_size(4 * 150_000_000, 16)
-    (131072, 131072, 65536, 147456)
+    >>> block_size(4 << 24, 2), block_size(4 << 23, 2), block_size(4 << 20, 2), block_size(4 * 150_000_000, 16)
+    (131072, 131072, 8192, 147456)
     """
-    fit = int(max(BUFFER_SHARE * nbytes, BUFFER_FLOOR) / (BLOCK_BYTES * max(1, threads)))
+    budget = BUFFER_SHARE * nbytes
+    if nbytes >= 2 * MIN_TASK * 4:
+        budget = max(budget, BUFFER_FLOOR)
+    fit = int(budget / (BLOCK_BYTES * max(1, threads)))
     return max(MIN_BLOCK, min(BLOCK, fit // ALIGN * ALIGN))
 
 
@@ -190,8 +195,8 @@ def plan(nbytes: int, threads: int) -> tuple[int, int]:
     """(threads, elements per block) for an update of ``nbytes``: as many of ``threads`` as still leave each a
     block of PARALLEL_BLOCK elements (at least one), and the block size for that many.
 
-    >>> plan(4 << 24, 2), plan(4 << 20, 16), plan(4 << 26, 16)
-    ((2, 131072), (2, 131072), (8, 131072))
+    >>> plan(4 << 24, 2), plan(4 << 21, 16), plan(4 << 20, 16), plan(4 << 26, 16)
+    ((2, 131072), (2, 131072), (1, 16384), (8, 131072))
     """
     workers = max(1, threads)
     while workers > 1 and block_size(nbytes, workers) < PARALLEL_BLOCK:

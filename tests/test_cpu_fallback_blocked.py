@@ -387,10 +387,13 @@ def test_thread_count_changes_no_byte(monkeypatch, small_parallel_blocks, crit):
 
 def test_threads_used_only_where_each_gets_a_large_block():
     def budget(nbytes):  # the block buffers of all threads together
-        return max(sel.BUFFER_SHARE * nbytes, sel.BUFFER_FLOOR)
+        floor = sel.BUFFER_FLOOR if nbytes >= 2 * sel.MIN_TASK * 4 else 0
+        return max(sel.BUFFER_SHARE * nbytes, floor)
 
-    # the floor: two threads' blocks whatever the update's size
-    assert sel.plan(4 << 16, 2) == sel.plan(4 << 24, 2) == sel.plan(4 << 20, 16) == (2, sel.PARALLEL_BLOCK)
+    assert sel.plan(4 << 20, 2)[0] == 1  # 1M fp32, one task: one thread, its block the share's
+    assert sel.plan(4 << 20, 2)[1] * sel.BLOCK_BYTES <= budget(4 << 20)
+    # from two tasks' worth up: the floor, two threads' blocks whatever the update's size
+    assert sel.plan(4 << 21, 2) == sel.plan(4 << 24, 2) == sel.plan(4 << 21, 16) == (2, sel.PARALLEL_BLOCK)
     for nbytes, threads in ((4 * 30_000_000, 16), (4 << 26, 16), (4 * 300_000_000, 64)):
         workers, block = sel.plan(nbytes, threads)  # blocks fill the budget in ALIGN steps
         assert 1 < workers < threads and block >= sel.PARALLEL_BLOCK and block % sel.ALIGN == 0
