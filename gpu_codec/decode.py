@@ -584,10 +584,10 @@ def _decode_onto_host(
     idx_of: list = [None] * count
     val_of: list = [None] * count
     nnz_of: list = [0] * count
-    every = plain and all(r.encoding == "coo" for r in records)
-    if every:  # (the entries as they lie in the buffers, read in a few passes over the records)
-        bufs = [r.buffers for r in records]
-        idx_of, val_of, nnz_of = [b["indices"] for b in bufs], [b["values"] for b in bufs], [r.nnz for r in records]
+    as_read = _plain_buffers(pipe, records)
+    every = as_read is not None
+    if as_read is not None:  # (the entries as they lie in the buffers, read in a few passes over the records)
+        idx_of, val_of, nnz_of = *as_read, [r.nnz for r in records]
     pending: dict[Any, list] = {}  # storage dtype -> the positions of its batch (adjacent in its region)
     held: dict[Any, int] = {}  # ... and the batch's entries
 
