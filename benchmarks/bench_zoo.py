@@ -101,8 +101,8 @@ def _columns(m: Measurement) -> dict[str, Any]:
 
 def host_columns(update: Update, fraction: float = 0.01, scope: str = "global", repeat: int = 5) -> dict[str, Any]:
     """The recording launcher's figures for one compress, one decompress onto the base and one aggregator ``add``
-    of ``update`` (NumPy arrays, standing for tensors already on the device): op -> columns (``host_ms``,
-    ``launches``, ``syncs``, ...), as :func:`recording_columns` reports them."""
+    of ``update`` (NumPy arrays or torch CPU tensors, standing for tensors already on the device): op -> columns
+    (``host_ms``, ``launches``, ``syncs``, ...), as :func:`recording_columns` reports them."""
     new, base = update.new, update.base
     with using_backend(CpuBackend()):  # the same bytes as the GPU path's (tests/test_codecs_parity.py)
         blob = gpu_codec.compress(new, base, fraction=fraction, scope=scope).to_bytes()

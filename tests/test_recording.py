@@ -130,6 +130,27 @@ def test_resident_tensors_of_every_layout_are_read_where_they_lie(emulator):
     assert m.counts.h2d_bytes < 1000  # (the tables: no tensor is copied)
 
 
+def test_resident_torch_tensors_are_read_where_they_lie(emulator):
+    """torch CPU tensors (bfloat16 and float32) stand for torch CUDA tensors: none is copied, and the kernels read
+    each at its own address (the CPU bytes)."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(5)
+    base, new = {}, {}
+    for i, dt in enumerate((torch.bfloat16, torch.float32, torch.bfloat16)):
+        b = rng.standard_normal(3000 * (i + 1)).astype(np.float32)
+        base[f"t{i}"] = torch.from_numpy(b).to(dt)
+        new[f"t{i}"] = torch.from_numpy(b + rng.standard_normal(b.size).astype(np.float32)).to(dt)
+    out = []
+    m = measure(
+        lambda _: out.append(gpu_codec.compress(new, base, fraction=0.01)),
+        resident=[new, base],
+        emulator=emulator,
+        repeat=2,
+    )
+    assert out[0].to_bytes() == _cpu_blob(new, base, fraction=0.01)
+    assert m.counts.h2d_bytes < 1000  # (the tables: no tensor is copied)
+
+
 @pytest.mark.parametrize("scope", ["global", "per_tensor"])
 def test_compress_syncs_at_most_four_times_and_launches_as_often_at_any_tensor_count(emulator, scope):
     launches = {}

@@ -497,8 +497,12 @@ class RecordingBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
                 v._addr = known[0]
                 return v
         host = a if type(a) is np.ndarray and a.flags.aligned else np.require(np.asarray(a), requirements="A")
-        if s is not None and host.size and int(host.ctypes.data) in s.addresses:
-            return host.view(DeviceArray)  # stands for a tensor already on the device
+        if s is not None and host.size:
+            addr = int(host.ctypes.data)
+            if addr in s.addresses:  # stands for a tensor already on the device
+                v = host.view(DeviceArray)
+                v._addr = addr
+                return v
         if s is not None:
             s.alloc()
             s.h2d(host.nbytes)
@@ -528,16 +532,21 @@ class Measurement:
         return float(np.median(self.replay_ms))
 
 
-def _resident(arrays: Iterable[Any]) -> tuple[dict[int, tuple[int, int]], list[np.ndarray]]:
-    """The NumPy arrays among ``arrays`` (anything else is copied by every call, so it is not resident): id ->
-    (data address, size), and the arrays, which the caller keeps alive so that no other array takes an id or an
-    address."""
-    kept = []
+def _resident(arrays: Iterable[Any]) -> tuple[dict[int, tuple[int, int]], list[Any]]:
+    """The NumPy arrays and torch CPU tensors among ``arrays`` (anything else is copied by every call, so it is not
+    resident): id -> (data address, elements), and the arrays, which the caller keeps alive so that no other array
+    takes an id or an address."""
+    known, kept = {}, []
     for group in arrays:
         for a in group.values() if isinstance(group, Mapping) else group:
             if isinstance(a, np.ndarray) and a.size:
-                kept.append(a)
-    return {id(a): (int(a.ctypes.data), int(a.size)) for a in kept}, kept
+                known[id(a)] = (int(a.ctypes.data), int(a.size))
+            elif type(a).__module__.startswith("torch") and a.device.type == "cpu" and a.numel():
+                known[id(a)] = (int(a.data_ptr()), int(a.numel()))  # (a bfloat16 one: read as its uint16 bits)
+            else:
+                continue
+            kept.append(a)
+    return known, kept
 
 
 @contextlib.contextmanager
@@ -578,8 +587,8 @@ def measure(
     """Record ``call(setup())`` once on the emulator, then replay it ``repeat`` times (see the module docstring).
 
     ``setup`` (optional) runs first on the same backend, neither counted nor timed (an Aggregator made before its
-    ``add``); ``resident``: mappings or lists of the NumPy arrays that stand for device tensors (an input that is
-    not a NumPy array, such as a NumPy scalar, is copied to the device by every call, and counted so).
+    ``add``); ``resident``: mappings or lists of the NumPy arrays or torch CPU tensors that stand for device tensors
+    (any other input, such as a NumPy scalar, is copied to the device by every call, and counted so).
     ``emulator``: an :class:`~gpu_codec.backends.emulated.EmulatorRunner` to record on (one is built by default).
     """
     if emulator is None:
