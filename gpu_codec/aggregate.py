@@ -511,12 +511,13 @@ class Aggregator:
         """Each record's run, or None for a tensor added alone: :func:`gpu_codec.decode.decompress`'s runs of small
         sparse tensors, and runs of small plain dense ones (as many elements), each cut where the tensors are not
         adjacent in the accumulator; and the runs that are dense."""
-        given = _decode._runs(records, logical)
+        numels = [r.numel for r in records]
+        given = _decode._runs(records, logical, numels)
         out: list[int | None] = []
         dense: set[int] = set()
         rid, size = -1, 0
-        for i, (g, r) in enumerate(zip(given, records)):
-            plain = g is None and r.encoding == "dense" and r.numel <= _decode.SMALL_TENSOR
+        for i, (g, r, numel) in enumerate(zip(given, records, numels)):
+            plain = g is None and r.encoding == "dense" and numel <= _decode.SMALL_TENSOR
             if g is None and not plain:
                 out.append(None)
                 continue
@@ -525,14 +526,14 @@ class Aggregator:
                 joins = after and given[i - 1] == g and out[-1] not in dense
             else:
                 joins = (
-                    after and out[-1] in dense and logical[i] == logical[i - 1] and size + r.numel <= _decode.SMALL_RUN
+                    after and out[-1] in dense and logical[i] == logical[i - 1] and size + numel <= _decode.SMALL_RUN
                 )
             if not joins:
                 rid, size = rid + 1, 0
                 if plain:
                     dense.add(rid)
             out.append(rid)
-            size += r.numel
+            size += numel
         sizes = Counter(out)
         return [None if g is None or sizes[g] < 2 else g for g in out], dense
 

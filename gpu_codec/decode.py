@@ -52,23 +52,29 @@ def _output_itemsize(r: TensorRecord, with_base: bool) -> int:
 
 
 def check_output_cap(
-    records: list[TensorRecord], with_base: bool, max_output_bytes: Any, max_elements: Any = None
+    records: list[TensorRecord],
+    with_base: bool,
+    max_output_bytes: Any,
+    max_elements: Any = None,
+    numels: list[int] | None = None,
 ) -> None:
     """Refuse (``PayloadLimitError``) a payload whose declared dense output is over the cap, before anything is
-    decompressed or allocated: :func:`decompress`'s check, shared with :mod:`gpu_codec.aggregate`."""
+    decompressed or allocated: :func:`decompress`'s check, shared with :mod:`gpu_codec.aggregate` (``numels``: the
+    records' element counts, where the caller has them)."""
+    numels = [r.numel for r in records] if numels is None else numels
     if max_elements is not None:
-        total = sum(r.numel for r in records)
+        total = sum(numels)
         if total > max_elements:
             raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
     if max_output_bytes is None:
         return
     size: dict[str, int] = {}  # itemsize by dtype
     declared = 0
-    for r in records:
+    for r, n in zip(records, numels):
         s = size.get(r.dtype)
         if s is None:
             s = size[r.dtype] = _output_itemsize(r, with_base)
-        declared += r.numel * s
+        declared += n * s
     if declared > max_output_bytes:
         raise PayloadLimitError(
             f"payload declares {declared} bytes of dense output ({len(records)} tensors), over "
@@ -322,21 +328,21 @@ def decoded_records(payload: Payload, backend: Backend) -> list[TensorRecord]:
     return decoder_for(payload.pipeline).decode(payload.tensors, backend)
 
 
-def _runs(records: list[TensorRecord], logical: list[str]) -> list[int | None]:
+def _runs(records: list[TensorRecord], logical: list[str], numels: list[int]) -> list[int | None]:
     """Each record's run (small sparse tensors of one dtype decoded together, see :func:`_decode_run`), or None for a
     tensor decoded alone: at most SMALL_RUN elements and SMALL_RUN_ENTRIES entries a run."""
     out: list[int | None] = []
     run, size, entries = -1, 0, 0
-    for i, r in enumerate(records):
+    for i, (r, numel) in enumerate(zip(records, numels)):
         inner = r.codec.get("inner", r.encoding) if r.encoding in ("zstd", "nvcomp") else r.encoding
-        if inner not in ("coo", "sparse") or r.numel > SMALL_TENSOR:
+        if inner not in ("coo", "sparse") or numel > SMALL_TENSOR:
             out.append(None)
             continue
         joins = i and out[-1] == run and logical[i] == logical[i - 1]
-        if not (joins and size + r.numel <= SMALL_RUN and entries + r.nnz <= SMALL_RUN_ENTRIES):
+        if not (joins and size + numel <= SMALL_RUN and entries + r.nnz <= SMALL_RUN_ENTRIES):
             run, size, entries = run + 1, 0, 0
         out.append(run)
-        size += r.numel
+        size += numel
         entries += r.nnz
     return out
 
@@ -351,13 +357,21 @@ class _Outputs:
     that fails its first check allocates nothing). Zeros where outputs are deltas (a sparse tensor's other
     elements stay 0); onto a base every element is written."""
 
-    def __init__(self, records: list[TensorRecord], logical: list[str], runs: list, onto: bool, backend: Any):
+    def __init__(
+        self,
+        records: list[TensorRecord],
+        logical: list[str],
+        runs: list,
+        onto: bool,
+        backend: Any,
+        numels: list[int] | None = None,
+    ):
         kinds = {lg: dtypes.storage_dtype(lg) for lg in dict.fromkeys(logical)}
         storage = [kinds[lg] for lg in logical]
         self._one = backend.on_device or onto
         self._key = storage if self._one else [("tensor", i) if g is None else ("run", g) for i, g in enumerate(runs)]
         self._dtype = dict(zip(self._key, storage))
-        self.numels = [r.numel for r in records]
+        self.numels = [r.numel for r in records] if numels is None else numels
         if len(self._dtype) == 1:  # (one region: each output starts where the one before it ends)
             self.starts = list(accumulate(self.numels[:-1], initial=0)) if records else []
             self._sizes = {self._key[0]: sum(self.numels)} if records else {}
@@ -765,14 +779,15 @@ def decompress(
         else:
             base_tensors = [_base_tensor(x, r) for x, r in zip(arrays, records)]
     kind, device = _output_kind(like, base_tensors)
-    check_output_cap(records, base_tensors is not None, max_output_bytes, max_elements)
+    numels = [r.numel for r in records]
+    check_output_cap(records, base_tensors is not None, max_output_bytes, max_elements, numels)
     pipe = decoder_for(payload.pipeline)
     backend = get_backend()
     bounds = DECODE_CHUNK_DEVICE if backend.on_device else DECODE_CHUNK
     logical = [r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype) for r in records]
     host_onto = base_tensors is not None and not backend.on_device
-    runs = [] if host_onto else _runs(records, logical)  # (batched otherwise, see _decode_onto_host)
-    outs = _Outputs(records, logical, runs, base_tensors is not None, backend)
+    runs = [] if host_onto else _runs(records, logical, numels)  # (batched otherwise, see _decode_onto_host)
+    outs = _Outputs(records, logical, runs, base_tensors is not None, backend, numels)
     bases = base_tensors if base_tensors is not None else [None] * len(records)
     with backend.stream(base_tensors or []):
         if base_tensors is not None and payload.base_fingerprint is not None:
@@ -785,7 +800,7 @@ def decompress(
         # reading each check as it is made, which raises the error that names the tensor
         elif not (backend.on_device and _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, True)):
             if backend.on_device:
-                outs = _Outputs(records, logical, runs, base_tensors is not None, backend)
+                outs = _Outputs(records, logical, runs, base_tensors is not None, backend, numels)
             _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, False)
     devs = [b.device for b in base_tensors] if base_tensors is not None else [device] * len(records)
     if kind == "torch":
