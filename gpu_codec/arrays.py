@@ -61,6 +61,11 @@ def _is_cupy(x: Any) -> bool:
     return type(x).__module__.startswith("cupy")
 
 
+def is_device_array(x: Any) -> bool:
+    """Whether ``x`` is an array in GPU memory (a CuPy array), which the host reads only by a copy."""
+    return _is_cupy(x)
+
+
 def array_kind(x: Any) -> str:
     if isinstance(x, (np.ndarray, list, tuple, float, int, np.generic)):
         return "numpy"

@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
-from .arrays import Tensor, from_backend, numpy_tensors, to_tensor, torch_tensors
+from .arrays import Tensor, from_backend, is_device_array, numpy_tensors, to_tensor, torch_tensors
 from .backends import Backend, get_backend
 from .codecs import decoder_for
 from .constants import U64_MAX, ScatterMode
@@ -439,6 +439,20 @@ class _Outputs:
                 out[i] = t
         return out
 
+    def host_views(self, backend: Any) -> list[Any]:
+        """Every tensor's output as a host array, in record order: each region in device memory copied to the host
+        once (one copy a storage dtype, where a copy a tensor would make the host wait for each), then cut."""
+        hosts: dict[Any, Any] = {}
+        out = []
+        for i, (a, n) in enumerate(zip(self.starts, self.numels)):
+            key = self._key[i]
+            region = hosts.get(key)
+            if region is None:
+                flat = self.flat(i)
+                region = hosts[key] = backend.to_host(flat) if is_device_array(flat) else flat
+            out.append(region[a : a + n])
+        return out
+
     def views(self) -> list[Any]:
         """Every tensor's output, in record order."""
         if len(self._sizes) == 1 and self.numels:
@@ -807,7 +821,8 @@ def decompress(
         split = outs.torch_views(logical, devs)
         if split is not None:
             return {r.name: t.view(r.shape) for r, t in zip(records, split)}
-    views = outs.views()
+    on_host = kind == "numpy" and backend.on_device  # (NumPy outputs of a device decode: one copy a region)
+    views = outs.host_views(backend) if on_host else outs.views()
     if (
         kind == "numpy" and not backend.on_device and "bfloat16" not in logical
     ):  # (the common case, without from_backend's per-call checks)

@@ -326,3 +326,33 @@ def test_a_device_run_read_from_bytes_joins_the_buffers_as_they_lie(flaw, onto, 
             assert got == _outcome(Payload.from_bytes(blob), on)
     else:
         assert got[0] is PayloadIndexError and "tensor 'r3'" in got[1], got
+
+
+@pytest.mark.parametrize("onto", [True, False], ids=["onto-base", "delta"])
+def test_numpy_outputs_of_a_device_decode_are_copied_once_a_region(onto, monkeypatch):
+    """A device decode asked for NumPy outputs copies each storage dtype's region to the host once, not each tensor
+    (the host would wait for every copy), and gives the NumPy backend's bytes in plain host arrays."""
+    pytest.importorskip("gpu_codec.backends.emulated")
+    from gpu_codec.backends import using_backend
+    from gpu_codec.backends.emulated import EmulatorRunner
+    from gpu_codec.testing.recording import DeviceArray, RecordingBackend
+
+    rng = np.random.default_rng(8)
+    base = {
+        f"t{i}": rng.standard_normal(50 + 37 * i).astype(np.float64 if i % 7 == 3 else np.float32) for i in range(30)
+    }
+    new = {k: v + rng.standard_normal(v.size).astype(v.dtype) for k, v in base.items()}
+    blob = gpu_codec.compress(new, base, fraction=0.05).to_bytes()
+    on = base if onto else None
+    with use_backend("cpu"):
+        want = {k: _bits(v) for k, v in gpu_codec.decompress(blob, base=on).items()}
+    device = RecordingBackend(EmulatorRunner())
+    copies = []
+    real = device.to_host
+    monkeypatch.setattr(device, "to_host", lambda a: copies.append(a.size) or real(a))
+    monkeypatch.setattr(decode, "is_device_array", lambda a: isinstance(a, DeviceArray))  # (stands for CuPy's)
+    with using_backend(device):
+        out = gpu_codec.decompress(blob, base=on)
+    assert {k: _bits(v) for k, v in out.items()} == want
+    assert all(type(v) is np.ndarray for v in out.values())
+    assert len(copies) == 2 and sum(copies) == sum(v.size for v in base.values())  # (fp32 and fp64)
