@@ -34,7 +34,7 @@ import numpy as np
 
 from . import decode as _decode
 from . import dtypes
-from .arrays import from_backend, to_tensor
+from .arrays import from_backend, is_device_array, to_tensor
 from .backends import events, get_backend
 from .codecs import decoder_for
 from .constants import ScatterMode
@@ -642,7 +642,9 @@ class Aggregator:
         with self._lock:
             return self._mean_delta()
 
-    def _mean_delta(self) -> dict[str, Any]:
+    def _mean_delta(self, regions: list | None = None) -> dict[str, Any]:
+        """The mean delta per tensor: views of one allocation per value dtype, which are appended to ``regions``
+        (where given) with the positions and ends of their tensors."""
         if self.count == 0 or self._template is None:
             raise InvalidInputError("nothing to aggregate: no payload was added")
         total = self.total_weight
@@ -666,6 +668,8 @@ class Aggregator:
             ends = np.cumsum(numels).tolist()
             for p, b, n in zip(at.tolist(), ends, numels.tolist()):
                 flat[p] = mean[b - n : b]
+            if regions is not None:
+                regions.append((mean, at.tolist(), ends, numels.tolist()))
         self._ready = events.record(self._backend)
         return {n: flat[i] for i, (n, _, _) in enumerate(tpl.entries)}
 
@@ -676,9 +680,10 @@ class Aggregator:
         current torch stream for a torch CUDA base), after the adds' limb updates (an event), and the call
         returns once that stream has finished it, as decompress does."""
         bases = [to_tensor(a, n) for n, a in self._base.items()] if self._base is not None else []
+        regions: list = []
         with self._backend.stream(bases):
             with self._lock:
-                means = self._mean_delta()
+                means = self._mean_delta(regions)
                 entries = self._template.entries
             if self._base is not None:
                 # the cap was applied to every payload; every client's base + delta is finite, so the mean's is
@@ -693,6 +698,12 @@ class Aggregator:
                 del means
                 return _decode.decompress(Payload(recs, []), base=self._base, max_output_bytes=None)
             kind = self._like or "numpy"
+            if kind == "numpy" and self._backend.on_device:  # (one copy to the host a dtype, not one a tensor)
+                for mean, at, ends, numels in regions:
+                    if is_device_array(mean):
+                        host = self._backend.to_host(mean)
+                        for p, b, n in zip(at, ends, numels):
+                            means[entries[p][0]] = host[b - n : b]
             return {n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind) for n, shape, dt in entries}
 
     def _onto_base(self, means: dict[str, Any], bases: list, entries: list) -> dict[str, Any] | None:
@@ -716,6 +727,8 @@ class Aggregator:
         if not checks.passed():
             return None
         kind = bases[0].kind
+        if kind == "numpy":  # (one copy to the host a dtype, not one a tensor)
+            views = outs.host_views(backend)
         return {n: from_backend(views[i], dt, shape, kind, bases[i].device) for i, (n, shape, dt) in enumerate(entries)}
 
 

@@ -241,3 +241,48 @@ def test_a_payload_with_no_entry_adds_only_its_weight():
     agg.add(p)
     want = aggregate([p])
     assert agg.count == 2 and all(np.array_equal(v, want[n] / 2) for n, v in agg.result().items())
+
+
+@pytest.mark.parametrize("onto", [True, False], ids=["onto-base", "delta"])
+def test_numpy_results_of_a_device_aggregator_are_copied_once_a_dtype(onto, monkeypatch):
+    """A device aggregator whose result is NumPy (NumPy base, or none) copies each dtype's outputs to the host once,
+    not each tensor, and gives the NumPy backend's bytes in plain host arrays."""
+    pytest.importorskip("gpu_codec.backends.emulated")
+    import sys
+
+    from gpu_codec import decode
+    from gpu_codec.backends import using_backend
+    from gpu_codec.backends.emulated import EmulatorRunner
+    from gpu_codec.testing.recording import DeviceArray, RecordingBackend
+
+    rng = np.random.default_rng(12)
+    base = {
+        f"t{i}": rng.standard_normal(40 + 29 * i).astype(np.float64 if i % 5 == 2 else np.float32) for i in range(25)
+    }
+    blobs = []
+    for _ in range(3):
+        new = {k: v + rng.standard_normal(v.size).astype(v.dtype) for k, v in base.items()}
+        blobs.append(gpu_codec.compress(new, base, fraction=0.1).to_bytes())
+    on = base if onto else None
+
+    def run():
+        agg = Aggregator(base=on)
+        for b in blobs:
+            agg.add(b)
+        return agg
+
+    with use_backend("cpu"):
+        want = {k: np.asarray(v).tobytes() for k, v in run().result().items()}
+    device = RecordingBackend(EmulatorRunner())
+    is_device = lambda a: isinstance(a, DeviceArray)  # noqa: E731  (stands for CuPy's)
+    monkeypatch.setattr(decode, "is_device_array", is_device)
+    monkeypatch.setattr(sys.modules["gpu_codec.aggregate"], "is_device_array", is_device)
+    with using_backend(device):
+        agg = run()
+        copies = []
+        real = device.to_host
+        monkeypatch.setattr(device, "to_host", lambda a: copies.append(a.size) or real(a))
+        out = agg.result()
+    assert {k: np.asarray(v).tobytes() for k, v in out.items()} == want
+    assert all(type(v) is np.ndarray for v in out.values())
+    assert len(copies) == 2 and sum(copies) == sum(v.size for v in base.values())  # (fp32 and fp64)
