@@ -476,30 +476,29 @@ def _decode_all(
     end (:class:`DeviceChecks`); False where one failed or the decoders refused the payload. Without it, the first
     failed check raises its error."""
     checks = DeviceChecks(backend.xp) if defer else None
-    run: list = []  # (position, decoded) of the tensors of one run, adjacent in their buffer (positions: plain)
+    run: list = []  # (position, decoded) of the tensors of one run, adjacent in their buffer
     plain = _plain_buffers(pipe, records)
 
     def one(i: int, d: Any) -> None:
+        if d is None:  # (a plain record: decoded only where it is decoded alone)
+            d = next(pipe.decode_stream([records[i]], backend))
         if checks is not None:
             _decode_one_deferred(d, bases[i], backend, bounds, lambda: outs[i], checks)
         else:
             _decode_one(d, bases[i], backend, bounds, lambda: outs[i])
 
-    def decoded(i: int) -> Any:
-        return next(pipe.decode_stream([records[i]], backend))
-
     def flush() -> None:
-        first, last = (run[0], run[-1]) if plain is not None else (run[0][0], run[-1][0])
+        first, last = run[0][0], run[-1][0]
         offsets = outs.starts[first : last + 1] + [outs.starts[last] + outs.numels[last]]
         flat_of, lg, bs = (lambda: outs.flat(first)), logical[first], bases[first : last + 1]
         if len(run) == 1:
             ok = False
         elif plain is not None:  # (the entries as they lie in the buffers: no decoder)
             idx, vals = plain
-            nnz = [records[i].nnz for i in run]
+            nnz = [(i, records[i].nnz) for i, _ in run]
             joined = join_entries(
-                [idx[i][:n] for i, n in zip(run, nnz)],
-                [vals[i][:n] for i, n in zip(run, nnz)],
+                [idx[i][:n] for i, n in nnz],
+                [vals[i][:n] for i, n in nnz],
                 outs.numels[first : last + 1],
                 offsets,
                 backend,
@@ -509,27 +508,24 @@ def _decode_all(
         else:
             ok = _decode_run([d for _, d in run], flat_of, offsets, bs, lg, backend, checks)
         if not ok:
-            for i, d in [(i, decoded(i)) for i in run] if plain is not None else run:
-                one(i, d)  # one by one (one alone; a bad run: the error names the tensor)
+            for i, d in run:  # one by one (one alone; a bad run: the error names the tensor)
+                one(i, d)
         run.clear()
 
+    # a plain payload's records are read from their buffers; any other's are decoded one at a time, in order
+    stream = (
+        ((i, None) for i in range(len(records)))
+        if plain is not None
+        else enumerate(pipe.decode_stream(records, backend))
+    )
     try:
-        if plain is not None:
-            for i in range(len(records)):
-                if run and runs[i] != runs[run[-1]]:
-                    flush()
-                if runs[i] is not None:
-                    run.append(i)
-                else:
-                    one(i, decoded(i))
-        else:
-            for i, d in enumerate(pipe.decode_stream(records, backend)):
-                if run and runs[i] != runs[run[-1][0]]:
-                    flush()
-                if runs[i] is not None:
-                    run.append((i, d))
-                else:
-                    one(i, d)
+        for i, d in stream:
+            if run and runs[i] != runs[run[-1][0]]:
+                flush()
+            if runs[i] is not None:
+                run.append((i, d))
+            else:
+                one(i, d)
         if run:
             flush()
     except PayloadError:
@@ -543,9 +539,7 @@ def _plain_buffers(pipe: Any, records: list) -> tuple[list, list] | None:
     """Every record's indices and values where the pipeline has no stage after top-k and every record is ``coo``
     with host buffers (a payload read from bytes): its entries are read as they lie, with no decoder. None
     otherwise."""
-    if pipe.values is not None or pipe.indices is not None or pipe.bytes is not None:
-        return None
-    if not all(r.encoding == "coo" for r in records):
+    if not pipe.plain() or not all(r.encoding == "coo" for r in records):
         return None
     bufs = [r.buffers for r in records]
     idx, vals = [b.get("indices") for b in bufs], [b.get("values") for b in bufs]
@@ -607,14 +601,14 @@ def _decode_onto_host(
     starts = np.asarray(outs.starts, np.int64)
     cap = batch_entries(outs.nbytes)
     count = len(records)
-    plain = pipe.values is None and pipe.indices is None and pipe.bytes is None
+    plain = pipe.plain()
     # each batched tensor's indices, values and entry count
     idx_of: list = [None] * count
     val_of: list = [None] * count
     nnz_of: list = [0] * count
     as_read = _plain_buffers(pipe, records)
     every = as_read is not None
-    if as_read is not None:  # (the entries as they lie in the buffers, read in a few passes over the records)
+    if every:  # (the entries as they lie in the buffers, read in a few passes over the records)
         idx_of, val_of, nnz_of = *as_read, [r.nnz for r in records]
     pending: dict[Any, list] = {}  # storage dtype -> the positions of its batch (adjacent in its region)
     held: dict[Any, int] = {}  # ... and the batch's entries

@@ -119,18 +119,15 @@ def _many_small(n: int, seed: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     return tuple(sizes), tuple(dts)
 
 
-PACKED = [
-    kc.TopkCase(
-        f"packed_{scope}_{pattern}_{res_out}_q{q}",
-        *_many_small(61, seed),
-        scope=scope,
-        k=k,
-        res=res_out != "none",
-        res_out=res_out,
-        qmode=q,
-        pattern=pattern,
-        seed=seed,
+def _case(name: str, sizes, dts, scope: str, pattern: str, res_out: str, q: int, k, seed: int) -> kc.TopkCase:
+    """A selection case with a residual read where ``res_out`` is not "none"."""
+    return kc.TopkCase(
+        name, sizes, dts, scope=scope, k=k, res=res_out != "none", res_out=res_out, qmode=q, pattern=pattern, seed=seed
     )
+
+
+PACKED = [
+    _case(f"packed_{scope}_{pattern}_{res_out}_q{q}", *_many_small(61, seed), scope, pattern, res_out, q, k, seed)
     for seed, (scope, pattern, res_out, q, k) in enumerate(
         [
             ("global", "normal", "none", 0, 0.05),
@@ -147,17 +144,16 @@ PACKED = [
 
 
 SMALL = [
-    kc.TopkCase(
+    _case(
         f"small_{pattern}_{res_out}",
         (5000, 12000, 7001, 300, 20000),
         ("f32", "f16", "bf16", "f32", "f32"),
-        scope="tensor",
-        k=k,
-        res=res_out != "none",
-        res_out=res_out,
-        qmode=q,
-        pattern=pattern,
-        seed=seed,
+        "tensor",
+        pattern,
+        res_out,
+        q,
+        k,
+        seed,
     )
     for seed, (pattern, res_out, q, k) in enumerate(
         [

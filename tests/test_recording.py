@@ -105,6 +105,19 @@ def test_the_recorded_call_computes_the_cpu_bytes(emulator):
     assert out[0].to_bytes() == _cpu_blob(new, base, fraction=0.01)  # the first call is the recorded one
 
 
+def _read_where_they_lie(new: dict, base: dict, emulator) -> None:
+    """A recorded compress of resident ``new`` and ``base`` gives the CPU bytes and copies no tensor."""
+    out = []
+    m = measure(
+        lambda _: out.append(gpu_codec.compress(new, base, fraction=0.01)),
+        resident=[new, base],
+        emulator=emulator,
+        repeat=2,
+    )
+    assert out[0].to_bytes() == _cpu_blob(new, base, fraction=0.01)
+    assert m.counts.h2d_bytes < 1000  # (the tables: no tensor is copied)
+
+
 def test_resident_tensors_of_every_layout_are_read_where_they_lie(emulator):
     """Resident inputs known by identity (arrays that own their memory, flat or not; slices of one buffer, as a
     flat parameter store holds them; a reshaped slice): wrapped without a copy, and the kernels read each at its
@@ -119,15 +132,7 @@ def test_resident_tensors_of_every_layout_are_read_where_they_lie(emulator):
     }
     base = {"own2d": rng.standard_normal((40, 50)).astype(np.float32), "s0": store[:7000], "s1": store[7000:19000]}
     new["r"], base["r"] = store_new[19000:].reshape(100, 110), store[19000:].reshape(100, 110)
-    out = []
-    m = measure(
-        lambda _: out.append(gpu_codec.compress(new, base, fraction=0.01)),
-        resident=[new, base],
-        emulator=emulator,
-        repeat=2,
-    )
-    assert out[0].to_bytes() == _cpu_blob(new, base, fraction=0.01)
-    assert m.counts.h2d_bytes < 1000  # (the tables: no tensor is copied)
+    _read_where_they_lie(new, base, emulator)
 
 
 def test_resident_torch_tensors_are_read_where_they_lie(emulator):
@@ -140,15 +145,7 @@ def test_resident_torch_tensors_are_read_where_they_lie(emulator):
         b = rng.standard_normal(3000 * (i + 1)).astype(np.float32)
         base[f"t{i}"] = torch.from_numpy(b).to(dt)
         new[f"t{i}"] = torch.from_numpy(b + rng.standard_normal(b.size).astype(np.float32)).to(dt)
-    out = []
-    m = measure(
-        lambda _: out.append(gpu_codec.compress(new, base, fraction=0.01)),
-        resident=[new, base],
-        emulator=emulator,
-        repeat=2,
-    )
-    assert out[0].to_bytes() == _cpu_blob(new, base, fraction=0.01)
-    assert m.counts.h2d_bytes < 1000  # (the tables: no tensor is copied)
+    _read_where_they_lie(new, base, emulator)
 
 
 @pytest.mark.parametrize("scope", ["global", "per_tensor"])

@@ -114,6 +114,10 @@ class Pipeline:
     def _coded(self) -> bool:
         return self.values is not None or self.indices is not None
 
+    def plain(self) -> bool:
+        """No stage after top-k: its records are ``coo`` / ``dense`` buffers as the selection wrote them."""
+        return not self._coded() and self.bytes is None
+
     def encode(self, records: list[TensorRecord], backend: Backend, residual: list[Any] | None) -> list[TensorRecord]:
         """Turn the engine's ``coo`` (or ``dense``) records into this pipeline's encodings, on the backend.
 
