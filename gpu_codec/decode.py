@@ -46,6 +46,12 @@ def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[s
     return like, None
 
 
+def _output_bytes(logical: list[str], numels: list[int]) -> int:
+    """Bytes of the dense outputs of tensors of these logical dtypes and element counts."""
+    size = {lg: dtypes.storage_dtype(lg).itemsize for lg in set(logical)}
+    return sum(n * size[lg] for lg, n in zip(logical, numels))
+
+
 def _output_itemsize(r: TensorRecord, with_base: bool) -> int:
     logical = r.dtype if with_base else dtypes.value_dtype(r.dtype)
     return dtypes.storage_dtype(logical).itemsize
@@ -259,7 +265,8 @@ def join_entries(
     if not sum(counts):
         return None
     o0, o1 = offsets[0], offsets[-1]
-    wide = any(i.dtype.itemsize > 4 for i in idx)  # (a payload may give a small tensor 64-bit indices)
+    # (a payload may give a small tensor 64-bit indices; a span past 2^32 elements needs them)
+    wide = any(i.dtype.itemsize > 4 for i in idx) or dtypes.index_dtype(o1 - o0).itemsize > 4
     join = np.concatenate if on_host else xp.concatenate
     gi = join([i.astype(np.int64 if wide else np.uint32, copy=False) for i in idx])
     vals = join(vals)
@@ -328,18 +335,27 @@ def decoded_records(payload: Payload, backend: Backend) -> list[TensorRecord]:
     return decoder_for(payload.pipeline).decode(payload.tensors, backend)
 
 
-def _runs(records: list[TensorRecord], logical: list[str], numels: list[int]) -> list[int | None]:
-    """Each record's run (small sparse tensors of one dtype decoded together, see :func:`_decode_run`), or None for a
-    tensor decoded alone: at most SMALL_RUN elements and SMALL_RUN_ENTRIES entries a run."""
+def _runs(
+    records: list[TensorRecord], logical: list[str], numels: list[int], entries_cap: int | None = None
+) -> list[int | None]:
+    """Each record's run (sparse tensors of one dtype decoded together, see :func:`_decode_run`), or None for a
+    tensor decoded alone: small tensors (SMALL_TENSOR elements), at most SMALL_RUN elements and SMALL_RUN_ENTRIES
+    entries a run; or with ``entries_cap`` (a device decode, whose runs are written straight into the outputs'
+    one allocation) sparse tensors of any size, at most ``entries_cap`` entries a run, so the launches of a decode
+    do not grow with its tensor count (a run's temporaries are its entries', as a tensor decoded alone streams
+    chunks of them)."""
+    most_numel, most_size = (SMALL_TENSOR, SMALL_RUN) if entries_cap is None else (None, None)
+    most_entries = SMALL_RUN_ENTRIES if entries_cap is None else entries_cap
     out: list[int | None] = []
     run, size, entries = -1, 0, 0
     for i, (r, numel) in enumerate(zip(records, numels)):
         inner = r.codec.get("inner", r.encoding) if r.encoding in ("zstd", "nvcomp") else r.encoding
-        if inner not in ("coo", "sparse") or numel > SMALL_TENSOR:
+        if inner not in ("coo", "sparse") or (most_numel is not None and numel > most_numel):
             out.append(None)
             continue
         joins = i and out[-1] == run and logical[i] == logical[i - 1]
-        if not (joins and size + numel <= SMALL_RUN and entries + r.nnz <= SMALL_RUN_ENTRIES):
+        fits = entries + r.nnz <= most_entries and (most_size is None or size + numel <= most_size)
+        if not (joins and fits):
             run, size, entries = run + 1, 0, 0
         out.append(run)
         size += numel
@@ -794,7 +810,12 @@ def decompress(
     bounds = DECODE_CHUNK_DEVICE if backend.on_device else DECODE_CHUNK
     logical = [r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype) for r in records]
     host_onto = base_tensors is not None and not backend.on_device
-    runs = [] if host_onto else _runs(records, logical, numels)  # (batched otherwise, see _decode_onto_host)
+    if host_onto:
+        runs: list = []  # (batched, see _decode_onto_host)
+    elif backend.on_device:  # (runs of sparse tensors of any size, bounded by their entries)
+        runs = _runs(records, logical, numels, batch_entries(_output_bytes(logical, numels)))
+    else:
+        runs = _runs(records, logical, numels)
     outs = _Outputs(records, logical, runs, base_tensors is not None, backend, numels)
     bases = base_tensors if base_tensors is not None else [None] * len(records)
     with backend.stream(base_tensors or []):

@@ -279,6 +279,20 @@ def test_an_index_that_wraps_past_the_span_is_refused(itype):
             gpu_codec.decompress(src, base=base)
 
 
+def test_a_joined_run_past_2_to_the_32_elements_places_its_entries_in_64_bits():
+    """A device run's span has no element bound (only its entries are), so tensors after the 2^32-th element of a
+    run are placed with 64-bit positions: 32-bit ones would wrap onto the first tensor."""
+    big = (1 << 32) + 10
+    idx = [np.array([3, big - 1], np.uint64), np.array([0, 7], np.uint32)]
+    vals = [np.ones(2, np.float32), np.full(2, 2, np.float32)]
+    gi, v, counts, ok = decode.join_entries(idx, vals, [big, 8], [5, 5 + big, 13 + big], CpuBackend(), True)
+    assert bool(ok) and counts == [2, 2] and gi.dtype == np.uint64
+    assert gi.tolist() == [3, big - 1, big, big + 7] and v.tolist() == [1, 1, 2, 2]
+    idx[0] = np.array([3, 9], np.uint32)  # (32-bit indices, a wide span)
+    gi, _, _, ok = decode.join_entries(idx, vals, [big, 8], [5, 5 + big, 13 + big], CpuBackend(), True)
+    assert bool(ok) and gi.dtype == np.uint64 and gi.tolist() == [3, 9, big, big + 7]
+
+
 def _run_update(seed: int = 4) -> tuple[dict, dict]:
     """Small float32 tensors in a row (one run on a device backend), with an empty one among them."""
     rng = np.random.default_rng(seed)

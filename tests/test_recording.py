@@ -198,6 +198,28 @@ def test_decompress_of_small_tensors_launches_and_copies_as_often_at_any_tensor_
     assert work[30] == work[300], work
 
 
+def test_decompress_of_large_tensors_launches_and_copies_as_often_at_any_tensor_count(emulator):
+    """Sparse tensors of any size go in runs on a device (bounded by their entries, not their elements): a
+    decompress of tensors above SMALL_TENSOR elements launches as often for 2 of them as for 6, and gives the CPU's
+    bytes."""
+    work = {}
+    for t in (2, 6):
+        rng = np.random.default_rng(t)
+        base = {f"t{i}": rng.standard_normal(decode.SMALL_TENSOR + 1000 * i).astype(np.float32) for i in range(t)}
+        new = {k: v + rng.standard_normal(v.size).astype(np.float32) for k, v in base.items()}
+        blob = _cpu_blob(new, base, fraction=0.01)
+        m = measure(lambda _, b=blob, bs=base: gpu_codec.decompress(b, base=bs), resident=[base], emulator=emulator)
+        c = m.counts
+        work[t] = (c.launches, c.array_ops, c.h2d, c.syncs)
+        assert c.kernels["gather_copy"] == 1 and not c.host_numpy
+        with use_backend("cpu"):
+            want = gpu_codec.decompress(blob, base=base)
+        with _device(emulator):
+            got = gpu_codec.decompress(blob, base=base)
+        assert all(np.asarray(got[k]).tobytes() == want[k].tobytes() for k in want)
+    assert work[2] == work[6], work
+
+
 def test_add_and_mean_of_small_tensors_launch_and_copy_as_often_at_any_tensor_count(emulator):
     """An aggregator's add of a payload of small tensors (its entries joined a run at a time, checked, split and
     added by one launch a run; the grids that coarsen moved by one launch), its mean (one launch a value dtype) and
@@ -251,8 +273,11 @@ def _device(emulator):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 @pytest.mark.parametrize("fraction", [0.03, None])
-def test_the_device_decode_gives_the_cpu_bytes(emulator, dtype, fraction, monkeypatch):
+@pytest.mark.parametrize("alone", [False, True])
+def test_the_device_decode_gives_the_cpu_bytes(emulator, dtype, fraction, alone, monkeypatch):
     monkeypatch.setattr(decode, "DECODE_CHUNK_DEVICE", (64, 64))  # chunks of entries: their order is checked
+    if alone:  # (runs of at most 64 entries: the large tensor is decoded alone, a chunk at a time)
+        monkeypatch.setattr(decode, "BATCH_ENTRIES", (64, 64))
     rng = np.random.default_rng(5)
     sizes = [300_000 if fraction else 3000, 5, 0, 7000, 1]  # (a dense tensor is never decoded in a run)
     base = {f"t{i}": rng.standard_normal(s).astype(dtype) for i, s in enumerate(sizes)}
