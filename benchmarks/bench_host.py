@@ -1,7 +1,8 @@
 """The GPU path's host side, measured by the recording launcher (:mod:`gpu_codec.testing.recording`).
 
 For 1, 10, 100 and 1,000 uneven tensors (the zoo's split of ``--elements`` fp32 elements, benchmarks/zoo.py
-``split_update``) and any zoo entries named: one compress (top-k 1%, global), one decompress of its bytes onto the
+``split_update``), any zoo entries named (scaled to about ``--elements``) and any named with ``--full`` at their
+full size (whose launches must not grow with it): one compress (top-k 1%, global), one decompress of its bytes onto the
 base, and one aggregator ``add`` of its bytes (an Aggregator over the base, made beforehand), each recorded once on
 the emulator and replayed ``--repeat`` times with no kernel run. Reported per call: the replay's Python time (ms,
 median; of which in the NumPy work standing for CuPy's array operations and copies), kernel launches,
@@ -10,7 +11,7 @@ array-module kernels, syncs (host waits on the device), host-to-device copies an
 host's and noisy.
 
     python benchmarks/bench_host.py                   # writes benchmarks/results/host_recording.{json,md}
-    python benchmarks/bench_host.py --tensors 1 10 --entries resnet-50 --out /tmp/h.json
+    python benchmarks/bench_host.py --tensors 1 10 --entries resnet-50 --full --out /tmp/h.json
     python benchmarks/bench_host.py --check --from-json benchmarks/results/host_recording.json
 """
 
@@ -36,13 +37,20 @@ OPS = ("compress", "decompress", "add")
 TENSORS = (1, 10, 100, 1000)
 
 
-def run(tensors: list[int], elements: int, entries: list[str], repeat: int, seed: int = 0) -> dict[str, Any]:
+FULL = " (full)"  # the suffix of a zoo entry's row at its full size
+
+
+def run(
+    tensors: list[int], elements: int, entries: list[str], repeat: int, full: list[str] = (), seed: int = 0
+) -> dict[str, Any]:
     commit = commit_label()
     rows = []
     cases = [(f"split-{t}", lambda t=t: split_update(elements, t, seed)) for t in tensors]
     for name in entries:
         e = ZOO[name]
         cases.append((name, lambda e=e: e.build(scale_for(e, elements), seed)))
+    for name in full:
+        cases.append((name + FULL, lambda e=ZOO[name]: e.build(1.0, seed)))
     for name, build in cases:
         t0 = time.perf_counter()
         update = build()
@@ -73,8 +81,17 @@ def _line(row: dict[str, Any]) -> str:
 
 def check(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     """(PASS | FAIL, row, what) per target: syncs at every count, host time at 1,000 tensors (and, reported
-    against the same formula, at every other count)."""
-    return [v for r in doc["rows"] for v in host_verdicts(r["entry"], r["tensors"], r["ops"])]
+    against the same formula, at every other count); and for an entry measured at its full size too, launches that
+    do not grow with it (its tensors above the size the capped row gives them are not launched for one by one)."""
+    out = [v for r in doc["rows"] for v in host_verdicts(r["entry"], r["tensors"], r["ops"])]
+    capped = {r["entry"]: r for r in doc["rows"]}
+    for r in doc["rows"]:
+        small = capped.get(r["entry"].removesuffix(FULL)) if r["entry"].endswith(FULL) else None
+        for op in OPS if small is not None else ():
+            a, b = small["ops"][op]["launches"], r["ops"][op]["launches"]
+            what = f"{op} launches {b} at {r['elements']:,} elements = {a} at {small['elements']:,}"
+            out.append(("PASS" if a == b else "FAIL", r["entry"], what))
+    return out
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -111,6 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tensors", nargs="*", type=int, default=list(TENSORS), help="split counts")
     ap.add_argument("--elements", type=int, default=1 << 21, help="elements of each split (and zoo entries' cap)")
     ap.add_argument("--entries", nargs="*", default=["resnet-50"], choices=sorted(ZOO), help="zoo entries too")
+    ap.add_argument(
+        "--full", nargs="*", default=["resnet-50"], choices=sorted(ZOO), help="zoo entries at their full size too"
+    )
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", type=pathlib.Path, help="JSON output (default benchmarks/results/host_recording.json)")
     ap.add_argument("--from-json", type=pathlib.Path, help="no run: read these results")
@@ -120,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads(a.from_json.read_text())
     else:
         t0 = time.perf_counter()
-        doc = run(a.tensors, a.elements, a.entries, a.repeat)
+        doc = run(a.tensors, a.elements, a.entries, a.repeat, a.full)
         doc["command"] = " ".join(["python benchmarks/bench_host.py", *(sys.argv[1:] if argv is None else argv)])
         print(f"({time.perf_counter() - t0:.1f} s)")
         out = a.out or RESULTS / "host_recording.json"

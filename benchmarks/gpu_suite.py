@@ -315,6 +315,7 @@ class Suite:
             ("rice", kc.rice_cases(), kc.rice_stepwise),
             ("floats", [3001, 1 << 20], lambda r, n: kc.float_steps(r, f"floats_{n}", n)),
             ("gather_copy", [kc.GATHER_SIZES, (1 << 20, 3, 1 << 18)], kc.gather_copy_vs_twin),
+            ("gather_entries", [kc.GATHER_SIZES, (1 << 20, 3, 1 << 18)], kc.gather_entries_vs_twin),
         ]
         failures, n = [], 0
         for gname, cases, fn in groups:
@@ -892,6 +893,7 @@ def workload(runner_kind: str) -> int:
     m += kc.rice_stepwise(r, kc.RiceCase("workload_rice_u64", (300, 5000), (1 << 36, 9000), wide=True))
     m += kc.float_steps(r, "workload_floats", 3001)
     m += kc.gather_copy_vs_twin(r)
+    m += kc.gather_entries_vs_twin(r)
     _sync(inner)
     from gpu_codec.backends.sources import kernel_signatures
 

@@ -416,3 +416,37 @@ def gather_copy(nt, total, ent_start, src_ptrs, esize, out):
         a, b = int(es[t]), int(es[t + 1])
         if b > a:
             dst[a:b] = src_ptrs[t].reshape(-1).view(word)[: b - a]
+
+
+def _gather_entries(nt, total, ent_start, elem_start, src_ptrs, idx, esize, out):
+    word = {2: np.uint16, 4: np.uint32, 8: np.uint64}[int(esize)]
+    es, el = np.asarray(ent_start, dtype=np.uint64), np.asarray(elem_start, dtype=np.uint64)
+    dst = out.view(word)
+    for t in range(int(nt)):
+        a, b = int(es[t]), int(es[t + 1])
+        if b <= a:
+            continue
+        at = idx[a:b].astype(np.uint64)
+        inside = (at >= el[t]) & (at < el[t + 1])  # (checked by the caller: one outside writes nothing)
+        src = src_ptrs[t].reshape(-1).view(word)
+        dst[a:b][inside] = src[(at[inside] - el[t]).astype(np.intp)]
+
+
+def gather_entries_u32(nt, total, ent_start, elem_start, src_ptrs, idx, esize, out):
+    """Twin of ``gather_entries_u32`` (kernels/scatter.cu): entry j of tensor t (``ent_start``), at position idx[j]
+    of a run's span in which tensor t holds [elem_start[t], elem_start[t + 1]), reads element idx[j] - elem_start[t]
+    of ``src_ptrs[t]`` (the list of source arrays), bits as they are; ``esize`` is the bytes of an element.
+
+    >>> out = np.zeros(3, np.float32)
+    >>> srcs = [np.array([5, 6], np.float32), np.array([7, 8, 9], np.float32)]
+    >>> gather_entries_u32(2, 3, np.array([0, 1, 3], np.uint64), np.array([0, 2, 5], np.uint64), srcs,
+    ...                    np.array([1, 2, 4], np.uint32), 4, out)
+    >>> out.tolist()
+    [6.0, 7.0, 9.0]
+    """
+    _gather_entries(nt, total, ent_start, elem_start, src_ptrs, idx, esize, out)
+
+
+def gather_entries_u64(nt, total, ent_start, elem_start, src_ptrs, idx, esize, out):
+    """Twin of ``gather_entries_u64`` (64-bit positions): as :func:`gather_entries_u32`."""
+    _gather_entries(nt, total, ent_start, elem_start, src_ptrs, idx, esize, out)

@@ -377,7 +377,9 @@ class Aggregator:
         records = payload.tensors
         with_base = self._base is not None
         logical = [r.dtype if with_base else dtypes.value_dtype(r.dtype) for r in records]
-        runs, dense = self._runs(records, logical, pos)
+        # (on a device, runs of sparse tensors of any size, bounded by their entries, as decompress forms them)
+        cap = _decode.batch_entries(_decode.output_bytes(logical, template.numels[pos].tolist()))
+        runs, dense = self._runs(records, logical, pos, cap if backend.on_device else None)
         segs: list[_Segment] = []
         flags, parts = [], []
         where = np.full(len(records), -1, np.int64)  # each tensor's largest |v| in the read-back (-1: none)
@@ -443,14 +445,11 @@ class Aggregator:
                 names = [template.entries[p][0] for p in seg.pos]
                 lg = template.entries[seg.pos[0]][2]
                 bases = [to_tensor(self._base[n], n) for n in names]
-                if seg.idx is not None and not backend.on_device:
+                if seg.idx is not None:
                     self._check_run_onto_bases(seg, bases, lg, template, checks)
                     continue
+                # a dense run (of small tensors): every element's sum with its base, as decompress forms it, in one pass
                 span = xp.empty(int(template.numels[seg.pos].sum()), dtype=dtypes.storage_dtype(lg))
-                if seg.idx is not None:
-                    _decode.apply_run(seg.idx, seg.vals, span, bases, lg, backend, checks)
-                    continue
-                # a dense run: every element's sum with its base, as decompress forms it, in one pass
                 ends = np.cumsum(seg.counts).tolist()
                 cut = [(b - c, b) for c, b in zip(seg.counts, ends)]
                 code = dtypes.code(lg)
@@ -470,21 +469,22 @@ class Aggregator:
         return segs, _grid_exponents(cmax)
 
     def _check_run_onto_bases(self, seg: _Segment, bases: list, lg: str, template: _Template, checks: Any) -> None:
-        """On the host: the sums with the bases of a sparse run's entries (their indices checked), formed as
-        :func:`gpu_codec.decompress` forms them, from each base gathered at its entries (not a copy of the run's
-        bases: the entries' worth of work, not the elements'), their checks left in ``checks``."""
-        backend = self._backend
+        """The sums with the bases of a sparse run's entries (their indices checked), formed as
+        :func:`gpu_codec.decompress` forms them, from the bases read at the entries (``gather_entries``: one
+        launch on a device; not a copy of the run's bases: the entries' worth of memory and work, not the
+        elements'), their checks left in ``checks``."""
+        backend, xp = self._backend, self._backend.xp
+        n = int(seg.vals.size)
+        if not n:
+            return
         at = template.starts[seg.pos] - template.starts[seg.pos[0]]
-        local = seg.idx - np.repeat(at, seg.counts).astype(seg.idx.dtype)  # each entry's index in its own tensor
-        ends = np.cumsum(seg.counts).tolist()
-        take = np.take
-        gathered = [take(backend.asarray(b.data), local[e - c : e]) for b, c, e in zip(bases, seg.counts, ends) if c]
-        code = dtypes.code(lg)
-        out = np.empty(int(seg.vals.size), dtype=dtypes.storage_dtype(lg))
-        if gathered:
-            part = np.concatenate(gathered)
-            checks.word(backend.dense_apply([out], [code], [part], [seg.vals], ScatterMode.ADD, True))
-            checks.flag(some_nonfinite(out, code, np))
+        spans = [*at.tolist(), int(at[-1] + template.numels[seg.pos[-1]])]  # each tensor's start in the run's span
+        code, storage = dtypes.code(lg), dtypes.storage_dtype(lg)
+        part = xp.empty(n, dtype=storage)
+        backend.gather_entries(part, [backend.asarray(b.data) for b in bases], spans, seg.idx, seg.counts)
+        out = xp.empty(n, dtype=storage)
+        checks.word(backend.dense_apply([out], [code], [part], [seg.vals], ScatterMode.ADD, True))
+        checks.flag(some_nonfinite(out, code, xp))
 
     @staticmethod
     def _join_dense(records: list[TensorRecord], backend: Any) -> tuple[None, Any, list[int], None] | None:
@@ -507,12 +507,15 @@ class Aggregator:
         return None, joined, [r.numel for r in records], None
 
     @staticmethod
-    def _runs(records: list[TensorRecord], logical: list[str], pos: np.ndarray) -> tuple[list[int | None], set[int]]:
-        """Each record's run, or None for a tensor added alone: :func:`gpu_codec.decode.decompress`'s runs of small
-        sparse tensors, and runs of small plain dense ones (as many elements), each cut where the tensors are not
-        adjacent in the accumulator; and the runs that are dense."""
+    def _runs(
+        records: list[TensorRecord], logical: list[str], pos: np.ndarray, entries_cap: int | None = None
+    ) -> tuple[list[int | None], set[int]]:
+        """Each record's run, or None for a tensor added alone: :func:`gpu_codec.decode.decompress`'s runs of sparse
+        tensors (small ones; with ``entries_cap``, on a device, of any size and at most that many entries a run),
+        and runs of small plain dense ones (as many elements), each cut where the tensors are not adjacent in the
+        accumulator; and the runs that are dense."""
         numels = [r.numel for r in records]
-        given = _decode._runs(records, logical, numels)
+        given = _decode._runs(records, logical, numels, entries_cap)
         out: list[int | None] = []
         dense: set[int] = set()
         rid, size = -1, 0

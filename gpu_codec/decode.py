@@ -46,7 +46,7 @@ def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[s
     return like, None
 
 
-def _output_bytes(logical: list[str], numels: list[int]) -> int:
+def output_bytes(logical: list[str], numels: list[int]) -> int:
     """Bytes of the dense outputs of tensors of these logical dtypes and element counts."""
     size = {lg: dtypes.storage_dtype(lg).itemsize for lg in set(logical)}
     return sum(n * size[lg] for lg, n in zip(logical, numels))
@@ -813,7 +813,7 @@ def decompress(
     if host_onto:
         runs: list = []  # (batched, see _decode_onto_host)
     elif backend.on_device:  # (runs of sparse tensors of any size, bounded by their entries)
-        runs = _runs(records, logical, numels, batch_entries(_output_bytes(logical, numels)))
+        runs = _runs(records, logical, numels, batch_entries(output_bytes(logical, numels)))
     else:
         runs = _runs(records, logical, numels)
     outs = _Outputs(records, logical, runs, base_tensors is not None, backend, numels)
@@ -856,4 +856,5 @@ __all__ = [
     "decoded_records",
     "decompress",
     "join_run",
+    "output_bytes",
 ]

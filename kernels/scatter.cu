@@ -89,3 +89,42 @@ extern "C" __global__ void gather_copy(
         ((u16*)out)[j] = ((const u16*)src_ptrs[t])[i];
     }
 }
+
+// A run's bases read at its entries, in one launch (an aggregator checks the sums of a run's entries with their
+// bases from the entries' worth of memory, not from a copy of every base): entry j, owned by tensor t where
+// ent_start[t] <= j < ent_start[t + 1], sits at position idx[j] of the run's span, in which tensor t holds
+// [elem_start[t], elem_start[t + 1]); out[j] is element idx[j] - elem_start[t] of src_ptrs[t], its bits as they
+// are. The caller checked every index; one outside its tensor writes nothing (and reads nothing).
+template <typename IDX>
+__device__ __forceinline__ void gather_entries_impl(
+    int nt, u64 total, const u64* ent_start, const u64* elem_start, const u64* src_ptrs, const IDX* idx, int esize,
+    void* out)
+{
+    const u64 j = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (j >= total) return;
+    const int t = tensor_of_entry(ent_start, nt, j);
+    const u64 at = (u64)idx[j];
+    if (at < elem_start[t] || at >= elem_start[t + 1]) return;
+    const u64 i = at - elem_start[t];
+    if (esize == 8) {
+        ((u64*)out)[j] = ((const u64*)src_ptrs[t])[i];
+    } else if (esize == 4) {
+        ((u32*)out)[j] = ((const u32*)src_ptrs[t])[i];
+    } else {
+        ((u16*)out)[j] = ((const u16*)src_ptrs[t])[i];
+    }
+}
+
+extern "C" __global__ void gather_entries_u32(
+    int nt, u64 total, const u64* ent_start, const u64* elem_start, const u64* src_ptrs, const u32* idx, int esize,
+    void* out)
+{
+    gather_entries_impl<u32>(nt, total, ent_start, elem_start, src_ptrs, idx, esize, out);
+}
+
+extern "C" __global__ void gather_entries_u64(
+    int nt, u64 total, const u64* ent_start, const u64* elem_start, const u64* src_ptrs, const u64* idx, int esize,
+    void* out)
+{
+    gather_entries_impl<u64>(nt, total, ent_start, elem_start, src_ptrs, idx, esize, out);
+}

@@ -12,6 +12,7 @@ import pytest
 
 import gpu_codec
 from gpu_codec.aggregate import SPARSE_ENTRY_BYTES, Aggregator, held_bytes
+from gpu_codec.decode import SMALL_TENSOR
 from gpu_codec.errors import InvalidInputError, PayloadLimitError, PayloadValueError
 from tests.common import BACKENDS, use_backend
 
@@ -123,21 +124,23 @@ def test_a_delta_that_takes_the_base_out_of_range_is_refused_at_add(fraction, ba
         check_refusals_onto_a_base(base, fine, payload)
 
 
+@pytest.mark.parametrize("size", [50, SMALL_TENSOR + 50], ids=["small", "large"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_small_tensor_of_a_run_that_takes_its_base_out_of_range_is_refused(backend):
-    """Small sparse tensors are checked against their bases a run at a time (on the host from each base gathered at
-    its entries): the one past fp16's range is named, the others' sums are fine, nothing is added."""
+def test_a_tensor_of_a_run_that_takes_its_base_out_of_range_is_refused(backend, size):
+    """Sparse tensors are checked against their bases a run at a time (small ones; on a device, of any size), from
+    the bases read at the entries: the one past fp16's range is named, the others' sums are fine, nothing is
+    added."""
     names = [f"t{i}" for i in range(6)]
-    base = {n: np.ones(50, np.float16) for n in names}
+    base = {n: np.ones(size, np.float16) for n in names}
     base["t3"][20] = 60000
-    zero = {n: np.zeros(50, np.float16) for n in names}
+    zero = {n: np.zeros(size, np.float16) for n in names}
 
     def payload(big: float):
-        new = {n: np.zeros(50, np.float16) for n in names}
+        new = {n: np.zeros(size, np.float16) for n in names}
         for i, n in enumerate(names):
             new[n][i * 3 : i * 3 + 2] = 7
         new["t3"][20] = big
-        return gpu_codec.compress(new, zero, fraction=0.05)
+        return gpu_codec.compress(new, zero, fraction=15 / (6 * size))
 
     with use_backend(backend):
         agg = Aggregator(base=base)

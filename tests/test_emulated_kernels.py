@@ -277,6 +277,18 @@ def test_gather_copy_matches_twin(emulated):
         KernelOps(emulated).gather_copy(np.zeros(3, np.float32), [np.zeros(2, np.float32)])
 
 
+def test_gather_entries_matches_twin(emulated):
+    """gather_entries (a run's bases read at its entries in one launch) keeps every bit, against its twin and the
+    NumPy backend, and reads nothing outside an entry's tensor."""
+    from gpu_codec.backends.kernels import KernelOps
+
+    assert kc.gather_entries_vs_twin(emulated) == []
+    with pytest.raises(ValueError, match="gather_entries"):  # counts that do not match the output
+        KernelOps(emulated).gather_entries(
+            np.zeros(3, np.float32), [np.zeros(2, np.float32)], [0, 2], np.zeros(2, np.uint32), [2]
+        )
+
+
 def test_every_kernel_is_exercised():
     """The cases above launch every kernel of kernels/*.cu (a new kernel needs cases here)."""
     r = emu.EmulatorRunner()
@@ -300,6 +312,7 @@ def test_every_kernel_is_exercised():
     assert kc.dense_vs_reference(r, TOPK[0]) == []
     assert kc.float_steps(r, n=300) == []
     assert kc.gather_copy_vs_twin(r) == []
+    assert kc.gather_entries_vs_twin(r) == []
     missing = set(kernel_signatures()) - set(r.launch_counts)
     assert not missing, f"kernels without emulated test cases: {sorted(missing)}"
 

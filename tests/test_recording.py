@@ -198,25 +198,37 @@ def test_decompress_of_small_tensors_launches_and_copies_as_often_at_any_tensor_
     assert work[30] == work[300], work
 
 
-def test_decompress_of_large_tensors_launches_and_copies_as_often_at_any_tensor_count(emulator):
+def test_decompress_and_add_of_large_tensors_launch_and_copy_as_often_at_any_tensor_count(emulator):
     """Sparse tensors of any size go in runs on a device (bounded by their entries, not their elements): a
-    decompress of tensors above SMALL_TENSOR elements launches as often for 2 of them as for 6, and gives the CPU's
-    bytes."""
+    decompress, and an aggregator's add onto the base, of tensors above SMALL_TENSOR elements launch as often for 2
+    of them as for 6, and give the CPU's bytes."""
     work = {}
     for t in (2, 6):
         rng = np.random.default_rng(t)
         base = {f"t{i}": rng.standard_normal(decode.SMALL_TENSOR + 1000 * i).astype(np.float32) for i in range(t)}
         new = {k: v + rng.standard_normal(v.size).astype(np.float32) for k, v in base.items()}
         blob = _cpu_blob(new, base, fraction=0.01)
-        m = measure(lambda _, b=blob, bs=base: gpu_codec.decompress(b, base=bs), resident=[base], emulator=emulator)
-        c = m.counts
-        work[t] = (c.launches, c.array_ops, c.h2d, c.syncs)
-        assert c.kernels["gather_copy"] == 1 and not c.host_numpy
+        d = measure(lambda _, b=blob, bs=base: gpu_codec.decompress(b, base=bs), resident=[base], emulator=emulator)
+        a = measure(
+            lambda agg, b=blob: agg.add(b),
+            setup=lambda bs=base: gpu_codec.Aggregator(base=bs),
+            resident=[base],
+            emulator=emulator,
+            repeat=1,
+        )
+        work[t] = [(c.launches, c.array_ops, c.h2d, c.syncs) for c in (d.counts, a.counts)]
+        assert d.counts.kernels["gather_copy"] == 1 and a.counts.kernels["gather_entries_u32"] == 1
+        assert not d.counts.host_numpy and not a.counts.host_numpy
         with use_backend("cpu"):
-            want = gpu_codec.decompress(blob, base=base)
+            agg = gpu_codec.Aggregator(base=base)
+            agg.add(blob)
+            want = [gpu_codec.decompress(blob, base=base), agg.result()]
         with _device(emulator):
-            got = gpu_codec.decompress(blob, base=base)
-        assert all(np.asarray(got[k]).tobytes() == want[k].tobytes() for k in want)
+            agg = gpu_codec.Aggregator(base=base)
+            agg.add(blob)
+            got = [gpu_codec.decompress(blob, base=base), agg.result()]
+        for w, g in zip(want, got):
+            assert all(np.asarray(g[k]).tobytes() == w[k].tobytes() for k in w)
     assert work[2] == work[6], work
 
 
@@ -391,7 +403,10 @@ def test_the_benchmark_writes_its_table_and_checks_the_targets(tmp_path, capsys)
 
     out = tmp_path / "host.json"
     assert (
-        bench_host.main(["--tensors", "3", "--elements", "3000", "--entries", "--repeat", "1", "--out", str(out)]) == 0
+        bench_host.main(
+            ["--tensors", "3", "--elements", "3000", "--entries", "--full", "--repeat", "1", "--out", str(out)]
+        )
+        == 0
     )
     doc = json.loads(out.read_text())
     (row,) = doc["rows"]
@@ -401,3 +416,13 @@ def test_the_benchmark_writes_its_table_and_checks_the_targets(tmp_path, capsys)
     bench_host.main(["--check", "--from-json", str(out)])
     verdicts = capsys.readouterr().out
     assert "PASS split-3" in verdicts and "decompress syncs 2 <= 2" in verdicts
+    # an entry at its full size launches as often as scaled down, or fails
+    full = {**row, "entry": "split-3" + bench_host.FULL, "elements": 10**8}
+    grown = {**full, "ops": {**row["ops"], "add": {**row["ops"]["add"], "launches": row["ops"]["add"]["launches"] + 1}}}
+    same = [v for v in bench_host.check({"rows": [row, full]}) if "launches" in v[2]]
+    assert len(same) == 3 and all(v == "PASS" for v, _, _ in same)
+    failed = [w for v, _, w in bench_host.check({"rows": [row, grown]}) if v == "FAIL"]
+    assert failed == [
+        f"add launches {row['ops']['add']['launches'] + 1} at 100,000,000 elements = "
+        f"{row['ops']['add']['launches']} at 3,000"
+    ]

@@ -184,6 +184,14 @@ class Backend(Protocol):
         the bits copied as they are: a run of small tensors' bases into their outputs, in one pass."""
         ...
 
+    def gather_entries(
+        self, out: Array, sources: list[Array], starts: list[int], indices: Array, counts: list[int]
+    ) -> None:
+        """``out[j]`` = the element of its tensor's source at entry j: ``counts`` entries a source, at ``indices``
+        (positions in a run's span, in which the sources start at ``starts``, then its end; checked in range), the
+        bits as they are. A run's bases read at its entries in one pass (not a copy of every base)."""
+        ...
+
     def dense_apply(
         self,
         outs: list[Array],

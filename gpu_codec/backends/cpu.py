@@ -94,6 +94,12 @@ class CpuBackend(ArrayDecoders):
     def gather_copy(self, out, sources):
         np.concatenate(sources, out=out, casting="no")  # the twin's bytes (the bits copied), in one call
 
+    def gather_entries(self, out, sources, starts, indices, counts):
+        ends, at = np.cumsum(counts).tolist(), indices.dtype.type
+        parts = [np.take(s, indices[e - c : e] - at(a)) for s, a, c, e in zip(sources, starts, counts, ends) if c]
+        if parts:  # (the twin's bytes: each source's elements at its entries, in one call per source)
+            np.concatenate(parts, out=out, casting="no")
+
     def dense_apply(self, outs, out_dtypes, bases, values, mode, defer=False):
         counts = [int(o.size) for o in outs]
         ent_start = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)

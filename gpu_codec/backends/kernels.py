@@ -788,6 +788,31 @@ class KernelOps:
                 ),
             )
 
+    def gather_entries(self, out, sources, starts, indices, counts) -> None:
+        """``out[j]`` = the element of its tensor's source at entry j (``counts`` entries a source, at positions
+        ``indices`` of a span in which the sources start at ``starts``, then its end), bits as they are, in one
+        launch (kernels/scatter.cu)."""
+        total = sum(counts)
+        if total != out.size or total != indices.size:
+            raise ValueError(f"gather_entries: {total} entries, {indices.size} indices, an output of {out.size}")
+        if total:
+            wide = np.dtype(indices.dtype).itemsize == 8
+            self.runner.launch(
+                "gather_entries_u64" if wide else "gather_entries_u32",
+                math.ceil(total / BLOCK),
+                BLOCK,
+                (
+                    np.int32(len(sources)),
+                    np.uint64(total),
+                    self._up(_offsets(counts)),
+                    self._up(np.asarray(starts, np.uint64)),
+                    self._ptrs(sources, skip_empty=True),
+                    indices,
+                    np.int32(out.dtype.itemsize),
+                    out,
+                ),
+            )
+
     def _entry_tables(self, values, indices, res):
         counts = [int(v.size) for v in values]
         return (
@@ -915,6 +940,9 @@ class KernelBackendBase:
 
     def gather_copy(self, out, sources):
         self.ops.gather_copy(out, sources)
+
+    def gather_entries(self, out, sources, starts, indices, counts):
+        self.ops.gather_entries(out, sources, starts, indices, counts)
 
     def dense_apply(self, outs, out_dtypes, bases, values, mode, defer=False):
         return self.ops.dense_apply(outs, out_dtypes, bases, values, mode, defer)

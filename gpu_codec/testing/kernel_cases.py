@@ -290,6 +290,52 @@ def gather_copy_vs_twin(runner, sizes: tuple[int, ...] = GATHER_SIZES, seed: int
     return out
 
 
+def gather_entries_vs_twin(runner, sizes: tuple[int, ...] = GATHER_SIZES, seed: int = 0) -> list[str]:
+    """KernelOps(runner).gather_entries (both index widths) against its twin (cpu_fallback/kernels.py) and the
+    NumPy backend, for 2-, 4- and 8-byte elements: tensors of uneven sizes (empty ones included) read at a few
+    ascending positions each of a run's span, every bit kept; an entry outside its tensor leaves its output as it
+    was (the kernel reads nothing there)."""
+    from gpu_codec.backends.cpu import CpuBackend
+    from gpu_codec.cpu_fallback import kernels as twins
+
+    rng = np.random.default_rng(seed)
+    up = _uploader(runner)
+    out: list[str] = []
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.uint64)
+    for word in (np.uint16, np.uint32, np.uint64):
+        srcs = [rng.integers(0, np.iinfo(word).max, size=n, dtype=word, endpoint=True) for n in sizes]
+        picks = [np.sort(rng.choice(n, size=min(n, 1 + n // 5), replace=False)) for n in sizes]
+        counts = [int(p.size) for p in picks]
+        want = np.concatenate([s[p] for s, p in zip(srcs, picks)])
+        for itype in (np.uint32, np.uint64):
+            idx = np.concatenate([p + int(a) for p, a in zip(picks, starts)]).astype(itype)
+            dev = up(np.zeros(want.size, word))
+            KernelOps(runner).gather_entries(dev, [up(a) for a in srcs], starts.tolist(), up(idx), counts)
+            host = np.zeros(want.size, word)
+            CpuBackend().gather_entries(host, srcs, starts.tolist(), idx, counts)
+            twin = np.zeros(want.size, word)
+            ent = np.concatenate([[0], np.cumsum(counts)]).astype(np.uint64)
+            fn = twins.gather_entries_u64 if itype == np.uint64 else twins.gather_entries_u32
+            fn(len(sizes), want.size, ent, starts, srcs, idx, np.dtype(word).itemsize, twin)
+            what = f"gather_entries {np.dtype(word).name} {np.dtype(itype).name}"
+            _cmp(f"{what}: kernel", runner.to_host(dev), want, out)
+            _cmp(f"{what}: NumPy backend", host, want, out)
+            _cmp(f"{what}: twin", twin, want, out)
+            if want.size:  # the first entry moved past its tensor's end: nothing read, nothing written
+                first = next(t for t, c in enumerate(counts) if c)
+                bad = idx.copy()
+                bad[0] = itype(int(starts[first + 1]))
+                dev = up(np.full(want.size, 7, word))
+                KernelOps(runner).gather_entries(dev, [up(a) for a in srcs], starts.tolist(), up(bad), counts)
+                twin = np.full(want.size, 7, word)
+                fn(len(sizes), want.size, ent, starts, srcs, bad, np.dtype(word).itemsize, twin)
+                expect = want.copy()
+                expect[0] = 7
+                _cmp(f"{what} outside: kernel", runner.to_host(dev), expect, out)
+                _cmp(f"{what} outside: twin", twin, expect, out)
+    return out
+
+
 def topk_stepwise(runner, case: TopkCase, wide: bool = False) -> list[str]:
     """Every top-k kernel launched on its own and compared, buffer by buffer, with its twin after each launch.
 
