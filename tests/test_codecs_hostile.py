@@ -246,6 +246,27 @@ def test_zstd_garbage_trailing_and_oversized():
     rejects(surgery(blob, lambda h, b: _set_frame(h, b, b[0][0] + b"\0" * 100_000)), PayloadError, "compressed size")
 
 
+def test_zstd_frame_that_fails_only_at_its_end():
+    """A frame of the right content whose checksum is wrong, and one whose content is empty and whose block is
+    corrupt: zstd says so only once the content is read, at the frame's end, which must still be our error (zstd's
+    own escaped there)."""
+    blob = blob_of(ZSTD)
+    frames: list = []
+    surgery(blob, lambda h, b: frames.append(b[0][0]))
+    content = zstandard.ZstdDecompressor().decompress(frames[0])
+    frame = bytearray(zstandard.ZstdCompressor(write_checksum=True).compress(content))
+    frame[-1] ^= 1
+    rejects(surgery(blob, lambda h, b: _set_frame(h, b, bytes(frame))), PayloadLayoutError, "checksum")
+    # a v2 frame is read a range at a time (FrameStream), its end checked once it is built: an empty tensor's frame
+    # (content size 0) whose one block is corrupt failed only there, with zstd's own error
+    from gpu_codec.format.common import open_stream
+
+    with pytest.raises(PayloadLayoutError, match="checksum"):
+        open_stream(bytes(frame), len(content), None, 0, "frame")
+    with pytest.raises(PayloadLayoutError, match="corruption"):
+        open_stream(bytes.fromhex("28b52ffd2000050000"), 0, None, 0, "frame")
+
+
 @pytest.mark.parametrize("inner", ["zstd", "gzip", None, 3])
 def test_zstd_bad_inner_encoding(inner):
     blob = blob_of(ZSTD)

@@ -531,7 +531,11 @@ class FrameStream:
         c = _Cursor(data, what, raw)
         c.skip(keep_from)
         self.tail = c.take(raw - keep_from)
-        if c.reader.read(1):
+        try:
+            more = c.reader.read(1)  # (the frame's end: its content checksum, where it has one, is checked here)
+        except zstandard.ZstdError as e:
+            raise PayloadLayoutError(f"{what}: zstd frame does not decompress to {raw} bytes ({e})") from None
+        if more:
             raise PayloadLayoutError(f"{what}: zstd frame does not decompress to {raw} bytes (it holds more)")
         self._cursors: list[_Cursor] = []
 
