@@ -232,6 +232,44 @@ def test_decompress_and_add_of_large_tensors_launch_and_copy_as_often_at_any_ten
     assert work[2] == work[6], work
 
 
+@pytest.mark.parametrize("stages", [("float16", "rice", "zstd"), ("int8", "rice"), ("ternary",)])
+def test_a_coded_payload_read_from_bytes_is_decoded_on_the_host_at_any_tensor_count(emulator, stages):
+    """A payload with value, index and bytes stages, read from bytes: each record's entries are decoded where they
+    lie (on the host, by the twins), then joined and copied to the device once a run; so a decompress and an add
+    onto the base sync at most twice and launch as often at 30 tensors as at 300 (the device's Rice decoder synced
+    about twice a tensor), and give the CPU's bytes."""
+    from gpu_codec import Int8Blockwise, Quantize, RiceIndices, Ternary, Zstd
+
+    make = {"float16": lambda: Quantize("float16"), "int8": Int8Blockwise, "rice": RiceIndices}
+    make.update(zstd=lambda: Zstd(level=3), ternary=Ternary)
+    work = {}
+    for t in (30, 300):
+        new, base = _update(t, 1 << 16, seed=t)
+        with use_backend("cpu"):
+            blob = gpu_codec.compress(new, base, fraction=0.01, pipeline=[make[s]() for s in stages]).to_bytes()
+        d = measure(lambda _, b=blob, bs=base: gpu_codec.decompress(b, base=bs), resident=[base], emulator=emulator)
+        a = measure(
+            lambda agg, b=blob: agg.add(b),
+            setup=lambda bs=base: gpu_codec.Aggregator(base=bs),
+            resident=[base],
+            emulator=emulator,
+            repeat=1,
+        )
+        assert d.counts.syncs <= SYNCS["decompress"] and a.counts.syncs <= SYNCS["add"]
+        work[t] = [(c.launches, c.array_ops, c.h2d) for c in (d.counts, a.counts)]
+        with use_backend("cpu"):
+            agg = gpu_codec.Aggregator(base=base)
+            agg.add(blob)
+            want = [gpu_codec.decompress(blob, base=base), gpu_codec.decompress(blob), agg.result()]
+        with _device(emulator):
+            agg = gpu_codec.Aggregator(base=base)
+            agg.add(blob)
+            got = [gpu_codec.decompress(blob, base=base), gpu_codec.decompress(blob), agg.result()]
+        for w, g in zip(want, got):
+            assert all(np.asarray(g[k]).tobytes() == w[k].tobytes() for k in w)
+    assert work[30] == work[300], work
+
+
 def test_add_and_mean_of_small_tensors_launch_and_copy_as_often_at_any_tensor_count(emulator):
     """An aggregator's add of a payload of small tensors (its entries joined a run at a time, checked, split and
     added by one launch a run; the grids that coarsen moved by one launch), its mean (one launch a value dtype) and

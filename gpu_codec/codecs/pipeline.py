@@ -308,10 +308,26 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
 
     if iform is None:
         return Decoded(*head, values, None, vform.step(rec))
+    if backend.on_device and all(isinstance(x, (np.ndarray, StreamedBuffer)) for x in rec.buffers.values()):
+        # a sparse record read from bytes: its entries decoded where they lie, on the host (the twins' bytes, with
+        # no host wait and no launch a tensor), so a device decode joins them with the others' and copies them once
+        cpu = _host()
+        idx = iform.decode(rec, {r: _whole(rec.buffers[r]) for r in iroles}, rec.nnz, cpu)
+        idx = idx.astype(index_dtype(rec.numel), copy=False)
+        with _quiet():
+            vals = cpu.as_values(vform.decode(rec, vform.slice(rec, host, 0, rec.nnz), rec.nnz, cpu), vd)
+        return Decoded(*head, _slicer(vals, backend), _slicer(idx, backend), host=(idx, vals))
     ibufs = {role: backend.asarray(_whole(rec.buffers[role])) for role in iroles}
     idx = iform.decode(rec, ibufs, rec.nnz, backend).astype(index_dtype(rec.numel), copy=False)
     del ibufs
     return Decoded(*head, values, _slicer(idx, backend), vform.step(rec))
+
+
+def _host() -> Backend:
+    """The NumPy backend, which decodes a device decode's records read from bytes on the host."""
+    from ..backends.cpu import CpuBackend
+
+    return CpuBackend()
 
 
 def _whole(a: Any) -> Any:
