@@ -396,7 +396,7 @@ class Aggregator:
                     ps = [int(p) for p in pos[first : i + 1]]
                     starts = [int(template.starts[p]) for p in ps]
                     if runs[i] in dense:
-                        joined = self._join_dense(records[first : i + 1], backend)
+                        joined = self._join_dense(records[first : i + 1], group, backend)
                     else:
                         joined = _decode.join_run(group, [*starts, starts[-1] + group[-1].numel], backend)
                     if joined is None and runs[i] in dense:
@@ -487,11 +487,14 @@ class Aggregator:
         checks.flag(some_nonfinite(out, code, xp))
 
     @staticmethod
-    def _join_dense(records: list[TensorRecord], backend: Any) -> tuple[None, Any, list[int], None] | None:
-        """A run of plain dense records' values end to end (joined on the host where they were read from bytes,
-        and copied once): (None, values, each one's count, None); None where a record does not hold one value of
-        its value dtype per element."""
-        vals = [r.buffers.get("values") for r in records]
+    def _join_dense(records: list[TensorRecord], group: list, backend: Any) -> tuple[None, Any, list[int], None] | None:
+        """A run of dense records' values end to end (joined on the host where they were read from bytes, decoded
+        there where coded, and copied once): (None, values, each one's count, None); None where a record does not
+        hold one value of its value dtype per element."""
+        if all(d.host_values is not None for d in group):  # (read from bytes for a device: decoded on the host)
+            vals = [d.host_values() for d in group]
+        else:
+            vals = [r.buffers.get("values") for r in records]
         if any(
             not hasattr(v, "reshape")  # (an array, not a buffer streamed from a frame)
             or r.nnz != r.numel
@@ -520,7 +523,14 @@ class Aggregator:
         dense: set[int] = set()
         rid, size = -1, 0
         for i, (g, r, numel) in enumerate(zip(given, records, numels)):
-            plain = g is None and r.encoding == "dense" and numel <= _decode.SMALL_TENSOR
+            inner = r.codec.get("inner", r.encoding) if r.encoding in ("zstd", "nvcomp") else r.encoding
+            # (plain dense records; on a device, coded ones too, decoded on the host where read from bytes)
+            joinable = r.encoding == "dense" or (
+                entries_cap is not None
+                and inner in ("dense", "dense_q")
+                and all(isinstance(x, np.ndarray) for x in r.buffers.values())
+            )
+            plain = g is None and joinable and numel <= _decode.SMALL_TENSOR
             if g is None and not plain:
                 out.append(None)
                 continue

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from itertools import accumulate
+from itertools import accumulate, pairwise
 from typing import Any
 
 import numpy as np
@@ -328,6 +328,39 @@ def _apply_joined(
     return apply_run(gi, vals, flat_of()[offsets[0] : offsets[-1]], bases, logical, backend, checks)
 
 
+def _dense_run(
+    run: list, flat_of: Any, offsets: list[int], bases: list, logical: str, backend: Any, checks: Any = None
+) -> bool:
+    """A run of small dense tensors read from bytes (``offsets`` as in :func:`_decode_run`): their values decoded
+    on the host (``host_values``), joined there and copied to the device once, then written (or added onto their
+    bases) by one ``dense_apply`` over the run's outputs. False where a record has no host values or not one
+    value of its value dtype an element, or (without ``checks``) a value or a sum is not finite: the caller then
+    decodes them one by one, which raises the error that names the tensor."""
+    if any(d.host_values is None for d in run):
+        return False
+    vals = [d.host_values() for d in run]
+    if any(v.ndim != 1 or v.size != d.numel or v.dtype != dtypes.value_dtype(d.dtype) for v, d in zip(vals, run)):
+        return False
+    xp, o0 = backend.xp, offsets[0]
+    joined = backend.asarray(np.concatenate(vals))
+    del vals
+    span = flat_of()[o0 : offsets[-1]]
+    cuts = list(pairwise(offsets))
+    outs = [span[a - o0 : b - o0] for a, b in cuts]
+    parts = [joined[a - o0 : b - o0] for a, b in cuts]
+    codes = [dtypes.code(logical)] * len(run)
+    mode = ScatterMode.ADD if bases[0] is not None else ScatterMode.ZEROS
+    srcs = [backend.asarray(b.data) if b is not None else None for b in bases]
+    if checks is not None:
+        checks.word(backend.dense_apply(outs, codes, srcs, parts, mode, True))
+        if mode == ScatterMode.ADD:
+            checks.flag(some_nonfinite(span, codes[0], xp))
+        return True
+    if backend.dense_apply(outs, codes, srcs, parts, mode) is not None:
+        return False  # a value is not finite
+    return mode != ScatterMode.ADD or all_finite(span, codes[0], xp)
+
+
 def decoded_records(payload: Payload, backend: Backend) -> list[TensorRecord]:
     """The payload's records decoded by its own pipeline to ``coo``/``dense`` buffers on ``backend`` (quantized
     values, coded indices, lossless stages), all at once, as :mod:`gpu_codec.aggregate` takes them. Indices and
@@ -336,27 +369,36 @@ def decoded_records(payload: Payload, backend: Backend) -> list[TensorRecord]:
 
 
 def _runs(
-    records: list[TensorRecord], logical: list[str], numels: list[int], entries_cap: int | None = None
+    records: list[TensorRecord],
+    logical: list[str],
+    numels: list[int],
+    entries_cap: int | None = None,
+    dense: bool = False,
 ) -> list[int | None]:
     """Each record's run (sparse tensors of one dtype decoded together, see :func:`_decode_run`), or None for a
     tensor decoded alone: small tensors (SMALL_TENSOR elements), at most SMALL_RUN elements and SMALL_RUN_ENTRIES
     entries a run; or with ``entries_cap`` (a device decode, whose runs are written straight into the outputs'
     one allocation) sparse tensors of any size, at most ``entries_cap`` entries a run, so the launches of a decode
     do not grow with its tensor count (a run's temporaries are its entries', as a tensor decoded alone streams
-    chunks of them)."""
+    chunks of them). With ``dense``, small dense tensors too, in runs of their own of at most SMALL_RUN elements
+    (see :func:`_dense_run`)."""
     most_numel, most_size = (SMALL_TENSOR, SMALL_RUN) if entries_cap is None else (None, None)
     most_entries = SMALL_RUN_ENTRIES if entries_cap is None else entries_cap
     out: list[int | None] = []
-    run, size, entries = -1, 0, 0
+    run, size, entries, run_dense = -1, 0, 0, False
     for i, (r, numel) in enumerate(zip(records, numels)):
         inner = r.codec.get("inner", r.encoding) if r.encoding in ("zstd", "nvcomp") else r.encoding
-        if inner not in ("coo", "sparse") or (most_numel is not None and numel > most_numel):
+        is_dense = dense and inner in ("dense", "dense_q") and numel <= SMALL_TENSOR
+        if not is_dense and (inner not in ("coo", "sparse") or (most_numel is not None and numel > most_numel)):
             out.append(None)
             continue
-        joins = i and out[-1] == run and logical[i] == logical[i - 1]
-        fits = entries + r.nnz <= most_entries and (most_size is None or size + numel <= most_size)
+        joins = i and out[-1] == run and logical[i] == logical[i - 1] and run_dense == is_dense
+        if is_dense:
+            fits = size + numel <= SMALL_RUN
+        else:
+            fits = entries + r.nnz <= most_entries and (most_size is None or size + numel <= most_size)
         if not (joins and fits):
-            run, size, entries = run + 1, 0, 0
+            run, size, entries, run_dense = run + 1, 0, 0, is_dense
         out.append(run)
         size += numel
         entries += r.nnz
@@ -509,6 +551,8 @@ def _decode_all(
         flat_of, lg, bs = (lambda: outs.flat(first)), logical[first], bases[first : last + 1]
         if len(run) == 1:
             ok = False
+        elif run[0][1] is not None and run[0][1].indices is None:  # (small dense tensors)
+            ok = _dense_run([d for _, d in run], flat_of, offsets, bs, lg, backend, checks)
         elif plain is not None:  # (the entries as they lie in the buffers: no decoder)
             idx, vals = plain
             nnz = [(i, records[i].nnz) for i, _ in run]
@@ -813,7 +857,7 @@ def decompress(
     if host_onto:
         runs: list = []  # (batched, see _decode_onto_host)
     elif backend.on_device:  # (runs of sparse tensors of any size, bounded by their entries)
-        runs = _runs(records, logical, numels, batch_entries(output_bytes(logical, numels)))
+        runs = _runs(records, logical, numels, batch_entries(output_bytes(logical, numels)), dense=True)
     else:
         runs = _runs(records, logical, numels)
     outs = _Outputs(records, logical, runs, base_tensors is not None, backend, numels)

@@ -232,12 +232,23 @@ def test_decompress_and_add_of_large_tensors_launch_and_copy_as_often_at_any_ten
     assert work[2] == work[6], work
 
 
-@pytest.mark.parametrize("stages", [("float16", "rice", "zstd"), ("int8", "rice"), ("ternary",)])
-def test_a_coded_payload_read_from_bytes_is_decoded_on_the_host_at_any_tensor_count(emulator, stages):
-    """A payload with value, index and bytes stages, read from bytes: each record's entries are decoded where they
-    lie (on the host, by the twins), then joined and copied to the device once a run; so a decompress and an add
-    onto the base sync at most twice and launch as often at 30 tensors as at 300 (the device's Rice decoder synced
-    about twice a tensor), and give the CPU's bytes."""
+@pytest.mark.parametrize(
+    "stages, fraction",
+    [
+        (("float16", "rice", "zstd"), 0.01),
+        (("int8", "rice"), 0.01),
+        (("ternary",), 0.01),
+        ((), None),
+        (("int8",), None),
+        (("float16", "zstd"), None),
+    ],
+)
+def test_a_coded_payload_read_from_bytes_is_decoded_on_the_host_at_any_tensor_count(emulator, stages, fraction):
+    """A payload with value, index and bytes stages, sparse or dense, read from bytes: each record's entries are
+    decoded where they lie (on the host, by the twins), then joined and copied to the device once a run (sparse
+    tensors of any size; small dense ones, written by one launch a run); so a decompress and an add onto the base
+    sync at most twice and launch as often at 30 tensors as at 300 (the device's Rice decoder synced about twice a
+    tensor, a dense tensor took a launch and a copy of its own), and give the CPU's bytes."""
     from gpu_codec import Int8Blockwise, Quantize, RiceIndices, Ternary, Zstd
 
     make = {"float16": lambda: Quantize("float16"), "int8": Int8Blockwise, "rice": RiceIndices}
@@ -246,7 +257,7 @@ def test_a_coded_payload_read_from_bytes_is_decoded_on_the_host_at_any_tensor_co
     for t in (30, 300):
         new, base = _update(t, 1 << 16, seed=t)
         with use_backend("cpu"):
-            blob = gpu_codec.compress(new, base, fraction=0.01, pipeline=[make[s]() for s in stages]).to_bytes()
+            blob = gpu_codec.compress(new, base, fraction=fraction, pipeline=[make[s]() for s in stages]).to_bytes()
         d = measure(lambda _, b=blob, bs=base: gpu_codec.decompress(b, base=bs), resident=[base], emulator=emulator)
         a = measure(
             lambda agg, b=blob: agg.add(b),
@@ -427,6 +438,8 @@ def test_the_device_decode_refuses_what_the_cpu_refuses_with_its_error(emulator,
             calls = (
                 lambda p=p, b=base: gpu_codec.decompress(p, base=b),
                 lambda p=p, b=base: gpu_codec.Aggregator(b).add(p),
+                lambda p=p, b=base: gpu_codec.decompress(p.to_bytes(), base=b),
+                lambda p=p, b=base: gpu_codec.Aggregator(b).add(p.to_bytes()),
             )
             for call in calls:
                 with pytest.raises(GpuCodecError) as e:

@@ -238,7 +238,10 @@ class Decoded:
     """One tensor's entries, decoded on demand: ``values(a, b)`` are entries ``[a, b)`` as fp32 (fp64 for fp64
     tensors) backend arrays, ``indices(a, b)`` their flat positions (``None`` for a dense tensor, where entry
     ``l`` is element ``l``). ``a`` must be a multiple of ``step``. ``host``: a plain COO record's indices and
-    values as read from bytes (host arrays), which a decode may join on the host before one copy to the device."""
+    values as read from bytes (host arrays), which a decode may join on the host before one copy to the device.
+    ``host_values``: where a dense record was read from bytes for a device decode, its values decoded whole on the
+    host (fp32, fp64 for fp64 tensors), for a decode that joins a run of small tensors' values there before one
+    copy."""
 
     name: str
     dtype: str
@@ -248,6 +251,7 @@ class Decoded:
     indices: Callable[[int, int], Any] | None
     step: int = 1
     host: tuple[np.ndarray, np.ndarray] | None = None
+    host_values: Callable[[], np.ndarray] | None = None
 
     @property
     def numel(self) -> int:
@@ -290,12 +294,15 @@ def _quiet():
 def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
     vd = np.dtype(value_dtype(rec.dtype))
     head = (rec.name, rec.dtype, tuple(rec.shape), rec.nnz)
+    # a record read from bytes (host buffers) for a device: its entries are decoded where they lie, on the host
+    from_bytes = backend.on_device and all(isinstance(x, (np.ndarray, StreamedBuffer)) for x in rec.buffers.values())
     if rec.encoding == "coo":
         vals, idx = rec.buffers["values"], rec.buffers["indices"]
         host = (idx, vals) if isinstance(idx, np.ndarray) and isinstance(vals, np.ndarray) else None
         return Decoded(*head, _slicer(vals, backend), _slicer(idx, backend), host=host)
     if rec.encoding == "dense":
-        return Decoded(*head, _slicer(rec.buffers["values"], backend), None)
+        whole = (lambda: np.asarray(_whole(rec.buffers["values"]))) if from_bytes else None
+        return Decoded(*head, _slicer(rec.buffers["values"], backend), None, host_values=whole)
     vform = value_forms()[rec.codec["v"]]
     iform = index_forms()[rec.codec["i"]] if rec.encoding == "sparse" else None
     iroles = set(iform.layout(rec, rec.nnz)) if iform is not None else set()
@@ -307,8 +314,14 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
             return backend.as_values(vform.decode(rec, bufs, b - a, backend), vd)
 
     if iform is None:
-        return Decoded(*head, values, None, vform.step(rec))
-    if backend.on_device and all(isinstance(x, (np.ndarray, StreamedBuffer)) for x in rec.buffers.values()):
+
+        def host_values() -> np.ndarray:
+            cpu = _host()
+            with _quiet():
+                return cpu.as_values(vform.decode(rec, vform.slice(rec, host, 0, rec.nnz), rec.nnz, cpu), vd)
+
+        return Decoded(*head, values, None, vform.step(rec), host_values=host_values if from_bytes else None)
+    if from_bytes:
         # a sparse record read from bytes: its entries decoded where they lie, on the host (the twins' bytes, with
         # no host wait and no launch a tensor), so a device decode joins them with the others' and copies them once
         cpu = _host()
