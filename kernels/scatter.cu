@@ -70,6 +70,18 @@ extern "C" __global__ void dense_apply(
     }
 }
 
+// Element i of src copied to element j of out, its bits as they are (esize: the bytes of an element, 2, 4 or 8).
+__device__ __forceinline__ void copy_bits(void* out, u64 j, const void* src, u64 i, int esize)
+{
+    if (esize == 8) {
+        ((u64*)out)[j] = ((const u64*)src)[i];
+    } else if (esize == 4) {
+        ((u32*)out)[j] = ((const u32*)src)[i];
+    } else {
+        ((u16*)out)[j] = ((const u16*)src)[i];
+    }
+}
+
 // Whole tensors copied end to end into one output, in one launch (a decode onto a base starts from the bases of a
 // run of small tensors): element j of the output, owned by tensor t where ent_start[t] <= j < ent_start[t + 1], is
 // element j - ent_start[t] of src_ptrs[t]. esize is the bytes of an element (2, 4 or 8); the bits are copied as
@@ -81,13 +93,7 @@ extern "C" __global__ void gather_copy(
     if (j >= total) return;
     const int t = tensor_of_entry(ent_start, nt, j);
     const u64 i = j - ent_start[t];
-    if (esize == 8) {
-        ((u64*)out)[j] = ((const u64*)src_ptrs[t])[i];
-    } else if (esize == 4) {
-        ((u32*)out)[j] = ((const u32*)src_ptrs[t])[i];
-    } else {
-        ((u16*)out)[j] = ((const u16*)src_ptrs[t])[i];
-    }
+    copy_bits(out, j, (const void*)src_ptrs[t], i, esize);
 }
 
 // A run's bases read at its entries, in one launch (an aggregator checks the sums of a run's entries with their
@@ -106,13 +112,7 @@ __device__ __forceinline__ void gather_entries_impl(
     const u64 at = (u64)idx[j];
     if (at < elem_start[t] || at >= elem_start[t + 1]) return;
     const u64 i = at - elem_start[t];
-    if (esize == 8) {
-        ((u64*)out)[j] = ((const u64*)src_ptrs[t])[i];
-    } else if (esize == 4) {
-        ((u32*)out)[j] = ((const u32*)src_ptrs[t])[i];
-    } else {
-        ((u16*)out)[j] = ((const u16*)src_ptrs[t])[i];
-    }
+    copy_bits(out, j, (const void*)src_ptrs[t], i, esize);
 }
 
 extern "C" __global__ void gather_entries_u32(

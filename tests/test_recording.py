@@ -165,10 +165,8 @@ def test_compress_syncs_at_most_four_times_and_launches_as_often_at_any_tensor_c
     assert launches[100] == launches[300], launches
 
 
-@pytest.mark.parametrize("tensors", [1, 40, 300])
-def test_decompress_and_add_sync_at_most_twice_at_any_tensor_count(emulator, tensors):
-    new, base = _update(tensors, 1 << 15, seed=tensors, big=300_000)  # one tensor decoded alone, the rest in runs
-    blob = _cpu_blob(new, base, fraction=0.01)
+def _decompress_and_add(blob: bytes, base: dict, emulator) -> tuple:
+    """The recording's measurements of a decompress of ``blob`` onto ``base`` and of an aggregator's add of it."""
     d = measure(lambda _: gpu_codec.decompress(blob, base=base), resident=[base], emulator=emulator, repeat=1)
     a = measure(
         lambda agg: agg.add(blob),
@@ -177,6 +175,14 @@ def test_decompress_and_add_sync_at_most_twice_at_any_tensor_count(emulator, ten
         emulator=emulator,
         repeat=1,
     )
+    return d, a
+
+
+@pytest.mark.parametrize("tensors", [1, 40, 300])
+def test_decompress_and_add_sync_at_most_twice_at_any_tensor_count(emulator, tensors):
+    new, base = _update(tensors, 1 << 15, seed=tensors, big=300_000)  # one tensor above SMALL_TENSOR, small ones
+    blob = _cpu_blob(new, base, fraction=0.01)
+    d, a = _decompress_and_add(blob, base, emulator)
     assert d.counts.syncs <= SYNCS["decompress"], d.counts.sync_sites
     assert a.counts.syncs <= SYNCS["add"], a.counts.sync_sites
     assert not d.counts.host_numpy and not a.counts.host_numpy
@@ -198,6 +204,16 @@ def test_decompress_of_small_tensors_launches_and_copies_as_often_at_any_tensor_
     assert work[30] == work[300], work
 
 
+def _results(blob: bytes, base: dict, where) -> list[dict]:
+    """The bytes of a decompress of ``blob`` onto ``base``, of its delta alone, and of an aggregator's result, on
+    the CPU (``where`` "cpu") or the GPU path's code on the emulator (``where`` the emulator)."""
+    with use_backend("cpu") if where == "cpu" else _device(where):
+        agg = gpu_codec.Aggregator(base=base)
+        agg.add(blob)
+        out = [gpu_codec.decompress(blob, base=base), gpu_codec.decompress(blob), agg.result()]
+    return [{k: np.asarray(v).tobytes() for k, v in o.items()} for o in out]
+
+
 def test_decompress_and_add_of_large_tensors_launch_and_copy_as_often_at_any_tensor_count(emulator):
     """Sparse tensors of any size go in runs on a device (bounded by their entries, not their elements): a
     decompress, and an aggregator's add onto the base, of tensors above SMALL_TENSOR elements launch as often for 2
@@ -208,27 +224,11 @@ def test_decompress_and_add_of_large_tensors_launch_and_copy_as_often_at_any_ten
         base = {f"t{i}": rng.standard_normal(decode.SMALL_TENSOR + 1000 * i).astype(np.float32) for i in range(t)}
         new = {k: v + rng.standard_normal(v.size).astype(np.float32) for k, v in base.items()}
         blob = _cpu_blob(new, base, fraction=0.01)
-        d = measure(lambda _, b=blob, bs=base: gpu_codec.decompress(b, base=bs), resident=[base], emulator=emulator)
-        a = measure(
-            lambda agg, b=blob: agg.add(b),
-            setup=lambda bs=base: gpu_codec.Aggregator(base=bs),
-            resident=[base],
-            emulator=emulator,
-            repeat=1,
-        )
+        d, a = _decompress_and_add(blob, base, emulator)
         work[t] = [(c.launches, c.array_ops, c.h2d, c.syncs) for c in (d.counts, a.counts)]
         assert d.counts.kernels["gather_copy"] == 1 and a.counts.kernels["gather_entries_u32"] == 1
         assert not d.counts.host_numpy and not a.counts.host_numpy
-        with use_backend("cpu"):
-            agg = gpu_codec.Aggregator(base=base)
-            agg.add(blob)
-            want = [gpu_codec.decompress(blob, base=base), agg.result()]
-        with _device(emulator):
-            agg = gpu_codec.Aggregator(base=base)
-            agg.add(blob)
-            got = [gpu_codec.decompress(blob, base=base), agg.result()]
-        for w, g in zip(want, got):
-            assert all(np.asarray(g[k]).tobytes() == w[k].tobytes() for k in w)
+        assert _results(blob, base, "cpu") == _results(blob, base, emulator)
     assert work[2] == work[6], work
 
 
@@ -258,26 +258,10 @@ def test_a_coded_payload_read_from_bytes_is_decoded_on_the_host_at_any_tensor_co
         new, base = _update(t, 1 << 16, seed=t)
         with use_backend("cpu"):
             blob = gpu_codec.compress(new, base, fraction=fraction, pipeline=[make[s]() for s in stages]).to_bytes()
-        d = measure(lambda _, b=blob, bs=base: gpu_codec.decompress(b, base=bs), resident=[base], emulator=emulator)
-        a = measure(
-            lambda agg, b=blob: agg.add(b),
-            setup=lambda bs=base: gpu_codec.Aggregator(base=bs),
-            resident=[base],
-            emulator=emulator,
-            repeat=1,
-        )
+        d, a = _decompress_and_add(blob, base, emulator)
         assert d.counts.syncs <= SYNCS["decompress"] and a.counts.syncs <= SYNCS["add"]
         work[t] = [(c.launches, c.array_ops, c.h2d) for c in (d.counts, a.counts)]
-        with use_backend("cpu"):
-            agg = gpu_codec.Aggregator(base=base)
-            agg.add(blob)
-            want = [gpu_codec.decompress(blob, base=base), gpu_codec.decompress(blob), agg.result()]
-        with _device(emulator):
-            agg = gpu_codec.Aggregator(base=base)
-            agg.add(blob)
-            got = [gpu_codec.decompress(blob, base=base), gpu_codec.decompress(blob), agg.result()]
-        for w, g in zip(want, got):
-            assert all(np.asarray(g[k]).tobytes() == w[k].tobytes() for k in w)
+        assert _results(blob, base, "cpu") == _results(blob, base, emulator)
     assert work[30] == work[300], work
 
 
