@@ -528,7 +528,7 @@ class Aggregator:
             joinable = r.encoding == "dense" or (
                 entries_cap is not None
                 and inner in ("dense", "dense_q")
-                and all(isinstance(x, np.ndarray) for x in r.buffers.values())
+                and all(type(x) is np.ndarray for x in r.buffers.values())  # (read from bytes)
             )
             plain = g is None and joinable and numel <= _decode.SMALL_TENSOR
             if g is None and not plain:

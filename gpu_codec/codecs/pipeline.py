@@ -294,11 +294,12 @@ def _quiet():
 def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
     vd = np.dtype(value_dtype(rec.dtype))
     head = (rec.name, rec.dtype, tuple(rec.shape), rec.nnz)
-    # a record read from bytes (host buffers) for a device: its entries are decoded where they lie, on the host
-    from_bytes = backend.on_device and all(isinstance(x, (np.ndarray, StreamedBuffer)) for x in rec.buffers.values())
+    # a record read from bytes (host buffers: NumPy's own arrays, not a subclass standing for a device's) for a
+    # device: its entries are decoded where they lie, on the host
+    from_bytes = backend.on_device and all(_on_host(x) for x in rec.buffers.values())
     if rec.encoding == "coo":
         vals, idx = rec.buffers["values"], rec.buffers["indices"]
-        host = (idx, vals) if isinstance(idx, np.ndarray) and isinstance(vals, np.ndarray) else None
+        host = (idx, vals) if type(idx) is np.ndarray and type(vals) is np.ndarray else None
         return Decoded(*head, _slicer(vals, backend), _slicer(idx, backend), host=host)
     if rec.encoding == "dense":
         whole = (lambda: np.asarray(_whole(rec.buffers["values"]))) if from_bytes else None
@@ -334,6 +335,11 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
     idx = iform.decode(rec, ibufs, rec.nnz, backend).astype(index_dtype(rec.numel), copy=False)
     del ibufs
     return Decoded(*head, values, _slicer(idx, backend), vform.step(rec))
+
+
+def _on_host(x: Any) -> bool:
+    """Whether a record's buffer lies in host memory as read from bytes (a NumPy array, or a frame's stream)."""
+    return type(x) is np.ndarray or isinstance(x, StreamedBuffer)
 
 
 def _host() -> Backend:
