@@ -119,6 +119,12 @@ class Backend(Protocol):
         """A host NumPy copy of ``a``."""
         ...
 
+    @property
+    def host(self) -> Backend:
+        """The NumPy backend (this one, on the host), where a device backend decodes what lies in host memory (a
+        payload read from bytes)."""
+        ...
+
     def stream(self, tensors: Sequence[Any]) -> contextlib.AbstractContextManager:
         """The scope in which every kernel, copy and decode of one call runs (the caller's stream)."""
         ...

@@ -35,6 +35,10 @@ class CpuBackend(ArrayDecoders):
     def to_host(self, a: Any) -> np.ndarray:
         return np.asarray(a)
 
+    @property
+    def host(self) -> CpuBackend:
+        return self
+
     def stream(self, tensors) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 

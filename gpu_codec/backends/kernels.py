@@ -927,6 +927,12 @@ class KernelBackendBase:
     def to_host(self, a: Any) -> np.ndarray:
         return self.runner.to_host(a)
 
+    @property
+    def host(self) -> Any:
+        from .cpu import CpuBackend  # (the NumPy backend: nothing of its own to set up)
+
+        return CpuBackend()
+
     def topk_select(self, req):
         return self.ops.topk_select(*req.select_args())
 

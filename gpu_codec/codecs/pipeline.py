@@ -317,7 +317,7 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
     if iform is None:
 
         def host_values() -> np.ndarray:
-            cpu = _host()
+            cpu = backend.host
             with _quiet():
                 return cpu.as_values(vform.decode(rec, vform.slice(rec, host, 0, rec.nnz), rec.nnz, cpu), vd)
 
@@ -325,7 +325,7 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
     if from_bytes:
         # a sparse record read from bytes: its entries decoded where they lie, on the host (the twins' bytes, with
         # no host wait and no launch a tensor), so a device decode joins them with the others' and copies them once
-        cpu = _host()
+        cpu = backend.host
         idx = iform.decode(rec, {r: _whole(rec.buffers[r]) for r in iroles}, rec.nnz, cpu)
         idx = idx.astype(index_dtype(rec.numel), copy=False)
         with _quiet():
@@ -340,13 +340,6 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
 def _on_host(x: Any) -> bool:
     """Whether a record's buffer lies in host memory as read from bytes (a NumPy array, or a frame's stream)."""
     return type(x) is np.ndarray or isinstance(x, StreamedBuffer)
-
-
-def _host() -> Backend:
-    """The NumPy backend, which decodes a device decode's records read from bytes on the host."""
-    from ..backends.cpu import CpuBackend
-
-    return CpuBackend()
 
 
 def _whole(a: Any) -> Any:
