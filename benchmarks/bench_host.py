@@ -1,8 +1,9 @@
 """The GPU path's host side, measured by the recording launcher (:mod:`gpu_codec.testing.recording`).
 
 For 1, 10, 100 and 1,000 uneven tensors (the zoo's split of ``--elements`` fp32 elements, benchmarks/zoo.py
-``split_update``), any zoo entries named (scaled to about ``--elements``) and any named with ``--full`` at their
-full size (whose launches must not grow with it): one compress (top-k 1%, global), one decompress of its bytes onto the
+``split_update``), any zoo entries named (scaled to about ``--elements``; also with each of ``--pipelines``:
+fp16 + Rice + zstd, dense int8) and any named with ``--full`` at their full size (whose launches must not grow with
+it): one compress (top-k 1%, global, unless the pipeline says otherwise), one decompress of its bytes onto the
 base, and one aggregator ``add`` of its bytes (an Aggregator over the base, made beforehand), each recorded once on
 the emulator and replayed ``--repeat`` times with no kernel run. Reported per call: the replay's Python time (ms,
 median; of which in the NumPy work standing for CuPy's array operations and copies), kernel launches,
@@ -11,7 +12,7 @@ array-module kernels, syncs (host waits on the device), host-to-device copies an
 host's and noisy.
 
     python benchmarks/bench_host.py                   # writes benchmarks/results/host_recording.{json,md}
-    python benchmarks/bench_host.py --tensors 1 10 --entries resnet-50 --full --out /tmp/h.json
+    python benchmarks/bench_host.py --tensors 1 10 --entries resnet-50 --full --pipelines --out /tmp/h.json
     python benchmarks/bench_host.py --check --from-json benchmarks/results/host_recording.json
 """
 
@@ -30,6 +31,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 from benchmarks.bench_topk import machine_info
 from benchmarks.bench_zoo import HOST_MS, SYNCS, TIMED, commit_label, host_columns, host_verdicts, scale_for
 from benchmarks.zoo import ZOO, split_update
+from gpu_codec import Int8Blockwise, Quantize, RiceIndices, Zstd
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -38,24 +40,38 @@ TENSORS = (1, 10, 100, 1000)
 
 
 FULL = " (full)"  # the suffix of a zoo entry's row at its full size
+# the pipelines a zoo entry is measured with besides plain top-k 1% (--pipelines): (fraction, stages)
+PIPELINES = {
+    "fp16+rice+zstd": (0.01, lambda: [Quantize("float16"), RiceIndices(), Zstd(level=3)]),
+    "dense-int8": (None, lambda: [Int8Blockwise()]),
+}
 
 
 def run(
-    tensors: list[int], elements: int, entries: list[str], repeat: int, full: list[str] = (), seed: int = 0
+    tensors: list[int],
+    elements: int,
+    entries: list[str],
+    repeat: int,
+    full: list[str] = (),
+    pipelines: list[str] = (),
+    seed: int = 0,
 ) -> dict[str, Any]:
     commit = commit_label()
     rows = []
-    cases = [(f"split-{t}", lambda t=t: split_update(elements, t, seed)) for t in tensors]
+    cases = [(f"split-{t}", lambda t=t: split_update(elements, t, seed), None) for t in tensors]
     for name in entries:
         e = ZOO[name]
-        cases.append((name, lambda e=e: e.build(scale_for(e, elements), seed)))
+        cases.append((name, lambda e=e: e.build(scale_for(e, elements), seed), None))
+        cases += [(f"{name} {p}", lambda e=e: e.build(scale_for(e, elements), seed), p) for p in pipelines]
     for name in full:
-        cases.append((name + FULL, lambda e=ZOO[name]: e.build(1.0, seed)))
-    for name, build in cases:
+        cases.append((name + FULL, lambda e=ZOO[name]: e.build(1.0, seed), None))
+    for name, build, pipe in cases:
         t0 = time.perf_counter()
         update = build()
         row = {"entry": name, "tensors": len(update.new), "elements": sum(int(a.size) for a in update.new.values())}
-        row["ops"] = host_columns(update, repeat=repeat)
+        fraction, stages = PIPELINES[pipe] if pipe else (0.01, list)
+        row["pipeline"] = pipe or "top-k"
+        row["ops"] = host_columns(update, fraction=fraction, repeat=repeat, pipeline=stages())
         row["seconds"] = time.perf_counter() - t0
         print(_line(row), flush=True)
         rows.append(row)
@@ -100,13 +116,14 @@ def markdown(doc: dict[str, Any]) -> str:
         f"Measured at commit {doc['commit']} by the recording launcher (gpu_codec/testing/recording.py) on "
         f"{m['cpu_model']} ({m['simd']}), {m['cpu_count']} cores shared with other work (load average "
         f"{', '.join(f'{x:.1f}' for x in m['load_average'])}): the GPU path's code with no kernel run, median of "
-        f"{doc['repeat']} replays. Top-k {doc['fraction']:g} {doc['scope']}; decompress and add take the payload's "
-        "bytes onto the base. Host ms: the replay's Python time (of which the NumPy work that stands for the "
-        "device's, CuPy's array operations and the copies, in brackets), without the driver's cost per launch or "
-        "copy. Launches: our kernels; array ops: the array module's kernels; syncs: host waits on the device; "
-        "H2D: host-to-device copies. Targets (issue 26): compress and decompress <= 1 ms + 2 us a tensor at 1,000 "
-        "tensors; syncs <= 4 a compress, <= 2 a decompress or add."
-        + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
+        f"{doc['repeat']} replays. Top-k {doc['fraction']:g} {doc['scope']}, or the row's pipeline "
+        "(fp16 + Rice + zstd: top-k 1% with fp16 values, Rice-coded indices and zstd; dense-int8: every "
+        "entry, int8 blockwise); decompress and add take the payload's bytes onto the base. Host ms: the "
+        "replay's Python time (of which the NumPy work that stands for the device's, CuPy's array operations "
+        "and the copies, in brackets), without the driver's cost per launch or copy. Launches: our kernels; "
+        "array ops: the array module's kernels; syncs: host waits on the device; H2D: host-to-device copies. "
+        "Targets (issue 26): compress and decompress <= 1 ms + 2 us a tensor at 1,000 tensors; syncs <= 4 a "
+        "compress, <= 2 a decompress or add." + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
         "",
         "| update | tensors | elements | op | host ms | target ms | launches | array ops | syncs | target | H2D |",
         "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|---:|",
@@ -131,6 +148,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--full", nargs="*", default=["resnet-50"], choices=sorted(ZOO), help="zoo entries at their full size too"
     )
+    ap.add_argument(
+        "--pipelines",
+        nargs="*",
+        default=list(PIPELINES),
+        choices=sorted(PIPELINES),
+        help="the named entries with these pipelines too",
+    )
     ap.add_argument("--repeat", type=int, default=5)
     ap.add_argument("--out", type=pathlib.Path, help="JSON output (default benchmarks/results/host_recording.json)")
     ap.add_argument("--from-json", type=pathlib.Path, help="no run: read these results")
@@ -140,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads(a.from_json.read_text())
     else:
         t0 = time.perf_counter()
-        doc = run(a.tensors, a.elements, a.entries, a.repeat, a.full)
+        doc = run(a.tensors, a.elements, a.entries, a.repeat, a.full, a.pipelines)
         doc["command"] = " ".join(["python benchmarks/bench_host.py", *(sys.argv[1:] if argv is None else argv)])
         print(f"({time.perf_counter() - t0:.1f} s)")
         out = a.out or RESULTS / "host_recording.json"

@@ -99,15 +99,19 @@ def _columns(m: Measurement) -> dict[str, Any]:
     }
 
 
-def host_columns(update: Update, fraction: float = 0.01, scope: str = "global", repeat: int = 5) -> dict[str, Any]:
-    """The recording launcher's figures for one compress, one decompress onto the base and one aggregator ``add``
-    of ``update`` (NumPy arrays or torch CPU tensors, standing for tensors already on the device): op -> columns
-    (``host_ms``, ``launches``, ``syncs``, ...), as :func:`recording_columns` reports them."""
+def host_columns(
+    update: Update, fraction: float | None = 0.01, scope: str = "global", repeat: int = 5, pipeline: Any = None
+) -> dict[str, Any]:
+    """The recording launcher's figures for one compress (with ``pipeline``'s stages, a list of codecs), one
+    decompress of its bytes onto the base and one aggregator ``add`` of them, of ``update`` (NumPy arrays or torch
+    CPU tensors, standing for tensors already on the device): op -> columns (``host_ms``, ``launches``, ``syncs``,
+    ...), as :func:`recording_columns` reports them."""
     new, base = update.new, update.base
+    kw = {"fraction": fraction, "scope": scope, "pipeline": pipeline}
     with using_backend(CpuBackend()):  # the same bytes as the GPU path's (tests/test_codecs_parity.py)
-        blob = gpu_codec.compress(new, base, fraction=fraction, scope=scope).to_bytes()
+        blob = gpu_codec.compress(new, base, **kw).to_bytes()
     calls = {
-        "compress": (None, lambda _: gpu_codec.compress(new, base, fraction=fraction, scope=scope), [new, base]),
+        "compress": (None, lambda _: gpu_codec.compress(new, base, **kw), [new, base]),
         "decompress": (None, lambda _: gpu_codec.decompress(blob, base=base), [base]),
         "add": (lambda: gpu_codec.Aggregator(base=base), lambda agg: agg.add(blob), [base]),
     }

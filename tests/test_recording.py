@@ -439,12 +439,15 @@ def test_the_benchmark_writes_its_table_and_checks_the_targets(tmp_path, capsys)
     out = tmp_path / "host.json"
     assert (
         bench_host.main(
-            ["--tensors", "3", "--elements", "3000", "--entries", "--full", "--repeat", "1", "--out", str(out)]
+            ["--tensors", "3", "--elements", "3000", "--entries", "iid-2^24", "--full", "--pipelines", "dense-int8"]
+            + ["--repeat", "1", "--out", str(out)]
         )
         == 0
     )
     doc = json.loads(out.read_text())
-    (row,) = doc["rows"]
+    row, _, dense = doc["rows"]
+    assert dense["entry"] == "iid-2^24 dense-int8" and dense["pipeline"] == "dense-int8"
+    assert dense["ops"]["decompress"]["syncs"] <= 2 and dense["ops"]["compress"]["launches"] <= 2
     assert row["tensors"] == 3 and set(row["ops"]) == {"compress", "decompress", "add"}
     assert row["ops"]["decompress"]["syncs"] <= 2 and doc["machine"]["cpu_model"]
     assert "| split-3 | 3 |" in out.with_suffix(".md").read_text()
