@@ -218,6 +218,9 @@ class Suite:
 
     # -- pytest
     def pytest_command(self) -> list[str]:
+        # from a checkout without the package installed, the package made importable comes before the checkout's
+        # own folder, which pyproject.toml's pythonpath puts first (its gpu_codec/ lacks kernels/ and cpu_fallback/)
+        paths = ["-o", "pythonpath=" + " ".join([*_EXTRA_PYTHONPATH, "."])] if _EXTRA_PYTHONPATH else []
         return [
             sys.executable,
             "-m",
@@ -228,6 +231,7 @@ class Suite:
             "-rfEs",
             "-p",
             "no:cacheprovider",
+            *paths,
             *self.args.pytest_args,
         ]
 

@@ -19,7 +19,7 @@ from tests.common import BACKENDS, use_backend
 
 def state(agg: Aggregator) -> tuple:
     """Everything add() may change, as bytes."""
-    limbs = None if agg._limbs is None else np.asarray(agg._limbs).tobytes()
+    limbs = None if agg._limbs is None else agg._backend.to_host(agg._limbs).tobytes()  # (a GPU's: copied)
     return limbs, agg._beta.tobytes(), list(agg._weights), agg._template and agg._template.entries
 
 

@@ -54,7 +54,7 @@ def _reference(p: Payload, stored: dict) -> dict:
     for r in p.tensors:
         o = stored[r.name].copy()
         if r.nnz:
-            idx, vals = r.buffers["indices"], r.buffers["values"]
+            idx, vals = (CpuBackend().asarray(r.buffers[k]) for k in ("indices", "values"))  # (a GPU's: copied)
             assert CpuBackend().scatter([o], [CODE[r.dtype]], [o.size], [idx], [vals], SCATTER_ADD) is None
         out[r.name] = o
     return out

@@ -27,8 +27,8 @@ def _base(rng, dt: int, n: int) -> np.ndarray:
 
 def _copy_and_scatter(base, dt, idx, vals) -> np.ndarray:
     """The reference: a copy of the whole base, then the scatter twin in mode 1."""
-    out = base.copy()
-    assert CpuBackend().scatter([out], [dt], [base.size], [idx], [vals], SCATTER_ADD) is None
+    out, host = base.copy(), CpuBackend().asarray  # (a GPU payload's entries: copied to the host)
+    assert CpuBackend().scatter([out], [dt], [base.size], [host(idx)], [host(vals)], SCATTER_ADD) is None
     return out
 
 

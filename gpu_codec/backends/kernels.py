@@ -514,9 +514,10 @@ class KernelOps:
         eq_cnt = xp.zeros(grid, dtype=np.uint32)
         cands = _nbytes(cand_base, cand_cnt, cand_idx, cand_key, eq_cnt)  # live until cand_write
         status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(2 * nseg, np.uint64)]))
-        # 2) one pass over every element; the residual is written here where it is not also the residual read
+        # 2) one pass over every element; the residual is written here where it is not also the residual read (an
+        # empty one is never that: on a GPU empty arrays share the address 0, where the twins' have their own)
         early = [
-            ro if ro is not None and (r is None or self.runner.ptr(r) != self.runner.ptr(ro)) else None
+            ro if ro is not None and (r is None or ro.size == 0 or self.runner.ptr(r) != self.runner.ptr(ro)) else None
             for r, ro in zip(res, res_out)
         ]
         p_early = self._ptrs(early)  # live until cand_write
