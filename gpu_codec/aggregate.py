@@ -36,7 +36,7 @@ from . import decode as _decode
 from . import dtypes
 from .arrays import from_backend, is_device_array, to_tensor
 from .backends import events, get_backend
-from .codecs import decoder_for
+from .codecs import decoder_for, host_resident
 from .constants import ScatterMode
 from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import TensorRecord
@@ -378,8 +378,7 @@ class Aggregator:
         with_base = self._base is not None
         logical = [r.dtype if with_base else dtypes.value_dtype(r.dtype) for r in records]
         # (on a device, runs of sparse tensors of any size, bounded by their entries, as decompress forms them)
-        cap = _decode.batch_entries(_decode.output_bytes(logical, template.numels[pos].tolist()))
-        runs, dense = self._runs(records, logical, pos, cap if backend.on_device else None)
+        runs, dense = self._runs(records, logical, pos, backend.on_device)
         segs: list[_Segment] = []
         flags, parts = [], []
         where = np.full(len(records), -1, np.int64)  # each tensor's largest |v| in the read-back (-1: none)
@@ -492,9 +491,9 @@ class Aggregator:
         there where coded, and copied once): (None, values, each one's count, None); None where a record does not
         hold one value of its value dtype per element."""
         if all(d.host_values is not None for d in group):  # (read from bytes for a device: decoded on the host)
-            vals = [d.host_values() for d in group]
-        else:
-            vals = [r.buffers.get("values") for r in records]
+            joined = _decode.joined_values(group, backend)
+            return None if joined is None else (None, joined, [r.numel for r in records], None)
+        vals = [r.buffers.get("values") for r in records]
         if any(
             not hasattr(v, "reshape")  # (an array, not a buffer streamed from a frame)
             or r.nnz != r.numel
@@ -511,25 +510,21 @@ class Aggregator:
 
     @staticmethod
     def _runs(
-        records: list[TensorRecord], logical: list[str], pos: np.ndarray, entries_cap: int | None = None
+        records: list[TensorRecord], logical: list[str], pos: np.ndarray, device: bool = False
     ) -> tuple[list[int | None], set[int]]:
         """Each record's run, or None for a tensor added alone: :func:`gpu_codec.decode.decompress`'s runs of sparse
-        tensors (small ones; with ``entries_cap``, on a device, of any size and at most that many entries a run),
-        and runs of small plain dense ones (as many elements), each cut where the tensors are not adjacent in the
-        accumulator; and the runs that are dense."""
+        tensors (small ones; on a ``device``, of any size, bounded by their entries), and runs of small plain dense
+        ones (as many elements; on a device, coded ones read from bytes too), each cut where the tensors are not
+        adjacent in the accumulator; and the runs that are dense."""
         numels = [r.numel for r in records]
-        given = _decode._runs(records, logical, numels, entries_cap)
+        given = _decode._runs(records, logical, numels, device)
         out: list[int | None] = []
         dense: set[int] = set()
         rid, size = -1, 0
         for i, (g, r, numel) in enumerate(zip(given, records, numels)):
             inner = r.codec.get("inner", r.encoding) if r.encoding in ("zstd", "nvcomp") else r.encoding
             # (plain dense records; on a device, coded ones too, decoded on the host where read from bytes)
-            joinable = r.encoding == "dense" or (
-                entries_cap is not None
-                and inner in ("dense", "dense_q")
-                and all(type(x) is np.ndarray for x in r.buffers.values())  # (read from bytes)
-            )
+            joinable = r.encoding == "dense" or (device and inner in ("dense", "dense_q") and host_resident(r))
             plain = g is None and joinable and numel <= _decode.SMALL_TENSOR
             if g is None and not plain:
                 out.append(None)

@@ -46,7 +46,7 @@ def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[s
     return like, None
 
 
-def output_bytes(logical: list[str], numels: list[int]) -> int:
+def _output_bytes(logical: list[str], numels: list[int]) -> int:
     """Bytes of the dense outputs of tensors of these logical dtypes and element counts."""
     size = {lg: dtypes.storage_dtype(lg).itemsize for lg in set(logical)}
     return sum(n * size[lg] for lg, n in zip(logical, numels))
@@ -328,6 +328,18 @@ def _apply_joined(
     return apply_run(gi, vals, flat_of()[offsets[0] : offsets[-1]], bases, logical, backend, checks)
 
 
+def joined_values(run: list, backend: Any) -> Any:
+    """A run of dense records' values (each a :class:`~gpu_codec.codecs.Decoded` read from bytes, its values
+    decoded on the host: ``host_values``) joined there, end to end, and copied to the backend once; None where a
+    record has no host values or not one value of its value dtype an element."""
+    if any(d.host_values is None for d in run):
+        return None
+    vals = [d.host_values() for d in run]
+    if any(v.ndim != 1 or v.size != d.numel or v.dtype != dtypes.value_dtype(d.dtype) for v, d in zip(vals, run)):
+        return None
+    return backend.asarray(np.concatenate(vals))
+
+
 def _dense_run(
     run: list, flat_of: Any, offsets: list[int], bases: list, logical: str, backend: Any, checks: Any = None
 ) -> bool:
@@ -336,14 +348,10 @@ def _dense_run(
     bases) by one ``dense_apply`` over the run's outputs. False where a record has no host values or not one
     value of its value dtype an element, or (without ``checks``) a value or a sum is not finite: the caller then
     decodes them one by one, which raises the error that names the tensor."""
-    if any(d.host_values is None for d in run):
-        return False
-    vals = [d.host_values() for d in run]
-    if any(v.ndim != 1 or v.size != d.numel or v.dtype != dtypes.value_dtype(d.dtype) for v, d in zip(vals, run)):
+    joined = joined_values(run, backend)
+    if joined is None:
         return False
     xp, o0 = backend.xp, offsets[0]
-    joined = backend.asarray(np.concatenate(vals))
-    del vals
     span = flat_of()[o0 : offsets[-1]]
     cuts = list(pairwise(offsets))
     outs = [span[a - o0 : b - o0] for a, b in cuts]
@@ -369,21 +377,17 @@ def decoded_records(payload: Payload, backend: Backend) -> list[TensorRecord]:
 
 
 def _runs(
-    records: list[TensorRecord],
-    logical: list[str],
-    numels: list[int],
-    entries_cap: int | None = None,
-    dense: bool = False,
+    records: list[TensorRecord], logical: list[str], numels: list[int], device: bool = False, dense: bool = False
 ) -> list[int | None]:
     """Each record's run (sparse tensors of one dtype decoded together, see :func:`_decode_run`), or None for a
     tensor decoded alone: small tensors (SMALL_TENSOR elements), at most SMALL_RUN elements and SMALL_RUN_ENTRIES
-    entries a run; or with ``entries_cap`` (a device decode, whose runs are written straight into the outputs'
-    one allocation) sparse tensors of any size, at most ``entries_cap`` entries a run, so the launches of a decode
-    do not grow with its tensor count (a run's temporaries are its entries', as a tensor decoded alone streams
-    chunks of them). With ``dense``, small dense tensors too, in runs of their own of at most SMALL_RUN elements
-    (see :func:`_dense_run`)."""
-    most_numel, most_size = (SMALL_TENSOR, SMALL_RUN) if entries_cap is None else (None, None)
-    most_entries = SMALL_RUN_ENTRIES if entries_cap is None else entries_cap
+    entries a run; or on a ``device`` (whose runs are written straight into the outputs' one allocation) sparse
+    tensors of any size, at most :func:`batch_entries` of the outputs' bytes in entries a run, so the launches of
+    a decode do not grow with its tensor count (a run's temporaries are its entries', as a tensor decoded alone
+    streams chunks of them). With ``dense``, small dense tensors too, in runs of their own of at most SMALL_RUN
+    elements (see :func:`_dense_run`)."""
+    most_numel, most_size = (None, None) if device else (SMALL_TENSOR, SMALL_RUN)
+    most_entries = batch_entries(_output_bytes(logical, numels)) if device else SMALL_RUN_ENTRIES
     out: list[int | None] = []
     run, size, entries, run_dense = -1, 0, 0, False
     for i, (r, numel) in enumerate(zip(records, numels)):
@@ -857,7 +861,7 @@ def decompress(
     if host_onto:
         runs: list = []  # (batched, see _decode_onto_host)
     elif backend.on_device:  # (runs of sparse tensors of any size, bounded by their entries)
-        runs = _runs(records, logical, numels, batch_entries(output_bytes(logical, numels)), dense=True)
+        runs = _runs(records, logical, numels, device=True, dense=True)
     else:
         runs = _runs(records, logical, numels)
     outs = _Outputs(records, logical, runs, base_tensors is not None, backend, numels)
@@ -900,5 +904,5 @@ __all__ = [
     "decoded_records",
     "decompress",
     "join_run",
-    "output_bytes",
+    "joined_values",
 ]

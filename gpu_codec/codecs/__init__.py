@@ -14,7 +14,7 @@ built-in codecs and gathers their wire layouts.
 
 from .base import BytesCodec, Codec, IndexCodec, ValueCodec
 from .nvcomp import Nvcomp
-from .pipeline import Decoded, Pipeline, as_pipeline, decode_records, decoder_for
+from .pipeline import Decoded, Pipeline, as_pipeline, decode_records, decoder_for, host_resident
 from .quantize import Int8Blockwise, Quantize
 from .registry import get_codec, register_codec, registered_codecs, wire_layouts
 from .rice import RiceIndices
@@ -42,6 +42,7 @@ __all__ = [
     "decode_records",
     "decoder_for",
     "get_codec",
+    "host_resident",
     "register_codec",
     "registered_codecs",
     "wire_layouts",

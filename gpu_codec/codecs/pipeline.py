@@ -296,7 +296,7 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
     head = (rec.name, rec.dtype, tuple(rec.shape), rec.nnz)
     # a record read from bytes (host buffers: NumPy's own arrays, not a subclass standing for a device's) for a
     # device: its entries are decoded where they lie, on the host
-    from_bytes = backend.on_device and all(_on_host(x) for x in rec.buffers.values())
+    from_bytes = backend.on_device and host_resident(rec)
     if rec.encoding == "coo":
         vals, idx = rec.buffers["values"], rec.buffers["indices"]
         host = (idx, vals) if type(idx) is np.ndarray and type(vals) is np.ndarray else None
@@ -337,9 +337,10 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
     return Decoded(*head, values, _slicer(idx, backend), vform.step(rec))
 
 
-def _on_host(x: Any) -> bool:
-    """Whether a record's buffer lies in host memory as read from bytes (a NumPy array, or a frame's stream)."""
-    return type(x) is np.ndarray or isinstance(x, StreamedBuffer)
+def host_resident(rec: TensorRecord) -> bool:
+    """Whether every buffer of a record lies in host memory as read from bytes: NumPy's own arrays (not a subclass
+    standing for a device's) or a frame's streams."""
+    return all(type(x) is np.ndarray or isinstance(x, StreamedBuffer) for x in rec.buffers.values())
 
 
 def _whole(a: Any) -> Any:

@@ -494,13 +494,22 @@ class _Cursor:
                 parts.append(b)
                 got += len(b)
         except zstandard.ZstdError as e:
-            raise PayloadLayoutError(f"{self.what}: zstd frame does not decompress to {self.raw} bytes ({e})") from None
+            raise self._error(str(e)) from None
         if got != n:
-            raise PayloadLayoutError(
-                f"{self.what}: zstd frame does not decompress to {self.raw} bytes (it ended {n - got} bytes early)"
-            )
+            raise self._error(f"it ended {n - got} bytes early")
         self.pos += n
         return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def at_end(self) -> bool:
+        """Whether the frame holds nothing more (its end, where zstd checks the content checksum it may have)."""
+        try:
+            return not self.reader.read(1)
+        except zstandard.ZstdError as e:
+            raise self._error(str(e)) from None
+
+    def _error(self, why: str) -> PayloadLayoutError:
+        """The error of a frame that does not decompress to its declared size, and why."""
+        return PayloadLayoutError(f"{self.what}: zstd frame does not decompress to {self.raw} bytes ({why})")
 
     def skip(self, n: int) -> None:
         while n > 0:
@@ -531,12 +540,8 @@ class FrameStream:
         c = _Cursor(data, what, raw)
         c.skip(keep_from)
         self.tail = c.take(raw - keep_from)
-        try:
-            more = c.reader.read(1)  # (the frame's end: its content checksum, where it has one, is checked here)
-        except zstandard.ZstdError as e:
-            raise PayloadLayoutError(f"{what}: zstd frame does not decompress to {raw} bytes ({e})") from None
-        if more:
-            raise PayloadLayoutError(f"{what}: zstd frame does not decompress to {raw} bytes (it holds more)")
+        if not c.at_end():
+            raise c._error("it holds more")
         self._cursors: list[_Cursor] = []
 
     def close(self) -> None:
