@@ -191,7 +191,7 @@ def codec_records(backend, n: int, fraction: float = 0.01) -> list[dict]:
         "quantize_bfloat16": lambda: backend.cast16([vals], "bfloat16", [idx], [None]),
         "int8": lambda: backend.int8([vals], 256, [idx], [None]),
         "ternary": lambda: backend.ternary([vals], [idx], [None]),
-        "rice": lambda: backend.rice([idx], [rice_param(k, n)]),
+        "rice": lambda: backend.rice([idx], [rice_param(k, n)], [n]),
     }
     out = []
     for name, fn in stages.items():

@@ -114,8 +114,11 @@ class ErrorFeedback:
 
     def _bind(self, names: list[str], news: list[Any], backend: Backend) -> _Binding:
         res_in, res_out, entries = [], [], []
-        for n, t in zip(names, news):
-            vd = np.dtype(dtypes.value_dtype(t.dtype))
+        # every residual written is a slice of one allocation a value dtype (not an allocation a tensor)
+        vds = [np.dtype(dtypes.value_dtype(t.dtype)) for t in news]
+        spans = {vd: backend.xp.empty(sum(t.numel for t, v in zip(news, vds) if v == vd), dtype=vd) for vd in set(vds)}
+        at = dict.fromkeys(spans, 0)
+        for n, t, vd in zip(names, news, vds):
             cur = self._state.get(n)
             if cur is not None:
                 a, dt, shape = cur
@@ -127,7 +130,8 @@ class ErrorFeedback:
                 res_in.append(backend.asarray(a))
             else:
                 res_in.append(None)
-            res_out.append(backend.xp.empty(t.numel, dtype=vd))  # every element is rewritten by the selection
+            res_out.append(spans[vd][at[vd] : at[vd] + t.numel])  # every element is rewritten by the selection
+            at[vd] += t.numel
             entries.append((n, t.dtype, tuple(t.shape)))
         return _Binding(entries, res_in, res_out)
 

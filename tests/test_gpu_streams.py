@@ -80,10 +80,14 @@ class StreamedBackend(CpuBackend):
     def stream(self, tensors):
         prev, self.cuda.current = self.cuda.current, "caller"
         try:
-            yield
-            events.finish(self)  # as GpuBackend.stream ends
+            with events.scope(self):  # as GpuBackend.stream ends
+                yield
         finally:
             self.cuda.current = prev
+
+    def to_host(self, a):
+        self.cuda.log.append(("to_host", self.cuda.current, None))  # a blocking copy: waits for the stream
+        return np.asarray(a)
 
     def limb_mean(self, *args):
         self.cuda.log.append(("limb_mean", self.cuda.current, None))
@@ -210,3 +214,49 @@ def test_gpu_backend_stream_finishes_with_a_sync_or_a_deferred_event(monkeypatch
     with events.deferred() as recorded, backend.stream([]):
         pass
     assert [e.id for e in recorded] == [1] and cuda.log[-1] == ("record", "default", 1)
+
+
+def test_a_scope_ends_without_a_second_wait_after_its_one_read(monkeypatch):
+    """GpuBackend.stream on a fake CuPy: a block marked as having waited for its stream (the one joined read of
+    an encode's host values) ends without a sync; the mark is the block's own (a nested scope's does not carry
+    out, and outside any scope it does nothing); inside events.deferred the event is still recorded."""
+    gpu = pytest.importorskip("gpu_codec.backends.gpu")
+    cuda = FakeCuda()
+    cuda.Device = lambda d=None: types.SimpleNamespace(id=0)
+    backend = gpu.GpuBackend(types.SimpleNamespace(xp=types.SimpleNamespace(cuda=cuda)))
+    events.waited()  # (outside a scope: nothing to mark)
+    with backend.stream([]):
+        events.waited()
+    assert cuda.log == []
+    with backend.stream([]):
+        with backend.stream([]):
+            events.waited()
+        assert cuda.log == []
+    assert cuda.log == [("sync", "default", None)]  # the outer block was not marked
+    with events.deferred() as recorded, backend.stream([]):
+        events.waited()
+    assert [e.id for e in recorded] == [1] and cuda.log[-1] == ("record", "default", 1)
+
+
+@pytest.mark.parametrize("stages", [("rice",), ("ternary",), ("float16", "rice", "zstd")])
+def test_compress_reads_its_host_values_once_and_does_not_wait_again(stages):
+    """A compress whose stages need device values on the host reads them in one copy at its end, which waits
+    for the caller's stream: the call does not sync that stream again; its bytes are the CPU's."""
+    make = {
+        "rice": gpu_codec.RiceIndices,
+        "ternary": gpu_codec.Ternary,
+        "float16": lambda: gpu_codec.Quantize("float16"),
+    }
+    make["zstd"] = gpu_codec.Zstd
+    rng = np.random.default_rng(3)
+    u = {f"t{i}": rng.standard_normal(500 + 100 * i).astype(np.float32) for i in range(4)}
+    want = gpu_codec.compress(u, fraction=0.1, pipeline=[make[s]() for s in stages]).to_bytes()
+    b = StreamedBackend()
+    with using_backend(b):
+        got = gpu_codec.compress(u, fraction=0.1, pipeline=[make[s]() for s in stages]).to_bytes()
+    assert got == want
+    log = [e for e in b.cuda.log if e[1] == "caller"]
+    assert log.count(("to_host", "caller", None)) == 1 and ("sync", "caller", None) not in log
+    with using_backend(b):
+        gpu_codec.compress(u, fraction=0.1)
+    assert b.cuda.log[-1] == ("sync", "caller", None)  # without such stages, the call's wait is its sync

@@ -165,6 +165,50 @@ def test_compress_syncs_at_most_four_times_and_launches_as_often_at_any_tensor_c
     assert launches[100] == launches[300], launches
 
 
+@pytest.mark.parametrize(
+    "stages, fraction, feedback",
+    [
+        (("float16", "rice", "zstd"), 0.01, False),
+        (("ternary",), 0.01, True),
+        (("int8", "rice"), 0.01, False),
+        (("zstd",), 0.01, False),
+        (("int8", "zstd"), None, False),
+    ],
+)
+def test_compress_with_host_reads_syncs_at_most_four_times_at_any_tensor_count(emulator, stages, fraction, feedback):
+    """Stages whose records need device values on the host (ternary's mu, Rice's bit counts, the bytes zstd
+    compresses there) read them all in one copy at the end of the call, which is the call's wait: a compress syncs
+    at most four times with them too (it made 5 or 6), launches as often at 100 tensors as at 300 (the selection
+    of fewer candidates, at 30, takes another path), and gives the CPU's bytes (and error-feedback residuals)."""
+    from gpu_codec import ErrorFeedback, Int8Blockwise, Quantize, RiceIndices, Ternary, Zstd
+
+    make = {"float16": lambda: Quantize("float16"), "int8": Int8Blockwise, "rice": RiceIndices}
+    make.update(zstd=lambda: Zstd(level=3), ternary=Ternary)
+    work = {}
+    for t in (100, 300):
+        new, base = _update(t, 1 << 16, seed=t)
+        pipe = [make[s]() for s in stages]
+        kw = dict(fraction=fraction, pipeline=pipe)
+        m = measure(
+            lambda _, new=new, base=base, kw=kw: gpu_codec.compress(
+                new, base, **kw, residual=ErrorFeedback() if feedback else None
+            ),
+            resident=[new, base],
+            emulator=emulator,
+            repeat=1,
+        )
+        assert m.counts.syncs <= SYNCS["compress"], (t, m.counts.sync_sites)
+        efs = [ErrorFeedback() if feedback else None for _ in range(2)]
+        with use_backend("cpu"):
+            want = gpu_codec.compress(new, base, **kw, residual=efs[0]).to_bytes()
+        with _device(emulator):
+            assert gpu_codec.compress(new, base, **kw, residual=efs[1]).to_bytes() == want
+        if feedback:
+            assert efs[1].to_bytes() == efs[0].to_bytes()
+        work[t] = m.counts.launches + m.counts.array_ops
+    assert work[100] == work[300], work
+
+
 def _decompress_and_add(blob: bytes, base: dict, emulator) -> tuple:
     """The recording's measurements of a decompress of ``blob`` onto ``base`` and of an aggregator's add of it."""
     d = measure(lambda _: gpu_codec.decompress(blob, base=base), resident=[base], emulator=emulator, repeat=1)

@@ -11,7 +11,8 @@ Layers point down only: adapters -> engine -> codecs -> backends -> kernels / tw
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -20,6 +21,7 @@ import numpy as np
 from ..constants import Criterion, DType, Rounding, ScatterMode
 from ..xp.finite import all_finite, some_nonfinite  # array code every backend runs (gpu_codec.xp)
 from ..xp.limbs import abs_max, abs_max_bits, add_span, from_abs_bits, mean_span
+from . import events
 
 Array = Any  # an array of the backend's ``xp`` (NumPy or CuPy)
 
@@ -261,12 +263,16 @@ class Backend(Protocol):
         """Blockwise absmax int8 of every tensor's values: (q per tensor, scales per tensor)."""
         ...
 
-    def ternary(self, values: list[Array], indices: list[Any], res: list[Any]) -> tuple[list[Array], np.ndarray]:
-        """Ternary (STC) of every tensor's values: (packed sign bits per tensor, host fp32 mu per tensor)."""
+    def ternary(self, values: list[Array], indices: list[Any], res: list[Any]) -> tuple[list[Array], Array]:
+        """Ternary (STC) of every tensor's values: (packed sign bits per tensor, fp32 mu of each tensor, one array
+        on the backend: the host reads it with the call's other reads, :func:`later`)."""
         ...
 
-    def rice(self, indices: list[Array], ks: list[int]) -> tuple[list[Array], list[int]]:
-        """Rice streams (uint8) and their bit counts for every tensor's ascending indices."""
+    def rice(self, indices: list[Array], ks: list[int], numels: list[int]) -> tuple[list[Array], Array]:
+        """Rice streams (uint8) of every tensor's ascending indices (``numels`` elements each) and their bit
+        counts (uint64, one array on the backend). A stream may run past its ``ceil(bits / 8)`` bytes (with zero
+        bytes, up to its length's bound :func:`~gpu_codec.constants.max_bits`), where the bit counts are not read
+        before the streams are placed."""
         ...
 
     # --- decode ----------------------------------------------------------------------------------------------
@@ -329,6 +335,76 @@ def scatter_args(xp: Any, indices: list, values: list):
     return total, ent_start, idx, vals32, vals64
 
 
+# ------------------------------------------------------------------------------------------ host reads
+# Some encode stages need values that only the device knows before their records are complete: ternary's mu per
+# tensor, a Rice stream's bit count, the coded bytes a host-side zstd compresses. Each read is a wait for the
+# device. A stage asks for what it needs with later(); inside gathered(), the asks are queued and answered together
+# where the block ends, in one copy (one wait), marked as the call's wait (events.waited): the call's scope then
+# ends without a second one.
+
+_reads = threading.local()
+
+
+def read_joined(backend: Any, arrays: list[Any]) -> list[np.ndarray]:
+    """Host copies of ``arrays`` (the backend's, each contiguous), in one device-to-host copy on a device
+    backend: their bytes joined there, copied, and cut back into arrays of their dtypes and sizes.
+
+    >>> from gpu_codec.backends.cpu import CpuBackend
+    >>> [a.tolist() for a in read_joined(CpuBackend(), [np.array([1, 2], np.uint64), np.array([0.5], np.float32)])]
+    [[1, 2], [0.5]]
+    """
+    if not getattr(backend, "on_device", False):
+        return [np.asarray(a) for a in arrays]
+    xp = backend.xp
+    parts = [backend.asarray(a).reshape(-1).view(np.uint8) for a in arrays]
+    host = backend.to_host(xp.concatenate(parts) if parts else xp.zeros(0, np.uint8))
+    out, at = [], 0
+    for a, p in zip(arrays, parts):
+        n = int(p.size)
+        out.append(host[at : at + n].view(a.dtype))
+        at += n
+    return out
+
+
+def later(backend: Any, arrays: list[Any], finish: Callable[[list[np.ndarray]], None]) -> None:
+    """``finish(host copies of arrays)``: queued to the end of the enclosing :func:`gathered` block on a device
+    backend, at once otherwise."""
+    queue = getattr(_reads, "queue", None)
+    if queue is None or not getattr(backend, "on_device", False):
+        finish(read_joined(backend, arrays))
+    else:
+        queue.append((arrays, finish))
+
+
+@contextlib.contextmanager
+def gathered(backend: Any) -> Iterator[None]:
+    """Queue the :func:`later` asks made in the block and answer them where it ends (nothing is read where it
+    raises): on a device backend, the arrays are joined there and copied to the host in one transfer, then each
+    ask's ``finish`` runs on its host copies, in the order asked. On a host backend each ``finish`` ran at once.
+
+    >>> from gpu_codec.backends.cpu import CpuBackend
+    >>> got = []
+    >>> with gathered(CpuBackend()):
+    ...     later(CpuBackend(), [np.arange(3, dtype=np.float32)], lambda h: got.append(h[0].tolist()))
+    >>> got
+    [[0.0, 1.0, 2.0]]
+    """
+    prev = getattr(_reads, "queue", None)
+    queue: list = []
+    _reads.queue = queue
+    try:
+        yield
+    finally:
+        _reads.queue = prev
+    if queue:
+        host = read_joined(backend, [a for arrays, _ in queue for a in arrays])
+        events.waited()
+        at = 0
+        for arrays, finish in queue:
+            finish(host[at : at + len(arrays)])
+            at += len(arrays)
+
+
 __all__ = [
     "Array",
     "Backend",
@@ -340,7 +416,10 @@ __all__ = [
     "dense_values",
     "flat_tables",
     "from_abs_bits",
+    "gathered",
+    "later",
     "mean_span",
+    "read_joined",
     "scatter_args",
     "some_nonfinite",
     "split_values",

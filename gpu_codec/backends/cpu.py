@@ -126,10 +126,10 @@ class CpuBackend(ArrayDecoders):
         coded = [_q.encode_ternary(v, i, r) for v, i, r in zip(values, indices, res)]
         return [s for s, _ in coded], np.asarray([mu for _, mu in coded], dtype=np.float32)
 
-    def rice(self, indices, ks):
+    def rice(self, indices, ks, numels):
         streams, bits = [], []
         for i, kk in zip(indices, ks):
             s, b = _rice.rice_encode(i, kk)
             streams.append(s)
             bits.append(b)
-        return streams, bits
+        return streams, np.asarray(bits, dtype=np.uint64)

@@ -7,9 +7,12 @@ the end of the work queued so far on the current stream; :func:`wait` makes the 
 (on the device, without blocking the host). Both do nothing on host backends, where every op has finished when
 it returns.
 
-A call's scope (:meth:`~gpu_codec.backends.base.Backend.stream`) ends with :func:`finish`: the host waits for
-the call's stream, unless the caller asked not to (:func:`deferred`, used by ``compress(..., blocking=False)``):
-then an event is recorded there instead, and the caller waits on it when it needs the bytes.
+A call's scope (:meth:`~gpu_codec.backends.base.Backend.stream`, through :func:`scope`) ends with
+:func:`finish`: the host waits for the call's stream, unless the caller asked not to (:func:`deferred`, used by
+``compress(..., blocking=False)``): then an event is recorded there instead, and the caller waits on it when it
+needs the bytes. A call whose last device step was a blocking copy to the host (:func:`.base.gathered`, which
+marks it with :func:`waited`) has already waited for everything queued on the stream: its scope ends without a
+second wait.
 
 >>> from gpu_codec.backends.cpu import CpuBackend
 >>> record(CpuBackend()) is None
@@ -27,7 +30,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["deferred", "finish", "record", "wait"]
+__all__ = ["deferred", "finish", "record", "scope", "wait", "waited"]
 
 _local = threading.local()
 
@@ -58,6 +61,29 @@ def deferred() -> Iterator[list[Any]]:
         yield _local.pending
     finally:
         _local.pending = prev
+
+
+@contextlib.contextmanager
+def scope(backend: Any) -> Iterator[None]:
+    """A call's scope on ``backend`` (inside its device and stream contexts): on the way out, :func:`finish`, which
+    is left out where the block's last device step was a host read that waited for the stream (:func:`waited`)
+    and the caller did not ask for an event (:func:`deferred`). Scopes nest; each has its own mark."""
+    prev = getattr(_local, "waited", None)
+    _local.waited = False
+    try:
+        yield
+        if not (_local.waited and getattr(_local, "pending", None) is None):
+            finish(backend)
+    finally:
+        _local.waited = prev
+
+
+def waited() -> None:
+    """Mark, inside a :func:`scope`, that the host has just waited for the current stream (a blocking copy of
+    what everything queued on it wrote), so that the scope need not wait again. Called only where no device work
+    is queued after it in the scope; outside one it does nothing."""
+    if getattr(_local, "waited", None) is not None:
+        _local.waited = True
 
 
 def finish(backend: Any) -> None:

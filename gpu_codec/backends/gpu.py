@@ -190,7 +190,7 @@ class GpuBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
     @contextlib.contextmanager
     def stream(self, tensors: Sequence[Any]) -> Iterator[None]:
         """Device, stream and allocator of one call (see the module docstring); synchronizes on the way out
-        (:func:`.events.finish`)."""
+        (:func:`.events.scope`)."""
         cupy = self.xp
         dev = device_of(tensors)
         with contextlib.ExitStack() as stack:
@@ -203,5 +203,6 @@ class GpuBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
                 self._last_allocator = "torch"
             else:
                 self._last_allocator = "cupy"
+            # the host waits for this stream on the way out (or, deferred, an event is recorded on it)
+            stack.enter_context(events.scope(self))
             yield
-            events.finish(self)  # the host waits for this stream (or, deferred, an event is recorded on it)

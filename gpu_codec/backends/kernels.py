@@ -39,6 +39,7 @@ from ..constants import (
     SCATTER_ADD,
     U64_MAX,
     index_dtype,
+    max_bits,
 )
 from ..format.common import Segmented
 from .base import Runner, all_finite, dense_values, flat_tables, scatter_args, split_values
@@ -880,38 +881,37 @@ class KernelOps:
         signs = [
             words[int(word_off[t]) : int(word_off[t + 1])].view(np.uint8)[: -(-c // 8)] for t, c in enumerate(counts)
         ]
-        return signs, self.runner.to_host(mu)[: len(counts)].astype(np.float32)
+        return signs, mu[: len(counts)]
 
-    def rice(self, indices, ks) -> tuple[list[Any], list[int]]:
+    def rice(self, indices, ks, numels) -> tuple[list[Any], Any]:
         xp, run = self.xp, self.runner
         counts = [int(i.size) for i in indices]
+        # each stream gets the words of its length's bound (the gaps add up to at most numel - nnz), so that its
+        # bit count, read later with the call's other host reads, is not needed to place the streams
+        caps = [max_bits(c, n, k) if c else 0 for c, n, k in zip(counts, numels, ks)]
         wide = any(i.dtype == np.uint64 for i in indices)
         idx = [i.astype(np.uint64) if wide and i.dtype != np.uint64 else i for i in indices]
         tb = TensorTables(counts, [0] * len(counts), 1)
         nt, ent, d_ks = np.int32(len(counts)), self._up(_offsets(counts)), self._up(np.asarray(ks, np.int32))
         cs, ip = self._up(tb.chunk_start), self._ptrs(idx, skip_empty=True)
         sfx = "u64" if wide else "u32"
-        bits = [0] * len(counts)
         chunk_base = xp.zeros(max(tb.nchunks, 1), dtype=np.uint64)
+        tbits = xp.zeros(max(len(counts), 1), dtype=np.uint64)
         if tb.nchunks:
             chunk_q = xp.zeros(tb.nchunks, dtype=np.uint64)
-            tbits = xp.zeros(len(counts), dtype=np.uint64)
             run.launch("rice_count_" + sfx, tb.nchunks, BLOCK, (nt, cs, ent, d_ks, ip, chunk_q))
             run.launch(
                 "rice_scan", 1, RICE_SCAN_THREADS, (nt, np.int64(tb.nchunks), cs, ent, d_ks, chunk_q, chunk_base, tbits)
             )
-            bits = [int(b) for b in run.to_host(tbits)]
-        nwords = [-(-b // 32) for b in bits]
+        nwords = [-(-b // 32) for b in caps]
         word_off = _offsets(nwords)
         words = xp.zeros(max(sum(nwords), 1), dtype=np.uint32)
         if tb.nchunks:
             run.launch(
                 "rice_write_" + sfx, tb.nchunks, BLOCK, (nt, cs, ent, d_ks, ip, chunk_base, self._up(word_off), words)
             )
-        streams = [
-            words[int(word_off[t]) : int(word_off[t + 1])].view(np.uint8)[: -(-b // 8)] for t, b in enumerate(bits)
-        ]
-        return streams, bits
+        streams = [words[int(word_off[t]) : int(word_off[t + 1])].view(np.uint8) for t in range(len(counts))]
+        return streams, tbits[: len(counts)]
 
 
 class KernelBackendBase:
@@ -966,5 +966,5 @@ class KernelBackendBase:
     def ternary(self, values, indices, res):
         return self.ops.ternary(values, indices, res)
 
-    def rice(self, indices, ks):
-        return self.ops.rice(indices, ks)
+    def rice(self, indices, ks, numels):
+        return self.ops.rice(indices, ks, numels)

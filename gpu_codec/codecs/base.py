@@ -212,8 +212,16 @@ class BytesCodec(Codec):
     def lossless(self) -> bool:
         return True
 
+    # compresses on the host (compress_host): a device encode then reads the coded buffers with its other host
+    # reads, in one copy
+    on_host: ClassVar[bool] = False
+
     def compress_parts(self, flat: Any, sizes: list[int], backend: Backend) -> list[bytes]:
         """Compress each record's slice of ``flat`` (uint8, in the backend's memory)."""
+        raise NotImplementedError
+
+    def compress_host(self, raws: list[bytes]) -> list[bytes]:
+        """Compress each record's bytes, on the host (codecs with :attr:`on_host`)."""
         raise NotImplementedError
 
     def extra_fields(self) -> dict:

@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from ..backends.base import Backend
+from ..backends.base import Backend, gathered, later
 from ..dtypes import index_dtype, value_dtype
 from ..errors import (
     CodecConfigError,
@@ -131,17 +131,35 @@ class Pipeline:
                 f"the {self.indices.codec_id!r} index stage needs a sparse (top-k) update; "
                 "fraction=None encodes every tensor densely, with no indices"
             )
-        if self._coded():
-            vals = [r.buffers["values"] for r in records]
-            idxs = [None if dense else r.buffers["indices"] for r in records]
-            res = residual if residual is not None else [None] * len(records)
-            vc = self.values if self.values is not None else Quantize("float32")
-            vparts = vc.encode_values(vals, idxs, res, backend)
-            if dense:
-                iparts = [({}, {}, {})] * len(records)
+        host_bytes = self.bytes is not None and self.bytes.on_host
+        host: list[dict] = []
+        # the stages' host reads (ternary's mu, Rice's bit counts) and, for a bytes stage on the host, the coded
+        # buffers themselves: one copy for all, where the block ends (backends.base.gathered)
+        with gathered(backend):
+            if self._coded():
+                vals = [r.buffers["values"] for r in records]
+                idxs = [None if dense else r.buffers["indices"] for r in records]
+                res = residual if residual is not None else [None] * len(records)
+                vc = self.values if self.values is not None else Quantize("float32")
+                vparts = vc.encode_values(vals, idxs, res, backend)
+                if dense:
+                    iparts = [({}, {}, {})] * len(records)
+                else:
+                    ic = self.indices if self.indices is not None else RawIndices()
+                    iparts = ic.encode_indices(idxs, [r.numel for r in records], backend)
+                bufs_of = [{**ib, **vb} for (_, vb, _), (_, ib, _) in zip(vparts, iparts)]
             else:
-                ic = self.indices if self.indices is not None else RawIndices()
-                iparts = ic.encode_indices(idxs, [r.numel for r in records], backend)
+                bufs_of = [r.buffers for r in records]
+            if host_bytes:
+                roles = [list(b) for b in bufs_of]
+                arrays = [b[role] for b, rs in zip(bufs_of, roles) for role in rs]
+
+                def keep(copies: list) -> None:
+                    it = iter(copies)
+                    host.extend({role: next(it) for role in rs} for rs in roles)
+
+                later(backend, arrays, keep)
+        if self._coded():
             out = []
             for r, (vf, vb, vd), (inf, ib, idt) in zip(records, vparts, iparts):
                 codec = {"v": vc.tag, **vf}
@@ -161,7 +179,7 @@ class Pipeline:
                 )
             records = out
         if self.bytes is not None:
-            records = encode_wrapped(self.bytes, records, backend, wire_layouts())
+            records = encode_wrapped(self.bytes, records, backend, wire_layouts(), host if host_bytes else None)
         return records
 
     def _expect(self, rec: TensorRecord) -> None:

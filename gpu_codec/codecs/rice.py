@@ -18,6 +18,7 @@ code that validates the stream completely (PayloadError on any inconsistency, wo
 
 from __future__ import annotations
 
+from ..backends.base import later
 from ..cpu_fallback import rice as _rice
 from ..errors import PayloadHeaderError
 from ..format.schema import Field
@@ -95,5 +96,13 @@ class RiceIndices(IndexCodec):
 
     def encode_indices(self, indices, numels, backend):
         ks = [_rice.rice_param(int(i.size), n) for i, n in zip(indices, numels)]
-        streams, bits = backend.rice(indices, ks)
-        return [({"k": k, "bits": b}, {"indices": s}, {}) for k, b, s in zip(ks, bits, streams)]
+        streams, bits = backend.rice(indices, ks, numels)
+        parts = [({"k": k, "bits": 0}, {"indices": s}, {}) for k, s in zip(ks, streams)]
+
+        def finish(host):  # each bit count, read with the call's other host reads; its stream cut to its bytes
+            for (fields, bufs, _), b in zip(parts, host[0].tolist()):
+                fields["bits"] = b
+                bufs["indices"] = bufs["indices"][: -(-b // 8)]
+
+        later(backend, [bits], finish)
+        return parts

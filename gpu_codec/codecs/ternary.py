@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backends.base import later
 from ..errors import PayloadHeaderError
 from ..format import TensorRecord
 from ..format.schema import Field
@@ -70,4 +71,11 @@ class Ternary(ValueCodec):
 
     def encode_values(self, values, indices, res, backend):
         signs, mus = backend.ternary(values, indices, res)
-        return [({"mu": float(mu)}, {"signs": s}, {}) for s, mu in zip(signs, mus)]
+        parts = [({"mu": 0.0}, {"signs": s}, {}) for s in signs]
+
+        def finish(host):  # each mu, read with the call's other host reads
+            for (fields, _, _), mu in zip(parts, host[0].tolist()):
+                fields["mu"] = mu
+
+        later(backend, [mus], finish)
+        return parts

@@ -100,6 +100,19 @@ def gather(records: list[TensorRecord], backend: Any, layouts: Mapping[str, Layo
     return flat, sizes
 
 
+def host_raw(rec: TensorRecord, host: Mapping[str, np.ndarray], layouts: Mapping[str, LayoutRule]) -> bytes:
+    """A record's buffers concatenated in layout order, from their host copies ``host`` (by role; each at least
+    its layout's bytes long: a copy may run past them, as a Rice stream placed before its bit count was read)."""
+    out = []
+    for role, dt, count in raw_layout(rec, layouts):
+        n = count * BUFFER_DTYPES[dt].itemsize
+        b = host[role].reshape(-1).view(np.uint8)[:n]
+        if b.size != n:
+            raise AssertionError(f"{where(rec)}: buffer {role!r} has {b.size} bytes, layout says {n}")
+        out.append(b)
+    return np.concatenate(out).tobytes() if out else b""
+
+
 def build_layouts(
     value_forms: Mapping[str, Form], index_forms: Mapping[str, Form], wrappers: Mapping[str, type[BytesCodec]]
 ) -> dict[str, LayoutRule]:

@@ -32,7 +32,7 @@ import zstandard
 from ..format import LayoutRule, TensorRecord
 from ..format.schema import Field
 from .base import BytesCodec, check_int
-from .wire import gather
+from .wire import gather, host_raw
 
 
 def split_host(flat: Any, sizes: list[int], backend: Any) -> list[bytes]:
@@ -46,12 +46,23 @@ def split_host(flat: Any, sizes: list[int], backend: Any) -> list[bytes]:
 
 
 def encode_wrapped(
-    codec: BytesCodec, records: list[TensorRecord], backend: Any, layouts: Mapping[str, LayoutRule]
+    codec: BytesCodec,
+    records: list[TensorRecord],
+    backend: Any,
+    layouts: Mapping[str, LayoutRule],
+    host: list[Mapping[str, np.ndarray]] | None = None,
 ) -> list[TensorRecord]:
-    """Wrap each record's buffers into one ``compressed`` buffer with ``codec`` (a bytes stage's encode)."""
-    flat, sizes = gather(records, backend, layouts)
+    """Wrap each record's buffers into one ``compressed`` buffer with ``codec`` (a bytes stage's encode); from
+    ``host``, the host copies of each record's buffers by role, where the caller read them (``codec.on_host``)."""
+    if host is None:
+        flat, sizes = gather(records, backend, layouts)
+        parts = codec.compress_parts(flat, sizes, backend)
+    else:
+        raws = [host_raw(rec, h, layouts) for rec, h in zip(records, host)]
+        sizes = [len(r) for r in raws]
+        parts = codec.compress_host(raws)
     out = []
-    for rec, n, z in zip(records, sizes, codec.compress_parts(flat, sizes, backend)):
+    for rec, n, z in zip(records, sizes, parts):
         fields = {**codec.extra_fields(), "inner": rec.encoding, "raw": n, "zbytes": len(z)}
         if rec.codec:
             fields["ic"] = rec.codec
@@ -73,6 +84,11 @@ class Zstd(BytesCodec):
     def __init__(self, level: int = 3):
         self.level = check_int("zstd", "level", level, 1, 22)
 
+    on_host = True
+
     def compress_parts(self, flat, sizes, backend):
+        return self.compress_host(split_host(flat, sizes, backend))
+
+    def compress_host(self, raws):
         c = zstandard.ZstdCompressor(level=self.level, write_checksum=False, write_content_size=True)
-        return [c.compress(r) for r in split_host(flat, sizes, backend)]
+        return [c.compress(r) for r in raws]

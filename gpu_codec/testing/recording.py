@@ -514,8 +514,8 @@ class RecordingBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
 
     @contextlib.contextmanager
     def stream(self, tensors: Any) -> Iterator[None]:
-        yield
-        events.finish(self)
+        with events.scope(self):
+            yield
 
 
 @dataclass
