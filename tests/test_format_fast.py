@@ -106,6 +106,57 @@ def test_plain_entries_are_read_by_the_fast_reader():
     assert read_both(blob)[0] == "ok"
 
 
+@pytest.mark.parametrize("enc", ["coo", "dense"])
+def test_a_table_that_repeats_one_read_before_but_for_its_nnz_is_read_from_what_is_known(enc, monkeypatch):
+    """The next round's table (the same names, dtypes and shapes, other nnz) is read by comparing each entry's
+    bytes before its nnz with the remembered ones (v2._read_known): the general reader's records; an nnz above its
+    tensor, a shape or name that differs, or an entry more, and it is read entry by entry (the same records or
+    error as the general reader's)."""
+    monkeypatch.setattr(v2, "_KNOWN", ())
+    rng = random.Random(7)
+    recs = [record(rng, f"layer{i}.weight", enc) for i in range(40)]
+    read_both(pack(recs, pipeline=[], layouts=wire_layouts(), version=2))
+    assert len(v2._KNOWN) == 1 and len(v2._KNOWN[0].heads) == 40
+
+    def again(change):
+        out = []
+        for i, r in enumerate(recs):
+            numel = int(np.prod(r.shape))
+            nnz = r.nnz if enc == "dense" else (numel - i % 3 if numel > 2 else numel)
+            bufs = {k: np.arange(nnz, dtype=v.dtype) for k, v in r.buffers.items()}
+            out.append(TensorRecord(r.name, r.dtype, r.shape, enc, nnz, bufs))
+        change(out)
+        return pack(out, pipeline=[], layouts=wire_layouts(), version=2)
+
+    calls = []
+    real = v2._match
+    monkeypatch.setattr(v2, "_match", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(v2, "_remember", lambda *a: calls.append("entry by entry"))
+    assert read_both(again(lambda out: None))[0] == "ok" and calls == [1]
+
+    def bigger(out):  # a shape that differs: read entry by entry, remembered
+        r = out[5]
+        out[5] = TensorRecord(r.name, r.dtype, (*r.shape, 1, 2), enc, 0 if enc == "coo" else r.nnz * 2, {})
+        out[5].buffers.update({k: v[:0] if enc == "coo" else np.concatenate([v, v]) for k, v in r.buffers.items()})
+
+    calls.clear()
+    assert read_both(again(bigger))[0] == "ok" and calls == [1, "entry by entry"]
+    calls.clear()
+    assert read_both(again(lambda out: out.append(record(rng, "extra", enc))))[0] == "ok"
+    assert calls == ["entry by entry"]  # (another count: not compared)
+    if enc == "coo":  # the comparison itself: an nnz above its tensor's elements, or not canonical, is no match
+        k = v2._KNOWN[0]
+        nnz = [min(n, 200) for n in k.numels]
+        table = b"".join(h + v2.uvarint(n) for h, n in zip(k.heads, nnz))
+        assert v2._match(k, table, 0) == (len(table), nnz)
+        big = next(i for i, n in enumerate(k.numels) if n < 100)
+        over = nnz[:big] + [k.numels[big] + 1] + nnz[big + 1 :]
+        assert v2._match(k, b"".join(h + v2.uvarint(n) for h, n in zip(k.heads, over)), 0) is None
+        loose = b"".join(h + (b"\x80\x00" if i == big else v2.uvarint(n)) for i, (h, n) in enumerate(zip(k.heads, nnz)))
+        assert v2._match(k, loose, 0) is None
+        assert v2._match(k, table[:-1], 0) is None
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_both_readers_agree_on_valid_and_mutated_tables(seed):
     rng = random.Random(seed)

@@ -32,8 +32,9 @@ import re
 import struct
 import zlib
 from collections import Counter
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping
+from itertools import repeat
+from typing import Any, NamedTuple
 
 import numpy as np
 import zstandard
@@ -963,14 +964,95 @@ def _varint_tail(buf: bytes, pos: int, n: int) -> tuple[int, int]:
             raise _Leave
 
 
+class _Known(NamedTuple):
+    """A plain table read before, whole (:func:`_read_plain`): each entry's bytes before its nnz (all of a ``dense``
+    entry's), and what they said."""
+
+    enc: str
+    heads: tuple[bytes, ...]
+    names: tuple[str, ...]
+    coded: tuple[bytes, ...]  # each name as the table codes it (the later entries' name references)
+    dtypes: tuple[str, ...]
+    shapes: tuple[tuple[int, ...], ...]
+    numels: tuple[int, ...]
+    index_dtypes: tuple[str, ...]
+    value_dtypes: tuple[str, ...]
+
+
+_KNOWN: tuple[_Known, ...] = ()  # the latest few (a federated update sends the same names and shapes every round)
+_KNOWN_KEPT = 4
+
+
+def _read_known(t: _Reader, left: int, enc: str, names: set, earlier: list, records: list, lays: list) -> bool:
+    """Read the ``left`` entries of a plain table, from its first, where they repeat a table read before but for
+    their nnz: each entry's bytes before its nnz compared with the known one's at once, then its nnz read and
+    checked against its element count. Equal bytes after equal entries say the same name, dtype and shape, which
+    passed every check when first read. True where every entry matched; else nothing is read."""
+    for k in _KNOWN:
+        if k.enc == enc and len(k.heads) == left and t.buf.startswith(k.heads[0], t.pos):
+            got = _match(k, t.buf, t.pos)
+            if got is not None:
+                break
+    else:
+        return False
+    pos, nnzs = got
+    if enc == "coo":
+        lays.extend([[("indices", i, n), ("values", v, n)] for i, v, n in zip(k.index_dtypes, k.value_dtypes, nnzs)])
+    else:
+        lays.extend([[("values", v, n)] for v, n in zip(k.value_dtypes, nnzs)])
+    records.extend(map(TensorRecord, k.names, k.dtypes, k.shapes, repeat(enc), nnzs, _dicts(left), _dicts(left)))
+    names.update(k.names)
+    earlier.extend(k.coded)
+    t.pos = pos
+    return True
+
+
+def _match(k: _Known, buf: bytes, pos: int) -> tuple[int, Any] | None:
+    """(position after the entries, their nnz) where the entries from ``pos`` are ``k``'s but for their nnz, each
+    nnz a canonical varint no larger than its tensor; else None."""
+    starts = buf.startswith
+    if k.enc != "coo":
+        for head in k.heads:
+            if not starts(head, pos):
+                return None
+            pos += len(head)
+        return pos, k.numels
+    nnzs = []
+    try:
+        for head, numel in zip(k.heads, k.numels):
+            if not starts(head, pos):
+                return None
+            pos += len(head)
+            n = buf[pos]
+            pos += 1
+            if n >= 0x80:
+                n, pos = _varint_tail(buf, pos, n)
+            if n > numel:
+                return None
+            nnzs.append(n)
+    except (_Leave, IndexError):
+        return None
+    return pos, nnzs
+
+
+def _dicts(n: int) -> Iterator[dict]:
+    return (dict() for _ in range(n))
+
+
 def _read_plain(t: _Reader, left: int, enc: str, earlier: list[bytes], names: set, records: list, lays: list) -> None:
     """Read up to ``left`` table entries of the table's default form where that is plain ``coo`` or ``dense``
     (the records of a payload without value, index or bytes stages), appending what :func:`_read_tensor` would
     give; stop before the first entry that has a form of its own or that any check of :func:`_read_tensor` (or
     the duplicate-name check) would refuse, leaving ``t.pos`` at its start. The same checks with fewer calls:
-    tests/test_format_fast.py reads valid and corrupt tables through both."""
+    tests/test_format_fast.py reads valid and corrupt tables through both. A whole table (read from its first
+    entry to its last here) is remembered, and a table that repeats one of the latest few but for its nnz is read
+    by :func:`_read_known`."""
+    whole = not earlier
+    if whole and _read_known(t, left, enc, names, earlier, records, lays):
+        return
     buf, pos, end = t.buf, t.pos, t.end
     coo = enc == "coo"
+    heads = []
     for _ in range(left):
         start = pos
         try:
@@ -1028,6 +1110,7 @@ def _read_plain(t: _Reader, left: int, enc: str, earlier: list[bytes], names: se
                 dims.append(s)
             dtype = DTYPE_CODES[kind & 3]
             vd = _TENSOR_DTYPE.get(dtype, "float32")
+            heads.append(buf[start:pos])
             if coo:
                 nnz = buf[pos]
                 pos += 1
@@ -1047,6 +1130,26 @@ def _read_plain(t: _Reader, left: int, enc: str, earlier: list[bytes], names: se
         records.append(TensorRecord(name, dtype, tuple(dims), enc, nnz, {}, {}))
         lays.append(lay)
     t.pos = pos
+    if whole and left:
+        _remember(enc, heads, records, earlier, lays)
+
+
+def _remember(enc: str, heads: list[bytes], records: list, earlier: list[bytes], lays: list) -> None:
+    """Keep a whole plain table just read (:class:`_Known`), the latest few."""
+    coo = enc == "coo"
+    known = _Known(
+        enc,
+        tuple(heads),
+        tuple(r.name for r in records),
+        tuple(earlier),
+        tuple(r.dtype for r in records),
+        tuple(r.shape for r in records),
+        tuple(r.numel for r in records),
+        tuple(lay[0][1] if coo else "" for lay in lays),
+        tuple(lay[-1][1] for lay in lays),
+    )
+    global _KNOWN
+    _KNOWN = (known, *(k for k in _KNOWN if k.heads != known.heads or k.enc != enc))[:_KNOWN_KEPT]
 
 
 def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode: int, version: int):
