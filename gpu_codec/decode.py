@@ -886,9 +886,9 @@ def decompress(
             return {r.name: t.view(r.shape) for r, t in zip(records, split)}
     on_host = kind == "numpy" and backend.on_device  # (NumPy outputs of a device decode: one copy a region)
     views = outs.host_views(backend) if on_host else outs.views()
-    if (
-        kind == "numpy" and not backend.on_device and "bfloat16" not in logical
-    ):  # (the common case, without from_backend's per-call checks)
+    if "bfloat16" not in logical and (kind == "numpy" or (kind == "cupy" and backend.on_device)):
+        # (the common cases: every view already of the output's kind, where it goes; without from_backend's
+        # per-call checks)
         return {r.name: v.reshape(r.shape) for r, v in zip(records, views)}
     return {
         r.name: from_backend(v, lg, tuple(r.shape), kind, dev) for r, v, lg, dev in zip(records, views, logical, devs)

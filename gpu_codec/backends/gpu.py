@@ -176,6 +176,8 @@ class GpuBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
         self._last_allocator = "cupy"
 
     def asarray(self, a: Any) -> Any:
+        if type(a) is self.xp.ndarray:  # (a device array already: what cupy.asarray returns, without its checks)
+            return a
         return self.xp.asarray(a)
 
     def info(self) -> dict[str, Any]:
