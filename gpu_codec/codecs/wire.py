@@ -106,11 +106,13 @@ def host_raw(rec: TensorRecord, host: Mapping[str, np.ndarray], layouts: Mapping
     out = []
     for role, dt, count in raw_layout(rec, layouts):
         n = count * BUFFER_DTYPES[dt].itemsize
-        b = host[role].reshape(-1).view(np.uint8)[:n]
-        if b.size != n:
-            raise AssertionError(f"{where(rec)}: buffer {role!r} has {b.size} bytes, layout says {n}")
-        out.append(b)
-    return np.concatenate(out).tobytes() if out else b""
+        b = host[role]
+        if b.nbytes < n:
+            raise AssertionError(f"{where(rec)}: buffer {role!r} has {b.nbytes} bytes, layout says {n}")
+        out.append(
+            b if b.nbytes == n and b.flags.c_contiguous else np.ascontiguousarray(b).reshape(-1).view(np.uint8)[:n]
+        )
+    return b"".join(out)  # (NumPy arrays are bytes-like: joined without a copy of each)
 
 
 def build_layouts(
