@@ -172,14 +172,16 @@ def test_compress_syncs_at_most_four_times_and_launches_as_often_at_any_tensor_c
         (("ternary",), 0.01, True),
         (("int8", "rice"), 0.01, False),
         (("zstd",), 0.01, False),
-        (("int8", "zstd"), None, False),
+        (("int8", "zstd"), None, True),
+        ((), None, True),
     ],
 )
 def test_compress_with_host_reads_syncs_at_most_four_times_at_any_tensor_count(emulator, stages, fraction, feedback):
     """Stages whose records need device values on the host (ternary's mu, Rice's bit counts, the bytes zstd
     compresses there) read them all in one copy at the end of the call, which is the call's wait: a compress syncs
     at most four times with them too (it made 5 or 6), launches as often at 100 tensors as at 300 (the selection
-    of fewer candidates, at 30, takes another path), and gives the CPU's bytes (and error-feedback residuals)."""
+    of fewer candidates, at 30, takes another path; a dense update's residuals are zeroed by one fill, not one a
+    tensor), and gives the CPU's bytes (and error-feedback residuals)."""
     from gpu_codec import ErrorFeedback, Int8Blockwise, Quantize, RiceIndices, Ternary, Zstd
 
     make = {"float16": lambda: Quantize("float16"), "int8": Int8Blockwise, "rice": RiceIndices}

@@ -58,3 +58,27 @@ def test_rice_streams_match_twin(schedule):
             assert g.tobytes()[: -(-b // 8)] == w.tobytes() and not g[-(-b // 8) :].any()
             assert g.size == 4 * -(-max_bits(c.size, n, k) // 32) if c.size else g.size == 0
     assert max(ks) + 31 > 64  # the low bits of a gap at word offset 31 span three words
+
+
+@pytest.mark.skipif(not has_emulator(), reason="emulated backend not built")
+def test_zeroing_slices_of_one_allocation_fills_their_run_once():
+    """KernelOps._zero (the dense pass's residual outputs): slices end to end in one flat allocation are zeroed by
+    one fill of their span; a slice after a gap, of another allocation or another dtype, by a fill of its own;
+    nothing outside them is written."""
+    from gpu_codec.backends.emulated import EmulatedBackend, EmulatorRunner
+
+    ops = EmulatedBackend(EmulatorRunner(seed=1)).ops
+    fills = []
+
+    class Tracked(np.ndarray):
+        def fill(self, v):
+            fills.append(self.size)
+            super().fill(v)
+
+    span = np.arange(1, 31, dtype=np.float32).view(Tracked)
+    other = np.arange(1, 5, dtype=np.float64)
+    parts = [span[0:4], span[4:4], None, span[4:10], span[10:15], other[1:3], span[16:20], span[20:30]]
+    ops._zero(parts)
+    assert span.tolist() == [0.0] * 15 + [16.0] + [0.0] * 14
+    assert other.tolist() == [1.0, 0.0, 0.0, 4.0]
+    assert fills == [15, 14]  # [0, 15) in one, [16, 30) in one (the float64 slice, of another allocation, alone)

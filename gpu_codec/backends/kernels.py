@@ -696,10 +696,39 @@ class KernelOps:
             bad = int(run.to_host(err)[0])
             if bad != U64_MAX:
                 return None, bad
-        for r in res_out:
-            if r is not None:
-                r.fill(0)  # every entry is kept and sent exactly: d - decoded(d) = +0.0
+        self._zero(res_out)  # every entry is kept and sent exactly: d - decoded(d) = +0.0
         return split_values(vals32, vals64, numels, dtypes, off, DT_F64), None
+
+    def _zero(self, arrays) -> None:
+        """Every array of ``arrays`` (None skipped) zeroed: one fill for each run of arrays that lie end to end in
+        one flat allocation (an error-feedback binding's outputs are slices of one a value dtype), else one fill
+        an array."""
+        ptr, run = self.runner.ptr, []
+
+        def flush() -> None:
+            base = run[0].base if run else None
+            if len(run) > 1 and base is not None and base.ndim == 1 and base.dtype == run[0].dtype:
+                at = (ptr(run[0]) - ptr(base)) // base.itemsize
+                base[at : at + sum(int(a.size) for a in run)].fill(0)
+            else:
+                for a in run:
+                    a.fill(0)
+            run.clear()
+
+        for a in arrays:
+            if a is None or not a.size:
+                continue
+            last = run[-1] if run else None
+            if last is not None and not (
+                a.base is not None
+                and a.base is last.base
+                and a.dtype == last.dtype
+                and ptr(last) + last.nbytes == ptr(a)
+            ):
+                flush()
+            run.append(a)
+        if run:
+            flush()
 
     def scatter(self, outs, out_dtypes, numels, indices, values, mode, defer=False):
         """Write kept entries into dense outputs; returns the lowest bad entry position or None (``defer``: the
