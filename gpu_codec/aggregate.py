@@ -385,8 +385,10 @@ class Aggregator:
         wide = np.zeros(len(records), bool)
         group: list = []
         filled = 1  # (word 0: the flags)
+        pipe = decoder_for(payload.pipeline)
+        plain = _decode.plain_buffers(pipe, records)  # (read from bytes, no stage: entries read as they lie)
         try:
-            for i, d in enumerate(decoder_for(payload.pipeline).decode_stream(records, backend)):
+            for i, d in _decode.records_stream(pipe, records, backend, plain):
                 if runs[i] is not None:
                     group.append(d)
                     if i + 1 < len(records) and runs[i + 1] == runs[i]:
@@ -394,15 +396,18 @@ class Aggregator:
                     first = i + 1 - len(group)
                     ps = [int(p) for p in pos[first : i + 1]]
                     starts = [int(template.starts[p]) for p in ps]
+                    offsets = [*starts, starts[-1] + records[i].numel]
                     if runs[i] in dense:
                         joined = self._join_dense(records[first : i + 1], group, backend)
+                    elif plain is not None:
+                        joined = _decode.join_plain(plain, records, first, i + 1, offsets, backend)
                     else:
-                        joined = _decode.join_run(group, [*starts, starts[-1] + group[-1].numel], backend)
+                        joined = _decode.join_run(group, offsets, backend)
                     if joined is None and runs[i] in dense:
                         return None  # (values that are not one per element: added one by one, or refused)
                     if joined is not None:
                         gi, vals, counts, ok = joined
-                        if counts != [dd.nnz for dd in group] or int(vals.size) != sum(counts):
+                        if counts != [r.nnz for r in records[first : i + 1]] or int(vals.size) != sum(counts):
                             return None
                         if ok is not None:
                             flags.append(~ok)
@@ -413,6 +418,8 @@ class Aggregator:
                         segs.append(_Segment(ps, counts, vals, gi))
                     group = []
                     continue
+                if d is None:  # (a plain record added alone)
+                    d = next(pipe.decode_stream([records[i]], backend))
                 r = _entries_of(d, backend, bounds)
                 vals, idx, bad = self._entries(r, backend, what)
                 flags.append(bad)

@@ -10,7 +10,7 @@ aggregator shares (the output cap, the decoded records, the device checks, the e
 from __future__ import annotations
 
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from itertools import accumulate, pairwise
 from typing import Any
 
@@ -539,7 +539,7 @@ def _decode_all(
     failed check raises its error."""
     checks = DeviceChecks(backend.xp) if defer else None
     run: list = []  # (position, decoded) of the tensors of one run, adjacent in their buffer
-    plain = _plain_buffers(pipe, records)
+    plain = plain_buffers(pipe, records)
 
     def one(i: int, d: Any) -> None:
         if d is None:  # (a plain record: decoded only where it is decoded alone)
@@ -558,16 +558,7 @@ def _decode_all(
         elif run[0][1] is not None and run[0][1].indices is None:  # (small dense tensors)
             ok = _dense_run([d for _, d in run], flat_of, offsets, bs, lg, backend, checks)
         elif plain is not None:  # (the entries as they lie in the buffers: no decoder)
-            idx, vals = plain
-            nnz = [(i, records[i].nnz) for i, _ in run]
-            joined = join_entries(
-                [idx[i][:n] for i, n in nnz],
-                [vals[i][:n] for i, n in nnz],
-                outs.numels[first : last + 1],
-                offsets,
-                backend,
-                True,
-            )
+            joined = join_plain(plain, records, first, last + 1, offsets, backend)
             ok = _apply_joined(joined, flat_of, offsets, bs, lg, backend, checks)
         else:
             ok = _decode_run([d for _, d in run], flat_of, offsets, bs, lg, backend, checks)
@@ -576,12 +567,7 @@ def _decode_all(
                 one(i, d)
         run.clear()
 
-    # a plain payload's records are read from their buffers; any other's are decoded one at a time, in order
-    stream = (
-        ((i, None) for i in range(len(records)))
-        if plain is not None
-        else enumerate(pipe.decode_stream(records, backend))
-    )
+    stream = records_stream(pipe, records, backend, plain)
     try:
         for i, d in stream:
             if run and runs[i] != runs[run[-1][0]]:
@@ -599,7 +585,31 @@ def _decode_all(
     return checks is None or checks.passed()
 
 
-def _plain_buffers(pipe: Any, records: list) -> tuple[list, list] | None:
+def records_stream(pipe: Any, records: list, backend: Any, plain: Any) -> Iterator[tuple[int, Any]]:
+    """(position, decoded record) of each record, in order: where ``plain`` (:func:`plain_buffers`), None for each
+    (its entries are read from its buffers as they lie: :func:`join_plain`; or decoded alone,
+    ``pipe.decode_stream([record])``); else each one decoded (``pipe.decode_stream``)."""
+    if plain is not None:
+        return ((i, None) for i in range(len(records)))
+    return enumerate(pipe.decode_stream(records, backend))
+
+
+def join_plain(plain: tuple[list, list], records: list, first: int, end: int, offsets: list[int], backend: Any) -> Any:
+    """:func:`join_entries` of the plain records ``[first, end)`` (adjacent in a span, ``offsets`` their starts then
+    its end), from their buffers as read from bytes (``plain``: :func:`plain_buffers`), with no decoder."""
+    idx, vals = plain
+    recs = records[first:end]
+    return join_entries(
+        [idx[first + j][: r.nnz] for j, r in enumerate(recs)],
+        [vals[first + j][: r.nnz] for j, r in enumerate(recs)],
+        [r.numel for r in recs],
+        offsets,
+        backend,
+        True,
+    )
+
+
+def plain_buffers(pipe: Any, records: list) -> tuple[list, list] | None:
     """Every record's indices and values where the pipeline has no stage after top-k and every record is ``coo``
     with host buffers (a payload read from bytes): its entries are read as they lie, with no decoder. None
     otherwise."""
@@ -670,7 +680,7 @@ def _decode_onto_host(
     idx_of: list = [None] * count
     val_of: list = [None] * count
     nnz_of: list = [0] * count
-    as_read = _plain_buffers(pipe, records)
+    as_read = plain_buffers(pipe, records)
     every = as_read is not None
     if every:  # (the entries as they lie in the buffers, read in a few passes over the records)
         idx_of, val_of, nnz_of = *as_read, [r.nnz for r in records]
@@ -903,6 +913,9 @@ __all__ = [
     "chunk_entries",
     "decoded_records",
     "decompress",
+    "join_plain",
     "join_run",
     "joined_values",
+    "plain_buffers",
+    "records_stream",
 ]

@@ -286,3 +286,39 @@ def test_numpy_results_of_a_device_aggregator_are_copied_once_a_dtype(onto, monk
     assert {k: np.asarray(v).tobytes() for k, v in out.items()} == want
     assert all(type(v) is np.ndarray for v in out.values())
     assert len(copies) == 2 and sum(copies) == sum(v.size for v in base.values())  # (fp32 and fp64)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_add_of_a_plain_payload_read_from_bytes_decodes_no_record(backend, monkeypatch):
+    """An add of a payload read from bytes with no stage after top-k reads each run's entries from the buffers as
+    they lie (as decompress does), with no decoder a record; the sums are those of the records decoded one by one
+    (the plain reading switched off), and a bad index in a run is refused as before, naming its tensor."""
+    from gpu_codec import decode
+    from gpu_codec.codecs.pipeline import Pipeline
+    from gpu_codec.testing import fuzz
+
+    rng = np.random.default_rng(2)
+    base = {f"t{i}": rng.standard_normal(300 + 7 * i).astype(np.float32) for i in range(40)}
+    new = {k: v + rng.standard_normal(v.size).astype(np.float32) for k, v in base.items()}
+    blob = gpu_codec.compress(new, base, fraction=0.05).to_bytes()
+    with use_backend(backend):
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(decode, "plain_buffers", lambda pipe, records: None)  # every record through its decoder
+            want = Aggregator(base=base)
+            want.add(blob)
+        decoded = []
+        real = Pipeline.decode_stream
+        monkeypatch.setattr(
+            Pipeline, "decode_stream", lambda self, recs, be: decoded.extend(recs) or real(self, recs, be)
+        )
+        got = Aggregator(base=base)
+        got.add(blob)
+        assert not decoded
+        w, g = want.result(), got.result()
+        assert all(np.asarray(w[k]).tobytes() == np.asarray(g[k]).tobytes() for k in base)
+        bad = bytearray(blob)
+        idx = gpu_codec.Payload.from_bytes(blob).tensors[3].buffers["indices"]
+        at = bytes(bad).index(idx.tobytes())
+        bad[at : at + 4] = np.uint32(10**6).tobytes()  # an index past its tensor
+        with pytest.raises(PayloadIndexError, match="t3"):
+            got.add(fuzz._with_crc(bytes(bad[:-4])))
