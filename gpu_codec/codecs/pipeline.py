@@ -134,7 +134,8 @@ class Pipeline:
         host_bytes = self.bytes is not None and self.bytes.on_host
         host: list[dict] = []
         # the stages' host reads (ternary's mu, Rice's bit counts) and, for a bytes stage on the host, the coded
-        # buffers themselves: one copy for all, where the block ends (backends.base.gathered)
+        # buffers themselves: one copy for all, where the block ends (backends.base.gathered), which is the call's
+        # wait; a bytes stage on the device (nvCOMP) runs after it and ends with its own copy to the host
         with gathered(backend):
             if self._coded():
                 vals = [r.buffers["values"] for r in records]
@@ -147,10 +148,11 @@ class Pipeline:
                 else:
                     ic = self.indices if self.indices is not None else RawIndices()
                     iparts = ic.encode_indices(idxs, [r.numel for r in records], backend)
-                bufs_of = [{**ib, **vb} for (_, vb, _), (_, ib, _) in zip(vparts, iparts)]
-            else:
-                bufs_of = [r.buffers for r in records]
             if host_bytes:
+                if self._coded():
+                    bufs_of = [{**ib, **vb} for (_, vb, _), (_, ib, _) in zip(vparts, iparts)]
+                else:
+                    bufs_of = [r.buffers for r in records]
                 roles = [list(b) for b in bufs_of]
                 arrays = [b[role] for b, rs in zip(bufs_of, roles) for role in rs]
 
