@@ -128,6 +128,12 @@ def test_a_table_that_repeats_one_read_before_but_for_its_nnz_is_read_from_what_
         change(out)
         return pack(out, pipeline=[], layouts=wire_layouts(), version=2)
 
+    monkeypatch.setattr(v2, "_KNOWN_MAX_BYTES", sum(map(len, v2._KNOWN[0].heads)) - 1)  # (a larger table)
+    v2._KNOWN = ()
+    read_both(pack(recs, pipeline=[], layouts=wire_layouts(), version=2))
+    assert v2._KNOWN == ()  # not remembered: what a sender can make a reader hold is bounded
+    monkeypatch.setattr(v2, "_KNOWN_MAX_BYTES", 1 << 20)
+    read_both(pack(recs, pipeline=[], layouts=wire_layouts(), version=2))
     calls = []
     real = v2._match
     monkeypatch.setattr(v2, "_match", lambda *a: calls.append(1) or real(*a))

@@ -981,6 +981,8 @@ class _Known(NamedTuple):
 
 _KNOWN: tuple[_Known, ...] = ()  # the latest few (a federated update sends the same names and shapes every round)
 _KNOWN_KEPT = 4
+_KNOWN_MAX_BYTES = 1 << 20  # a table whose entries' heads take more is not remembered (what a sender can make a
+# reader hold stays a few MiB: heads, names and coded names of at most _KNOWN_KEPT tables)
 
 
 def _read_known(t: _Reader, left: int, enc: str, names: set, earlier: list, records: list, lays: list) -> bool:
@@ -1135,7 +1137,10 @@ def _read_plain(t: _Reader, left: int, enc: str, earlier: list[bytes], names: se
 
 
 def _remember(enc: str, heads: list[bytes], records: list, earlier: list[bytes], lays: list) -> None:
-    """Keep a whole plain table just read (:class:`_Known`), the latest few."""
+    """Keep a whole plain table just read (:class:`_Known`), the latest few, where its heads take at most
+    ``_KNOWN_MAX_BYTES``."""
+    if sum(map(len, heads)) > _KNOWN_MAX_BYTES:
+        return
     coo = enc == "coo"
     known = _Known(
         enc,
