@@ -294,9 +294,10 @@ def compress(
             ]
         elif type(indices) is Segmented and type(values) is Segmented:  # shared outputs: no array per tensor
             roles, off = {"indices": indices, "values": values}, indices.offsets
+            off = off.tolist() if isinstance(off, np.ndarray) else list(off)  # (Python ints: each nnz one subtraction)
             records = [
-                TensorRecord(n, t.dtype, t.shape, "coo", off[i + 1] - off[i], SegmentBuffers(roles, i))
-                for i, (n, t) in enumerate(zip(names, news))
+                TensorRecord(n, t.dtype, t.shape, "coo", b - a, SegmentBuffers(roles, i))
+                for i, (n, t, a, b) in enumerate(zip(names, news, off, off[1:]))
             ]
         else:
             records = [

@@ -317,7 +317,7 @@ def scan_kernel(dtypes, crit: int, ext_scores) -> str:
 
 def wide_indices(numels: list[int]) -> bool:
     """Whether the fused path writes 64-bit indices: where a tensor has more elements than uint32 indexes."""
-    return any(index_dtype(n) == np.uint64 for n in numels)
+    return bool(numels) and index_dtype(max(numels)) == np.uint64  # (the largest decides: one call, not one a tensor)
 
 
 def _nbytes(*arrays) -> int:
