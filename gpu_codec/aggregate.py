@@ -264,14 +264,18 @@ class Aggregator:
         if base is not None:
             if not isinstance(base, Mapping) or not base:
                 raise InvalidInputError("base must be a non-empty mapping of name -> array")
-            entries = []
+            entries, flags = [], []
+            be, xp = self._backend, self._backend.xp
             for n, a in base.items():
                 t = to_tensor(a, n)
                 if t.dtype not in dtypes.FLOAT_DTYPES:
                     raise InvalidInputError(f"tensor {n!r}: base dtype {t.dtype} is not a float dtype")
-                if not all_finite(self._backend.asarray(t.data), dtypes.code(t.dtype), self._backend.xp):
-                    raise InvalidInputError(f"tensor {n!r}: the base holds inf or NaN, so no mean on it is finite")
+                flags.append(some_nonfinite(be.asarray(t.data), dtypes.code(t.dtype), xp))
                 entries.append((n, tuple(t.shape), t.dtype))
+            bad = np.flatnonzero(be.to_host(xp.stack(flags)))  # (every tensor's check, read back at once)
+            if bad.size:
+                n = entries[int(bad[0])][0]
+                raise InvalidInputError(f"tensor {n!r}: the base holds inf or NaN, so no mean on it is finite")
             self._base = base
             self._template = _Template(entries)
             need = held_bytes(self._template.records(), True)
