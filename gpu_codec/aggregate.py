@@ -36,7 +36,7 @@ from . import decode as _decode
 from . import dtypes
 from .arrays import from_backend, is_device_array, to_tensor
 from .backends import events, get_backend
-from .codecs import decoder_for, host_resident
+from .codecs import decoder_for, host_resident, inner_encoding
 from .constants import ScatterMode
 from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import TensorRecord
@@ -117,8 +117,7 @@ class _Template:
 
 
 def _sends_dense(r: TensorRecord) -> bool:
-    enc = r.codec.get("inner") if r.encoding in ("zstd", "nvcomp") else r.encoding
-    return enc in ("dense", "dense_q")
+    return inner_encoding(r) in ("dense", "dense_q")
 
 
 def held_bytes(records: Iterable[Any], with_base: bool) -> int:
@@ -533,7 +532,7 @@ class Aggregator:
         dense: set[int] = set()
         rid, size = -1, 0
         for i, (g, r, numel) in enumerate(zip(given, records, numels)):
-            inner = r.codec.get("inner", r.encoding) if r.encoding in ("zstd", "nvcomp") else r.encoding
+            inner = inner_encoding(r)
             # (plain dense records; on a device, coded ones too, decoded on the host where read from bytes)
             joinable = r.encoding == "dense" or (device and inner in ("dense", "dense_q") and host_resident(r))
             plain = g is None and joinable and numel <= _decode.SMALL_TENSOR

@@ -19,7 +19,7 @@ import numpy as np
 from . import dtypes
 from .arrays import Tensor, from_backend, is_device_array, numpy_tensors, to_tensor, torch_tensors
 from .backends import Backend, get_backend
-from .codecs import decoder_for
+from .codecs import decoder_for, inner_encoding
 from .constants import U64_MAX, ScatterMode
 from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import (
@@ -391,7 +391,7 @@ def _runs(
     out: list[int | None] = []
     run, size, entries, run_dense = -1, 0, 0, False
     for i, (r, numel) in enumerate(zip(records, numels)):
-        inner = r.codec.get("inner", r.encoding) if r.encoding in ("zstd", "nvcomp") else r.encoding
+        inner = inner_encoding(r)
         is_dense = dense and inner in ("dense", "dense_q") and numel <= SMALL_TENSOR
         if not is_dense and (inner not in ("coo", "sparse") or (most_numel is not None and numel > most_numel)):
             out.append(None)

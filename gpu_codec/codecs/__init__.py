@@ -20,6 +20,7 @@ from .registry import get_codec, register_codec, registered_codecs, wire_layouts
 from .rice import RiceIndices
 from .ternary import Ternary
 from .topk import SCOPES, TopK, check_fraction
+from .wire import inner_encoding
 from .zstd import Zstd
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "decoder_for",
     "get_codec",
     "host_resident",
+    "inner_encoding",
     "register_codec",
     "registered_codecs",
     "wire_layouts",

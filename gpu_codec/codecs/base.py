@@ -217,7 +217,8 @@ class BytesCodec(Codec):
     on_host: ClassVar[bool] = False
 
     def compress_parts(self, flat: Any, sizes: list[int], backend: Backend) -> list[bytes]:
-        """Compress each record's slice of ``flat`` (uint8, in the backend's memory)."""
+        """Compress each record's slice of ``flat`` (uint8, in the backend's memory): codecs that compress where
+        the buffers lie (not :attr:`on_host`)."""
         raise NotImplementedError
 
     def compress_host(self, raws: list[bytes]) -> list[bytes]:

@@ -63,6 +63,11 @@ def _only(rec: TensorRecord, allowed: set[str]) -> None:
         raise PayloadHeaderError(f"{where(rec)}: unexpected codec field(s) {extra} for encoding {rec.encoding!r}")
 
 
+def inner_encoding(rec: TensorRecord) -> str:
+    """The encoding of a record's entries: a ``zstd``/``nvcomp`` record's inner one, any other record's own."""
+    return rec.codec.get("inner", rec.encoding) if rec.encoding in ("zstd", "nvcomp") else rec.encoding
+
+
 def inner_record(rec: TensorRecord) -> TensorRecord:
     """The record a ``zstd``/``nvcomp`` record wraps, without buffers."""
     inner, ic = rec.codec.get("inner"), rec.codec.get("ic", {})

@@ -35,16 +35,6 @@ from .base import BytesCodec, check_int
 from .wire import gather, host_raw
 
 
-def split_host(flat: Any, sizes: list[int], backend: Any) -> list[bytes]:
-    """Each record's compressed-to-be bytes, on the host (the one device-to-host copy of a bytes stage)."""
-    blob = np.asarray(backend.to_host(flat)).tobytes()
-    out, a = [], 0
-    for n in sizes:
-        out.append(blob[a : a + n])
-        a += n
-    return out
-
-
 def encode_wrapped(
     codec: BytesCodec,
     records: list[TensorRecord],
@@ -85,9 +75,6 @@ class Zstd(BytesCodec):
         self.level = check_int("zstd", "level", level, 1, 22)
 
     on_host = True
-
-    def compress_parts(self, flat, sizes, backend):
-        return self.compress_host(split_host(flat, sizes, backend))
 
     def compress_host(self, raws):
         c = zstandard.ZstdCompressor(level=self.level, write_checksum=False, write_content_size=True)

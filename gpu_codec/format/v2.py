@@ -991,7 +991,7 @@ def _read_known(t: _Reader, left: int, enc: str, names: set, earlier: list, reco
     checked against its element count. Equal bytes after equal entries say the same name, dtype and shape, which
     passed every check when first read. True where every entry matched; else nothing is read."""
     for k in _KNOWN:
-        if k.enc == enc and len(k.heads) == left and t.buf.startswith(k.heads[0], t.pos):
+        if k.enc == enc and len(k.heads) == left:
             got = _match(k, t.buf, t.pos)
             if got is not None:
                 break
@@ -1024,17 +1024,23 @@ def _match(k: _Known, buf: bytes, pos: int) -> tuple[int, Any] | None:
         for head, numel in zip(k.heads, k.numels):
             if not starts(head, pos):
                 return None
-            pos += len(head)
-            n = buf[pos]
-            pos += 1
-            if n >= 0x80:
-                n, pos = _varint_tail(buf, pos, n)
-            if n > numel:
-                return None
+            n, pos = _read_nnz(buf, pos + len(head), numel)
             nnzs.append(n)
     except (_Leave, IndexError):
         return None
     return pos, nnzs
+
+
+def _read_nnz(buf: bytes, pos: int, numel: int) -> tuple[int, int]:
+    """A plain ``coo`` entry's nnz at ``pos``: (nnz, position after it); _Leave where it is not a canonical varint
+    no larger than the tensor's ``numel`` (IndexError past the end)."""
+    n = buf[pos]
+    pos += 1
+    if n >= 0x80:
+        n, pos = _varint_tail(buf, pos, n)
+    if n > numel:
+        raise _Leave
+    return n, pos
 
 
 def _dicts(n: int) -> Iterator[dict]:
@@ -1114,12 +1120,7 @@ def _read_plain(t: _Reader, left: int, enc: str, earlier: list[bytes], names: se
             vd = _TENSOR_DTYPE.get(dtype, "float32")
             heads.append(buf[start:pos])
             if coo:
-                nnz = buf[pos]
-                pos += 1
-                if nnz >= 0x80:
-                    nnz, pos = _varint_tail(buf, pos, nnz)
-                if nnz > numel:
-                    raise _Leave
+                nnz, pos = _read_nnz(buf, pos, numel)
                 lay = [("indices", "uint32" if numel <= _INDEX_BOUND else "uint64", nnz), ("values", vd, nnz)]
             else:
                 nnz = numel
