@@ -135,6 +135,22 @@ def test_resident_tensors_of_every_layout_are_read_where_they_lie(emulator):
     _read_where_they_lie(new, base, emulator)
 
 
+def test_a_resident_array_is_wrapped_once_for_every_pass(emulator):
+    """As CuPy's asarray of a device array returns the array, the record pass and each replay get the same device
+    view of a resident array (made once, at its own address), and nothing is copied."""
+    new, _ = _update(3, 3000)
+    seen = []
+    m = measure(
+        lambda _: seen.append([get_backend().asarray(a) for a in new.values()]),
+        resident=[new],
+        emulator=emulator,
+        repeat=2,
+    )
+    assert len(seen) == 3 and all(a is b is c for a, b, c in zip(*seen))
+    assert [v._addr for v in seen[0]] == [a.ctypes.data for a in new.values()]
+    assert m.counts.h2d == 0
+
+
 def test_resident_torch_tensors_are_read_where_they_lie(emulator):
     """torch CPU tensors (bfloat16 and float32) stand for torch CUDA tensors: none is copied, and the kernels read
     each at its own address (the CPU bytes)."""

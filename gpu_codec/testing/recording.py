@@ -32,7 +32,9 @@ Not counted: NumPy's own functions called directly on a device array (CuPy would
 each launch costs a few µs of host time on top), and the time the device itself takes. Inputs named
 ``resident`` stand for tensors already on the device (a torch CUDA tensor, say): wrapping them (or a flat view of
 all of one) copies nothing, they are known by identity, and their address is read once, before the call, as
-CuPy's ``data.ptr`` is a field; a slice of a device array is a view, made on the host, with no kernel.
+CuPy's ``data.ptr`` is a field; the device view of a resident array is made once, by the record pass, and
+returned again by every replay's ``asarray`` of it, as CuPy's ``asarray`` returns a device array itself; a
+slice of a device array is a view, made on the host, with no kernel.
 
 The replay's time is the host's Python between launches, plus the NumPy work that stands for the device's (the
 array module's kernels and the copies; ``array_ms`` reports its share) and the recorder's bookkeeping.
@@ -97,10 +99,15 @@ class Counts:
 
 
 class _Session:
-    def __init__(self, mode: str, tape: list, log: list, resident: dict[int, tuple[int, int]]):
+    def __init__(
+        self, mode: str, tape: list, log: list, resident: dict[int, tuple[int, int]], views: dict | None = None
+    ):
         self.mode, self.tape, self.log = mode, tape, log
         # id(array) -> (its data address, its size): the resident arrays (see :func:`_resident`)
         self.resident = resident
+        # id(resident array) -> its device view, made by the first asarray of it (of all passes: as CuPy's asarray
+        # of a device array returns the array, a replay's asarray of a resident one is a lookup)
+        self.views = {} if views is None else views
         self.addresses = {addr for addr, _ in resident.values()}
         self.pos = self.lpos = 0
         self.counting = False
@@ -490,12 +497,22 @@ class RecordingBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
             raise TypeError(f"the recording backend takes NumPy arrays, got {type(a).__module__}")
         s = _session()
         if s is not None and type(a) is np.ndarray and a.size:
-            # a resident array, or a view of all of one (a flattened tensor): known by identity, no address read
-            known = s.resident.get(id(a)) or s.resident.get(id(a.base))
-            if known is not None and known[1] == a.size and a.flags.c_contiguous:
-                v = a.view(DeviceArray)
-                v._addr = known[0]
+            v = s.views.get(id(a))
+            if v is not None:  # (the resident array itself, whose view was made before)
                 return v
+            # a resident array, or a view of all of one (a flattened tensor): known by identity, no address read
+            known = s.resident.get(id(a))
+            if known is not None:
+                if known[1] == a.size and a.flags.c_contiguous:
+                    v = s.views[id(a)] = a.view(DeviceArray)
+                    v._addr = known[0]
+                    return v
+            elif a.base is not None:
+                known = s.resident.get(id(a.base))
+                if known is not None and known[1] == a.size and a.flags.c_contiguous:
+                    v = a.view(DeviceArray)
+                    v._addr = known[0]
+                    return v
         host = a if type(a) is np.ndarray and a.flags.aligned else np.require(np.asarray(a), requirements="A")
         if s is not None and host.size:
             addr = int(host.ctypes.data)
@@ -598,11 +615,12 @@ def measure(
     res, kept = _resident(resident)
     tape: list = []
     log: list = []
-    rec = _Session("record", tape, log, res)
+    views: dict = {}
+    rec = _Session("record", tape, log, res, views)
     _pass(rec, RecordingBackend(emulator), call, setup)
     times, array = [], []
     for _ in range(repeat):
-        s = _Session("replay", tape, log, res)
+        s = _Session("replay", tape, log, res, views)
         times.append(1e3 * _pass(s, RecordingBackend(None), call, setup))
         array.append(1e3 * s.array_s)
         if s.pos != len(tape) or s.lpos != len(log):
