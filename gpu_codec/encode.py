@@ -282,7 +282,7 @@ def compress(
             values, bad = backend.dense_delta(req)
             indices = [None] * nt
         else:
-            segments, ks = _segments([t.numel for t in news], fraction, scope)
+            segments, ks = _segments([t.data.size for t in news], fraction, scope)
             req = SelectRequest(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks)
             indices, values, bad = backend.topk_select(req)
         if bad is not None:

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import os
+from itertools import repeat
+from operator import is_not
 from statistics import NormalDist
 from typing import Any
 
@@ -307,7 +309,7 @@ def scan_kernel(dtypes, crit: int, ext_scores) -> str:
     """
     if int(crit) not in MAGNITUDE_CRITERIA or any(e is not None for e in ext_scores):
         return "fused_scan"
-    codes = {int(d) for d in dtypes}
+    codes = set(dtypes)  # (the int codes, or enum members equal to them)
     if codes <= {DT_F32}:
         return "fused_scan_f32"
     if codes <= {DT_F16, DT_BF16}:
@@ -318,6 +320,11 @@ def scan_kernel(dtypes, crit: int, ext_scores) -> str:
 def wide_indices(numels: list[int]) -> bool:
     """Whether the fused path writes 64-bit indices: where a tensor has more elements than uint32 indexes."""
     return bool(numels) and index_dtype(max(numels)) == np.uint64  # (the largest decides: one call, not one a tensor)
+
+
+def _all_none(xs) -> bool:
+    """Whether every item of ``xs`` is None (one C loop, no comparison of arrays)."""
+    return not any(map(is_not, xs, repeat(None)))
 
 
 def _nbytes(*arrays) -> int:
@@ -355,12 +362,14 @@ class KernelOps:
 
     def _ptrs(self, arrays, *, skip_empty: bool = False) -> Any:
         """A device table of the arrays' addresses (0 for None, and for empty arrays with ``skip_empty``)."""
-        return self._up(
-            np.asarray(
-                [self.runner.ptr(a) if a is not None and not (skip_empty and a.size == 0) else 0 for a in arrays],
-                dtype=np.uint64,
-            )
-        )
+        ptr = self.runner.ptr
+        if skip_empty:
+            addrs = [ptr(a) if a is not None and a.size else 0 for a in arrays]
+        elif _all_none(arrays):  # (no residuals, no external scores: the common case)
+            addrs = [0] * len(arrays)
+        else:
+            addrs = [0 if a is None else ptr(a) for a in arrays]
+        return self._up(np.asarray(addrs, dtype=np.uint64))
 
     def topk_select(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """Same contract as :func:`gpu_codec.cpu_fallback.select.topk_select`, on the runner's memory."""
@@ -476,7 +485,8 @@ class KernelOps:
         bracket missed or the candidate pool overflowed (the caller then runs the unfused passes)."""
         xp, run = self.xp, self.runner
         nt = len(new)
-        numels = [int(a.size) for a in new]
+        numels = [a.size for a in new]
+        codes = np.asarray(dtypes, np.int32)
         seg_of = segment_of(segments)
         nseg = len(segments)
         tb = TensorTables(numels, seg_of, nseg)
@@ -485,9 +495,10 @@ class KernelOps:
             return None
         nt32, crit32 = np.int32(nt), np.int32(crit)
         d_cs, d_nm = self._up(tb.chunk_start), self._up(tb.numel)
-        d_dt, d_so = self._up(np.asarray(dtypes, np.int32)), self._up(tb.seg_of)
+        d_dt, d_so = self._up(codes), self._up(tb.seg_of)
         p_new, p_base, p_res, p_ext = self._ptrs(new), self._ptrs(base), self._ptrs(res), self._ptrs(ext_scores)
         d_ext_dt = self._up(np.asarray(ext_dtypes, np.int32))
+        no_res_out = _all_none(res_out)  # (no error feedback)
         # 1) the sample and, on the host, lo per segment and the size of the candidate pool
         st = SegmentTable(numels, segments, ks)  # (the sample's plan and the candidates' share it)
         samp_off, stride = sample_plan(st)
@@ -517,10 +528,14 @@ class KernelOps:
         status = self._up(np.concatenate([np.asarray([U64_MAX, 0], np.uint64), np.zeros(2 * nseg, np.uint64)]))
         # 2) one pass over every element; the residual is written here where it is not also the residual read (an
         # empty one is never that: on a GPU empty arrays share the address 0, where the twins' have their own)
-        early = [
-            ro if ro is not None and (r is None or ro.size == 0 or self.runner.ptr(r) != self.runner.ptr(ro)) else None
-            for r, ro in zip(res, res_out)
-        ]
+        early = (
+            [None] * nt
+            if no_res_out
+            else [
+                ro if ro is not None and (r is None or ro.size == 0 or run.ptr(r) != run.ptr(ro)) else None
+                for r, ro in zip(res, res_out)
+            ]
+        )
         p_early = self._ptrs(early)  # live until cand_write
         d_lo = self._up(lo)
         plan = (p_early, d_lo, self._up(own_k), np.uint64(pool))
@@ -588,8 +603,8 @@ class KernelOps:
         wide = wide_indices(numels)
         sfx = "u64" if wide else "u32"
         idx = xp.empty(max(K, 1), dtype=np.uint64 if wide else np.uint32)
-        has64 = any(int(d) == DT_F64 for d in dtypes)
-        vals32 = xp.empty(max(K, 1) if any(int(d) != DT_F64 for d in dtypes) else 1, dtype=np.float32)
+        has64 = bool((codes == DT_F64).any())
+        vals32 = xp.empty(max(K, 1) if bool((codes != DT_F64).any()) else 1, dtype=np.float32)
         vals64 = xp.empty(max(K, 1) if has64 else 1, dtype=np.float64)
         run.launch(
             "cand_write_" + sfx,
@@ -610,13 +625,13 @@ class KernelOps:
         host_counts = run.to_host(counts).astype(np.int64)
         del counts
         # 4) residuals read in place are written now that nothing reads them; then the kept entries' residuals
-        late = [ro if ro is not None and e is None else None for ro, e in zip(res_out, early)]
-        if any(r is not None for r in late):
+        late = [] if no_res_out else [ro if ro is not None and e is None else None for ro, e in zip(res_out, early)]
+        if not _all_none(late):
             p_late = self._ptrs(late)
             run.launch("residual_delta", grid, BLOCK, (nt32, d_cs, d_nm, d_dt, p_new, p_base, p_res, p_late))
             peak = max(peak, tables + _nbytes(p_late))
             del p_late
-        if K and any(r is not None for r in res_out):
+        if K and not no_res_out:
             ent, p_ro = self._up(_offsets(host_counts.tolist())), self._ptrs(res_out)
             run.launch(
                 "kept_fix_" + sfx,
@@ -628,7 +643,7 @@ class KernelOps:
             del ent, p_ro
         self.fused_workspace_bytes = peak
         self.fused_selections += 1
-        return self._split_output(idx, vals32, vals64, host_counts, numels, dtypes, K)
+        return self._split_output(idx, vals32, vals64, host_counts, numels, codes, K)
 
     def _chunk_scan(self, tb: TensorTables, d_chunk_start, state, cnt, eq_base, out_base, counts) -> int:
         """eq_base, out_base and counts from the per-chunk counts (kernels/topk.cu, "The chunk scan"); returns the
@@ -656,7 +671,7 @@ class KernelOps:
         if int(offsets[-1]) != K:
             raise AssertionError(f"kernels kept {int(offsets[-1])} entries, expected {K}")
         off = offsets.tolist()
-        which = (np.asarray(dtypes, np.int32) == DT_F64).astype(np.int8).tolist()
+        which = (np.asarray(dtypes, np.int32) == DT_F64).view(np.int8).tolist()
         values = Segmented((vals32, vals64), off, which)
         indices: Any = Segmented((idx,), off)
         if idx.dtype == np.uint64 and any(index_dtype(n) != np.uint64 for n in numels):

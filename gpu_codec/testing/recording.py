@@ -493,13 +493,14 @@ class RecordingBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
     def asarray(self, a: Any) -> Any:
         if isinstance(a, DeviceArray):
             return a
+        s = _session()
+        if s is not None:
+            v = s.views.get(id(a))  # (a resident array itself, whose view was made before: kept alive, so its id
+            if v is not None:  # is no other live object's)
+                return v
         if not isinstance(a, np.ndarray) and type(a).__module__.split(".")[0] in ("cupy", "torch"):
             raise TypeError(f"the recording backend takes NumPy arrays, got {type(a).__module__}")
-        s = _session()
         if s is not None and type(a) is np.ndarray and a.size:
-            v = s.views.get(id(a))
-            if v is not None:  # (the resident array itself, whose view was made before)
-                return v
             # a resident array, or a view of all of one (a flattened tensor): known by identity, no address read
             known = s.resident.get(id(a))
             if known is not None:
