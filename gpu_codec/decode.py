@@ -12,7 +12,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Iterator, Mapping
 from itertools import accumulate, pairwise
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadL
 from .format import (
     TensorRecord,
 )
+from .format.common import Ranges, SegmentBuffers
 from .format.fingerprint import check_base
 from .payload import Payload, as_mapping
 from .xp.finite import all_finite, some_nonfinite
@@ -259,18 +260,34 @@ def join_entries(
 ) -> tuple[Any, Any, list[int], Any] | None:
     """:func:`join_run` of the tensors' index and value arrays (host arrays where ``on_host``, joined there and
     copied to the device at once; else the backend's), ``numels`` elements each."""
-    xp = backend.xp
-    host = xp.asarray if backend.on_device else np.asarray  # small host tables, where the entries are
     counts = [int(i.size) for i in idx]
     if not sum(counts):
         return None
     o0, o1 = offsets[0], offsets[-1]
     # (a payload may give a small tensor 64-bit indices; a span past 2^32 elements needs them)
     wide = any(i.dtype.itemsize > 4 for i in idx) or dtypes.index_dtype(o1 - o0).itemsize > 4
-    join = np.concatenate if on_host else xp.concatenate
+    join = np.concatenate if on_host else backend.xp.concatenate
     gi = join([i.astype(np.int64 if wide else np.uint32, copy=False) for i in idx])
-    vals = join(vals)
-    if on_host:
+    return _joined(gi, join(vals), counts, numels, offsets, backend, on_host, wide)
+
+
+def _joined(
+    gi: Any,
+    vals: Any,
+    counts: list[int],
+    numels: list[int],
+    offsets: list[int],
+    backend: Any,
+    host_side: bool,
+    wide: bool,
+) -> tuple[Any, Any, list[int], Any]:
+    """:func:`join_entries`' result from the joined indices ``gi`` (each counted in its own tensor; int64 where
+    ``wide``, a fresh array) and values: copied to the device where ``host_side``, checked, and shifted to their
+    tensors' places in the span."""
+    xp = backend.xp
+    host = xp.asarray if backend.on_device else np.asarray  # small host tables, where the entries are
+    o0, o1 = offsets[0], offsets[-1]
+    if host_side:
         gi, vals = backend.asarray(gi), backend.asarray(vals)
     ok = entries_ok(gi, np.asarray(counts), np.asarray(numels, np.int64), xp, host)
     if wide:
@@ -594,11 +611,23 @@ def records_stream(pipe: Any, records: list, backend: Any, plain: Any) -> Iterat
     return enumerate(pipe.decode_stream(records, backend))
 
 
-def join_plain(plain: tuple[list, list], records: list, first: int, end: int, offsets: list[int], backend: Any) -> Any:
+SHARED_JOIN_MIN = 16  # a run of at least this many records in shared ranges is joined by one gather a role
+
+
+def join_plain(plain: Any, records: list, first: int, end: int, offsets: list[int], backend: Any) -> Any:
     """:func:`join_entries` of the plain records ``[first, end)`` (adjacent in a span, ``offsets`` their starts then
-    its end), from their buffers as read from bytes (``plain``: :func:`plain_buffers`), with no decoder."""
-    idx, vals = plain
+    its end), from their buffers as read from bytes (``plain``: :func:`plain_buffers`), with no decoder. Records
+    whose buffers are ranges of the payload's data (:class:`SharedEntries`) are joined by one gather a role, with
+    no array made per record, where the run has many of them."""
     recs = records[first:end]
+    if type(plain) is SharedEntries:
+        if end - first >= SHARED_JOIN_MIN:
+            joined = _join_shared(plain, recs, first, end, offsets, backend)
+            if joined is not False:
+                return joined
+        plain = ([plain.indices[t] for t in range(first, end)], [plain.values[t] for t in range(first, end)])
+        first, end = 0, end - first
+    idx, vals = plain
     return join_entries(
         [idx[first + j][: r.nnz] for j, r in enumerate(recs)],
         [vals[first + j][: r.nnz] for j, r in enumerate(recs)],
@@ -609,17 +638,68 @@ def join_plain(plain: tuple[list, list], records: list, first: int, end: int, of
     )
 
 
-def plain_buffers(pipe: Any, records: list) -> tuple[list, list] | None:
+class SharedEntries(NamedTuple):
+    """The indices and values of a payload's plain ``coo`` records as the v2 reader found them: record ``t``'s are
+    range ``t`` of each (:func:`plain_buffers`)."""
+
+    indices: Ranges
+    values: Ranges
+
+
+def plain_buffers(pipe: Any, records: list) -> tuple[list, list] | SharedEntries | None:
     """Every record's indices and values where the pipeline has no stage after top-k and every record is ``coo``
     with host buffers (a payload read from bytes): its entries are read as they lie, with no decoder. None
-    otherwise."""
+    otherwise. Where the records' buffers are the reader's ranges of the payload's data (uint32 indices, float32
+    values, record ``t`` range ``t``), the two shared ranges, with no array made per record."""
     if not pipe.plain() or not all(r.encoding == "coo" for r in records):
         return None
     bufs = [r.buffers for r in records]
+    if set(map(type, bufs)) == {SegmentBuffers} and len({id(b.roles) for b in bufs}) == 1:
+        roles = bufs[0].roles
+        ir, vr = roles.get("indices"), roles.get("values")
+        if (
+            type(ir) is Ranges
+            and type(vr) is Ranges
+            and len(roles) == 2
+            and len(ir) == len(records)
+            and [b.t for b in bufs] == list(range(len(records)))
+            and ir.source.dtype == np.uint32
+            and vr.source.dtype == np.float32
+        ):
+            return SharedEntries(ir, vr)
     idx, vals = [b.get("indices") for b in bufs], [b.get("values") for b in bufs]
     if set(map(type, idx)) | set(map(type, vals)) != {np.ndarray}:
         return None
     return idx, vals
+
+
+def _gather_shared(plain: SharedEntries, first: int, end: int, nnz: list[int]) -> tuple | None:
+    """Records ``[first, end)`` of shared ranges, their entries joined: (indices, each counted in its own tensor;
+    values; entry counts), each role gathered from the payload's data by one index array (each entry's place
+    there: its record's start plus its rank in the record). None where a range is not its record's ``nnz`` long."""
+    ir, vr = plain
+    counts = [b - a for a, b in zip(ir.starts[first:end], ir.stops[first:end])]
+    if counts != nnz or counts != [b - a for a, b in zip(vr.starts[first:end], vr.stops[first:end])]:
+        return None
+    c = np.asarray(counts, np.int64)
+    rank = np.arange(int(c.sum()), dtype=np.intp) - np.repeat(np.cumsum(c) - c, c)
+    gi = ir.source[rank + np.repeat(np.asarray(ir.starts[first:end], np.intp), c)]
+    return gi, vr.source[rank + np.repeat(np.asarray(vr.starts[first:end], np.intp), c)], counts
+
+
+def _join_shared(plain: SharedEntries, recs: list, first: int, end: int, offsets: list[int], backend: Any) -> Any:
+    """:func:`join_plain` of records ``[first, end)`` of shared ranges: each role's entries gathered from the
+    payload's data by one index array (each entry's place there: its record's start plus its rank in the record);
+    False where a range is not its record's nnz long (then the records are sliced one by one)."""
+    got = _gather_shared(plain, first, end, [r.nnz for r in recs])
+    if got is None:
+        return False
+    gi, vals, counts = got
+    if not vals.size:
+        return None
+    wide = dtypes.index_dtype(offsets[-1] - offsets[0]).itemsize > 4
+    gi = gi.astype(np.int64) if wide else gi
+    return _joined(gi, vals, counts, [r.numel for r in recs], offsets, backend, True, wide)
 
 
 BATCH_ENTRIES = (1 << 14, 1 << 22)  # the bounds of a batch's entries onto a base on the host (see batch_entries)
@@ -644,6 +724,12 @@ def _join_host(idx: list, vals: list, nnz: list, numels: np.ndarray, starts: np.
         )
     except (TypeError, ValueError):  # (arrays of different ranks, or not on the host: a device payload's)
         return None
+    return _host_checked(gi, v, counts, nnz, numels, starts)
+
+
+def _host_checked(gi: Any, v: Any, counts: Any, nnz: list, numels: np.ndarray, starts: np.ndarray) -> tuple | None:
+    """:func:`_join_host` of a batch's joined indices ``gi`` (each counted in its own tensor; ``counts`` a tensor,
+    a fresh array where there are several) and values."""
     if (
         gi.ndim != 1
         or gi.dtype.kind != "u"
@@ -656,7 +742,7 @@ def _join_host(idx: list, vals: list, nnz: list, numels: np.ndarray, starts: np.
         return None
     span = dtypes.index_dtype(int(starts[-1] + numels[-1]))
     gi = gi.astype(span, copy=False)
-    if len(idx) > 1:
+    if len(counts) > 1:
         gi += np.repeat(starts.astype(span), counts)  # (in range: every index checked against its tensor)
     return gi, v
 
@@ -697,13 +783,21 @@ def _decode_onto_host(
         pos = pending.pop(key)
         held.pop(key)
         a, b = pos[0], pos[-1] + 1
+        shared = None
         if b - a == len(pos):  # (positions a, a + 1, ..., b - 1: slices of the tables)
-            idx, vals, nnz, srcs = idx_of[a:b], val_of[a:b], nnz_of[a:b], bases[a:b]
-            at, sizes = starts[a:b], numels[a:b]
+            nnz, srcs, at, sizes = nnz_of[a:b], bases[a:b], starts[a:b], numels[a:b]
+            if type(as_read) is SharedEntries and b - a >= SHARED_JOIN_MIN:  # (no array made a tensor)
+                shared = _gather_shared(as_read, a, b, nnz)
+            if shared is None:
+                idx, vals = idx_of[a:b], val_of[a:b]
         else:
             idx, vals, nnz, srcs = [[t[i] for i in pos] for t in (idx_of, val_of, nnz_of, bases)]
             at, sizes = starts[pos], numels[pos]
-        joined = _join_host(idx, vals, nnz, sizes, at - at[0])
+        if shared is None:
+            joined = _join_host(idx, vals, nnz, sizes, at - at[0])
+        else:
+            gi, v, counts = shared
+            joined = _host_checked(gi, v, np.asarray(counts, np.int64), nnz, sizes, at - at[0])
         if joined is not None:
             gi, v = joined
             span = outs.flat(a)[int(at[0]) : int(at[-1] + sizes[-1])]

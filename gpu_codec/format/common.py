@@ -134,6 +134,37 @@ class Segmented(Sequence):
         return list(other) + list(self)
 
 
+class Ranges(Sequence):
+    """Per-tensor ranges ``[starts[t], stops[t])`` of one shared 1-D array, sliced when read, as
+    :class:`Segmented`'s: the buffers of the records a reader found back to back in one payload's data, one role
+    each (``starts`` and ``stops``: host lists of ints).
+
+    >>> r = Ranges(np.arange(8), [0, 5], [2, 8])
+    >>> len(r), r[0].tolist(), r[1].tolist(), r.range(1)[1:]
+    (2, [0, 1], [5, 6, 7], (5, 8))
+    """
+
+    __slots__ = ("source", "starts", "stops")
+
+    def __init__(self, source: Any, starts: list[int], stops: list[int]):
+        self.source, self.starts, self.stops = source, starts, stops
+
+    def __len__(self) -> int:
+        return len(self.starts)
+
+    def range(self, t: int) -> tuple[Any, int, int]:
+        """(source array, start, stop) of tensor ``t``, without slicing."""
+        return self.source, self.starts[t], self.stops[t]
+
+    def __getitem__(self, t):  # type: ignore[override]
+        if isinstance(t, slice):
+            return [self[i] for i in range(*t.indices(len(self)))]
+        if not -len(self) <= t < len(self):
+            raise IndexError(t)
+        t %= len(self)
+        return self.source[self.starts[t] : self.stops[t]]
+
+
 class SegmentPart(NamedTuple):
     """A buffer of a record as a range of a shared array (what :class:`SegmentBuffers` hands the writer): the
     writer copies each shared array off the device once and slices it there."""
@@ -152,9 +183,11 @@ class SegmentPart(NamedTuple):
 
 
 class SegmentBuffers(Mapping):
-    """A record's buffers (role -> 1-D array) as tensor ``t`` of :class:`Segmented` outputs: reading a role slices
-    it (once); :meth:`part` gives the range without slicing. Made per tensor by a selection whose outputs are
-    one allocation per role, so that a payload of many tensors makes no per-tensor array until one is read.
+    """A record's buffers (role -> 1-D array) as tensor ``t`` of :class:`Segmented` outputs (or :class:`Ranges`):
+    reading a role slices it (once); :meth:`part` gives the range without slicing. Made per tensor by a selection
+    whose outputs are one allocation per role, and by the v2 reader for plain ``coo`` records, whose buffers lie
+    back to back in the payload's data, so that a payload of many tensors makes no per-tensor array until one is
+    read.
 
     >>> b = SegmentBuffers({"indices": Segmented((np.arange(3, dtype=np.uint32),), [0, 1, 3])}, 1)
     >>> list(b), b["indices"].tolist(), b.part("indices").size
@@ -163,11 +196,20 @@ class SegmentBuffers(Mapping):
 
     __slots__ = ("_made", "_roles", "_t")
 
-    def __init__(self, roles: dict[str, Segmented], t: int):
+    def __init__(self, roles: dict[str, Any], t: int):
         self._roles, self._t, self._made = roles, t, None
 
     def part(self, role: str) -> SegmentPart:
         return SegmentPart(*self._roles[role].range(self._t))
+
+    @property
+    def roles(self) -> dict[str, Any]:
+        """role -> the shared :class:`Segmented` (or :class:`Ranges`) this record's buffers are tensor ``t`` of."""
+        return self._roles
+
+    @property
+    def t(self) -> int:
+        return self._t
 
     def __getitem__(self, role: str) -> Any:
         made = self._made

@@ -62,6 +62,7 @@ from .common import (
     MIN_CHUNK_LOG2,
     FrameSlice,
     LayoutRule,
+    Ranges,
     SegmentBuffers,
     SegmentPart,
     SharedFrame,
@@ -902,8 +903,41 @@ def _data_size(layouts_of: list) -> int:
     return sum([n * size[dt].itemsize for lay in layouts_of for _, dt, n in lay])
 
 
+_COO32 = (("indices", "uint32"), ("values", "float32"))  # a plain coo record's roles of 4-byte entries
+
+
+def _shared_views(records: list[TensorRecord], layouts_of: list, data: memoryview) -> bool:
+    """:func:`_views` where every record is plain ``coo`` with uint32 indices and float32 values (the common
+    payload): each role one array over the whole data and each record's buffers ranges of them
+    (:class:`~gpu_codec.format.common.Ranges`), found with a few calls over the table, sliced only when read.
+    False (nothing done) otherwise."""
+    if not records or len(data) % 4 or set(map(len, layouts_of)) != {2}:
+        return False
+    firsts, seconds = [lay[0] for lay in layouts_of], [lay[1] for lay in layouts_of]
+    if {f[:2] for f in firsts} != {_COO32[0]} or {x[:2] for x in seconds} != {_COO32[1]}:
+        return False
+    nnz = np.array([f[2] for f in firsts], np.int64)
+    if not np.array_equal(nnz, [x[2] for x in seconds]):
+        return False
+    ends = np.cumsum(2 * nnz)  # in 4-byte words: each record's indices, then its values
+    mid = ends - nnz
+    starts, mid, ends = (ends - 2 * nnz).tolist(), mid.tolist(), ends.tolist()
+    words = len(data) // 4
+    roles = {
+        "indices": Ranges(np.frombuffer(data, BUFFER_DTYPES["uint32"], words, 0), starts, mid),
+        "values": Ranges(np.frombuffer(data, BUFFER_DTYPES["float32"], words, 0), mid, ends),
+    }
+    named = dict(_COO32)
+    for t, rec in enumerate(records):
+        rec.buffers = SegmentBuffers(roles, t)
+        rec.buffer_dtypes.update(named)
+    return True
+
+
 def _views(records: list[TensorRecord], layouts_of: list, data: memoryview) -> None:
     """Each record's buffers, back to back in ``data`` (whose size the caller checked against the layouts)."""
+    if _shared_views(records, layouts_of, data):
+        return
     # views, aligned or not (v2 has no padding): NumPy reads unaligned arrays, and the decoder streams them a
     # slice at a time, so copying them whole here would cost as much memory as the buffers themselves
     # where a buffer starts at a multiple of its itemsize, it is a slice of the whole data read as its dtype (a

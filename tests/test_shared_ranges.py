@@ -1,0 +1,135 @@
+"""Plain ``coo`` records read from bytes as ranges of the payload's data (gpu_codec.format.common.Ranges): the v2
+reader makes no array per record, decompress and an aggregator's ``add`` join a run's entries by one gather a
+role. Each is compared with the reader's per-record views (``_shared_views`` turned off): the same buffers, bytes,
+outputs and sums, and the same error naming the same tensor."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import gpu_codec
+from gpu_codec import decode
+from gpu_codec.errors import PayloadIndexError
+from gpu_codec.format import v2
+from gpu_codec.format.common import Ranges, SegmentBuffers
+from gpu_codec.payload import Payload
+
+from .common import BACKENDS, use_backend
+from .test_decode_batched import _descending, _nan, _past_its_tensor, _repeated, _tamper
+
+
+def _update(tensors: int = 40, seed: int = 0, mixed: bool = False) -> tuple[dict, dict]:
+    """Uneven float32 tensors (and float16 ones where ``mixed``: float32 values too), empty and one-element ones
+    among them."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(0, 3000, tensors).tolist()
+    sizes[3], sizes[7] = 0, 1
+    base, new = {}, {}
+    for i, n in enumerate(sizes):
+        dt = np.float16 if mixed and i % 5 == 2 else np.float32
+        b = rng.standard_normal(n).astype(dt)
+        base[f"t{i}"], new[f"t{i}"] = b, (b + rng.standard_normal(n)).astype(dt)
+    return new, base
+
+
+def _per_record(monkeypatch) -> None:
+    monkeypatch.setattr(v2, "_shared_views", lambda *a: False)
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["float32", "with-float16"])
+def test_the_reader_gives_ranges_of_the_data_equal_to_per_record_views(mixed, monkeypatch):
+    new, base = _update(mixed=mixed)
+    blob = gpu_codec.compress(new, base, fraction=0.05).to_bytes()
+    shared = Payload.from_bytes(blob)
+    assert {type(r.buffers) for r in shared.tensors} == {SegmentBuffers}
+    roles = shared.tensors[0].buffers.roles
+    assert [type(x) for x in roles.values()] == [Ranges, Ranges]
+    assert all(r.buffers.roles is roles for r in shared.tensors)
+    _per_record(monkeypatch)
+    alone = Payload.from_bytes(blob)
+    assert {type(r.buffers) for r in alone.tensors} == {dict}
+    for a, b in zip(shared.tensors, alone.tensors):
+        assert list(a.buffers) == list(b.buffers) and a.buffer_dtypes == b.buffer_dtypes
+        for role in b.buffers:
+            assert a.buffers[role].dtype == b.buffers[role].dtype
+            assert a.buffers[role].tobytes() == b.buffers[role].tobytes()
+    assert shared.to_bytes() == blob
+
+
+def test_other_layouts_keep_per_record_views():
+    """A float64 tensor's float64 values (8-byte words among 4-byte ones): every record is read as before."""
+    new, base = _update(20)
+    new["wide"], base["wide"] = np.arange(50, dtype=np.float64), np.zeros(50, np.float64)
+    blob = gpu_codec.compress(new, base, fraction=0.05).to_bytes()
+    p = Payload.from_bytes(blob)
+    assert {type(r.buffers) for r in p.tensors} == {dict}
+    assert p.to_bytes() == blob
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("onto", [True, False], ids=["onto-base", "delta"])
+@pytest.mark.parametrize("mixed", [False, True], ids=["float32", "with-float16"])
+def test_decompress_and_add_give_what_per_record_views_give(backend, onto, mixed, monkeypatch):
+    new, base = _update(mixed=mixed)
+    with use_backend("cpu"):
+        blobs = [gpu_codec.compress(new, base, fraction=f).to_bytes() for f in (0.05, 0.2)]
+    gathered = []
+    real = decode._gather_shared
+    monkeypatch.setattr(decode, "_gather_shared", lambda *a: gathered.append(a[1:3]) or real(*a))
+
+    def run() -> tuple[dict, dict]:
+        with use_backend(backend):
+            out = gpu_codec.decompress(blobs[0], base=base if onto else None)
+            agg = gpu_codec.Aggregator(base=base if onto else None)
+            for b in blobs:
+                agg.add(b)
+            return out, agg.result()
+
+    out, mean = run()
+    assert gathered or mixed  # the runs were joined by gathers (float16 ones between: per dtype, maybe not)
+    with monkeypatch.context() as m:
+        _per_record(m)
+        gathered.clear()
+        want_out, want_mean = run()
+        assert not gathered
+    for got, want in ((out, want_out), (mean, want_mean)):
+        assert list(got) == list(want)
+        for k in want:
+            assert np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes(), k
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "indices,values", [(_past_its_tensor, None), (_repeated, None), (_descending, None), (None, _nan)]
+)
+def test_a_bad_entry_read_from_ranges_names_its_tensor(indices, values, backend):
+    new, base = _update()
+    name = "t11"  # in the middle of a run of float32 tensors
+    assert new[name].dtype == np.float32 and new[name].size > 100
+    with use_backend("cpu"):
+        blob = _tamper(gpu_codec.compress(new, base, fraction=0.05), name, indices, values).to_bytes()
+    assert type(Payload.from_bytes(blob).tensors[0].buffers) is SegmentBuffers
+    with use_backend(backend):
+        for onto in (base, None):
+            with pytest.raises(PayloadIndexError, match=re.escape(f"tensor '{name}'")):
+                gpu_codec.decompress(blob, base=onto)
+        agg = gpu_codec.Aggregator(base=base)
+        with pytest.raises(PayloadIndexError, match=re.escape(f"tensor '{name}'")):
+            agg.add(blob)
+        assert agg.count == 0
+
+
+def test_a_range_shorter_than_its_nnz_is_not_gathered():
+    """Records whose ranges do not say their nnz (a payload made by hand from read records) are sliced one by one,
+    as before."""
+    new, base = _update(mixed=True)
+    p = Payload.from_bytes(gpu_codec.compress(new, base, fraction=0.05).to_bytes())
+    plain = decode.plain_buffers(gpu_codec.codecs.decoder_for(p.pipeline), p.tensors)
+    assert type(plain) is decode.SharedEntries
+    nnz = [r.nnz for r in p.tensors]
+    assert decode._gather_shared(plain, 0, len(nnz), nnz) is not None
+    nnz[5] += 1
+    assert decode._gather_shared(plain, 0, len(nnz), nnz) is None
