@@ -133,3 +133,40 @@ def test_a_range_shorter_than_its_nnz_is_not_gathered():
     assert decode._gather_shared(plain, 0, len(nnz), nnz) is not None
     nnz[5] += 1
     assert decode._gather_shared(plain, 0, len(nnz), nnz) is None
+
+
+def _greedy_runs(nnz: list[int], most: int) -> list[int]:
+    """decode._runs' loop for records of one dtype on a device: a record joins the run while its entries fit."""
+    out, run, entries = [], -1, 0
+    for i, n in enumerate(nnz):
+        if not (i and entries + n <= most):
+            run, entries = run + 1, 0
+        out.append(run)
+        entries += n
+    return out
+
+
+def test_runs_of_coo_records_are_cut_where_the_record_loop_cuts_them():
+    rng = np.random.default_rng(4)
+    for _ in range(300):
+        nnz = rng.integers(0, 50, rng.integers(1, 60)).tolist()
+        if rng.random() < 0.3:
+            nnz[rng.integers(len(nnz))] = 500  # a record over the bound: a run of its own
+        most = int(rng.integers(1, 200))
+        assert decode._coo_runs(nnz, most) == _greedy_runs(nnz, most), (nnz, most)
+    records = Payload.from_bytes(gpu_codec.compress(*_update(), fraction=0.05).to_bytes()).tensors
+    logical = [r.dtype for r in records]
+    numels = [r.numel for r in records]
+    most = decode.batch_entries(decode._output_bytes(logical, numels))
+    assert decode._runs(records, logical, numels, device=True, dense=True) == _greedy_runs(
+        [r.nnz for r in records], most
+    )
+
+
+def test_positions_are_the_ranges_end_to_end():
+    rng = np.random.default_rng(2)
+    for _ in range(300):
+        n = int(rng.integers(0, 30))
+        counts, starts = rng.integers(0, 5, n).tolist(), rng.integers(0, 100, n).tolist()
+        want = [p for s, c in zip(starts, counts) for p in range(s, s + c)]
+        assert decode._positions(starts, counts).tolist() == want
