@@ -466,7 +466,7 @@ class Aggregator:
                     backend.dense_apply(
                         [span[a:b] for a, b in cut],
                         [code] * len(cut),
-                        [backend.asarray(t.data) for t in bases],
+                        backend.asarrays([t.data for t in bases]),
                         [seg.vals[a:b] for a, b in cut],
                         ScatterMode.ADD,
                         True,
@@ -490,7 +490,7 @@ class Aggregator:
         spans = [*at.tolist(), int(at[-1] + template.numels[seg.pos[-1]])]  # each tensor's start in the run's span
         code, storage = dtypes.code(lg), dtypes.storage_dtype(lg)
         part = xp.empty(n, dtype=storage)
-        backend.gather_entries(part, [backend.asarray(b.data) for b in bases], spans, seg.idx, seg.counts)
+        backend.gather_entries(part, backend.asarrays([b.data for b in bases]), spans, seg.idx, seg.counts)
         out = xp.empty(n, dtype=storage)
         checks.word(backend.dense_apply([out], [code], [part], [seg.vals], ScatterMode.ADD, True))
         checks.flag(some_nonfinite(out, code, xp))
@@ -737,7 +737,7 @@ class Aggregator:
         codes = [dtypes.code(dt) for dt in logical]
         vals = [means[n] for n, _, _ in entries]
         checks.word(
-            backend.dense_apply(views, codes, [backend.asarray(b.data) for b in bases], vals, ScatterMode.ADD, True)
+            backend.dense_apply(views, codes, backend.asarrays([b.data for b in bases]), vals, ScatterMode.ADD, True)
         )
         del vals, means
         for dt in dict.fromkeys(logical):  # one allocation (and one check) per dtype

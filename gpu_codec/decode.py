@@ -305,7 +305,7 @@ def apply_run(gi: Any, vals: Any, span: Any, bases: list, logical: str, backend:
     n = int(span.size)
     code = dtypes.code(logical)
     if bases[0] is not None:  # (a run is all onto a base, or none of it)
-        backend.gather_copy(span, [backend.asarray(b.data) for b in bases])
+        backend.gather_copy(span, backend.asarrays([b.data for b in bases]))
     if gi is None:
         return True
     mode = ScatterMode.ADD if bases[0] is not None else ScatterMode.ZEROS
@@ -375,7 +375,7 @@ def _dense_run(
     parts = [joined[a - o0 : b - o0] for a, b in cuts]
     codes = [dtypes.code(logical)] * len(run)
     mode = ScatterMode.ADD if bases[0] is not None else ScatterMode.ZEROS
-    srcs = [backend.asarray(b.data) if b is not None else None for b in bases]
+    srcs = backend.asarrays([None if b is None else b.data for b in bases])
     if checks is not None:
         checks.word(backend.dense_apply(outs, codes, srcs, parts, mode, True))
         if mode == ScatterMode.ADD:
@@ -845,9 +845,8 @@ def _decode_onto_host(
         if joined is not None:
             gi, v = joined
             span = outs.flat(a)[int(at[0]) : int(at[-1] + sizes[-1])]
-            asarray = backend.asarray
             code = dtypes.code(logical[a])
-            bad, finite = backend.scatter_onto_bases(span, [asarray(t.data) for t in srcs], code, gi, v)
+            bad, finite = backend.scatter_onto_bases(span, backend.asarrays([t.data for t in srcs]), code, gi, v)
             if bad is None and finite:
                 return
             del gi, v

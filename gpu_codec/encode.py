@@ -268,8 +268,8 @@ def compress(
     session = residual.session(names, news, backend) if residual is not None else contextlib.nullcontext()
     # the residual is held from reading to storing, and stored only once the payload is complete
     with backend.stream(news + bases), session as binding:
-        new_arrays = [backend.asarray(t.data) for t in news]
-        base_arrays = [backend.asarray(b.data) if b is not None else None for b in bases]
+        new_arrays = backend.asarrays([t.data for t in news])
+        base_arrays = backend.asarrays([None if b is None else b.data for b in bases])
         if crit == dtypes.CRIT_EXTERNAL:
             ext, ext_dt = _external_scores(score, update, base, names, news, backend)
         else:

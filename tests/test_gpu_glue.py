@@ -242,3 +242,29 @@ def test_asarray_returns_a_device_array_as_it_is_and_converts_anything_else():
     assert backend.asarray(a) is a and not calls
     host = np.zeros(2, np.float32)
     assert backend.asarray(host) == ("converted", host) and calls == [host]
+    calls.clear()
+    got = backend.asarrays([a, None, host, a])  # (a model's tensors at once: None stays None)
+    assert got[0] is a and got[1] is None and got[2] == ("converted", host) and got[3] is a and calls == [host]
+
+
+@pytest.mark.parametrize("name", ["cpu", "emulated", "recording"])
+def test_asarrays_is_asarray_of_each(name):
+    """Every backend's asarrays gives what asarray gives each array (the same array where it is in the backend's
+    memory already), None for None."""
+    from tests.common import HAS_EMULATOR, use_backend
+
+    if name != "cpu" and not HAS_EMULATOR:
+        pytest.skip("no C++20 compiler for the emulator")
+    if name == "recording":
+        from gpu_codec.testing.recording import RecordingBackend
+
+        backend = RecordingBackend()
+    else:
+        with use_backend(name):
+            backend = backends.get_backend()
+    xs = [np.arange(4, dtype=np.float32), None, np.ones(3, np.float16)]
+    want = [None if x is None else backend.asarray(x) for x in xs]
+    got = backend.asarrays(xs)
+    assert got[1] is None and all(np.array_equal(g, w) and g.dtype == w.dtype for g, w in zip(got[::2], want[::2]))
+    if name == "cpu":
+        assert got[0] is xs[0] and got[2] is xs[2]

@@ -117,6 +117,11 @@ class Backend(Protocol):
         """``a`` in this backend's memory (no copy where it is there already)."""
         ...
 
+    def asarrays(self, arrays: Sequence[Any]) -> list[Any]:
+        """:meth:`asarray` of each of ``arrays`` (None stays None), without a call a tensor where each is in this
+        backend's memory already (a model's tensors)."""
+        ...
+
     def to_host(self, a: Array) -> np.ndarray:
         """A host NumPy copy of ``a``."""
         ...

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,10 @@ class CpuBackend(ArrayDecoders):
         if type(a).__module__.startswith("cupy"):
             return a.get()
         return np.asarray(a)
+
+    def asarrays(self, arrays: Sequence[Any]) -> list[Any]:
+        nd = np.ndarray
+        return [a if a is None or type(a) is nd else self.asarray(a) for a in arrays]
 
     def to_host(self, a: Any) -> np.ndarray:
         return np.asarray(a)

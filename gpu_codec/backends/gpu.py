@@ -180,6 +180,10 @@ class GpuBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
             return a
         return self.xp.asarray(a)
 
+    def asarrays(self, arrays: Sequence[Any]) -> list[Any]:
+        nd, asarray = self.xp.ndarray, self.xp.asarray
+        return [a if a is None or type(a) is nd else asarray(a) for a in arrays]
+
     def info(self) -> dict[str, Any]:
         return {
             "allocator": "torch caching allocator for torch CUDA inputs, CuPy's memory pool otherwise",

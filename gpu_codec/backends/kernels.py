@@ -969,6 +969,11 @@ class KernelBackendBase:
         self.xp = runner.xp
         self.ops = KernelOps(runner)
 
+    def asarrays(self, arrays) -> list[Any]:
+        """:meth:`asarray` of each (None stays None)."""
+        asarray = self.asarray  # type: ignore[attr-defined]
+        return [None if a is None else asarray(a) for a in arrays]
+
     def to_host(self, a: Any) -> np.ndarray:
         return self.runner.to_host(a)
 
