@@ -59,14 +59,16 @@ def test_the_reader_gives_ranges_of_the_data_equal_to_per_record_views(mixed, mo
     assert shared.to_bytes() == blob
 
 
-def test_other_layouts_keep_per_record_views():
-    """A float64 tensor's float64 values (8-byte words among 4-byte ones): every record is read as before."""
+def test_other_layouts_and_few_records_keep_per_record_views():
+    """A float64 tensor's float64 values (8-byte words among 4-byte ones), or fewer records than
+    SHARED_VIEWS_MIN: every record is read as before."""
     new, base = _update(20)
     new["wide"], base["wide"] = np.arange(50, dtype=np.float64), np.zeros(50, np.float64)
-    blob = gpu_codec.compress(new, base, fraction=0.05).to_bytes()
-    p = Payload.from_bytes(blob)
-    assert {type(r.buffers) for r in p.tensors} == {dict}
-    assert p.to_bytes() == blob
+    few = _update(v2.SHARED_VIEWS_MIN - 1)
+    for blob in (gpu_codec.compress(new, base, fraction=0.05).to_bytes(), gpu_codec.compress(*few).to_bytes()):
+        p = Payload.from_bytes(blob)
+        assert {type(r.buffers) for r in p.tensors} == {dict}
+        assert p.to_bytes() == blob
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -904,14 +904,15 @@ def _data_size(layouts_of: list) -> int:
 
 
 _COO32 = (("indices", "uint32"), ("values", "float32"))  # a plain coo record's roles of 4-byte entries
+SHARED_VIEWS_MIN = 16  # records a payload needs for shared ranges (fewer: two views a record cost less)
 
 
 def _shared_views(records: list[TensorRecord], layouts_of: list, data: memoryview) -> bool:
     """:func:`_views` where every record is plain ``coo`` with uint32 indices and float32 values (the common
     payload): each role one array over the whole data and each record's buffers ranges of them
     (:class:`~gpu_codec.format.common.Ranges`), found with a few calls over the table, sliced only when read.
-    False (nothing done) otherwise."""
-    if not records or len(data) % 4 or set(map(len, layouts_of)) != {2}:
+    False (nothing done) otherwise, and for fewer than SHARED_VIEWS_MIN records."""
+    if len(records) < SHARED_VIEWS_MIN or len(data) % 4 or set(map(len, layouts_of)) != {2}:
         return False
     firsts, seconds = [lay[0] for lay in layouts_of], [lay[1] for lay in layouts_of]
     if {f[:2] for f in firsts} != {_COO32[0]} or {x[:2] for x in seconds} != {_COO32[1]}:
