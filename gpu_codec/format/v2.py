@@ -897,10 +897,13 @@ def header_size(
 # ------------------------------------------------------------------------------------------ reader
 
 
+_ITEMSIZE = {dt: np.dtype(x).itemsize for dt, x in BUFFER_DTYPES.items()}
+
+
 def _data_size(layouts_of: list) -> int:
     """Bytes of the buffers of every record's layout."""
-    size = BUFFER_DTYPES
-    return sum([n * size[dt].itemsize for lay in layouts_of for _, dt, n in lay])
+    size = _ITEMSIZE
+    return sum([n * size[dt] for lay in layouts_of for _, dt, n in lay])
 
 
 _COO32 = (("indices", "uint32"), ("values", "float32"))  # a plain coo record's roles of 4-byte entries
@@ -928,10 +931,8 @@ def _shared_views(records: list[TensorRecord], layouts_of: list, data: memoryvie
         "indices": Ranges(np.frombuffer(data, BUFFER_DTYPES["uint32"], words, 0), starts, mid),
         "values": Ranges(np.frombuffer(data, BUFFER_DTYPES["float32"], words, 0), mid, ends),
     }
-    named = dict(_COO32)
-    for t, rec in enumerate(records):
-        rec.buffers = SegmentBuffers(roles, t)
-        rec.buffer_dtypes.update(named)
+    for rec, bufs in zip(records, map(SegmentBuffers, repeat(roles), range(len(records)))):
+        rec.buffers = bufs  # (its buffer_dtypes left empty: each array's own dtype names it, as stored)
     return True
 
 
