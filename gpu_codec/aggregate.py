@@ -34,7 +34,7 @@ import numpy as np
 
 from . import decode as _decode
 from . import dtypes
-from .arrays import from_backend, is_device_array, to_tensor
+from .arrays import Tensor, from_backend, is_device_array, to_tensor
 from .backends import events, get_backend
 from .codecs import decoder_for, host_resident, inner_encoding
 from .constants import ScatterMode
@@ -259,6 +259,7 @@ class Aggregator:
         self._max_output_bytes = cap
         self._lock = threading.RLock()
         self._base = None
+        self._base_tensors: list[Tensor] = []  # the base's tensors, wrapped once (template order)
         self._template: _Template | None = None
         if base is not None:
             if not isinstance(base, Mapping) or not base:
@@ -271,6 +272,7 @@ class Aggregator:
                     raise InvalidInputError(f"tensor {n!r}: base dtype {t.dtype} is not a float dtype")
                 flags.append(some_nonfinite(be.asarray(t.data), dtypes.code(t.dtype), xp))
                 entries.append((n, tuple(t.shape), t.dtype))
+                self._base_tensors.append(t)
             bad = np.flatnonzero(be.to_host(xp.stack(flags)))  # (every tensor's check, read back at once)
             if bad.size:
                 n = entries[int(bad[0])][0]
@@ -451,9 +453,8 @@ class Aggregator:
                 if seg.record is not None:
                     self._check_onto_base(seg.record, seg.idx, seg.vals, what, checks)
                     continue
-                names = [template.entries[p][0] for p in seg.pos]
                 lg = template.entries[seg.pos[0]][2]
-                bases = [to_tensor(self._base[n], n) for n in names]
+                bases = [self._base_tensors[p] for p in seg.pos]
                 if seg.idx is not None:
                     self._check_run_onto_bases(seg, bases, lg, template, checks)
                     continue
@@ -528,6 +529,10 @@ class Aggregator:
         adjacent in the accumulator; and the runs that are dense."""
         numels = [r.numel for r in records]
         given = _decode._runs(records, logical, numels, device)
+        if given and None not in given and (len(pos) < 2 or bool((np.diff(pos) == 1).all())):
+            # (every record in a sparse run, adjacent in the accumulator: the runs as given, found at once)
+            sizes = Counter(given)
+            return [None if sizes[g] < 2 else g for g in given], set()
         out: list[int | None] = []
         dense: set[int] = set()
         rid, size = -1, 0
@@ -572,7 +577,7 @@ class Aggregator:
         adds it (a chunk of entries at a time, into a small buffer); with ``checks``
         (:class:`gpu_codec.engine.DeviceChecks`), leave the check there unread."""
         backend, xp = self._backend, self._backend.xp
-        base = backend.asarray(to_tensor(self._base[r.name], r.name).data)
+        base = backend.asarray(self._base_tensors[self._template.pos[r.name]].data)
         code = dtypes.code(r.dtype)
         step = _decode.chunk_entries(
             vals.size, _decode.DECODE_CHUNK_DEVICE if backend.on_device else _decode.DECODE_CHUNK
@@ -697,7 +702,7 @@ class Aggregator:
         On a GPU the mean is computed on the stream :func:`gpu_codec.decompress` applies it on (the caller's
         current torch stream for a torch CUDA base), after the adds' limb updates (an event), and the call
         returns once that stream has finished it, as decompress does."""
-        bases = [to_tensor(a, n) for n, a in self._base.items()] if self._base is not None else []
+        bases = self._base_tensors
         regions: list = []
         with self._backend.stream(bases):
             with self._lock:

@@ -80,8 +80,8 @@ def to_tensor(x: Any, name: str) -> Tensor:
     """Wrap an input array without copying it where its memory is already contiguous."""
     if type(x) is np.ndarray and x.flags.c_contiguous:  # the common case, without the general path's checks
         logical = _NP_TO_LOGICAL.get(x.dtype)
-        if logical is not None:
-            return Tensor(x.reshape(-1), logical, x.shape, "numpy", None)
+        if logical is not None:  # (a flat array is its own data, as numpy_tensors gives it)
+            return Tensor(x if x.ndim == 1 else x.reshape(-1), logical, x.shape, "numpy", None)
     try:
         kind = array_kind(x)
     except InvalidInputError as e:

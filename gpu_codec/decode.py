@@ -30,6 +30,7 @@ from .format.fingerprint import check_base
 from .payload import Payload, as_mapping
 from .xp.finite import all_finite, some_nonfinite
 
+MANY_RECORDS = 16  # a payload of at least this many records has its runs found, and taken, a run at a time
 DEFAULT_MAX_OUTPUT_BYTES = 4 << 30  # decompress's cap on the dense output a payload may declare
 # Entries written per scatter: a 256th of the tensor, within these bounds, so the temporaries of a chunk (about
 # 40 bytes per entry on the host) stay a small share of the output; on the GPU a launch has a fixed cost.
@@ -405,7 +406,7 @@ def _runs(
     elements (see :func:`_dense_run`)."""
     most_numel, most_size = (None, None) if device else (SMALL_TENSOR, SMALL_RUN)
     most_entries = batch_entries(_output_bytes(logical, numels)) if device else SMALL_RUN_ENTRIES
-    if device and records and len(set(logical)) == 1 and {r.encoding for r in records} == {"coo"}:
+    if device and len(records) >= MANY_RECORDS and len(set(logical)) == 1 and {r.encoding for r in records} == {"coo"}:
         return _coo_runs([r.nnz for r in records], most_entries)
     out: list[int | None] = []
     run, size, entries, run_dense = -1, 0, 0, False
@@ -605,7 +606,7 @@ def _decode_all(
 
     stream = records_stream(pipe, records, backend, plain)
     try:
-        if plain is not None and records and None not in runs:  # (every record in a run: taken a run at a time)
+        if plain is not None and len(records) >= MANY_RECORDS and None not in runs:  # (taken a run at a time)
             ids = np.asarray(runs, np.int64)
             cuts = (np.flatnonzero(ids[1:] != ids[:-1]) + 1).tolist()
             for first, end in pairwise([0, *cuts, len(records)]):

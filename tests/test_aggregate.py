@@ -322,3 +322,29 @@ def test_an_add_of_a_plain_payload_read_from_bytes_decodes_no_record(backend, mo
         bad[at : at + 4] = np.uint32(10**6).tobytes()  # an index past its tensor
         with pytest.raises(PayloadIndexError, match="t3"):
             got.add(fuzz._with_crc(bytes(bad[:-4])))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_base_is_wrapped_once_for_every_add_and_the_result(backend, monkeypatch):
+    """An aggregator wraps its base's tensors when it is made (where it checks them) and reads them from there for
+    every add and for the result, a tensor at a time nowhere: the same sums as a fresh aggregator each time."""
+    import importlib
+
+    agg_mod = importlib.import_module("gpu_codec.aggregate")  # (the module: the package names its function so)
+    rng = np.random.default_rng(11)
+    base = {f"t{i}": rng.standard_normal((3, 20 + i)).astype(np.float32) for i in range(20)}
+    base["flat"] = rng.standard_normal(500).astype(np.float32)
+    news = [{k: v + rng.standard_normal(v.shape).astype(np.float32) for k, v in base.items()} for _ in range(3)]
+    with use_backend(backend):
+        blobs = [gpu_codec.compress(n, base, fraction=0.1).to_bytes() for n in news]
+        want = aggregate(blobs, base=base)
+        wrapped = []
+        real = agg_mod.to_tensor
+        monkeypatch.setattr(agg_mod, "to_tensor", lambda a, n: wrapped.append(n) or real(a, n))
+        agg = Aggregator(base=base)
+        assert wrapped == list(base)
+        for b in blobs:
+            agg.add(b)
+        got = agg.result()
+        assert wrapped == list(base)
+    assert all(np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes() for k in base)
