@@ -295,7 +295,7 @@ def architecture_update(
             d = d * np.float32(KIND_SCALE[kind])
         if name.startswith(frozen):
             d = np.zeros(shape, np.float32)
-        n = (b + d).astype(np.float32, copy=False)
+        n = np.asarray(b + d, np.float32)  # (a 0-d tensor stays an array, as a state dict's: not a NumPy scalar)
         if bf16:
             import torch
 

@@ -149,6 +149,12 @@ def test_a_resident_array_is_wrapped_once_for_every_pass(emulator):
     assert len(seen) == 3 and all(a is b is c for a, b, c in zip(*seen))
     assert [v._addr for v in seen[0]] == [a.ctypes.data for a in new.values()]
     assert m.counts.h2d == 0
+    grid = {"w": np.ones((30, 40), np.float32)}  # a flat view of all of one (a new view object each call)
+    seen.clear()
+    measure(
+        lambda _: seen.append(get_backend().asarray(grid["w"].ravel())), resident=[grid], emulator=emulator, repeat=2
+    )
+    assert seen[0] is seen[1] is seen[2] and seen[0].shape == (1200,) and seen[0]._addr == grid["w"].ctypes.data
 
 
 def test_resident_torch_tensors_are_read_where_they_lie(emulator):

@@ -509,10 +509,16 @@ class RecordingBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
                     v._addr = known[0]
                     return v
             elif a.base is not None:
+                key = ("flat", id(a.base))  # (a flat view of all of a resident array: its view, made once)
+                v = s.views.get(key)
+                if v is not None and v.shape == a.shape and v.dtype == a.dtype and a.flags.c_contiguous:
+                    return v
                 known = s.resident.get(id(a.base))
                 if known is not None and known[1] == a.size and a.flags.c_contiguous:
                     v = a.view(DeviceArray)
                     v._addr = known[0]
+                    if a.ndim == 1:
+                        s.views[key] = v
                     return v
         host = a if type(a) is np.ndarray and a.flags.aligned else np.require(np.asarray(a), requirements="A")
         if s is not None and host.size:
