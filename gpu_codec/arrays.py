@@ -22,6 +22,7 @@ _NP_TO_LOGICAL = {
     np.dtype("float16"): "float16",
     np.dtype("float64"): "float64",
 }
+_NP_FLOAT_KINDS = frozenset({np.ndarray, np.float32, np.float16, np.float64})  # what numpy_tensors takes
 _TORCH_LOGICAL = {
     "torch.float32": "float32",
     "torch.float16": "float16",
@@ -146,8 +147,15 @@ def numpy_tensors(xs: list[Any]) -> list[Tensor] | None:
     [('float32', (2, 3), (6,)), ('float16', (4,), (4,))]
     >>> numpy_tensors([np.zeros(3, np.float32), np.zeros(3, np.int8)]) is None
     True
+    >>> [(t.shape, t.data.tolist()) for t in numpy_tensors([np.float32(2.5), np.ones(1, np.float32)])]
+    [((), [2.5]), ((1,), [1.0])]
     """
-    if set(map(type, xs)) != {np.ndarray} or not all(x.flags.c_contiguous for x in xs):
+    kinds = set(map(type, xs))
+    if kinds != {np.ndarray}:
+        if not kinds <= _NP_FLOAT_KINDS:
+            return None
+        xs = [x if type(x) is np.ndarray else np.asarray(x) for x in xs]  # (a NumPy float scalar: a 0-d array)
+    if not all(x.flags.c_contiguous for x in xs):
         return None
     logical = list(map(_NP_TO_LOGICAL.get, [x.dtype for x in xs]))
     if None in logical:

@@ -63,6 +63,9 @@ def _case(name: str) -> tuple[dict, dict | None]:
         new["t4"], base["t4"] = new["t4"].astype(np.float64), base["t4"].astype(np.float64)
     elif name == "int tensor":
         new["t5"] = np.arange(6, dtype=np.int32).reshape(3, 2)
+    elif name == "float scalars":  # (NumPy float scalars: 0-d tensors)
+        new["s"], base["s"] = np.float32(3.5), np.float32(1.0)
+        new["h"], base["h"] = np.float16(2.0), np.float16(2.0)
     elif name == "big-endian":
         new["t2"] = new["t2"].astype(">f4")
     elif name == "strided":
@@ -122,6 +125,7 @@ CASES = [
     "ok",
     "no base",
     "mixed dtypes",
+    "float scalars",
     "int tensor",
     "big-endian",
     "strided",
@@ -153,12 +157,14 @@ def test_table_checks_match_the_per_tensor_checks(monkeypatch, name):
     table, per_tensor = _both(monkeypatch, update, base)
     assert table == per_tensor
     taken = encode._host_tables(update, base, list(update)) is not None
-    assert taken == (name in ("ok", "no base", "mixed dtypes", "torch", "torch grad"))  # else the per-tensor checks
+    assert taken == (name in ("ok", "no base", "mixed dtypes", "float scalars", "torch", "torch grad"))  # else ...
 
 
-@pytest.mark.parametrize("name", ["ok", "int tensor", "base dtype", "zero dimension", "mixed dtypes", "torch"])
+@pytest.mark.parametrize(
+    "name", ["ok", "int tensor", "base dtype", "zero dimension", "mixed dtypes", "float scalars", "torch"]
+)
 def test_compress_agrees_with_the_per_tensor_checks(monkeypatch, name):
     update, base = _case(name)
     out = _with_and_without_tables(monkeypatch, lambda: gpu_codec.compress(update, base, fraction=0.1).to_bytes())
     assert out[0] == out[1]
-    assert isinstance(out[0], bytes) == (name in ("ok", "mixed dtypes", "torch"))
+    assert isinstance(out[0], bytes) == (name in ("ok", "mixed dtypes", "float scalars", "torch"))
