@@ -638,7 +638,9 @@ def records_stream(pipe: Any, records: list, backend: Any, plain: Any) -> Iterat
     return enumerate(pipe.decode_stream(records, backend))
 
 
-SHARED_JOIN_MIN = 16  # a run of at least this many records in shared ranges is joined by one gather a role
+SHARED_JOIN_MIN = 16  # a run of at least this many records in shared ranges is joined by one gather a role ...
+SHARED_JOIN_ENTRIES = 64  # ... where they hold at most this many entries a record on average (a gather writes
+# two index arrays of the entries' size: with more entries a record, slicing each record and joining them costs less)
 
 
 def join_plain(plain: Any, records: list, first: int, end: int, offsets: list[int], backend: Any) -> Any:
@@ -703,10 +705,13 @@ def plain_buffers(pipe: Any, records: list) -> tuple[list, list] | SharedEntries
 def _gather_shared(plain: SharedEntries, first: int, end: int, nnz: list[int]) -> tuple | None:
     """Records ``[first, end)`` of shared ranges, their entries joined: (indices, each counted in its own tensor;
     values; entry counts), each role gathered from the payload's data by one index array (each entry's place
-    there: its record's start plus its rank in the record). None where a range is not its record's ``nnz`` long."""
+    there: its record's start plus its rank in the record). None where a range is not its record's ``nnz`` long, or
+    the records hold more than SHARED_JOIN_ENTRIES entries each on average (the caller then slices them)."""
     ir, vr = plain
     counts = [b - a for a, b in zip(ir.starts[first:end], ir.stops[first:end])]
     if counts != nnz or counts != [b - a for a, b in zip(vr.starts[first:end], vr.stops[first:end])]:
+        return None
+    if sum(counts) > SHARED_JOIN_ENTRIES * len(counts):  # (few records of many entries: slices cost less)
         return None
     # (np.take: the data need not be aligned to its words, where indexing by an array is several times slower)
     gi = np.take(ir.source, _positions(ir.starts[first:end], counts))

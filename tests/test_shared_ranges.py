@@ -77,11 +77,18 @@ def test_other_layouts_and_few_records_keep_per_record_views():
 @pytest.mark.parametrize("mixed", [False, True], ids=["float32", "with-float16"])
 def test_decompress_and_add_give_what_per_record_views_give(backend, onto, mixed, monkeypatch):
     new, base = _update(mixed=mixed)
-    with use_backend("cpu"):
-        blobs = [gpu_codec.compress(new, base, fraction=f).to_bytes() for f in (0.05, 0.2)]
+    with use_backend("cpu"):  # (about 30 entries a record, gathered; and about 450, sliced)
+        blobs = [gpu_codec.compress(new, base, fraction=f).to_bytes() for f in (0.02, 0.3)]
     gathered = []
     real = decode._gather_shared
-    monkeypatch.setattr(decode, "_gather_shared", lambda *a: gathered.append(a[1:3]) or real(*a))
+
+    def spy(*a):
+        got = real(*a)
+        if got is not None:
+            gathered.append(a[1:3])
+        return got
+
+    monkeypatch.setattr(decode, "_gather_shared", spy)
 
     def run() -> tuple[dict, dict]:
         with use_backend(backend):
@@ -110,11 +117,15 @@ def test_decompress_and_add_give_what_per_record_views_give(backend, onto, mixed
 )
 def test_a_bad_entry_read_from_ranges_names_its_tensor(indices, values, backend):
     new, base = _update()
-    name = "t11"  # in the middle of a run of float32 tensors
-    assert new[name].dtype == np.float32 and new[name].size > 100
     with use_backend("cpu"):
-        blob = _tamper(gpu_codec.compress(new, base, fraction=0.05), name, indices, values).to_bytes()
-    assert type(Payload.from_bytes(blob).tensors[0].buffers) is SegmentBuffers
+        p = gpu_codec.compress(new, base, fraction=0.02)  # (few entries a record: the runs are gathered)
+        name = next(r.name for r in p.tensors[10:] if r.nnz >= 3)  # in the middle of a run of float32 tensors
+        blob = _tamper(p, name, indices, values).to_bytes()
+    read = Payload.from_bytes(blob)
+    assert type(read.tensors[0].buffers) is SegmentBuffers
+    nnz = [r.nnz for r in read.tensors]
+    plain = decode.plain_buffers(gpu_codec.codecs.decoder_for(read.pipeline), read.tensors)
+    assert decode._gather_shared(plain, 0, len(nnz), nnz) is not None
     with use_backend(backend):
         for onto in (base, None):
             with pytest.raises(PayloadIndexError, match=re.escape(f"tensor '{name}'")):
@@ -129,7 +140,7 @@ def test_a_range_shorter_than_its_nnz_is_not_gathered():
     """Records whose ranges do not say their nnz (a payload made by hand from read records) are sliced one by one,
     as before."""
     new, base = _update(mixed=True)
-    p = Payload.from_bytes(gpu_codec.compress(new, base, fraction=0.05).to_bytes())
+    p = Payload.from_bytes(gpu_codec.compress(new, base, fraction=0.02).to_bytes())
     plain = decode.plain_buffers(gpu_codec.codecs.decoder_for(p.pipeline), p.tensors)
     assert type(plain) is decode.SharedEntries
     nnz = [r.nnz for r in p.tensors]
@@ -173,3 +184,13 @@ def test_positions_are_the_ranges_end_to_end():
         counts, starts = rng.integers(0, 5, n).tolist(), rng.integers(0, 100, n).tolist()
         want = [p for s, c in zip(starts, counts) for p in range(s, s + c)]
         assert decode._positions(starts, counts).tolist() == want
+
+
+def test_records_of_many_entries_are_sliced_not_gathered():
+    new, base = _update()
+    for fraction, gathers in ((0.02, True), (0.3, False)):
+        p = Payload.from_bytes(gpu_codec.compress(new, base, fraction=fraction).to_bytes())
+        plain = decode.plain_buffers(gpu_codec.codecs.decoder_for(p.pipeline), p.tensors)
+        nnz = [r.nnz for r in p.tensors]
+        assert (sum(nnz) <= decode.SHARED_JOIN_ENTRIES * len(nnz)) == gathers
+        assert (decode._gather_shared(plain, 0, len(nnz), nnz) is not None) == gathers
