@@ -654,8 +654,7 @@ def join_plain(plain: Any, records: list, first: int, end: int, offsets: list[in
             joined = _join_shared(plain, recs, first, end, offsets, backend)
             if joined is not False:
                 return joined
-        plain = ([plain.indices[t] for t in range(first, end)], [plain.values[t] for t in range(first, end)])
-        first, end = 0, end - first
+        plain, first, end = (plain.indices[first:end], plain.values[first:end]), 0, end - first
     idx, vals = plain
     return join_entries(
         [idx[first + j][: r.nnz] for j, r in enumerate(recs)],

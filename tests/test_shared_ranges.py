@@ -194,3 +194,10 @@ def test_records_of_many_entries_are_sliced_not_gathered():
         nnz = [r.nnz for r in p.tensors]
         assert (sum(nnz) <= decode.SHARED_JOIN_ENTRIES * len(nnz)) == gathers
         assert (decode._gather_shared(plain, 0, len(nnz), nnz) is not None) == gathers
+
+
+def test_a_slice_of_ranges_is_its_items():
+    r = Ranges(np.arange(40), [0, 5, 9, 14, 30], [3, 7, 12, 20, 30])
+    for sl in (slice(None), slice(1, 3), slice(None, None, 2), slice(-2, None), slice(3, 1), slice(-9, 99)):
+        got, want = r[sl], [r[i] for i in range(*sl.indices(len(r)))]
+        assert [x.tolist() for x in got] == [x.tolist() for x in want], sl

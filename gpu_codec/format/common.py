@@ -157,8 +157,9 @@ class Ranges(Sequence):
         return self.source, self.starts[t], self.stops[t]
 
     def __getitem__(self, t):  # type: ignore[override]
-        if isinstance(t, slice):
-            return [self[i] for i in range(*t.indices(len(self)))]
+        if isinstance(t, slice):  # (a run of records: one slice of the source each)
+            src = self.source
+            return [src[a:b] for a, b in zip(self.starts[t], self.stops[t])]
         if not -len(self) <= t < len(self):
             raise IndexError(t)
         t %= len(self)
