@@ -205,7 +205,8 @@ class Aggregator:
         :meth:`result` returns ``base + mean delta`` in the base's dtypes, kind and device (as
         :func:`gpu_codec.decompress` does), and every payload must match its names, shapes and dtypes. Without it,
         the first payload fixes them and the result is the mean delta (fp32, fp64 for fp64 tensors). A base
-        holding inf or NaN is refused.
+        holding inf or NaN is refused. The aggregator holds the base's arrays (not copies) from when it is made,
+        where it checks them: change or replace none of them until its result is taken.
     like
         Output kind without a base: ``"numpy"`` (default), ``"cupy"`` or ``"torch"``.
     max_output_bytes
