@@ -120,8 +120,8 @@ class Segmented(Sequence):
         return src, self.offsets[t], self.offsets[t + 1]
 
     def __getitem__(self, t):  # type: ignore[override]
-        if isinstance(t, slice):
-            return [self[i] for i in range(*t.indices(len(self)))]
+        if isinstance(t, slice):  # (a run of tensors: one slice of its source each)
+            return [src[a:b] for src, a, b in map(self.range, range(*t.indices(len(self))))]
         if not -len(self) <= t < len(self):
             raise IndexError(t)
         src, a, b = self.range(t % len(self))
@@ -134,36 +134,32 @@ class Segmented(Sequence):
         return list(other) + list(self)
 
 
-class Ranges(Sequence):
-    """Per-tensor ranges ``[starts[t], stops[t])`` of one shared 1-D array, sliced when read, as
-    :class:`Segmented`'s: the buffers of the records a reader found back to back in one payload's data, one role
-    each (``starts`` and ``stops``: host lists of ints).
+class Ranges(Segmented):
+    """:class:`Segmented` ranges ``[starts[t], stops[t])`` of one shared 1-D array, not end to end: the buffers of
+    the records a reader found back to back in one payload's data, one role each (``starts`` and ``stops``: host
+    lists of ints).
 
     >>> r = Ranges(np.arange(8), [0, 5], [2, 8])
-    >>> len(r), r[0].tolist(), r[1].tolist(), r.range(1)[1:]
-    (2, [0, 1], [5, 6, 7], (5, 8))
+    >>> len(r), r[0].tolist(), r[1].tolist(), r.range(1)[1:], [x.tolist() for x in r[::-1]]
+    (2, [0, 1], [5, 6, 7], (5, 8), [[5, 6, 7], [0, 1]])
     """
 
-    __slots__ = ("source", "starts", "stops")
+    __slots__ = ("starts", "stops")
 
     def __init__(self, source: Any, starts: list[int], stops: list[int]):
-        self.source, self.starts, self.stops = source, starts, stops
+        super().__init__((source,), starts)
+        self.starts, self.stops = starts, stops
+
+    @property
+    def source(self) -> Any:
+        return self.sources[0]
 
     def __len__(self) -> int:
         return len(self.starts)
 
     def range(self, t: int) -> tuple[Any, int, int]:
         """(source array, start, stop) of tensor ``t``, without slicing."""
-        return self.source, self.starts[t], self.stops[t]
-
-    def __getitem__(self, t):  # type: ignore[override]
-        if isinstance(t, slice):  # (a run of records: one slice of the source each)
-            src = self.source
-            return [src[a:b] for a, b in zip(self.starts[t], self.stops[t])]
-        if not -len(self) <= t < len(self):
-            raise IndexError(t)
-        t %= len(self)
-        return self.source[self.starts[t] : self.stops[t]]
+        return self.sources[0], self.starts[t], self.stops[t]
 
 
 class SegmentPart(NamedTuple):
