@@ -409,3 +409,87 @@ def test_names_remembered_for_the_same_names():
     first = v2._name_entries(t)
     assert v2._name_entries(tuple(f"layer{i}.weight" for i in range(200))) is first  # equal, not the same
     assert list(first) == reference_entries(t)
+
+
+def _coo_table(rng: random.Random, n: int) -> bytes:
+    sizes = [rng.choice([1, 3, 100, 200, 20000, 3_000_000]) for _ in range(n)]
+    recs = []
+    for i, numel in enumerate(sizes):
+        nnz = min(numel, rng.choice([0, 1, 127, 128, 300, 16383, 16384, 20000]))
+        recs.append(
+            TensorRecord(
+                f"b{i // 4}.w{i}",
+                "float32",
+                (numel,),
+                "coo",
+                nnz,
+                {"indices": np.arange(nnz, dtype=np.uint32), "values": np.ones(nnz, np.float32)},
+            )
+        )
+    return pack(recs, pipeline=[], layouts=wire_layouts(), version=2)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_known_table_compared_at_once_gives_what_entry_by_entry_gives(seed, monkeypatch):
+    """v2._match_widths (the known table's entries compared at once, each nnz as wide as a guess) against
+    v2._match_entries on the same bytes: where it matches, the same position and nnz; and v2._match (the guess,
+    then entry by entry) always the same as entry by entry. The tables: nnz of one to three bytes, over its tensor,
+    not canonical (a redundant zero group), a head changed, cut short; guesses right and wrong."""
+    monkeypatch.setattr(v2, "_KNOWN", ())
+    rng = random.Random(seed)
+    n = rng.choice([16, 40, 150])
+    read_both(_coo_table(rng, n))
+    (k,) = v2._KNOWN
+    right = 0
+    for trial in range(60):
+        nnz = [min(m, rng.choice([0, 1, 5, 127, 128, 129, 16383, 16384, 70000])) for m in k.numels]
+        varints = [v2.uvarint(x) for x in nnz]
+        flaw = trial % 6
+        j = rng.randrange(n)
+        if flaw == 1:
+            varints[j] = v2.uvarint(k.numels[j] + 1)  # over its tensor
+        elif flaw == 2:
+            varints[j] = bytes(b | 0x80 for b in varints[j]) + b"\x00"  # a redundant zero group
+        heads = list(k.heads)
+        if flaw == 3:
+            heads[j] = heads[j][:-1] + bytes([heads[j][-1] ^ 1])
+        table = b"\x07" + b"".join(h + v for h, v in zip(heads, varints)) + b"\x00\x01"
+        if flaw == 4:
+            table = table[: rng.randrange(len(table) - 2)]
+        widths = v2._varint_widths(nnz)
+        if trial % 2:  # a wrong guess of one width
+            widths = widths.copy()
+            widths[j] = 1 + widths[j] % 3
+        want = v2._match_entries(k, table, 1)
+        got = v2._match_widths(k, table, 1, widths)
+        assert got is None or got == want
+        right += got is not None
+        assert v2._match(k, table, 1) == want
+        if flaw in (1, 2, 3, 4):
+            assert want is None or flaw == 4
+        else:
+            assert want == (len(table) - 2, nnz)
+    assert right >= 10  # (the guess is taken where it is right)
+
+
+def test_a_known_table_of_plain_4_byte_coo_records_reads_as_shared_ranges(monkeypatch):
+    """The second read of a table (v2._read_known) gives its records' buffers as ranges of the data at once
+    (v2._SharedCoo, no layout list): the same records, buffers and bytes as the first read, and, with shared
+    ranges turned off, as per-record views."""
+    monkeypatch.setattr(v2, "_KNOWN", ())
+    rng = random.Random(3)
+    blob = _coo_table(rng, 40)
+    first = read(blob)
+    calls = []
+    real = v2._shared_coo
+    monkeypatch.setattr(v2, "_shared_coo", lambda *a: calls.append(1) or real(*a))
+    _, recs = unpack(blob, wire_layouts())
+    assert calls == [1] and {type(r.buffers).__name__ for r in recs} == {"SegmentBuffers"}
+    assert read(blob) == first
+    assert pack(recs, pipeline=[], layouts=wire_layouts(), version=2) == blob
+    monkeypatch.setattr(v2, "SHARED_VIEWS_MIN", 1 << 62)
+    alone = read(blob)
+    assert calls == [1, 1] and alone[0] == first[0]  # (not read as known ranges)
+    # (per-record views name their buffers' dtypes; ranges leave it to each array's own dtype, the same names)
+    assert [r[:7] + r[8:] for r in alone[1]] == [r[:7] + r[8:] for r in first[1]]
+    assert all(r[7] == {"indices": "uint32", "values": "float32"} and not f[7] for r, f in zip(alone[1], first[1]))

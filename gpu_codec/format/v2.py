@@ -900,8 +900,10 @@ def header_size(
 _ITEMSIZE = {dt: np.dtype(x).itemsize for dt, x in BUFFER_DTYPES.items()}
 
 
-def _data_size(layouts_of: list) -> int:
+def _data_size(layouts_of: list | _SharedCoo) -> int:
     """Bytes of the buffers of every record's layout."""
+    if type(layouts_of) is _SharedCoo:
+        return 4 * layouts_of.words
     size = _ITEMSIZE
     return sum([n * size[dt] for lay in layouts_of for _, dt, n in lay])
 
@@ -936,8 +938,39 @@ def _shared_views(records: list[TensorRecord], layouts_of: list, data: memoryvie
     return True
 
 
-def _views(records: list[TensorRecord], layouts_of: list, data: memoryview) -> None:
+class _SharedCoo(NamedTuple):
+    """The layouts of a whole table read by :func:`_read_known` whose records are plain ``coo`` with uint32 indices
+    and float32 values, SHARED_VIEWS_MIN or more: its records' buffers are already ranges of the two arrays in
+    ``roles`` (:class:`~gpu_codec.format.common.Ranges` without a source yet), given their source by
+    :func:`_views`. ``words``: the 4-byte words of the data the table implies."""
+
+    roles: dict[str, Ranges]
+    words: int
+
+
+def _shared_coo(k: _Known, nnzs: list[int], records: list) -> _SharedCoo:
+    """Records of known table ``k`` with ``nnzs`` entries, appended to ``records`` with their buffers as ranges (see
+    :func:`_shared_views`), without a layout list a record."""
+    nnz = np.array(nnzs, np.int64)
+    ends = np.cumsum(2 * nnz)  # in 4-byte words: each record's indices, then its values
+    mid = ends - nnz
+    starts, mid_l, ends_l = (ends - 2 * nnz).tolist(), mid.tolist(), ends.tolist()
+    roles = {"indices": Ranges(None, starts, mid_l), "values": Ranges(None, mid_l, ends_l)}
+    n = len(nnzs)
+    bufs = map(SegmentBuffers, repeat(roles), range(n))
+    records.extend(map(TensorRecord, k.names, k.dtypes, k.shapes, repeat("coo"), nnzs, bufs, _dicts(n)))
+    return _SharedCoo(roles, ends_l[-1] if n else 0)
+
+
+def _views(records: list[TensorRecord], layouts_of: list | _SharedCoo, data: memoryview) -> None:
     """Each record's buffers, back to back in ``data`` (whose size the caller checked against the layouts)."""
+    if type(layouts_of) is _SharedCoo:  # (ranges made by the table's reader: their arrays, over the data)
+        words = len(data) // 4
+        roles = layouts_of.roles
+        for role, dt in _COO32:
+            r = roles[role]
+            roles[role] = Ranges(np.frombuffer(data, BUFFER_DTYPES[dt], words, 0), r.starts, r.stops)
+        return
     if _shared_views(records, layouts_of, data):
         return
     # views, aligned or not (v2 has no padding): NumPy reads unaligned arrays, and the decoder streams them a
@@ -1013,6 +1046,11 @@ class _Known(NamedTuple):
     numels: tuple[int, ...]
     index_dtypes: tuple[str, ...]
     value_dtypes: tuple[str, ...]
+    coo32: bool  # every entry plain coo with uint32 indices and float32 values
+    ends: np.ndarray  # each head's end in the heads end to end
+    joined: np.ndarray  # the heads end to end, as bytes (uint8)
+    numel_array: np.ndarray
+    widths: list  # [each nnz's bytes when last read] (the guess of :func:`_match`)
 
 
 _KNOWN: tuple[_Known, ...] = ()  # the latest few (a federated update sends the same names and shapes every round)
@@ -1021,11 +1059,15 @@ _KNOWN_MAX_BYTES = 1 << 20  # a table whose entries' heads take more is not reme
 # reader hold stays a few MiB: heads, names and coded names of at most _KNOWN_KEPT tables)
 
 
-def _read_known(t: _Reader, left: int, enc: str, names: set, earlier: list, records: list, lays: list) -> bool:
+def _read_known(
+    t: _Reader, left: int, enc: str, names: set, earlier: list, records: list, lays: list
+) -> bool | _SharedCoo:
     """Read the ``left`` entries of a plain table, from its first, where they repeat a table read before but for
     their nnz: each entry's bytes before its nnz compared with the known one's at once, then its nnz read and
     checked against its element count. Equal bytes after equal entries say the same name, dtype and shape, which
-    passed every check when first read. True where every entry matched; else nothing is read."""
+    passed every check when first read. True where every entry matched, or the records' :class:`_SharedCoo`
+    where they are plain ``coo`` of 4-byte entries (their layouts, instead of ``lays``); else False and nothing is
+    read."""
     for k in _KNOWN:
         if k.enc == enc and len(k.heads) == left:
             got = _match(k, t.buf, t.pos)
@@ -1034,20 +1076,82 @@ def _read_known(t: _Reader, left: int, enc: str, names: set, earlier: list, reco
     else:
         return False
     pos, nnzs = got
+    t.pos = pos
+    names.update(k.names)
+    earlier.extend(k.coded)
+    if k.coo32 and left >= SHARED_VIEWS_MIN:
+        return _shared_coo(k, nnzs, records)
     if enc == "coo":
         lays.extend([[("indices", i, n), ("values", v, n)] for i, v, n in zip(k.index_dtypes, k.value_dtypes, nnzs)])
     else:
         lays.extend([[("values", v, n)] for v, n in zip(k.value_dtypes, nnzs)])
     records.extend(map(TensorRecord, k.names, k.dtypes, k.shapes, repeat(enc), nnzs, _dicts(left), _dicts(left)))
-    names.update(k.names)
-    earlier.extend(k.coded)
-    t.pos = pos
     return True
 
 
 def _match(k: _Known, buf: bytes, pos: int) -> tuple[int, Any] | None:
     """(position after the entries, their nnz) where the entries from ``pos`` are ``k``'s but for their nnz, each
-    nnz a canonical varint no larger than its tensor; else None."""
+    nnz a canonical varint no larger than its tensor; else None. A ``coo`` table is first compared at once, each
+    nnz taken to be as wide as when the table was last read (:func:`_match_widths`); where that fails, entry by
+    entry, and the widths found are kept."""
+    if k.enc == "coo" and k.heads and buf.startswith(k.heads[0], pos):
+        got = _match_widths(k, buf, pos, k.widths[0])
+        if got is not None:
+            return got
+    got = _match_entries(k, buf, pos)
+    if got is not None and k.enc == "coo":
+        k.widths[0] = _varint_widths(got[1])
+    return got
+
+
+def _varint_widths(values: list[int]) -> np.ndarray:
+    """Bytes of each value's varint (values below 2^63)."""
+    v = np.asarray(values, np.int64)
+    w = np.ones(v.shape, np.int64)
+    for bits in range(7, 63, 7):
+        w += v >= 1 << bits
+    return w
+
+
+def _match_widths(k: _Known, buf: bytes, pos: int, widths: np.ndarray) -> tuple[int, list[int]] | None:
+    """:func:`_match` of a ``coo`` table whose nnz varints are ``widths`` bytes each, by a few NumPy calls over
+    the whole table: each head's bytes, where the widths put them, equal to the known ones; each varint's bytes
+    continued but for its last, which is not a redundant zero group; each nnz no larger than its tensor. Then the
+    entries read one by one would give the same (each head matches at its place, and each varint ends where its
+    width says). None where any of this fails (which says nothing of the entries: they may be of other widths)."""
+    n = len(widths)
+    if n != len(k.heads) or not n or int(widths.max()) > 9:  # (9 varint bytes hold 63 bits)
+        return None
+    lasts = np.cumsum(widths) - 1  # each varint's last byte among the varints' bytes
+    end = pos + int(k.ends[-1]) + int(lasts[-1]) + 1
+    if end > len(buf):
+        return None
+    region = np.frombuffer(buf, np.uint8, end - pos, pos)
+    firsts = lasts + 1 - widths
+    vstart = k.ends + firsts  # each varint's first byte in the region
+    one = int(lasts[-1]) + 1 == n  # (every nnz one byte: the common case)
+    vpos = vstart if one else np.repeat(vstart - firsts, widths) + np.arange(int(lasts[-1]) + 1)
+    heads = np.ones(region.size, bool)
+    heads[vpos] = False
+    if not np.array_equal(region[heads], k.joined):
+        return None
+    vb = region[vpos]
+    cont = vb >= 0x80
+    tail = vb[lasts]
+    if cont[lasts].any() or int(cont.sum()) != vb.size - n or ((tail == 0) & (widths > 1)).any():
+        return None
+    if one:
+        nnz = vb.astype(np.int64)
+    else:
+        shifts = 7 * (np.arange(vb.size) - np.repeat(firsts, widths))
+        nnz = np.add.reduceat((vb & 0x7F).astype(np.int64) << shifts, firsts)
+    if (nnz > k.numel_array).any():
+        return None
+    return end, nnz.tolist()
+
+
+def _match_entries(k: _Known, buf: bytes, pos: int) -> tuple[int, Any] | None:
+    """:func:`_match`, entry by entry."""
     starts = buf.startswith
     if k.enc != "coo":
         for head in k.heads:
@@ -1083,17 +1187,22 @@ def _dicts(n: int) -> Iterator[dict]:
     return (dict() for _ in range(n))
 
 
-def _read_plain(t: _Reader, left: int, enc: str, earlier: list[bytes], names: set, records: list, lays: list) -> None:
+def _read_plain(
+    t: _Reader, left: int, enc: str, earlier: list[bytes], names: set, records: list, lays: list
+) -> _SharedCoo | None:
     """Read up to ``left`` table entries of the table's default form where that is plain ``coo`` or ``dense``
     (the records of a payload without value, index or bytes stages), appending what :func:`_read_tensor` would
     give; stop before the first entry that has a form of its own or that any check of :func:`_read_tensor` (or
     the duplicate-name check) would refuse, leaving ``t.pos`` at its start. The same checks with fewer calls:
     tests/test_format_fast.py reads valid and corrupt tables through both. A whole table (read from its first
     entry to its last here) is remembered, and a table that repeats one of the latest few but for its nnz is read
-    by :func:`_read_known`."""
+    by :func:`_read_known` (which may give the whole table's layouts as a :class:`_SharedCoo`: returned, ``lays``
+    left empty)."""
     whole = not earlier
-    if whole and _read_known(t, left, enc, names, earlier, records, lays):
-        return
+    if whole:
+        known = _read_known(t, left, enc, names, earlier, records, lays)
+        if known:
+            return known if type(known) is _SharedCoo else None
     buf, pos, end = t.buf, t.pos, t.end
     coo = enc == "coo"
     heads = []
@@ -1179,6 +1288,9 @@ def _remember(enc: str, heads: list[bytes], records: list, earlier: list[bytes],
     if sum(map(len, heads)) > _KNOWN_MAX_BYTES:
         return
     coo = enc == "coo"
+    index_dtypes = tuple(lay[0][1] if coo else "" for lay in lays)
+    value_dtypes = tuple(lay[-1][1] for lay in lays)
+    numels = tuple(r.numel for r in records)
     known = _Known(
         enc,
         tuple(heads),
@@ -1186,9 +1298,14 @@ def _remember(enc: str, heads: list[bytes], records: list, earlier: list[bytes],
         tuple(earlier),
         tuple(r.dtype for r in records),
         tuple(r.shape for r in records),
-        tuple(r.numel for r in records),
-        tuple(lay[0][1] if coo else "" for lay in lays),
-        tuple(lay[-1][1] for lay in lays),
+        numels,
+        index_dtypes,
+        value_dtypes,
+        coo and set(index_dtypes) == {"uint32"} and set(value_dtypes) == {"float32"},
+        np.cumsum(list(map(len, heads)), dtype=np.int64),
+        np.frombuffer(b"".join(heads), np.uint8),
+        np.array(numels, np.int64),
+        [_varint_widths([r.nnz for r in records])],
     )
     global _KNOWN
     _KNOWN = (known, *(k for k in _KNOWN if k.heads != known.heads or k.enc != enc))[:_KNOWN_KEPT]
@@ -1306,7 +1423,9 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
     plain = reader is _Reader and mode == DATA_RECORDS and enc in BASE_LAYOUTS and tables.get(enc) is BASE_LAYOUTS[enc]
     while len(records) < count:
         if plain:
-            _read_plain(t, count - len(records), enc, earlier, names, records, layouts_of)
+            shared = _read_plain(t, count - len(records), enc, earlier, names, records, layouts_of)
+            if shared is not None:  # (the whole table: its layouts in one object)
+                layouts_of = shared
             if len(records) == count:
                 break
         rec, nb, lay = _read_tensor(t, earlier, default, tables, mode, version)
