@@ -9,9 +9,11 @@ aggregator shares (the output cap, the decoded records, the device checks, the e
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterator, Mapping
 from itertools import accumulate, pairwise
+from operator import attrgetter, mul
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -29,6 +31,11 @@ from .format.common import Ranges, SegmentBuffers
 from .format.fingerprint import check_base
 from .payload import Payload, as_mapping
 from .xp.finite import all_finite, some_nonfinite
+
+# a record's (and a tensor's) fields, read for every record by one C call (a list comprehension reads each in Python)
+_NAME, _SHAPE, _DTYPE, _ENCODING, _NNZ, _BUFFERS = map(
+    attrgetter, ("name", "shape", "dtype", "encoding", "nnz", "buffers")
+)
 
 MANY_RECORDS = 16  # a payload of at least this many records has its runs found, and taken, a run at a time
 DEFAULT_MAX_OUTPUT_BYTES = 4 << 30  # decompress's cap on the dense output a payload may declare
@@ -51,12 +58,7 @@ def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[s
 def _output_bytes(logical: list[str], numels: list[int]) -> int:
     """Bytes of the dense outputs of tensors of these logical dtypes and element counts."""
     size = {lg: dtypes.storage_dtype(lg).itemsize for lg in set(logical)}
-    return sum(n * size[lg] for lg, n in zip(logical, numels))
-
-
-def _output_itemsize(r: TensorRecord, with_base: bool) -> int:
-    logical = r.dtype if with_base else dtypes.value_dtype(r.dtype)
-    return dtypes.storage_dtype(logical).itemsize
+    return sum(map(mul, numels, map(size.__getitem__, logical)))
 
 
 def check_output_cap(
@@ -65,10 +67,12 @@ def check_output_cap(
     max_output_bytes: Any,
     max_elements: Any = None,
     numels: list[int] | None = None,
+    logical: list[str] | None = None,
 ) -> None:
     """Refuse (``PayloadLimitError``) a payload whose declared dense output is over the cap, before anything is
     decompressed or allocated: :func:`decompress`'s check, shared with :mod:`gpu_codec.aggregate` (``numels``: the
-    records' element counts, where the caller has them)."""
+    records' element counts, and ``logical``: their outputs' dtypes, each record's dtype with a base and its value
+    dtype without, where the caller has them)."""
     numels = [r.numel for r in records] if numels is None else numels
     if max_elements is not None:
         total = sum(numels)
@@ -76,13 +80,9 @@ def check_output_cap(
             raise PayloadLimitError(f"payload asks for {total} dense elements, over max_elements={max_elements}")
     if max_output_bytes is None:
         return
-    size: dict[str, int] = {}  # itemsize by dtype
-    declared = 0
-    for r, n in zip(records, numels):
-        s = size.get(r.dtype)
-        if s is None:
-            s = size[r.dtype] = _output_itemsize(r, with_base)
-        declared += n * s
+    if logical is None:
+        logical = [r.dtype if with_base else dtypes.value_dtype(r.dtype) for r in records]
+    declared = _output_bytes(logical, numels)
     if declared > max_output_bytes:
         raise PayloadLimitError(
             f"payload declares {declared} bytes of dense output ({len(records)} tensors), over "
@@ -406,8 +406,8 @@ def _runs(
     elements (see :func:`_dense_run`)."""
     most_numel, most_size = (None, None) if device else (SMALL_TENSOR, SMALL_RUN)
     most_entries = batch_entries(_output_bytes(logical, numels)) if device else SMALL_RUN_ENTRIES
-    if device and len(records) >= MANY_RECORDS and len(set(logical)) == 1 and {r.encoding for r in records} == {"coo"}:
-        return _coo_runs([r.nnz for r in records], most_entries)
+    if device and len(records) >= MANY_RECORDS and len(set(logical)) == 1 and set(map(_ENCODING, records)) == {"coo"}:
+        return _coo_runs(list(map(_NNZ, records)), most_entries)
     out: list[int | None] = []
     run, size, entries, run_dense = -1, 0, 0, False
     for i, (r, numel) in enumerate(zip(records, numels)):
@@ -666,6 +666,9 @@ def join_plain(plain: Any, records: list, first: int, end: int, offsets: list[in
     )
 
 
+_ROLES, _T = attrgetter("_roles"), attrgetter("_t")  # (a SegmentBuffers' slots, read by one C call each)
+
+
 class SharedEntries(NamedTuple):
     """The indices and values of a payload's plain ``coo`` records as the v2 reader found them: record ``t``'s are
     range ``t`` of each (:func:`plain_buffers`)."""
@@ -679,10 +682,10 @@ def plain_buffers(pipe: Any, records: list) -> tuple[list, list] | SharedEntries
     with host buffers (a payload read from bytes): its entries are read as they lie, with no decoder. None
     otherwise. Where the records' buffers are the reader's ranges of the payload's data (uint32 indices, float32
     values, record ``t`` range ``t``), the two shared ranges, with no array made per record."""
-    if not pipe.plain() or not all(r.encoding == "coo" for r in records):
+    if not pipe.plain() or set(map(_ENCODING, records)) != {"coo"}:
         return None
-    bufs = [r.buffers for r in records]
-    if set(map(type, bufs)) == {SegmentBuffers} and len({id(b.roles) for b in bufs}) == 1:
+    bufs = list(map(_BUFFERS, records))
+    if set(map(type, bufs)) == {SegmentBuffers} and len(set(map(id, map(_ROLES, bufs)))) == 1:
         roles = bufs[0].roles
         ir, vr = roles.get("indices"), roles.get("values")
         if (
@@ -690,7 +693,7 @@ def plain_buffers(pipe: Any, records: list) -> tuple[list, list] | SharedEntries
             and type(vr) is Ranges
             and len(roles) == 2
             and len(ir) == len(records)
-            and [b.t for b in bufs] == list(range(len(records)))
+            and list(map(_T, bufs)) == list(range(len(records)))
             and ir.source.dtype == np.uint32
             and vr.source.dtype == np.float32
         ):
@@ -901,6 +904,10 @@ def _decode_onto_host(
     flush_all()
 
 
+def _reshape(a: Any, shape: tuple[int, ...]) -> Any:
+    return a.reshape(shape)
+
+
 def _base_tensor(x: Any, r: TensorRecord) -> Tensor:
     """Tensor ``r``'s base, wrapped and checked against the record's shape and dtype."""
     b = to_tensor(x, r.name)
@@ -985,7 +992,8 @@ def decompress(
     if not isinstance(payload, Payload):
         payload = Payload.from_bytes(payload)
     records = payload.tensors
-    names = [r.name for r in records]
+    names = list(map(_NAME, records))
+    shapes, stored = list(map(_SHAPE, records)), list(map(_DTYPE, records))
     base_tensors = None
     if base is not None:
         base = as_mapping(base, "base")
@@ -998,17 +1006,17 @@ def decompress(
             )
         arrays = [base[n] for n in names]
         table = (numpy_tensors(arrays) or torch_tensors(arrays)) if arrays else None  # (a few calls in all)
-        if table is not None and all(b.shape == r.shape and b.dtype == r.dtype for b, r in zip(table, records)):
+        if table is not None and list(map(_SHAPE, table)) == shapes and list(map(_DTYPE, table)) == stored:
             base_tensors = table
         else:
             base_tensors = [_base_tensor(x, r) for x, r in zip(arrays, records)]
     kind, device = _output_kind(like, base_tensors)
-    numels = [r.numel for r in records]
-    check_output_cap(records, base_tensors is not None, max_output_bytes, max_elements, numels)
+    numels = list(map(math.prod, shapes))
+    logical = stored if base_tensors is not None else list(map(dtypes.value_dtype, stored))
+    check_output_cap(records, base_tensors is not None, max_output_bytes, max_elements, numels, logical)
     pipe = decoder_for(payload.pipeline)
     backend = get_backend()
     bounds = DECODE_CHUNK_DEVICE if backend.on_device else DECODE_CHUNK
-    logical = [r.dtype if base_tensors is not None else dtypes.value_dtype(r.dtype) for r in records]
     host_onto = base_tensors is not None and not backend.on_device
     if host_onto:
         runs: list = []  # (batched, see _decode_onto_host)
@@ -1041,7 +1049,7 @@ def decompress(
     if "bfloat16" not in logical and (kind == "numpy" or (kind == "cupy" and backend.on_device)):
         # (the common cases: every view already of the output's kind, where it goes; without from_backend's
         # per-call checks)
-        return {r.name: v.reshape(r.shape) for r, v in zip(records, views)}
+        return dict(zip(names, map(_reshape, views, shapes)))
     return {
         r.name: from_backend(v, lg, tuple(r.shape), kind, dev) for r, v, lg, dev in zip(records, views, logical, devs)
     }
