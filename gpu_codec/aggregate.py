@@ -38,8 +38,16 @@ from .arrays import Tensor, from_backend, is_device_array, to_tensor
 from .backends import events, get_backend
 from .codecs import decoder_for, host_resident, inner_encoding
 from .constants import ScatterMode
-from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
+from .errors import (
+    BaseMismatchError,
+    InvalidInputError,
+    PayloadError,
+    PayloadIndexError,
+    PayloadLimitError,
+    PayloadValueError,
+)
 from .format import TensorRecord
+from .format.fingerprint import fingerprint
 from .payload import Payload
 from .xp.finite import all_finite, some_nonfinite
 from .xp.limbs import abs_max, abs_max_bits
@@ -217,7 +225,8 @@ class Aggregator:
         refused here. Peak memory stays within 1.5x the cap. Default 4 GiB (about 200M fp32 parameters);
         ``None``: no cap.
 
-    A payload that does not match, fails to decode, holds a bad index or a non-finite value, comes with a bad
+    A payload that does not match (with a base: a payload that records the fingerprint of another base,
+    ``BaseMismatchError``), fails to decode, holds a bad index or a non-finite value, comes with a bad
     weight, or cannot be represented in the aggregation (a weight x value beyond the accumulator's range, a weight
     that takes the weights' sum past fp64's range, a delta that takes the base past its dtype's range) raises a
     :class:`~gpu_codec.errors.GpuCodecError` and leaves the accumulator exactly as it was: a server drops that
@@ -261,6 +270,7 @@ class Aggregator:
         self._lock = threading.RLock()
         self._base = None
         self._base_tensors: list[Tensor] = []  # the base's tensors, wrapped once (template order)
+        self._fingerprints: dict[tuple[str, ...], str] = {}  # the base's, by the payload order of the names
         self._template: _Template | None = None
         if base is not None:
             if not isinstance(base, Mapping) or not base:
@@ -329,6 +339,8 @@ class Aggregator:
         if template is None:
             template = _Template([(r.name, tuple(r.shape), r.dtype) for r in payload.tensors])
         template.check(payload.tensors, what)
+        if payload.base_fingerprint is not None and self._base is not None:
+            self._check_fingerprint(payload, template, what)
         backend = self._backend
         bounds = _decode.DECODE_CHUNK_DEVICE if backend.on_device else _decode.DECODE_CHUNK
         pos = np.asarray([template.pos[r.name] for r in payload.tensors], np.int64)
@@ -351,6 +363,22 @@ class Aggregator:
         self._ready = events.record(backend)
         self._weights.append(w)
         self._wsum += w
+
+    def _check_fingerprint(self, payload: Payload, template: _Template, what: str) -> None:
+        """Refuse (:class:`~gpu_codec.errors.BaseMismatchError`) a payload whose base fingerprint is not the base's,
+        as :func:`gpu_codec.decompress` does. The base's is computed once for each order of the names (the base does
+        not change while the aggregator holds it)."""
+        names = tuple(r.name for r in payload.tensors)
+        got = self._fingerprints.get(names)
+        if got is None:
+            bases = [self._base_tensors[template.pos[n]] for n in names]
+            got = fingerprint([(n, b.dtype, b.data) for n, b in zip(names, bases)], self._backend)
+            self._fingerprints[names] = got
+        if got != payload.base_fingerprint:
+            raise BaseMismatchError(
+                f"{what} was made against another base than the aggregation's (base fingerprint {got}, the payload "
+                f"records {payload.base_fingerprint}); nothing was added"
+            )
 
     def _plan(self, records: list[TensorRecord], w: float, weight: Any, what: str) -> list:
         """(record, indices, values, grid exponent) of each tensor, checked one by one: the error of the first

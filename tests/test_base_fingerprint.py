@@ -4,6 +4,7 @@ gathered where the base lives; payloads made without it keep their bytes."""
 
 from __future__ import annotations
 
+import importlib
 import struct
 
 import numpy as np
@@ -137,3 +138,37 @@ def test_a_v2_table_cut_inside_the_fingerprint():
     body = bytes(blob[:-4])
     with pytest.raises(PayloadHeaderError):
         gpu_codec.decompress(body + struct.pack("<I", zlib.crc32(body)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_aggregator_with_a_base_refuses_a_payload_made_against_another(backend, monkeypatch):
+    """Aggregator.add checks a payload's base fingerprint against its base, as decompress does: another base's
+    payload raises BaseMismatchError and leaves the aggregation as it was; payloads without a fingerprint, and an
+    aggregator without a base, are not checked. The base's fingerprint is computed once (per order of the names)."""
+    A = importlib.import_module("gpu_codec.aggregate")  # (the module: the package exports its function)
+    base, other = model(), model(seed=1)
+    with use_backend(backend):
+        good = gpu_codec.compress(trained(base), base, fraction=0.1, fingerprint_base=True)
+        plain = gpu_codec.compress(trained(other), other, fraction=0.1)
+        wrong = gpu_codec.compress(trained(other), other, fraction=0.1, fingerprint_base=True).to_bytes()
+        calls = []
+        monkeypatch.setattr(A, "fingerprint", lambda *a: calls.append(1) or F.fingerprint(*a))
+        agg = gpu_codec.Aggregator(base=base)
+        agg.add(good)
+        agg.add(plain, weight=2)
+        before = {k: v.copy() for k, v in agg.result().items()}
+        with pytest.raises(BaseMismatchError, match="payload 2 was made against another base"):
+            agg.add(wrong)
+        agg.add(good.to_bytes())
+        assert agg.count == 3 and calls == [1]
+        want = gpu_codec.Aggregator(base=base)
+        for p, w in ((good, 1), (plain, 2), (good, 1)):
+            want.add(p, weight=w)
+        got = agg.result()
+        assert all(np.array_equal(got[k], v) for k, v in want.result().items())
+        assert not all(np.array_equal(got[k], v) for k, v in before.items())
+        calls.clear()
+        loose = gpu_codec.Aggregator()  # (no base: nothing to check against)
+        loose.add(good)
+        loose.add(wrong)
+        assert loose.count == 2 and not calls
