@@ -291,3 +291,29 @@ def test_odd_but_valid_inputs(tmp_path, capsys):
     assert (rc, err) == (0, "")
     got = gpu_codec.decompress((tmp_path / "u2").read_bytes())
     assert got["t"].tolist() == [[0, 2, 4], [1, 3, 5]] and got["p"].tolist() == [1, 1, 1]
+
+
+def test_fingerprint_base_is_recorded_shown_and_checked(tmp_path, capsys):
+    """compress --fingerprint-base writes the library's bytes (fingerprint_base=True), inspect shows the
+    fingerprint, apply and decompress refuse another base in one line and write nothing; without BASE it is a
+    usage error."""
+    new, base = make_pair(4)
+    other = make_pair(5)[1]
+    new_p, base_p, other_p = (save(tmp_path / f"{n}.npz", t) for n, t in (("new", new), ("base", base), ("o", other)))
+    blob_p = tmp_path / "u.gcodec"
+    rc, out, err = run(capsys, "compress", new_p, base_p, "-o", str(blob_p), "--fingerprint-base", "--json")
+    want = gpu_codec.compress(new, base, fraction=0.01, pipeline=PIPELINE, fingerprint_base=True)
+    assert (rc, err) == (0, "") and blob_p.read_bytes() == want.to_bytes()
+    assert json.loads(out)["base_fingerprint"] == want.base_fingerprint
+    rc, out, _ = run(capsys, "inspect", str(blob_p))
+    assert rc == 0 and f"base fingerprint: {want.base_fingerprint}" in out
+    rc, out, _ = run(capsys, "inspect", str(blob_p), "--json")
+    assert json.loads(out)["base_fingerprint"] == want.base_fingerprint
+    rc, _, err = run(capsys, "apply", base_p, str(blob_p), "-o", str(tmp_path / "ok.npz"))
+    assert (rc, err) == (0, "")
+    for argv in (["apply", other_p, str(blob_p)], ["decompress", str(blob_p), "--base", other_p]):
+        rc, _, err = run(capsys, *argv, "-o", str(tmp_path / "no.npz"))
+        assert rc != 0 and len(err.strip().splitlines()) == 1 and "not the one this payload was made against" in err
+        assert not (tmp_path / "no.npz").exists()
+    rc, _, err = run(capsys, "compress", new_p, "-o", str(tmp_path / "v.gcodec"), "--fingerprint-base")
+    assert rc == 2 and "--fingerprint-base needs BASE" in err and not (tmp_path / "v.gcodec").exists()

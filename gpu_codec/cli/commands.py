@@ -280,6 +280,10 @@ def cmd_compress(a: argparse.Namespace) -> int:
     if a.base and a.base_opt:
         raise UsageError("give BASE either as the second argument or as --base, not both")
     base_path = a.base or a.base_opt
+    if a.fingerprint_base and not base_path:
+        raise UsageError(
+            "--fingerprint-base needs BASE: the fingerprint is of the checkpoint the update is made against"
+        )
     spec = a.pipeline or default_pipeline(a.fraction)
     pipeline = parse_pipeline(spec)
     target = resolve_output(a.output, inputs=[a.new, base_path], force=a.force)
@@ -302,6 +306,7 @@ def cmd_compress(a: argparse.Namespace) -> int:
             score=a.score,
             pipeline=pipeline or None,
             metadata={"skipped": skipped} if skipped else None,
+            fingerprint_base=a.fingerprint_base,
         )
         blob = payload.to_bytes()
         dt = time.perf_counter() - t0
@@ -323,6 +328,7 @@ def cmd_compress(a: argparse.Namespace) -> int:
         "ratio": payload.dense_nbytes / len(blob),
         "pipeline": payload.pipeline,
         "skipped": skipped,
+        "base_fingerprint": payload.base_fingerprint,
         "seconds": dt,
         "backend": payload.backend,
     }
@@ -446,6 +452,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         "data_mode": mode,
         "pipeline": payload.pipeline,
         "metadata": payload.metadata,
+        "base_fingerprint": payload.base_fingerprint,
         "dense_nbytes": payload.dense_nbytes,
         "ratio": payload.dense_nbytes / len(blob),
         "kept": payload.nnz,
@@ -458,6 +465,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     ]
     if payload.metadata:
         lines.append(f"metadata: {describe(json.dumps(payload.metadata))}")
+    if payload.base_fingerprint is not None:
+        lines.append(f"base fingerprint: {payload.base_fingerprint} (applied only to that base)")
     raw_total = sum(t["raw_nbytes"] for t in tensors)
     if mode == "zstd":
         lines.append(
@@ -617,6 +626,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     c.add_argument(
         "--score", choices=SCORES, default="magnitude", metavar="NAME", help=f"what top-k ranks by: {', '.join(SCORES)}"
+    )
+    c.add_argument(
+        "--fingerprint-base",
+        action="store_true",
+        help="record a fingerprint of BASE in the payload, so that decompress, apply and aggregation refuse "
+        "another base",
     )
     c.add_argument(
         "--skip-non-float",
