@@ -559,9 +559,17 @@ class Aggregator:
         numels = [r.numel for r in records]
         given = _decode._runs(records, logical, numels, device)
         if given and None not in given and (len(pos) < 2 or bool((np.diff(pos) == 1).all())):
-            # (every record in a sparse run, adjacent in the accumulator: the runs as given, found at once)
+            # (every record in a sparse run, adjacent in the accumulator: the runs as given, found at once; what
+            # the loop below gives them)
             sizes = Counter(given)
             return [None if sizes[g] < 2 else g for g in given], set()
+        return Aggregator._cut_runs(records, logical, pos, device, given, numels)
+
+    @staticmethod
+    def _cut_runs(
+        records: list[TensorRecord], logical: list[str], pos: np.ndarray, device: bool, given: list, numels: list
+    ) -> tuple[list[int | None], set[int]]:
+        """:meth:`_runs` from decode's runs ``given``, record by record."""
         out: list[int | None] = []
         dense: set[int] = set()
         rid, size = -1, 0

@@ -201,3 +201,25 @@ def test_a_slice_of_ranges_is_its_items():
     for sl in (slice(None), slice(1, 3), slice(None, None, 2), slice(-2, None), slice(3, 1), slice(-9, 99)):
         got, want = r[sl], [r[i] for i in range(*sl.indices(len(r)))]
         assert [x.tolist() for x in got] == [x.tolist() for x in want], sl
+
+
+@pytest.mark.parametrize("device", [False, True], ids=["host", "device"])
+def test_the_aggregators_runs_of_adjacent_sparse_records_are_what_its_record_loop_cuts(device):
+    """Aggregator._runs takes decode's runs as they are where every record is in a sparse run and the records lie
+    adjacent in the accumulator: the runs and dense set its record loop (Aggregator._cut_runs) gives them."""
+    from gpu_codec.aggregate import Aggregator
+
+    rng = np.random.default_rng(11)
+    taken = 0
+    for seed in range(12):
+        new, base = _update(int(rng.integers(2, 60)), seed=seed, mixed=seed % 3 == 0)
+        fraction = float(rng.choice([0.001, 0.02, 0.3]))
+        records = Payload.from_bytes(gpu_codec.compress(new, base, fraction=fraction).to_bytes()).tensors
+        logical = [r.dtype for r in records]
+        numels = [r.numel for r in records]
+        pos = np.arange(len(records), dtype=np.int64)
+        given = decode._runs(records, logical, numels, device)
+        want = Aggregator._cut_runs(records, logical, pos, device, given, numels)
+        assert Aggregator._runs(records, logical, pos, device) == want
+        taken += None not in given
+    assert taken >= 3  # (the shortcut taken, not only the loop)
