@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,8 @@ _NP_TO_LOGICAL = {
     np.dtype("float64"): "float64",
 }
 _NP_FLOAT_KINDS = frozenset({np.ndarray, np.float32, np.float16, np.float64})  # what numpy_tensors takes
+# (an array's attributes, read for a whole list by one C call each)
+_C_CONTIGUOUS, _DTYPE, _SHAPE = attrgetter("flags.c_contiguous"), attrgetter("dtype"), attrgetter("shape")
 _TORCH_LOGICAL = {
     "torch.float32": "float32",
     "torch.float16": "float16",
@@ -155,12 +158,12 @@ def numpy_tensors(xs: list[Any]) -> list[Tensor] | None:
         if not kinds <= _NP_FLOAT_KINDS:
             return None
         xs = [x if type(x) is np.ndarray else np.asarray(x) for x in xs]  # (a NumPy float scalar: a 0-d array)
-    if not all(x.flags.c_contiguous for x in xs):
+    if not all(map(_C_CONTIGUOUS, xs)):
         return None
-    logical = list(map(_NP_TO_LOGICAL.get, [x.dtype for x in xs]))
+    logical = list(map(_NP_TO_LOGICAL.get, map(_DTYPE, xs)))
     if None in logical:
         return None
-    shapes = [x.shape for x in xs]
+    shapes = list(map(_SHAPE, xs))
     flat = [x if len(s) == 1 else x.ravel() for x, s in zip(xs, shapes)]  # (a flat array is its own data)
     return list(map(Tensor, flat, logical, shapes, repeat("numpy"), repeat(None)))
 

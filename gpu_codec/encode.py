@@ -13,6 +13,8 @@ import contextlib
 import math
 from collections.abc import Callable, Mapping
 from fractions import Fraction
+from itertools import repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -32,6 +34,9 @@ from .format.common import SegmentBuffers, Segmented
 from .format.fingerprint import fingerprint
 from .payload import Payload, as_mapping, check_header_size, check_limits, check_metadata, within_limits
 from .xp.finite import all_finite
+
+# a tensor's fields (and an array's size), read for every tensor by one C call each
+_DATA, _DTYPE, _SHAPE, _SIZE = attrgetter("data"), attrgetter("dtype"), attrgetter("shape"), attrgetter("size")
 
 if TYPE_CHECKING:
     from .pending import PendingPayload
@@ -264,12 +269,13 @@ def compress(
         raise InvalidInputError("fingerprint_base=True needs the base the update is made against")
     backend = get_backend()
     nt = len(news)
-    dtype_codes = [dtypes.code(t.dtype) for t in news]
+    logical, shapes = list(map(_DTYPE, news)), list(map(_SHAPE, news))
+    dtype_codes = list(map(dtypes.code, logical))
     session = residual.session(names, news, backend) if residual is not None else contextlib.nullcontext()
     # the residual is held from reading to storing, and stored only once the payload is complete
     with backend.stream(news + bases), session as binding:
-        new_arrays = backend.asarrays([t.data for t in news])
-        base_arrays = backend.asarrays([None if b is None else b.data for b in bases])
+        new_arrays = backend.asarrays(list(map(_DATA, news)))
+        base_arrays = backend.asarrays([None] * nt if base is None else list(map(_DATA, bases)))
         if crit == dtypes.CRIT_EXTERNAL:
             ext, ext_dt = _external_scores(score, update, base, names, news, backend)
         else:
@@ -282,7 +288,7 @@ def compress(
             values, bad = backend.dense_delta(req)
             indices = [None] * nt
         else:
-            segments, ks = _segments([t.data.size for t in news], fraction, scope)
+            segments, ks = _segments(list(map(_SIZE, new_arrays)), fraction, scope)
             req = SelectRequest(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks)
             indices, values, bad = backend.topk_select(req)
         if bad is not None:
@@ -293,12 +299,10 @@ def compress(
                 for n, t, val in zip(names, news, values)
             ]
         elif type(indices) is Segmented and type(values) is Segmented:  # shared outputs: no array per tensor
-            roles, off = {"indices": indices, "values": values}, indices.offsets
-            off = off.tolist() if isinstance(off, np.ndarray) else list(off)  # (Python ints: each nnz one subtraction)
-            records = [
-                TensorRecord(n, t.dtype, t.shape, "coo", b - a, SegmentBuffers(roles, i))
-                for i, (n, t, a, b) in enumerate(zip(names, news, off, off[1:]))
-            ]
+            roles = {"indices": indices, "values": values}
+            nnz = np.diff(np.asarray(indices.offsets, np.int64)).tolist()  # (Python ints)
+            bufs = map(SegmentBuffers, repeat(roles), range(nt))
+            records = list(map(TensorRecord, names, logical, shapes, repeat("coo"), nnz, bufs))
         else:
             records = [
                 TensorRecord(n, t.dtype, t.shape, "coo", int(idx.size), {"indices": idx, "values": val})
@@ -310,7 +314,7 @@ def compress(
         pipeline_cfg += pipe.after_topk()
         payload = Payload(records, pipeline_cfg, metadata, backend=backend.name)
         if fingerprint_base:
-            payload.base_fingerprint = fingerprint(zip(names, [t.dtype for t in news], base_arrays), backend)
+            payload.base_fingerprint = fingerprint(zip(names, logical, base_arrays), backend)
         check_header_size(payload)
         if binding is not None:
             residual.commit(binding, backend)

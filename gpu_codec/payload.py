@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
+from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -25,6 +26,7 @@ from .format import (
     unpack,
 )
 
+_NAME = attrgetter("name")
 MAX_METADATA_DEPTH = 64  # nesting levels of metadata containers
 MAX_METADATA_INT = 10**40  # the header parser rejects longer integers
 
@@ -135,7 +137,7 @@ TABLE_ENTRY_BOUND = 512
 def _header_bound(payload: Payload) -> int:
     """An upper bound on the header's bytes from the names, the stage and metadata JSON and the tensor count alone
     (no layout of the table): where it is within the reader's limit, the exact size need not be computed."""
-    names = sum(len(r.name) for r in payload.tensors)  # UTF-8 takes at most 4 bytes a character
+    names = sum(map(len, map(_NAME, payload.tensors)))  # UTF-8 takes at most 4 bytes a character
     cfg = json.dumps([payload.pipeline, payload.metadata], separators=(",", ":"), ensure_ascii=True)
     return 4 * names + TABLE_ENTRY_BOUND * (len(payload.tensors) + len(payload.pipeline)) + 4 * len(cfg) + 4096
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import os
 from itertools import repeat
-from operator import is_not
+from operator import attrgetter, is_, is_not
 from statistics import NormalDist
 from typing import Any
 
@@ -322,6 +322,9 @@ def wide_indices(numels: list[int]) -> bool:
     return bool(numels) and index_dtype(max(numels)) == np.uint64  # (the largest decides: one call, not one a tensor)
 
 
+_SIZE = attrgetter("size")
+
+
 def _all_none(xs) -> bool:
     """Whether every item of ``xs`` is None (one C loop, no comparison of arrays)."""
     return not any(map(is_not, xs, repeat(None)))
@@ -367,6 +370,8 @@ class KernelOps:
             addrs = [ptr(a) if a is not None and a.size else 0 for a in arrays]
         elif _all_none(arrays):  # (no residuals, no external scores: the common case)
             addrs = [0] * len(arrays)
+        elif not any(map(is_, arrays, repeat(None))):  # (every array there: one C loop of calls)
+            addrs = list(map(ptr, arrays))
         else:
             addrs = [0 if a is None else ptr(a) for a in arrays]
         return self._up(np.asarray(addrs, dtype=np.uint64))
@@ -374,7 +379,8 @@ class KernelOps:
     def topk_select(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """Same contract as :func:`gpu_codec.cpu_fallback.select.topk_select`, on the runner's memory."""
         _check_segments(segments, len(new))
-        sizes = [sum(int(new[t].size) for t in seg) for seg in segments]
+        numels = list(map(int, map(_SIZE, new)))
+        sizes = [sum(map(numels.__getitem__, seg)) for seg in segments]
         # a large segment kept whole would make every element a candidate: the unfused passes skip its selection
         if self.fused and not any(k >= n > SAMPLE_ALL for n, k in zip(sizes, ks)):
             got = self._topk_fused(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode)
