@@ -155,3 +155,88 @@ def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
         for first, piece in pieces:  # neighbouring chunks may share a byte: OR in chunk order
             stream[first : first + piece.size] |= piece
     return stream[: -(-bits // 8)].copy(), bits
+
+
+MANY_MOST = 4096  # entries of a tensor that rice_encode_many codes with others (more: rice_encode, alone)
+MANY_BATCH = 1 << 16  # entries a batch of rice_encode_many holds at most (temporaries of a few MB)
+
+
+def rice_encode_many(indices: list, ks: list[int]) -> tuple[list[np.ndarray], list[int]]:
+    """:func:`rice_encode` of each of ``indices`` with its parameter of ``ks``: (streams, bit counts), the same
+    bytes. Tensors of at most MANY_MOST entries are coded together, in batches of at most MANY_BATCH entries: each
+    stream laid out from its own byte of one bit array (one byte a bit), every low field and unary one of the
+    batch set by a few array operations, then the array packed once and cut. A tensor of more entries, or whose
+    gaps are long for its k (more than UNARY_DENSE unary bits an entry), is coded alone.
+
+    >>> streams, bits = rice_encode_many([np.array([3, 4, 90, 200], np.uint32), np.array([7], np.uint32)], [5, 2])
+    >>> bits, [s.tolist() for s in streams] == [rice_encode(np.array([3, 4, 90, 200]), 5)[0].tolist(),
+    ...                                         rice_encode(np.array([7]), 2)[0].tolist()]
+    ([29, 4], True)
+    """
+    n = len(indices)
+    streams: list = [None] * n
+    bits: list = [0] * n
+    batch: list[int] = []
+    held = 0
+    for t, size in enumerate(map(_size, indices)):
+        if size > MANY_MOST:
+            streams[t], bits[t] = rice_encode(indices[t], ks[t])
+            continue
+        if held + size > MANY_BATCH:
+            _encode_batch(indices, ks, batch, streams, bits)
+            batch, held = [], 0
+        batch.append(t)
+        held += size
+    if batch:
+        _encode_batch(indices, ks, batch, streams, bits)
+    return streams, bits
+
+
+def _size(a: np.ndarray) -> int:
+    return int(np.asarray(a).size)
+
+
+def _encode_batch(indices: list, ks: list[int], batch: list[int], streams: list, bits: list) -> None:
+    """:func:`rice_encode_many` of tensors ``batch`` (their streams and bit counts written into ``streams`` and
+    ``bits``)."""
+    parts = [indices[t] for t in batch]
+    counts = np.fromiter(map(_size, parts), np.int64, len(parts))
+    k = np.asarray([ks[t] for t in batch], np.int64)
+    total = int(counts.sum())
+    if not total:
+        for t in batch:
+            streams[t], bits[t] = np.zeros(0, np.uint8), 0
+        return
+    i = np.concatenate(parts).astype(np.uint64, copy=False)  # (uint32 and uint64 parts: uint64)
+    heads = np.cumsum(counts) - counts  # each tensor's first entry (its end, for an empty one)
+    tensor = np.repeat(np.arange(len(parts)), counts)  # each entry's tensor
+    g = np.empty(total, np.uint64)  # each gap: idx - previous - 1 (a tensor's first: idx)
+    g[1:] = i[1:] - i[:-1] - np.uint64(1)
+    some = heads[counts > 0]
+    g[some] = i[some]
+    ke = k[tensor]  # each entry's k
+    q1 = (g >> ke.astype(np.uint64)).astype(np.int64) + 1  # each unary code's bits: q zeros, then a one
+    ones = np.cumsum(q1)  # (gaps are below 2^40: no overflow)
+    before = np.concatenate(([0], ones))[heads]  # unary bits of the batch before each tensor's
+    unary = np.concatenate(([0], ones))[heads + counts] - before
+    long = unary > UNARY_DENSE * counts  # (long gaps for their k: coded alone, their unary bits deposited)
+    if long.any():
+        for j in np.flatnonzero(long).tolist():
+            streams[batch[j]], bits[batch[j]] = rice_encode(parts[j], ks[batch[j]])
+        _encode_batch(indices, ks, [t for t, x in zip(batch, long.tolist()) if not x], streams, bits)
+        return
+    nbits = counts * k + unary
+    nbytes = -(-nbits // 8)
+    start = 8 * (np.cumsum(nbytes) - nbytes)  # each stream's first bit in the array
+    u = np.zeros(int(8 * nbytes.sum()), np.bool_)
+    u[(start + counts * k - before)[tensor] + ones - 1] = True  # each one: after its tensor's low fields
+    lbits = int(ke.sum())
+    if lbits:  # each low field's bits, least significant first, from its tensor's start + its entry x k
+        field = start[tensor] + (np.arange(total, dtype=np.int64) - heads[tensor]) * ke  # each field's first bit
+        shift = np.arange(lbits, dtype=np.int64) - np.repeat(np.cumsum(ke) - ke, ke)  # each bit's place in it
+        bit = (np.repeat(g, ke) >> shift.astype(np.uint64)) & np.uint64(1)
+        u[np.repeat(field, ke) + shift] = bit.astype(np.bool_)  # (zeros too: no unary bit lies there)
+    packed = np.packbits(u, bitorder="little")
+    firsts, sizes, counted = (start // 8).tolist(), nbytes.tolist(), nbits.tolist()
+    for j, t in enumerate(batch):
+        streams[t], bits[t] = packed[firsts[j] : firsts[j] + sizes[j]], counted[j]

@@ -132,9 +132,5 @@ class CpuBackend(ArrayDecoders):
         return [s for s, _ in coded], np.asarray([mu for _, mu in coded], dtype=np.float32)
 
     def rice(self, indices, ks, numels):
-        streams, bits = [], []
-        for i, kk in zip(indices, ks):
-            s, b = _rice.rice_encode(i, kk)
-            streams.append(s)
-            bits.append(b)
+        streams, bits = _rice.rice_encode_many(indices, ks)  # (small tensors coded together)
         return streams, np.asarray(bits, dtype=np.uint64)
