@@ -61,3 +61,27 @@ def test_the_ternary_sum_is_one_pairwise_tree_whatever_the_chunks(monkeypatch):
         assert q.abs_pairwise_sum(v) == one
     monkeypatch.setattr(q, "CODEC_CHUNK", 48)  # chunks that are no power of two would build another tree
     assert q.abs_pairwise_sum(v) != one
+
+
+@pytest.mark.parametrize("codec", ["float16", "bfloat16"])
+def test_small_tensors_cast_together_give_each_ones_bits(codec, monkeypatch):
+    """encode_cast16_many against encode_cast16 of each tensor: fp32 and fp64 values mixed, empty tensors, values
+    past the fp16 range, groups cut at CODEC_CHUNK values, tensors over MANY_MOST values and tensors with a
+    residual to fix (alone; their residuals as encode_cast16 leaves them)."""
+    monkeypatch.setattr(q, "CODEC_CHUNK", 1 << 10)
+    rng = np.random.default_rng(8)
+    for _ in range(20):
+        vals, idxs, res, want_res = [], [], [], []
+        for _ in range(int(rng.integers(1, 40))):
+            n = int(rng.choice([0, 1, 5, 300, 900, q.MANY_MOST + 1]))
+            v = (rng.standard_normal(n) * rng.choice([1e-3, 1.0, 1e5])).astype(rng.choice([np.float32, np.float64]))
+            vals.append(v)
+            idxs.append(np.arange(n, dtype=np.uint32) * 2)
+            r = np.zeros(2 * n, v.dtype) if rng.random() < 0.2 else None
+            res.append(r)
+            want_res.append(None if r is None else r.copy())
+        got = q.encode_cast16_many(vals, codec, idxs, res)
+        for v, i, r, g, w in zip(vals, idxs, res, got, want_res):
+            want = q.encode_cast16(v, codec, i, w)
+            assert g.dtype == np.uint16 and g.tobytes() == want.tobytes()
+            assert r is None or np.array_equal(r, w)

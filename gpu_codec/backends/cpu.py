@@ -121,7 +121,7 @@ class CpuBackend(ArrayDecoders):
         return None if bad == U64_MAX else bad
 
     def cast16(self, values, dtype, indices, res):
-        return [_q.encode_cast16(v, dtype, i, r) for v, i, r in zip(values, indices, res)]
+        return _q.encode_cast16_many(values, dtype, indices, res)  # (small tensors cast together)
 
     def int8(self, values, block, indices, res):
         coded = [_q.encode_int8(v, block, i, r) for v, i, r in zip(values, indices, res)]
