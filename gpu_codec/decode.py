@@ -831,6 +831,9 @@ def _decode_onto_host(
     def decoded(i: int) -> Any:
         return next(pipe.decode_stream([records[i]], backend))
 
+    # a coded payload's records, each decoded once, in order, by one stream (which may decode several at once)
+    in_order = None if plain else pipe.decode_stream(records, backend)
+
     def flush(key: Any) -> None:
         pos = pending.pop(key)
         held.pop(key)
@@ -877,7 +880,7 @@ def _decode_onto_host(
                 if plain and r.encoding == "coo":
                     idx_of[i], val_of[i], nnz_of[i] = r.buffers["indices"], r.buffers["values"], r.nnz
                 else:
-                    d = decoded(i)
+                    d = decoded(i) if in_order is None else next(in_order)
                     if d.indices is None or d.nnz > cap:
                         flush_all()
                         alone(i, d)

@@ -39,10 +39,11 @@ from ..errors import (
 )
 from ..format import BUFFER_DTYPES, TensorRecord
 from ..format.common import StreamedBuffer, open_stream
+from ..xp.rice import MANY_BITS, rice_decode_many
 from .base import STAGES, Codec
 from .quantize import Quantize
 from .registry import get_codec, index_forms, value_forms, wire_layouts
-from .rice import RawIndices
+from .rice import RawIndices, RiceIndices
 from .wire import CODED, inner_record, raw_layout, where
 from .zstd import encode_wrapped
 
@@ -237,20 +238,74 @@ class Pipeline:
 
     def decode_stream(self, records: list[TensorRecord], backend: Backend) -> Iterator[Decoded]:
         """Decode one record at a time (the engine scatters each before the next is decoded, so the temporaries
-        of only one tensor are alive at once). A dense tensor's values are decoded a slice at a time."""
+        of only one tensor are alive at once). A dense tensor's values are decoded a slice at a time. With a Rice
+        index stage, the Rice streams of a window of small records read from bytes are decoded at once
+        (:func:`~gpu_codec.xp.rice.rice_decode_many`; where one fails a check, each is decoded alone, which raises
+        its error), a window's records checked and unwrapped before the first is yielded; an error of a record
+        is raised after the records before it are yielded, as one record at a time would."""
         layouts = wire_layouts()
-        for rec in records:
-            self._expect(rec)
-            try:
-                if self.bytes is not None:
-                    rec = _unwrap(rec, layouts)
-                if rec.encoding in CODED:
-                    self._check_forms(rec)
-                d = _decoded(rec, backend)
-            except PayloadError as e:
-                msg = str(e)
-                raise type(e)(msg if msg.startswith(where(rec)) else f"{where(rec)}: {msg}") from None
-            yield d
+        rice = isinstance(self.indices, RiceIndices)
+        pos = 0
+        while pos < len(records):
+            window: list = []  # the next records, as decoded (checked and unwrapped)
+            failed = None
+            entries = 0
+            for rec in records[pos : pos + (RICE_WINDOW if rice else 1)]:
+                try:
+                    self._expect(rec)
+                    if self.bytes is not None:
+                        rec = _unwrap(rec, layouts)
+                    if rec.encoding in CODED:
+                        self._check_forms(rec)
+                except PayloadError as e:
+                    failed = _named(e, rec)
+                    break
+                window.append(rec)
+                entries += rec.nnz
+                if entries > RICE_MANY:
+                    break
+            pos += len(window)
+            pre = _rice_many(window) if rice else {}
+            for rec in window:
+                try:
+                    d = _decoded(rec, backend, pre.get(id(rec)))
+                except PayloadError as e:
+                    raise _named(e, rec) from None
+                yield d
+            if failed is not None:
+                raise failed
+
+
+RICE_WINDOW = 256  # records a Rice payload's decode looks ahead at once, at most
+RICE_MOST = 4096  # entries of a record whose Rice stream is decoded with others (more: alone)
+RICE_MANY = 1 << 16  # entries a window's streams decoded at once hold, at most
+
+
+def _named(e: PayloadError, rec: TensorRecord) -> PayloadError:
+    """``e`` with its message starting with where ``rec`` is, as every decode error does."""
+    msg = str(e)
+    return type(e)(msg if msg.startswith(where(rec)) else f"{where(rec)}: {msg}")
+
+
+def _rice_many(window: list[TensorRecord]) -> dict[int, np.ndarray]:
+    """The indices of the window's small Rice records read from bytes (at most RICE_MANY entries and MANY_BITS
+    stream bits), decoded at once (by id of record); none where any fails a check (each is then decoded alone,
+    which raises its error) or fewer than two are."""
+    recs, entries, nbits = [], 0, 0
+    for r in window:
+        if r.encoding == "sparse" and r.codec.get("i") == "rice" and 0 < r.nnz <= RICE_MOST and host_resident(r):
+            entries, nbits = entries + r.nnz, nbits + r.codec["bits"]
+            if entries > RICE_MANY or nbits > MANY_BITS:
+                break
+            recs.append(r)
+    if len(recs) < 2:
+        return {}
+    streams = [np.asarray(_whole(r.buffers["indices"])) for r in recs]
+    codec = [r.codec for r in recs]
+    got = rice_decode_many(
+        streams, [c["bits"] for c in codec], [c["k"] for c in codec], [r.nnz for r in recs], [r.numel for r in recs]
+    )
+    return {} if got is None else {id(r): i for r, i in zip(recs, got)}
 
 
 @dataclass
@@ -311,7 +366,9 @@ def _quiet():
     return np.errstate(over="ignore", invalid="ignore")
 
 
-def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
+def _decoded(rec: TensorRecord, backend: Backend, indices: np.ndarray | None = None) -> Decoded:
+    """The record's :class:`Decoded`; ``indices``: its indices decoded already, on the host (a Rice record's, by
+    :func:`_rice_many`)."""
     vd = np.dtype(value_dtype(rec.dtype))
     head = (rec.name, rec.dtype, tuple(rec.shape), rec.nnz)
     # a record read from bytes (host buffers: NumPy's own arrays, not a subclass standing for a device's) for a
@@ -346,14 +403,18 @@ def _decoded(rec: TensorRecord, backend: Backend) -> Decoded:
         # a sparse record read from bytes: its entries decoded where they lie, on the host (the twins' bytes, with
         # no host wait and no launch a tensor), so a device decode joins them with the others' and copies them once
         cpu = backend.host
-        idx = iform.decode(rec, {r: _whole(rec.buffers[r]) for r in iroles}, rec.nnz, cpu)
-        idx = idx.astype(index_dtype(rec.numel), copy=False)
+        if indices is None:
+            indices = iform.decode(rec, {r: _whole(rec.buffers[r]) for r in iroles}, rec.nnz, cpu)
+        idx = indices.astype(index_dtype(rec.numel), copy=False)
         with _quiet():
             vals = cpu.as_values(vform.decode(rec, vform.slice(rec, host, 0, rec.nnz), rec.nnz, cpu), vd)
         return Decoded(*head, _slicer(vals, backend), _slicer(idx, backend), host=(idx, vals))
-    ibufs = {role: backend.asarray(_whole(rec.buffers[role])) for role in iroles}
-    idx = iform.decode(rec, ibufs, rec.nnz, backend).astype(index_dtype(rec.numel), copy=False)
-    del ibufs
+    if indices is not None:
+        idx = backend.asarray(indices).astype(index_dtype(rec.numel), copy=False)
+    else:
+        ibufs = {role: backend.asarray(_whole(rec.buffers[role])) for role in iroles}
+        idx = iform.decode(rec, ibufs, rec.nnz, backend).astype(index_dtype(rec.numel), copy=False)
+        del ibufs
     return Decoded(*head, values, _slicer(idx, backend), vform.step(rec))
 
 

@@ -142,3 +142,77 @@ def _unary_ones(stream: np.ndarray, a: int, b: int) -> np.ndarray:
     b0 = a >> 3
     u = np.unpackbits(stream[b0 : (b + 7) >> 3], bitorder="little")[a - 8 * b0 : b - 8 * b0]
     return np.flatnonzero(u.view(np.bool_))  # 0/1 bytes: as bool, NumPy's fast nonzero
+
+
+MANY_BITS = 1 << 24  # stream bits that rice_decode_many unpacks at once, at most (one byte a bit)
+
+
+def rice_decode_many(
+    streams: list[np.ndarray], bits: list[int], ks: list[int], nnzs: list[int], numels: list[int]
+) -> list[np.ndarray] | None:
+    """:func:`rice_decode` of each stream on NumPy, at once (streams of small tensors, MANY_BITS bits in all at
+    most): the same indices, in the same dtypes; or None where any stream fails any of its checks (each stream's
+    :func:`rice_decode` then says which and why), and where the streams hold more bits.
+
+    The streams are joined and unpacked once; every stream's low fields are read through 8-byte windows; the
+    ones of the bits left are the unary codes, which must fall, in order, ``nnz`` in each stream's unary section,
+    the last at its last bit.
+
+    >>> from gpu_codec.cpu_fallback.rice import rice_encode
+    >>> (s1, b1), (s2, b2) = rice_encode(np.array([3, 4, 90, 200]), 5), rice_encode(np.array([7]), 3)
+    >>> [x.tolist() for x in rice_decode_many([s1, s2], [b1, b2], [5, 3], [4, 1], [256, 20])]
+    [[3, 4, 90, 200], [7]]
+    >>> rice_decode_many([s1, s2], [b1, b2], [5, 3], [4, 1], [256, 7]) is None  # (7 is past 7 elements)
+    True
+    """
+    n = len(streams)
+    if not n:
+        return []
+    nbits, k = np.asarray(bits, np.int64), np.asarray(ks, np.int64)
+    nnz, numel = np.asarray(nnzs, np.int64), np.asarray(numels, np.int64)
+    sizes = np.fromiter((s.size for s in streams), np.int64, n)
+    if (k < 0).any() or (k > MAX_K).any() or (numel < nnz).any() or int(nbits.sum()) > MANY_BITS:
+        return None
+    if (nbits < nnz * (k + 1)).any() or (nbits > nnz * (k + 1) + ((numel - nnz) >> k)).any():
+        return None  # (rice_decode's bounds: max_bits)
+    if (sizes != -(-nbits // 8)).any() or any(s.dtype != np.uint8 or s.ndim != 1 for s in streams):
+        return None
+    total = int(nnz.sum())
+    joined = np.concatenate(streams) if int(sizes.sum()) else np.zeros(0, np.uint8)
+    start = 8 * (np.cumsum(sizes) - sizes)  # each stream's first bit
+    tail = nbits % 8
+    cut = np.flatnonzero(tail)
+    if cut.size and (joined[(start[cut] + nbits[cut]) // 8] >> tail[cut].astype(np.uint8)).any():
+        return None  # non-zero bits after a stream's end
+    u = np.unpackbits(joined, bitorder="little").view(np.bool_)
+    tensor = np.repeat(np.arange(n), nnz)  # each entry's stream
+    heads = np.cumsum(nnz) - nnz  # each stream's first entry
+    local = np.arange(total, dtype=np.int64) - heads[tensor]  # the entry within its stream
+    ke = k[tensor]
+    field = start[tensor] + local * ke  # each low field's first bit
+    low = np.zeros(total, np.int64)
+    if int((nnz * k).sum()):
+        u[np.repeat(field - (np.cumsum(ke) - ke), ke) + np.arange(int(ke.sum()))] = False  # (unary ones stay)
+        win = _windows(joined)
+        v = win[(field >> 3).astype(np.intp)] >> (field & 7).astype(np.uint64)
+        low = (v & ((np.uint64(1) << ke.astype(np.uint64)) - np.uint64(1))).astype(np.int64)
+    ones = np.flatnonzero(u)
+    ustart = start + nnz * k  # each stream's unary section, to start + bits
+    if ones.size != total or (total and not ((ones >= ustart[tensor]) & (ones < (start + nbits)[tensor])).all()):
+        return None  # (each in its stream's section, as many as its entries: no stream has more or fewer)
+    some = np.flatnonzero(nnz)
+    if (ones[heads[some] + nnz[some] - 1] != start[some] + nbits[some] - 1).any():
+        return None  # a stream's last code does not end at its last bit
+    p = ones - ustart[tensor]  # each one's place in its unary section
+    q = p.copy()
+    q[1:] -= p[:-1] + 1
+    q[heads[some]] = p[heads[some]]  # (a stream's first code: from the section's start)
+    step = (q << ke) + low + 1  # each index less the one before it (from -1)
+    csum = np.cumsum(step)
+    idx = csum - np.concatenate(([0], csum))[heads[tensor]] - 1
+    if total and (idx[heads[some] + nnz[some] - 1] >= numel[some]).any():
+        return None  # an index past its tensor
+    out = []
+    for a, m, size in zip(heads.tolist(), nnz.tolist(), numel.tolist()):
+        out.append(idx[a : a + m].astype(index_dtype(size)) if m else np.zeros(0, np.int64))
+    return out
