@@ -172,7 +172,28 @@ def traffic() -> str:
     return "\n".join(lines)
 
 
+def pipelines() -> str:
+    """``benchmarks/results/pipelines_cpu.json`` (``benchmarks/bench_pipelines.py``): ms per call of this
+    checkout, and in brackets its time over the older revision's, measured in the same run."""
+    doc = _load("pipelines_cpu.json")
+    ops = ("compress", "compress_to_bytes", "from_bytes", "decompress", "add")
+    rows = {(r["case"], r["package"]): r for r in doc["rows"]}
+    lines = [
+        "| update | pipeline | compress | compress + to_bytes | from_bytes | decompress | add |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in doc["rows"]:
+        if r["package"] != "checkout":
+            continue
+        old = rows.get((r["case"], doc.get("against")))
+        case, pipe = r["case"].split(" ", 1)
+        cells = [f"{r[f'{op}_ms']:.1f}" + (f" ({r[f'{op}_ms'] / old[f'{op}_ms']:.2f}×)" if old else "") for op in ops]
+        lines.append(f"| {case} | {pipe} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 REGIONS: dict[str, Callable[[], str]] = {
+    "pipelines": pipelines,
     "topk": topk,
     "traffic": traffic,
     "nvflare": nvflare,
