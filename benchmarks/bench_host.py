@@ -14,6 +14,12 @@ host's and noisy.
     python benchmarks/bench_host.py                   # writes benchmarks/results/host_recording.{json,md}
     python benchmarks/bench_host.py --tensors 1 10 --entries resnet-50 --full --pipelines --out /tmp/h.json
     python benchmarks/bench_host.py --check --from-json benchmarks/results/host_recording.json
+    python benchmarks/bench_host.py --against 957d411  # and AGAINST_CASES timed against that revision
+
+With ``--against REV``, the cases of AGAINST_CASES are also timed in child processes of this checkout and of the
+package at git revision REV, alternating ``--rounds`` times (each the median of ``--repeat`` replays; the median
+over the rounds kept), so that both see the same machine load: the host times of a single run drift with the
+machine's load between runs, their ratio in one run far less.
 """
 
 from __future__ import annotations
@@ -22,7 +28,10 @@ import argparse
 import json
 import os
 import pathlib
+import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -88,6 +97,61 @@ def run(
     }
 
 
+AGAINST_CASES = ("split-1000", "resnet-50", "resnet-50 fp16+rice+zstd")
+
+# Run in a child whose sys.path starts with the package to time; argv: root, elements, repeat, seed.
+CHILD = r"""
+import json, pathlib, sys
+root, elements, repeat, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+sys.path.append(root)
+import gpu_codec
+from benchmarks.bench_host import AGAINST_CASES, OPS, PIPELINES
+from benchmarks.bench_zoo import host_columns, scale_for
+from benchmarks.zoo import ZOO, split_update
+
+out = {"package": str(pathlib.Path(gpu_codec.__file__).parent)}
+for case in AGAINST_CASES:
+    name, _, pipe = case.partition(" ")
+    if name.startswith("split-"):
+        update = split_update(elements, int(name[6:]), seed)
+    else:
+        update = ZOO[name].build(scale_for(ZOO[name], elements), seed)
+    fraction, stages = PIPELINES[pipe] if pipe else (0.01, list)
+    cols = host_columns(update, fraction=fraction, repeat=repeat, pipeline=stages())
+    out[case] = {op: cols[op]["host_ms"] for op in OPS}
+print(json.dumps(out))
+"""
+
+
+def against(rev: str, elements: int, repeat: int, rounds: int, seed: int = 0) -> dict[str, Any]:
+    """AGAINST_CASES' host ms, this checkout's and revision ``rev``'s, in alternating child processes."""
+    from benchmarks.bench_wire import package_at
+
+    seen: dict[str, dict[str, list]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"checkout": ROOT, rev: package_at(rev, pathlib.Path(tmp) / "at")}
+        for _ in range(rounds):
+            for label, src in trees.items():
+                code = f"import sys; sys.path.insert(0, {str(src)!r})\n" + CHILD
+                env = {**os.environ, "PYTHONPATH": str(src)}
+                args = [sys.executable, "-c", code, str(ROOT), str(elements), str(repeat), str(seed)]
+                got = subprocess.run(args, cwd=src, env=env, capture_output=True, text=True, check=False)
+                if got.returncode:
+                    raise RuntimeError(f"the timing process for {label} failed:\n{got.stderr[-4000:]}")
+                row = json.loads(got.stdout.splitlines()[-1])
+                if label != "checkout" and not row["package"].startswith(tmp):
+                    raise RuntimeError(f"the timing process for {label} imported {row['package']}")
+                for case in AGAINST_CASES:
+                    for op in OPS:
+                        seen.setdefault(f"{case}|{op}", {}).setdefault(label, []).append(row[case][op])
+    rows = []
+    for key, by in seen.items():
+        case, op = key.split("|")
+        mine, theirs = statistics.median(by["checkout"]), statistics.median(by[rev])
+        rows.append({"case": case, "op": op, "checkout_ms": mine, "against_ms": theirs, "ratio": mine / theirs})
+    return {"revision": rev, "rounds": rounds, "repeat": repeat, "rows": rows}
+
+
 def _line(row: dict[str, Any]) -> str:
     cells = [
         f"{op} {c['host_ms']:.2f} ms {c['launches']}L {c['array_ops']}A {c['syncs']}S" for op, c in row["ops"].items()
@@ -137,6 +201,21 @@ def markdown(doc: dict[str, Any]) -> str:
                 f"({c['array_ms']:.2f}) | {target} | {c['launches']} | {c['array_ops']} | {c['syncs']} | "
                 f"{SYNCS[op]} | {c['h2d']} |"
             )
+    ab = doc.get("against")
+    if ab:
+        lines += [
+            "",
+            f"Against {ab['revision']} in the same run: host ms, the median over {ab['rounds']} alternating rounds "
+            f"of child processes (each the median of {ab['repeat']} replays); ratio: this checkout's over "
+            f"{ab['revision']}'s (below 1: faster).",
+            "",
+            f"| update | op | this checkout | {ab['revision']} | ratio |",
+            "|---|---|---:|---:|---:|",
+        ]
+        for r in ab["rows"]:
+            lines.append(
+                f"| {r['case']} | {r['op']} | {r['checkout_ms']:.2f} | {r['against_ms']:.2f} | {r['ratio']:.2f} |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -159,12 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=pathlib.Path, help="JSON output (default benchmarks/results/host_recording.json)")
     ap.add_argument("--from-json", type=pathlib.Path, help="no run: read these results")
     ap.add_argument("--check", action="store_true", help="PASS/FAIL per target; exit 1 on a FAIL")
+    ap.add_argument("--against", metavar="REV", help="also time AGAINST_CASES against the package at this revision")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating rounds with --against")
     a = ap.parse_args(argv)
     if a.from_json:
         doc = json.loads(a.from_json.read_text())
     else:
         t0 = time.perf_counter()
         doc = run(a.tensors, a.elements, a.entries, a.repeat, a.full, a.pipelines)
+        if a.against:
+            doc["against"] = against(a.against, a.elements, a.repeat, a.rounds)
         doc["command"] = " ".join(["python benchmarks/bench_host.py", *(sys.argv[1:] if argv is None else argv)])
         print(f"({time.perf_counter() - t0:.1f} s)")
         out = a.out or RESULTS / "host_recording.json"
