@@ -29,7 +29,6 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -125,20 +124,14 @@ print(json.dumps(out))
 
 def against(rev: str, elements: int, repeat: int, rounds: int, seed: int = 0) -> dict[str, Any]:
     """AGAINST_CASES' host ms, this checkout's and revision ``rev``'s, in alternating child processes."""
-    from benchmarks.bench_wire import package_at
+    from benchmarks.bench_wire import package_at, timed_child
 
     seen: dict[str, dict[str, list]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         trees = {"checkout": ROOT, rev: package_at(rev, pathlib.Path(tmp) / "at")}
         for _ in range(rounds):
             for label, src in trees.items():
-                code = f"import sys; sys.path.insert(0, {str(src)!r})\n" + CHILD
-                env = {**os.environ, "PYTHONPATH": str(src)}
-                args = [sys.executable, "-c", code, str(ROOT), str(elements), str(repeat), str(seed)]
-                got = subprocess.run(args, cwd=src, env=env, capture_output=True, text=True, check=False)
-                if got.returncode:
-                    raise RuntimeError(f"the timing process for {label} failed:\n{got.stderr[-4000:]}")
-                row = json.loads(got.stdout.splitlines()[-1])
+                row = timed_child(src, CHILD, ROOT, elements, repeat, seed)
                 if label != "checkout" and not row["package"].startswith(tmp):
                     raise RuntimeError(f"the timing process for {label} imported {row['package']}")
                 for case in AGAINST_CASES:

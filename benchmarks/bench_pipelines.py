@@ -20,7 +20,6 @@ import json
 import os
 import pathlib
 import statistics
-import subprocess
 import sys
 import tempfile
 from typing import Any
@@ -28,7 +27,7 @@ from typing import Any
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_topk import cpu_info
-from benchmarks.bench_wire import package_at
+from benchmarks.bench_wire import package_at, timed_child
 from benchmarks.bench_zoo import commit_label
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -112,13 +111,7 @@ def payloads(elements: int) -> dict[str, bytes]:
 
 
 def child(src: pathlib.Path, elements: int, samples: int, folder: pathlib.Path) -> dict[str, Any]:
-    code = f"import sys; sys.path.insert(0, {str(src)!r})\n" + CHILD
-    env = {**os.environ, "PYTHONPATH": str(src)}
-    args = [sys.executable, "-c", code, str(ROOT), str(elements), str(samples), str(folder)]
-    out = subprocess.run(args, cwd=src, env=env, capture_output=True, text=True, check=False)
-    if out.returncode:
-        raise RuntimeError(f"the timing process for {src} failed:\n{out.stderr[-4000:]}")
-    return json.loads(out.stdout.splitlines()[-1])
+    return timed_child(src, CHILD, ROOT, elements, samples, folder)
 
 
 def run(elements: int, samples: int, rounds: int, against: str | None) -> dict[str, Any]:

@@ -127,14 +127,20 @@ def package_at(rev: str, into: pathlib.Path) -> pathlib.Path:
     return into
 
 
-def child(src: pathlib.Path, folder: pathlib.Path, samples: int) -> dict[str, Any]:
-    code = f"import sys; sys.path.insert(0, {str(src)!r})\n" + CHILD
+def timed_child(src: pathlib.Path, code: str, *args: Any) -> dict[str, Any]:
+    """The JSON that ``code`` prints last, run in a child process whose imports find the package under ``src``
+    first (argv: ``args``); the benchmarks that time a checkout against an older revision run each in one."""
+    code = f"import sys; sys.path.insert(0, {str(src)!r})\n" + code
     env = {**os.environ, "PYTHONPATH": str(src)}
-    args = [sys.executable, "-c", code, str(folder), str(samples)]
-    out = subprocess.run(args, cwd=src, env=env, capture_output=True, text=True, check=False)
+    argv = [sys.executable, "-c", code, *map(str, args)]
+    out = subprocess.run(argv, cwd=src, env=env, capture_output=True, text=True, check=False)
     if out.returncode:
         raise RuntimeError(f"the timing process for {src} failed:\n{out.stderr[-4000:]}")
     return json.loads(out.stdout.splitlines()[-1])
+
+
+def child(src: pathlib.Path, folder: pathlib.Path, samples: int) -> dict[str, Any]:
+    return timed_child(src, CHILD, folder, samples)
 
 
 def run(elements: int, samples: int, rounds: int, against: str | None) -> dict[str, Any]:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from gpu_codec.cpu_fallback import rice as R
 
 import gpu_codec
 from gpu_codec import Quantize, RiceIndices, Zstd
 from gpu_codec.codecs import pipeline as P
-from gpu_codec.cpu_fallback import rice as R
 from gpu_codec.errors import PayloadError
 from gpu_codec.payload import Payload
 from gpu_codec.xp import rice as X
@@ -131,8 +131,8 @@ def test_a_payloads_rice_records_decode_as_they_do_one_by_one(backend, zstd, mon
             yield _outcome(lambda: (agg.add(blob), agg.result())[1])
             for how in ("bits", "flip"):
                 for j in (0, 17, 59):
-                    yield _outcome(lambda: gpu_codec.decompress(bad(j, how), base=base))
-                    yield _outcome(lambda: gpu_codec.Aggregator(base=base).add(bad(j, how)) or {})
+                    yield _outcome(lambda j=j, how=how: gpu_codec.decompress(bad(j, how), base=base))
+                    yield _outcome(lambda j=j, how=how: gpu_codec.Aggregator(base=base).add(bad(j, how)) or {})
 
     batched = list(runs())
     assert calls
