@@ -143,3 +143,13 @@ def test_a_payloads_rice_records_decode_as_they_do_one_by_one(backend, zstd, mon
     assert batched == alone
     assert [o[0] for o in batched[:3]] == ["ok"] * 3 and all(o[0] != "ok" for o in batched[3:9])
     assert all(f"tensor 't{j}'" in o[1] for j, o in zip((0, 0, 17, 17, 59, 59), batched[3:9]))
+
+
+def test_a_record_made_by_hand_with_a_bit_count_that_is_no_integer_is_refused_as_alone():
+    """A payload built by hand whose Rice record's bit count is not an integer: the error of the record decoded
+    alone (a PayloadError naming it), not a failure of the window's decode."""
+    new, base = _update(20)
+    p = gpu_codec.compress(new, base, fraction=0.05, pipeline=[Quantize("float16"), RiceIndices()])
+    p.tensors[3].codec["bits"] = "many"
+    with pytest.raises(PayloadError, match="tensor 't3'"):
+        gpu_codec.decompress(p, base=base)

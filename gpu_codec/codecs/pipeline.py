@@ -44,7 +44,7 @@ from .base import STAGES, Codec
 from .quantize import Quantize
 from .registry import get_codec, index_forms, value_forms, wire_layouts
 from .rice import RawIndices, RiceIndices
-from .wire import CODED, inner_record, raw_layout, where
+from .wire import CODED, inner_record, is_int, raw_layout, where
 from .zstd import encode_wrapped
 
 
@@ -293,8 +293,17 @@ def _rice_many(window: list[TensorRecord]) -> dict[int, np.ndarray]:
     which raises its error) or fewer than two are."""
     recs, entries, nbits = [], 0, 0
     for r in window:
-        if r.encoding == "sparse" and r.codec.get("i") == "rice" and 0 < r.nnz <= RICE_MOST and host_resident(r):
-            entries, nbits = entries + r.nnz, nbits + r.codec["bits"]
+        c = r.codec
+        if (
+            r.encoding == "sparse"
+            and c.get("i") == "rice"
+            and is_int(r.nnz)
+            and 0 < r.nnz <= RICE_MOST
+            and is_int(c.get("k"))
+            and is_int(c.get("bits"))
+            and host_resident(r)
+        ):  # (anything else, a record made by hand among them, is decoded alone, which checks it)
+            entries, nbits = entries + r.nnz, nbits + c["bits"]
             if entries > RICE_MANY or nbits > MANY_BITS:
                 break
             recs.append(r)
