@@ -66,7 +66,7 @@ class Recorder:
                 tb = traceback.extract_tb(e.__traceback__)[-1]
                 self.findings[key] = {
                     "count": 1,
-                    "example": str(path.relative_to(ROOT)),
+                    "example": str(path.relative_to(ROOT) if path.is_relative_to(ROOT) else path),
                     "raised_at": f"{Path(tb.filename).name}:{tb.lineno}",
                     "message": msg,
                 }

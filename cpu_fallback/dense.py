@@ -32,10 +32,12 @@ def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs,
             err[0] = min(int(err[0]), a + int(np.flatnonzero(~ok)[0]))
         out, base = out_ptrs[t], base_ptrs[t]
         add = int(mode) == SCATTER_ADD
-        if dt == DT_F64:
-            new = base + v if add else v
-        else:
-            new = store_from_f32(load_f32(base, dt) + v if add else v, dt)
+        with np.errstate(invalid="ignore", over="ignore"):  # (a payload's NaN, even signalling, is refused above;
+            # a sum past the dtype's range is the device's IEEE overflow, which the caller checks)
+            if dt == DT_F64:
+                new = base + v if add else v
+            else:
+                new = store_from_f32(load_f32(base, dt) + v if add else v, dt)
         out[ok] = new[ok]
 
 

@@ -123,3 +123,28 @@ def test_dense_delta_matches_twin_and_spares_the_residual_on_bad_input(schedule)
                 assert want[2] == [r.tobytes() for r in case[3]]  # residual untouched
             else:
                 assert want[0] is None and all(not np.frombuffer(r, np.uint8).any() for r in want[2])
+
+
+@pytest.mark.parametrize("dt", [DT_F32, DT_F16, DT_F64])
+def test_a_signalling_nan_value_is_refused_without_a_warning(dt):
+    """A payload's value that is a signalling NaN (its bits as the payload holds them) raises the invalid-operation
+    flag where it is added to the base: the twin reports the entry as non-finite and writes nothing there, with no
+    floating-point warning (the suite runs with warnings as errors)."""
+    vdt = np.float64 if dt == DT_F64 else np.float32
+    bits = np.uint64(0x7FF0000000000001) if dt == DT_F64 else np.uint32(0x7F800001)
+    v = np.ones(5, vdt)
+    v[3:4].view(bits.dtype)[0] = bits
+    base = np.ones(5, STORAGE[dt])
+    bad, outs = _run(CpuBackend(), [dt], [5], [base], [v], 1)
+    assert bad == 3
+    assert np.frombuffer(outs[0], STORAGE[dt])[[0, 4]].tolist() == [2.0, 2.0]
+
+
+def test_a_dense_payload_holding_a_signalling_nan_is_a_payload_error():
+    base = {"w": np.ones(6, np.float32)}
+    p = gpu_codec.compress({"w": np.full(6, 2.0, np.float32)}, base, fraction=None)
+    vals = np.array(p.tensors[0].buffers["values"], np.float32)
+    vals[2:3].view(np.uint32)[0] = 0x7F800001
+    p.tensors[0].buffers["values"] = vals
+    with pytest.raises(gpu_codec.PayloadError, match="tensor 'w'"):
+        gpu_codec.decompress(p.to_bytes(), base=base)
