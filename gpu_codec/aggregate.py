@@ -471,8 +471,8 @@ class Aggregator:
         if host[0]:
             return None
         bits = np.where(where >= 0, host[np.maximum(where, 0)], 0).astype(np.uint64)
-        m = np.where(wide, bits.view(np.float64), bits.astype(np.uint32).view(np.float32).astype(np.float64))
-        with np.errstate(over="ignore", invalid="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):  # (a signalling NaN's widening raises the flag)
+            m = np.where(wide, bits.view(np.float64), bits.astype(np.uint32).view(np.float32).astype(np.float64))
             cmax = w * m
             if not (np.isfinite(m).all() and (cmax < _C_MAX).all()):
                 return None

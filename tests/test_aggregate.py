@@ -348,3 +348,25 @@ def test_the_base_is_wrapped_once_for_every_add_and_the_result(backend, monkeypa
         got = agg.result()
         assert wrapped == list(base)
     assert all(np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes() for k in base)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fraction", [0.05, None], ids=["sparse", "dense"])
+def test_a_signalling_nan_value_is_refused_without_a_warning(backend, fraction):
+    """A payload value that is a signalling NaN raises the invalid-operation flag where it is widened: the
+    aggregator, with or without a base, refuses the payload with a PayloadError and stays as it was (the suite
+    runs with warnings as errors, so a floating-point warning on the way would fail here)."""
+    rng = np.random.default_rng(2)
+    base = {"w": np.ones(4000, np.float32), "h": np.ones(300, np.float16)}
+    new = {k: (v + rng.standard_normal(v.shape)).astype(v.dtype) for k, v in base.items()}
+    with use_backend(backend):
+        p = gpu_codec.compress(new, base, fraction=fraction)
+        rec = p.tensors[0]
+        vals = np.array(np.asarray(rec.buffers["values"]), np.float32)
+        vals[1:2].view(np.uint32)[0] = 0x7F800001
+        rec.buffers = {**rec.buffers, "values": vals}
+        blob = p.to_bytes()
+        for agg in (gpu_codec.Aggregator(), gpu_codec.Aggregator(base=base)):
+            with pytest.raises(gpu_codec.PayloadError, match="tensor 'w'"):
+                agg.add(blob)
+            assert agg.count == 0
