@@ -124,19 +124,14 @@ print(json.dumps(out))
 
 def against(rev: str, elements: int, repeat: int, rounds: int, seed: int = 0) -> dict[str, Any]:
     """AGAINST_CASES' host ms, this checkout's and revision ``rev``'s, in alternating child processes."""
-    from benchmarks.bench_wire import package_at, timed_child
+    from benchmarks.bench_wire import alternating
 
     seen: dict[str, dict[str, list]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        trees = {"checkout": ROOT, rev: package_at(rev, pathlib.Path(tmp) / "at")}
-        for _ in range(rounds):
-            for label, src in trees.items():
-                row = timed_child(src, CHILD, ROOT, elements, repeat, seed)
-                if label != "checkout" and not row["package"].startswith(tmp):
-                    raise RuntimeError(f"the timing process for {label} imported {row['package']}")
-                for case in AGAINST_CASES:
-                    for op in OPS:
-                        seen.setdefault(f"{case}|{op}", {}).setdefault(label, []).append(row[case][op])
+        for label, row in alternating(tmp, rev, rounds, CHILD, ROOT, elements, repeat, seed):
+            for case in AGAINST_CASES:
+                for op in OPS:
+                    seen.setdefault(f"{case}|{op}", {}).setdefault(label, []).append(row[case][op])
     rows = []
     for key, by in seen.items():
         case, op = key.split("|")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import pathlib
 import statistics
 import sys
@@ -26,9 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from benchmarks.bench_topk import cpu_info
-from benchmarks.bench_wire import package_at, timed_child
-from benchmarks.bench_zoo import commit_label
+from benchmarks.bench_wire import alternating, result_doc
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -110,31 +107,20 @@ def payloads(elements: int) -> dict[str, bytes]:
     return out
 
 
-def child(src: pathlib.Path, elements: int, samples: int, folder: pathlib.Path) -> dict[str, Any]:
-    return timed_child(src, CHILD, ROOT, elements, samples, folder)
-
-
 def run(elements: int, samples: int, rounds: int, against: str | None) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         folder = pathlib.Path(tmp) / "payloads"
         folder.mkdir()
         for name, blob in payloads(elements).items():
             (folder / f"{name}.bin").write_bytes(blob)
-        trees = {"checkout": ROOT}
-        if against:
-            trees[against] = package_at(against, pathlib.Path(tmp) / "at")
         seen: dict[str, dict[str, list[dict[str, Any]]]] = {}
-        for _ in range(rounds):
-            for label, src in trees.items():
-                got = child(src, elements, samples, folder)
-                if label != "checkout" and not got["package"].startswith(tmp):
-                    raise RuntimeError(f"the timing process for {label} imported {got['package']}")
-                for case, row in got.items():
-                    if case != "package":
-                        seen.setdefault(label, {}).setdefault(case, []).append(row)
+        for label, got in alternating(tmp, against, rounds, CHILD, ROOT, elements, samples, folder):
+            for case, row in got.items():
+                if case != "package":
+                    seen.setdefault(label, {}).setdefault(case, []).append(row)
     rows = []
     for case in seen["checkout"]:
-        for label in trees:
+        for label in seen:
             runs = seen[label][case]
             rows.append(
                 {
@@ -146,16 +132,7 @@ def run(elements: int, samples: int, rounds: int, against: str | None) -> dict[s
                     **{f"{op}_ms": 1e3 * statistics.median(r[op] for r in runs) for op in OPS},
                 }
             )
-    return {
-        "benchmark": "pipelines",
-        "commit": commit_label(),
-        "against": against,
-        "machine": {**cpu_info(), "cpu_count": os.cpu_count(), "load_average": os.getloadavg()},
-        "elements": elements,
-        "samples": samples,
-        "rounds": rounds,
-        "rows": rows,
-    }
+    return result_doc("pipelines", against, elements=elements, samples=samples, rounds=rounds, rows=rows)
 
 
 def markdown(doc: dict[str, Any]) -> str:

@@ -29,6 +29,7 @@ import sys
 import tarfile
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
@@ -139,8 +140,19 @@ def timed_child(src: pathlib.Path, code: str, *args: Any) -> dict[str, Any]:
     return json.loads(out.stdout.splitlines()[-1])
 
 
-def child(src: pathlib.Path, folder: pathlib.Path, samples: int) -> dict[str, Any]:
-    return timed_child(src, CHILD, folder, samples)
+def alternating(tmp: str, against: str | None, rounds: int, *args: Any) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(label, result) of :func:`timed_child` ``(src, *args)`` for this checkout ("checkout") and, where ``against``
+    names a revision, for the package at it (laid out under ``tmp``), taking turns ``rounds`` times; a revision's
+    process must have imported its own package (its result's ``package``)."""
+    trees = {"checkout": ROOT}
+    if against:
+        trees[against] = package_at(against, pathlib.Path(tmp) / "at")
+    for _ in range(rounds):
+        for label, src in trees.items():
+            got = timed_child(src, *args)
+            if label != "checkout" and not got["package"].startswith(tmp):
+                raise RuntimeError(f"the timing process for {label} imported {got['package']}")
+            yield label, got
 
 
 def run(elements: int, samples: int, rounds: int, against: str | None) -> dict[str, Any]:
@@ -149,23 +161,16 @@ def run(elements: int, samples: int, rounds: int, against: str | None) -> dict[s
         folder.mkdir()
         for name, blob in payloads(elements).items():
             (folder / f"{name}.bin").write_bytes(blob)
-        trees = {"checkout": ROOT}
-        if against:
-            trees[against] = package_at(against, pathlib.Path(tmp) / "at")
         best: dict[str, dict[str, Any]] = {}
-        for _ in range(rounds):
-            for label, src in trees.items():
-                got = child(src, folder, samples)
-                if label != "checkout" and not got["package"].startswith(tmp):
-                    raise RuntimeError(f"the timing process for {label} imported {got['package']}")
-                for case, row in got.items():
-                    if case == "package":
-                        continue
-                    old = best.setdefault(label, {}).get(case)
-                    best[label][case] = row if old is None else {**row, **{op: min(row[op], old[op]) for op in OPS}}
+        for label, got in alternating(tmp, against, rounds, CHILD, folder, samples):
+            for case, row in got.items():
+                if case == "package":
+                    continue
+                old = best.setdefault(label, {}).get(case)
+                best[label][case] = row if old is None else {**row, **{op: min(row[op], old[op]) for op in OPS}}
     rows = []
     for case in sorted(best["checkout"]):
-        for label in trees:
+        for label in best:
             r = best[label][case]
             rows.append(
                 {
@@ -178,16 +183,14 @@ def run(elements: int, samples: int, rounds: int, against: str | None) -> dict[s
                     **{f"{op}_ms": r[op] * 1e3 for op in OPS},
                 }
             )
-    return {
-        "benchmark": "wire",
-        "commit": commit_label(),
-        "against": against,
-        "machine": {**cpu_info(), "cpu_count": os.cpu_count(), "load_average": os.getloadavg()},
-        "elements": elements,
-        "samples": samples,
-        "rounds": rounds,
-        "rows": rows,
-    }
+    return result_doc("wire", against, elements=elements, samples=samples, rounds=rounds, rows=rows)
+
+
+def result_doc(benchmark: str, against: str | None, **fields: Any) -> dict[str, Any]:
+    """The head the results of a benchmark that times a checkout against a revision share (its name, the commit,
+    the revision, the machine), then ``fields``."""
+    machine = {**cpu_info(), "cpu_count": os.cpu_count(), "load_average": os.getloadavg()}
+    return {"benchmark": benchmark, "commit": commit_label(), "against": against, "machine": machine, **fields}
 
 
 def markdown(doc: dict[str, Any]) -> str:

@@ -20,6 +20,8 @@ from typing import Any
 
 import numpy as np
 
+from gpu_codec.constants import TOGETHER_MOST
+
 from .elementwise import bf16_bits_to_f32, f32_to_bf16_bits, f64_to_f32
 
 FP16_MAX = np.float32(65504.0)
@@ -190,7 +192,7 @@ def encode_cast16(v: np.ndarray, dtype: str, idx: np.ndarray | None, res: np.nda
     return bits
 
 
-MANY_MOST = 4096  # values of a tensor that encode_cast16_many casts with others (more: encode_cast16, alone)
+MANY_MOST = TOGETHER_MOST  # values of a tensor that encode_cast16_many casts with others (more: alone)
 
 
 def encode_cast16_many(values: list, dtype: str, indices: list, res: list) -> list[np.ndarray]:
@@ -204,31 +206,25 @@ def encode_cast16_many(values: list, dtype: str, indices: list, res: list) -> li
     """
     enc = cast_f16 if dtype == "float16" else cast_bf16
     out: list = [None] * len(values)
-    groups: dict = {}  # value dtype -> (positions, values held)
-
-    def flush(key: Any) -> None:
-        pos, _ = groups.pop(key)
+    groups: dict = {}  # value dtype -> the positions of its small tensors, in order
+    for t, v in enumerate(map(np.asarray, values)):
+        if res[t] is None and v.size <= MANY_MOST and v.ndim == 1:
+            groups.setdefault(v.dtype, []).append(t)
+        else:
+            out[t] = encode_cast16(v, dtype, indices[t], res[t])
+    for pos in groups.values():
         parts = [np.asarray(values[t]) for t in pos]
         sizes = np.fromiter(map(len, parts), np.int64, len(parts))
-        with np.errstate(over="ignore"):
-            bits = enc(np.concatenate(parts)) if parts else np.zeros(0, np.uint16)
-        for t, b in zip(pos, np.split(bits, np.cumsum(sizes)[:-1])):
-            out[t] = b
-
-    for t, v in enumerate(values):
-        v = np.asarray(v)
-        if res[t] is not None or v.size > MANY_MOST or v.ndim != 1:
-            out[t] = encode_cast16(v, dtype, indices[t], res[t])
-            continue
-        pos, held = groups.get(v.dtype, ([], 0))
-        if held + v.size > CODEC_CHUNK:
-            groups[v.dtype] = (pos, held)
-            flush(v.dtype)
-            pos, held = [], 0
-        pos.append(t)
-        groups[v.dtype] = (pos, held + v.size)
-    for key in list(groups):
-        flush(key)
+        ends = np.cumsum(sizes)
+        first = 0
+        while first < len(pos):  # (a batch of at most CODEC_CHUNK values, or one tensor)
+            before = int(ends[first - 1]) if first else 0
+            end = max(first + 1, int(np.searchsorted(ends, before + CODEC_CHUNK, side="right")))
+            with np.errstate(over="ignore"):
+                bits = enc(np.concatenate(parts[first:end]))
+            for t, b in zip(pos[first:end], np.split(bits, ends[first : end - 1] - before)):
+                out[t] = b
+            first = end
     return out
 
 

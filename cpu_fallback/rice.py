@@ -25,8 +25,9 @@ import math
 
 import numpy as np
 
-# The parameter rule and the length bound are the wire format's (docs/FORMAT.md); re-exported for the twins' users.
-from gpu_codec.constants import MAX_K, max_bits, rice_param  # noqa: F401 (the rule, one home for all)
+# The parameter rule and the length bound are the wire format's (docs/FORMAT.md); re-exported for the twins' users
+# (the rule, one home for all); and the bounds of small tensors coded together.
+from gpu_codec.constants import MAX_K, TOGETHER_BATCH, TOGETHER_MOST, max_bits, rice_param  # noqa: F401
 
 
 def gaps(idx: np.ndarray) -> np.ndarray:
@@ -157,8 +158,7 @@ def rice_encode(idx: np.ndarray, k: int) -> tuple[np.ndarray, int]:
     return stream[: -(-bits // 8)].copy(), bits
 
 
-MANY_MOST = 4096  # entries of a tensor that rice_encode_many codes with others (more: rice_encode, alone)
-MANY_BATCH = 1 << 16  # entries a batch of rice_encode_many holds at most (temporaries of a few MB)
+MANY_MOST, MANY_BATCH = TOGETHER_MOST, TOGETHER_BATCH  # (a tensor coded with others, at most; a batch, at most)
 
 
 def rice_encode_many(indices: list, ks: list[int]) -> tuple[list[np.ndarray], list[int]]:

@@ -96,6 +96,10 @@ class ScatterMode(IntEnum):
 
 # Rice coding of index gaps: the parameter rule a writer must follow and a reader checks.
 MAX_K = 40  # gaps are < 2^40 (the format's element limit)
+# Small tensors coded together on the host (the NumPy Rice and fp16/bf16 coders, a Rice decode of records read from
+# bytes): a tensor of at most TOGETHER_MOST entries joins others, in batches of at most TOGETHER_BATCH entries.
+TOGETHER_MOST = 4096
+TOGETHER_BATCH = 1 << 16
 _LN2 = math.log(2.0)
 
 

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..backends.base import Backend, gathered, later
+from ..constants import TOGETHER_BATCH, TOGETHER_MOST
 from ..dtypes import index_dtype, value_dtype
 from ..errors import (
     CodecConfigError,
@@ -277,8 +278,7 @@ class Pipeline:
 
 
 RICE_WINDOW = 256  # records a Rice payload's decode looks ahead at once, at most
-RICE_MOST = 4096  # entries of a record whose Rice stream is decoded with others (more: alone)
-RICE_MANY = 1 << 16  # entries a window's streams decoded at once hold, at most
+RICE_MOST, RICE_MANY = TOGETHER_MOST, TOGETHER_BATCH  # (a record decoded with others, at most; a window, at most)
 
 
 def _named(e: PayloadError, rec: TensorRecord) -> PayloadError:

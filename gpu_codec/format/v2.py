@@ -903,7 +903,7 @@ _ITEMSIZE = {dt: np.dtype(x).itemsize for dt, x in BUFFER_DTYPES.items()}
 def _data_size(layouts_of: list | _SharedCoo) -> int:
     """Bytes of the buffers of every record's layout."""
     if type(layouts_of) is _SharedCoo:
-        return 4 * layouts_of.words
+        return 8 * sum(layouts_of.nnz)  # (4-byte indices and values)
     size = _ITEMSIZE
     return sum([n * size[dt] for lay in layouts_of for _, dt, n in lay])
 
@@ -922,54 +922,51 @@ def _shared_views(records: list[TensorRecord], layouts_of: list, data: memoryvie
     firsts, seconds = [lay[0] for lay in layouts_of], [lay[1] for lay in layouts_of]
     if {f[:2] for f in firsts} != {_COO32[0]} or {x[:2] for x in seconds} != {_COO32[1]}:
         return False
-    nnz = np.array([f[2] for f in firsts], np.int64)
-    if not np.array_equal(nnz, [x[2] for x in seconds]):
+    nnz = [f[2] for f in firsts]
+    if nnz != [x[2] for x in seconds]:
         return False
-    ends = np.cumsum(2 * nnz)  # in 4-byte words: each record's indices, then its values
-    mid = ends - nnz
-    starts, mid, ends = (ends - 2 * nnz).tolist(), mid.tolist(), ends.tolist()
-    words = len(data) // 4
-    roles = {
-        "indices": Ranges(np.frombuffer(data, BUFFER_DTYPES["uint32"], words, 0), starts, mid),
-        "values": Ranges(np.frombuffer(data, BUFFER_DTYPES["float32"], words, 0), mid, ends),
-    }
+    roles: dict[str, Ranges] = {}
+    _coo32_ranges(roles, nnz, data)
     for rec, bufs in zip(records, map(SegmentBuffers, repeat(roles), range(len(records)))):
         rec.buffers = bufs  # (its buffer_dtypes left empty: each array's own dtype names it, as stored)
     return True
 
 
+def _coo32_ranges(roles: dict[str, Ranges], nnz: list[int], data: memoryview) -> None:
+    """``roles`` given the two :class:`~gpu_codec.format.common.Ranges` over ``data`` of plain ``coo`` records of
+    ``nnz`` entries each, back to back, each record's uint32 indices then its float32 values."""
+    n = np.asarray(nnz, np.int64)
+    ends = np.cumsum(2 * n)  # in 4-byte words
+    mid = ends - n
+    starts, mid, ends = (ends - 2 * n).tolist(), mid.tolist(), ends.tolist()
+    words = len(data) // 4
+    roles["indices"] = Ranges(np.frombuffer(data, BUFFER_DTYPES["uint32"], words, 0), starts, mid)
+    roles["values"] = Ranges(np.frombuffer(data, BUFFER_DTYPES["float32"], words, 0), mid, ends)
+
+
 class _SharedCoo(NamedTuple):
     """The layouts of a whole table read by :func:`_read_known` whose records are plain ``coo`` with uint32 indices
-    and float32 values, SHARED_VIEWS_MIN or more: its records' buffers are already ranges of the two arrays in
-    ``roles`` (:class:`~gpu_codec.format.common.Ranges` without a source yet), given their source by
-    :func:`_views`. ``words``: the 4-byte words of the data the table implies."""
+    and float32 values, SHARED_VIEWS_MIN or more: their nnz, and the ``roles`` their buffers already refer to,
+    given their ranges by :func:`_views` (:func:`_coo32_ranges`) once the data is known."""
 
     roles: dict[str, Ranges]
-    words: int
+    nnz: list[int]
 
 
 def _shared_coo(k: _Known, nnzs: list[int], records: list) -> _SharedCoo:
     """Records of known table ``k`` with ``nnzs`` entries, appended to ``records`` with their buffers as ranges (see
     :func:`_shared_views`), without a layout list a record."""
-    nnz = np.array(nnzs, np.int64)
-    ends = np.cumsum(2 * nnz)  # in 4-byte words: each record's indices, then its values
-    mid = ends - nnz
-    starts, mid_l, ends_l = (ends - 2 * nnz).tolist(), mid.tolist(), ends.tolist()
-    roles = {"indices": Ranges(None, starts, mid_l), "values": Ranges(None, mid_l, ends_l)}
+    roles: dict[str, Ranges] = {}
     n = len(nnzs)
     bufs = map(SegmentBuffers, repeat(roles), range(n))
     records.extend(map(TensorRecord, k.names, k.dtypes, k.shapes, repeat("coo"), nnzs, bufs, _dicts(n)))
-    return _SharedCoo(roles, ends_l[-1] if n else 0)
+    return _SharedCoo(roles, nnzs)
 
 
 def _views(records: list[TensorRecord], layouts_of: list | _SharedCoo, data: memoryview) -> None:
     """Each record's buffers, back to back in ``data`` (whose size the caller checked against the layouts)."""
-    if type(layouts_of) is _SharedCoo:  # (ranges made by the table's reader: their arrays, over the data)
-        words = len(data) // 4
-        roles = layouts_of.roles
-        for role, dt in _COO32:
-            r = roles[role]
-            roles[role] = Ranges(np.frombuffer(data, BUFFER_DTYPES[dt], words, 0), r.starts, r.stops)
+    if type(layouts_of) is _SharedCoo:  # (records made by the table's reader: their ranges, over the data)
+        _coo32_ranges(layouts_of.roles, layouts_of.nnz, data)
         return
     if _shared_views(records, layouts_of, data):
         return
