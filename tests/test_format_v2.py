@@ -4,6 +4,7 @@ no large allocation)."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import struct
 import zlib
@@ -252,6 +253,52 @@ def test_the_smallest_data_mode_is_chosen():
     assert unpack(p.to_bytes(), wire_layouts())[0]["data"] == "zstd"
     noisy = gpu_codec.compress(update(), fraction=0.05, pipeline=[Quantize("float16"), RiceIndices(), Zstd()])
     assert unpack(noisy.to_bytes(), wire_layouts())[0]["data"] == "plain"  # zstd would only add bytes
+
+
+def _without_kept_raw(p):
+    return gpu_codec.Payload(
+        [dataclasses.replace(r, raw=None) for r in p.tensors], p.pipeline, p.metadata, backend=p.backend
+    )
+
+
+@pytest.mark.parametrize("mode", [None, v2.DATA_RECORDS, v2.DATA_ZSTD, v2.DATA_PLAIN])
+def test_kept_raw_bytes_write_what_decompressing_the_frames_writes(mode, monkeypatch):
+    p = zstd_records(compressible=True)
+    assert all(r.raw is not None and r.raw[0] is r.buffers["compressed"] for r in p.tensors)
+    lay = wire_layouts()
+    want = v2.write(v2.plan(_without_kept_raw(p).tensors, p.pipeline, p.metadata, lay, data_mode=mode))
+
+    def refused(*a, **k):
+        raise AssertionError("a frame was decompressed")
+
+    with monkeypatch.context() as m:  # the kept bytes are read, not the frames
+        m.setattr(v2, "bounded_decompress", refused)
+        assert v2.write(v2.plan(p.tensors, p.pipeline, p.metadata, lay, data_mode=mode)) == want
+    # kept bytes of another buffer, or of the wrong size, are not read
+    other = [dataclasses.replace(r, buffers={"compressed": r.buffers["compressed"].copy()}) for r in p.tensors]
+    short = [dataclasses.replace(r, raw=(r.raw[0], r.raw[1][:-1])) for r in p.tensors]
+    lied = [dataclasses.replace(r, raw=(r.raw[0], bytes(len(r.raw[1])))) for r in p.tensors]
+    for recs in (other, short):
+        assert v2.write(v2.plan(recs, p.pipeline, p.metadata, lay, data_mode=mode)) == want
+    if mode in (v2.DATA_ZSTD, v2.DATA_PLAIN):  # (the test can fail: the kept bytes are what a shared frame holds)
+        assert v2.write(v2.plan(lied, p.pipeline, p.metadata, lay, data_mode=mode)) != want
+
+
+def test_a_large_payload_reads_no_frame_to_write(monkeypatch):
+    rng = np.random.default_rng(3)
+    u = {f"w{i}": rng.standard_normal(1 << 16).astype(np.float32) for i in range(5)}
+    p = gpu_codec.compress(u, fraction=None, pipeline=[Zstd()])  # (dense: 1.25 MiB of content)
+    assert sum(r.codec["raw"] for r in p.tensors) > v2.SHARED_FRAME_MAX
+    assert all(r.raw is None for r in p.tensors)  # (too large to be joined: the encoder kept nothing)
+    seen = []
+    real = v2.bounded_decompress
+    monkeypatch.setattr(v2, "bounded_decompress", lambda *a, **k: seen.append(1) or real(*a, **k))
+    blob = p.to_bytes()
+    assert not seen and unpack(blob, wire_layouts())[0]["data"] == "records"
+    forced = v2.write(v2.plan(p.tensors, p.pipeline, p.metadata, wire_layouts(), data_mode=v2.DATA_ZSTD))
+    assert len(seen) == len(p.tensors)  # (a shared frame, asked for: every record's content read)
+    got, want = gpu_codec.decompress(forced), gpu_codec.decompress(blob)
+    assert all(np.array_equal(got[k], want[k]) for k in want)
 
 
 def test_a_shared_frame_is_decompressed_only_when_decoded():

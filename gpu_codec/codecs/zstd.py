@@ -31,6 +31,7 @@ import zstandard
 
 from ..format import LayoutRule, TensorRecord
 from ..format.schema import Field
+from ..format.v2 import SHARED_FRAME_MAX
 from .base import BytesCodec, check_int
 from .wire import gather, host_raw
 
@@ -44,6 +45,7 @@ def encode_wrapped(
 ) -> list[TensorRecord]:
     """Wrap each record's buffers into one ``compressed`` buffer with ``codec`` (a bytes stage's encode); from
     ``host``, the host copies of each record's buffers by role, where the caller read them (``codec.on_host``)."""
+    kept = [None] * len(records)
     if host is None:
         flat, sizes = gather(records, backend, layouts)
         parts = codec.compress_parts(flat, sizes, backend)
@@ -51,14 +53,26 @@ def encode_wrapped(
         raws = [host_raw(rec, h, layouts) for rec, h in zip(records, host)]
         sizes = [len(r) for r in raws]
         parts = codec.compress_host(raws)
+        if sum(sizes) <= SHARED_FRAME_MAX:  # (the writer joins them into one shared frame: kept, not decompressed)
+            kept = raws
     out = []
-    for rec, n, z in zip(records, sizes, parts):
+    for rec, n, z, raw in zip(records, sizes, parts, kept):
         fields = {**codec.extra_fields(), "inner": rec.encoding, "raw": n, "zbytes": len(z)}
         if rec.codec:
             fields["ic"] = rec.codec
-        buf = {"compressed": np.frombuffer(z, np.uint8)}
+        comp = np.frombuffer(z, np.uint8)
         out.append(
-            TensorRecord(rec.name, rec.dtype, rec.shape, codec.encoding, rec.nnz, buf, fields, chunk=codec.chunk)
+            TensorRecord(
+                rec.name,
+                rec.dtype,
+                rec.shape,
+                codec.encoding,
+                rec.nnz,
+                {"compressed": comp},
+                fields,
+                chunk=codec.chunk,
+                raw=None if raw is None else (comp, raw),
+            )
         )
     return out
 

@@ -235,6 +235,9 @@ class TensorRecord:
     all tensors as one frame: the record's share of that frame, decompressed when the record is decoded.
     ``chunk`` is set on an ``nvcomp`` record whose ``compressed`` buffer is a sequence of zstd frames of ``chunk``
     raw bytes each, the last one shorter (wire format v3); None: one frame (versions 1 and 2).
+    ``raw`` is ``(compressed, content)``, set by a bytes stage that kept the bytes it compressed into the
+    ``compressed`` buffer (not written: the writer reads them instead of decompressing the buffer, which it does
+    where ``raw`` is None or names another array than the record's ``compressed`` buffer).
     """
 
     name: str
@@ -247,6 +250,7 @@ class TensorRecord:
     buffer_dtypes: dict[str, str] = field(default_factory=dict)
     frame: FrameSlice | None = None
     chunk: int | None = None
+    raw: tuple[Any, bytes] | None = field(default=None, compare=False, repr=False)
 
     @property
     def numel(self) -> int:

@@ -360,11 +360,16 @@ def zstd_level(pipeline: list) -> int:
 
 
 def _raw_of(rec: TensorRecord) -> bytes:
+    """A zstd record's content: its share of a shared frame, the bytes its encoder kept (``rec.raw``, for the same
+    ``compressed`` buffer), or its frame decompressed."""
     if rec.frame is not None:
         return rec.frame.read(f"tensor {rec.name!r}")
     comp = rec.buffers.get("compressed")
     if comp is None:
         raise Unrepresentable(f"tensor {rec.name!r}: a wrapped record without its frame")
+    kept = rec.raw
+    if kept is not None and kept[0] is comp and len(kept[1]) == rec.codec["raw"]:
+        return kept[1]
     return bounded_decompress(np.asarray(comp).tobytes(), rec.codec["raw"], f"tensor {rec.name!r}")
 
 
@@ -455,16 +460,19 @@ def _wrapped_data(records, level: int, cache: dict | None, force: int | None) ->
     refs = [r.frame if r.frame is not None else r.buffers.get("compressed") for r in records]
 
     def compute():
-        raws = [_raw_of(r) for r in records]
-        joint_raw = b"".join(raws)
+        # a shared frame is read whole by the receiver: offered for small payloads only, where the per-frame
+        # overhead matters and reading it whole costs little (a large one keeps the per-tensor, streamed frames,
+        # and its records' contents are not read: plan checked each one's raw size)
+        small = sum(r.codec["raw"] for r in records) <= SHARED_FRAME_MAX
+        raws = [_raw_of(r) if small or r.frame is not None else None for r in records]
         frames = [
             zstd_frame(raw, level) if r.frame is not None else np.asarray(r.buffers["compressed"]).tobytes()
             for r, raw in zip(records, raws)
         ]
-        # a shared frame is read whole by the receiver: offered for small payloads only, where the per-frame
-        # overhead matters and reading it whole costs little (a large one keeps the per-tensor, streamed frames)
-        joint = zstd_frame(joint_raw, level) if len(joint_raw) <= SHARED_FRAME_MAX else None
-        return joint_raw, joint, frames
+        if not small:
+            return None, None, frames
+        joint_raw = b"".join(raws)
+        return joint_raw, zstd_frame(joint_raw, level), frames
 
     joint_raw, joint, frames = _cached(cache, "wrapped", (ident, level), compute, refs)
     per = sum(len(f) + len(uvarint(len(f))) for f in frames)
@@ -472,6 +480,8 @@ def _wrapped_data(records, level: int, cache: dict | None, force: int | None) ->
     if joint is not None:
         options += [(len(joint_raw), DATA_PLAIN), (len(joint), DATA_ZSTD)]
     _, mode = min(options) if force is None else (0, force)
+    if mode != DATA_RECORDS and joint_raw is None:  # (forced on a large payload)
+        joint_raw = b"".join(map(_raw_of, records))
     if mode == DATA_PLAIN:
         return mode, [joint_raw], [None] * len(records)
     if mode == DATA_ZSTD:
