@@ -14,6 +14,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import math
 from enum import IntEnum
 
@@ -103,6 +104,7 @@ TOGETHER_BATCH = 1 << 16
 _LN2 = math.log(2.0)
 
 
+@functools.lru_cache(maxsize=1 << 12)  # (a table's checks ask for each tensor's several times)
 def rice_param(nnz: int, numel: int) -> int:
     """The Rice parameter for ``nnz`` kept indices among ``numel``: the largest k with 2^k <= ln2 x mean gap.
 
@@ -184,4 +186,19 @@ def index_dtype(numel: int) -> np.dtype:
     return np.dtype("<u4") if numel <= (1 << 32) else np.dtype("<u8")
 
 
-__all__ = [name for name in globals() if name.isupper()] + ["compile_options", "define_flags", "defines", "index_dtype"]
+def index_itemsizes(numels: np.ndarray) -> np.ndarray:
+    """:func:`index_dtype`'s itemsize for each of an array of element counts.
+
+    >>> index_itemsizes(np.array([0, 1 << 32, (1 << 32) + 1])).tolist()
+    [4, 4, 8]
+    """
+    return np.where(numels <= (1 << 32), 4, 8)
+
+
+__all__ = [name for name in globals() if name.isupper()] + [
+    "compile_options",
+    "define_flags",
+    "defines",
+    "index_dtype",
+    "index_itemsizes",
+]

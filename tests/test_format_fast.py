@@ -12,12 +12,15 @@ records, the same bytes, or the same error (type and message).
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import re
 
 import numpy as np
 import pytest
 
+import gpu_codec
+from gpu_codec import Int8Blockwise, Quantize, RiceIndices, Ternary, Zstd
 from gpu_codec.codecs import wire_layouts
 from gpu_codec.format import TensorRecord, pack, unpack, v2
 from gpu_codec.format.schema import Unrepresentable
@@ -327,6 +330,189 @@ def test_both_writers_agree_on_valid_and_broken_records(version):
             if got[0] == "ok":
                 read_both(got[1])  # (what a v1 fallback wrote need not read back; the readers agree on it)
     assert {"ok", "InvalidInputError" if version else "AttributeError"} <= results, results
+
+
+# ------------------------------------------------------------------------------------------ coded writer
+
+PIPES = {
+    "f16+rice": lambda: [Quantize("float16"), RiceIndices(), Zstd()],
+    "bf16": lambda: [Quantize("bfloat16"), Zstd(2)],
+    "f32+rice": lambda: [Quantize("float32"), RiceIndices(), Zstd()],
+    "int8+rice": lambda: [Int8Blockwise(16), RiceIndices(), Zstd()],
+    "ternary+rice": lambda: [Ternary(), RiceIndices(), Zstd()],
+}
+
+
+def coded(rng: random.Random, pipe: str, dense: bool = False):
+    """A payload of a bytes stage's records over ``pipe``: tensors of uneven sizes and dtypes, some keeping
+    nothing."""
+    gen = np.random.default_rng(rng.randrange(1 << 30))
+    dtype = rng.choice([np.float32, np.float16, np.float64])
+    sizes = [rng.choice([0, 1, 3, 9, 64, 700, 5000]) for _ in range(rng.choice([1, 3, 20, 60]))]
+    u = {f"l{i}.w": gen.standard_normal(n).astype(dtype) for i, n in enumerate(sizes)}
+    if rng.random() < 0.3:  # exact zeros: a tensor may keep nothing
+        u["frozen"] = np.zeros(50, dtype)
+    fraction = None if dense else rng.choice([0.001, 0.01, 0.3, 1.0])
+    scope = rng.choice(["global", "per_tensor"])
+    stages = [s for s in PIPES[pipe]() if not (dense and isinstance(s, RiceIndices))]
+    return gpu_codec.compress(u, fraction=fraction, scope=scope, pipeline=stages)
+
+
+def plan_both(recs: list[TensorRecord], p, mode: int | None = None, version: int | None = 2):
+    """``v2.plan`` and write with ``v2._zstd_many`` and without it (every record through plan's loop): the same
+    bytes, or the same error."""
+
+    def go():
+        return pack(recs, pipeline=p.pipeline, metadata=p.metadata, layouts=wire_layouts(), version=version)
+
+    if mode is not None:
+        go = lambda: v2.write(v2.plan(recs, p.pipeline, p.metadata, wire_layouts(), data_mode=mode))  # noqa: E731
+    fast = outcome(go)
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(v2, "_zstd_many", lambda tensors, tables: None)
+        general = outcome(go)
+    assert fast == general
+    return fast
+
+
+@pytest.mark.parametrize("pipe", sorted(PIPES))
+@pytest.mark.parametrize("dense", [False, True])
+def test_a_bytes_stage_table_is_checked_at_once_with_the_same_bytes(pipe, dense):
+    rng = random.Random(f"{pipe}{dense}")
+    for _ in range(4):
+        p = coded(rng, pipe, dense)
+        assert v2._zstd_many(p.tensors, v2.tables_of(wire_layouts())) is not None  # (the fast path is taken)
+        for mode in (None, v2.DATA_RECORDS, v2.DATA_ZSTD, v2.DATA_PLAIN):
+            got = plan_both(p.tensors, p, mode)
+            assert got[0] == "ok"
+        assert gpu_codec.Payload.from_bytes(p.to_bytes()).to_bytes() == p.to_bytes()
+
+
+def broken_coded(rec: TensorRecord, how: str) -> TensorRecord:
+    c, ic = dict(rec.codec), dict(rec.codec["ic"])
+    b = dict(rec.buffers)
+    r = dataclasses.replace(rec, codec=c, buffers=b)
+    c["ic"] = ic
+    key, _, value = how.partition("=")
+    if key in ("raw", "zbytes", "inner"):
+        c[key] = eval(value, {"np": np, "c": c})
+    elif key == "no zbytes":
+        del c["zbytes"]
+    elif key == "codec extra":
+        c["x"] = 1
+    elif key == "ic extra":
+        ic["x"] = 1
+    elif key == "ic not a dict":
+        c["ic"] = list(ic.items())
+    elif key in ("k", "bits", "v", "i", "block", "mu"):
+        if key in ic or key in ("v", "i"):
+            ic[key] = eval(value, {"np": np, "ic": ic})
+    elif key == "ic missing":
+        ic.pop(value, None)
+    elif key == "compressed":
+        b["compressed"] = eval(value, {"np": np, "a": b["compressed"]})
+    elif key == "buffer more":
+        b["x"] = np.zeros(1, np.uint8)
+    elif key == "stored dtype":
+        r.buffer_dtypes = {"compressed": value}
+    elif key == "chunk":
+        r.chunk = 1 << 16
+    elif key == "shape":
+        r.shape = eval(value, {"np": np, "s": rec.shape})
+    elif key == "nnz":
+        r.nnz = eval(value, {"np": np, "n": rec.nnz})
+    elif key == "dtype":
+        r.dtype = value
+    elif key == "encoding":
+        r.encoding = value
+    else:
+        raise AssertionError(how)
+    return r
+
+
+CODED_HOW = [
+    "raw=c['raw'] + 1",
+    "raw=c['raw'] - 1",
+    "raw=float(c['raw'])",
+    "raw=np.int64(c['raw'])",
+    "raw=True",
+    "raw=1 << 70",
+    "zbytes=c['zbytes'] + 1",
+    "zbytes=0",
+    "zbytes=1 << 40",
+    "zbytes=1 << 70",
+    "zbytes=None",
+    "no zbytes",
+    "inner='coo'",
+    "inner='dense_q'",
+    "inner='sparse'",
+    "inner=['sparse']",
+    "codec extra",
+    "ic extra",
+    "ic not a dict",
+    "ic missing=bits",
+    "ic missing=k",
+    "ic missing=v",
+    "k=ic['k'] + 1",
+    "k=np.int64(ic['k'])",
+    "k=bool(ic['k'])",
+    "bits=ic['bits'] + 8",
+    "bits=ic['bits'] - 1",
+    "bits=0",
+    "bits=1 << 70",
+    "bits=True",
+    "v='bf16'",
+    "v='f32'",
+    "v='nope'",
+    "v=None",
+    "i='raw'",
+    "i='rice'",
+    "block=ic['block'] + 1",
+    "block=0",
+    "block=float(ic['block'])",
+    "mu=-1.0",
+    "mu=float('nan')",
+    "mu=np.float32(ic['mu'])",
+    "mu=0.1",
+    "compressed=a.view(np.int8)",
+    "compressed=a[:-1]",
+    "compressed=a.tolist()",
+    "compressed=np.append(a, a[:1])",
+    "buffer more",
+    "stored dtype=uint8",
+    "stored dtype=int8",
+    "chunk",
+    "shape=list(s)",
+    "shape=tuple(np.int64(d) for d in s)",
+    "shape=(-1, *s)",
+    "shape=(1 << 41,)",
+    "shape=s + (1,) * 9",
+    "nnz=n + 1",
+    "nnz=-1",
+    "nnz=True if n == 1 else n",
+    "nnz=np.int64(n)",
+    "dtype=int8",
+    "encoding=nvcomp",
+]
+
+
+@pytest.mark.parametrize("pipe", sorted(PIPES))
+def test_both_writers_agree_on_broken_bytes_stage_records(pipe):
+    rng = random.Random(pipe)
+    p = coded(rng, pipe)
+    while len(p.tensors) < 3 or not all(r.nnz for r in p.tensors[:2]):
+        p = coded(rng, pipe)
+    recs = p.tensors
+    assert plan_both(recs, p)[0] == "ok"
+    results = set()
+    for how in CODED_HOW:
+        for i in (0, len(recs) - 1):
+            mixed = list(recs)
+            mixed[i] = broken_coded(recs[i], how)
+            for version, mode in ((2, None), (None, None), (2, v2.DATA_ZSTD)):
+                got = plan_both(mixed, p, mode, version)
+                results.add(got[0])
+    assert {"ok", "InvalidInputError", "Unrepresentable"} <= results, results
 
 
 # ------------------------------------------------------------------------------------------ names

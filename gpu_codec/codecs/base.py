@@ -53,7 +53,10 @@ class Form:
     backend)`` the fp32/fp64 values (or flat indices) as a backend array. ``part(rec, bufs, a, b)`` gives the
     buffers of entries ``[a, b)`` alone, for ``a`` a multiple of ``unit(rec)``, so a dense tensor decodes a slice
     at a time (default: every buffer holds one item per entry). ``code``: the form's one-byte code in the table,
-    fixed forever, for the built-in forms only (a form of one's own is written by its tag).
+    fixed forever, for the built-in forms only (a form of one's own is written by its tag). ``many(cols, n)``
+    (optional) is ``layout`` of every record of ``cols`` (:class:`~gpu_codec.format.common.Columns`) at once, ``n``
+    an int64 array: ``{role: (allowed dtypes, counts array)}``, or None where any record might fail ``layout`` (its
+    fields are not all checked here: the caller checks that each codec dict holds exactly the form's keys).
     """
 
     tag: str
@@ -64,6 +67,7 @@ class Form:
     unit: Callable[[TensorRecord], int] | None = None
     code: int | None = None
     derive: Callable[[int, int], dict] | None = None
+    many: Callable[..., dict | None] | None = None
 
     @property
     def names(self) -> tuple[str, ...]:

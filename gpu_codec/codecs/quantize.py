@@ -36,6 +36,16 @@ def _float_layout(dtype: str | None):
     return layout
 
 
+def _float_many(dtype: str | None):
+    def many(cols, n):  # (Form.many; f32 stores fp64 tensors' values as float64: a table of one kind of them)
+        if dtype is not None:
+            return {"values": ((dtype,), n)}
+        wide = {d == "float64" for d in cols.dtypes}
+        return {"values": (("float64" if True in wide else "float32",), n)} if len(wide) == 1 else None
+
+    return many
+
+
 def _decode_f32(rec, bufs, n, backend):
     return bufs["values"]
 
@@ -60,6 +70,13 @@ def _int8_layout(rec, n):
     return {"values": (("int8",), n), "scales": (("float32",), n_blocks(n, b))}
 
 
+def _int8_many(cols, n):  # (Form.many: check_block's range, over the table)
+    blocks = [c.get("block") for c in cols.codecs]
+    if set(map(type, blocks)) != {int} or not 1 <= min(blocks) <= max(blocks) <= MAX_BLOCK:
+        return None
+    return {"values": (("int8",), n), "scales": (("float32",), -(-n // np.array(blocks, np.int64)))}
+
+
 def _int8_part(rec, bufs, a, b):
     blk = rec.codec["block"]
     return {"values": bufs["values"][a:b], "scales": bufs["scales"][a // blk : n_blocks(b, blk)]}
@@ -81,9 +98,9 @@ class Quantize(ValueCodec):
     wire_code = 2
     wire_fields = (Field("dtype", "choice", choices=DTYPES),)
     forms = (
-        Form("f32", (), _float_layout(None), _decode_f32, code=0),
-        Form("f16", (), _float_layout("float16"), _decode_f16, code=1),
-        Form("bf16", (), _float_layout("bfloat16"), _decode_bf16, code=2),
+        Form("f32", (), _float_layout(None), _decode_f32, code=0, many=_float_many(None)),
+        Form("f16", (), _float_layout("float16"), _decode_f16, code=1, many=_float_many("float16")),
+        Form("bf16", (), _float_layout("bfloat16"), _decode_bf16, code=2, many=_float_many("bfloat16")),
     )
 
     def __init__(self, dtype: str = "float16"):
@@ -119,6 +136,7 @@ class Int8Blockwise(ValueCodec):
             _int8_part,
             _int8_unit,
             code=3,
+            many=_int8_many,
         ),
     )
 

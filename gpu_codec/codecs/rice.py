@@ -18,6 +18,8 @@ code that validates the stream completely (PayloadError on any inconsistency, wo
 
 from __future__ import annotations
 
+import numpy as np
+
 from ..backends.base import later
 from ..cpu_fallback import rice as _rice
 from ..errors import PayloadHeaderError
@@ -52,6 +54,30 @@ def _rice_layout(rec, n):
     return {"indices": (("uint8",), -(-bits // 8))}
 
 
+def _raw_many(cols, n):
+    return {"indices": (("uint32", "uint64"), n)}
+
+
+def _rice_many(cols, n):
+    """:func:`_rice_layout` of every record at once (Form.many): None where a parameter or a bit count is not
+    what that rule takes."""
+    ks = [c.get("k") for c in cols.codecs]
+    bits = [c.get("bits") for c in cols.codecs]
+    if set(map(type, ks)) != {int} or set(map(type, bits)) != {int}:  # (is_int, without bools)
+        return None
+    if ks != list(map(_rice.rice_param, n.tolist(), cols.numels.tolist())):  # (the rule's own arithmetic)
+        return None
+    try:
+        k, b = np.array(ks, np.int64), np.array(bits, np.int64)
+    except OverflowError:
+        return None
+    lo = n * (k + 1)
+    hi = np.where(n > 0, lo + (np.maximum(cols.numels - n, 0) >> k), 0)  # (max_bits; nothing kept: no stream)
+    if not ((lo <= b) & (b <= hi)).all():
+        return None
+    return {"indices": (("uint8",), -(-b // 8))}
+
+
 def _rice_decode(rec, bufs, n, backend):
     return backend.rice_decode(bufs["indices"], rec.codec["bits"], rec.codec["k"], n, rec.numel)
 
@@ -60,7 +86,7 @@ class RawIndices(IndexCodec):
     """The engine's own indices (not registered: it is what a pipeline without an index stage stores)."""
 
     codec_id = "raw"
-    forms = (Form("raw", (), _raw_layout, _raw_decode, code=0),)
+    forms = (Form("raw", (), _raw_layout, _raw_decode, code=0, many=_raw_many),)
 
     @property
     def lossless(self) -> bool:
@@ -84,6 +110,7 @@ class RiceIndices(IndexCodec):
             _rice_decode,
             code=1,
             derive=lambda nnz, numel: {"k": _rice.rice_param(nnz, numel)},
+            many=_rice_many,
         ),
     )
 

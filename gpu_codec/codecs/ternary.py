@@ -17,6 +17,8 @@ A kept value of exactly 0 is sent as +mu (one bit cannot say 0; error feedback c
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..backends.base import later
@@ -29,14 +31,18 @@ from .wire import n_blocks, where
 _F32_MAX = float(np.finfo(np.float32).max)
 
 
+def _mu_ok(mu: Any) -> bool:
+    return (
+        not isinstance(mu, bool)
+        and isinstance(mu, (int, float))
+        and 0 <= mu <= _F32_MAX
+        and float(np.float32(mu)) == float(mu)
+    )
+
+
 def check_mu(rec: TensorRecord) -> float:
     mu = rec.codec.get("mu")
-    if (
-        isinstance(mu, bool)
-        or not isinstance(mu, (int, float))
-        or not 0 <= mu <= _F32_MAX
-        or float(np.float32(mu)) != float(mu)
-    ):
+    if not _mu_ok(mu):
         raise PayloadHeaderError(f"{where(rec)}: ternary mu {mu!r} must be a finite, non-negative float32 value")
     return float(mu)
 
@@ -44,6 +50,12 @@ def check_mu(rec: TensorRecord) -> float:
 def _layout(rec, n):
     check_mu(rec)
     return {"signs": (("uint8",), n_blocks(n, 8))}
+
+
+def _many(cols, n):  # (Form.many)
+    if not all(_mu_ok(c.get("mu")) for c in cols.codecs):
+        return None
+    return {"signs": (("uint8",), -(-n // 8))}
 
 
 def _part(rec, bufs, a, b):
@@ -60,7 +72,9 @@ class Ternary(ValueCodec):
     codec_id = "ternary"
     wire_code = 4
     # mu is stored where something is kept (an empty tensor's is 0)
-    forms = (Form("ternary", (Field("mu", "f32", empty=0.0),), _layout, _decode, _part, lambda rec: 8, code=4),)
+    forms = (
+        Form("ternary", (Field("mu", "f32", empty=0.0),), _layout, _decode, _part, lambda rec: 8, code=4, many=_many),
+    )
 
     def __init__(self) -> None:
         pass

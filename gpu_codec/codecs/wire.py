@@ -21,14 +21,25 @@ that is not what the inner encoding implies), so nothing is read from a buffer t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
 from ..errors import PayloadHeaderError, PayloadLayoutError
 from ..format import BASE_LAYOUTS, BUFFER_DTYPES, LayoutRule, TensorRecord
-from ..format.common import canonical_dtype, check_chunk, compress_bound, frames_bound
+from ..format.common import (
+    Columns,
+    canonical_dtype,
+    check_chunk,
+    compress_bound,
+    frames_bound,
+    layout_nbytes,
+    same_keys,
+    same_str,
+)
 from .base import BytesCodec, Form, Layout
 
 CODED = ("sparse", "dense_q")  # the encodings of a pipeline with a value or an index stage
@@ -164,8 +175,77 @@ def build_layouts(
             )
         return {"compressed": (("uint8",), zb)}
 
+    def forms_of(cols: Columns, parts: tuple[str, ...]) -> list[Form] | None:
+        """The forms every codec dict of ``cols`` names (``parts``: "v", or "v" and "i"), where each dict holds
+        exactly their keys; None where the dicts differ in forms or keys, or a form has no ``many``."""
+        codecs = cols.codecs
+        c0 = codecs[0] if codecs else None
+        if type(c0) is not dict:
+            return None
+        forms = []
+        for key, table in zip(parts, (value_forms, index_forms)):
+            tag = c0.get(key)
+            f = table.get(tag) if type(tag) is str else None
+            if f is None or f.many is None:
+                return None
+            forms.append(f)
+        if not same_keys(codecs, {*parts, *(name for f in forms for name in f.names)}):
+            return None
+        return forms if all(same_str(list(map(itemgetter(k), codecs)), c0[k]) for k in parts) else None
+
+    def sparse_many(cols: Columns) -> dict | None:
+        forms = forms_of(cols, ("v", "i"))
+        if forms is None:
+            return None
+        vx, ix = forms[0].many(cols, cols.nnz), forms[1].many(cols, cols.nnz)
+        if vx is None or ix is None or vx.keys() & ix.keys():
+            return None
+        return {**ix, **vx}
+
+    def dense_q_many(cols: Columns) -> dict | None:
+        forms = forms_of(cols, ("v",))
+        if forms is None or not np.array_equal(cols.nnz, cols.numels):
+            return None
+        return forms[0].many(cols, cols.numels)
+
+    def wrapped_many(enc: str):
+        cls = wrappers[enc]
+
+        def many(cols: Columns) -> dict | None:
+            if cls.fields or (cols.chunks is not None and any(c is not None for c in cols.chunks)) or not cols.codecs:
+                return None  # (a wrapper's own fields, or frames in chunks: record by record)
+            codecs = cols.codecs
+            if not same_keys(codecs, {"inner", "ic", "raw", "zbytes"}):
+                return None
+            inner = codecs[0]["inner"]
+            ics = list(map(itemgetter("ic"), codecs))
+            if inner not in CODED or not same_str(list(map(itemgetter("inner"), codecs)), inner):
+                return None
+            if set(map(type, ics)) != {dict}:
+                return None
+            raw, zb = list(map(itemgetter("raw"), codecs)), list(map(itemgetter("zbytes"), codecs))
+            if set(map(type, raw)) != {int} or set(map(type, zb)) != {int}:
+                return None
+            lay = layouts[inner].many(cols._replace(codecs=ics))
+            if lay is None:
+                return None
+            try:
+                raw_a, zb_a = np.array(raw, np.int64), np.array(zb, np.int64)
+            except OverflowError:
+                return None
+            ok = np.array_equal(raw_a, layout_nbytes(lay, cols.numels))
+            if not (ok and ((zb_a > 0) & (zb_a <= compress_bound(raw_a))).all()):
+                return None
+            return {"compressed": (("uint8",), zb_a)}
+
+        return many
+
+    sparse.many = sparse_many  # type: ignore[attr-defined]
+    dense_q.many = dense_q_many  # type: ignore[attr-defined]
     layouts["sparse"] = sparse
     layouts["dense_q"] = dense_q
     for enc in wrappers:
-        layouts[enc] = wrapped
+        rule = functools.partial(wrapped)  # (a rule of its own a wrapper: its many knows the wrapper)
+        rule.many = wrapped_many(enc)  # type: ignore[attr-defined]
+        layouts[enc] = rule
     return layouts

@@ -5,13 +5,16 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any, NamedTuple
 
 import numpy as np
 import zstandard
 
+from ..constants import index_itemsizes
 from ..dtypes import dtype_name, index_dtype
 from ..errors import PayloadHeaderError, PayloadLayoutError, PayloadLimitError
 
@@ -257,8 +260,28 @@ class TensorRecord:
         return math.prod(self.shape)
 
 
-# Layout rules: encoding -> f(record) -> ordered {role: (allowed buffer dtypes, required element count)}.
+# Layout rules: encoding -> f(record) -> ordered {role: (allowed buffer dtypes, required element count)}. A rule
+# may also have a ``many`` attribute: ``many(cols)`` (:class:`Columns`) is the rule of every record of ``cols`` at
+# once, ``{role: (allowed buffer dtypes, element counts: an int64 array, one a record)}``, or None where any record
+# might fail the rule or the records' roles differ (the caller then applies the rule record by record, which raises
+# what it raises).
 LayoutRule = Callable[[TensorRecord], dict[str, tuple[tuple[str, ...], int]]]
+
+
+class Columns(NamedTuple):
+    """Records as columns, what a layout rule's ``many`` reads: each record's dtype name, element count and nnz
+    (int64 arrays) and codec dict.
+
+    >>> cols = Columns(["float32", "float64"], np.array([10, 4]), np.array([2, 4]), [{}, {}])
+    >>> len(cols.dtypes), cols.nnz.tolist()
+    (2, [2, 4])
+    """
+
+    dtypes: list[str]
+    numels: np.ndarray
+    nnz: np.ndarray
+    codecs: list[dict]
+    chunks: list | None = None  # each record's ``chunk`` (None: every one None)
 
 
 def _coo_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:
@@ -285,6 +308,44 @@ def canonical_dtype(allowed: tuple[str, ...], rec: TensorRecord) -> str:
     if len(allowed) == 1:
         return allowed[0]
     return dtype_name(index_dtype(rec.numel))
+
+
+def same_keys(dicts: list, keys: set[str]) -> bool:
+    """Whether ``dicts`` is a non-empty list of dicts whose keys are each exactly ``keys`` (a few C calls over the
+    list, for the checks of a whole table at once).
+
+    >>> same_keys([{"a": 1}, {"a": 2}], {"a"}), same_keys([{"a": 1}, {"a": 2, "b": 3}], {"a"}), same_keys([], set())
+    (True, False, False)
+    """
+    return (
+        bool(dicts) and set(map(type, dicts)) == {dict} and all(map(operator.eq, repeat(keys), map(dict.keys, dicts)))
+    )
+
+
+def same_str(values: list, want: Any) -> bool:
+    """Whether every item of ``values`` is the str ``want``.
+
+    >>> same_str(["f16", "f16"], "f16"), same_str(["f16", "bf16"], "f16"), same_str(["f16"], 1)
+    (True, False, False)
+    """
+    return type(want) is str and set(map(type, values)) == {str} and values.count(want) == len(values)
+
+
+def layout_nbytes(layout: dict[str, tuple[tuple[str, ...], np.ndarray]], numels: np.ndarray) -> np.ndarray:
+    """Each record's bytes under the layout a rule's ``many`` gave (each buffer of its :func:`canonical_dtype`):
+    an int64 array.
+
+    >>> layout_nbytes({"indices": (("uint32", "uint64"), np.array([3, 3])), "values": (("float16",), np.array([3, 3]))},
+    ...               np.array([10, 1 << 33])).tolist()
+    [18, 30]
+    """
+    total = np.zeros(len(numels), np.int64)
+    for allowed, counts in layout.values():
+        if len(allowed) == 1:
+            total += counts * BUFFER_DTYPES[allowed[0]].itemsize
+        else:  # (an index's width follows the element count)
+            total += counts * index_itemsizes(numels)
+    return total
 
 
 def buffer_dtype_name(a: Any, rec: TensorRecord, role: str) -> str:
@@ -360,9 +421,15 @@ def zstd_frame(raw: bytes, level: int) -> bytes:
     return zstandard.ZstdCompressor(level=level, write_checksum=False, write_content_size=True).compress(raw)
 
 
-def compress_bound(raw: int) -> int:
-    """An upper bound on a zstd frame of ``raw`` bytes (ZSTD_compressBound plus the frame header)."""
-    return raw + (raw >> 8) + ((128 << 10) - raw >> 11 if raw < (128 << 10) else 0) + 32
+def compress_bound(raw: Any) -> Any:
+    """An upper bound on a zstd frame of ``raw`` bytes (ZSTD_compressBound plus the frame header); of each of an
+    int64 array of raw sizes.
+
+    >>> compress_bound(0), compress_bound(1 << 20), compress_bound(np.array([0, 1 << 20])).tolist()
+    (33, 1052704, [33, 1052704])
+    """
+    small = np.maximum((128 << 10) - raw, 0) if isinstance(raw, np.ndarray) else max(0, (128 << 10) - raw)
+    return raw + (raw >> 8) + (small >> 11) + 32
 
 
 def frame_count(raw: int, chunk: int) -> int:

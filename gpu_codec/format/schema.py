@@ -132,6 +132,22 @@ class Field:
             raise Unrepresentable(f"{self.name} {value!r}")
         return b
 
+    def encode_many(self, values: list) -> list[bytes]:
+        """:meth:`encode` of each of ``values`` (a varint's with one check over the list).
+
+        >>> Field("bits", "varint", hi=1 << 62).encode_many([0, 300])
+        [b'\\x00', b'\\xac\\x02']
+        """
+        if (
+            self.kind == "varint"
+            and values
+            and set(map(type, values)) == {int}
+            and self.lo <= min(values)
+            and max(values) <= self.hi
+        ):
+            return list(map(uvarint, values))
+        return list(map(self.encode, values))
+
     def decode(self, r: Any) -> Any:
         """Read the field from ``r`` (the v2 reader), every bound checked (``PayloadHeaderError``)."""
         k = self.kind

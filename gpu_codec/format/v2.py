@@ -28,12 +28,14 @@ declarations come with the layout rules (:func:`gpu_codec.codecs.wire_layouts`):
 from __future__ import annotations
 
 import functools
+import math
 import re
 import struct
 import zlib
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from itertools import repeat
+from operator import attrgetter, itemgetter
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -60,6 +62,7 @@ from .common import (
     MAX_TENSOR_ELEMENTS,
     MAX_TENSORS,
     MIN_CHUNK_LOG2,
+    Columns,
     FrameSlice,
     LayoutRule,
     Ranges,
@@ -77,8 +80,11 @@ from .common import (
     dumps_json,
     frames_bound,
     is_int,
+    layout_nbytes,
     loads_json,
     req,
+    same_keys,
+    same_str,
     zstd_frame,
     zstd_frame_size,
 )
@@ -335,6 +341,120 @@ def _inner_of(rec: TensorRecord) -> TensorRecord:
     return TensorRecord(rec.name, rec.dtype, rec.shape, rec.codec["inner"], rec.nnz, {}, dict(rec.codec.get("ic", {})))
 
 
+_WRAPPED_KEYS = {"inner", "ic", "raw", "zbytes"}  # a zstd record's codec dict, holding its own frame
+_FIELDS_OF = attrgetter("shape", "dtype", "nnz", "codec", "buffers", "buffer_dtypes", "frame", "chunk")
+_DTYPE_NAMES = frozenset(DTYPE_CODES)
+_SIZE = attrgetter("size")
+_IC, _INNER, _RAW, _ZBYTES, _COMPRESSED = map(itemgetter, ("ic", "inner", "raw", "zbytes", "compressed"))
+
+
+def _zstd_many(tensors: list[TensorRecord], tables: WireTables) -> tuple[list, list, list] | None:
+    """What :func:`plan`'s loop makes of a table of ``zstd`` records that each hold their own frame (a bytes
+    stage's output, not a shared frame's slices) and wrap one coded form: (forms, fields, zbytes), every check of
+    the loop made over the whole table (the layout rules' ``many``, :func:`_coded_forms`); None where any might
+    fail (the loop then runs, and raises what it raises). The same output with fewer calls:
+    tests/test_format_fast.py writes the same records through both."""
+    n = len(tensors)
+    many = getattr(tables.get("zstd"), "many", None)
+    if many is None or not n:
+        return None
+    try:
+        shapes, dts, nnz, codecs, bufs, bdts, frames, chunks = zip(*map(_FIELDS_OF, tensors))
+        if set(map(type, shapes)) != {tuple} or max(map(len, shapes)) > MAX_NDIM:
+            return None
+        dims = [d for s in shapes for d in s]
+        if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) > MAX_TENSOR_ELEMENTS):
+            return None
+        if not set(dts) <= _DTYPE_NAMES or set(map(type, nnz)) != {int}:
+            return None
+        if frames.count(None) != n or chunks.count(None) != n or not same_keys(list(codecs), _WRAPPED_KEYS):
+            return None
+        inner = codecs[0]["inner"]
+        ics = list(map(_IC, codecs))
+        if inner not in ("sparse", "dense_q") or not same_str(list(map(_INNER, codecs)), inner):
+            return None
+        if set(map(type, ics)) != {dict}:
+            return None
+        numels = list(map(math.prod, shapes))
+        num, nz = np.array(numels, np.int64), np.array(nnz, np.int64)
+        if (nz < 0).any() or (nz > num).any() or (inner == "dense_q" and not np.array_equal(nz, num)):
+            return None
+        coded = _coded_forms(inner, ics, list(nnz), numels, tables)
+        cols = Columns(list(dts), num, nz, list(codecs), list(chunks))
+        inner_many = getattr(tables.get(inner), "many", None)
+        lay, inner_lay = many(cols), inner_many(cols._replace(codecs=ics)) if inner_many is not None else None
+        if coded is None or lay is None or inner_lay is None or list(lay) != ["compressed"]:
+            return None
+        raw, zb = list(map(_RAW, codecs)), list(map(_ZBYTES, codecs))
+        if set(map(type, raw)) != {int} or not np.array_equal(np.array(raw, np.int64), layout_nbytes(inner_lay, num)):
+            return None
+        # each record's buffers: its compressed frame alone, uint8, as long as the layout says
+        if not same_keys(list(bufs), {"compressed"}) or set(map(type, bdts)) != {dict} or any(bdts):
+            return None
+        comp = list(map(_COMPRESSED, bufs))
+        if set(map(type, comp)) != {np.ndarray} or {a.dtype for a in comp} != {np.dtype(np.uint8)}:
+            return None
+        if not np.array_equal(np.fromiter(map(_SIZE, comp), np.int64, n), lay["compressed"][1]):
+            return None
+    except (TypeError, ValueError, OverflowError, Unrepresentable):
+        return None
+    form, fields = coded
+    return [("zstd", inner, *form)] * n, fields, zb
+
+
+def _coded_forms(enc: str, ics: list, nnz: list[int], numels: list[int], tables: WireTables) -> tuple | None:
+    """:func:`_coded_form` of many codec dicts at once, where they name the same forms with the same params:
+    ((v, vparams, i, iparams), each one's field bytes); None where they do not, or where a record's dict holds
+    other keys than its forms' (then :func:`_coded_form` runs record by record). Raises
+    :class:`Unrepresentable` where a value does not fit its field (the caller turns it into None)."""
+    c0 = ics[0]
+    parts = ("v", "i") if enc == "sparse" else ("v",)
+    specs = []
+    for key, forms in zip(parts, (tables.value_forms, tables.index_forms)):
+        tag = c0.get(key)
+        spec = forms.get(tag) if type(tag) is str else None
+        if spec is None:
+            return None
+        specs.append(spec)
+    if not same_keys(ics, set(parts).union(*(spec.keys() for spec in specs))):
+        return None
+    tags = [c0[key] for key in parts]
+    if not all(same_str(list(map(itemgetter(key), ics)), tag) for key, tag in zip(parts, tags)):
+        return None
+    out: list[tuple] = []
+    columns: list[list[bytes]] = []  # the bytes of each stored field, a record each
+    for spec in specs:
+        params = tuple((f.name, c0[f.name]) for f in spec.params)
+        for f, (name, value) in zip(spec.params, params):
+            f.encode(value)
+            got = list(map(itemgetter(name), ics))
+            if set(map(type, got)) != {type(value)} or got.count(value) != len(got):
+                return None
+        if spec.derived:
+            if spec.derive is None:
+                return None
+            wants = list(map(spec.derive, nnz, numels))
+            for k in spec.derived:
+                got, want = list(map(itemgetter(k), ics)), list(map(itemgetter(k), wants))
+                if got != want or list(map(type, got)) != list(map(type, want)):
+                    return None
+        for f in spec.fields:
+            col = f.encode_many(list(map(itemgetter(f.name), ics)))
+            if f.empty is not None and 0 in nnz:
+                empty = f.encode(f.empty)
+                for j in [j for j, m in enumerate(nnz) if not m]:
+                    if col[j] != empty:
+                        return None
+                    col[j] = b""
+            columns.append(col)
+        out.append(params)
+    if not columns:
+        fields = [b""] * len(ics)
+    else:
+        fields = columns[0] if len(columns) == 1 else list(map(b"".join, zip(*columns)))
+    return (tags[0], out[0], tags[1] if enc == "sparse" else None, out[1] if enc == "sparse" else ()), fields
+
+
 def _check_buffers(rec: TensorRecord, layout: list[tuple[str, str, int]]) -> list[Any]:
     if list(rec.buffers) != [role for role, _, _ in layout]:
         raise Unrepresentable(f"tensor {rec.name!r}: buffers {list(rec.buffers)} are not in layout order")
@@ -529,7 +649,10 @@ def plan(
     all_zstd = bool(tensors) and all(r.encoding == "zstd" for r in tensors)
     plain = {enc: layouts.get(enc) is rule for enc, rule in BASE_LAYOUTS.items()}
     plain_bytes, generic, zbytes = 0, [], []
-    for rec in tensors:
+    fast = _zstd_many(tensors, layouts) if all_zstd else None
+    if fast is not None:  # (a bytes stage's records, checked over the whole table)
+        forms, fields, zbytes = fast
+    for rec in tensors if fast is None else ():
         enc = rec.encoding
         if type(enc) is str and plain.get(enc):
             laid = _plain_buffers(rec, enc)
