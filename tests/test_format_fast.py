@@ -93,6 +93,7 @@ def read_both(blob: bytes):
     fast = outcome(lambda: read(blob))
     with pytest.MonkeyPatch.context() as m:
         m.setattr(v2, "_read_plain", lambda *a: None)  # every entry read by _read_tensor
+        m.setattr(v2, "_read_coded", lambda *a: True)
         general = outcome(lambda: read(blob))
     assert fast == general
     return fast
@@ -513,6 +514,76 @@ def test_both_writers_agree_on_broken_bytes_stage_records(pipe):
                 got = plan_both(mixed, p, mode, version)
                 results.add(got[0])
     assert {"ok", "InvalidInputError", "Unrepresentable"} <= results, results
+
+
+UNWRAPPED = {
+    "f16+rice alone": lambda: [Quantize("float16"), RiceIndices()],
+    "int8 alone": lambda: [Int8Blockwise(8)],
+    "ternary+rice alone": lambda: [Ternary(), RiceIndices()],
+}
+
+
+def coded_blobs(rng: random.Random) -> list[bytes]:
+    """Payloads of coded tables: each bytes-stage pipeline in each data mode, and value and index stages alone."""
+    out = []
+    for pipe in sorted(PIPES):
+        p = coded(rng, pipe, dense=rng.random() < 0.2)
+        for mode in (v2.DATA_RECORDS, v2.DATA_ZSTD, v2.DATA_PLAIN):
+            out.append(v2.write(v2.plan(p.tensors, p.pipeline, p.metadata, wire_layouts(), data_mode=mode)))
+    for pipe in sorted(UNWRAPPED):
+        PIPES[pipe] = UNWRAPPED[pipe]
+        try:
+            out.append(coded(rng, pipe).to_bytes())
+        finally:
+            del PIPES[pipe]
+    return out
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_coded_tables_are_read_at_once_with_the_same_records(seed, monkeypatch):
+    rng = random.Random(seed)
+    fast = []
+    real = v2._coded_rows
+    monkeypatch.setattr(v2, "_coded_rows", lambda rows, *a: fast.append(len(rows)) or real(rows, *a))
+    for blob in coded_blobs(rng):
+        fast.clear()
+        got = read_both(blob)
+        assert got[0] == "ok"
+        tensors = len(got[1][1])
+        # (ternary's mu is a float in each entry: its tables are read entry by entry)
+        assert sum(fast) == tensors or got[1][1][0][5].get("ic", got[1][1][0][5]).get("v") == "ternary", fast
+    seen = set()
+    for blob in coded_blobs(rng):
+        for _ in range(30):
+            got = read_both(fuzz.mutate_table(blob, rng, rng.randrange(1, 3)))
+            seen.add(got[0])
+    assert {"ok", "PayloadHeaderError", "PayloadLayoutError"} <= seen, seen
+
+
+@pytest.mark.parametrize("excess", [8 * 10**6, 1 << 62, 1 << 63, (1 << 64) - 1])
+def test_a_coded_table_refused_at_its_end_is_read_entry_by_entry_once(excess, monkeypatch):
+    """A table whose entries all parse but whose checks over the whole table fail (a Rice bit count past what its
+    nnz and numel allow, past the field's bound, past 64 bits) is read again entry by entry, and the rest of the
+    table too (not by the fast reader again after each entry: that would read it n^2 / 2 times)."""
+    rng = random.Random(9)
+    p = coded(rng, "f16+rice")
+    while len(p.tensors) < 10 or not all(r.nnz for r in p.tensors):
+        p = coded(rng, "f16+rice")
+    lay = v2.tables_of(wire_layouts())
+    forms, fields, zbytes = v2._zstd_many(p.tensors, lay)
+    fields[-1] = v2.uvarint(min(p.tensors[-1].codec["ic"]["bits"] + excess, (1 << 64) - 1))
+    table = v2._table(p.tensors, p.pipeline, p.metadata, forms, fields, zbytes, v2.DATA_RECORDS, None, lay)
+    blob = fuzz._with_crc(v2._PREFIX.pack(v2.MAGIC, 2, 0) + v2.uvarint(len(table)) + table + bytes(sum(zbytes)))
+    calls = []
+    real = v2._read_coded
+    monkeypatch.setattr(v2, "_read_coded", lambda *a: calls.append(a[1]) or real(*a))
+    got = read_both(blob)
+    assert got[0] == "PayloadHeaderError" and "bit" in got[1], got
+    assert calls == [len(p.tensors)]  # (once, then every entry by _read_tensor)
+    calls.clear()
+    good = v2.write(v2.plan(p.tensors, p.pipeline, p.metadata, lay, data_mode=v2.DATA_RECORDS))
+    _, recs = unpack(good, wire_layouts())
+    assert calls == [len(p.tensors)] and [r.codec for r in recs] == [r.codec for r in p.tensors]
 
 
 # ------------------------------------------------------------------------------------------ names

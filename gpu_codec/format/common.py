@@ -426,7 +426,7 @@ def compress_bound(raw: Any) -> Any:
     int64 array of raw sizes.
 
     >>> compress_bound(0), compress_bound(1 << 20), compress_bound(np.array([0, 1 << 20])).tolist()
-    (33, 1052704, [33, 1052704])
+    (96, 1052704, [96, 1052704])
     """
     small = np.maximum((128 << 10) - raw, 0) if isinstance(raw, np.ndarray) else max(0, (128 << 10) - raw)
     return raw + (raw >> 8) + (small >> 11) + 32

@@ -1317,6 +1317,189 @@ def _dicts(n: int) -> Iterator[dict]:
     return (dict() for _ in range(n))
 
 
+def _entry_head(buf: bytes, pos: int, end: int, earlier: list[bytes], names: set) -> tuple:
+    """A table entry's name, kind byte and shape at ``pos``, every check of :func:`_read_tensor` made (and the
+    duplicate-name check): (name bytes, name, kind, dims, numel, position after them); _Leave where any would
+    refuse them or the entry has a form of its own (IndexError past the end, UnicodeDecodeError)."""
+    d = buf[pos]
+    pos += 1
+    if d >= 0x80:
+        d, pos = _varint_tail(buf, pos, d)
+    if d:
+        if d > len(earlier):
+            raise _Leave
+        ref = earlier[-d]
+        p = buf[pos]
+        pos += 1
+        if p >= 0x80:
+            p, pos = _varint_tail(buf, pos, p)
+        q = buf[pos]
+        pos += 1
+        if q >= 0x80:
+            q, pos = _varint_tail(buf, pos, q)
+        m = buf[pos]
+        pos += 1
+        if m >= 0x80:
+            m, pos = _varint_tail(buf, pos, m)
+        if p > len(ref) or q > len(ref) - p or m > MAX_NAME_BYTES - p - q or pos + m > end:
+            raise _Leave
+        nb = ref[:p] + buf[pos : pos + m] + ref[len(ref) - q :]
+    else:
+        m = buf[pos]
+        pos += 1
+        if m >= 0x80:
+            m, pos = _varint_tail(buf, pos, m)
+        if m > MAX_NAME_BYTES or pos + m > end:
+            raise _Leave
+        nb = buf[pos : pos + m]
+    pos += m
+    name = nb.decode("utf-8")
+    if not nb or len(name) > MAX_NAME or name in names:
+        raise _Leave
+    kind = buf[pos]
+    pos += 1
+    ndim = kind >> 2
+    if kind & 0xC0 or ndim > MAX_NDIM:
+        raise _Leave
+    numel = bound = 1
+    dims = []
+    for _ in range(ndim):
+        s = buf[pos]
+        pos += 1
+        if s >= 0x80:
+            s, pos = _varint_tail(buf, pos, s)
+        numel *= s
+        bound *= s or 1
+        if bound > MAX_TENSOR_ELEMENTS:
+            raise _Leave
+        dims.append(s)
+    return nb, name, kind, dims, numel, pos
+
+
+def _read_coded(
+    t: _Reader, left: int, form: Form, earlier: list[bytes], names: set, records: list, lays: list, tables, mode: int
+) -> bool:
+    """Read up to ``left`` table entries of the table's default form where that is a coded one (``sparse`` or
+    ``dense_q``, alone or in a ``zstd`` record) whose forms store only varint fields in each entry (Rice's bit
+    count), appending what :func:`_read_tensor` would give: the entries' fields read in one pass, up to the first
+    entry with a form of its own, then the checks of the layout rules made over all of them at once (their
+    ``many``). Where a check over them would be refused, nothing is kept and ``t.pos`` stays where it was
+    (:func:`_read_tensor` then reads the entries and raises what it raises). Returns whether to read here again
+    after the next entry: not where the form is not one read here, nor after a refusal (every entry would be read
+    again and again). The same records with fewer calls: tests/test_format_fast.py reads valid and corrupt tables
+    through both."""
+    enc, inner, v, vparams, i, iparams = form
+    wrapped = enc in WRAPPERS
+    base = inner if wrapped else enc
+    if (wrapped and enc != "zstd") or base not in ("sparse", "dense_q") or (not wrapped and mode != DATA_RECORDS):
+        return False
+    sparse = base == "sparse"
+    parts = [("v", v.tag, vparams, v)]  # (the forms as the table declares them: FormSpec)
+    if sparse:
+        parts.append(("i", i.tag, iparams, i))
+    stored = [f for _, _, _, spec in parts for f in spec.fields]
+    if any(f.kind != "varint" for f in stored):
+        return False
+    zbytes = wrapped and mode == DATA_RECORDS
+    buf, pos, end = t.buf, t.pos, t.end
+    first, known = pos, len(earlier)
+    rows, got = [], set()  # (name, dtype, shape, nnz, numel, stored field values, zbytes) per entry
+    try:
+        for _ in range(left):
+            start = pos
+            try:
+                nb, name, kind, dims, numel, pos = _entry_head(buf, pos, end, earlier, names)
+                nnz = numel
+                if sparse:
+                    nnz, pos = _read_nnz(buf, pos, numel)
+                vals = []
+                for f in stored:
+                    if f.empty is not None and not nnz:
+                        vals.append(f.empty)
+                        continue
+                    x = buf[pos]
+                    pos += 1
+                    if x >= 0x80:
+                        x, pos = _varint_tail(buf, pos, x)
+                    if not f.lo <= x <= f.hi:
+                        raise _Leave
+                    vals.append(x)
+                zb = None
+                if zbytes:
+                    zb = buf[pos]
+                    pos += 1
+                    if zb >= 0x80:
+                        zb, pos = _varint_tail(buf, pos, zb)
+            except (_Leave, IndexError, UnicodeDecodeError):
+                pos = start
+                break
+            names.add(name)
+            got.add(name)
+            earlier.append(nb)
+            rows.append((name, DTYPE_CODES[kind & 3], tuple(dims), nnz, numel, vals, zb))
+        if not rows:
+            return True
+        ok = _coded_rows(rows, enc, base, parts, stored, tables, mode, records, lays)
+    except (TypeError, ValueError, OverflowError):
+        ok = False
+    if not ok:  # nothing kept: the entries are read again, one by one
+        names.difference_update(got)
+        del earlier[known:]
+        t.pos = first
+        return False
+    t.pos = pos
+    return True
+
+
+def _coded_rows(rows: list, enc: str, base: str, parts: list, stored: list, tables, mode: int, records, lays) -> bool:
+    """:func:`_read_coded`'s entries made records, appended with their layouts, where the layout rules' ``many``
+    takes every one of them (and each compressed size is within its bound); else False and nothing is appended."""
+    names, dts, shapes, nnz, numels, vals, zbs = map(list, zip(*rows))
+    num, nz = np.array(numels, np.int64), np.array(nnz, np.int64)
+    columns: list[tuple[str, list]] = []  # each codec dict's keys, in _read_part's order, and their values
+    at = 0
+    for key, tag, params, spec in parts:
+        columns.append((key, [tag] * len(rows)))
+        columns.extend((name, [value] * len(rows)) for name, value in params)
+        if spec.derived:
+            wants = list(map(spec.derive, nnz, numels))
+            columns.extend((k, list(map(itemgetter(k), wants))) for k in spec.derived)
+        for f in spec.fields:
+            columns.append((f.name, list(map(itemgetter(at), vals))))
+            at += 1
+    keys = [k for k, _ in columns]
+    codecs = [dict(zip(keys, row)) for row in zip(*(col for _, col in columns))]
+    cols = Columns(dts, num, nz, codecs)
+    rule = tables.get(base)
+    lay = getattr(rule, "many", lambda c: None)(cols)
+    if lay is None:
+        return False
+    if enc in WRAPPERS:
+        raw = layout_nbytes(lay, num)
+        raws = raw.tolist()
+        if mode == DATA_RECORDS:
+            wcodecs = [{"inner": base, "raw": r, "zbytes": z, "ic": c} for r, z, c in zip(raws, zbs, codecs)]
+            wlay = getattr(tables.get(enc), "many", lambda c: None)(cols._replace(codecs=wcodecs))
+            if wlay is None or list(wlay) != ["compressed"]:
+                return False
+            lays.extend([[("compressed", "uint8", z)] for z in zbs])
+        else:
+            wcodecs = [{"inner": base, "raw": r, "ic": c} for r, c in zip(raws, codecs)]
+            lays.extend([[("", "uint8", r)] for r in raws])
+        records.extend(map(TensorRecord, names, dts, shapes, repeat(enc), nnz, _dicts(len(rows)), wcodecs))
+        return True
+    roles = []
+    for role, (allowed, counts) in lay.items():
+        if len(allowed) == 1:
+            roles.append((role, repeat(allowed[0]), counts.tolist()))
+        else:  # (canonical_dtype: the index width follows the element count)
+            roles.append((role, ["uint32" if m <= _INDEX_BOUND else "uint64" for m in numels], counts.tolist()))
+    per = [list(zip(repeat(role), dt, n)) for role, dt, n in roles]
+    lays.extend(map(list, zip(*per)) if len(per) > 1 else ([x] for x in per[0]))
+    records.extend(map(TensorRecord, names, dts, shapes, repeat(base), nnz, _dicts(len(rows)), codecs))
+    return True
+
+
 def _read_plain(
     t: _Reader, left: int, enc: str, earlier: list[bytes], names: set, records: list, lays: list
 ) -> _SharedCoo | None:
@@ -1339,58 +1522,7 @@ def _read_plain(
     for _ in range(left):
         start = pos
         try:
-            d = buf[pos]
-            pos += 1
-            if d >= 0x80:
-                d, pos = _varint_tail(buf, pos, d)
-            if d:
-                if d > len(earlier):
-                    raise _Leave
-                ref = earlier[-d]
-                p = buf[pos]
-                pos += 1
-                if p >= 0x80:
-                    p, pos = _varint_tail(buf, pos, p)
-                q = buf[pos]
-                pos += 1
-                if q >= 0x80:
-                    q, pos = _varint_tail(buf, pos, q)
-                m = buf[pos]
-                pos += 1
-                if m >= 0x80:
-                    m, pos = _varint_tail(buf, pos, m)
-                if p > len(ref) or q > len(ref) - p or m > MAX_NAME_BYTES - p - q or pos + m > end:
-                    raise _Leave
-                nb = ref[:p] + buf[pos : pos + m] + ref[len(ref) - q :]
-            else:
-                m = buf[pos]
-                pos += 1
-                if m >= 0x80:
-                    m, pos = _varint_tail(buf, pos, m)
-                if m > MAX_NAME_BYTES or pos + m > end:
-                    raise _Leave
-                nb = buf[pos : pos + m]
-            pos += m
-            name = nb.decode("utf-8")
-            if not nb or len(name) > MAX_NAME or name in names:
-                raise _Leave
-            kind = buf[pos]
-            pos += 1
-            ndim = kind >> 2
-            if kind & 0xC0 or ndim > MAX_NDIM:
-                raise _Leave
-            numel = bound = 1
-            dims = []
-            for _ in range(ndim):
-                s = buf[pos]
-                pos += 1
-                if s >= 0x80:
-                    s, pos = _varint_tail(buf, pos, s)
-                numel *= s
-                bound *= s or 1
-                if bound > MAX_TENSOR_ELEMENTS:
-                    raise _Leave
-                dims.append(s)
+            nb, name, kind, dims, numel, pos = _entry_head(buf, pos, end, earlier, names)
             dtype = DTYPE_CODES[kind & 3]
             vd = _TENSOR_DTYPE.get(dtype, "float32")
             heads.append(buf[start:pos])
@@ -1551,11 +1683,16 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
     records, layouts_of, names, earlier = [], [], set(), []
     enc = default[0]
     plain = reader is _Reader and mode == DATA_RECORDS and enc in BASE_LAYOUTS and tables.get(enc) is BASE_LAYOUTS[enc]
+    coded = reader is _Reader and enc not in BASE_LAYOUTS
     while len(records) < count:
         if plain:
             shared = _read_plain(t, count - len(records), enc, earlier, names, records, layouts_of)
             if shared is not None:  # (the whole table: its layouts in one object)
                 layouts_of = shared
+            if len(records) == count:
+                break
+        if coded:  # (refused once: the rest of the table is read entry by entry)
+            coded = _read_coded(t, count - len(records), default, earlier, names, records, layouts_of, tables, mode)
             if len(records) == count:
                 break
         rec, nb, lay = _read_tensor(t, earlier, default, tables, mode, version)
