@@ -84,6 +84,18 @@ def test_mutated_payloads_decode_or_raise_a_payload_error(seed, ops, with_base):
     fuzz.check(blob, base)
 
 
+@pytest.mark.parametrize("then", [("body_flip", 0, 0), ("truncate", 10**6), ("flip", 0, 0)])
+def test_a_value_set_twice_or_into_itself_leaves_the_header_writable(then):
+    """The mutator's values are copied into the header: the same list set into a node and then into its own
+    first element would make the header circular, which JSON cannot write (and a later op could not walk)."""
+    blob = corpus()["raw"]
+    shared = [0, 2**63]
+    ops = [("header", 0, shared), ("header", 1, shared), ("header", 2, {}), then]
+    out = fuzz.mutate(blob, ops)
+    assert isinstance(out, bytes) and out != blob and shared == [0, 2**63]
+    fuzz.check(out)  # (a payload error, as any mutated header)
+
+
 def test_the_corpus_decodes():
     for name, blob in corpus().items():
         assert fuzz.check(blob) == "decoded", name

@@ -18,6 +18,7 @@ The oracle: decoding a payload either succeeds with finite values of the declare
 
 from __future__ import annotations
 
+import copy
 import json
 import pathlib
 import struct
@@ -124,8 +125,8 @@ def mutate(blob: bytes, ops: Sequence[tuple]) -> bytes:
             node = header
             for key in path[:-1]:
                 node = node[key]
-            if kind == "header":
-                node[path[-1]] = op[2]
+            if kind == "header":  # (a copy: a value set twice, or into itself, would make the header circular)
+                node[path[-1]] = copy.deepcopy(op[2])
             else:
                 del node[path[-1]]
         elif kind in ("flip", "byte", "insert", "cut") and data is not None:
@@ -144,7 +145,7 @@ def mutate(blob: bytes, ops: Sequence[tuple]) -> bytes:
             data = bytes(d)
         elif kind in ("body_flip", "body_byte"):
             if body is None:
-                body = bytearray(build_payload(header, data)[:-4] if header is not None else blob[:-4])
+                body = bytearray(_built(header, data, blob)[:-4])
             if not body:
                 continue
             pos = op[1] % len(body)
@@ -153,20 +154,21 @@ def mutate(blob: bytes, ops: Sequence[tuple]) -> bytes:
             else:
                 body[pos] = op[2] % 256
         elif kind == "truncate":
-            if body is not None:
-                full = _with_crc(bytes(body))
-            elif header is not None:
-                full = build_payload(header, data)
-            else:
-                full = blob
+            full = _with_crc(bytes(body)) if body is not None else _built(header, data, blob)
             return full[: op[1] % max(1, len(full))]
     if body is not None:
         return _with_crc(bytes(body))
+    return _built(header, data, blob)
+
+
+def _built(header: dict | None, data: bytes | None, blob: bytes) -> bytes:
+    """The payload of a mutated header and data; ``blob`` unmutated where there is no header, or where it holds a
+    value JSON cannot write."""
     if header is None:
         return blob
     try:
         return build_payload(header, data)
-    except (TypeError, ValueError):  # a value json cannot write: keep the blob unmutated
+    except (TypeError, ValueError):
         return blob
 
 
