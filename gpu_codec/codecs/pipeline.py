@@ -28,8 +28,8 @@ from typing import Any
 import numpy as np
 
 from ..backends.base import Backend, gathered, later
-from ..constants import TOGETHER_BATCH, TOGETHER_MOST
-from ..dtypes import index_dtype, value_dtype
+from ..constants import TOGETHER_BATCH, TOGETHER_MOST, index_itemsizes
+from ..dtypes import dtype_name, index_dtype, value_dtype
 from ..errors import (
     CodecConfigError,
     InvalidInputError,
@@ -39,7 +39,16 @@ from ..errors import (
     UnknownCodecError,
 )
 from ..format import BUFFER_DTYPES, TensorRecord
-from ..format.common import StreamedBuffer, open_stream
+from ..format.common import (
+    Columns,
+    FrameSlice,
+    StreamedBuffer,
+    bounded_decompress,
+    layout_nbytes,
+    open_stream,
+    same_keys,
+    same_str,
+)
 from ..xp.rice import MANY_BITS, rice_decode_many
 from .base import STAGES, Codec
 from .quantize import Quantize
@@ -208,6 +217,19 @@ class Pipeline:
         if enc != want:
             raise PayloadLayoutError(f"{where(rec)} is encoded {enc!r}; the payload's pipeline produces {want!r}")
 
+    def _together(self) -> bool:
+        """Whether records of this pipeline may be decoded a window at once (:func:`_decoded_many`): sparse zstd
+        records whose values are stored one by one (f32, f16, bf16) and whose indices are raw or Rice coded."""
+        vt = self.values.tag if self.values is not None else "f32"
+        it = self.indices.tag if self.indices is not None else "raw"
+        return (
+            self.bytes is not None
+            and self.bytes.encoding == "zstd"
+            and self._coded()
+            and vt in ("f32", "f16", "bf16")
+            and it in ("raw", "rice")
+        )
+
     def _check_forms(self, rec: TensorRecord) -> None:
         vt = self.values.tag if self.values is not None else "f32"
         it = self.indices.tag if self.indices is not None else "raw"
@@ -246,12 +268,22 @@ class Pipeline:
         is raised after the records before it are yielded, as one record at a time would."""
         layouts = wire_layouts()
         rice = isinstance(self.indices, RiceIndices)
+        together = self._together()
         pos = 0
         while pos < len(records):
+            ahead = RICE_WINDOW if rice else 1
+            if together:  # (small zstd records: a window's frames and entries decoded at once)
+                got = _decoded_many(self, records, pos, layouts, backend)
+                if got:
+                    yield from got
+                    pos += len(got)
+                    continue
+                if got is None:  # (the next record is not a small one: it alone, then the windows again)
+                    ahead = 1
             window: list = []  # the next records, as decoded (checked and unwrapped)
             failed = None
             entries = 0
-            for rec in records[pos : pos + (RICE_WINDOW if rice else 1)]:
+            for rec in records[pos : pos + ahead]:
                 try:
                     self._expect(rec)
                     if self.bytes is not None:
@@ -315,6 +347,115 @@ def _rice_many(window: list[TensorRecord]) -> dict[int, np.ndarray]:
         streams, [c["bits"] for c in codec], [c["k"] for c in codec], [r.nnz for r in recs], [r.numel for r in recs]
     )
     return {} if got is None else {id(r): i for r, i in zip(recs, got)}
+
+
+def _decoded_many(pipe: Pipeline, records: list, pos: int, layouts: Any, backend: Backend) -> list[Decoded] | None:
+    """The records from ``pos`` on, as many as make a window (at most RICE_WINDOW records of at most RICE_MOST
+    entries each, RICE_MANY entries in all), decoded at once on the host, each as :func:`_decoded` decodes a
+    record read from bytes: their frames read once (one range of a shared frame, or each record's frame), their
+    layouts by the rule's ``many``, their values decoded by one call, their Rice streams by
+    :func:`~gpu_codec.xp.rice.rice_decode_many`. None where fewer than two records make the window; empty where
+    any check of the one-by-one decode might fail (that decode then runs, and raises the error that names the
+    record)."""
+    window, entries = [], 0
+    for rec in records[pos : pos + RICE_WINDOW]:
+        n = rec.nnz
+        if type(n) is not int or not 0 <= n <= RICE_MOST or entries + n > RICE_MANY:
+            break
+        window.append(rec)
+        entries += n
+    if len(window) < 2:
+        return None
+    try:
+        return _decode_window(pipe, window, layouts, backend)
+    except (PayloadError, TypeError, ValueError, KeyError, OverflowError):
+        return []
+
+
+_WRAPPED = {"inner", "raw", "ic"}  # a zstd record's codec dict in a shared frame (its own frame: and "zbytes")
+
+
+def _decode_window(pipe: Pipeline, window: list, layouts: Any, backend: Backend) -> list[Decoded]:
+    """:func:`_decoded_many` of a window of records (raises, or returns [], where the window is not one it
+    decodes)."""
+    codecs = [r.codec for r in window]
+    if not (same_keys(codecs, _WRAPPED) or same_keys(codecs, {*_WRAPPED, "zbytes"})):
+        return []
+    for r in window:  # (encodings and forms the pipeline makes)
+        pipe._expect(r)
+    ics = [c["ic"] for c in codecs]
+    if set(map(type, ics)) != {dict} or not same_str([c.get("inner") for c in codecs], "sparse"):
+        return []
+    vt = pipe.values.tag if pipe.values is not None else "f32"
+    it = pipe.indices.tag if pipe.indices is not None else "raw"
+    if not (same_str([c.get("v") for c in ics], vt) and same_str([c.get("i") for c in ics], it)):
+        return []
+    dts = [r.dtype for r in window]
+    vds = set(map(value_dtype, dts))
+    if len(vds) != 1:
+        return []
+    nnz = [r.nnz for r in window]
+    numels = [r.numel for r in window]
+    num, nz = np.array(numels, np.int64), np.array(nnz, np.int64)
+    lay = layouts["sparse"].many(Columns(dts, num, nz, ics))
+    raws = [c["raw"] for c in codecs]
+    if lay is None or list(lay) != ["indices", "values"] or set(map(type, raws)) != {int}:
+        return []
+    if raws != layout_nbytes(lay, num).tolist():
+        return []
+    data = _window_bytes(window, raws)
+    if data is None:
+        return []
+    buf = np.frombuffer(data, np.uint8)
+    starts = np.cumsum(raws) - np.array(raws, np.int64)
+    (iallowed, icounts), (vallowed, vcounts) = lay["indices"], lay["values"]
+    isize = BUFFER_DTYPES[iallowed[0]].itemsize if len(iallowed) == 1 else index_itemsizes(num)
+    ibytes = icounts * isize
+    vdt = BUFFER_DTYPES[vallowed[0]]
+    vstart = (starts + ibytes).tolist()
+    vend = (starts + ibytes + vcounts * vdt.itemsize).tolist()
+    istart, iend = starts.tolist(), vstart
+    cpu = backend.host
+    vform = value_forms()[vt]
+    bits = np.concatenate([buf[a:b] for a, b in zip(vstart, vend)]).view(vdt)
+    with _quiet():
+        vals = cpu.as_values(vform.decode(window[0], {"values": bits}, int(nz.sum()), cpu), np.dtype(vds.pop()))
+    if it == "rice":
+        got = rice_decode_many(
+            [buf[a:b] for a, b in zip(istart, iend)], [c["bits"] for c in ics], [c["k"] for c in ics], nnz, numels
+        )
+        if got is None:
+            return []
+        idx = [x.astype(index_dtype(m), copy=False) for x, m in zip(got, numels)]
+    else:
+        idx = [buf[a:b].view(BUFFER_DTYPES[dtype_name(index_dtype(m))]) for a, b, m in zip(istart, iend, numels)]
+    cuts = np.cumsum(nz).tolist()
+    out = []
+    for r, i, a, b in zip(window, idx, [0, *cuts[:-1]], cuts):
+        v = vals[a:b]
+        head = (r.name, r.dtype, tuple(r.shape), r.nnz)
+        out.append(Decoded(*head, _slicer(v, backend), _slicer(i, backend), host=(i, v)))
+    return out
+
+
+def _window_bytes(window: list, raws: list[int]) -> Any:
+    """The window's records' raw bytes, back to back: one range of the shared frame that holds them all in order,
+    or each record's own frame decompressed (checked as a frame stream checks it); None where they are neither."""
+    frames = [r.frame for r in window]
+    if frames.count(None) == len(frames):
+        comp = [r.buffers.get("compressed") for r in window]
+        if not same_keys([dict(r.buffers) for r in window], {"compressed"}) or any(r.chunk is not None for r in window):
+            return None
+        if set(map(type, comp)) != {np.ndarray} or {a.dtype for a in comp} != {np.dtype(np.uint8)}:
+            return None
+        frames = [memoryview(np.ascontiguousarray(a)) for a in comp]
+        return b"".join(bounded_decompress(f, raw, where(r)) for f, raw, r in zip(frames, raws, window))
+    if set(map(type, frames)) != {FrameSlice} or len({id(f.frame) for f in frames}) != 1:
+        return None
+    offsets = [f.offset for f in frames]
+    if [f.nbytes for f in frames] != raws or any(a + n != b for a, n, b in zip(offsets, raws, offsets[1:])):
+        return None
+    return frames[0].frame.read(offsets[0], offsets[-1] + raws[-1], where(window[0]))
 
 
 @dataclass
