@@ -516,6 +516,35 @@ def test_both_writers_agree_on_broken_bytes_stage_records(pipe):
     assert {"ok", "InvalidInputError", "Unrepresentable"} <= results, results
 
 
+@pytest.mark.parametrize("pipe", sorted(PIPES))
+def test_a_bytes_stage_joins_each_records_buffers_as_record_by_record(pipe):
+    """wire.host_raws (the layouts of every record by the rule's many) against wire.host_raw record by record:
+    the same bytes, and the same refusal of a buffer shorter than its layout."""
+    from gpu_codec.codecs import wire
+    from gpu_codec.codecs.wire import host_raw, host_raws
+
+    rng = random.Random(pipe)
+    stages = [s for s in PIPES[pipe]() if not isinstance(s, Zstd)]
+    lay = wire_layouts()
+    for dense in (False, True):
+        dense = dense and pipe in ("f16+rice", "bf16")
+        gen = np.random.default_rng(rng.randrange(99))
+        u = {f"t{i}": gen.standard_normal(n).astype(np.float32) for i, n in enumerate([1, 90, 4000, 0])}
+        kept = [s for s in stages if not (dense and isinstance(s, RiceIndices))]
+        p = gpu_codec.compress(u, fraction=None if dense else 0.05, pipeline=kept)
+        recs, host = p.tensors, [dict(r.buffers) for r in p.tensors]
+        want = [host_raw(r, h, lay) for r, h in zip(recs, host)]
+        with pytest.MonkeyPatch.context() as m:
+            m.setattr(wire, "host_raw", None)  # (the layouts of all at once: no record by record)
+            assert host_raws(recs, host, lay) == want
+        role = next(iter(host[1]))
+        host[1][role] = host[1][role][:-1]
+        with pytest.raises(AssertionError, match="layout says"):
+            host_raw(recs[1], host[1], lay)
+        with pytest.raises(AssertionError, match="layout says"):
+            host_raws(recs, host, lay)
+
+
 UNWRAPPED = {
     "f16+rice alone": lambda: [Quantize("float16"), RiceIndices()],
     "int8 alone": lambda: [Int8Blockwise(8)],

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 
+from ..constants import index_itemsizes
 from ..errors import PayloadHeaderError, PayloadLayoutError
 from ..format import BASE_LAYOUTS, BUFFER_DTYPES, LayoutRule, TensorRecord
 from ..format.common import (
@@ -129,6 +130,38 @@ def host_raw(rec: TensorRecord, host: Mapping[str, np.ndarray], layouts: Mapping
             b if b.nbytes == n and b.flags.c_contiguous else np.ascontiguousarray(b).reshape(-1).view(np.uint8)[:n]
         )
     return b"".join(out)  # (NumPy arrays are bytes-like: joined without a copy of each)
+
+
+def host_raws(
+    records: list[TensorRecord], host: list[Mapping[str, np.ndarray]], layouts: Mapping[str, LayoutRule]
+) -> list[bytes]:
+    """:func:`host_raw` of every record: their layouts by the rule's ``many`` at once where the records share an
+    encoding whose rule has one, else record by record."""
+    encs = {r.encoding for r in records}
+    many = getattr(layouts.get(next(iter(encs))), "many", None) if len(encs) == 1 else None
+    lay = None
+    if many is not None:
+        numels = np.array([r.numel for r in records], np.int64)
+        nnz = np.array([r.nnz for r in records], np.int64)
+        lay = many(Columns([r.dtype for r in records], numels, nnz, [r.codec for r in records]))
+    if lay is None:
+        return [host_raw(rec, h, layouts) for rec, h in zip(records, host)]
+    nbytes = []  # each role's bytes, a record each
+    for allowed, counts in lay.values():
+        size = BUFFER_DTYPES[allowed[0]].itemsize if len(allowed) == 1 else index_itemsizes(numels)
+        nbytes.append((counts * size).tolist())
+    out = []
+    for rec, h, sizes in zip(records, host, zip(*nbytes)):
+        parts = []
+        for role, n in zip(lay, sizes):
+            b = h[role]
+            if b.nbytes < n:
+                raise AssertionError(f"{where(rec)}: buffer {role!r} has {b.nbytes} bytes, layout says {n}")
+            parts.append(
+                b if b.nbytes == n and b.flags.c_contiguous else np.ascontiguousarray(b).reshape(-1).view(np.uint8)[:n]
+            )
+        out.append(b"".join(parts))
+    return out
 
 
 def build_layouts(

@@ -33,7 +33,7 @@ from ..format import LayoutRule, TensorRecord
 from ..format.schema import Field
 from ..format.v2 import SHARED_FRAME_MAX
 from .base import BytesCodec, check_int
-from .wire import gather, host_raw
+from .wire import gather, host_raws
 
 
 def encode_wrapped(
@@ -50,7 +50,7 @@ def encode_wrapped(
         flat, sizes = gather(records, backend, layouts)
         parts = codec.compress_parts(flat, sizes, backend)
     else:
-        raws = [host_raw(rec, h, layouts) for rec, h in zip(records, host)]
+        raws = host_raws(records, host, layouts)
         sizes = [len(r) for r in raws]
         parts = codec.compress_host(raws)
         if sum(sizes) <= SHARED_FRAME_MAX:  # (the writer joins them into one shared frame: kept, not decompressed)
