@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import math
+import operator
 import re
 import struct
 import zlib
@@ -342,37 +343,47 @@ def _inner_of(rec: TensorRecord) -> TensorRecord:
 
 
 _WRAPPED_KEYS = {"inner", "ic", "raw", "zbytes"}  # a zstd record's codec dict, holding its own frame
-_FIELDS_OF = attrgetter("shape", "dtype", "nnz", "codec", "buffers", "buffer_dtypes", "frame", "chunk")
+_FIELDS_OF = attrgetter("encoding", "shape", "dtype", "nnz", "codec", "buffers", "buffer_dtypes", "frame", "chunk")
 _DTYPE_NAMES = frozenset(DTYPE_CODES)
 _SIZE = attrgetter("size")
 _IC, _INNER, _RAW, _ZBYTES, _COMPRESSED = map(itemgetter, ("ic", "inner", "raw", "zbytes", "compressed"))
 
 
-def _zstd_many(tensors: list[TensorRecord], tables: WireTables) -> tuple[list, list, list] | None:
-    """What :func:`plan`'s loop makes of a table of ``zstd`` records that each hold their own frame (a bytes
-    stage's output, not a shared frame's slices) and wrap one coded form: (forms, fields, zbytes), every check of
-    the loop made over the whole table (the layout rules' ``many``, :func:`_coded_forms`); None where any might
-    fail (the loop then runs, and raises what it raises). The same output with fewer calls:
-    tests/test_format_fast.py writes the same records through both."""
+def _coded_many(tensors: list[TensorRecord], tables: WireTables) -> tuple[list, list, list, list] | None:
+    """What :func:`plan`'s loop makes of a table of coded records of one form: ``sparse`` or ``dense_q`` records
+    with their buffers, or ``zstd`` records that wrap them and each hold their own frame (a bytes stage's output,
+    not a shared frame's slices). Returns (forms, fields, zbytes, the buffers written, in order), every check of the
+    loop made over the whole table (the layout rules' ``many``, :func:`_coded_forms`); None where any might fail
+    (the loop then runs, and raises what it raises). The same output with fewer calls: tests/test_format_fast.py
+    writes the same records through both."""
     n = len(tensors)
-    many = getattr(tables.get("zstd"), "many", None)
-    if many is None or not n:
+    enc = tensors[0].encoding if n else None
+    if enc not in ("zstd", "sparse", "dense_q"):
+        return None
+    many = getattr(tables.get(enc), "many", None)
+    if many is None:
         return None
     try:
-        shapes, dts, nnz, codecs, bufs, bdts, frames, chunks = zip(*map(_FIELDS_OF, tensors))
-        if set(map(type, shapes)) != {tuple} or max(map(len, shapes)) > MAX_NDIM:
+        encs, shapes, dts, nnz, codecs, bufs, bdts, frames, chunks = zip(*map(_FIELDS_OF, tensors))
+        if not same_str(list(encs), enc) or set(map(type, shapes)) != {tuple} or max(map(len, shapes)) > MAX_NDIM:
             return None
         dims = [d for s in shapes for d in s]
         if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) > MAX_TENSOR_ELEMENTS):
             return None
         if not set(dts) <= _DTYPE_NAMES or set(map(type, nnz)) != {int}:
             return None
-        if frames.count(None) != n or chunks.count(None) != n or not same_keys(list(codecs), _WRAPPED_KEYS):
+        if frames.count(None) != n or chunks.count(None) != n or set(map(type, bdts)) != {dict}:
             return None
-        inner = codecs[0]["inner"]
-        ics = list(map(_IC, codecs))
-        if inner not in ("sparse", "dense_q") or not same_str(list(map(_INNER, codecs)), inner):
-            return None
+        wrapped = enc == "zstd"
+        if wrapped:
+            if not same_keys(list(codecs), _WRAPPED_KEYS):
+                return None
+            inner = codecs[0]["inner"]
+            ics = list(map(_IC, codecs))
+            if inner not in ("sparse", "dense_q") or not same_str(list(map(_INNER, codecs)), inner):
+                return None
+        else:
+            inner, ics = enc, list(codecs)
         if set(map(type, ics)) != {dict}:
             return None
         numels = list(map(math.prod, shapes))
@@ -381,25 +392,52 @@ def _zstd_many(tensors: list[TensorRecord], tables: WireTables) -> tuple[list, l
             return None
         coded = _coded_forms(inner, ics, list(nnz), numels, tables)
         cols = Columns(list(dts), num, nz, list(codecs), list(chunks))
-        inner_many = getattr(tables.get(inner), "many", None)
-        lay, inner_lay = many(cols), inner_many(cols._replace(codecs=ics)) if inner_many is not None else None
-        if coded is None or lay is None or inner_lay is None or list(lay) != ["compressed"]:
+        inner_many = getattr(tables.get(inner), "many", None) if wrapped else many
+        inner_lay = inner_many(cols._replace(codecs=ics)) if inner_many is not None else None
+        if coded is None or inner_lay is None:
             return None
-        raw, zb = list(map(_RAW, codecs)), list(map(_ZBYTES, codecs))
-        if set(map(type, raw)) != {int} or not np.array_equal(np.array(raw, np.int64), layout_nbytes(inner_lay, num)):
-            return None
-        # each record's buffers: its compressed frame alone, uint8, as long as the layout says
-        if not same_keys(list(bufs), {"compressed"}) or set(map(type, bdts)) != {dict} or any(bdts):
-            return None
-        comp = list(map(_COMPRESSED, bufs))
-        if set(map(type, comp)) != {np.ndarray} or {a.dtype for a in comp} != {np.dtype(np.uint8)}:
-            return None
-        if not np.array_equal(np.fromiter(map(_SIZE, comp), np.int64, n), lay["compressed"][1]):
+        if wrapped:
+            lay = many(cols)
+            if lay is None or list(lay) != ["compressed"]:
+                return None
+            raw, zb = list(map(_RAW, codecs)), list(map(_ZBYTES, codecs))
+            if set(map(type, raw)) != {int}:
+                return None
+            if not np.array_equal(np.array(raw, np.int64), layout_nbytes(inner_lay, num)):
+                return None
+        else:
+            lay, zb = inner_lay, [c.get("zbytes") for c in codecs]
+        written = _laid_out(list(tensors), list(bufs), lay, num)
+        if written is None:
             return None
     except (TypeError, ValueError, OverflowError, Unrepresentable):
         return None
     form, fields = coded
-    return [("zstd", inner, *form)] * n, fields, zb
+    return [(enc, inner if wrapped else None, *form)] * n, fields, zb, [] if wrapped else written
+
+
+def _laid_out(tensors: list, bufs: list, lay: dict, num: np.ndarray) -> list | None:
+    """:func:`_check_buffers` of every record against its layout (a rule's ``many``): each record's buffers, in
+    layout order, one after another; None where any record's are not its layout's (its roles in order, each of the
+    count and dtype the layout says)."""
+    roles = list(lay)
+    if set(map(type, bufs)) != {dict} or not all(map(operator.eq, repeat(roles), map(list, bufs))):
+        return None
+    columns = []
+    for role, (allowed, counts) in lay.items():
+        arrays = list(map(itemgetter(role), bufs))
+        if len(allowed) == 1:
+            dts = [allowed[0]] * len(arrays)
+        else:  # (canonical_dtype: the index width follows the element count)
+            dts = ["uint32" if m <= _INDEX_BOUND else "uint64" for m in num.tolist()]
+        if list(map(buffer_dtype_name, arrays, tensors, repeat(role))) != dts:
+            return None
+        if list(map(int, map(_SIZE, arrays))) != counts.tolist():
+            return None
+        if [a.dtype.itemsize for a in arrays] != [BUFFER_DTYPES[d].itemsize for d in dts]:
+            return None
+        columns.append(arrays)
+    return [a for row in zip(*columns) for a in row]
 
 
 def _coded_forms(enc: str, ics: list, nnz: list[int], numels: list[int], tables: WireTables) -> tuple | None:
@@ -649,9 +687,11 @@ def plan(
     all_zstd = bool(tensors) and all(r.encoding == "zstd" for r in tensors)
     plain = {enc: layouts.get(enc) is rule for enc, rule in BASE_LAYOUTS.items()}
     plain_bytes, generic, zbytes = 0, [], []
-    fast = _zstd_many(tensors, layouts) if all_zstd else None
-    if fast is not None:  # (a bytes stage's records, checked over the whole table)
-        forms, fields, zbytes = fast
+    fast = _coded_many(tensors, layouts)
+    if fast is not None:  # (coded records of one form, checked over the whole table)
+        forms, fields, zbytes, written = fast
+        parts += written
+        generic += written
     for rec in tensors if fast is None else ():
         enc = rec.encoding
         if type(enc) is str and plain.get(enc):
