@@ -98,7 +98,9 @@ def _check_indices(d: Any, numel: int, xp: Any, chunk: int) -> None:
     """Every index of a sparse tensor in range and strictly ascending, before its output exists."""
     last = -1
     for a in range(0, d.nnz, chunk):
-        i = d.indices(a, min(a + chunk, d.nnz))
+        b = min(a + chunk, d.nnz)
+        i = d.indices(a, b)
+        _check_count(d, a, b, i, "indices")
         first, end = int(i[0]), int(i[-1])
         ok = first > last and end < numel and (i.size < 2 or bool(xp.all(i[1:] > i[:-1])))
         if not ok:
@@ -107,6 +109,13 @@ def _check_indices(d: Any, numel: int, xp: Any, chunk: int) -> None:
                 "repeated or not increasing; nothing was decoded"
             )
         last = end
+
+
+def _check_count(d: Any, a: int, b: int, x: Any, what: str) -> None:
+    """Entries ``[a, b)`` of tensor ``d`` decoded to as many ``what`` (a record's buffer shorter or longer than its
+    nnz, in a payload made by hand, decodes to another count)."""
+    if x.size != b - a:
+        raise PayloadIndexError(f"tensor {d.name!r}: entries [{a}, {b}) decode to {x.size} {what}")
 
 
 def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, int], out_of: Any) -> Any:
@@ -130,6 +139,7 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
     for a in range(0, d.nnz, step):
         b = min(a + step, d.nnz)
         vals = d.values(a, b)
+        _check_count(d, a, b, vals, "values")
         finite = True
         if dense:
             idx = None
@@ -202,7 +212,9 @@ def _decode_one_deferred(d: Any, base: Tensor | None, backend: Any, bounds: tupl
         for a in range(0, d.nnz, step):
             b = min(a + step, d.nnz)
             part = None if base_arr is None else base_arr[a:b]
-            checks.word(backend.dense_apply([out[a:b]], [code], [part], [d.values(a, b)], mode, defer=True))
+            vals = d.values(a, b)
+            _check_count(d, a, b, vals, "values")  # (sizes: known on the host, no wait)
+            checks.word(backend.dense_apply([out[a:b]], [code], [part], [vals], mode, defer=True))
             if mode == ScatterMode.ADD:
                 checks.flag(some_nonfinite(out[a:b], code, xp))
         return
@@ -211,8 +223,10 @@ def _decode_one_deferred(d: Any, base: Tensor | None, backend: Any, bounds: tupl
     last = None
     for a in range(0, d.nnz, step):
         b = min(a + step, d.nnz)
-        idx = d.indices(a, b)
-        checks.word(backend.scatter([out], [code], [numel], [idx], [d.values(a, b)], mode, defer=True))
+        idx, vals = d.indices(a, b), d.values(a, b)
+        _check_count(d, a, b, idx, "indices")
+        _check_count(d, a, b, vals, "values")
+        checks.word(backend.scatter([out], [code], [numel], [idx], [vals], mode, defer=True))
         if last is not None:  # each chunk's entries after the last chunk's (the scatter checks within a chunk)
             checks.flag(idx[0] <= last)
         last = idx[-1]
@@ -329,16 +343,23 @@ def _decode_run(
     False where an index or value is bad or a sum not finite: the caller then decodes them one by one, which
     raises the error that names the tensor. With ``checks`` (:class:`DeviceChecks`) nothing is read back: the
     checks are left there, and the result is True."""
-    return _apply_joined(join_run(run, offsets, backend), flat_of, offsets, bases, logical, backend, checks)
+    joined = join_run(run, offsets, backend)
+    return _apply_joined(joined, [d.nnz for d in run], flat_of, offsets, bases, logical, backend, checks)
 
 
 def _apply_joined(
-    joined: Any, flat_of: Any, offsets: list[int], bases: list, logical: str, backend: Any, checks: Any
+    joined: Any, nnz: list[int], flat_of: Any, offsets: list[int], bases: list, logical: str, backend: Any, checks: Any
 ) -> bool:
-    """:func:`_decode_run` of a run's joined entries (:func:`join_entries`)."""
+    """:func:`_decode_run` of a run's joined entries (:func:`join_entries`); False (nothing written) where the
+    tensors' entries are not ``nnz`` indices and values each (a buffer of a payload made by hand)."""
     gi = vals = None
-    if joined is not None:
-        gi, vals, _, ok = joined
+    if joined is None:
+        if any(nnz):
+            return False
+    else:
+        gi, vals, counts, ok = joined
+        if counts != nnz or int(vals.size) != sum(counts):
+            return False
         if checks is not None:
             checks.flag(~ok)
         elif not bool(ok):
@@ -596,7 +617,8 @@ def _decode_all(
             ok = _dense_run([d for _, d in run], flat_of, offsets, bs, lg, backend, checks)
         elif plain is not None:  # (the entries as they lie in the buffers: no decoder)
             joined = join_plain(plain, records, first, last + 1, offsets, backend)
-            ok = _apply_joined(joined, flat_of, offsets, bs, lg, backend, checks)
+            nnz = [r.nnz for r in records[first : last + 1]]
+            ok = _apply_joined(joined, nnz, flat_of, offsets, bs, lg, backend, checks)
         else:
             ok = _decode_run([d for _, d in run], flat_of, offsets, bs, lg, backend, checks)
         if not ok:

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..backends.base import Backend, gathered, later
-from ..constants import TOGETHER_BATCH, TOGETHER_MOST, index_itemsizes
+from ..constants import TOGETHER_BATCH, TOGETHER_MOST
 from ..dtypes import dtype_name, index_dtype, value_dtype
 from ..errors import (
     CodecConfigError,
@@ -44,6 +44,7 @@ from ..format.common import (
     FrameSlice,
     StreamedBuffer,
     bounded_decompress,
+    buffer_dtype_name,
     layout_nbytes,
     open_stream,
     same_keys,
@@ -218,13 +219,13 @@ class Pipeline:
             raise PayloadLayoutError(f"{where(rec)} is encoded {enc!r}; the payload's pipeline produces {want!r}")
 
     def _together(self) -> bool:
-        """Whether records of this pipeline may be decoded a window at once (:func:`_decoded_many`): sparse zstd
-        records whose values are stored one by one (f32, f16, bf16) and whose indices are raw or Rice coded."""
+        """Whether records of this pipeline may be decoded a window at once (:func:`_decoded_many`): sparse records
+        (alone or in zstd records) whose values are stored one by one (f32, f16, bf16) and whose indices are raw
+        or Rice coded."""
         vt = self.values.tag if self.values is not None else "f32"
         it = self.indices.tag if self.indices is not None else "raw"
         return (
-            self.bytes is not None
-            and self.bytes.encoding == "zstd"
+            (self.bytes is None or self.bytes.encoding == "zstd")
             and self._coded()
             and vt in ("f32", "f16", "bf16")
             and it in ("raw", "rice")
@@ -272,7 +273,7 @@ class Pipeline:
         pos = 0
         while pos < len(records):
             ahead = RICE_WINDOW if rice else 1
-            if together:  # (small zstd records: a window's frames and entries decoded at once)
+            if together:  # (small records: a window's frames and entries decoded at once)
                 got = _decoded_many(self, records, pos, layouts, backend)
                 if got:
                     yield from got
@@ -352,8 +353,9 @@ def _rice_many(window: list[TensorRecord]) -> dict[int, np.ndarray]:
 def _decoded_many(pipe: Pipeline, records: list, pos: int, layouts: Any, backend: Backend) -> list[Decoded] | None:
     """The records from ``pos`` on, as many as make a window (at most RICE_WINDOW records of at most RICE_MOST
     entries each, RICE_MANY entries in all), decoded at once on the host, each as :func:`_decoded` decodes a
-    record read from bytes: their frames read once (one range of a shared frame, or each record's frame), their
-    layouts by the rule's ``many``, their values decoded by one call, their Rice streams by
+    record read from bytes: their frames read once (one range of a shared frame, or each record's frame; records
+    without a bytes stage: their own buffers), their layouts by the rule's ``many``, their values decoded by one
+    call, their Rice streams by
     :func:`~gpu_codec.xp.rice.rice_decode_many`. None where fewer than two records make the window; empty where
     any check of the one-by-one decode might fail (that decode then runs, and raises the error that names the
     record)."""
@@ -379,12 +381,13 @@ def _decode_window(pipe: Pipeline, window: list, layouts: Any, backend: Backend)
     """:func:`_decoded_many` of a window of records (raises, or returns [], where the window is not one it
     decodes)."""
     codecs = [r.codec for r in window]
-    if not (same_keys(codecs, _WRAPPED) or same_keys(codecs, {*_WRAPPED, "zbytes"})):
+    wrapped = pipe.bytes is not None
+    if wrapped and not (same_keys(codecs, _WRAPPED) or same_keys(codecs, {*_WRAPPED, "zbytes"})):
         return []
     for r in window:  # (encodings and forms the pipeline makes)
         pipe._expect(r)
-    ics = [c["ic"] for c in codecs]
-    if set(map(type, ics)) != {dict} or not same_str([c.get("inner") for c in codecs], "sparse"):
+    ics = [c["ic"] for c in codecs] if wrapped else codecs
+    if set(map(type, ics)) != {dict} or (wrapped and not same_str([c.get("inner") for c in codecs], "sparse")):
         return []
     vt = pipe.values.tag if pipe.values is not None else "f32"
     it = pipe.indices.tag if pipe.indices is not None else "raw"
@@ -398,37 +401,27 @@ def _decode_window(pipe: Pipeline, window: list, layouts: Any, backend: Backend)
     numels = [r.numel for r in window]
     num, nz = np.array(numels, np.int64), np.array(nnz, np.int64)
     lay = layouts["sparse"].many(Columns(dts, num, nz, ics))
-    raws = [c["raw"] for c in codecs]
-    if lay is None or list(lay) != ["indices", "values"] or set(map(type, raws)) != {int}:
+    if lay is None or list(lay) != ["indices", "values"]:
         return []
-    if raws != layout_nbytes(lay, num).tolist():
-        return []
-    data = _window_bytes(window, raws)
-    if data is None:
-        return []
-    buf = np.frombuffer(data, np.uint8)
-    starts = np.cumsum(raws) - np.array(raws, np.int64)
     (iallowed, icounts), (vallowed, vcounts) = lay["indices"], lay["values"]
-    isize = BUFFER_DTYPES[iallowed[0]].itemsize if len(iallowed) == 1 else index_itemsizes(num)
-    ibytes = icounts * isize
-    vdt = BUFFER_DTYPES[vallowed[0]]
-    vstart = (starts + ibytes).tolist()
-    vend = (starts + ibytes + vcounts * vdt.itemsize).tolist()
-    istart, iend = starts.tolist(), vstart
+    idts = [iallowed[0]] * len(window) if len(iallowed) == 1 else [dtype_name(index_dtype(m)) for m in numels]
+    vname, vdt = vallowed[0], BUFFER_DTYPES[vallowed[0]]
+    got = _window_parts(window, codecs, lay, num, idts, vdt) if wrapped else _own_parts(window, icounts, idts, vname)
+    if got is None:
+        return []
+    ibufs, bits = got
+    if bits.size != int(vcounts.sum()):
+        return []
     cpu = backend.host
-    vform = value_forms()[vt]
-    bits = np.concatenate([buf[a:b] for a, b in zip(vstart, vend)]).view(vdt)
     with _quiet():
-        vals = cpu.as_values(vform.decode(window[0], {"values": bits}, int(nz.sum()), cpu), np.dtype(vds.pop()))
+        vals = cpu.as_values(value_forms()[vt].decode(window[0], {"values": bits}, bits.size, cpu), np.dtype(vds.pop()))
     if it == "rice":
-        got = rice_decode_many(
-            [buf[a:b] for a, b in zip(istart, iend)], [c["bits"] for c in ics], [c["k"] for c in ics], nnz, numels
-        )
+        got = rice_decode_many(ibufs, [c["bits"] for c in ics], [c["k"] for c in ics], nnz, numels)
         if got is None:
             return []
         idx = [x.astype(index_dtype(m), copy=False) for x, m in zip(got, numels)]
     else:
-        idx = [buf[a:b].view(BUFFER_DTYPES[dtype_name(index_dtype(m))]) for a, b, m in zip(istart, iend, numels)]
+        idx = [x.astype(index_dtype(m), copy=False) for x, m in zip(ibufs, numels)]
     cuts = np.cumsum(nz).tolist()
     out = []
     for r, i, a, b in zip(window, idx, [0, *cuts[:-1]], cuts):
@@ -436,6 +429,47 @@ def _decode_window(pipe: Pipeline, window: list, layouts: Any, backend: Backend)
         head = (r.name, r.dtype, tuple(r.shape), r.nnz)
         out.append(Decoded(*head, _slicer(v, backend), _slicer(i, backend), host=(i, v)))
     return out
+
+
+def _window_parts(window: list, codecs: list, lay: dict, num: np.ndarray, idts: list, vdt: np.dtype) -> tuple | None:
+    """Zstd records: (each record's index buffer, every record's value buffer joined), cut from their raw bytes
+    (:func:`_window_bytes`) by the layout; None where their raw sizes are not the layout's or their frames are not
+    read here."""
+    raws = [c["raw"] for c in codecs]
+    if set(map(type, raws)) != {int} or raws != layout_nbytes(lay, num).tolist():
+        return None
+    data = _window_bytes(window, raws)
+    if data is None:
+        return None
+    buf = np.frombuffer(data, np.uint8)
+    starts = np.cumsum(raws) - np.array(raws, np.int64)
+    ibytes = lay["indices"][1] * np.array([BUFFER_DTYPES[d].itemsize for d in idts], np.int64)
+    vstart = (starts + ibytes).tolist()
+    vend = (starts + ibytes + lay["values"][1] * vdt.itemsize).tolist()
+    ibufs = [buf[a:b].view(BUFFER_DTYPES[d]) for a, b, d in zip(starts.tolist(), vstart, idts)]
+    return ibufs, np.concatenate([buf[a:b] for a, b in zip(vstart, vend)]).view(vdt)
+
+
+def _own_parts(window: list, icounts: np.ndarray, idts: list, vname: str) -> tuple | None:
+    """Records with their own buffers (no bytes stage): (each record's index buffer, every record's value buffer
+    joined); None where a record's buffers are not host arrays of its layout's roles, dtypes and sizes."""
+    bufs = [r.buffers for r in window]
+    if set(map(type, bufs)) != {dict} or not all(list(b) == ["indices", "values"] for b in bufs):
+        return None
+    ibufs, vbufs = [b["indices"] for b in bufs], [b["values"] for b in bufs]
+    if set(map(type, ibufs)) | set(map(type, vbufs)) != {np.ndarray} or len({a.dtype for a in vbufs}) != 1:
+        return None
+    vdt = BUFFER_DTYPES[vname]
+    if vbufs[0].dtype.itemsize != vdt.itemsize or [a.size for a in ibufs] != icounts.tolist():
+        return None
+    # the dtypes each buffer holds (a name the record stores, as fp16 bits in uint16, or the array's own)
+    if {buffer_dtype_name(a, r, "values") for a, r in zip(vbufs, window)} != {vname}:
+        return None
+    if [buffer_dtype_name(a, r, "indices") for a, r in zip(ibufs, window)] != idts:
+        return None
+    if [a.dtype.itemsize for a in ibufs] != [BUFFER_DTYPES[d].itemsize for d in idts]:
+        return None
+    return [a.view(BUFFER_DTYPES[d]) for a, d in zip(ibufs, idts)], np.concatenate(vbufs).view(vdt)
 
 
 def _window_bytes(window: list, raws: list[int]) -> Any:

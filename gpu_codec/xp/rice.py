@@ -58,6 +58,8 @@ def rice_decode(stream: Any, bits: int, k: int, nnz: int, numel: int, xp: Any = 
     """
     if not (0 <= k <= MAX_K) or bits < nnz * (k + 1) or bits > max_bits(nnz, numel, k):
         raise PayloadLayoutError(f"Rice stream of {bits} bits cannot hold {nnz} indices of {numel} with k={k}")
+    if stream.dtype != np.uint8 or stream.ndim != 1:  # (a buffer of a payload made by hand)
+        raise PayloadLayoutError(f"Rice stream is {stream.ndim}-D {stream.dtype}, not bytes")
     if int(stream.size) != -(-bits // 8):
         raise PayloadLayoutError(f"Rice stream is {int(stream.size)} bytes, {bits} bits need {-(-bits // 8)}")
     if nnz == 0:
