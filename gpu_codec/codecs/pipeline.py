@@ -29,7 +29,7 @@ import numpy as np
 
 from ..backends.base import Backend, gathered, later
 from ..constants import TOGETHER_BATCH, TOGETHER_MOST
-from ..dtypes import dtype_name, index_dtype, value_dtype
+from ..dtypes import index_dtype, value_dtype
 from ..errors import (
     CodecConfigError,
     InvalidInputError,
@@ -44,9 +44,10 @@ from ..format.common import (
     FrameSlice,
     StreamedBuffer,
     bounded_decompress,
-    buffer_dtype_name,
-    layout_nbytes,
+    canonical_dtypes,
+    laid_out,
     open_stream,
+    role_nbytes,
     same_keys,
     same_str,
 )
@@ -126,6 +127,16 @@ class Pipeline:
     def _coded(self) -> bool:
         return self.values is not None or self.indices is not None
 
+    @property
+    def _value_tag(self) -> str:
+        """The value form this pipeline's records carry (``f32`` without a value stage)."""
+        return self.values.tag if self.values is not None else "f32"
+
+    @property
+    def _index_tag(self) -> str:
+        """The index form of its sparse records (``raw`` without an index stage)."""
+        return self.indices.tag if self.indices is not None else "raw"
+
     def plain(self) -> bool:
         """No stage after top-k: its records are ``coo`` / ``dense`` buffers as the selection wrote them."""
         return not self._coded() and self.bytes is None
@@ -178,7 +189,7 @@ class Pipeline:
             for r, (vf, vb, vd), (inf, ib, idt) in zip(records, vparts, iparts):
                 codec = {"v": vc.tag, **vf}
                 if not dense:
-                    codec.update({"i": self.indices.tag if self.indices is not None else "raw", **inf})
+                    codec.update({"i": self._index_tag, **inf})
                 out.append(
                     TensorRecord(
                         r.name,
@@ -222,8 +233,7 @@ class Pipeline:
         """Whether records of this pipeline may be decoded a window at once (:func:`_decoded_many`): sparse records
         (alone or in zstd records) whose values are stored one by one (f32, f16, bf16) and whose indices are raw
         or Rice coded."""
-        vt = self.values.tag if self.values is not None else "f32"
-        it = self.indices.tag if self.indices is not None else "raw"
+        vt, it = self._value_tag, self._index_tag
         return (
             (self.bytes is None or self.bytes.encoding == "zstd")
             and self._coded()
@@ -232,8 +242,7 @@ class Pipeline:
         )
 
     def _check_forms(self, rec: TensorRecord) -> None:
-        vt = self.values.tag if self.values is not None else "f32"
-        it = self.indices.tag if self.indices is not None else "raw"
+        vt, it = self._value_tag, self._index_tag
         if rec.codec.get("v") != vt or (rec.encoding == "sparse" and rec.codec.get("i") != it):
             raise PayloadLayoutError(
                 f"{where(rec)} holds values {rec.codec.get('v')!r} / indices "
@@ -389,8 +398,7 @@ def _decode_window(pipe: Pipeline, window: list, layouts: Any, backend: Backend)
     ics = [c["ic"] for c in codecs] if wrapped else codecs
     if set(map(type, ics)) != {dict} or (wrapped and not same_str([c.get("inner") for c in codecs], "sparse")):
         return []
-    vt = pipe.values.tag if pipe.values is not None else "f32"
-    it = pipe.indices.tag if pipe.indices is not None else "raw"
+    vt, it = pipe._value_tag, pipe._index_tag
     if not (same_str([c.get("v") for c in ics], vt) and same_str([c.get("i") for c in ics], it)):
         return []
     dts = [r.dtype for r in window]
@@ -403,10 +411,9 @@ def _decode_window(pipe: Pipeline, window: list, layouts: Any, backend: Backend)
     lay = layouts["sparse"].many(Columns(dts, num, nz, ics))
     if lay is None or list(lay) != ["indices", "values"]:
         return []
-    (iallowed, icounts), (vallowed, vcounts) = lay["indices"], lay["values"]
-    idts = [iallowed[0]] * len(window) if len(iallowed) == 1 else [dtype_name(index_dtype(m)) for m in numels]
-    vname, vdt = vallowed[0], BUFFER_DTYPES[vallowed[0]]
-    got = _window_parts(window, codecs, lay, num, idts, vdt) if wrapped else _own_parts(window, icounts, idts, vname)
+    (iallowed, _), (vallowed, vcounts) = lay["indices"], lay["values"]
+    idts, vdt = canonical_dtypes(iallowed, numels), BUFFER_DTYPES[vallowed[0]]
+    got = _window_parts(window, codecs, lay, num, idts, vdt) if wrapped else _own_parts(window, lay, num, idts, vdt)
     if got is None:
         return []
     ibufs, bits = got
@@ -436,39 +443,30 @@ def _window_parts(window: list, codecs: list, lay: dict, num: np.ndarray, idts: 
     (:func:`_window_bytes`) by the layout; None where their raw sizes are not the layout's or their frames are not
     read here."""
     raws = [c["raw"] for c in codecs]
-    if set(map(type, raws)) != {int} or raws != layout_nbytes(lay, num).tolist():
+    ibytes, vbytes = role_nbytes(lay, num)
+    if set(map(type, raws)) != {int} or raws != (ibytes + vbytes).tolist():
         return None
     data = _window_bytes(window, raws)
     if data is None:
         return None
     buf = np.frombuffer(data, np.uint8)
     starts = np.cumsum(raws) - np.array(raws, np.int64)
-    ibytes = lay["indices"][1] * np.array([BUFFER_DTYPES[d].itemsize for d in idts], np.int64)
     vstart = (starts + ibytes).tolist()
-    vend = (starts + ibytes + lay["values"][1] * vdt.itemsize).tolist()
+    vend = (starts + ibytes + vbytes).tolist()
     ibufs = [buf[a:b].view(BUFFER_DTYPES[d]) for a, b, d in zip(starts.tolist(), vstart, idts)]
     return ibufs, np.concatenate([buf[a:b] for a, b in zip(vstart, vend)]).view(vdt)
 
 
-def _own_parts(window: list, icounts: np.ndarray, idts: list, vname: str) -> tuple | None:
+def _own_parts(window: list, lay: dict, num: np.ndarray, idts: list, vdt: np.dtype) -> tuple | None:
     """Records with their own buffers (no bytes stage): (each record's index buffer, every record's value buffer
-    joined); None where a record's buffers are not host arrays of its layout's roles, dtypes and sizes."""
-    bufs = [r.buffers for r in window]
-    if set(map(type, bufs)) != {dict} or not all(list(b) == ["indices", "values"] for b in bufs):
+    joined); None where a record's buffers are not host arrays of its layout's roles, dtypes and sizes
+    (:func:`~gpu_codec.format.common.laid_out`)."""
+    columns = laid_out(window, [r.buffers for r in window], lay, num)
+    if columns is None:
         return None
-    ibufs, vbufs = [b["indices"] for b in bufs], [b["values"] for b in bufs]
+    ibufs, vbufs = columns
     if set(map(type, ibufs)) | set(map(type, vbufs)) != {np.ndarray} or len({a.dtype for a in vbufs}) != 1:
-        return None
-    vdt = BUFFER_DTYPES[vname]
-    if vbufs[0].dtype.itemsize != vdt.itemsize or [a.size for a in ibufs] != icounts.tolist():
-        return None
-    # the dtypes each buffer holds (a name the record stores, as fp16 bits in uint16, or the array's own)
-    if {buffer_dtype_name(a, r, "values") for a, r in zip(vbufs, window)} != {vname}:
-        return None
-    if [buffer_dtype_name(a, r, "indices") for a, r in zip(ibufs, window)] != idts:
-        return None
-    if [a.dtype.itemsize for a in ibufs] != [BUFFER_DTYPES[d].itemsize for d in idts]:
-        return None
+        return None  # (values of one dtype: fp16 bits as float16 or uint16, joined as they are)
     return [a.view(BUFFER_DTYPES[d]) for a, d in zip(ibufs, idts)], np.concatenate(vbufs).view(vdt)
 
 

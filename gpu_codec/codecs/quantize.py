@@ -74,7 +74,7 @@ def _int8_many(cols, n):  # (Form.many: check_block's range, over the table)
     blocks = [c.get("block") for c in cols.codecs]
     if set(map(type, blocks)) != {int} or not 1 <= min(blocks) <= max(blocks) <= MAX_BLOCK:
         return None
-    return {"values": (("int8",), n), "scales": (("float32",), -(-n // np.array(blocks, np.int64)))}
+    return {"values": (("int8",), n), "scales": (("float32",), n_blocks(n, np.array(blocks, np.int64)))}
 
 
 def _int8_part(rec, bufs, a, b):

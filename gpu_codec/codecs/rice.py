@@ -25,7 +25,7 @@ from ..cpu_fallback import rice as _rice
 from ..errors import PayloadHeaderError
 from ..format.schema import Field
 from .base import Form, IndexCodec
-from .wire import is_int, where
+from .wire import is_int, n_blocks, where
 
 MAX_BITS = 1 << 62  # a Rice bit count's bound in the table (the layout checks the real one, from nnz and numel)
 
@@ -75,7 +75,7 @@ def _rice_many(cols, n):
     hi = np.where(n > 0, lo + (np.maximum(cols.numels - n, 0) >> k), 0)  # (max_bits; nothing kept: no stream)
     if not ((lo <= b) & (b <= hi)).all():
         return None
-    return {"indices": (("uint8",), -(-b // 8))}
+    return {"indices": (("uint8",), n_blocks(b, 8))}
 
 
 def _rice_decode(rec, bufs, n, backend):

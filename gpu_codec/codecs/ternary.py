@@ -55,7 +55,7 @@ def _layout(rec, n):
 def _many(cols, n):  # (Form.many)
     if not all(_mu_ok(c.get("mu")) for c in cols.codecs):
         return None
-    return {"signs": (("uint8",), -(-n // 8))}
+    return {"signs": (("uint8",), n_blocks(n, 8))}
 
 
 def _part(rec, bufs, a, b):

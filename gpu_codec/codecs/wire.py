@@ -22,13 +22,12 @@ that is not what the inner encoding implies), so nothing is read from a buffer t
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
-from ..constants import index_itemsizes
 from ..errors import PayloadHeaderError, PayloadLayoutError
 from ..format import BASE_LAYOUTS, BUFFER_DTYPES, LayoutRule, TensorRecord
 from ..format.common import (
@@ -38,6 +37,7 @@ from ..format.common import (
     compress_bound,
     frames_bound,
     layout_nbytes,
+    role_nbytes,
     same_keys,
     same_str,
 )
@@ -120,9 +120,14 @@ def gather(records: list[TensorRecord], backend: Any, layouts: Mapping[str, Layo
 def host_raw(rec: TensorRecord, host: Mapping[str, np.ndarray], layouts: Mapping[str, LayoutRule]) -> bytes:
     """A record's buffers concatenated in layout order, from their host copies ``host`` (by role; each at least
     its layout's bytes long: a copy may run past them, as a Rice stream placed before its bit count was read)."""
+    sizes = [(role, count * BUFFER_DTYPES[dt].itemsize) for role, dt, count in raw_layout(rec, layouts)]
+    return _joined(rec, host, sizes)
+
+
+def _joined(rec: TensorRecord, host: Mapping[str, np.ndarray], sizes: Iterable[tuple[str, int]]) -> bytes:
+    """The first ``n`` bytes of each buffer ``role`` of ``host``, for each ``(role, n)`` of ``sizes``, joined."""
     out = []
-    for role, dt, count in raw_layout(rec, layouts):
-        n = count * BUFFER_DTYPES[dt].itemsize
+    for role, n in sizes:
         b = host[role]
         if b.nbytes < n:
             raise AssertionError(f"{where(rec)}: buffer {role!r} has {b.nbytes} bytes, layout says {n}")
@@ -146,22 +151,8 @@ def host_raws(
         lay = many(Columns([r.dtype for r in records], numels, nnz, [r.codec for r in records]))
     if lay is None:
         return [host_raw(rec, h, layouts) for rec, h in zip(records, host)]
-    nbytes = []  # each role's bytes, a record each
-    for allowed, counts in lay.values():
-        size = BUFFER_DTYPES[allowed[0]].itemsize if len(allowed) == 1 else index_itemsizes(numels)
-        nbytes.append((counts * size).tolist())
-    out = []
-    for rec, h, sizes in zip(records, host, zip(*nbytes)):
-        parts = []
-        for role, n in zip(lay, sizes):
-            b = h[role]
-            if b.nbytes < n:
-                raise AssertionError(f"{where(rec)}: buffer {role!r} has {b.nbytes} bytes, layout says {n}")
-            parts.append(
-                b if b.nbytes == n and b.flags.c_contiguous else np.ascontiguousarray(b).reshape(-1).view(np.uint8)[:n]
-            )
-        out.append(b"".join(parts))
-    return out
+    nbytes = [x.tolist() for x in role_nbytes(lay, numels)]  # each role's bytes, a record each
+    return [_joined(rec, h, zip(lay, sizes)) for rec, h, sizes in zip(records, host, zip(*nbytes))]
 
 
 def build_layouts(

@@ -331,21 +331,68 @@ def same_str(values: list, want: Any) -> bool:
     return type(want) is str and set(map(type, values)) == {str} and values.count(want) == len(values)
 
 
+def canonical_dtypes(allowed: tuple[str, ...], numels: list[int]) -> list[str]:
+    """:func:`canonical_dtype` of a buffer of each of many records (their element counts ``numels``).
+
+    >>> canonical_dtypes(("uint32", "uint64"), [10, 1 << 33]), canonical_dtypes(("float16",), [10, 1 << 33])
+    (['uint32', 'uint64'], ['float16', 'float16'])
+    """
+    if len(allowed) == 1:
+        return [allowed[0]] * len(numels)
+    return [dtype_name(index_dtype(m)) for m in numels]
+
+
+def laid_out(records: list, bufs: list, layout: dict, numels: np.ndarray) -> list[list] | None:
+    """The check of each record's buffers (``bufs``, a dict each) against its layout (a rule's ``many``): each
+    role's buffers, a record each, in the layout's order; None where any record's are not its layout's (its roles,
+    in order, each of the count and dtype the layout says: a stored dtype name, or the array's own).
+
+    >>> r = TensorRecord("a", "float32", (4,), "coo", 2, {})
+    >>> lay = {"indices": (("uint32", "uint64"), np.array([2])), "values": (("float32",), np.array([2]))}
+    >>> [len(c) for c in laid_out([r], [{"indices": np.zeros(2, np.uint32), "values": np.ones(2, np.float32)}],
+    ...                           lay, np.array([4]))]
+    [1, 1]
+    >>> laid_out([r], [{"values": np.ones(2, np.float32), "indices": np.zeros(2, np.uint32)}], lay, np.array([4]))
+    """
+    roles = list(layout)
+    if set(map(type, bufs)) != {dict} or not all(map(operator.eq, repeat(roles), map(list, bufs))):
+        return None
+    columns = []
+    for role, (allowed, counts) in layout.items():
+        arrays = [b[role] for b in bufs]
+        dts = canonical_dtypes(allowed, numels.tolist())
+        if list(map(buffer_dtype_name, arrays, records, repeat(role))) != dts:
+            return None
+        if [int(a.size) for a in arrays] != counts.tolist():
+            return None
+        if [a.dtype.itemsize for a in arrays] != [BUFFER_DTYPES[d].itemsize for d in dts]:
+            return None
+        columns.append(arrays)
+    return columns
+
+
+def role_nbytes(layout: dict[str, tuple[tuple[str, ...], np.ndarray]], numels: np.ndarray) -> list[np.ndarray]:
+    """Each role's bytes, a record each, under the layout a rule's ``many`` gave (each buffer of its
+    :func:`canonical_dtype`): int64 arrays, in the layout's order.
+
+    >>> [x.tolist() for x in role_nbytes({"indices": (("uint32", "uint64"), np.array([3, 3])),
+    ...                                   "values": (("float16",), np.array([3, 3]))}, np.array([10, 1 << 33]))]
+    [[12, 24], [6, 6]]
+    """
+    return [
+        counts * (BUFFER_DTYPES[allowed[0]].itemsize if len(allowed) == 1 else index_itemsizes(numels))
+        for allowed, counts in layout.values()
+    ]  # (an index's width follows the element count)
+
+
 def layout_nbytes(layout: dict[str, tuple[tuple[str, ...], np.ndarray]], numels: np.ndarray) -> np.ndarray:
-    """Each record's bytes under the layout a rule's ``many`` gave (each buffer of its :func:`canonical_dtype`):
-    an int64 array.
+    """Each record's bytes under the layout a rule's ``many`` gave (:func:`role_nbytes`, summed): an int64 array.
 
     >>> layout_nbytes({"indices": (("uint32", "uint64"), np.array([3, 3])), "values": (("float16",), np.array([3, 3]))},
     ...               np.array([10, 1 << 33])).tolist()
     [18, 30]
     """
-    total = np.zeros(len(numels), np.int64)
-    for allowed, counts in layout.values():
-        if len(allowed) == 1:
-            total += counts * BUFFER_DTYPES[allowed[0]].itemsize
-        else:  # (an index's width follows the element count)
-            total += counts * index_itemsizes(numels)
-    return total
+    return sum(role_nbytes(layout, numels), np.zeros(len(numels), np.int64))
 
 
 def buffer_dtype_name(a: Any, rec: TensorRecord, role: str) -> str:

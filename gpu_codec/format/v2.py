@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import functools
 import math
-import operator
 import re
 import struct
 import zlib
@@ -74,6 +73,7 @@ from .common import (
     bounded_decompress,
     buffer_dtype_name,
     canonical_dtype,
+    canonical_dtypes,
     check_frame,
     check_one_frame,
     check_shape,
@@ -81,6 +81,7 @@ from .common import (
     dumps_json,
     frames_bound,
     is_int,
+    laid_out,
     layout_nbytes,
     loads_json,
     req,
@@ -353,9 +354,9 @@ def _coded_many(tensors: list[TensorRecord], tables: WireTables) -> tuple[list, 
     """What :func:`plan`'s loop makes of a table of coded records of one form: ``sparse`` or ``dense_q`` records
     with their buffers, or ``zstd`` records that wrap them and each hold their own frame (a bytes stage's output,
     not a shared frame's slices). Returns (forms, fields, zbytes, the buffers written, in order), every check of the
-    loop made over the whole table (the layout rules' ``many``, :func:`_coded_forms`); None where any might fail
-    (the loop then runs, and raises what it raises). The same output with fewer calls: tests/test_format_fast.py
-    writes the same records through both."""
+    loop made over the whole table (the layout rules' ``many``, :func:`_coded_forms`,
+    :func:`~gpu_codec.format.common.laid_out`); None where any might fail (the loop then runs, and raises what it
+    raises). The same output with fewer calls: tests/test_format_fast.py writes the same records through both."""
     n = len(tensors)
     enc = tensors[0].encoding if n else None
     if enc not in ("zstd", "sparse", "dense_q"):
@@ -407,37 +408,14 @@ def _coded_many(tensors: list[TensorRecord], tables: WireTables) -> tuple[list, 
                 return None
         else:
             lay, zb = inner_lay, [c.get("zbytes") for c in codecs]
-        written = _laid_out(list(tensors), list(bufs), lay, num)
-        if written is None:
+        columns = laid_out(list(tensors), list(bufs), lay, num)
+        if columns is None:
             return None
+        written = [a for row in zip(*columns) for a in row]
     except (TypeError, ValueError, OverflowError, Unrepresentable):
         return None
     form, fields = coded
     return [(enc, inner if wrapped else None, *form)] * n, fields, zb, [] if wrapped else written
-
-
-def _laid_out(tensors: list, bufs: list, lay: dict, num: np.ndarray) -> list | None:
-    """:func:`_check_buffers` of every record against its layout (a rule's ``many``): each record's buffers, in
-    layout order, one after another; None where any record's are not its layout's (its roles in order, each of the
-    count and dtype the layout says)."""
-    roles = list(lay)
-    if set(map(type, bufs)) != {dict} or not all(map(operator.eq, repeat(roles), map(list, bufs))):
-        return None
-    columns = []
-    for role, (allowed, counts) in lay.items():
-        arrays = list(map(itemgetter(role), bufs))
-        if len(allowed) == 1:
-            dts = [allowed[0]] * len(arrays)
-        else:  # (canonical_dtype: the index width follows the element count)
-            dts = ["uint32" if m <= _INDEX_BOUND else "uint64" for m in num.tolist()]
-        if list(map(buffer_dtype_name, arrays, tensors, repeat(role))) != dts:
-            return None
-        if list(map(int, map(_SIZE, arrays))) != counts.tolist():
-            return None
-        if [a.dtype.itemsize for a in arrays] != [BUFFER_DTYPES[d].itemsize for d in dts]:
-            return None
-        columns.append(arrays)
-    return [a for row in zip(*columns) for a in row]
 
 
 def _coded_forms(enc: str, ics: list, nnz: list[int], numels: list[int], tables: WireTables) -> tuple | None:
@@ -1479,7 +1457,7 @@ def _read_coded(
             rows.append((name, DTYPE_CODES[kind & 3], tuple(dims), nnz, numel, vals, zb))
         if not rows:
             return True
-        ok = _coded_rows(rows, enc, base, parts, stored, tables, mode, records, lays)
+        ok = _coded_rows(rows, enc, base, parts, tables, mode, records, lays)
     except (TypeError, ValueError, OverflowError):
         ok = False
     if not ok:  # nothing kept: the entries are read again, one by one
@@ -1491,7 +1469,7 @@ def _read_coded(
     return True
 
 
-def _coded_rows(rows: list, enc: str, base: str, parts: list, stored: list, tables, mode: int, records, lays) -> bool:
+def _coded_rows(rows: list, enc: str, base: str, parts: list, tables, mode: int, records, lays) -> bool:
     """:func:`_read_coded`'s entries made records, appended with their layouts, where the layout rules' ``many``
     takes every one of them (and each compressed size is within its bound); else False and nothing is appended."""
     names, dts, shapes, nnz, numels, vals, zbs = map(list, zip(*rows))
@@ -1528,13 +1506,10 @@ def _coded_rows(rows: list, enc: str, base: str, parts: list, stored: list, tabl
             lays.extend([[("", "uint8", r)] for r in raws])
         records.extend(map(TensorRecord, names, dts, shapes, repeat(enc), nnz, _dicts(len(rows)), wcodecs))
         return True
-    roles = []
-    for role, (allowed, counts) in lay.items():
-        if len(allowed) == 1:
-            roles.append((role, repeat(allowed[0]), counts.tolist()))
-        else:  # (canonical_dtype: the index width follows the element count)
-            roles.append((role, ["uint32" if m <= _INDEX_BOUND else "uint64" for m in numels], counts.tolist()))
-    per = [list(zip(repeat(role), dt, n)) for role, dt, n in roles]
+    per = [
+        list(zip(repeat(role), canonical_dtypes(allowed, numels), counts.tolist()))
+        for role, (allowed, counts) in lay.items()
+    ]
     lays.extend(map(list, zip(*per)) if len(per) > 1 else ([x] for x in per[0]))
     records.extend(map(TensorRecord, names, dts, shapes, repeat(base), nnz, _dicts(len(rows)), codecs))
     return True
