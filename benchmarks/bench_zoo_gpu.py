@@ -30,6 +30,7 @@ import pathlib
 import statistics
 import sys
 import time
+import traceback
 from typing import Any
 
 import numpy as np
@@ -218,29 +219,25 @@ def device_row(update: Update, backend: Any, repeat: int, seed: int, dry_run: bo
 
 
 def run(
-    names: list[str], *, repeat: int, max_params: int, seed: int, dry_run: bool, commit: str | None = None
+    names: list[str],
+    *,
+    repeat: int,
+    max_params: int,
+    seed: int,
+    dry_run: bool,
+    commit: str | None = None,
+    out: pathlib.Path | None = None,
 ) -> dict[str, Any]:
+    """Every entry's :func:`device_row`; the results so far written to ``out`` (and its .md) after each."""
     commit = commit or commit_label()
     backend = make_backend(dry_run)
-    rows = []
-    for name in names:
-        entry = ZOO[name]
-        s = scale_for(entry, max_params)
-        t0 = time.perf_counter()
-        update = entry.build(s, seed)
-        row: dict[str, Any] = {"entry": name, "kind": entry.kind, "dtype": entry.dtype, "tensors": entry.tensors()}
-        row.update(scale=s, params=entry.params(s), params_full=entry.params(1.0))
-        row.update(device_row(update, backend, repeat, seed, dry_run))
-        row["seconds"] = time.perf_counter() - t0
-        del update
-        print(_line(row), flush=True)
-        rows.append(row)
+    rows: list[dict[str, Any]] = []
     info = machine_info()
     if not dry_run:
         import torch
 
         info["cuda_device"] = torch.cuda.get_device_name()
-    return {
+    doc = {
         "benchmark": "zoo_gpu",
         "dry_run": dry_run,
         "commit": commit,
@@ -249,6 +246,31 @@ def run(
         "max_params": max_params,
         "rows": rows,
     }
+    for name in names:
+        entry = ZOO[name]
+        s = scale_for(entry, max_params)
+        t0 = time.perf_counter()
+        update = entry.build(s, seed)
+        row: dict[str, Any] = {"entry": name, "kind": entry.kind, "dtype": entry.dtype, "tensors": entry.tensors()}
+        row.update(scale=s, params=entry.params(s), params_full=entry.params(1.0))
+        try:
+            row.update(device_row(update, backend, repeat, seed, dry_run))
+        except Exception as e:  # recorded, and the run goes on to the next entry
+            row["error"] = f"{type(e).__name__}: {e}"
+            row["traceback"] = traceback.format_exc()
+        row["seconds"] = time.perf_counter() - t0
+        del update
+        print(_line(row) if "error" not in row else f"{name}: {row['error']}", flush=True)
+        rows.append(row)
+        if out is not None:  # after each entry: a run stopped at a time limit keeps what it measured
+            save(doc, out)
+    return doc
+
+
+def save(doc: dict[str, Any], out: pathlib.Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    out.with_suffix(".md").write_text(markdown(doc))
 
 
 def _line(row: dict[str, Any]) -> str:
@@ -287,6 +309,9 @@ def markdown(doc: dict[str, Any]) -> str:
     ]
     out = list(head)
     for r in doc["rows"]:
+        if "error" in r:
+            out.append(f"| {r['entry']} | {r['tensors']} | {r['params']:,} | " + " | ".join(["-"] * 13) + " | ERROR |")
+            continue
         ms = lambda key, r=r: f"{r[key] * 1e3:.2f}" if key in r else "-"  # noqa: E731
         c = r["counts"]
         out.append(
@@ -330,14 +355,12 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         dry_run=args.dry_run,
         commit=args.commit,
+        out=out,
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    out.with_suffix(".md").write_text(markdown(doc))
     print(markdown(doc), end="")
-    bad = [r["entry"] for r in doc["rows"] if r["parity"] != "equal"]
+    bad = [r["entry"] for r in doc["rows"] if r.get("parity") != "equal"]
     if bad:
-        print(f"parity FAILED: {', '.join(bad)}")
+        print(f"FAILED (an error, or bytes that differ from the NumPy backend's): {', '.join(bad)}")
     return 1 if bad else 0
 
 
