@@ -88,7 +88,7 @@ def on_device(arrays: dict[str, Any], dry_run: bool) -> dict[str, Any]:
         return dict(arrays)
     import torch
 
-    as_torch = lambda a: a if isinstance(a, torch.Tensor) else torch.from_numpy(np.ascontiguousarray(a))  # noqa: E731
+    as_torch = lambda a: a if isinstance(a, torch.Tensor) else torch.from_numpy(np.asarray(a, order="C"))  # noqa: E731
     return {k: as_torch(a).cuda() for k, a in arrays.items()}
 
 

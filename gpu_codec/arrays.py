@@ -254,7 +254,7 @@ def backend_to_torch(a: Any, device: Any = None) -> Any:
     if type(a).__module__.startswith("cupy"):
         t = torch.from_dlpack(a)
     else:
-        t = torch.from_numpy(np.ascontiguousarray(a))
+        t = torch.from_numpy(np.asarray(a, order="C"))  # (np.ascontiguousarray would make a 0-d array 1-d)
     if device is not None and t.device != torch.device(device):
         t = t.to(device)
     return t

@@ -276,7 +276,7 @@ def _as_kind(arr: Any, kind: str, like_tensor: Any, max_bytes: int | None = None
     if kind == "torch":
         import torch
 
-        t = torch.from_numpy(np.ascontiguousarray(a))
+        t = torch.from_numpy(np.asarray(a, order="C"))  # (a 0-d array stays 0-d)
         dev = getattr(like_tensor, "device", None)
         return t.to(dev) if dev is not None else t
     if kind == "cupy":

@@ -143,12 +143,15 @@ def test_torch_state_dicts_on_their_device(backend):
     with use_backend(backend):
         rec = compressed_record(new, base, fraction=0.2)
         rec["extra"] = Array(torch.arange(3.0, device=device))
-        out = decompress_record(rec, base={**base, "extra": torch.zeros(3, device=device)})
+        rec["count"] = Array(torch.tensor(5.0, device=device))  # 0-d, as a BatchNorm's counter
+        plain_base = {"extra": torch.zeros(3, device=device), "count": torch.zeros((), device=device)}
+        out = decompress_record(rec, base={**base, **plain_base})
     assert all(v.device.type == device for v in out.values())
     want = ref_topk({k: (new[k] - base[k]).cpu().numpy() for k in new}, 0.2)
     for n in new:
         np.testing.assert_array_equal(out[n].cpu().numpy(), (base[n].cpu().numpy() + want[n]))
     assert out["extra"].tolist() == [0.0, 1.0, 2.0]
+    assert out["count"].shape == () and out["count"].item() == 5.0
 
 
 def test_codec_stages_in_a_record():

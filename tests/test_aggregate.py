@@ -12,6 +12,7 @@ import pytest
 import gpu_codec
 from gpu_codec.aggregate import MAX_PAYLOADS, Aggregator, aggregate
 from gpu_codec.errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError
+from gpu_codec.testing import as_numpy
 from tests.common import BACKENDS, HAS_GPU, build_payload, split_payload, use_backend
 
 SHAPES = {"enc.w": (24, 16), "enc.b": (16,), "head.w": (7, 5)}
@@ -362,7 +363,7 @@ def test_a_signalling_nan_value_is_refused_without_a_warning(backend, fraction):
     with use_backend(backend):
         p = gpu_codec.compress(new, base, fraction=fraction)
         rec = p.tensors[0]
-        vals = np.array(np.asarray(rec.buffers["values"]), np.float32)
+        vals = np.array(as_numpy(rec.buffers["values"]), np.float32)  # (a device array on the GPU)
         vals[1:2].view(np.uint32)[0] = 0x7F800001
         rec.buffers = {**rec.buffers, "values": vals}
         blob = p.to_bytes()

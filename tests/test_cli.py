@@ -31,8 +31,9 @@ def make_pair(seed: int = 0) -> tuple[dict[str, np.ndarray], dict[str, np.ndarra
         "conv.bias": np.zeros(8, np.float32),
         "fc.weight": rng.standard_normal((10, 16)).astype(np.float64),
         "norm.weight": (1 + rng.standard_normal(16)).astype(np.float16),
+        "norm.num_batches_tracked": np.array(7.0, np.float32),  # 0-d, as a BatchNorm's counter (a float here)
     }
-    new = {k: (v + rng.standard_normal(v.shape)).astype(v.dtype) for k, v in base.items()}
+    new = {k: np.asarray(v + rng.standard_normal(v.shape)).astype(v.dtype) for k, v in base.items()}
     return new, base
 
 
@@ -90,7 +91,7 @@ def test_compress_apply_decompress_round_trip_matches_the_library(tmp_path, caps
     for k in want:
         assert got[k].dtype == base[k].dtype
         np.testing.assert_array_equal(got[k], want[k])
-        assert not np.array_equal(got[k], base[k]) or k == "conv.bias"
+        assert not np.array_equal(got[k], base[k]) or k in ("conv.bias", "norm.num_batches_tracked")
 
     # decompress without a base: the dense delta, format chosen by the suffix
     delta_p = tmp_path / "delta.npz"
@@ -153,7 +154,7 @@ def test_inspect_text_and_json(tmp_path, capsys):
     assert doc["header_nbytes"] == gpu_codec.Payload.from_bytes(blob).header_nbytes
     assert doc["header_nbytes"] + doc["data_nbytes"] == len(blob)
     assert [t["name"] for t in doc["tensors"]] == list(new)
-    assert sum(t["nnz"] for t in doc["tensors"]) == doc["kept"] == gpu_codec.kept_count(0.1, 400)
+    assert sum(t["nnz"] for t in doc["tensors"]) == doc["kept"] == gpu_codec.kept_count(0.1, 401)
     rc, out, _ = run(capsys, "inspect", str(tmp_path / "u.gcodec"))
     assert rc == 0 and "format v2" in out.splitlines()[0] and "fc.weight" in out
 
@@ -228,6 +229,30 @@ def test_names_json_member_round_trips_awkward_names(tmp_path):
         np.testing.assert_array_equal(back[n], tensors[n])
     with np.load(path, allow_pickle=False) as z:  # still an ordinary .npz for NumPy, arrays only
         assert len(z.files) == len(names) and z["file"].tolist() == [0.0] and z["a%252Fb"].tolist() == [5.0] * 6
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_zero_dim_tensors_keep_their_shape_through_every_checkpoint_format(tmp_path, fmt):
+    """A BatchNorm's counter is 0-d: written from a NumPy 0-d array, a NumPy scalar or a torch 0-d tensor, and read
+    back, it stays 0-d (np.ascontiguousarray would make it 1-d), in every format."""
+    tensors = {"w": np.ones((2, 3), np.float32), "a": np.array(7.0, np.float32), "s": np.float32(5.0)}
+    if fmt != "npz":
+        tensors["t"] = torch.tensor(3.0)
+    path = str(tmp_path / f"m{FORMATS[fmt]}")
+    write_checkpoint(path, tensors)
+    back = read_checkpoint(path).tensors
+    assert {k: tuple(v.shape) for k, v in back.items()} == {k: tuple(v.shape) for k, v in tensors.items()}
+    assert float(back["s"]) == 5.0 and float(back["a"]) == 7.0
+    # and a file the format's own library wrote
+    saved = save(tmp_path / f"own{FORMATS[fmt]}", {"n": np.array(2.0, np.float32), "w": np.ones(3, np.float32)})
+    assert tuple(read_checkpoint(saved).tensors["n"].shape) == ()
+
+
+def test_backend_to_torch_keeps_a_zero_dim_array_zero_dim():
+    from gpu_codec.arrays import backend_to_torch
+
+    assert backend_to_torch(np.array(2.5, np.float32)).shape == () and backend_to_torch(np.float32(1)).shape == ()
+    assert backend_to_torch(np.ones((2, 3), np.float32)[:, 1]).shape == (2,)  # (a strided one is copied)
 
 
 def test_parse_pipeline_names():

@@ -160,10 +160,12 @@ def dtype_name(a: Any) -> str:
 
 def as_numpy(name: str, a: Any, what: str) -> np.ndarray:
     """A NumPy array for ``a``; bfloat16 has no NumPy dtype and is refused with a clear error."""
-    if isinstance(a, np.ndarray):
-        return a
+    if isinstance(a, (np.ndarray, np.generic)):
+        return np.asarray(a)  # (a NumPy scalar: a 0-d array)
     if dtype_name(a) == "bfloat16":
         raise InvalidInputError(f"tensor {describe(repr(name))} is bfloat16, which {what} cannot store")
+    if type(a).__module__.startswith("cupy"):
+        return a.get()
     return a.detach().cpu().numpy()
 
 
@@ -173,7 +175,7 @@ def as_torch(a: Any) -> Any:
 
     if isinstance(a, torch.Tensor):
         return a
-    a = np.ascontiguousarray(a)
+    a = np.asarray(a, order="C")  # (not ascontiguousarray, which makes a 0-d array 1-d)
     if not a.flags.writeable:
         a = a.copy()
     return torch.from_numpy(a)
@@ -266,13 +268,13 @@ def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: st
     a = np.frombuffer(buf, dtype=dtype).reshape(shape, order="F" if fortran else "C")
     if not a.dtype.isnative:
         a = a.astype(a.dtype.newbyteorder("="))
-    return np.ascontiguousarray(a)
+    return np.asarray(a, order="C")  # a 0-d member stays 0-d
 
 
 def _write_npz(f: Any, tensors: Mapping[str, Any]) -> None:
     with zipfile.ZipFile(f, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
         for i, (name, a) in enumerate(tensors.items()):
-            arr = np.ascontiguousarray(as_numpy(name, a, ".npz"))
+            arr = np.asarray(as_numpy(name, a, ".npz"), order="C")
             info = zipfile.ZipInfo(npz_member_name(name, i), date_time=(1980, 1, 1, 0, 0, 0))
             info.comment = NAME_COMMENT + json.dumps(name, ensure_ascii=True).encode()
             if len(info.comment) > 0xFFFF:
@@ -397,5 +399,5 @@ def _write_safetensors(f: Any, tensors: Mapping[str, Any]) -> None:
     else:
         from safetensors.numpy import save
 
-        data = save({k: np.ascontiguousarray(v) for k, v in tensors.items()})
+        data = save({k: np.asarray(v, order="C") for k, v in tensors.items()})
     f.write(data)
