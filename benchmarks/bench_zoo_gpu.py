@@ -6,7 +6,8 @@ CUDA tensors (one allocation per tensor, as a model's state holds them):
 - **times**, medians of ``--repeat`` rounds taken round-robin in a shuffled order (benchmarks/bench_topk.py's
   ``interleaved``), each call followed by a device synchronize: one compress per configuration (top-k 1% global,
   1% per-tensor, 0.1% global, 1% global with error feedback after the entry's earlier rounds), a decompress of
-  the 1% payload onto the base, an aggregator ``add`` of it; and, in the same rounds, the baselines: one
+  the 1% payload onto the base, an :class:`~gpu_codec.Aggregator` made on the base (a server's, once a round) and
+  an ``add`` of the payload to one; and, in the same rounds, the baselines: one
   ``torch.sub`` over the whole update as one flat tensor (the memory floor of any pass), one ``torch.sub`` per
   tensor (the floor of a pass that launches per tensor), and torch's top-k pipeline (``cat``, ``sub``, ``abs``,
   ``topk``, ``sort``, gather: gpu_codec.cli.bench.torch_topk);
@@ -50,7 +51,7 @@ from gpu_codec.cli.bench import torch_topk  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "zoo_gpu.json"
-OPS = (*CPU_CONFIGS, "decompress_s", "add_s")
+OPS = (*CPU_CONFIGS, "decompress_s", "aggregator_s", "add_s")
 
 
 class CountingRunner:
@@ -162,15 +163,9 @@ def device_row(update: Update, backend: Any, repeat: int, seed: int, dry_run: bo
                 new, base, fraction=f, scope=s, residual=r
             )
         timed["decompress_s"] = lambda: gpu_codec.decompress(blob, base=base)
-        aggs: list[Any] = []
-
-        def add() -> None:
-            agg = gpu_codec.Aggregator(base=base)
-            agg.add(blob)
-            aggs.append(agg)
-            aggs.clear()
-
-        timed["add_s"] = add
+        timed["aggregator_s"] = lambda: gpu_codec.Aggregator(base=base)  # (a server's, once a round)
+        agg = gpu_codec.Aggregator(base=base)
+        timed["add_s"] = lambda: agg.add(blob)  # (each client's payload)
         # counts of one call each
         counts = {}
         for key, fn in timed.items():
@@ -279,7 +274,7 @@ def _line(row: dict[str, Any]) -> str:
     return (
         f"{row['entry']:<18} {row['tensors']:>5} t {row['n']:>11,} e  sub {ms('subtract_s')} ms  "
         f"compress {ms('ours_s')} ({row['x_subtract_ours']:.1f}x sub, torch {ms('torch_s')})  "
-        f"decompress {ms('decompress_s')}  add {ms('add_s')}  launches c/d/a "
+        f"decompress {ms('decompress_s')}  aggregator {ms('aggregator_s')}  add {ms('add_s')}  launches c/d/a "
         f"{c['ours_s']['launches']}/{c['decompress_s']['launches']}/{c['add_s']['launches']}  reads "
         f"{c['ours_s']['reads']}/{c['decompress_s']['reads']}/{c['add_s']['reads']}  fallbacks "
         f"{sum(v['fallbacks'] for v in c.values())}  parity {'equal' if row['parity'] == 'equal' else 'DIFFERS'}"
@@ -301,23 +296,24 @@ def markdown(doc: dict[str, Any]) -> str:
         "Compress: top-k 1% global unless named. `x sub`: compress over `sub`. Launches and reads: one call's "
         "kernels of kernels/*.cu and read-backs to the host (compress / decompress / add). Fallbacks: fused "
         "selections that ran the exact passes, over all four compress configurations. Parity: every payload and "
-        "the decompressed tensors against the NumPy backend's, to the byte.",
+        "the decompressed tensors against the NumPy backend's, to the byte. `aggregator`: an Aggregator made on the "
+        "base (its checks of the base); `add`: one payload added to it.",
         "",
         "| entry | tensors | elements | sub | sub/t | torch | compress | x sub | per-tensor | 0.1% | EF | "
-        "decompress | add | launches | reads | fallbacks | parity |",
-        "|" + "---|" * 17,
+        "decompress | aggregator | add | launches | reads | fallbacks | parity |",
+        "|" + "---|" * 18,
     ]
     out = list(head)
     for r in doc["rows"]:
         if "error" in r:
-            out.append(f"| {r['entry']} | {r['tensors']} | {r['params']:,} | " + " | ".join(["-"] * 13) + " | ERROR |")
+            out.append(f"| {r['entry']} | {r['tensors']} | {r['params']:,} | " + " | ".join(["-"] * 14) + " | ERROR |")
             continue
         ms = lambda key, r=r: f"{r[key] * 1e3:.2f}" if key in r else "-"  # noqa: E731
         c = r["counts"]
         out.append(
             f"| {r['entry']} | {r['tensors']} | {r['n']:,} | {ms('subtract_s')} | {ms('subtract_tensors_s')} | "
             f"{ms('torch_s')} | {ms('ours_s')} | {r['x_subtract_ours']:.1f} | {ms('ours_per_tensor_s')} | "
-            f"{ms('ours_0.1_s')} | {ms('ours_ef_s')} | {ms('decompress_s')} | {ms('add_s')} | "
+            f"{ms('ours_0.1_s')} | {ms('ours_ef_s')} | {ms('decompress_s')} | {ms('aggregator_s')} | {ms('add_s')} | "
             f"{c['ours_s']['launches']} / {c['decompress_s']['launches']} / {c['add_s']['launches']} | "
             f"{c['ours_s']['reads']} / {c['decompress_s']['reads']} / {c['add_s']['reads']} | "
             f"{sum(v['fallbacks'] for v in c.values())} | {'equal' if r['parity'] == 'equal' else 'DIFFERS'} |"

@@ -34,7 +34,7 @@ import numpy as np
 
 from . import decode as _decode
 from . import dtypes
-from .arrays import Tensor, from_backend, is_device_array, to_tensor
+from .arrays import Tensor, from_backend, is_device_array, numpy_tensors, to_tensor, torch_tensors
 from .backends import events, get_backend
 from .codecs import decoder_for, host_resident, inner_encoding
 from .constants import ScatterMode
@@ -49,7 +49,7 @@ from .errors import (
 from .format import TensorRecord
 from .format.fingerprint import fingerprint
 from .payload import Payload
-from .xp.finite import all_finite, some_nonfinite
+from .xp.finite import all_finite, first_nonfinite, some_nonfinite
 from .xp.limbs import abs_max, abs_max_bits
 
 LIMB_BITS = 18
@@ -275,19 +275,22 @@ class Aggregator:
         if base is not None:
             if not isinstance(base, Mapping) or not base:
                 raise InvalidInputError("base must be a non-empty mapping of name -> array")
-            entries, flags = [], []
-            be, xp = self._backend, self._backend.xp
-            for n, a in base.items():
-                t = to_tensor(a, n)
+            be = self._backend
+            names, arrays = list(base), list(base.values())
+            tensors = numpy_tensors(arrays) or torch_tensors(arrays)  # (a few calls in all where it can)
+            if tensors is None:
+                tensors = [to_tensor(a, n) for n, a in zip(names, arrays)]
+            for n, t in zip(names, tensors):
                 if t.dtype not in dtypes.FLOAT_DTYPES:
                     raise InvalidInputError(f"tensor {n!r}: base dtype {t.dtype} is not a float dtype")
-                flags.append(some_nonfinite(be.asarray(t.data), dtypes.code(t.dtype), xp))
-                entries.append((n, tuple(t.shape), t.dtype))
-                self._base_tensors.append(t)
-            bad = np.flatnonzero(be.to_host(xp.stack(flags)))  # (every tensor's check, read back at once)
-            if bad.size:
-                n = entries[int(bad[0])][0]
-                raise InvalidInputError(f"tensor {n!r}: the base holds inf or NaN, so no mean on it is finite")
+            entries = [(n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors)]
+            self._base_tensors = tensors
+            with be.stream(tensors):  # (on the caller's stream, behind its writes of the base)
+                storages = be.asarrays([t.data for t in tensors])
+                bad = first_nonfinite(storages, [dtypes.code(t.dtype) for t in tensors], be.xp, be.to_host)
+                events.waited()  # (its last step, a read-back, waited for the stream)
+            if bad is not None:
+                raise InvalidInputError(f"tensor {names[bad]!r}: the base holds inf or NaN, so no mean on it is finite")
             self._base = base
             self._template = _Template(entries)
             need = held_bytes(self._template.records(), True)

@@ -169,9 +169,11 @@ def numpy_tensors(xs: list[Any]) -> list[Tensor] | None:
 
 
 def torch_tensors(xs: list[Any]) -> list[Tensor] | None:
-    """:func:`to_tensor` of every tensor of ``xs`` where each is a dense, contiguous torch CPU tensor of float32,
-    float16, bfloat16 or float64 (checked over the whole list, then a few calls a tensor: no copy); None where one
-    is not (then :func:`to_tensor` wraps them one by one, with its errors).
+    """:func:`to_tensor` of every tensor of ``xs`` where each is a dense, contiguous torch tensor of float32,
+    float16, bfloat16 or float64, all on the CPU or all on one CUDA device (checked over the whole list, then a
+    few calls a tensor: no copy); None where one is not (then :func:`to_tensor` wraps them one by one, with its
+    errors). CUDA tensors are wrapped as CuPy arrays over their memory (:func:`device_views`), which the call's
+    work then orders on the caller's torch stream.
 
     >>> import torch
     >>> ts = torch_tensors([torch.zeros(2, 3), torch.ones(4, dtype=torch.bfloat16)])
@@ -184,18 +186,52 @@ def torch_tensors(xs: list[Any]) -> list[Tensor] | None:
         return None
     import torch
 
-    if not all(isinstance(x, torch.Tensor) and x.layout == torch.strided and x.is_cpu for x in xs):
+    if not all(isinstance(x, torch.Tensor) and x.layout == torch.strided for x in xs):
         return None
-    logical = list(map(_torch_logical().get, [x.dtype for x in xs]))
+    devices = set(map(_DEVICE, xs))
+    if len(devices) != 1:
+        return None
+    (device,) = devices
+    logical = list(map(_torch_logical().get, map(_DTYPE, xs)))
     if None in logical or not all(x.is_contiguous() for x in xs):
         return None
     if any(x.requires_grad for x in xs):
         xs = [x.detach() for x in xs]
+    if device.type == "cuda":
+        import cupy
+
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        ptrs, numels = [x.data_ptr() for x in xs], [x.numel() for x in xs]
+        views = device_views(cupy, ptrs, numels, [_STORAGE[lg] for lg in logical], xs, index)
+        return [Tensor(v, lg, tuple(x.shape), "torch", device) for v, lg, x in zip(views, logical, xs)]
+    if device.type != "cpu":
+        return None
     host = [
         x.view(torch.int16).numpy().view(np.uint16) if lg == "bfloat16" else x.numpy() for x, lg in zip(xs, logical)
     ]
-    cpu = torch.device("cpu")
-    return [Tensor(a.reshape(-1), lg, a.shape, "torch", cpu) for a, lg in zip(host, logical)]
+    return [Tensor(a.reshape(-1), lg, a.shape, "torch", device) for a, lg in zip(host, logical)]
+
+
+_DEVICE = attrgetter("device")
+_STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64}
+
+
+def device_views(
+    cupy: Any, ptrs: list[int], numels: list[int], storage: list[Any], owners: list[Any], device_id: int
+) -> list[Any]:
+    """Flat CuPy arrays over device memory that ``owners`` hold (``numels[i]`` elements of ``storage[i]`` at
+    ``ptrs[i]`` on device ``device_id``): no copy, and none of DLPack's per-array stream handshake (a few µs an
+    array instead of tens); each view keeps its owner alive. ``cupy`` is the CuPy module (a stand-in in tests).
+    """
+    unowned, pointer, ndarray = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer, cupy.ndarray
+    out = []
+    for p, n, dt, owner in zip(ptrs, numels, storage, owners):
+        if n == 0:
+            out.append(ndarray((0,), dt))
+            continue
+        mem = unowned(p, n * np.dtype(dt).itemsize, owner, device_id)
+        out.append(ndarray((n,), dt, pointer(mem, 0)))
+    return out
 
 
 def _torch_logical() -> dict:

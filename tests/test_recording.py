@@ -535,12 +535,16 @@ def test_the_benchmark_writes_its_table_and_checks_the_targets(tmp_path, capsys)
 
 
 def test_an_aggregator_checks_its_base_with_one_read_at_any_tensor_count(emulator):
-    """An Aggregator's base is checked for inf and NaN tensor by tensor on the device, the flags read back at once
-    (one host wait, where it read one a tensor); a bad tensor is still named."""
+    """An Aggregator's base is checked for inf and NaN on the device, small tensors together (a few array ops at
+    any tensor count, where it made three a tensor), the flags read back at once (one host wait, where it read one
+    a tensor); a bad tensor is still named."""
+    ops = []
     for t in (30, 300):
         _, base = _update(t, 1 << 14, seed=t)
         m = measure(lambda _, b=base: gpu_codec.Aggregator(base=b), resident=[base], emulator=emulator, repeat=1)
         assert m.counts.syncs == 1, m.counts.sync_sites
+        ops.append(m.counts.array_ops)
+    assert ops[0] == ops[1] <= 6, ops
     base["t7"][3] = np.nan
     with _device(emulator), pytest.raises(gpu_codec.errors.InvalidInputError, match=r"'t7'.*inf or NaN"):
         gpu_codec.Aggregator(base=base)

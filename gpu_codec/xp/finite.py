@@ -33,3 +33,53 @@ def some_nonfinite(x, dt: int, xp=np):
     if dt == DT_BF16:
         return xp.any((x & 0x7F80) == 0x7F80)
     return ~xp.all(xp.isfinite(x))
+
+
+PACK_ALONE = 1 << 18  # elements from which a tensor is checked on its own
+PACK_MAX = 1 << 22  # elements of one concatenation of smaller tensors
+
+
+def first_nonfinite(arrays, dts, xp=np, to_host=np.asarray) -> int | None:
+    """The index of the first of ``arrays`` (storages of logical dtype codes ``dts``) that holds inf or NaN, or
+    None, with one read-back (``to_host``) where none does. Tensors of ``PACK_ALONE`` elements or more are
+    checked alone; smaller ones of one dtype together, concatenated up to ``PACK_MAX`` elements at a time, so
+    that the launches follow the bytes rather than the tensor count (a model's hundreds of biases and norms).
+
+    >>> from gpu_codec.constants import DT_F16, DT_F32
+    >>> a = [np.ones(3, np.float32), np.ones(2, np.float16), np.array([1, np.nan], np.float32)]
+    >>> first_nonfinite(a, [DT_F32, DT_F16, DT_F32]), first_nonfinite(a[:2], [DT_F32, DT_F16])
+    (2, None)
+    """
+    groups: list[list[int]] = []  # the tensors of one flag
+    packs: dict[int, list[int]] = {}  # dtype -> its open pack of small tensors
+    filled: dict[int, int] = {}
+    for i, (a, dt) in enumerate(zip(arrays, dts)):
+        n = int(a.size)
+        if n >= PACK_ALONE:
+            groups.append([i])
+            continue
+        pack = packs.get(dt)
+        if pack is not None and filled[dt] + n > PACK_MAX:
+            groups.append(pack)
+            pack = None
+        if pack is None:
+            packs[dt] = pack = []
+            filled[dt] = 0
+        pack.append(i)
+        filled[dt] += n
+    groups.extend(packs.values())
+    if not groups:
+        return None
+    flags = [
+        some_nonfinite(arrays[g[0]] if len(g) == 1 else xp.concatenate([arrays[i] for i in g]), dts[g[0]], xp)
+        for g in groups
+    ]
+    hit = np.flatnonzero(to_host(xp.stack(flags)))
+    if not hit.size:
+        return None
+    # the error path: the lowest tensor of the flagged groups that fails alone
+    known = {groups[j][0] for j in hit if len(groups[j]) == 1}
+    for i in sorted(i for j in hit for i in groups[j]):
+        if i in known or bool(to_host(some_nonfinite(arrays[i], dts[i], xp))):
+            return i
+    return None  # (not reached: a flagged pack holds a tensor that fails alone)
