@@ -192,6 +192,61 @@ def pipelines() -> str:
     return "\n".join(lines)
 
 
+def zoo_gpu() -> str:
+    """The model zoo on a GPU, ``benchmarks/results/zoo_gpu.json`` (``benchmarks/bench_zoo_gpu.py``)."""
+    doc = _load("zoo_gpu.json")
+    ms = lambda key: lambda r: f"{r[key] * 1e3:.2f}"  # noqa: E731
+    three = lambda key: lambda r: " / ".join(str(r["counts"][op][key]) for op in ("ours_s", "decompress_s", "add_s"))  # noqa: E731
+    cols = [
+        ("entry", lambda r: r["entry"]),
+        ("tensors", lambda r: str(r["tensors"])),
+        ("elements", lambda r: f"{r['n']:,}"),
+        ("torch.sub", ms("subtract_s")),
+        ("torch top-k", ms("torch_s")),
+        ("compress", ms("ours_s")),
+        ("torch top-k ÷ compress", lambda r: f"{r['x_torch']:.2f}"),
+        ("per-tensor", ms("ours_per_tensor_s")),
+        ("with EF", ms("ours_ef_s")),
+        ("decompress", ms("decompress_s")),
+        ("Aggregator(base)", ms("aggregator_s")),
+        ("add", ms("add_s")),
+        ("launches c / d / a", three("launches")),
+        ("reads c / d / a", three("reads")),
+        ("fallbacks", lambda r: str(sum(v["fallbacks"] for v in r["counts"].values()))),
+        ("bytes = NumPy's", lambda r: "yes" if r["parity"] == "equal" else "NO"),
+    ]
+    m = doc["machine"]
+    dev = m["backend"]["device"]
+    lines = [
+        f"{m['cuda_device']} (driver {dev['driver']}), torch {m['torch']}, CuPy {m['backend']['cupy']}, host "
+        f"{m['cpu_model']}; commit {doc['commit']}; median of {doc['repeat']} rounds, ms. Entries above "
+        f"{doc['max_params']:,} elements scaled down.",
+        "",
+        "| " + " | ".join(c for c, _ in cols) + " |",
+        "| --- |" + " ---: |" * (len(cols) - 1),
+    ]
+    lines += ["| " + " | ".join(f(r) for _, f in cols) + " |" for r in doc["rows"] if "error" not in r]
+    return "\n".join(lines)
+
+
+def gpu_against() -> str:
+    """This checkout's GPU path against an earlier revision's, ``benchmarks/results/gpu_against_h100.json``
+    (``benchmarks/bench_gpu_against.py``)."""
+    doc = _load("gpu_against_h100.json")
+    ops = ("compress", "decompress", "aggregator", "add")
+    lines = [
+        f"{doc['device']}, torch {doc['torch']}: commit {doc['commit']} against {doc['against']}, alternating "
+        f"processes, {doc['rounds']} rounds; ms (in brackets: {doc['commit']} over {doc['against']}).",
+        "",
+        "| entry | compress | decompress | Aggregator(base) | add |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
+    for e, r in doc["result"].items():
+        cells = [f"{r[op]['old_ms']:.2f} → {r[op]['new_ms']:.2f} ({r[op]['new_over_old']:.2f}×)" for op in ops]
+        lines.append(f"| {e} | {' | '.join(cells)} |")
+    return "\n".join(lines)
+
+
 REGIONS: dict[str, Callable[[], str]] = {
     "pipelines": pipelines,
     "topk": topk,
@@ -200,8 +255,10 @@ REGIONS: dict[str, Callable[[], str]] = {
     "convergence": convergence,
     "headline": headline,
     "flower": flower,
+    "zoo_gpu": zoo_gpu,
+    "gpu_against": gpu_against,
 }
-_REGION = re.compile(r"(<!-- tables:([a-z_]+) -->\n)(.*?)(\n<!-- /tables:\2 -->)", re.S)
+_REGION = re.compile(r"(<!-- tables:([a-z_]+) -->\n)(.*?)(\n?<!-- /tables:\2 -->)", re.S)  # (empty: filled too)
 
 
 def render(text: str) -> str:
@@ -211,7 +268,7 @@ def render(text: str) -> str:
         name = m.group(2)
         if name not in REGIONS:
             raise KeyError(f"unknown table region {name!r}; known: {sorted(REGIONS)}")
-        return m.group(1) + REGIONS[name]() + m.group(4)
+        return m.group(1) + REGIONS[name]() + "\n" + m.group(4).lstrip("\n")
 
     return _REGION.sub(one, text)
 

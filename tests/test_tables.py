@@ -27,7 +27,7 @@ def test_docs_agree_with_the_committed_results():
 def test_every_doc_keeps_its_generated_regions():
     t = tables()
     want = {
-        "README.md": ["headline", "nvflare", "topk", "traffic", "convergence", "pipelines"],
+        "README.md": ["headline", "nvflare", "zoo_gpu", "gpu_against", "topk", "traffic", "convergence", "pipelines"],
         "examples/nvflare/README.md": ["nvflare"],
         "examples/flower/README.md": ["flower"],
     }
@@ -41,3 +41,11 @@ def test_a_changed_figure_is_caught():
     figure = t.headline().split("zstd ")[1].split("×")[0]  # the fp16 ratio as the results give it
     edited = text.replace(f"zstd {figure}× fewer", "zstd 110× fewer", 1)
     assert edited != text and t.render(edited) == text
+
+
+def test_an_empty_region_is_filled():
+    t = tables()
+    text = "a\n<!-- tables:gpu_against -->\n<!-- /tables:gpu_against -->\nb"
+    got = t.render(text)
+    assert got.startswith("a\n<!-- tables:gpu_against -->\n") and got.endswith("\n<!-- /tables:gpu_against -->\nb")
+    assert t.gpu_against() in got and t.render(got) == got
