@@ -42,6 +42,7 @@ from benchmarks.gpu_suite import _ensure_importable  # (before gpu_codec: this r
 _ensure_importable()
 
 import gpu_codec  # noqa: E402
+from benchmarks import tables  # noqa: E402
 from benchmarks.bench_topk import interleaved, machine_info  # noqa: E402
 from benchmarks.bench_zoo import CPU_CONFIGS, commit_label, scale_for, warm_residual  # noqa: E402
 from benchmarks.zoo import ZOO, Update  # noqa: E402
@@ -282,43 +283,20 @@ def _line(row: dict[str, Any]) -> str:
 
 
 def markdown(doc: dict[str, Any]) -> str:
-    m = doc["machine"]
-    dev = m.get("backend", {}).get("device", {}) or {}
+    """The results as a page: what was measured, then the table README.md shows (benchmarks/tables.py)."""
     head = [
         "# The model zoo on a GPU (benchmarks/bench_zoo_gpu.py)",
         "",
-        f"Commit {doc['commit']}; device {m.get('cuda_device', dev.get('name', '?'))}"
-        f" (driver {dev.get('driver', '?')}); torch {m.get('torch', '?')}, CuPy {m['backend'].get('cupy')}; "
-        f"median of {doc['repeat']} rounds; entries above {doc['max_params']:,} elements scaled down.",
-        "",
-        "Times in ms (each call followed by a device synchronize). `sub`: one torch.sub over the whole update as "
-        "one flat tensor; `sub/t`: one torch.sub per tensor; `torch`: cat, sub, abs, topk, sort, gather. "
-        "Compress: top-k 1% global unless named. `x sub`: compress over `sub`. Launches and reads: one call's "
-        "kernels of kernels/*.cu and read-backs to the host (compress / decompress / add). Fallbacks: fused "
-        "selections that ran the exact passes, over all four compress configurations. Parity: every payload and "
-        "the decompressed tensors against the NumPy backend's, to the byte. `aggregator`: an Aggregator made on the "
+        "Each call followed by a device synchronize. `torch.sub`: one torch.sub over the whole update as one flat "
+        "tensor; `torch top-k`: cat, sub, abs, topk, sort, gather. Compress: top-k 1% global unless named "
+        "(per-tensor: 1% of each tensor; EF: with error feedback after the entry's earlier rounds). Launches and "
+        "reads: one call's kernels of kernels/*.cu and read-backs to the host (compress / decompress / add). "
+        "Fallbacks: fused selections that ran the exact passes, over the four compress configurations. Bytes: every "
+        "payload and the decompressed tensors against the NumPy backend's. `Aggregator(base)`: one made on the "
         "base (its checks of the base); `add`: one payload added to it.",
         "",
-        "| entry | tensors | elements | sub | sub/t | torch | compress | x sub | per-tensor | 0.1% | EF | "
-        "decompress | aggregator | add | launches | reads | fallbacks | parity |",
-        "|" + "---|" * 18,
     ]
-    out = list(head)
-    for r in doc["rows"]:
-        if "error" in r:
-            out.append(f"| {r['entry']} | {r['tensors']} | {r['params']:,} | " + " | ".join(["-"] * 14) + " | ERROR |")
-            continue
-        ms = lambda key, r=r: f"{r[key] * 1e3:.2f}" if key in r else "-"  # noqa: E731
-        c = r["counts"]
-        out.append(
-            f"| {r['entry']} | {r['tensors']} | {r['n']:,} | {ms('subtract_s')} | {ms('subtract_tensors_s')} | "
-            f"{ms('torch_s')} | {ms('ours_s')} | {r['x_subtract_ours']:.1f} | {ms('ours_per_tensor_s')} | "
-            f"{ms('ours_0.1_s')} | {ms('ours_ef_s')} | {ms('decompress_s')} | {ms('aggregator_s')} | {ms('add_s')} | "
-            f"{c['ours_s']['launches']} / {c['decompress_s']['launches']} / {c['add_s']['launches']} | "
-            f"{c['ours_s']['reads']} / {c['decompress_s']['reads']} / {c['add_s']['reads']} | "
-            f"{sum(v['fallbacks'] for v in c.values())} | {'equal' if r['parity'] == 'equal' else 'DIFFERS'} |"
-        )
-    return "\n".join(out) + "\n"
+    return "\n".join(head) + tables.zoo_gpu(doc) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -192,10 +192,11 @@ def pipelines() -> str:
     return "\n".join(lines)
 
 
-def zoo_gpu() -> str:
-    """The model zoo on a GPU, ``benchmarks/results/zoo_gpu.json`` (``benchmarks/bench_zoo_gpu.py``)."""
-    doc = _load("zoo_gpu.json")
-    ms = lambda key: lambda r: f"{r[key] * 1e3:.2f}"  # noqa: E731
+def zoo_gpu(doc: dict | None = None) -> str:
+    """The model zoo on a GPU, ``benchmarks/results/zoo_gpu.json`` or ``doc`` (``benchmarks/bench_zoo_gpu.py``
+    writes its results' table with this too)."""
+    doc = doc or _load("zoo_gpu.json")
+    ms = lambda key: lambda r: f"{r[key] * 1e3:.2f}" if key in r else "-"  # noqa: E731  (a dry run: no torch)
     three = lambda key: lambda r: " / ".join(str(r["counts"][op][key]) for op in ("ours_s", "decompress_s", "add_s"))  # noqa: E731
     cols = [
         ("entry", lambda r: r["entry"]),
@@ -204,7 +205,7 @@ def zoo_gpu() -> str:
         ("torch.sub", ms("subtract_s")),
         ("torch top-k", ms("torch_s")),
         ("compress", ms("ours_s")),
-        ("torch top-k ÷ compress", lambda r: f"{r['x_torch']:.2f}"),
+        ("torch top-k ÷ compress", lambda r: f"{r['x_torch']:.2f}" if "x_torch" in r else "-"),
         ("per-tensor", ms("ours_per_tensor_s")),
         ("with EF", ms("ours_ef_s")),
         ("decompress", ms("decompress_s")),
@@ -216,16 +217,18 @@ def zoo_gpu() -> str:
         ("bytes = NumPy's", lambda r: "yes" if r["parity"] == "equal" else "NO"),
     ]
     m = doc["machine"]
-    dev = m["backend"]["device"]
+    dev = m["backend"].get("device") or {}
     lines = [
-        f"{m['cuda_device']} (driver {dev['driver']}), torch {m['torch']}, CuPy {m['backend']['cupy']}, host "
-        f"{m['cpu_model']}; commit {doc['commit']}; median of {doc['repeat']} rounds, ms. Entries above "
-        f"{doc['max_params']:,} elements scaled down.",
+        f"{m.get('cuda_device', 'no GPU (a dry run)')} (driver {dev.get('driver', '-')}), torch {m['torch']}, "
+        f"CuPy {m['backend']['cupy']}, host {m['cpu_model']}; commit {doc['commit']}; median of {doc['repeat']} "
+        f"rounds, ms. Entries above {doc['max_params']:,} elements scaled down.",
         "",
         "| " + " | ".join(c for c, _ in cols) + " |",
         "| --- |" + " ---: |" * (len(cols) - 1),
     ]
-    lines += ["| " + " | ".join(f(r) for _, f in cols) + " |" for r in doc["rows"] if "error" not in r]
+    for r in doc["rows"]:
+        cells = [f(r) for _, f in cols] if "error" not in r else [r["entry"], str(r["tensors"]), f"{r['params']:,}"]
+        lines.append("| " + " | ".join(cells + ["ERROR"] * (len(cols) - len(cells))) + " |")
     return "\n".join(lines)
 
 
