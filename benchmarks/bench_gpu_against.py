@@ -81,7 +81,7 @@ def _timed(root: pathlib.Path, entries: list[str]) -> dict:
     return json.loads(lines[-1][4:])
 
 
-def run(old_tree: pathlib.Path, against: str, entries: list[str], rounds: int) -> dict:
+def run(old_tree: pathlib.Path, against: str, entries: list[str], rounds: int, commit: str | None = None) -> dict:
     trees = {"old": old_tree, "new": ROOT}
     runs: dict[str, list[dict]] = {k: [] for k in trees}
     for _ in range(rounds):
@@ -96,9 +96,9 @@ def run(old_tree: pathlib.Path, against: str, entries: list[str], rounds: int) -
             print(f"{e:<18} {op:<11} old {o:8.2f} ms  new {n:8.2f} ms  new/old {n / o:.2f}", flush=True)
     import torch
 
-    try:  # (a GPU machine may have the tree without git)
+    try:  # (a GPU machine may have the tree without git: then --commit names it)
         git = ["git", "rev-parse", "--short", "HEAD"]
-        commit = subprocess.run(git, cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
+        commit = commit or subprocess.run(git, cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
     except OSError:
         commit = ""
     return {
@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--out", type=pathlib.Path, help="JSON output")
     ap.add_argument("--force", action="store_true", help="replace an existing output")
+    ap.add_argument("--commit", help="this tree's commit, where it is not a git checkout")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -137,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             tree.mkdir()
             tar = subprocess.run(["git", "archive", args.against], cwd=ROOT, capture_output=True, check=True).stdout
             subprocess.run(["tar", "x", "-C", str(tree)], input=tar, check=True)
-        doc = run(tree.resolve(), args.against or str(args.tree), args.entries, args.rounds)
+        doc = run(tree.resolve(), args.against or str(args.tree), args.entries, args.rounds, args.commit)
     if args.out:
         args.out.write_text(json.dumps(doc, indent=1) + "\n")
     return 0
