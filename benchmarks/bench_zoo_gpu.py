@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from benchmarks.gpu_suite import _ensure_importable  # (before gpu_codec: this runs from a checkout too)
+from benchmarks.gpu_suite import CountingRunner, _ensure_importable  # (before gpu_codec: this runs from a checkout too)
 
 _ensure_importable()
 
@@ -53,25 +53,6 @@ from gpu_codec.cli.bench import torch_topk  # noqa: E402
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_OUT = ROOT / "benchmarks" / "results" / "zoo_gpu.json"
 OPS = (*CPU_CONFIGS, "decompress_s", "aggregator_s", "add_s")
-
-
-class CountingRunner:
-    """Forwards to a runner; counts the kernels launched and the read-backs to the host."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner, self.xp = inner, inner.xp
-        self.launches = self.reads = 0
-
-    def launch(self, name: str, grid: int, block: int, args: tuple) -> None:
-        self.launches += 1
-        self.inner.launch(name, grid, block, args)
-
-    def ptr(self, a: Any) -> int:
-        return self.inner.ptr(a)
-
-    def to_host(self, a: Any) -> np.ndarray:
-        self.reads += 1
-        return self.inner.to_host(a)
 
 
 def make_backend(dry_run: bool) -> Any:

@@ -93,12 +93,18 @@ def _cases_module():
 
 
 class CountingRunner:
-    """A runner that forwards to another and counts the launches per kernel."""
+    """A runner that forwards to another and counts the launches per kernel (``counts``; ``launches`` in all)
+    and the read-backs to the host (``reads``)."""
 
     def __init__(self, inner):
         self.inner = inner
         self.xp = inner.xp
         self.counts: dict[str, int] = {}
+        self.reads = 0
+
+    @property
+    def launches(self) -> int:
+        return sum(self.counts.values())
 
     def launch(self, name, grid, block, args):
         self.counts[name] = self.counts.get(name, 0) + 1
@@ -108,6 +114,7 @@ class CountingRunner:
         return self.inner.ptr(a)
 
     def to_host(self, a):
+        self.reads += 1
         return self.inner.to_host(a)
 
 

@@ -123,9 +123,15 @@ def rice_param(nnz: int, numel: int) -> int:
     return min(MAX_K, math.floor(math.log2(x)))
 
 
-def max_bits(nnz: int, numel: int, k: int) -> int:
-    """An upper bound on the stream length: the gaps add up to at most ``numel - nnz``."""
-    return nnz * (k + 1) + (max(0, numel - nnz) >> k)
+def max_bits(nnz, numel, k):
+    """An upper bound on the stream length: the gaps add up to at most ``numel - nnz`` (of ints, or of int64
+    arrays, element by element).
+
+    >>> max_bits(2, 100, 3), max_bits(np.array([2, 5]), np.array([100, 4]), np.array([3, 0])).tolist()
+    (20, [20, 5])
+    """
+    gaps = np.maximum(numel - nnz, 0) if isinstance(numel, np.ndarray) else max(0, numel - nnz)
+    return nnz * (k + 1) + (gaps >> k)
 
 
 _DEFINE_NAMES = (
@@ -181,9 +187,12 @@ def compile_options() -> tuple[str, ...]:
     return (*BASE_OPTIONS, *define_flags())
 
 
+U32_INDEX_NUMEL = 1 << 32  # the largest element count whose flat indices are stored as uint32
+
+
 def index_dtype(numel: int) -> np.dtype:
     """The flat-index dtype of a tensor of ``numel`` elements: uint32 where every index fits, else uint64."""
-    return np.dtype("<u4") if numel <= (1 << 32) else np.dtype("<u8")
+    return np.dtype("<u4") if numel <= U32_INDEX_NUMEL else np.dtype("<u8")
 
 
 def index_itemsizes(numels: np.ndarray) -> np.ndarray:
@@ -192,7 +201,7 @@ def index_itemsizes(numels: np.ndarray) -> np.ndarray:
     >>> index_itemsizes(np.array([0, 1 << 32, (1 << 32) + 1])).tolist()
     [4, 4, 8]
     """
-    return np.where(numels <= (1 << 32), 4, 8)
+    return np.where(numels <= U32_INDEX_NUMEL, 4, 8)
 
 
 __all__ = [name for name in globals() if name.isupper()] + [

@@ -40,6 +40,9 @@ from ..errors import (
 )
 from ..format import BUFFER_DTYPES, TensorRecord
 from ..format.common import (
+    CODED,
+    WRAPPED_KEYS,
+    WRAPPED_SHARED_KEYS,
     Columns,
     FrameSlice,
     StreamedBuffer,
@@ -56,7 +59,7 @@ from .base import STAGES, Codec
 from .quantize import Quantize
 from .registry import get_codec, index_forms, value_forms, wire_layouts
 from .rice import RawIndices, RiceIndices
-from .wire import CODED, inner_record, is_int, raw_layout, where
+from .wire import inner_record, is_int, raw_layout, where
 from .zstd import encode_wrapped
 
 
@@ -383,15 +386,12 @@ def _decoded_many(pipe: Pipeline, records: list, pos: int, layouts: Any, backend
         return []
 
 
-_WRAPPED = {"inner", "raw", "ic"}  # a zstd record's codec dict in a shared frame (its own frame: and "zbytes")
-
-
 def _decode_window(pipe: Pipeline, window: list, layouts: Any, backend: Backend) -> list[Decoded]:
     """:func:`_decoded_many` of a window of records (raises, or returns [], where the window is not one it
     decodes)."""
     codecs = [r.codec for r in window]
     wrapped = pipe.bytes is not None
-    if wrapped and not (same_keys(codecs, _WRAPPED) or same_keys(codecs, {*_WRAPPED, "zbytes"})):
+    if wrapped and not (same_keys(codecs, WRAPPED_SHARED_KEYS) or same_keys(codecs, WRAPPED_KEYS)):
         return []
     for r in window:  # (encodings and forms the pipeline makes)
         pipe._expect(r)
@@ -405,10 +405,10 @@ def _decode_window(pipe: Pipeline, window: list, layouts: Any, backend: Backend)
     vds = set(map(value_dtype, dts))
     if len(vds) != 1:
         return []
-    nnz = [r.nnz for r in window]
-    numels = [r.numel for r in window]
-    num, nz = np.array(numels, np.int64), np.array(nnz, np.int64)
-    lay = layouts["sparse"].many(Columns(dts, num, nz, ics))
+    cols = Columns.of(window, ics)
+    num, nz = cols.numels, cols.nnz
+    nnz, numels = nz.tolist(), num.tolist()
+    lay = layouts["sparse"].many(cols)
     if lay is None or list(lay) != ["indices", "values"]:
         return []
     (iallowed, _), (vallowed, vcounts) = lay["indices"], lay["values"]

@@ -40,8 +40,8 @@ def _float_many(dtype: str | None):
     def many(cols, n):  # (Form.many; f32 stores fp64 tensors' values as float64: a table of one kind of them)
         if dtype is not None:
             return {"values": ((dtype,), n)}
-        wide = {d == "float64" for d in cols.dtypes}
-        return {"values": (("float64" if True in wide else "float32",), n)} if len(wide) == 1 else None
+        kinds = {"float64" if d == "float64" else "float32" for d in cols.dtypes}
+        return {"values": (tuple(kinds), n)} if len(kinds) == 1 else None
 
     return many
 

@@ -72,7 +72,7 @@ def _rice_many(cols, n):
     except OverflowError:
         return None
     lo = n * (k + 1)
-    hi = np.where(n > 0, lo + (np.maximum(cols.numels - n, 0) >> k), 0)  # (max_bits; nothing kept: no stream)
+    hi = np.where(n > 0, _rice.max_bits(n, cols.numels, k), 0)  # (nothing kept: no stream)
     if not ((lo <= b) & (b <= hi)).all():
         return None
     return {"indices": (("uint8",), n_blocks(b, 8))}

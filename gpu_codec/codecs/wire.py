@@ -31,6 +31,8 @@ import numpy as np
 from ..errors import PayloadHeaderError, PayloadLayoutError
 from ..format import BASE_LAYOUTS, BUFFER_DTYPES, LayoutRule, TensorRecord
 from ..format.common import (
+    CODED,
+    WRAPPED_KEYS,
     Columns,
     canonical_dtype,
     check_chunk,
@@ -43,7 +45,6 @@ from ..format.common import (
 )
 from .base import BytesCodec, Form, Layout
 
-CODED = ("sparse", "dense_q")  # the encodings of a pipeline with a value or an index stage
 INNER = ("coo", "dense", *CODED)  # what a bytes stage may wrap
 
 
@@ -144,14 +145,11 @@ def host_raws(
     encoding whose rule has one, else record by record."""
     encs = {r.encoding for r in records}
     many = getattr(layouts.get(next(iter(encs))), "many", None) if len(encs) == 1 else None
-    lay = None
-    if many is not None:
-        numels = np.array([r.numel for r in records], np.int64)
-        nnz = np.array([r.nnz for r in records], np.int64)
-        lay = many(Columns([r.dtype for r in records], numels, nnz, [r.codec for r in records]))
+    cols = Columns.of(records) if many is not None else None
+    lay = many(cols) if many is not None else None
     if lay is None:
         return [host_raw(rec, h, layouts) for rec, h in zip(records, host)]
-    nbytes = [x.tolist() for x in role_nbytes(lay, numels)]  # each role's bytes, a record each
+    nbytes = [x.tolist() for x in role_nbytes(lay, cols.numels)]  # each role's bytes, a record each
     return [_joined(rec, h, zip(lay, sizes)) for rec, h, sizes in zip(records, host, zip(*nbytes))]
 
 
@@ -239,7 +237,7 @@ def build_layouts(
             if cls.fields or (cols.chunks is not None and any(c is not None for c in cols.chunks)) or not cols.codecs:
                 return None  # (a wrapper's own fields, or frames in chunks: record by record)
             codecs = cols.codecs
-            if not same_keys(codecs, {"inner", "ic", "raw", "zbytes"}):
+            if not same_keys(codecs, WRAPPED_KEYS):
                 return None
             inner = codecs[0]["inner"]
             ics = list(map(itemgetter("ic"), codecs))

@@ -260,6 +260,11 @@ class TensorRecord:
         return math.prod(self.shape)
 
 
+CODED = ("sparse", "dense_q")  # the encodings of a pipeline with a value or an index stage
+# a bytes stage's record's codec dict: in a shared frame, and holding its own frame (its compressed size too)
+WRAPPED_SHARED_KEYS = frozenset({"inner", "ic", "raw"})
+WRAPPED_KEYS = WRAPPED_SHARED_KEYS | {"zbytes"}
+
 # Layout rules: encoding -> f(record) -> ordered {role: (allowed buffer dtypes, required element count)}. A rule
 # may also have a ``many`` attribute: ``many(cols)`` (:class:`Columns`) is the rule of every record of ``cols`` at
 # once, ``{role: (allowed buffer dtypes, element counts: an int64 array, one a record)}``, or None where any record
@@ -282,6 +287,13 @@ class Columns(NamedTuple):
     nnz: np.ndarray
     codecs: list[dict]
     chunks: list | None = None  # each record's ``chunk`` (None: every one None)
+
+    @classmethod
+    def of(cls, records: Sequence[TensorRecord], codecs: list | None = None) -> Columns:
+        """The columns of ``records`` (with ``codecs`` for their codec dicts: a wrapper's inner ones, say)."""
+        numels = np.array([r.numel for r in records], np.int64)
+        nnz = np.array([r.nnz for r in records], np.int64)
+        return cls([r.dtype for r in records], numels, nnz, [r.codec for r in records] if codecs is None else codecs)
 
 
 def _coo_layout(rec: TensorRecord) -> dict[str, tuple[tuple[str, ...], int]]:

@@ -41,6 +41,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import zstandard
 
+from ..constants import U32_INDEX_NUMEL
 from ..dtypes import dtype_name
 from ..errors import (
     InvalidInputError,
@@ -54,6 +55,7 @@ from ..errors import (
 from .common import (
     BASE_LAYOUTS,
     BUFFER_DTYPES,
+    CODED,
     MAGIC,
     MAX_CHUNK_LOG2,
     MAX_HEADER_BYTES,
@@ -62,6 +64,7 @@ from .common import (
     MAX_TENSOR_ELEMENTS,
     MAX_TENSORS,
     MIN_CHUNK_LOG2,
+    WRAPPED_KEYS,
     Columns,
     FrameSlice,
     LayoutRule,
@@ -116,7 +119,6 @@ ENCODING_CODES = ("coo", "dense", "sparse", "dense_q", "zstd", "nvcomp")
 INNER_ENCODINGS = ENCODING_CODES[:4]
 _DTYPE_CODE = {name: code for code, name in enumerate(DTYPE_CODES)}
 _TENSOR_DTYPE = {"float64": "float64"}  # the dtype of a coo/dense record's values (float32 for every other dtype)
-_INDEX_BOUND = 1 << 32  # the largest element count whose indices are uint32 (gpu_codec.constants.index_dtype)
 WRAPPERS = ("zstd", "nvcomp")
 STAGE_JSON = 0  # a pipeline stage stored as JSON (every code above it is a codec's own: gpu_codec.codecs)
 
@@ -231,7 +233,7 @@ def _form_bytes(form: Form, tables: WireTables) -> bytes:
     if enc in WRAPPERS:
         out.append(ENCODING_CODES.index(inner))
         base = inner
-    if base in ("sparse", "dense_q"):
+    if base in CODED:
         out += form_bytes(tables.value_forms[v], dict(vparams))
     if base == "sparse":
         out += form_bytes(tables.index_forms[i], dict(iparams))
@@ -248,7 +250,7 @@ def _read_form(r: _Reader, tables: WireTables) -> tuple:
         if inner not in INNER_ENCODINGS:
             raise PayloadHeaderError(f"{r.what}: a {enc} record cannot wrap {inner!r}")
         base = inner
-    if base in ("sparse", "dense_q"):
+    if base in CODED:
         v, vparams = read_form(r, tables.value_codes, tables.value_forms, "value")
     if base == "sparse":
         i, iparams = read_form(r, tables.index_codes, tables.index_forms, "index")
@@ -307,7 +309,7 @@ def _record_form(rec: TensorRecord, tables: WireTables) -> tuple[Form, bytes]:
     if enc in ("coo", "dense"):
         _keys(c, set(), set())
         return (enc, None, None, (), None, ()), b""
-    if enc in ("sparse", "dense_q"):
+    if enc in CODED:
         (v, vp, i, ip), fields = _coded_form(enc, c, rec, rec.nnz, tables)
         return (enc, None, v, vp, i, ip), fields
     if enc in WRAPPERS:
@@ -319,7 +321,7 @@ def _record_form(rec: TensorRecord, tables: WireTables) -> tuple[Form, bytes]:
         if inner in ("coo", "dense"):
             _keys(ic, set(), set())
             return (enc, inner, None, (), None, ()), b""
-        if inner in ("sparse", "dense_q") and isinstance(ic, dict) and ic:
+        if inner in CODED and isinstance(ic, dict) and ic:
             (v, vp, i, ip), fields = _coded_form(inner, ic, rec, rec.nnz, tables)
             return (enc, inner, v, vp, i, ip), fields
     raise Unrepresentable(f"encoding {enc!r}")
@@ -343,7 +345,6 @@ def _inner_of(rec: TensorRecord) -> TensorRecord:
     return TensorRecord(rec.name, rec.dtype, rec.shape, rec.codec["inner"], rec.nnz, {}, dict(rec.codec.get("ic", {})))
 
 
-_WRAPPED_KEYS = {"inner", "ic", "raw", "zbytes"}  # a zstd record's codec dict, holding its own frame
 _FIELDS_OF = attrgetter("encoding", "shape", "dtype", "nnz", "codec", "buffers", "buffer_dtypes", "frame", "chunk")
 _DTYPE_NAMES = frozenset(DTYPE_CODES)
 _SIZE = attrgetter("size")
@@ -359,7 +360,7 @@ def _coded_many(tensors: list[TensorRecord], tables: WireTables) -> tuple[list, 
     raises). The same output with fewer calls: tests/test_format_fast.py writes the same records through both."""
     n = len(tensors)
     enc = tensors[0].encoding if n else None
-    if enc not in ("zstd", "sparse", "dense_q"):
+    if enc not in ("zstd", *CODED):
         return None
     many = getattr(tables.get(enc), "many", None)
     if many is None:
@@ -377,11 +378,11 @@ def _coded_many(tensors: list[TensorRecord], tables: WireTables) -> tuple[list, 
             return None
         wrapped = enc == "zstd"
         if wrapped:
-            if not same_keys(list(codecs), _WRAPPED_KEYS):
+            if not same_keys(list(codecs), WRAPPED_KEYS):
                 return None
             inner = codecs[0]["inner"]
             ics = list(map(_IC, codecs))
-            if inner not in ("sparse", "dense_q") or not same_str(list(map(_INNER, codecs)), inner):
+            if inner not in CODED or not same_str(list(map(_INNER, codecs)), inner):
                 return None
         else:
             inner, ics = enc, list(codecs)
@@ -542,7 +543,7 @@ def _plain_buffers(rec: TensorRecord, enc: str) -> tuple[list[Any], int] | None:
         vd = _TENSOR_DTYPE.get(dtype, "float32")
         if enc == "coo":
             indices = get("indices")
-            idx = "uint32" if numel <= _INDEX_BOUND else "uint64"
+            idx = "uint32" if numel <= U32_INDEX_NUMEL else "uint64"
             if indices.size != nnz or not _dtype_is(indices, idx, "indices", rec.buffer_dtypes):
                 return None
             out, size = [indices, values], nnz * BUFFER_DTYPES[idx].itemsize
@@ -1409,7 +1410,7 @@ def _read_coded(
     enc, inner, v, vparams, i, iparams = form
     wrapped = enc in WRAPPERS
     base = inner if wrapped else enc
-    if (wrapped and enc != "zstd") or base not in ("sparse", "dense_q") or (not wrapped and mode != DATA_RECORDS):
+    if (wrapped and enc != "zstd") or base not in CODED or (not wrapped and mode != DATA_RECORDS):
         return False
     sparse = base == "sparse"
     parts = [("v", v.tag, vparams, v)]  # (the forms as the table declares them: FormSpec)
@@ -1543,7 +1544,7 @@ def _read_plain(
             heads.append(buf[start:pos])
             if coo:
                 nnz, pos = _read_nnz(buf, pos, numel)
-                lay = [("indices", "uint32" if numel <= _INDEX_BOUND else "uint64", nnz), ("values", vd, nnz)]
+                lay = [("indices", "uint32" if numel <= U32_INDEX_NUMEL else "uint64", nnz), ("values", vd, nnz)]
             else:
                 nnz = numel
                 lay = [("values", vd, numel)]
@@ -1610,7 +1611,7 @@ def _read_tensor(t: _Reader, earlier: list[bytes], default: Form, layouts, mode:
     base = inner if enc in WRAPPERS else enc
     nnz = t.varint("nnz", numel, PayloadLayoutError) if base in ("coo", "sparse") else numel
     codec: dict[str, Any] = {}
-    if base in ("sparse", "dense_q"):
+    if base in CODED:
         _read_part(t, v, vparams, nnz, numel, "v", codec)
         if base == "sparse":
             _read_part(t, i, iparams, nnz, numel, "i", codec)
