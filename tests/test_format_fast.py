@@ -23,6 +23,7 @@ import gpu_codec
 from gpu_codec import Int8Blockwise, Quantize, RiceIndices, Ternary, Zstd
 from gpu_codec.codecs import wire_layouts
 from gpu_codec.format import TensorRecord, pack, unpack, v2
+from gpu_codec.format.common import SegmentBuffers, Segmented, SegmentPart
 from gpu_codec.format.schema import Unrepresentable
 from gpu_codec.testing import fuzz
 
@@ -231,6 +232,7 @@ def write_both(recs: list[TensorRecord], version: int | None = 2):
     fast = outcome(go)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(v2, "_plain_buffers", lambda rec, enc: None)  # every record through plan's general checks
+        m.setattr(v2, "_plain_many", lambda tensors: None)
         general = outcome(go)
     assert fast == general
     return fast
@@ -331,6 +333,95 @@ def test_both_writers_agree_on_valid_and_broken_records(version):
             if got[0] == "ok":
                 read_both(got[1])  # (what a v1 fallback wrote need not read back; the readers agree on it)
     assert {"ok", "InvalidInputError" if version else "AttributeError"} <= results, results
+
+
+def coo_table(rng: random.Random, n: int = 24) -> list[TensorRecord]:
+    return [record(rng, nm, "coo") for nm in names(rng, n)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_table_of_shared_outputs_is_checked_at_once_with_the_same_bytes_or_error(seed):
+    rng = random.Random(seed)
+    recs = shared([r for r in coo_table(rng) if r.numel <= 1 << 32 and r.dtype != "float64"])
+    assert v2._plain_many(recs) is not None  # (the fast path is taken)
+    ok = write_both(recs)
+    assert ok[0] == "ok" and read_both(ok[1])[0] == "ok"
+    results = set()
+    for how in [*HOW, "dtype float64", "nnz one less", "shape past uint32"]:
+        for i in (0, len(recs) - 1):
+            mixed = list(recs)
+            mixed[i] = broken_shared(recs[i], how)
+            got = write_both(mixed)
+            results.add(got[0])
+    assert {"ok", "InvalidInputError"} <= results, results
+
+
+def broken_shared(rec: TensorRecord, how: str) -> TensorRecord:
+    """A record of shared outputs broken one way: its buffers in a dict where ``how`` changes them, else still the
+    shared ranges, under a changed field."""
+    if how == "dtype float64":  # (values of float32 in the shared array)
+        return dataclasses.replace(rec, dtype="float64")
+    if how == "nnz one less":
+        return dataclasses.replace(rec, nnz=rec.nnz - 1)
+    if how == "shape past uint32":  # (indices of uint32 in the shared array)
+        return dataclasses.replace(rec, shape=(1 << 33,))
+    r = broken(dataclasses.replace(rec, buffers=dict(rec.buffers)), how)
+    if not how.startswith(("indices", "values", "one value", "buffers", "a buffer")):
+        r.buffers = rec.buffers  # (a field changed, the buffers still the shared ranges)
+    return r
+
+
+def shared(recs: list[TensorRecord], split_values: bool = False) -> list[TensorRecord]:
+    """The records with their buffers as ranges of shared arrays, as a selection on a device hands them over:
+    one indices array, the values in one array (or float32 and float64 ones, ``split_values``)."""
+    idx = np.concatenate([r.buffers["indices"] for r in recs]) if recs else np.zeros(0, np.uint32)
+    vals = [r.buffers["values"] for r in recs]
+    off = np.concatenate([[0], np.cumsum([r.nnz for r in recs])]).tolist()
+    if split_values:
+        which = [int(v.dtype == np.float64) for v in vals]
+        v32 = np.zeros(off[-1], np.float32)
+        v64 = np.zeros(off[-1], np.float64)
+        for v, w, a in zip(vals, which, off):
+            (v64 if w else v32)[a : a + v.size] = v
+        values = Segmented((v32, v64), off, which)
+    else:
+        values = Segmented((np.concatenate(vals),), off)
+    roles = {"indices": Segmented((idx,), off), "values": values}
+    return [dataclasses.replace(r, buffers=SegmentBuffers(roles, t)) for t, r in enumerate(recs)]
+
+
+@pytest.mark.parametrize("values", ["float32", "float64", "both"])
+def test_a_table_of_shared_outputs_is_written_as_record_by_record(values):
+    rng = random.Random(11)
+    recs = [r for r in coo_table(rng, 40) if r.numel <= 1 << 32]  # (one indices array of uint32)
+    want = {"float32": ["float32", "float16", "bfloat16"], "float64": ["float64"]}.get(values)
+    for r in recs:
+        r.dtype = rng.choice(want) if want else r.dtype
+        r.buffers["values"] = r.buffers["values"].astype(np.float64 if r.dtype == "float64" else np.float32)
+    assert values != "both" or len({r.dtype == "float64" for r in recs}) == 2
+    plain = pack(recs, pipeline=[], layouts=wire_layouts())
+    segs = shared(recs, split_values=values != "float32")
+    laid = v2._plain_many(segs)
+    assert (laid is None) == (values == "both")  # (values in two arrays: record by record)
+    if values == "float32":
+        assert [type(x) for x in laid[0]] == [v2._Interleaved]
+    elif values == "float64":  # (8-byte values beside 4-byte indices: a range of each array a buffer)
+        assert {type(x) for x in laid[0]} == {SegmentPart} and len(laid[0]) == 2 * len(segs)
+    assert write_both(segs) == ("ok", plain)
+    reordered = segs[1:] + segs[:1]  # (not records 0..n-1 of the outputs)
+    assert v2._plain_many(reordered) is None
+    assert write_both(reordered)[0] == "ok"
+
+
+def test_interleaved_parts_hold_each_records_indices_then_values():
+    idx = np.arange(10, 16, dtype=np.uint32)
+    vals = np.arange(6, dtype=np.float32) + 0.5
+    part = v2._Interleaved(idx, vals, np.array([1, 1, 3, 6], np.int64))  # (entries 1..5; an empty record)
+    want = b"".join(
+        [idx[1:3].tobytes(), vals[1:3].tobytes(), idx[3:6].tobytes(), vals[3:6].tobytes()]
+    )  # record 0 keeps nothing
+    assert part.nbytes == len(want) and part.host() == want
+    assert part.host(lambda a: np.array(a, copy=True)) == want
 
 
 # ------------------------------------------------------------------------------------------ coded writer

@@ -70,6 +70,7 @@ from .common import (
     LayoutRule,
     Ranges,
     SegmentBuffers,
+    Segmented,
     SegmentPart,
     SharedFrame,
     TensorRecord,
@@ -558,6 +559,100 @@ def _plain_buffers(rec: TensorRecord, enc: str) -> tuple[list[Any], int] | None:
         return None
 
 
+_PLAIN_COO = ["indices", "values"]
+_PLAIN_OF = attrgetter("encoding", "shape", "dtype", "nnz", "codec", "buffers", "buffer_dtypes")
+
+
+class _Interleaved(NamedTuple):
+    """The buffers of records ``[0, n)`` of a selection's :class:`~gpu_codec.format.common.Segmented` outputs
+    (one shared indices array, one shared values array, of one element size), written as each record's indices
+    then its values: the data of :func:`plan`'s loop, laid out with a few calls over the whole table."""
+
+    indices: Any
+    values: Any
+    offsets: np.ndarray  # int64, n + 1: record r's entries are [offsets[r], offsets[r + 1]) of both arrays
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * int(self.offsets[-1] - self.offsets[0]) * self.indices.dtype.itemsize
+
+    def host(self, to_host: Any = None) -> bytes:
+        """The bytes, interleaved on the host (``to_host``: the device-to-host copy of each shared range, one each)."""
+        a, b = int(self.offsets[0]), int(self.offsets[-1])
+        idx, val = self.indices[a:b], self.values[a:b]
+        if to_host is not None:
+            idx, val = to_host(idx), to_host(val)
+        ib = memoryview(np.ascontiguousarray(idx)).cast("B")
+        vb = memoryview(np.ascontiguousarray(val)).cast("B")
+        at = ((self.offsets - a) * self.indices.dtype.itemsize).tolist()
+        cuts = list(map(slice, at[:-1], at[1:]))  # (a slice of each memory a record: no copy until the join)
+        return b"".join([x for pair in zip(map(ib.__getitem__, cuts), map(vb.__getitem__, cuts)) for x in pair])
+
+
+def _one_source(seg: Segmented) -> Any:
+    """The one source array every tensor of ``seg`` is a range of; None where they use more than one."""
+    which = seg.which
+    if which is None:
+        return seg.sources[0]
+    first = which[0] if len(which) else 0
+    return seg.sources[first] if which.count(first) == len(which) else None
+
+
+def _plain_many(tensors: list[TensorRecord]) -> tuple[list[Any], int] | None:
+    """What :func:`plan`'s loop makes of a table of plain ``coo`` records whose buffers are records ``0..n-1`` of a
+    selection's shared outputs (:class:`~gpu_codec.format.common.SegmentBuffers` of one indices and one values
+    array): (the buffers written, in order: one :class:`_Interleaved` part where the two arrays' elements are of
+    one size, a range of each array a buffer otherwise; their bytes), every check of :func:`_plain_buffers` made
+    over the whole table. None where any might fail, and for records whose buffers are not such ranges (the loop
+    then runs, and raises what it raises). The same bytes with fewer calls and parts: tests/test_format_fast.py
+    writes the same records through both."""
+    n = len(tensors)
+    if n < 2 or type(tensors[0].buffers) is not SegmentBuffers:
+        return None
+    try:
+        encs, shapes, dts, nnz, codecs, bufs, stored = zip(*map(_PLAIN_OF, tensors))
+        if set(map(type, bufs)) != {SegmentBuffers} or len({id(b.roles) for b in bufs}) != 1:
+            return None
+        if not same_str(list(encs), "coo") or set(map(type, shapes)) != {tuple} or max(map(len, shapes)) > MAX_NDIM:
+            return None
+        dims = [d for s in shapes for d in s]
+        if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) > MAX_TENSOR_ELEMENTS):
+            return None
+        if set(map(type, dts)) != {str} or not set(dts) <= _DTYPE_NAMES or set(map(type, nnz)) != {int}:
+            return None
+        if set(map(type, codecs)) != {dict} or any(codecs) or set(map(type, stored)) != {dict} or any(stored):
+            return None
+        roles = bufs[0].roles
+        if list(roles) != _PLAIN_COO or [b.t for b in bufs] != list(range(n)):
+            return None
+        iseg, vseg = roles["indices"], roles["values"]
+        if type(iseg) is not Segmented or type(vseg) is not Segmented or len(iseg) != n or len(vseg) != n:
+            return None
+        off = np.asarray(iseg.offsets, np.int64)
+        if not np.array_equal(off, np.asarray(vseg.offsets, np.int64)) or not np.array_equal(np.diff(off), nnz):
+            return None
+        # one source array a role: every record's indices of one width, every record's values of one dtype
+        wide = np.fromiter(map(math.prod, shapes), np.int64, n) > U32_INDEX_NUMEL
+        f64 = dts.count("float64")
+        isrc, vsrc = _one_source(iseg), _one_source(vseg)
+        if isrc is None or vsrc is None or wide.any() != wide.all() or f64 not in (0, n):
+            return None
+        if not _dtype_is(isrc, "uint64" if wide[0] else "uint32", "indices", {}):
+            return None
+        if not _dtype_is(vsrc, "float64" if f64 else "float32", "values", {}):
+            return None
+        isz, vsz = isrc.dtype.itemsize, vsrc.dtype.itemsize
+        if isz == vsz:
+            parts = [_Interleaved(isrc, vsrc, off)]
+        else:
+            lo, hi = off[:-1].tolist(), off[1:].tolist()
+            ip, vp = map(SegmentPart, repeat(isrc), lo, hi), map(SegmentPart, repeat(vsrc), lo, hi)
+            parts = [x for pair in zip(ip, vp) for x in pair]
+        return parts, int(off[-1] - off[0]) * (isz + vsz)
+    except Exception:  # whatever the checks raise, plan's own run of them raises too
+        return None
+
+
 def _dtype_is(a: Any, dt: str, role: str, stored: dict[str, str]) -> bool:
     """Whether :func:`_check_buffers` takes ``a``'s dtype for ``dt``."""
     if not stored and a.dtype is BUFFER_DTYPES[dt]:  # (NumPy's own dtypes are single objects)
@@ -671,6 +766,12 @@ def plan(
         forms, fields, zbytes, written = fast
         parts += written
         generic += written
+    elif plain.get("coo"):
+        laid = _plain_many(tensors)
+        if laid is not None:  # (plain coo records, checked over the whole table)
+            fast = laid
+            parts, plain_bytes = laid
+            forms, fields, zbytes = [_PLAIN_FORMS["coo"]] * len(tensors), [b""] * len(tensors), [None] * len(tensors)
     for rec in tensors if fast is None else ():
         enc = rec.encoding
         if type(enc) is str and plain.get(enc):
@@ -955,7 +1056,8 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
 
 
 def _on_device(a: Any) -> bool:
-    return type(a.source if type(a) is SegmentPart else a).__module__.startswith("cupy")
+    t = type(a)
+    return type(a.source if t is SegmentPart else a.indices if t is _Interleaved else a).__module__.startswith("cupy")
 
 
 def _host_parts(parts: list[Any]) -> list[Any]:
@@ -970,6 +1072,8 @@ def _host_parts(parts: list[Any]) -> list[Any]:
             if a.stop > a.start:
                 s = spans.setdefault(id(a.source), [a.source, a.start, a.stop])
                 s[1], s[2] = min(s[1], a.start), max(s[2], a.stop)
+        elif type(a) is _Interleaved:
+            continue
         elif _on_device(a) and len(a):
             loose.append(cupy.ascontiguousarray(cupy.asarray(a)).reshape(-1).view(cupy.uint8))
     host = {k: (cupy.asnumpy(src[lo:hi]), lo) for k, (src, lo, hi) in spans.items()}
@@ -980,6 +1084,8 @@ def _host_parts(parts: list[Any]) -> list[Any]:
             if a.stop > a.start:
                 h, lo = host[id(a.source)]
                 out.append(h[a.start - lo : a.stop - lo])
+        elif type(a) is _Interleaved:
+            out.append(a.host(cupy.asnumpy if _on_device(a) else None))
         elif _on_device(a):
             if len(a):
                 n = int(a.size) * a.dtype.itemsize
@@ -998,6 +1104,8 @@ def _gather(parts: list[Any], total: int) -> bytes:
     for a in parts:
         if type(a) is SegmentPart:
             a = np.asarray(a.source)[a.start : a.stop]
+        elif type(a) is _Interleaved:
+            a = a.host()
         b = a if isinstance(a, bytes) else np.ascontiguousarray(a).reshape(-1).view(np.uint8).tobytes()
         out[off : off + len(b)] = b
         off += len(b)
@@ -1014,6 +1122,8 @@ def write(p: _Plan) -> bytes:
             break
         elif type(a) is SegmentPart:
             parts.append(np.asarray(a.source)[a.start : a.stop])
+        elif type(a) is _Interleaved:
+            parts.append(a.host())
         else:
             parts.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
     else:
