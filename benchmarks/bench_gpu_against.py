@@ -1,10 +1,11 @@
 """This checkout's GPU path against another revision's, on one GPU, in the same run.
 
 For zoo entries (benchmarks/zoo.py; entries above 3e7 elements scaled down), as torch CUDA tensors: one compress
-(top-k 1% global), one decompress onto the base, one :class:`~gpu_codec.Aggregator` made on the base and one
-``add`` of the payload to it, each the median of 9 calls after 2 warm-up calls, each call followed by a device
-synchronize. Each tree runs in its own process, the two taking turns ``--rounds`` times; a figure is the median of
-its rounds, and ``new_over_old`` the checkout's over the revision's (below 1: the checkout is faster).
+(top-k 1% global), its payload's ``to_bytes`` (the copy off the device and the writer), one decompress onto the
+base, one :class:`~gpu_codec.Aggregator` made on the base and one ``add`` of the payload to it, each the median
+of 9 calls after 2 warm-up calls, each call followed by a device synchronize. Each tree runs in its own process,
+the two taking turns ``--rounds`` times; a figure is the median of its rounds, and ``new_over_old`` the
+checkout's over the revision's (below 1: the checkout is faster).
 
     python benchmarks/bench_gpu_against.py --against 7bf9fcc --out benchmarks/results/gpu_against.json
     python benchmarks/bench_gpu_against.py --tree /tmp/old   # a tree of that revision (git archive REV | tar x),
@@ -24,7 +25,7 @@ import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 ENTRIES = ["split-2^23-1000", "split-2^23-100", "resnet-50", "char-transformer", "iid-2^24"]
-OPS = ("compress", "decompress", "aggregator", "add")
+OPS = ("compress", "to_bytes", "decompress", "aggregator", "add")
 MAX_PARAMS = 3e7
 
 
@@ -61,10 +62,12 @@ def child(root: str, entries: list[str]) -> dict:
         e = ZOO[name]
         u = e.build(1.0 if e.params(1.0) <= MAX_PARAMS else MAX_PARAMS / e.params(1.0), 0)
         new, base = dev(u.new), dev(u.base)
-        blob = gpu_codec.compress(new, base, fraction=0.01).to_bytes()
+        payload = gpu_codec.compress(new, base, fraction=0.01)
+        blob = payload.to_bytes()
         agg = gpu_codec.Aggregator(base=base)
         out[name] = {
             "compress": med(lambda: gpu_codec.compress(new, base, fraction=0.01)),  # noqa: B023
+            "to_bytes": med(payload.to_bytes),
             "decompress": med(lambda: gpu_codec.decompress(blob, base=base)),  # noqa: B023
             "aggregator": med(lambda: gpu_codec.Aggregator(base=base)),  # noqa: B023
             "add": med(lambda: agg.add(blob)),  # noqa: B023

@@ -236,13 +236,15 @@ def gpu_against() -> str:
     """This checkout's GPU path against an earlier revision's, ``benchmarks/results/gpu_against_h100.json``
     (``benchmarks/bench_gpu_against.py``)."""
     doc = _load("gpu_against_h100.json")
-    ops = ("compress", "decompress", "aggregator", "add")
+    heads = {"compress": "compress", "to_bytes": "to_bytes", "decompress": "decompress"}
+    heads.update(aggregator="Aggregator(base)", add="add")
+    ops = [op for op in heads if op in next(iter(doc["result"].values()))]  # (to_bytes: timed since 788bf6f)
     lines = [
         f"{doc['device']}, torch {doc['torch']}: commit {doc['commit']} against {doc['against']}, alternating "
         f"processes, {doc['rounds']} rounds; ms (in brackets: {doc['commit']} over {doc['against']}).",
         "",
-        "| entry | compress | decompress | Aggregator(base) | add |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| entry | " + " | ".join(heads[op] for op in ops) + " |",
+        "| --- |" + " ---: |" * len(ops),
     ]
     for e, r in doc["result"].items():
         cells = [f"{r[op]['old_ms']:.2f} → {r[op]['new_ms']:.2f} ({r[op]['new_over_old']:.2f}×)" for op in ops]

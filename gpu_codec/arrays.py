@@ -182,28 +182,30 @@ def torch_tensors(xs: list[Any]) -> list[Tensor] | None:
     >>> torch_tensors([torch.zeros(3), torch.zeros(4, 2).T]) is None  # (not contiguous)
     True
     """
-    if not all(type(x).__module__.startswith("torch") for x in xs):
+    types = set(map(type, xs))
+    if not all(t.__module__.startswith("torch") for t in types):
         return None
     import torch
 
-    if not all(isinstance(x, torch.Tensor) and x.layout == torch.strided for x in xs):
+    if not all(issubclass(t, torch.Tensor) for t in types) or set(map(_LAYOUT, xs)) != {torch.strided}:
         return None
     devices = set(map(_DEVICE, xs))
     if len(devices) != 1:
         return None
     (device,) = devices
     logical = list(map(_torch_logical().get, map(_DTYPE, xs)))
-    if None in logical or not all(x.is_contiguous() for x in xs):
+    if None in logical or not all(map(torch.Tensor.is_contiguous, xs)):
         return None
-    if any(x.requires_grad for x in xs):
+    if any(map(_REQUIRES_GRAD, xs)):
         xs = [x.detach() for x in xs]
+    shapes = list(map(tuple, map(_SHAPE, xs)))
     if device.type == "cuda":
         import cupy
 
         index = device.index if device.index is not None else torch.cuda.current_device()
-        ptrs, numels = [x.data_ptr() for x in xs], [x.numel() for x in xs]
-        views = device_views(cupy, ptrs, numels, [_STORAGE[lg] for lg in logical], xs, index)
-        return [Tensor(v, lg, tuple(x.shape), "torch", device) for v, lg, x in zip(views, logical, xs)]
+        ptrs, numels = list(map(torch.Tensor.data_ptr, xs)), list(map(torch.Tensor.numel, xs))
+        views = device_views(cupy, ptrs, numels, list(map(_STORAGE.__getitem__, logical)), xs, index)
+        return list(map(Tensor, views, logical, shapes, repeat("torch"), repeat(device)))
     if device.type != "cpu":
         return None
     host = [
@@ -212,7 +214,7 @@ def torch_tensors(xs: list[Any]) -> list[Tensor] | None:
     return [Tensor(a.reshape(-1), lg, a.shape, "torch", device) for a, lg in zip(host, logical)]
 
 
-_DEVICE = attrgetter("device")
+_DEVICE, _LAYOUT, _REQUIRES_GRAD = attrgetter("device"), attrgetter("layout"), attrgetter("requires_grad")
 _STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64}
 
 
@@ -224,13 +226,13 @@ def device_views(
     array instead of tens); each view keeps its owner alive. ``cupy`` is the CuPy module (a stand-in in tests).
     """
     unowned, pointer, ndarray = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer, cupy.ndarray
+    sizes = {dt: np.dtype(dt).itemsize for dt in set(storage)}
     out = []
     for p, n, dt, owner in zip(ptrs, numels, storage, owners):
-        if n == 0:
+        if n:
+            out.append(ndarray((n,), dt, pointer(unowned(p, n * sizes[dt], owner, device_id), 0)))
+        else:
             out.append(ndarray((0,), dt))
-            continue
-        mem = unowned(p, n * np.dtype(dt).itemsize, owner, device_id)
-        out.append(ndarray((n,), dt, pointer(mem, 0)))
     return out
 
 

@@ -17,7 +17,9 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
-from typing import Any
+from functools import partial
+from operator import attrgetter, is_not
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -80,9 +82,9 @@ def device_of(tensors: Sequence[Any]) -> int | None:
     """The one CUDA device id the inputs live on (None when none is on a GPU); inputs on two devices raise
     :class:`~gpu_codec.errors.InvalidInputError`. ``tensors`` are :class:`gpu_codec.arrays.Tensor` (or None)."""
     seen: dict[int, str] = {}
-    for t in tensors:
-        if t is None:
-            continue
+    # each (kind, device) once, in the order of first appearance (a model's tensors share one or two)
+    for t in dict.fromkeys(map(_KIND_DEVICE, filter(_NOT_NONE, tensors))):
+        t = _Placed(*t)
         dev = None
         if t.kind == "torch" and getattr(t.device, "type", "") == "cuda":
             dev = t.device.index if t.device.index is not None else _torch_current_device()
@@ -97,6 +99,15 @@ def device_of(tensors: Sequence[Any]) -> int | None:
             + "); move them to one device"
         )
     return next(iter(seen), None)
+
+
+class _Placed(NamedTuple):
+    kind: str
+    device: Any
+
+
+_KIND_DEVICE = attrgetter("kind", "device")
+_NOT_NONE = partial(is_not, None)
 
 
 def _torch_current_device() -> int:
