@@ -145,8 +145,9 @@ def device_row(update: Update, backend: Any, repeat: int, seed: int, dry_run: bo
                 new, base, fraction=f, scope=s, residual=r
             )
         timed["decompress_s"] = lambda: gpu_codec.decompress(blob, base=base)
-        timed["aggregator_s"] = lambda: gpu_codec.Aggregator(base=base)  # (a server's, once a round)
-        agg = gpu_codec.Aggregator(base=base)
+        # (a server's, once a round; no output cap: the largest entries' accumulators are over the default's 4 GiB)
+        timed["aggregator_s"] = lambda: gpu_codec.Aggregator(base=base, max_output_bytes=None)
+        agg = gpu_codec.Aggregator(base=base, max_output_bytes=None)
         timed["add_s"] = lambda: agg.add(blob)  # (each client's payload)
         # counts of one call each
         counts = {}
