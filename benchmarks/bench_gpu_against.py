@@ -99,6 +99,12 @@ def run(old_tree: pathlib.Path, against: str, entries: list[str], rounds: int, c
             print(f"{e:<18} {op:<11} old {o:8.2f} ms  new {n:8.2f} ms  new/old {n / o:.2f}", flush=True)
     import torch
 
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.gpu_suite import _ensure_importable
+
+    _ensure_importable()
+    from benchmarks.bench_topk import machine_info  # (this checkout's backend, and the device's NVML record)
+
     try:  # (a GPU machine may have the tree without git: then --commit names it)
         git = ["git", "rev-parse", "--short", "HEAD"]
         commit = commit or subprocess.run(git, cwd=ROOT, capture_output=True, text=True, check=False).stdout.strip()
@@ -109,6 +115,7 @@ def run(old_tree: pathlib.Path, against: str, entries: list[str], rounds: int, c
         "commit": commit or "unknown",
         "against": against,
         "device": torch.cuda.get_device_name(),
+        "machine": machine_info(),
         "torch": torch.__version__,
         "rounds": rounds,
         "runs": runs,

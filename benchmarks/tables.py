@@ -232,10 +232,10 @@ def zoo_gpu(doc: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def gpu_against() -> str:
-    """This checkout's GPU path against an earlier revision's, ``benchmarks/results/gpu_against_h100.json``
+def gpu_against(name: str = "gpu_against_h100.json") -> str:
+    """A checkout's GPU path against an earlier revision's, ``benchmarks/results/<name>``
     (``benchmarks/bench_gpu_against.py``)."""
-    doc = _load("gpu_against_h100.json")
+    doc = _load(name)
     heads = {"compress": "compress", "to_bytes": "to_bytes", "decompress": "decompress"}
     heads.update(aggregator="Aggregator(base)", add="add")
     ops = [op for op in heads if op in next(iter(doc["result"].values()))]  # (to_bytes: timed since 788bf6f)
@@ -262,6 +262,7 @@ REGIONS: dict[str, Callable[[], str]] = {
     "flower": flower,
     "zoo_gpu": zoo_gpu,
     "gpu_against": gpu_against,
+    "gpu_against_wrap": lambda: gpu_against("gpu_against_h100_wrap.json"),  # (the tensors wrapped as a table)
 }
 _REGION = re.compile(r"(<!-- tables:([a-z_]+) -->\n)(.*?)(\n?<!-- /tables:\2 -->)", re.S)  # (empty: filled too)
 
