@@ -1068,7 +1068,8 @@ def decompress(
     if kind == "torch":
         split = outs.torch_views(logical, devs)
         if split is not None:
-            return {r.name: t.view(r.shape) for r, t in zip(records, split)}
+            # (a flat tensor is its own split: a view a tensor costs a few µs on a device, 1-D tensors need none)
+            return {r.name: t if len(r.shape) == 1 else t.view(r.shape) for r, t in zip(records, split)}
     on_host = kind == "numpy" and backend.on_device  # (NumPy outputs of a device decode: one copy a region)
     views = outs.host_views(backend) if on_host else outs.views()
     if "bfloat16" not in logical and (kind == "numpy" or (kind == "cupy" and backend.on_device)):
