@@ -19,7 +19,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from functools import partial
 from operator import attrgetter, is_not
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -83,15 +83,14 @@ def device_of(tensors: Sequence[Any]) -> int | None:
     :class:`~gpu_codec.errors.InvalidInputError`. ``tensors`` are :class:`gpu_codec.arrays.Tensor` (or None)."""
     seen: dict[int, str] = {}
     # each (kind, device) once, in the order of first appearance (a model's tensors share one or two)
-    for t in dict.fromkeys(map(_KIND_DEVICE, filter(_NOT_NONE, tensors))):
-        t = _Placed(*t)
+    for kind, device in dict.fromkeys(map(_KIND_DEVICE, filter(_NOT_NONE, tensors))):
         dev = None
-        if t.kind == "torch" and getattr(t.device, "type", "") == "cuda":
-            dev = t.device.index if t.device.index is not None else _torch_current_device()
-        elif t.kind == "cupy" and t.device is not None:
-            dev = int(t.device)
+        if kind == "torch" and getattr(device, "type", "") == "cuda":
+            dev = device.index if device.index is not None else _torch_current_device()
+        elif kind == "cupy" and device is not None:
+            dev = int(device)
         if dev is not None:
-            seen.setdefault(int(dev), str(t.device))
+            seen.setdefault(int(dev), str(device))
     if len(seen) > 1:
         raise InvalidInputError(
             "inputs are on different CUDA devices ("
@@ -99,11 +98,6 @@ def device_of(tensors: Sequence[Any]) -> int | None:
             + "); move them to one device"
         )
     return next(iter(seen), None)
-
-
-class _Placed(NamedTuple):
-    kind: str
-    device: Any
 
 
 _KIND_DEVICE = attrgetter("kind", "device")
