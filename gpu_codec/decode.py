@@ -930,7 +930,7 @@ def _decode_onto_host(
 
 
 def _reshape(a: Any, shape: tuple[int, ...]) -> Any:
-    return a.reshape(shape)
+    return a if len(shape) == 1 else a.reshape(shape)  # (a flat output is its own shape: no view made)
 
 
 def _base_tensor(x: Any, r: TensorRecord) -> Tensor:
