@@ -34,7 +34,7 @@ import numpy as np
 
 from . import decode as _decode
 from . import dtypes
-from .arrays import Tensor, from_backend, is_device_array, numpy_tensors, to_tensor, torch_tensors
+from .arrays import Tensor, from_backend, is_device_array, tensor_table, to_tensor
 from .backends import events, get_backend
 from .codecs import decoder_for, host_resident, inner_encoding
 from .constants import ScatterMode
@@ -277,9 +277,7 @@ class Aggregator:
                 raise InvalidInputError("base must be a non-empty mapping of name -> array")
             be = self._backend
             names, arrays = list(base), list(base.values())
-            tensors = numpy_tensors(arrays) or torch_tensors(arrays)  # (a few calls in all where it can)
-            if tensors is None:
-                tensors = [to_tensor(a, n) for n, a in zip(names, arrays)]
+            tensors = tensor_table(arrays) or [to_tensor(a, n) for n, a in zip(names, arrays)]
             for n, t in zip(names, tensors):
                 if t.dtype not in dtypes.FLOAT_DTYPES:
                     raise InvalidInputError(f"tensor {n!r}: base dtype {t.dtype} is not a float dtype")

@@ -168,6 +168,17 @@ def numpy_tensors(xs: list[Any]) -> list[Tensor] | None:
     return list(map(Tensor, flat, logical, shapes, repeat("numpy"), repeat(None)))
 
 
+def tensor_table(xs: list[Any]) -> list[Tensor] | None:
+    """:func:`to_tensor` of every array of ``xs`` where they form a table the fast wrappers take whole
+    (:func:`numpy_tensors`, :func:`torch_tensors`: a few calls over the list); None otherwise, and for an empty
+    list (then :func:`to_tensor` wraps them one by one, with its errors).
+
+    >>> [t.kind for t in tensor_table([np.zeros(2, np.float32)])], tensor_table([]), tensor_table([[1.0]])
+    (['numpy'], None, None)
+    """
+    return (numpy_tensors(xs) or torch_tensors(xs)) if xs else None
+
+
 def torch_tensors(xs: list[Any]) -> list[Tensor] | None:
     """:func:`to_tensor` of every tensor of ``xs`` where each is a dense, contiguous torch tensor of float32,
     float16, bfloat16 or float64, all on the CPU or all on one CUDA device (checked over the whole list, then a

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import dtypes
-from .arrays import Tensor, from_backend, is_device_array, numpy_tensors, to_tensor, torch_tensors
+from .arrays import Tensor, from_backend, is_device_array, tensor_table, to_tensor
 from .backends import Backend, get_backend
 from .codecs import decoder_for, inner_encoding
 from .constants import U64_MAX, ScatterMode
@@ -930,7 +930,9 @@ def _decode_onto_host(
 
 
 def _reshape(a: Any, shape: tuple[int, ...]) -> Any:
-    return a if len(shape) == 1 else a.reshape(shape)  # (a flat output is its own shape: no view made)
+    """A flat output (NumPy, CuPy or torch, contiguous) in its tensor's shape: itself where that is flat (a view
+    a tensor costs a few µs on a device), else a view."""
+    return a if len(shape) == 1 else a.reshape(shape)
 
 
 def _base_tensor(x: Any, r: TensorRecord) -> Tensor:
@@ -1030,7 +1032,7 @@ def decompress(
                 f"payload and base name different tensors: missing from base {missing[:5]}, not in payload {extra[:5]}"
             )
         arrays = [base[n] for n in names]
-        table = (numpy_tensors(arrays) or torch_tensors(arrays)) if arrays else None  # (a few calls in all)
+        table = tensor_table(arrays)  # (a few calls in all)
         if table is not None and list(map(_SHAPE, table)) == shapes and list(map(_DTYPE, table)) == stored:
             base_tensors = table
         else:
@@ -1068,8 +1070,7 @@ def decompress(
     if kind == "torch":
         split = outs.torch_views(logical, devs)
         if split is not None:
-            # (a flat tensor is its own split: a view a tensor costs a few µs on a device, 1-D tensors need none)
-            return {r.name: t if len(r.shape) == 1 else t.view(r.shape) for r, t in zip(records, split)}
+            return dict(zip(names, map(_reshape, split, shapes)))
     on_host = kind == "numpy" and backend.on_device  # (NumPy outputs of a device decode: one copy a region)
     views = outs.host_views(backend) if on_host else outs.views()
     if "bfloat16" not in logical and (kind == "numpy" or (kind == "cupy" and backend.on_device)):

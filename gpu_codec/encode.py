@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from . import dtypes
-from .arrays import Tensor, numpy_tensors, to_tensor, torch_tensors
+from .arrays import Tensor, tensor_table, to_tensor
 from .backends import Backend, get_backend
 from .backends.base import DeltaRequest, SelectRequest
 from .codecs import SCOPES, as_pipeline, check_fraction
@@ -109,14 +109,10 @@ def _check_tensors(
 def _host_tables(
     update: Mapping[str, Any], base: Mapping[str, Any] | None, names: list[str]
 ) -> tuple[list[Tensor], list[Tensor | None]] | None:
-    """:func:`_check_tensors`' tensors where the update (and base) are C-contiguous NumPy float arrays, or
-    contiguous torch CPU float tensors, that pass every check, found with a few calls over the whole table; None
-    where any check may fail (the tensor-by-tensor checks then give the error)."""
-    arrays = [update[n] for n in names]
-    news = numpy_tensors(arrays)
-    wrap = numpy_tensors
-    if news is None:
-        news, wrap = torch_tensors(arrays), torch_tensors
+    """:func:`_check_tensors`' tensors where the update and the base are each a table the fast wrappers take whole
+    (:func:`~gpu_codec.arrays.tensor_table`) and pass every check, found with a few calls over the whole table;
+    None where any check may fail (the tensor-by-tensor checks then give the error)."""
+    news = tensor_table([update[n] for n in names])
     if news is None:
         return None
     shapes = [t.shape for t in news]
@@ -126,7 +122,7 @@ def _host_tables(
         return news, [None] * len(news)
     if len(base) != len(names) or not all(n in base for n in names):
         return None
-    bases = wrap([base[n] for n in names])
+    bases = tensor_table([base[n] for n in names])
     if bases is None or [b.shape for b in bases] != shapes or [b.dtype for b in bases] != [t.dtype for t in news]:
         return None
     return news, bases

@@ -340,9 +340,9 @@ def test_the_base_is_wrapped_once_for_every_add_and_the_result(backend, monkeypa
         blobs = [gpu_codec.compress(n, base, fraction=0.1).to_bytes() for n in news]
         want = aggregate(blobs, base=base)
         wrapped = []  # tensors wrapped: one by one, or a table at once
-        real, real_table = agg_mod.to_tensor, agg_mod.numpy_tensors
+        real, real_table = agg_mod.to_tensor, agg_mod.tensor_table
         monkeypatch.setattr(agg_mod, "to_tensor", lambda a, n: wrapped.append(1) or real(a, n))
-        monkeypatch.setattr(agg_mod, "numpy_tensors", lambda xs: wrapped.append(len(xs)) or real_table(xs))
+        monkeypatch.setattr(agg_mod, "tensor_table", lambda xs: wrapped.append(len(xs)) or real_table(xs))
         agg = Aggregator(base=base)
         assert sum(wrapped) == len(base) and len(wrapped) == 1  # (the whole table at once)
         for b in blobs:
