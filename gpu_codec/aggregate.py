@@ -37,6 +37,7 @@ from . import dtypes
 from .arrays import Tensor, from_backend, is_device_array, tensor_table, to_tensor
 from .backends import events, get_backend
 from .codecs import decoder_for, host_resident, inner_encoding
+from .collector import holds_collector
 from .constants import ScatterMode
 from .errors import (
     BaseMismatchError,
@@ -252,6 +253,7 @@ class Aggregator:
     gpu_codec.errors.PayloadLimitError: payload 0: an aggregation of its tensors needs 2000 bytes ...
     """
 
+    @holds_collector
     def __init__(
         self,
         base: Mapping[str, Any] | None = None,
@@ -313,6 +315,7 @@ class Aggregator:
         """Sum of the weights added so far (exactly rounded, so independent of their order)."""
         return math.fsum(self._weights)
 
+    @holds_collector
     def add(self, payload: Any, weight: float = 1.0) -> None:
         """Scatter-add one client's payload (a :class:`~gpu_codec.Payload` or its bytes) with ``weight``; a payload
         that is refused leaves the aggregation exactly as it was."""
@@ -734,6 +737,7 @@ class Aggregator:
         self._ready = events.record(self._backend)
         return {n: flat[i] for i, (n, _, _) in enumerate(tpl.entries)}
 
+    @holds_collector
     def result(self) -> dict[str, Any]:
         """``base + mean delta`` (with a base) or the mean delta, as :func:`gpu_codec.decompress` returns them.
 

@@ -22,6 +22,7 @@ from . import dtypes
 from .arrays import Tensor, from_backend, is_device_array, tensor_table, to_tensor
 from .backends import Backend, get_backend
 from .codecs import decoder_for, inner_encoding
+from .collector import holds_collector
 from .constants import U64_MAX, ScatterMode
 from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadLimitError, PayloadValueError
 from .format import (
@@ -945,6 +946,7 @@ def _base_tensor(x: Any, r: TensorRecord) -> Tensor:
     return b
 
 
+@holds_collector
 def decompress(
     payload: Payload | bytes | bytearray | memoryview,
     base: Mapping[str, Any] | None = None,

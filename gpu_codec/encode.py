@@ -24,6 +24,7 @@ from .arrays import Tensor, tensor_table, to_tensor
 from .backends import Backend, get_backend
 from .backends.base import DeltaRequest, SelectRequest
 from .codecs import SCOPES, as_pipeline, check_fraction
+from .collector import holds_collector
 from .constants import DType
 from .errors import InvalidInputError
 from .format import (
@@ -155,6 +156,7 @@ def _external_scores(score: ScoreFn, update, base, names, news, backend: Backend
     return arrays, codes
 
 
+@holds_collector
 def compress(
     update: Mapping[str, Any],
     base: Mapping[str, Any] | None = None,

@@ -13,6 +13,7 @@ import numpy as np
 
 from . import dtypes
 from .codecs import wire_layouts
+from .collector import holds_collector
 from .errors import InvalidInputError
 from .format import (
     MAX_HEADER_BYTES,
@@ -179,6 +180,7 @@ class Payload:
         self.version: int | None = None  # the wire version it was read from (None: made here)
         self.base_fingerprint: str | None = None  # of the base it was made against (compress(fingerprint_base=True))
 
+    @holds_collector
     def to_bytes(self, version: int | None = None) -> bytes:
         """Serialize: wire format v2 (``version=None`` or 2; v1 for records v2 cannot describe, which no
         built-in codec makes; v3 where an ``nvcomp`` tensor is more than one zstd frame, more than 16 MiB of
@@ -210,6 +212,7 @@ class Payload:
         return blob
 
     @classmethod
+    @holds_collector
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Payload:
         """Parse and validate a payload of either format version (hostile input is rejected with a
         PayloadError)."""

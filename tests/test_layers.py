@@ -18,6 +18,7 @@ CORE = {
     "payload",
     "aggregate",
     "arrays",
+    "collector",
     "error_feedback",
     "pending",
     "schedules",

@@ -1,0 +1,161 @@
+"""gpu_codec.collector: the engine's calls hold automatic garbage collection off while they run and hand it back as
+they found it (on, off by the caller, after an error, across threads); ``set_paused(False)`` leaves it alone."""
+
+from __future__ import annotations
+
+import gc
+import json
+import threading
+
+import numpy as np
+import pytest
+
+import gpu_codec
+from gpu_codec import collector
+from gpu_codec import encode as encode_mod
+
+from .common import BACKENDS, use_backend
+
+
+@pytest.fixture(autouse=True)
+def restored():
+    was = gc.isenabled()
+    yield
+    collector.set_paused(True)
+    (gc.enable if was else gc.disable)()
+
+
+def update(n: int = 40):
+    rng = np.random.default_rng(0)
+    new = {f"t{i}": rng.standard_normal(50 + i).astype(np.float32) for i in range(n)}
+    return new, {k: np.zeros_like(v) for k, v in new.items()}
+
+
+def calls(new, base):
+    """Each call of the engine that holds the collector, made once."""
+    p = gpu_codec.compress(new, base, fraction=0.1)
+    blob = p.to_bytes()
+    gpu_codec.Payload.from_bytes(blob)
+    gpu_codec.decompress(blob, base=base)
+    agg = gpu_codec.Aggregator(base=base)
+    agg.add(blob)
+    agg.result()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_calls_run_with_the_collector_off_and_leave_it_on(backend, monkeypatch):
+    seen = []
+    real = encode_mod.tensor_table
+    monkeypatch.setattr(encode_mod, "tensor_table", lambda xs: seen.append(gc.isenabled()) or real(xs))
+    gc.enable()
+    with use_backend(backend):
+        calls(*update())
+    assert seen and not any(seen)
+    assert gc.isenabled()
+
+
+def test_no_collection_runs_inside_a_call():
+    """With a collection due at nearly every allocation: none inside a compress past its tensor table when the
+    collector is held, many when it is left alone."""
+    new, base = update(200)
+    mode, inside, during, holds = ["held"], [False], [], []
+
+    def seen(phase, info):
+        if phase == "start" and inside[0] and (collector._inside or mode[0] == "free"):  # (inside the hold)
+            during.append(mode[0])
+
+    real = encode_mod.tensor_table
+
+    def marked(xs):
+        inside[0] = True
+        holds.append(collector._inside)
+        return real(xs)
+
+    old = gc.get_threshold()
+    encode_mod.tensor_table = marked
+    gc.callbacks.append(seen)
+    gc.set_threshold(1)
+    try:
+        for m in ("held", "free"):
+            mode[0] = m
+            collector.set_paused(m == "held")
+            blob = gpu_codec.compress(new, base, fraction=0.1)
+            inside[0] = False
+    finally:
+        encode_mod.tensor_table = real
+        gc.set_threshold(*old)
+        gc.callbacks.remove(seen)
+    half = len(holds) // 2  # (the held call ran inside the hold, the other not)
+    assert half and set(holds[:half]) == {1} and set(holds[half:]) == {0}
+    assert "held" not in during
+    assert during.count("free") > 10
+    assert len(gpu_codec.decompress(blob.to_bytes(), base=base)) == len(new)
+
+
+def test_a_caller_that_turned_the_collector_off_finds_it_off():
+    gc.disable()
+    calls(*update())
+    assert not gc.isenabled()
+
+
+def test_an_error_hands_the_collector_back():
+    new, base = update()
+    gc.enable()
+    with pytest.raises(gpu_codec.errors.InvalidInputError):
+        gpu_codec.compress(new, base, fraction=2.0)
+    with pytest.raises(gpu_codec.errors.PayloadError):
+        gpu_codec.decompress(b"GPUCODEC" + bytes(40))
+    assert gc.isenabled()
+
+
+def test_threads_share_one_hold():
+    gc.enable()
+    entered, release = threading.Event(), threading.Event()
+    states = []
+
+    def long_call():
+        with collector.collector_paused():
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    entered.wait(10)
+    with collector.collector_paused():
+        states.append(gc.isenabled())
+    states.append(gc.isenabled())  # (the other thread is still inside)
+    release.set()
+    t.join(10)
+    states.append(gc.isenabled())
+    assert states == [False, False, True]
+
+
+def test_set_paused_false_leaves_the_collector_alone(monkeypatch):
+    seen = []
+    real = encode_mod.tensor_table
+    monkeypatch.setattr(encode_mod, "tensor_table", lambda xs: seen.append(gc.isenabled()) or real(xs))
+    gc.enable()
+    collector.set_paused(False)
+    assert not collector.paused()
+    calls(*update())
+    assert seen and all(seen)
+    with pytest.raises(gpu_codec.errors.InvalidInputError, match="True or False"):
+        collector.set_paused(1)
+
+
+def test_the_benchmark_times_both_modes(tmp_path):
+    from benchmarks import bench_collector
+
+    out = tmp_path / "collector.json"
+    argv = ["--entries", "split-2^23-100", "--calls", "2", "--rounds", "2", "--max-params", "20000", "--out", str(out)]
+    assert bench_collector.main(argv) == 0
+    doc = json.loads(out.read_text())
+    assert [r["op"] for r in doc["rows"]] == list(bench_collector.OPS)
+    for r in doc["rows"]:
+        assert r["held"]["calls"] == r["free"]["calls"] == 4
+        assert r["mean_held_over_free"] == pytest.approx(r["held"]["mean_ms"] / r["free"]["mean_ms"])
+    assert doc["tracked_objects"] > 0 and doc["machine"]["simd"]
+    assert "| split-2^23-100 | 100 | compress |" in out.with_suffix(".md").read_text()
+    assert collector.paused()  # (set back after the run)
+    with pytest.raises(SystemExit):
+        bench_collector.main(argv)  # (an existing output is not replaced without --force)
