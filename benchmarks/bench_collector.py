@@ -66,9 +66,6 @@ def measure(fn, calls: int, sync) -> dict:
 
 
 def run(entries: list[str], calls: int, rounds: int, max_params: float, device: str | None) -> dict:
-    from benchmarks.gpu_suite import _ensure_importable
-
-    _ensure_importable()  # (a checkout not installed, as on a GPU machine without network)
     import numpy as np
 
     import gpu_codec
@@ -204,6 +201,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or DEFAULT_OUT
     if out.exists() and not args.force:
         ap.error(f"{out} exists: pass --force to replace it, or --out elsewhere")
+    from benchmarks.gpu_suite import _ensure_importable
+
+    _ensure_importable()  # (a checkout not installed, as on a GPU machine without network)
     from benchmarks.zoo import ZOO
 
     unknown = [e for e in args.entries if e not in ZOO]
