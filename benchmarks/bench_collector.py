@@ -187,8 +187,8 @@ def table(doc: dict) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--entries", nargs="+", default=ENTRIES)
-    ap.add_argument("--calls", type=int, default=40, help="calls in a row a mode and round (40)")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--calls", type=int, default=10, help="calls in a row a mode and round (10)")
+    ap.add_argument("--rounds", type=int, default=12, help="rounds, the mode going first alternating (12)")
     ap.add_argument("--max-params", type=float, default=3e7, help="larger entries are scaled down to this")
     ap.add_argument("--device", choices=["cuda"], help="torch CUDA tensors (default: NumPy arrays)")
     ap.add_argument("--out", type=pathlib.Path, help=f"JSON output (default {DEFAULT_OUT.relative_to(ROOT)})")

@@ -252,6 +252,16 @@ def gpu_against(name: str = "gpu_against_h100.json") -> str:
     return "\n".join(lines)
 
 
+def collector(name: str) -> str:
+    """The engine's calls with the garbage collector held off and left alone, ``benchmarks/results/<name>``
+    (``benchmarks/bench_collector.py``)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_collector import table
+
+    return table(_load(name))
+
+
 REGIONS: dict[str, Callable[[], str]] = {
     "pipelines": pipelines,
     "topk": topk,
@@ -263,6 +273,8 @@ REGIONS: dict[str, Callable[[], str]] = {
     "zoo_gpu": zoo_gpu,
     "gpu_against": gpu_against,
     "gpu_against_wrap": lambda: gpu_against("gpu_against_h100_wrap.json"),  # (the tensors wrapped as a table)
+    "collector_gpu": lambda: collector("collector_gpu.json"),
+    "collector_cpu": lambda: collector("collector_cpu.json"),
 }
 _REGION = re.compile(r"(<!-- tables:([a-z_]+) -->\n)(.*?)(\n?<!-- /tables:\2 -->)", re.S)  # (empty: filled too)
 

@@ -33,6 +33,8 @@ def test_every_doc_keeps_its_generated_regions():
             "zoo_gpu",
             "gpu_against",
             "gpu_against_wrap",
+            "collector_gpu",
+            "collector_cpu",
             "topk",
             "traffic",
             "convergence",
