@@ -269,6 +269,20 @@ def _compiler_id(cxx: str) -> str:
 
 
 _build_lock = threading.Lock()
+# ctypes array types made once: ctypes holds an array type only while something uses it, so one made a launch
+# would be a new type (a reference cycle) each time
+_ARGV_TYPES: dict[int, Any] = {}
+_TRACE_COUNTS = ctypes.c_ulonglong * 3
+
+
+def _argv_type(n: int) -> Any:
+    """The ctypes array type of ``n`` pointers (made once a length)."""
+    t = _ARGV_TYPES.get(n)
+    if t is None:
+        t = _ARGV_TYPES[n] = ctypes.c_void_p * n
+    return t
+
+
 _launch_lock = threading.Lock()
 
 
@@ -516,7 +530,7 @@ class EmulatorRunner:
                         f"(as CuPy needs it), got {type(v).__name__}"
                     )
                 values.append(_CTYPES[a.dtype](v.item()))
-        argv = (ctypes.c_void_p * max(1, len(values)))(*[ctypes.addressof(x) for x in values])
+        argv = _argv_type(max(1, len(values)))(*[ctypes.addressof(x) for x in values])
         return values, argv
 
     def launch(self, name: str, grid: Any, block: Any, args: tuple) -> None:
@@ -535,7 +549,7 @@ class EmulatorRunner:
                 self._dll.emu_trace_begin(ranges.ctypes.data_as(ctypes.c_void_p), ctypes.c_int(len(ranges)))
             rc = fn(ctypes.byref(cfg), argv)
             if self.trace:
-                out = (ctypes.c_ulonglong * 3)()
+                out = _TRACE_COUNTS()
                 self._dll.emu_trace_end(out)
                 self.traffic.append(
                     {"kernel": name, "read_bytes": SECTOR * out[0], "write_bytes": SECTOR * out[1], "grid": _dims(grid)}
