@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import json
 import os
@@ -271,16 +272,13 @@ def _compiler_id(cxx: str) -> str:
 _build_lock = threading.Lock()
 # ctypes array types made once: ctypes holds an array type only while something uses it, so one made a launch
 # would be a new type (a reference cycle) each time
-_ARGV_TYPES: dict[int, Any] = {}
 _TRACE_COUNTS = ctypes.c_ulonglong * 3
 
 
+@functools.cache
 def _argv_type(n: int) -> Any:
     """The ctypes array type of ``n`` pointers (made once a length)."""
-    t = _ARGV_TYPES.get(n)
-    if t is None:
-        t = _ARGV_TYPES[n] = ctypes.c_void_p * n
-    return t
+    return ctypes.c_void_p * n
 
 
 _launch_lock = threading.Lock()
