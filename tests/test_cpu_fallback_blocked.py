@@ -193,13 +193,49 @@ def test_small_tensors_table_by_table_match_brute_force(monkeypatch, case, table
     assert_same(inp, run_blocked(inp))
 
 
+@pytest.mark.parametrize("together", [0, sel.PACKED_PARALLEL])
 @pytest.mark.parametrize("case", PACKED + SMALL, ids=[c.name for c in PACKED + SMALL])
-def test_many_small_tensors_match_brute_force(tiny_blocks, case):
+def test_many_small_tensors_match_brute_force(tiny_blocks, monkeypatch, case, together):
     """Tables of many small tensors, packed end to end into the scan's tasks, and per-tensor selections of small
     tensors (bracketed from a strided sample of their keys): the same entries and residuals as the definition,
-    with ties, exact zeros, fp16 and bf16, residual rounding, in every scope."""
+    with ties, exact zeros, fp16 and bf16, residual rounding, in every scope; with the tasks and tables of small
+    tensors spread over the threads (``together`` 0) or run in turn by one."""
+    monkeypatch.setattr(sel, "PACKED_PARALLEL", together)
     inp = kc.make_topk_inputs(case)
     assert_same(inp, run_blocked(inp))
+
+
+def test_items_together_run_in_turn_on_one_thread(monkeypatch):
+    """parallel_map's ``together`` items: one thread runs them all, in their order (the other threads may take the
+    rest meanwhile); results stay in item order, and an error is raised for the lowest failing item once every item
+    has run."""
+    import threading
+    import time
+
+    monkeypatch.setenv(parallel.ENV, "3")
+    together = [i % 3 == 0 for i in range(12)]
+    ran: list = []
+
+    def fn(i: int) -> int:
+        ran.append((i, threading.get_ident()))
+        time.sleep(0.001)  # (so the other threads may take items meanwhile)
+        return i * i
+
+    assert parallel.parallel_map(fn, range(12), 3, together) == [i * i for i in range(12)]
+    marked = [(i, tid) for i, tid in ran if together[i]]
+    assert [i for i, _ in marked] == [0, 3, 6, 9] and len({tid for _, tid in marked}) == 1
+
+    seen: list = []
+
+    def failing(i: int) -> int:
+        seen.append(i)
+        if i in (3, 7):
+            raise ValueError(f"item {i}")
+        return i
+
+    with pytest.raises(ValueError, match="item 3"):
+        parallel.parallel_map(failing, range(12), 3, together)
+    assert sorted(seen) == list(range(12))
 
 
 @pytest.mark.parametrize(
