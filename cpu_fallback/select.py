@@ -47,7 +47,8 @@ ALIGN = 1 << 12  # a block's elements are a multiple of ALIGN (16 KiB of fp32: w
 BUFFER_SHARE = 0.02  # the block buffers of all threads together: at most this share of the update's bytes ...
 PARALLEL_BLOCK = 1 << 17  # a call uses no more threads than leave each a block this large (smaller ones cost
 # more in turns at the interpreter lock than a second core gives back)
-BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison
+BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison (a packed
+# part's blocks, of as many elements, hold their keys in a buffer of their own: 9 bytes, so up to 9/5 of the share)
 BUFFER_FLOOR = 2 * PARALLEL_BLOCK * BLOCK_BYTES  # ... or as much as gives two threads a PARALLEL_BLOCK each, where the
 # share is less and the update has two tasks' worth of fp32 (1.25 MiB: an update of 2^21 to 2^24 fp32 elements; at
 # 2^23 on 2 cores such blocks on both threads took 0.75x the time of the share's one thread, for a peak of 6.3 % of
@@ -111,6 +112,7 @@ class _Call:
     workers: int = 1
     strict: bool = False  # candidates are the keys above lo (not at or above), and those at lo only counted
     _free: list = field(default_factory=list)
+    _free_keys: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _early: list | None = None  # writes_residual_early of each tensor, found once a call
 
@@ -136,9 +138,12 @@ class _Call:
         return any(self.res_out[t] is not None for t in ts) and not self.early(p)
 
     def packed_block(self) -> int:
-        """Elements per block of a packed part: half a block, the delta in one half of the block's buffer and its
-        keys in the other (the candidates' deltas are gathered from the buffer, not from the inputs)."""
-        return self.block // 2
+        """Elements per block of a packed part: a block, whose keys take a buffer of their own beside the delta's
+        (:meth:`key_buffer`; the candidates' deltas are gathered from the delta, not from the inputs), so 9 bytes an
+        element where the other paths take BLOCK_BYTES. Half a block in the delta's buffer, as before, took 1.24x
+        the time at 100 tensors of 2^23 elements in all, 1.05x at 1,000 (two threads: twice the blocks, and each
+        block's calls are turns at the interpreter lock)."""
+        return self.block
 
     def step(self, t: int) -> int:
         """Elements per block of tensor t: scores other than |delta| need temporaries of their own per block."""
@@ -155,10 +160,23 @@ class _Call:
         with self._lock:
             self._free.append(bufs)
 
+    def key_buffer(self) -> np.ndarray:
+        """A packed block's key buffer (uint32, a block's elements): at most one per running task, as
+        :meth:`buffers`."""
+        with self._lock:
+            if self._free_keys:
+                return self._free_keys.pop()
+        return np.empty(self.block, np.uint32)
+
+    def give_back_keys(self, keys: np.ndarray) -> None:
+        with self._lock:
+            self._free_keys.append(keys)
+
     def release(self) -> None:
         """Free the block buffers (between the phases of a call: they are not needed while joining)."""
         with self._lock:
             self._free.clear()
+            self._free_keys.clear()
 
     def values(self, t: int, s: int, e: int, ci: np.ndarray) -> np.ndarray:
         """The deltas at positions ``ci`` of elements [s, e), gathered again from a block's inputs."""
@@ -291,7 +309,11 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
             f32 = fast and c.dtypes[t] == DT_F32
             if part.ts is not None:
-                neq = _scan_packed(c, part, lo, write_res, dbuf, mask, pos, starts, ds)
+                keys = c.key_buffer()
+                try:
+                    neq = _scan_packed(c, part, lo, write_res, dbuf, keys, mask, pos, starts, ds)
+                finally:
+                    c.give_back_keys(keys)
                 bad = False
             elif f32:
                 neq = _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds)
@@ -475,12 +497,12 @@ def _fill(c: _Call, part: _Part, s: int, e: int, d: np.ndarray, write_res: bool)
         s = stop
 
 
-def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> int:
+def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, dbuf, kbuf, mask, pos, starts, ds) -> int:
     """The |delta| scan of a packed part (small fp32, fp16 or bf16 tensors end to end): per block, one piece a
-    tensor fills the delta (:func:`_fill`), then keys, comparison and the candidates' deltas take one call each for
-    the whole block, whatever the number of tensors in it."""
+    tensor fills the delta (:func:`_fill`), then keys (into ``kbuf``), comparison and the candidates' deltas take
+    one call each for the whole block, whatever the number of tensors in it."""
     half = c.packed_block()
-    d, k, m = dbuf[:half], dbuf[half : 2 * half].view(np.uint32), mask[:half]
+    d, k, m = dbuf[:half], kbuf[:half], mask[:half]
     band, ge = np.bitwise_and, np.greater if c.strict else np.greater_equal
     neq = 0
     for s in range(0, part.b, half):
@@ -510,11 +532,12 @@ def _equal(c: _Call, part: _Part, lo: np.uint32, need: int) -> tuple[np.ndarray,
     t, a, b = part.t, part.a, part.b
     idx, ds = [], []
     dbuf, _ = bufs = c.buffers()
+    keys = c.key_buffer() if part.ts is not None else None
     try:
         with np.errstate(over="ignore", invalid="ignore"):
             if part.ts is not None:
                 half = c.packed_block()
-                d, k = dbuf[:half], dbuf[half : 2 * half].view(np.uint32)
+                d, k = dbuf[:half], keys[:half]
                 for s in range(0, b, half):
                     if need <= 0:
                         break
@@ -536,6 +559,8 @@ def _equal(c: _Call, part: _Part, lo: np.uint32, need: int) -> tuple[np.ndarray,
                 idx.append((ci + (s - a)).astype(np.uint32))
     finally:
         c.give_back(bufs)
+        if keys is not None:
+            c.give_back_keys(keys)
     return np.concatenate(idx), np.concatenate(ds)
 
 
