@@ -19,8 +19,8 @@ the thread count.
 Small tensors are packed end to end into a task, so that the calls a block makes serve every tensor in it. In
 per-tensor scope a tensor of at most SMALL_SELECT elements needs no scan: |delta| tensors are selected table by table
 (tables of many tensors end to end, each one's calls made over the whole table but a bracket, a comparison and a
-partition of the candidates a tensor), any other alone by a partition of its keys. Tasks and tables whose tensors
-average fewer than PACKED_PARALLEL elements are run in turn by one thread.
+partition of the candidates a tensor), any other alone by a partition of its keys; tables whose tensors average fewer
+than PACKED_PARALLEL elements are run in turn by one thread.
 """
 
 from __future__ import annotations
@@ -69,11 +69,12 @@ SMALL_SELECT = SMALL_TABLE  # in per-tensor scope, a tensor of at most this many
 # the temporaries of one tensor alone, about 13 bytes an element)
 SMALL_STRIDE = 16  # a small tensor's bracket is read from every SMALL_STRIDE-th key (at 1,000 and 100 tensors of 2^23
 # elements in all, 16 took 6 % and 12 % less time than 8)
-PACKED_PARALLEL = 1 << 15  # packed tasks and small tables whose tensors average fewer elements than this are one
-# turn of the pool, run in order by one thread: a call a tensor piece makes two threads' turns at the interpreter
-# lock cost more than the second core gives back (2^23 elements on 2 cores, AMD EPYC, AVX2, one thread against two:
-# 0.90x the time in 1,000 tensors of 8.4k elements on average, 0.97x in 400, 1.05x in 200, 1.12x in 100; this turn
-# against none, in one process: 0.92-0.96x at 1,000 tensors in global scope, 0.74x per tensor, 1.00x at 100)
+PACKED_PARALLEL = 1 << 15  # small tables (per-tensor scope) whose tensors average fewer elements than this are one
+# turn of the pool, run in order by one thread: their calls a tensor make two threads' turns at the interpreter lock
+# cost more than the second core gives back (2^23 elements in 1,000 tensors, 8.4k on average, on 2 cores, AMD EPYC,
+# AVX2: 0.71-0.74x the time of tables spread over both threads). The scan's packed tasks, with a call a tensor piece
+# but a few calls a whole block, are faster spread over the threads (one turn took 1.02x the time at 1,000 tensors,
+# 1.15x at 400)
 HIST_BINS = 1 << 10  # a part's histogram of its keys' top 16 bits, counted from lo's up (the last bin takes every
 # higher key): the final threshold is found in one bin's keys instead of by a partition of every candidate
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
@@ -846,11 +847,10 @@ def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Par
     strict = [lo < _INF_BITS and int(np.count_nonzero(sample == lo)) * n * TIE_SHARE > sample.size * k for lo in ladder]
     del sample  # not held during the scan
     tasks = _tasks(c, seg)
-    together = [p.ts is not None and p.b < PACKED_PARALLEL * len(p.ts) for p in tasks]
     for step, lo in enumerate(ladder):
         c.strict = strict[step]
         parts = parallel_map(  # a rescan does not write the residual again
-            lambda p, lo=lo, early=step == 0: _scan(c, p, lo, early and c.early(p)), tasks, c.workers, together
+            lambda p, lo=lo, early=step == 0: _scan(c, p, lo, early and c.early(p)), tasks, c.workers
         )
         c.release()
         if any(p.bad for p in parts) or lo == 0 or sum(p.idx.size + p.neq for p in parts) >= k:

@@ -198,8 +198,8 @@ def test_small_tensors_table_by_table_match_brute_force(monkeypatch, case, table
 def test_many_small_tensors_match_brute_force(tiny_blocks, monkeypatch, case, together):
     """Tables of many small tensors, packed end to end into the scan's tasks, and per-tensor selections of small
     tensors (bracketed from a strided sample of their keys): the same entries and residuals as the definition,
-    with ties, exact zeros, fp16 and bf16, residual rounding, in every scope; with the tasks and tables of small
-    tensors spread over the threads (``together`` 0) or run in turn by one."""
+    with ties, exact zeros, fp16 and bf16, residual rounding, in every scope; with the tables of small tensors
+    spread over the threads (``together`` 0) or run in turn by one."""
     monkeypatch.setattr(sel, "PACKED_PARALLEL", together)
     inp = kc.make_topk_inputs(case)
     assert_same(inp, run_blocked(inp))
