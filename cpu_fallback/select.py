@@ -47,8 +47,9 @@ ALIGN = 1 << 12  # a block's elements are a multiple of ALIGN (16 KiB of fp32: w
 BUFFER_SHARE = 0.02  # the block buffers of all threads together: at most this share of the update's bytes ...
 PARALLEL_BLOCK = 1 << 17  # a call uses no more threads than leave each a block this large (smaller ones cost
 # more in turns at the interpreter lock than a second core gives back)
-BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison (a packed
-# part's blocks, of as many elements, hold their keys in a buffer of their own: 9 bytes, so up to 9/5 of the share)
+BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison (the fp32 and
+# packed |delta| scans' blocks, of as many elements, hold their keys in a buffer of their own: 9 bytes, so up to 9/5
+# of the share)
 BUFFER_FLOOR = 2 * PARALLEL_BLOCK * BLOCK_BYTES  # ... or as much as gives two threads a PARALLEL_BLOCK each, where the
 # share is less and the update has two tasks' worth of fp32 (1.25 MiB: an update of 2^21 to 2^24 fp32 elements; at
 # 2^23 on 2 cores such blocks on both threads took 0.75x the time of the share's one thread, for a peak of 6.3 % of
@@ -317,7 +318,11 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
                     c.give_back_keys(keys)
                 bad = False
             elif f32:
-                neq = _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds)
+                keys = c.key_buffer()
+                try:
+                    neq = _scan_f32(c, t, a, b, lo, write_res, dbuf, keys, mask, pos, starts, ds)
+                finally:
+                    c.give_back_keys(keys)
                 bad = False
             else:
                 bad, neq = _scan_blocks(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds, ks)
@@ -429,13 +434,16 @@ def _scan_blocks(
     return bad, neq
 
 
-def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> int:
-    """The |delta| scan of an fp32 tensor's elements [a, b): ``_block_keys`` and the comparison, with as few NumPy
-    calls and as little Python between them per block as the result allows (each call is a turn at the interpreter
-    lock, and a turn another thread waits for costs far more than the call); appends each block's candidate
-    positions, its start and the candidates' deltas (gathered from the block's inputs while in cache: 9-12 % faster
-    on one thread, 3-6 % on two, than one gather from memory at the task's end, measured at 2^24 and 2^26 on an AMD
-    EPYC with AVX-512)."""
+def _scan_f32(
+    c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, kbuf, mask, pos, starts, ds
+) -> int:
+    """The |delta| scan of an fp32 tensor's elements [a, b): the delta, its keys (into ``kbuf``) and the
+    comparison, with as few NumPy calls and as little Python between them per block as the result allows (each
+    call is a turn at the interpreter lock, and a turn another thread waits for costs far more than the call);
+    appends each block's candidate positions, its start and the candidates' deltas, gathered from the block's delta
+    while in cache (one call; gathering them again from the block's inputs, with the keys made in place in the
+    delta's buffer, took three and 1.07-1.11x the time of a whole compress at 2^23 and 2^24 on 2 threads, AMD EPYC,
+    AVX2)."""
     new, base, res = c.new[t], c.base[t], c.res[t]
     out = c.res_out[t] if write_res else None
     block = c.block
@@ -444,22 +452,19 @@ def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, 
     strict, neq = c.strict, 0
     for s in range(a, b, block):
         e = min(b, s + block)
-        d, m = (dbuf, mask) if e - s == block else (dbuf[: e - s], mask[: e - s])
-        nv = new[s:e]
-        bv = base[s:e] if base is not None else None
-        rv = res[s:e] if res is not None else None
-        sub(nv, bv if bv is not None else _ZERO32, out=d)
-        if rv is not None:
-            add(d, rv, out=d)
+        d, k, m = (dbuf, kbuf, mask) if e - s == block else (dbuf[: e - s], kbuf[: e - s], mask[: e - s])
+        bv = base[s:e] if base is not None else _ZERO32
+        sub(new[s:e], bv, out=d)
+        if res is not None:
+            add(d, res[s:e], out=d)
         if out is not None:
             out[s:e] = d
-        k = d.view(np.uint32)
-        band(k, _ABS, out=k)
+        band(d.view(np.uint32), _ABS, out=k)
         ge(k, lo, out=m)
         ci = m.nonzero()[0]
         if strict:
             neq += int(np.count_nonzero(np.equal(k, lo, out=m)))
-        keep_d(_gathered(ci, nv, bv, rv, DT_F32))
+        keep_d(d.take(ci))
         keep_pos(ci)
         keep_start(s - a)
     return neq
