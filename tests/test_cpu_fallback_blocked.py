@@ -323,7 +323,8 @@ def test_bracket_that_misses_or_lands_on_the_threshold(tiny_blocks, monkeypatch,
 @pytest.mark.parametrize("crit", [0, 1])
 def test_sample_takes_the_runs_of_every_tensor(crit):
     """The sample's keys (runs of fp32, fp16 and bf16 |delta| tensors batched by dtype, views made over the table)
-    are the keys of every tensor's runs, tails shorter than a run and empty tensors included."""
+    are the keys of the runs at every stride-th element of the tensors laid end to end (those whole inside a
+    tensor: a tensor smaller than the stride has one or none), empty tensors included."""
     sizes, dts = _many_small(40, 2)
     case = kc.TopkCase("sample", sizes + (5000, 3, 4099), dts + ("f32", "f16", "bf16"), crit=crit, res=True)
     inp = kc.make_topk_inputs(case)
@@ -331,15 +332,18 @@ def test_sample_takes_the_runs_of_every_tensor(crit):
     c = sel._Call(inp["new"], inp["base"], inp["res"], [None] * nt, inp["dtypes"], inp["ext"], inp["ext_dtypes"], crit)
     seg, n = list(range(nt)), sum(x.size for x in inp["new"])
     stride = sel._stride(n)
-    want = []
+    want, at = [], 0
     with np.errstate(over="ignore", invalid="ignore"):
-        for t in seg:
-            views = [sel._runs(x, stride) for x in (inp["new"][t], inp["base"][t], inp["res"][t], inp["ext"][t])]
-            for part in (0, 1):
-                nw, bs, rs, ex = (v[part] for v in views)
-                if nw.size:
-                    key = sel._keys(t, nw, bs, rs, inp["dtypes"][t], crit, ex, inp["ext_dtypes"][t])[1]
-                    want.append(key.ravel())
+        for t in seg:  # runs at every stride-th element of the tensors laid end to end, whole inside a tensor
+            m = inp["new"][t].size
+            first = -(-at // stride) * stride
+            pos = np.array([p - at + j for p in range(first, at + m - sel.RUN + 1, stride) for j in range(sel.RUN)])
+            at += m
+            if pos.size:
+                nw, bs, rs, ex = (
+                    None if x is None else x[pos] for x in (inp["new"][t], inp["base"][t], inp["res"][t], inp["ext"][t])
+                )
+                want.append(sel._keys(t, nw, bs, rs, inp["dtypes"][t], crit, ex, inp["ext_dtypes"][t])[1])
     assert np.array_equal(np.sort(sel._sample(c, seg, n)), np.sort(np.concatenate(want)))
 
 
@@ -353,8 +357,7 @@ def test_a_sample_that_misses_is_widened(monkeypatch, small_parallel_blocks):
     monkeypatch.setenv(parallel.ENV, "2")
     n, k = 100_000, 1_000
     stride = sel._stride(n)
-    rows, tail = sel._runs(np.arange(n), stride)
-    sampled = np.concatenate([rows.ravel(), tail])
+    sampled = sel._runs(np.arange(n), stride, 0).ravel()
     rng = np.random.default_rng(4)
     new = (rng.random(n) * 1e-3).astype(np.float32)
     new[sampled] = 1000 + rng.permutation(sampled.size).astype(np.float32)
@@ -371,6 +374,29 @@ def test_a_sample_that_misses_is_widened(monkeypatch, small_parallel_blocks):
     (ladder,) = ladders
     assert len(ladder) > 2 and 0 < ladder[1] < ladder[0], ladder
     assert sorted(set(scans)) == sorted(int(b) for b in ladder[:2])  # the first two brackets, not the lowest key
+    assert_same(inp, got)
+
+
+def test_small_tensors_weigh_their_share_of_the_sample(monkeypatch):
+    """A large tensor of small deltas beside 200 small tensors of large ones (BatchNorm's beside convolutions): the
+    small tensors are sampled at the large one's rate, not a whole run each (which weighed them 16 times as much
+    here and put the bracket above the k-th largest key), so every task is scanned once; the result is exact."""
+    monkeypatch.setenv(parallel.ENV, "2")
+    rng = np.random.default_rng(5)
+    new = [(rng.standard_normal(1 << 20) * 0.01).astype(np.float32)]
+    new += [rng.standard_normal(64).astype(np.float32) for _ in range(200)]
+    nt = len(new)
+    n = sum(x.size for x in new)
+    assert all(x.size < sel._stride(n) for x in new[1:])
+    inp = {"new": new, "base": [None] * nt, "res": [None] * nt, "dtypes": [0] * nt, "ext": [None] * nt}
+    inp.update(ext_dtypes=[0] * nt, crit=0, segments=[list(range(nt))], ks=[gpu_codec.kept_count(0.01, n)])
+    inp.update(qmode=0, res_out="none")
+    scans, tasks = [], []
+    scan, make = sel._scan, sel._tasks
+    monkeypatch.setattr(sel, "_scan", lambda c, p, lo, w: scans.append(int(lo)) or scan(c, p, lo, w))
+    monkeypatch.setattr(sel, "_tasks", lambda c, seg: tasks.append(make(c, seg)) or tasks[-1])
+    got = run_blocked(inp)
+    assert len(scans) == len(tasks[0]) and len(set(scans)) == 1, scans
     assert_same(inp, got)
 
 
