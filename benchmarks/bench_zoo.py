@@ -186,9 +186,13 @@ def cpu_row(update: Update, repeat: int, seed: int, torch_too: bool) -> dict[str
         pairs.append((ra, rb, scratch[at : at + ra.size]))
         at += ra.size
     timed["subtract_tensors_s"] = lambda: [np.subtract(a, b, out=o) for a, b, o in pairs]
+    misses, backend = {}, gpu_codec.get_backend()
     for key, (fraction, scope, ef) in CPU_CONFIGS.items():
         res = warm_residual(update, fraction, scope) if ef else None
         timed[key] = lambda f=fraction, s=scope, r=res: gpu_codec.compress(new, base, fraction=f, scope=s, residual=r)
+        before = getattr(backend, "bracket_misses", None)
+        timed[key]()  # (untimed: the scans the NumPy selection ran again after its sample's bracket missed)
+        misses[key] = backend.bracket_misses - before if before is not None else None
     bf16 = any(_is_torch(a) for a in new.values())
     timed["numpy_s"] = lambda: numpy_topk(
         np.concatenate([_f32(a) for a in new.values()]), np.concatenate([_f32(a) for a in base.values()]), k
@@ -210,7 +214,7 @@ def cpu_row(update: Update, repeat: int, seed: int, torch_too: bool) -> dict[str
     row["x_torch"] = row["torch_s"] / row["ours_s"] if torch_too else None
     row["decompress_x_subtract"] = row["decompress_s"] / sub
     row["tensors_x_subtract"] = row["subtract_tensors_s"] / sub
-    row.update(n=n, k=k, bytes=int(new_raw.nbytes), bf16=bf16)
+    row.update(n=n, k=k, bytes=int(new_raw.nbytes), bf16=bf16, bracket_misses=misses)
     return row
 
 
@@ -320,6 +324,7 @@ def _line(row: dict[str, Any]) -> str:
             f"  {c['n']:>11,} elem: x sub {c['x_subtract']:.2f} (per-tensor {c['x_subtract_per_tensor']:.2f}, "
             f"0.1% {c['x_subtract_0.1']:.2f}, EF {c['x_subtract_ef']:.2f}), x numpy {c['x_numpy']:.2f}, "
             f"dec/sub {c['decompress_x_subtract']:.2f}, sub a tensor {c['tensors_x_subtract']:.2f}"
+            + (f", rescans {_misses(c)}" if c.get("bracket_misses") else "")
         )
     e = row.get("emulated")
     if e:
@@ -368,6 +373,12 @@ def check(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     return out
 
 
+def _misses(c: dict[str, Any]) -> str:
+    """The NumPy selection's scans run again after a missed bracket, per CPU configuration (x sub, per-tensor,
+    0.1%, 1% + EF), as ``a/b/c/d``."""
+    return "/".join("–" if v is None else str(v) for v in c["bracket_misses"].values())
+
+
 def markdown(doc: dict[str, Any]) -> str:
     """The results as Markdown: the CPU table and the emulated traffic table."""
     m = doc["machine"]
@@ -376,12 +387,13 @@ def markdown(doc: dict[str, Any]) -> str:
         f"median of {doc['repeat']} interleaved rounds. Ratios to one `np.subtract` pass over the same bytes "
         "(x sub; lower is better) and speed-ups over the NumPy and torch pipelines (higher is better); top-k 1% "
         "global unless named. Sub a tensor: one `np.subtract` call per tensor over the same bytes, in x sub (the "
-        "floor of any pass that takes the tensors one by one)."
-        + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
+        "floor of any pass that takes the tensors one by one). Rescans: the scans the NumPy selection ran again "
+        "after its sample's bracket missed (its exact fallback), in the x sub, per-tensor, 0.1% and 1% + EF "
+        "configurations." + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
         "",
         "| entry | dtype | tensors | elements | sub a tensor | x sub | per-tensor | 0.1% | 1% + EF | x NumPy | "
-        "x torch | decompress x sub |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "x torch | decompress x sub | rescans |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
         c = r.get("cpu")
@@ -392,7 +404,8 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(
             f"| {r['entry']} | {r['dtype']} | {r['tensors']} | {c['n']:,} | {st} | {c['x_subtract']:.2f} | "
             f"{c['x_subtract_per_tensor']:.2f} | {c['x_subtract_0.1']:.2f} | {c['x_subtract_ef']:.2f} | "
-            f"{c['x_numpy']:.2f} | {tt} | {c['decompress_x_subtract']:.2f} |"
+            f"{c['x_numpy']:.2f} | {tt} | {c['decompress_x_subtract']:.2f} | "
+            f"{_misses(c) if c.get('bracket_misses') else '–'} |"
         )
     emu = [r for r in doc["rows"] if r.get("emulated")]
     if emu:

@@ -116,6 +116,7 @@ class _Call:
     _free_keys: list = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _early: list | None = None  # writes_residual_early of each tensor, found once a call
+    misses: int = 0  # scans run again after a bracket missed (one a segment and lowered bracket)
 
     def fast(self, t: int) -> bool:
         """The key is |delta|'s fp32 bits: no score array, and non-finite deltas are exactly the keys >= inf."""
@@ -874,6 +875,7 @@ def _sparse_segment(c: _Call, seg: list[int], n: int, k: int) -> tuple[list[_Par
         )
         c.release()
         if any(p.bad for p in parts) or lo == 0 or sum(p.idx.size + p.neq for p in parts) >= k:
+            c.misses += step
             return parts, lo
     raise AssertionError("the last bracket is 0, where every entry is a candidate")
 
@@ -1083,7 +1085,7 @@ def _select_segments(
         parallel_map(table, tables, c.workers, [n < PACKED_PARALLEL * len(g) for n, g in zip(sizes, tables)])
 
 
-def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
+def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode, stats=None):
     """Exact top-k of every segment of a tensor list.
 
     Arguments are lists over tensors (flat NumPy arrays, ``None`` where absent) plus ``segments`` (lists of
@@ -1092,7 +1094,8 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     the lowest tensor position with a non-finite delta or score (None if all are finite). ``res_out[t]``, where
     given, receives the error-feedback residual: the delta where not kept, delta - decoded(delta) where kept.
     Where ``res_out[t]`` shares memory with ``res[t]`` (the engine's in-place state) nothing is written to it
-    when a value is non-finite. The result does not depend on ``GPU_CODEC_THREADS``.
+    when a value is non-finite. The result does not depend on ``GPU_CODEC_THREADS``. ``stats`` (a dict, where
+    given): its ``"misses"`` grows by the scans run again after a bracket missed (:func:`_sparse_segment`).
     """
     c = _Call(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit)
     c.workers, c.block = plan(sum(x.nbytes for x in new), thread_count())
@@ -1102,6 +1105,8 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     packed: list = []
     with np.errstate(over="ignore", invalid="ignore"):  # (non-finite deltas are reported, not warned about)
         _select_segments(c, segments, ks, indices, values, sparse, bad, full, packed)
+    if stats is not None:
+        stats["misses"] = stats.get("misses", 0) + c.misses
     if bad:
         return None, None, min(bad)
     for seg, parts, lo, k in sparse:

@@ -26,6 +26,11 @@ class CpuBackend(ArrayDecoders):
     xp = np
     on_device = False
 
+    def __init__(self) -> None:
+        # scans run again after the sample's bracket missed (the NumPy selection's exact fallback; see
+        # gpu_codec.cpu_fallback.select), over every selection this backend ran
+        self.bracket_misses = 0
+
     def asarray(self, a: Any) -> np.ndarray:
         if isinstance(a, np.ndarray):
             return a
@@ -51,7 +56,10 @@ class CpuBackend(ArrayDecoders):
         return {"allocator": "numpy"}
 
     def topk_select(self, req):
-        return _select.topk_select(*req.select_args())
+        stats: dict[str, int] = {}
+        out = _select.topk_select(*req.select_args(), stats=stats)
+        self.bracket_misses += stats.get("misses", 0)
+        return out
 
     def dense_delta(self, req):
         new, base, res, res_out, dtypes, ext_scores, ext_dtypes = req.delta_args()
