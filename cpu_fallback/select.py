@@ -163,8 +163,8 @@ class _Call:
             self._free.append(bufs)
 
     def key_buffer(self) -> np.ndarray:
-        """A packed block's key buffer (uint32, a block's elements): at most one per running task, as
-        :meth:`buffers`."""
+        """A block's key buffer (uint32, a block's elements) for the fp32 and packed |delta| scans: at most one per
+        running task, as :meth:`buffers`."""
         with self._lock:
             if self._free_keys:
                 return self._free_keys.pop()
@@ -507,13 +507,13 @@ def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, dbuf, kb
     """The |delta| scan of a packed part (small fp32, fp16 or bf16 tensors end to end): per block, one piece a
     tensor fills the delta (:func:`_fill`), then keys (into ``kbuf``), comparison and the candidates' deltas take
     one call each for the whole block, whatever the number of tensors in it."""
-    half = c.packed_block()
-    d, k, m = dbuf[:half], kbuf[:half], mask[:half]
+    step = c.packed_block()
+    d, k, m = dbuf[:step], kbuf[:step], mask[:step]
     band, ge = np.bitwise_and, np.greater if c.strict else np.greater_equal
     neq = 0
-    for s in range(0, part.b, half):
-        e = min(part.b, s + half)
-        dv, kv, mv = (d, k, m) if e - s == half else (d[: e - s], k[: e - s], m[: e - s])
+    for s in range(0, part.b, step):
+        e = min(part.b, s + step)
+        dv, kv, mv = (d, k, m) if e - s == step else (d[: e - s], k[: e - s], m[: e - s])
         _fill(c, part, s, e, dv, write_res)
         band(dv.view(np.uint32), _ABS, out=kv)
         ge(kv, lo, out=mv)
@@ -542,12 +542,12 @@ def _equal(c: _Call, part: _Part, lo: np.uint32, need: int) -> tuple[np.ndarray,
     try:
         with np.errstate(over="ignore", invalid="ignore"):
             if part.ts is not None:
-                half = c.packed_block()
-                d, k = dbuf[:half], keys[:half]
-                for s in range(0, b, half):
+                step = c.packed_block()
+                d, k = dbuf[:step], keys[:step]
+                for s in range(0, b, step):
                     if need <= 0:
                         break
-                    e = min(b, s + half)
+                    e = min(b, s + step)
                     _fill(c, part, s, e, d[: e - s], False)
                     ci = np.flatnonzero(np.bitwise_and(d[: e - s].view(np.uint32), _ABS, out=k[: e - s]) == lo)[:need]
                     need -= ci.size
@@ -576,9 +576,9 @@ def _write_residual(c: _Call, part: _Part) -> None:
     try:
         with np.errstate(over="ignore", invalid="ignore"):
             if part.ts is not None:
-                half = c.packed_block()
-                for s in range(0, part.b, half):
-                    e = min(part.b, s + half)
+                step = c.packed_block()
+                for s in range(0, part.b, step):
+                    e = min(part.b, s + step)
                     _fill(c, part, s, e, dbuf[: e - s], True)
                 return
             step = c.step(part.t)
@@ -631,7 +631,7 @@ def _phases(sizes: np.ndarray, stride: int) -> tuple[list[int], list[int]]:
     elements, within one run either way (systematic sampling). A run from each tensor's own start would weigh a
     tensor smaller than the stride up to stride / RUN times as much as the others: on ResNet-50 (320 tensors, half
     of them BatchNorm's of 64 to 2,048 elements, which move more) that sample put the first bracket above the k-th
-    largest key, and every compress scanned twice (1.6x the time).
+    largest key, and every compress scanned twice (1.7x the time).
 
     >>> _phases(np.array([10, 3, 40, 0, 9]), 16)  # runs of 8 at 0 | - | 16, 32 | - | - laid end to end
     ([0, 6, 3, 11, 11], [1, 0, 2, 0, 0])
