@@ -162,13 +162,14 @@ class _Call:
         with self._lock:
             self._free.append(bufs)
 
-    def key_buffer(self) -> np.ndarray:
-        """A block's key buffer (uint32, a block's elements) for the fp32 and packed |delta| scans: at most one per
-        running task, as :meth:`buffers`."""
+    def key_buffer(self, n: int) -> np.ndarray:
+        """A key buffer (uint32) of at least ``n`` elements, at most a block's, for the fp32 and packed |delta|
+        scans of a task of ``n`` elements: at most one per running task, as :meth:`buffers`."""
+        n = min(n, self.block)
         with self._lock:
-            if self._free_keys:
+            if self._free_keys and self._free_keys[-1].size >= n:
                 return self._free_keys.pop()
-        return np.empty(self.block, np.uint32)
+        return np.empty(n, np.uint32)
 
     def give_back_keys(self, keys: np.ndarray) -> None:
         with self._lock:
@@ -311,14 +312,14 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
             f32 = fast and c.dtypes[t] == DT_F32
             if part.ts is not None:
-                keys = c.key_buffer()
+                keys = c.key_buffer(b - a)
                 try:
                     neq = _scan_packed(c, part, lo, write_res, dbuf, keys, mask, pos, starts, ds)
                 finally:
                     c.give_back_keys(keys)
                 bad = False
             elif f32:
-                keys = c.key_buffer()
+                keys = c.key_buffer(b - a)
                 try:
                     neq = _scan_f32(c, t, a, b, lo, write_res, dbuf, keys, mask, pos, starts, ds)
                 finally:
@@ -538,7 +539,7 @@ def _equal(c: _Call, part: _Part, lo: np.uint32, need: int) -> tuple[np.ndarray,
     t, a, b = part.t, part.a, part.b
     idx, ds = [], []
     dbuf, _ = bufs = c.buffers()
-    keys = c.key_buffer() if part.ts is not None else None
+    keys = c.key_buffer(b - a) if part.ts is not None else None
     try:
         with np.errstate(over="ignore", invalid="ignore"):
             if part.ts is not None:

@@ -25,11 +25,9 @@ class CpuBackend(ArrayDecoders):
     name = "cpu"
     xp = np
     on_device = False
-
-    def __init__(self) -> None:
-        # scans run again after the sample's bracket missed (the NumPy selection's exact fallback; see
-        # gpu_codec.cpu_fallback.select), over every selection this backend ran
-        self.bracket_misses = 0
+    # scans run again after the sample's bracket missed (the NumPy selection's exact fallback; see
+    # gpu_codec.cpu_fallback.select), over every selection this backend ran (an instance's own once it counts one)
+    bracket_misses = 0
 
     def asarray(self, a: Any) -> np.ndarray:
         if isinstance(a, np.ndarray):
