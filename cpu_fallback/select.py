@@ -2,18 +2,19 @@
 
 A sample (runs of RUN consecutive elements at every stride-th element of the tensors laid end to end) brackets the
 threshold from below (``lo``). One pass over cache-sized blocks, spread over the thread pool, computes each block's
-delta and keys while the block sits in cache (on the fp32 |delta| path into a key buffer beside the delta's) and keeps
-only the candidates: the entries whose key is above ``lo`` (a 16-bit index in their sub-block, and their deltas,
-gathered from the block's delta, or on other paths from its inputs, while they are in cache), and a count of those equal
-to ``lo``. The blocks are as large as fits in a share of the update's bytes, or two threads' worth where that is more
-(BUFFER_SHARE, BUFFER_FLOOR: all threads together), so that few NumPy calls are made per element: with threads, every
-call is a turn at the interpreter lock, and a turn that has to wait for another thread costs far more than the call (the
-waiting thread sleeps until the kernel wakes it). Exact selection (``np.partition``) then runs on the candidates; if the
-threshold turns out to be ``lo`` itself, the blocks holding the needed entries equal to ``lo`` are computed again. If
-the bracket misses (fewer than k entries at or above ``lo``), it is lowered (further down the sample, at last the lowest
-key) and the pass runs again, so the result is always exact. Ties at the threshold are taken lowest flat index first,
-tensor order first for global scope, exactly as ``chunk_write`` does on the device; results are combined in block order,
-so they do not depend on the thread count.
+delta and keys while the block sits in cache (on the fp32 |delta| path in place, in the delta's buffer; of packed small
+tensors, into a key buffer beside it) and keeps only the candidates: the entries whose key is above ``lo`` (a 16-bit
+index in their sub-block, and their deltas, gathered again from the block's inputs, or of packed tensors from the
+block's delta, while they are in cache), and a count of those equal to ``lo``. The blocks are as large as fits in a
+share of the update's bytes, or two threads' worth where that is more (BUFFER_SHARE, BUFFER_FLOOR: all threads
+together), so that few NumPy calls are made per element: with threads, every call is a turn at the interpreter lock, and
+a turn that has to wait for another thread costs far more than the call (the waiting thread sleeps until the kernel
+wakes it). Exact selection (``np.partition``) then runs on the candidates; if the threshold turns out to be ``lo``
+itself, the blocks holding the needed entries equal to ``lo`` are computed again. If the bracket misses (fewer than k
+entries at or above ``lo``), it is lowered (further down the sample, at last the lowest key) and the pass runs again, so
+the result is always exact. Ties at the threshold are taken lowest flat index first, tensor order first for global
+scope, exactly as ``chunk_write`` does on the device; results are combined in block order, so they do not depend on the
+thread count.
 
 Small tensors are packed end to end into a task, so that the calls a block makes serve every tensor in it. In
 per-tensor scope a tensor of at most SMALL_SELECT elements needs no scan: |delta| tensors are selected table by table
@@ -46,9 +47,8 @@ ALIGN = 1 << 12  # a block's elements are a multiple of ALIGN (16 KiB of fp32: w
 BUFFER_SHARE = 0.02  # the block buffers of all threads together: at most this share of the update's bytes ...
 PARALLEL_BLOCK = 1 << 17  # a call uses no more threads than leave each a block this large (smaller ones cost
 # more in turns at the interpreter lock than a second core gives back)
-BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison (the fp32 and
-# packed |delta| scans' blocks, of as many elements, hold their keys in a buffer of their own: 9 bytes, so up to 9/5
-# of the share)
+BLOCK_BYTES = 5  # buffer bytes per block element: the delta (its key, in place) and the comparison (a packed
+# part's blocks, of as many elements, hold their keys in a buffer of their own: 9 bytes, so up to 9/5 of the share)
 BUFFER_FLOOR = 2 * PARALLEL_BLOCK * BLOCK_BYTES  # ... or as much as gives two threads a PARALLEL_BLOCK each, where the
 # share is less and the update has two tasks' worth of fp32 (1.25 MiB: an update of 2^21 to 2^24 fp32 elements; at
 # 2^23 on 2 cores such blocks on both threads took 0.75x the time of the share's one thread, for a peak of 6.3 % of
@@ -142,10 +142,16 @@ class _Call:
     def packed_block(self) -> int:
         """Elements per block of a packed part: a block, whose keys take a buffer of their own beside the delta's
         (:meth:`key_buffer`; the candidates' deltas are gathered from the delta, not from the inputs), so 9 bytes an
-        element where the other paths take BLOCK_BYTES. Half a block in the delta's buffer, as before, took 1.24x
-        the time at 100 tensors of 2^23 elements in all, 1.05x at 1,000 (two threads: twice the blocks, and each
-        block's calls are turns at the interpreter lock)."""
-        return self.block
+        element where the other paths take BLOCK_BYTES. Half a block in the delta's buffer took 1.24x the time at
+        100 tensors of 2^23 elements in all, 1.05x at 1,000 (two threads: twice the blocks, and each block's calls
+        are turns at the interpreter lock). At the smallest blocks (MIN_BLOCK: an update of less than 2 x MIN_TASK
+        fp32 elements) it is still half a block, the keys in the delta's buffer's other half, as a buffer of their
+        own would weigh much in so small an update's peak."""
+        return self.block if self.keys_apart() else self.block // 2
+
+    def keys_apart(self) -> bool:
+        """Whether a packed part's keys take a buffer of their own (:meth:`packed_block`)."""
+        return self.block > MIN_BLOCK
 
     def step(self, t: int) -> int:
         """Elements per block of tensor t: scores other than |delta| need temporaries of their own per block."""
@@ -163,8 +169,8 @@ class _Call:
             self._free.append(bufs)
 
     def key_buffer(self, n: int) -> np.ndarray:
-        """A key buffer (uint32) of at least ``n`` elements, at most a block's, for the fp32 and packed |delta|
-        scans of a task of ``n`` elements: at most one per running task, as :meth:`buffers`."""
+        """A key buffer (uint32) of at least ``n`` elements, at most a block's, for the packed |delta| scan of a task
+        of ``n`` elements (where :meth:`keys_apart`): at most one per running task, as :meth:`buffers`."""
         n = min(n, self.block)
         with self._lock:
             if self._free_keys and self._free_keys[-1].size >= n:
@@ -312,18 +318,15 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
             f32 = fast and c.dtypes[t] == DT_F32
             if part.ts is not None:
-                keys = c.key_buffer(b - a)
+                keys = c.key_buffer(b - a) if c.keys_apart() else None
                 try:
                     neq = _scan_packed(c, part, lo, write_res, dbuf, keys, mask, pos, starts, ds)
                 finally:
-                    c.give_back_keys(keys)
+                    if keys is not None:
+                        c.give_back_keys(keys)
                 bad = False
             elif f32:
-                keys = c.key_buffer(b - a)
-                try:
-                    neq = _scan_f32(c, t, a, b, lo, write_res, dbuf, keys, mask, pos, starts, ds)
-                finally:
-                    c.give_back_keys(keys)
+                neq = _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds)
                 bad = False
             else:
                 bad, neq = _scan_blocks(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds, ks)
@@ -435,16 +438,15 @@ def _scan_blocks(
     return bad, neq
 
 
-def _scan_f32(
-    c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, kbuf, mask, pos, starts, ds
-) -> int:
-    """The |delta| scan of an fp32 tensor's elements [a, b): the delta, its keys (into ``kbuf``) and the
-    comparison, with as few NumPy calls and as little Python between them per block as the result allows (each
-    call is a turn at the interpreter lock, and a turn another thread waits for costs far more than the call);
-    appends each block's candidate positions, its start and the candidates' deltas, gathered from the block's delta
-    while in cache (one call; gathering them again from the block's inputs, with the keys made in place in the
-    delta's buffer, took three and 1.07-1.11x the time of a whole compress at 2^23 and 2^24 on 2 threads, AMD EPYC,
-    AVX2)."""
+def _scan_f32(c: _Call, t: int, a: int, b: int, lo: np.uint32, write_res: bool, dbuf, mask, pos, starts, ds) -> int:
+    """The |delta| scan of an fp32 tensor's elements [a, b): ``_block_keys`` and the comparison, with as few NumPy
+    calls and as little Python between them per block as the result allows (each call is a turn at the interpreter
+    lock, and a turn another thread waits for costs far more than the call); appends each block's candidate
+    positions, its start and the candidates' deltas (gathered from the block's inputs while in cache: 9-12 % faster
+    on one thread, 3-6 % on two, than one gather from memory at the task's end, measured at 2^24 and 2^26 on an AMD
+    EPYC with AVX-512). The keys are made in place in the delta's buffer: a buffer of their own, the deltas then
+    gathered from the block's delta in one call, took 0.93-0.95x the time at 2^23 and 2^24 on an AMD EPYC (AVX2),
+    but 9 bytes a block element, a peak of 6.1 % of a 2^24 update's bytes, over the 5 % bound."""
     new, base, res = c.new[t], c.base[t], c.res[t]
     out = c.res_out[t] if write_res else None
     block = c.block
@@ -453,19 +455,22 @@ def _scan_f32(
     strict, neq = c.strict, 0
     for s in range(a, b, block):
         e = min(b, s + block)
-        d, k, m = (dbuf, kbuf, mask) if e - s == block else (dbuf[: e - s], kbuf[: e - s], mask[: e - s])
-        bv = base[s:e] if base is not None else _ZERO32
-        sub(new[s:e], bv, out=d)
-        if res is not None:
-            add(d, res[s:e], out=d)
+        d, m = (dbuf, mask) if e - s == block else (dbuf[: e - s], mask[: e - s])
+        nv = new[s:e]
+        bv = base[s:e] if base is not None else None
+        rv = res[s:e] if res is not None else None
+        sub(nv, bv if bv is not None else _ZERO32, out=d)
+        if rv is not None:
+            add(d, rv, out=d)
         if out is not None:
             out[s:e] = d
-        band(d.view(np.uint32), _ABS, out=k)
+        k = d.view(np.uint32)
+        band(k, _ABS, out=k)
         ge(k, lo, out=m)
         ci = m.nonzero()[0]
         if strict:
             neq += int(np.count_nonzero(np.equal(k, lo, out=m)))
-        keep_d(d.take(ci))
+        keep_d(_gathered(ci, nv, bv, rv, DT_F32))
         keep_pos(ci)
         keep_start(s - a)
     return neq
@@ -506,10 +511,12 @@ def _fill(c: _Call, part: _Part, s: int, e: int, d: np.ndarray, write_res: bool)
 
 def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, dbuf, kbuf, mask, pos, starts, ds) -> int:
     """The |delta| scan of a packed part (small fp32, fp16 or bf16 tensors end to end): per block, one piece a
-    tensor fills the delta (:func:`_fill`), then keys (into ``kbuf``), comparison and the candidates' deltas take
-    one call each for the whole block, whatever the number of tensors in it."""
+    tensor fills the delta (:func:`_fill`), then keys (into ``kbuf``, or None: the delta's buffer's second half),
+    comparison and the candidates' deltas take one call each for the whole block, whatever the number of tensors in
+    it."""
     step = c.packed_block()
-    d, k, m = dbuf[:step], kbuf[:step], mask[:step]
+    d, m = dbuf[:step], mask[:step]
+    k = kbuf[:step] if kbuf is not None else dbuf[step : 2 * step].view(np.uint32)
     band, ge = np.bitwise_and, np.greater if c.strict else np.greater_equal
     neq = 0
     for s in range(0, part.b, step):
@@ -539,12 +546,13 @@ def _equal(c: _Call, part: _Part, lo: np.uint32, need: int) -> tuple[np.ndarray,
     t, a, b = part.t, part.a, part.b
     idx, ds = [], []
     dbuf, _ = bufs = c.buffers()
-    keys = c.key_buffer(b - a) if part.ts is not None else None
+    keys = c.key_buffer(b - a) if part.ts is not None and c.keys_apart() else None
     try:
         with np.errstate(over="ignore", invalid="ignore"):
             if part.ts is not None:
                 step = c.packed_block()
-                d, k = dbuf[:step], keys[:step]
+                d = dbuf[:step]
+                k = keys[:step] if keys is not None else dbuf[step : 2 * step].view(np.uint32)
                 for s in range(0, b, step):
                     if need <= 0:
                         break
