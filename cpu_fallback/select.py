@@ -144,9 +144,9 @@ class _Call:
         (:meth:`key_buffer`; the candidates' deltas are gathered from the delta, not from the inputs), so 9 bytes an
         element where the other paths take BLOCK_BYTES. Half a block in the delta's buffer took 1.24x the time at
         100 tensors of 2^23 elements in all, 1.05x at 1,000 (two threads: twice the blocks, and each block's calls
-        are turns at the interpreter lock). At the smallest blocks (MIN_BLOCK: an update of less than 2 x MIN_TASK
-        fp32 elements) it is still half a block, the keys in the delta's buffer's other half, as a buffer of their
-        own would weigh much in so small an update's peak."""
+        are turns at the interpreter lock). At the smallest blocks (MIN_BLOCK: an update of less than about 3 MiB)
+        it is still half a block, the keys in the delta's buffer's other half, as a buffer of their own would weigh
+        much in so small an update's peak."""
         return self.block if self.keys_apart() else self.block // 2
 
     def keys_apart(self) -> bool:
