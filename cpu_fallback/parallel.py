@@ -89,11 +89,12 @@ def parallel_map(
     [2, 3, 4, 5]
     """
     items = list(items)
-    turns = [[i] for i in range(len(items))]
-    if together is not None and sum(together) > 1:
-        first = together.index(True)
-        turns = [[i for i in range(len(items)) if together[i]] if i == first else [i] for i in range(len(items))]
-        turns = [t for i, t in enumerate(turns) if i == first or not together[i]]
+    marked = [i for i, t in enumerate(together) if t] if together is not None else []
+    if len(marked) > 1:  # (one turn, where the first of them was: every item before it is a turn of its own)
+        turns = [[i] for i in range(len(items)) if not together[i]]
+        turns.insert(marked[0], marked)
+    else:
+        turns = [[i] for i in range(len(items))]
     n = min(thread_count() if workers is None else max(1, workers), len(turns))
     if n <= 1:
         return [fn(x) for x in items]

@@ -26,8 +26,10 @@ than PACKED_PARALLEL elements are run in turn by one thread.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import math
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -141,7 +143,7 @@ class _Call:
 
     def packed_block(self) -> int:
         """Elements per block of a packed part: a block, whose keys take a buffer of their own beside the delta's
-        (:meth:`key_buffer`; the candidates' deltas are gathered from the delta, not from the inputs), so 9 bytes an
+        (:meth:`packed_views`; the candidates' deltas are gathered from the delta, not from the inputs), so 9 bytes an
         element where the other paths take BLOCK_BYTES. Half a block in the delta's buffer took 1.24x the time at
         100 tensors of 2^23 elements in all, 1.05x at 1,000 (two threads: twice the blocks, and each block's calls
         are turns at the interpreter lock). At the smallest blocks (MIN_BLOCK: an update of less than about 3 MiB)
@@ -168,18 +170,26 @@ class _Call:
         with self._lock:
             self._free.append(bufs)
 
-    def key_buffer(self, n: int) -> np.ndarray:
-        """A key buffer (uint32) of at least ``n`` elements, at most a block's, for the packed |delta| scan of a task
-        of ``n`` elements (where :meth:`keys_apart`): at most one per running task, as :meth:`buffers`."""
+    @contextlib.contextmanager
+    def packed_views(self, dbuf: np.ndarray, n: int) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """(delta, keys) views of a packed block for a task of ``n`` elements, the delta's of :meth:`packed_block`
+        elements in ``dbuf``: the keys in a buffer of their own (uint32, at most a block's elements, held while
+        inside: at most one per running task, as :meth:`buffers`), or where not :meth:`keys_apart`, in ``dbuf``'s
+        second half."""
+        step = self.packed_block()
+        if not self.keys_apart():
+            yield dbuf[:step], dbuf[step : 2 * step].view(np.uint32)
+            return
         n = min(n, self.block)
         with self._lock:
-            if self._free_keys and self._free_keys[-1].size >= n:
-                return self._free_keys.pop()
-        return np.empty(n, np.uint32)
-
-    def give_back_keys(self, keys: np.ndarray) -> None:
-        with self._lock:
-            self._free_keys.append(keys)
+            keys = self._free_keys.pop() if self._free_keys and self._free_keys[-1].size >= n else None
+        if keys is None:
+            keys = np.empty(n, np.uint32)
+        try:
+            yield dbuf[:step], keys[:step]
+        finally:
+            with self._lock:
+                self._free_keys.append(keys)
 
     def release(self) -> None:
         """Free the block buffers (between the phases of a call: they are not needed while joining)."""
@@ -318,12 +328,8 @@ def _scan(c: _Call, part: _Part, lo: np.uint32, write_res: bool) -> _Part:
         with np.errstate(over="ignore", invalid="ignore"):  # non-finite deltas are reported, not warned about
             f32 = fast and c.dtypes[t] == DT_F32
             if part.ts is not None:
-                keys = c.key_buffer(b - a) if c.keys_apart() else None
-                try:
-                    neq = _scan_packed(c, part, lo, write_res, dbuf, keys, mask, pos, starts, ds)
-                finally:
-                    if keys is not None:
-                        c.give_back_keys(keys)
+                with c.packed_views(dbuf, b - a) as (d, k):
+                    neq = _scan_packed(c, part, lo, write_res, d, k, mask, pos, starts, ds)
                 bad = False
             elif f32:
                 neq = _scan_f32(c, t, a, b, lo, write_res, dbuf, mask, pos, starts, ds)
@@ -509,14 +515,13 @@ def _fill(c: _Call, part: _Part, s: int, e: int, d: np.ndarray, write_res: bool)
         s = stop
 
 
-def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, dbuf, kbuf, mask, pos, starts, ds) -> int:
-    """The |delta| scan of a packed part (small fp32, fp16 or bf16 tensors end to end): per block, one piece a
-    tensor fills the delta (:func:`_fill`), then keys (into ``kbuf``, or None: the delta's buffer's second half),
-    comparison and the candidates' deltas take one call each for the whole block, whatever the number of tensors in
-    it."""
-    step = c.packed_block()
-    d, m = dbuf[:step], mask[:step]
-    k = kbuf[:step] if kbuf is not None else dbuf[step : 2 * step].view(np.uint32)
+def _scan_packed(c: _Call, part: _Part, lo: np.uint32, write_res: bool, d, k, mask, pos, starts, ds) -> int:
+    """The |delta| scan of a packed part (small fp32, fp16 or bf16 tensors end to end), in blocks of ``d``'s
+    elements (:meth:`_Call.packed_views`): per block, one piece a tensor fills the delta (:func:`_fill`), then keys
+    (into ``k``), comparison and the candidates' deltas take one call each for the whole block, whatever the number
+    of tensors in it."""
+    step = d.size
+    m = mask[:step]
     band, ge = np.bitwise_and, np.greater if c.strict else np.greater_equal
     neq = 0
     for s in range(0, part.b, step):
@@ -546,22 +551,21 @@ def _equal(c: _Call, part: _Part, lo: np.uint32, need: int) -> tuple[np.ndarray,
     t, a, b = part.t, part.a, part.b
     idx, ds = [], []
     dbuf, _ = bufs = c.buffers()
-    keys = c.key_buffer(b - a) if part.ts is not None and c.keys_apart() else None
     try:
         with np.errstate(over="ignore", invalid="ignore"):
             if part.ts is not None:
-                step = c.packed_block()
-                d = dbuf[:step]
-                k = keys[:step] if keys is not None else dbuf[step : 2 * step].view(np.uint32)
-                for s in range(0, b, step):
-                    if need <= 0:
-                        break
-                    e = min(b, s + step)
-                    _fill(c, part, s, e, d[: e - s], False)
-                    ci = np.flatnonzero(np.bitwise_and(d[: e - s].view(np.uint32), _ABS, out=k[: e - s]) == lo)[:need]
-                    need -= ci.size
-                    ds.append(d[: e - s].take(ci))
-                    idx.append((ci + s).astype(np.uint32))
+                with c.packed_views(dbuf, b - a) as (d, k):
+                    step = d.size
+                    for s in range(0, b, step):
+                        if need <= 0:
+                            break
+                        e = min(b, s + step)
+                        _fill(c, part, s, e, d[: e - s], False)
+                        keys = np.bitwise_and(d[: e - s].view(np.uint32), _ABS, out=k[: e - s])
+                        ci = np.flatnonzero(keys == lo)[:need]
+                        need -= ci.size
+                        ds.append(d[: e - s].take(ci))
+                        idx.append((ci + s).astype(np.uint32))
                 return np.concatenate(idx), np.concatenate(ds)
             for s in range(a, b, c.step(t)):
                 if need <= 0:
@@ -574,8 +578,6 @@ def _equal(c: _Call, part: _Part, lo: np.uint32, need: int) -> tuple[np.ndarray,
                 idx.append((ci + (s - a)).astype(np.uint32))
     finally:
         c.give_back(bufs)
-        if keys is not None:
-            c.give_back_keys(keys)
     return np.concatenate(idx), np.concatenate(ds)
 
 
