@@ -279,7 +279,7 @@ class Aggregator:
                 raise InvalidInputError("base must be a non-empty mapping of name -> array")
             be = self._backend
             names, arrays = list(base), list(base.values())
-            tensors = tensor_table(arrays) or [to_tensor(a, n) for n, a in zip(names, arrays)]
+            tensors = list(tensor_table(arrays) or [to_tensor(a, n) for n, a in zip(names, arrays)])
             for n, t in zip(names, tensors):
                 if t.dtype not in dtypes.FLOAT_DTYPES:
                     raise InvalidInputError(f"tensor {n!r}: base dtype {t.dtype} is not a float dtype")

@@ -8,8 +8,8 @@ neither NumPy nor CuPy has, travels as its uint16 bit pattern.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from operator import attrgetter
 from typing import Any
 
@@ -26,6 +26,7 @@ _NP_TO_LOGICAL = {
 _NP_FLOAT_KINDS = frozenset({np.ndarray, np.float32, np.float16, np.float64})  # what numpy_tensors takes
 # (an array's attributes, read for a whole list by one C call each)
 _C_CONTIGUOUS, _DTYPE, _SHAPE = attrgetter("flags.c_contiguous"), attrgetter("dtype"), attrgetter("shape")
+_SIZE = attrgetter("size")
 _TORCH_LOGICAL = {
     "torch.float32": "float32",
     "torch.float16": "float16",
@@ -51,6 +52,53 @@ class Tensor:
     @property
     def on_gpu(self) -> bool:
         return type(self.data).__module__.startswith("cupy")
+
+
+class TensorTable(Sequence):
+    """Tensors as columns, a list a field and no object a tensor: row ``i`` is the :class:`Tensor` ``(data[i],
+    dtypes[i], shapes[i], kinds[i], devices[i])``, made only when it is read. What :func:`tensor_table` gives:
+    callers that want a field of every tensor read its column (one list, no call a tensor).
+
+    >>> t = TensorTable([np.zeros(6, np.float32)], ["float32"], [(2, 3)], ["numpy"], [None])
+    >>> len(t), t[0].shape, t.sizes(), t.dtypes, (t + t).shapes
+    (1, (2, 3), [6], ['float32'], [(2, 3), (2, 3)])
+    """
+
+    __slots__ = ("data", "devices", "dtypes", "kinds", "shapes")
+
+    def __init__(self, data: list, dtypes: list[str], shapes: list[tuple], kinds: list[str], devices: list):
+        self.data, self.dtypes, self.shapes, self.kinds, self.devices = data, dtypes, shapes, kinds, devices
+
+    @classmethod
+    def of(cls, tensors: Sequence[Tensor]) -> TensorTable:
+        """The table of tensors wrapped one by one."""
+        if isinstance(tensors, TensorTable):
+            return tensors
+        cols = ([t.data, t.dtype, t.shape, t.kind, t.device] for t in tensors)
+        return cls(*map(list, zip(*cols))) if tensors else cls([], [], [], [], [])
+
+    def sizes(self) -> list[int]:
+        """Each tensor's element count (its flat data's size)."""
+        return list(map(_SIZE, self.data))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            return TensorTable(self.data[i], self.dtypes[i], self.shapes[i], self.kinds[i], self.devices[i])
+        return Tensor(self.data[i], self.dtypes[i], self.shapes[i], self.kinds[i], self.devices[i])
+
+    def __add__(self, other: Sequence) -> Sequence:
+        if isinstance(other, TensorTable):
+            return TensorTable(
+                self.data + other.data,
+                self.dtypes + other.dtypes,
+                self.shapes + other.shapes,
+                self.kinds + other.kinds,
+                self.devices + other.devices,
+            )
+        return list(self) + list(other)
 
 
 def _is_torch(x: Any) -> bool:
@@ -140,7 +188,7 @@ def to_tensor(x: Any, name: str) -> Tensor:
     return Tensor(data, logical, tuple(arr.shape), "numpy", None)
 
 
-def numpy_tensors(xs: list[Any]) -> list[Tensor] | None:
+def numpy_tensors(xs: list[Any]) -> TensorTable | None:
     """:func:`to_tensor` of every array of ``xs`` where each is a C-contiguous NumPy float32, float16 or float64
     array (the common case: checked and wrapped with a few calls over the whole list, not a call per array);
     None where one is not (then :func:`to_tensor` wraps them one by one, with its errors).
@@ -165,10 +213,10 @@ def numpy_tensors(xs: list[Any]) -> list[Tensor] | None:
         return None
     shapes = list(map(_SHAPE, xs))
     flat = [x if len(s) == 1 else x.ravel() for x, s in zip(xs, shapes)]  # (a flat array is its own data)
-    return list(map(Tensor, flat, logical, shapes, repeat("numpy"), repeat(None)))
+    return TensorTable(flat, logical, shapes, ["numpy"] * len(xs), [None] * len(xs))
 
 
-def tensor_table(xs: list[Any]) -> list[Tensor] | None:
+def tensor_table(xs: list[Any]) -> TensorTable | None:
     """:func:`to_tensor` of every array of ``xs`` where they form a table the fast wrappers take whole
     (:func:`numpy_tensors`, :func:`torch_tensors`: a few calls over the list); None otherwise, and for an empty
     list (then :func:`to_tensor` wraps them one by one, with its errors).
@@ -179,7 +227,7 @@ def tensor_table(xs: list[Any]) -> list[Tensor] | None:
     return (numpy_tensors(xs) or torch_tensors(xs)) if xs else None
 
 
-def torch_tensors(xs: list[Any]) -> list[Tensor] | None:
+def torch_tensors(xs: list[Any]) -> TensorTable | None:
     """:func:`to_tensor` of every tensor of ``xs`` where each is a dense, contiguous torch tensor of float32,
     float16, bfloat16 or float64, all on the CPU or all on one CUDA device (checked over the whole list, then a
     few calls a tensor: no copy); None where one is not (then :func:`to_tensor` wraps them one by one, with its
@@ -216,13 +264,13 @@ def torch_tensors(xs: list[Any]) -> list[Tensor] | None:
         index = device.index if device.index is not None else torch.cuda.current_device()
         ptrs, numels = list(map(torch.Tensor.data_ptr, xs)), list(map(torch.Tensor.numel, xs))
         views = device_views(cupy, ptrs, numels, list(map(_STORAGE.__getitem__, logical)), xs, index)
-        return list(map(Tensor, views, logical, shapes, repeat("torch"), repeat(device)))
+        return TensorTable(views, logical, shapes, ["torch"] * len(xs), [device] * len(xs))
     if device.type != "cpu":
         return None
     host = [
         x.view(torch.int16).numpy().view(np.uint16) if lg == "bfloat16" else x.numpy() for x, lg in zip(xs, logical)
     ]
-    return [Tensor(a.reshape(-1), lg, a.shape, "torch", device) for a, lg in zip(host, logical)]
+    return TensorTable([a.reshape(-1) for a in host], logical, shapes, ["torch"] * len(xs), [device] * len(xs))
 
 
 _DEVICE, _LAYOUT, _REQUIRES_GRAD = attrgetter("device"), attrgetter("layout"), attrgetter("requires_grad")

@@ -19,7 +19,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import dtypes
-from .arrays import Tensor, from_backend, is_device_array, tensor_table, to_tensor
+from .arrays import Tensor, TensorTable, from_backend, is_device_array, tensor_table, to_tensor
 from .backends import Backend, get_backend
 from .codecs import decoder_for, inner_encoding
 from .collector import holds_collector
@@ -46,9 +46,9 @@ DECODE_CHUNK = (1 << 14, 1 << 20)
 DECODE_CHUNK_DEVICE = (1 << 20, 1 << 24)
 
 
-def _output_kind(like: str | None, base_tensors: list[Tensor] | None) -> tuple[str, Any]:
+def _output_kind(like: str | None, base_tensors: TensorTable | None) -> tuple[str, Any]:
     if base_tensors:
-        return base_tensors[0].kind, base_tensors[0].device
+        return base_tensors.kinds[0], base_tensors.devices[0]
     if like is None:
         return "numpy", None
     if like not in ("numpy", "cupy", "torch"):
@@ -119,10 +119,11 @@ def _check_count(d: Any, a: int, b: int, x: Any, what: str) -> None:
         raise PayloadIndexError(f"tensor {d.name!r}: entries [{a}, {b}) decode to {x.size} {what}")
 
 
-def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, int], out_of: Any) -> Any:
+def _decode_one(d: Any, base: Any, backend: Any, bounds: tuple[int, int], out_of: Any) -> Any:
     """One tensor's dense output into ``out_of()`` (its slice of the decode's one allocation, zeros without a base,
-    asked for once the indices are checked; the base is copied, never written), filled a chunk at a time; onto a
-    base, each chunk of entries copies the base up to its last index and adds them (``scatter_onto``)."""
+    asked for once the indices are checked; the base, its tensor's flat data or None, is copied, never written),
+    filled a chunk at a time; onto a base, each chunk of entries copies the base up to its last index and adds them
+    (``scatter_onto``)."""
     xp = backend.xp
     numel = d.numel
     chunk = chunk_entries(d.nnz, bounds)
@@ -132,7 +133,7 @@ def _decode_one(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, in
     mode = ScatterMode.ADD if base is not None else ScatterMode.ZEROS
     code = dtypes.code(logical)
     dense = d.indices is None
-    base_arr = backend.asarray(base.data) if base is not None else None
+    base_arr = backend.asarray(base) if base is not None else None
     onto = not dense and base_arr is not None
     out = out_of()
     copied = 0  # onto a base: elements [0, copied) of out are written
@@ -197,7 +198,7 @@ class DeviceChecks:
         return not parts or not bool(xp.stack(parts).any() if len(parts) > 1 else parts[0])
 
 
-def _decode_one_deferred(d: Any, base: Tensor | None, backend: Any, bounds: tuple[int, int], out_of: Any, checks: Any):
+def _decode_one_deferred(d: Any, base: Any, backend: Any, bounds: tuple[int, int], out_of: Any, checks: Any):
     """:func:`_decode_one` with no host wait: the checks it reads are left in ``checks`` (a failed one: the caller
     decodes again with :func:`_decode_one`, which raises the error). Onto a base, the base is copied whole and the
     entries added: the same bytes as :meth:`~gpu_codec.backends.base.Backend.scatter_onto` on a kernel backend."""
@@ -206,7 +207,7 @@ def _decode_one_deferred(d: Any, base: Tensor | None, backend: Any, bounds: tupl
     logical = d.dtype if base is not None else dtypes.value_dtype(d.dtype)
     mode = ScatterMode.ADD if base is not None else ScatterMode.ZEROS
     code = dtypes.code(logical)
-    base_arr = backend.asarray(base.data) if base is not None else None
+    base_arr = backend.asarray(base) if base is not None else None
     out = out_of()
     step = max(d.step, chunk_entries(d.nnz, bounds) // d.step * d.step)
     if d.indices is None:
@@ -321,7 +322,7 @@ def apply_run(gi: Any, vals: Any, span: Any, bases: list, logical: str, backend:
     n = int(span.size)
     code = dtypes.code(logical)
     if bases[0] is not None:  # (a run is all onto a base, or none of it)
-        backend.gather_copy(span, backend.asarrays([b.data for b in bases]))
+        backend.gather_copy(span, backend.asarrays(bases))
     if gi is None:
         return True
     mode = ScatterMode.ADD if bases[0] is not None else ScatterMode.ZEROS
@@ -398,7 +399,7 @@ def _dense_run(
     parts = [joined[a - o0 : b - o0] for a, b in cuts]
     codes = [dtypes.code(logical)] * len(run)
     mode = ScatterMode.ADD if bases[0] is not None else ScatterMode.ZEROS
-    srcs = backend.asarrays([None if b is None else b.data for b in bases])
+    srcs = backend.asarrays(bases)
     if checks is not None:
         checks.word(backend.dense_apply(outs, codes, srcs, parts, mode, True))
         if mode == ScatterMode.ADD:
@@ -882,7 +883,7 @@ def _decode_onto_host(
             gi, v = joined
             span = outs.flat(a)[int(at[0]) : int(at[-1] + sizes[-1])]
             code = dtypes.code(logical[a])
-            bad, finite = backend.scatter_onto_bases(span, backend.asarrays([t.data for t in srcs]), code, gi, v)
+            bad, finite = backend.scatter_onto_bases(span, backend.asarrays(srcs), code, gi, v)
             if bad is None and finite:
                 return
             del gi, v
@@ -1037,10 +1038,10 @@ def decompress(
             )
         arrays = [base[n] for n in names]
         table = tensor_table(arrays)  # (a few calls in all)
-        if table is not None and list(map(_SHAPE, table)) == shapes and list(map(_DTYPE, table)) == stored:
+        if table is not None and table.shapes == shapes and table.dtypes == stored:
             base_tensors = table
         else:
-            base_tensors = [_base_tensor(x, r) for x, r in zip(arrays, records)]
+            base_tensors = TensorTable.of([_base_tensor(x, r) for x, r in zip(arrays, records)])
     kind, device = _output_kind(like, base_tensors)
     numels = list(map(math.prod, shapes))
     logical = stored if base_tensors is not None else list(map(dtypes.value_dtype, stored))
@@ -1056,12 +1057,10 @@ def decompress(
     else:
         runs = _runs(records, logical, numels)
     outs = _Outputs(records, logical, runs, base_tensors is not None, backend, numels)
-    bases = base_tensors if base_tensors is not None else [None] * len(records)
+    bases = base_tensors.data if base_tensors is not None else [None] * len(records)  # (each tensor's flat data)
     with backend.stream(base_tensors or []):
         if base_tensors is not None and payload.base_fingerprint is not None:
-            check_base(
-                payload.base_fingerprint, [(r.name, r.dtype, b.data) for r, b in zip(records, base_tensors)], backend
-            )
+            check_base(payload.base_fingerprint, list(zip(names, stored, bases)), backend)
         if host_onto:
             _decode_onto_host(pipe, records, bases, logical, outs, backend, bounds)
         # on a device, a first pass reads its checks back once, at the end; where one failed, the decode runs again
@@ -1070,7 +1069,7 @@ def decompress(
             if backend.on_device:
                 outs = _Outputs(records, logical, runs, base_tensors is not None, backend, numels)
             _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, False)
-    devs = [b.device for b in base_tensors] if base_tensors is not None else [device] * len(records)
+    devs = base_tensors.devices if base_tensors is not None else [device] * len(records)
     if kind == "torch":
         split = outs.torch_views(logical, devs)
         if split is not None:

@@ -48,6 +48,18 @@ def code(logical: str) -> DType:
     return FLOAT_DTYPES[logical][0]
 
 
+_CODES = {name: v[0] for name, v in FLOAT_DTYPES.items()}
+
+
+def codes(logical: list[str]) -> list[DType]:
+    """:func:`code` of each name, in one C loop.
+
+    >>> [int(c) for c in codes(["float32", "bfloat16"])] == [int(code("float32")), int(code("bfloat16"))]
+    True
+    """
+    return list(map(_CODES.__getitem__, logical))
+
+
 # Score criteria (fl4health's six, plus the default magnitude of the delta).
 CRITERIA: dict[str, Criterion] = {
     "magnitude": Criterion.MAGNITUDE,

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import numpy as np
 
 from . import dtypes
-from .arrays import Tensor, tensor_table, to_tensor
+from .arrays import TensorTable, tensor_table, to_tensor
 from .backends import Backend, get_backend
 from .backends.base import DeltaRequest, SelectRequest
 from .codecs import SCOPES, as_pipeline, check_fraction
@@ -37,7 +37,7 @@ from .payload import Payload, as_mapping, check_header_size, check_limits, check
 from .xp.finite import all_finite
 
 # a tensor's fields (and an array's size), read for every tensor by one C call each
-_DATA, _DTYPE, _SHAPE, _SIZE = attrgetter("data"), attrgetter("dtype"), attrgetter("shape"), attrgetter("size")
+_SIZE = attrgetter("size")
 
 if TYPE_CHECKING:
     from .pending import PendingPayload
@@ -67,7 +67,7 @@ def kept_counts(fraction: float, numels: list[int]) -> list[int]:
 
 def _check_tensors(
     update: Mapping[str, Any], base: Mapping[str, Any] | None
-) -> tuple[list[str], list[Tensor], list[Tensor | None]]:
+) -> tuple[list[str], TensorTable, TensorTable | None]:
     names = list(update.keys())
     if not names:
         raise InvalidInputError("the update is empty: nothing to compress")
@@ -95,36 +95,34 @@ def _check_tensors(
                 f"tensor {n!r}: dtype {t.dtype} is not a float dtype (float32, float16, "
                 "bfloat16, float64); a delta makes no sense for it"
             )
-        b = None
         if base is not None:
             b = to_tensor(base[n], n)
             if b.shape != t.shape:
                 raise InvalidInputError(f"tensor {n!r}: update shape {t.shape} differs from base shape {b.shape}")
             if b.dtype != t.dtype:
                 raise InvalidInputError(f"tensor {n!r}: update dtype {t.dtype} differs from base dtype {b.dtype}")
+            bases.append(b)
         news.append(t)
-        bases.append(b)
-    return names, news, bases
+    return names, TensorTable.of(news), TensorTable.of(bases) if base is not None else None
 
 
 def _host_tables(
     update: Mapping[str, Any], base: Mapping[str, Any] | None, names: list[str]
-) -> tuple[list[Tensor], list[Tensor | None]] | None:
-    """:func:`_check_tensors`' tensors where the update and the base are each a table the fast wrappers take whole
+) -> tuple[TensorTable, TensorTable | None] | None:
+    """:func:`_check_tensors`' tables where the update and the base are each a table the fast wrappers take whole
     (:func:`~gpu_codec.arrays.tensor_table`) and pass every check, found with a few calls over the whole table;
     None where any check may fail (the tensor-by-tensor checks then give the error)."""
     news = tensor_table([update[n] for n in names])
     if news is None:
         return None
-    shapes = [t.shape for t in news]
-    if not within_limits(names, shapes, [t.data.size for t in news]):
+    if not within_limits(names, news.shapes, news.sizes()):
         return None
     if base is None:
-        return news, [None] * len(news)
-    if len(base) != len(names) or not all(n in base for n in names):
+        return news, None
+    if len(base) != len(names) or not base.keys() >= set(names):
         return None
     bases = tensor_table([base[n] for n in names])
-    if bases is None or [b.shape for b in bases] != shapes or [b.dtype for b in bases] != [t.dtype for t in news]:
+    if bases is None or bases.shapes != news.shapes or bases.dtypes != news.dtypes:
         return None
     return news, bases
 
@@ -267,13 +265,13 @@ def compress(
         raise InvalidInputError("fingerprint_base=True needs the base the update is made against")
     backend = get_backend()
     nt = len(news)
-    logical, shapes = list(map(_DTYPE, news)), list(map(_SHAPE, news))
-    dtype_codes = list(map(dtypes.code, logical))
+    logical, shapes = news.dtypes, news.shapes  # (the table's columns: no call a tensor)
+    dtype_codes = dtypes.codes(logical)
     session = residual.session(names, news, backend) if residual is not None else contextlib.nullcontext()
     # the residual is held from reading to storing, and stored only once the payload is complete
-    with backend.stream(news + bases), session as binding:
-        new_arrays = backend.asarrays(list(map(_DATA, news)))
-        base_arrays = backend.asarrays([None] * nt if base is None else list(map(_DATA, bases)))
+    with backend.stream(news if bases is None else news + bases), session as binding:
+        new_arrays = backend.asarrays(news.data)
+        base_arrays = [None] * nt if bases is None else backend.asarrays(bases.data)
         if crit == dtypes.CRIT_EXTERNAL:
             ext, ext_dt = _external_scores(score, update, base, names, news, backend)
         else:
@@ -293,8 +291,8 @@ def compress(
             raise InvalidInputError(_bad_input(names[bad], new_arrays[bad], base_arrays[bad], res_in[bad], crit))
         if dense:
             records = [
-                TensorRecord(n, t.dtype, t.shape, "dense", t.numel, {"values": val})
-                for n, t, val in zip(names, news, values)
+                TensorRecord(n, dt, shape, "dense", val.size, {"values": val})
+                for n, dt, shape, val in zip(names, logical, shapes, values)
             ]
         elif type(indices) is Segmented and type(values) is Segmented:  # shared outputs: no array per tensor
             roles = {"indices": indices, "values": values}
@@ -303,8 +301,8 @@ def compress(
             records = list(map(TensorRecord, names, logical, shapes, repeat("coo"), nnz, bufs))
         else:
             records = [
-                TensorRecord(n, t.dtype, t.shape, "coo", int(idx.size), {"indices": idx, "values": val})
-                for n, t, idx, val in zip(names, news, indices, values)
+                TensorRecord(n, dt, shape, "coo", idx.size, {"indices": idx, "values": val})
+                for n, dt, shape, idx, val in zip(names, logical, shapes, indices, values)
             ]
         pipeline_cfg = [] if dense else [{"id": "topk", "fraction": fraction, "scope": scope, "score": score_name}]
         # value, index and lossless stages, on the backend; they fix the kept residuals

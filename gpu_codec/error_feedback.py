@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 
 from . import dtypes
+from .arrays import TensorTable
 from .backends import Backend, events, get_backend
 from .codecs import wire_layouts
 from .errors import InvalidInputError, PayloadLayoutError, PayloadValueError
@@ -104,7 +105,7 @@ class ErrorFeedback:
     # --- the engine's side: a compress call binds the state, then commits what it wrote -------------------------
 
     @contextlib.contextmanager
-    def session(self, names: list[str], news: list[Any], backend: Backend) -> Iterator[_Binding]:
+    def session(self, names: list[str], news: TensorTable, backend: Backend) -> Iterator[_Binding]:
         """Hold the state for one compress call (what :func:`gpu_codec.compress` does with ``residual=``): yields
         the residuals to read and to write; they are stored only if :meth:`commit` is called on the binding
         before the block ends (an exception stores nothing)."""
@@ -112,27 +113,28 @@ class ErrorFeedback:
             events.wait(backend, self._ready)
             yield self._bind(names, news, backend)
 
-    def _bind(self, names: list[str], news: list[Any], backend: Backend) -> _Binding:
+    def _bind(self, names: list[str], news: TensorTable, backend: Backend) -> _Binding:
         res_in, res_out, entries = [], [], []
         # every residual written is a slice of one allocation a value dtype (not an allocation a tensor)
-        vds = [np.dtype(dtypes.value_dtype(t.dtype)) for t in news]
-        spans = {vd: backend.xp.empty(sum(t.numel for t, v in zip(news, vds) if v == vd), dtype=vd) for vd in set(vds)}
+        logical, shapes, numels = news.dtypes, news.shapes, news.sizes()
+        vds = [np.dtype(dtypes.value_dtype(dt)) for dt in logical]
+        spans = {vd: backend.xp.empty(sum(m for m, v in zip(numels, vds) if v == vd), dtype=vd) for vd in set(vds)}
         at = dict.fromkeys(spans, 0)
-        for n, t, vd in zip(names, news, vds):
+        for n, dt, shape, m, vd in zip(names, logical, shapes, numels, vds):
             cur = self._state.get(n)
             if cur is not None:
-                a, dt, shape = cur
-                if shape != tuple(t.shape) or dt != t.dtype:
+                a, was, was_shape = cur
+                if was_shape != tuple(shape) or was != dt:
                     raise InvalidInputError(
-                        f"tensor {n!r}: error-feedback residual is {dt}{list(shape)}, the update "
-                        f"is {t.dtype}{list(t.shape)}; reset() the state to start over"
+                        f"tensor {n!r}: error-feedback residual is {was}{list(was_shape)}, the update "
+                        f"is {dt}{list(shape)}; reset() the state to start over"
                     )
                 res_in.append(backend.asarray(a))
             else:
                 res_in.append(None)
-            res_out.append(spans[vd][at[vd] : at[vd] + t.numel])  # every element is rewritten by the selection
-            at[vd] += t.numel
-            entries.append((n, t.dtype, tuple(t.shape)))
+            res_out.append(spans[vd][at[vd] : at[vd] + m])  # every element is rewritten by the selection
+            at[vd] += m
+            entries.append((n, dt, tuple(shape)))
         return _Binding(entries, res_in, res_out)
 
     def commit(self, binding: _Binding, backend: Backend) -> None:

@@ -46,7 +46,8 @@ def _both(monkeypatch, update, base):
         return (
             names,
             [(t.dtype, t.shape, t.kind, str(t.device), t.data.dtype, t.data.tobytes()) for t in news],
-            [None if b is None else (b.dtype, b.shape, b.kind, b.data.tobytes()) for b in bases],
+            None if bases is None else [(b.dtype, b.shape, b.kind, b.data.tobytes()) for b in bases],
+            (type(news).__name__, type(bases).__name__),  # (tables either way: columns, no object a tensor)
         )
 
     return _with_and_without_tables(monkeypatch, checked)

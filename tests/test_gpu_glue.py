@@ -13,7 +13,7 @@ import pytest
 
 from gpu_codec import backends
 from gpu_codec import errors as gpu_codec_errors
-from gpu_codec.arrays import Tensor
+from gpu_codec.arrays import Tensor, TensorTable
 from gpu_codec.errors import InvalidInputError
 
 cupy = pytest.importorskip("cupy")
@@ -33,6 +33,25 @@ def test_device_comes_from_the_inputs_and_mixed_devices_are_rejected():
         gpu.device_of([_t("torch", torch.device("cuda:0")), _t("torch", torch.device("cuda:1"))])
     with pytest.raises(InvalidInputError, match="different CUDA devices"):
         gpu.device_of([_t("cupy", 0), _t("torch", torch.device("cuda:1"))])
+
+
+def test_a_tensor_table_gives_the_same_device_and_stream_choice_as_its_tensors():
+    """compress and decompress pass the tables of their inputs (columns, no object a tensor): the device and
+    whether torch's stream and allocator are used come from the table's columns as from the tensors."""
+    cases = [
+        [_t("numpy", None), _t("numpy", None)],
+        [_t("torch", torch.device("cuda:1")), _t("torch", torch.device("cuda", 1))],
+        [_t("cupy", 2), _t("numpy", None), _t("torch", torch.device("cpu"))],
+        [_t("torch", torch.device("cpu"))],
+    ]
+    for ts in cases:
+        table = TensorTable.of(ts)
+        assert gpu.device_of(table) == gpu.device_of(ts)
+        assert gpu._has_torch_cuda(table) == gpu._has_torch_cuda(ts)
+    assert gpu._has_torch_cuda(TensorTable.of(cases[1])) and not gpu._has_torch_cuda(TensorTable.of(cases[2]))
+    mixed = TensorTable.of([_t("torch", torch.device("cuda:0"))]) + TensorTable.of([_t("cupy", 1)])
+    with pytest.raises(InvalidInputError, match="different CUDA devices"):
+        gpu.device_of(mixed)
 
 
 class _FakeTorchStream:
@@ -268,3 +287,11 @@ def test_asarrays_is_asarray_of_each(name):
     assert got[1] is None and all(np.array_equal(g, w) and g.dtype == w.dtype for g, w in zip(got[::2], want[::2]))
     if name == "cpu":
         assert got[0] is xs[0] and got[2] is xs[2]
+
+
+def test_the_cupy_runner_reads_a_table_of_addresses_as_its_ptr_does_one_by_one():
+    """KernelOps' address tables (one entry a tensor) come from the runner's ``ptrs`` in one C loop: the same
+    numbers as ``ptr`` of each array (CuPy's ``data.ptr``), checked on stand-ins of CuPy arrays."""
+    runner = gpu.CupyRunner()
+    arrays = [types.SimpleNamespace(data=types.SimpleNamespace(ptr=p)) for p in (4096, 0x7F0000001000, 8)]
+    assert runner.ptrs(arrays) == [runner.ptr(a) for a in arrays] == [4096, 0x7F0000001000, 8]

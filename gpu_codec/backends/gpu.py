@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from functools import partial
 from operator import attrgetter, is_not
 from typing import Any
@@ -74,16 +74,21 @@ class CupyRunner:
     def ptr(self, a: Any) -> int:
         return int(a.data.ptr)
 
+    def ptrs(self, arrays: list) -> list[int]:
+        """:meth:`ptr` of each array, in one C loop."""
+        return list(map(_DATA_PTR, arrays))
+
     def to_host(self, a: Any) -> np.ndarray:
         return self._cupy.asnumpy(a)
 
 
 def device_of(tensors: Sequence[Any]) -> int | None:
     """The one CUDA device id the inputs live on (None when none is on a GPU); inputs on two devices raise
-    :class:`~gpu_codec.errors.InvalidInputError`. ``tensors`` are :class:`gpu_codec.arrays.Tensor` (or None)."""
+    :class:`~gpu_codec.errors.InvalidInputError`. ``tensors`` are :class:`gpu_codec.arrays.Tensor` (or None), or
+    a :class:`gpu_codec.arrays.TensorTable`."""
     seen: dict[int, str] = {}
     # each (kind, device) once, in the order of first appearance (a model's tensors share one or two)
-    for kind, device in dict.fromkeys(map(_KIND_DEVICE, filter(_NOT_NONE, tensors))):
+    for kind, device in dict.fromkeys(_kinds_devices(tensors)):
         dev = None
         if kind == "torch" and getattr(device, "type", "") == "cuda":
             dev = device.index if device.index is not None else _torch_current_device()
@@ -101,7 +106,16 @@ def device_of(tensors: Sequence[Any]) -> int | None:
 
 
 _KIND_DEVICE = attrgetter("kind", "device")
+_DATA_PTR = attrgetter("data.ptr")
 _NOT_NONE = partial(is_not, None)
+
+
+def _kinds_devices(tensors: Sequence[Any]) -> Iterable[tuple[str, Any]]:
+    """(kind, device) of each tensor: a table's two columns, read whole, or each Tensor's (None skipped)."""
+    kinds = getattr(tensors, "kinds", None)
+    if kinds is not None:
+        return zip(kinds, tensors.devices)  # type: ignore[attr-defined]
+    return map(_KIND_DEVICE, filter(_NOT_NONE, tensors))
 
 
 def _torch_current_device() -> int:
@@ -111,7 +125,7 @@ def _torch_current_device() -> int:
 
 
 def _has_torch_cuda(tensors: Sequence[Any]) -> bool:
-    return any(t is not None and t.kind == "torch" and getattr(t.device, "type", "") == "cuda" for t in tensors)
+    return any(k == "torch" and getattr(d, "type", "") == "cuda" for k, d in dict.fromkeys(_kinds_devices(tensors)))
 
 
 def torch_malloc_free() -> tuple[Any, Any]:

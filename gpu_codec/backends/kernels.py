@@ -307,7 +307,7 @@ def scan_kernel(dtypes, crit: int, ext_scores) -> str:
     >>> scan_kernel([DT_BF16, DT_F16], CRIT_MAGNITUDE, none), scan_kernel([DT_BF16, DT_F32], CRIT_MAGNITUDE, none)
     ('fused_scan_h16', 'fused_scan')
     """
-    if int(crit) not in MAGNITUDE_CRITERIA or any(e is not None for e in ext_scores):
+    if int(crit) not in MAGNITUDE_CRITERIA or not _all_none(ext_scores):
         return "fused_scan"
     codes = set(dtypes)  # (the int codes, or enum members equal to them)
     if codes <= {DT_F32}:
@@ -364,17 +364,19 @@ class KernelOps:
         return self.xp.asarray(host)
 
     def _ptrs(self, arrays, *, skip_empty: bool = False) -> Any:
-        """A device table of the arrays' addresses (0 for None, and for empty arrays with ``skip_empty``)."""
-        ptr = self.runner.ptr
+        """A device table of the arrays' addresses (0 for None, and for empty arrays with ``skip_empty``): read by
+        the runner's ``ptrs`` in one loop where it has one and every array is there, else a call a tensor."""
+        if _all_none(arrays):  # (no residuals, no external scores: the common case)
+            return self._up(np.zeros(len(arrays), np.uint64))
+        many = getattr(self.runner, "ptrs", None)
+        if many is None or any(map(is_, arrays, repeat(None))):
+            ptr = self.runner.ptr
+            addrs = [0 if a is None or (skip_empty and not a.size) else ptr(a) for a in arrays]
+            return self._up(np.asarray(addrs, dtype=np.uint64))
+        host = np.asarray(many(arrays), dtype=np.uint64)
         if skip_empty:
-            addrs = [ptr(a) if a is not None and a.size else 0 for a in arrays]
-        elif _all_none(arrays):  # (no residuals, no external scores: the common case)
-            addrs = [0] * len(arrays)
-        elif not any(map(is_, arrays, repeat(None))):  # (every array there: one C loop of calls)
-            addrs = list(map(ptr, arrays))
-        else:
-            addrs = [0 if a is None else ptr(a) for a in arrays]
-        return self._up(np.asarray(addrs, dtype=np.uint64))
+            host[np.asarray(list(map(_SIZE, arrays)), np.int64) == 0] = 0
+        return self._up(host)
 
     def topk_select(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """Same contract as :func:`gpu_codec.cpu_fallback.select.topk_select`, on the runner's memory."""
@@ -821,7 +823,7 @@ class KernelOps:
 
     def gather_copy(self, out, sources) -> None:
         """``out`` = the sources end to end, bits as they are, in one launch (kernels/scatter.cu)."""
-        counts = [int(a.size) for a in sources]
+        counts = list(map(_SIZE, sources))
         total = sum(counts)
         if total != out.size:
             raise ValueError(f"gather_copy: the sources hold {total} elements, the output {out.size}")
