@@ -31,10 +31,12 @@ import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from itertools import pairwise, repeat
+from operator import attrgetter, is_not
 
 import numpy as np
 
-from gpu_codec.constants import index_dtype
+from gpu_codec.constants import U32_INDEX_NUMEL, index_dtype
 
 from .elementwise import DT_F32, DT_F64, decoded, delta, nonfinite, score_key, scores_f32
 from .parallel import parallel_map, thread_count
@@ -79,6 +81,7 @@ PACKED_PARALLEL = 1 << 15  # small tables (per-tensor scope) whose tensors avera
 # 1.15x at 400)
 HIST_BINS = 1 << 10  # a part's histogram of its keys' top 16 bits, counted from lo's up (the last bin takes every
 # higher key): the final threshold is found in one bin's keys instead of by a partition of every candidate
+_SIZE = attrgetter("size")
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
 _INF_BITS = np.uint32(0x7F800000)
 _ABS = np.uint32(0x7FFFFFFF)
@@ -777,11 +780,24 @@ def _brackets(sample: np.ndarray, n: int, k: int, crit: int) -> list[np.uint32]:
 
 
 def _finish(
-    c: _Call, seg: list[int], parts: list[_Part], lo: np.uint32, k: int, indices: list, values: list, packed: list
-) -> None:
+    c: _Call,
+    seg: list[int],
+    parts: list[_Part],
+    lo: np.uint32,
+    k: int,
+    indices: list,
+    values: list,
+    packed: list,
+    shared: bool = False,
+) -> tuple[np.ndarray, np.ndarray, list[int]] | None:
     """The k largest keys among the parts' entries, written to ``indices`` and ``values`` tensor by tensor; each
     packed part's tensors, where each one's entries start and end in the part's, and the part's indices and values
     are appended to ``packed`` (the tensors' own arrays are views of these).
+
+    ``shared`` (the segment is every tensor, in order, each with uint32 indices and fp32 values): every entry is
+    written into one index array and one value array, part after part, and ``(indices, values, offsets)`` is
+    returned, tensor t's entries being ``[offsets[t], offsets[t + 1])`` of each; ``indices`` and ``values`` are
+    left as they are (no array made a tensor).
 
     The parts' counts come from :func:`_threshold`; each part is then copied into its own slice of the output and its
     candidates freed, so the candidates and the output are never held twice. This runs on the calling thread: it touches
@@ -805,29 +821,44 @@ def _finish(
                 need -= extras[i][0].size
             counts.append(p.idx.size + (extras[i][0].size if extras[i] is not None else 0))
     offsets = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    out = (np.empty(offsets[-1], np.uint32), np.empty(offsets[-1], np.float32)) if shared else None
+    per_tensor = np.zeros(len(seg), np.int64) if shared else None  # (shared) each tensor's entries
+    first = seg[0] if seg else 0
     mine: dict[int, list[int]] = {}
     for i, p in enumerate(parts):
         if p.ts is None:
             mine.setdefault(p.t, []).append(i)
             continue
         # a packed part: its selection at once, indices made relative to their tensors in one call, then a view of
-        # it per tensor
-        rel, val = np.empty(counts[i], np.uint32), np.empty(counts[i], np.float32)
+        # it per tensor (or, shared, its tensors' entry counts)
+        if out is None:
+            rel, val = np.empty(counts[i], np.uint32), np.empty(counts[i], np.float32)
+        else:
+            rel, val = out[0][offsets[i] : offsets[i + 1]], out[1][offsets[i] : offsets[i + 1]]
         _write_part(p, thr, ties[i] if ties is not None else None, extras[i], rel, val, 0)
         cum = np.asarray(p.cum, np.uint32)
         cuts = np.searchsorted(rel, cum)
         rel -= np.repeat(cum[:-1], np.diff(cuts))
+        if per_tensor is not None:  # (a packed part's tensors are consecutive)
+            per_tensor[p.ts[0] - first : p.ts[-1] - first + 1] = np.diff(cuts)
         cuts = cuts.tolist()
-        for t, a, b in zip(p.ts, cuts, cuts[1:]):
-            indices[t], values[t] = rel[a:b], val[a:b]
+        if out is None:
+            for t, a, b in zip(p.ts, cuts, cuts[1:]):
+                indices[t], values[t] = rel[a:b], val[a:b]
         packed.append((p.ts, cuts[:-1], cuts[1:], rel, val))
     for t in seg:
-        if indices[t] is not None:  # (a packed tensor's)
+        own = mine.get(t)
+        if own is None and (out is not None or indices[t] is not None):  # (a packed tensor's, or one with no part)
             continue
-        own = mine.get(t, [])
+        own = own or []
         start = offsets[own[0]] if own else 0
-        idx = np.empty(sum(counts[i] for i in own), index_dtype(c.new[t].size))
-        val = np.empty(idx.size, np.float64 if c.dtypes[t] == DT_F64 else np.float32)
+        size = sum(counts[i] for i in own)
+        if out is None:
+            idx = np.empty(size, index_dtype(c.new[t].size))
+            val = np.empty(idx.size, np.float64 if c.dtypes[t] == DT_F64 else np.float32)
+        else:
+            idx, val = out[0][start : start + size], out[1][start : start + size]
+            per_tensor[t - first] = size
         for i in own:
             o = offsets[i] - start
             _write_part(
@@ -839,7 +870,11 @@ def _finish(
                 val[o : o + counts[i]],
                 parts[i].a,
             )
-        indices[t], values[t] = idx, val
+        if out is None:
+            indices[t], values[t] = idx, val
+    if out is None:
+        return None
+    return out[0], out[1], np.concatenate([[0], np.cumsum(per_tensor)]).tolist()
 
 
 def _write_part(p: _Part, thr, tie: int | None, extra, idx: np.ndarray, val: np.ndarray, start: int) -> None:
@@ -1096,7 +1131,14 @@ def _select_segments(
         parallel_map(table, tables, c.workers, [n < PACKED_PARALLEL * len(g) for n, g in zip(sizes, tables)])
 
 
-def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode, stats=None):
+def _u32_f32(new: list, dtypes: list) -> bool:
+    """Whether every tensor's kept entries are uint32 indices and fp32 values (none fp64, none past 2^32)."""
+    return DT_F64 not in dtypes and max(map(_SIZE, new)) <= U32_INDEX_NUMEL
+
+
+def topk_select(
+    new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode, stats=None, shared=False
+):
     """Exact top-k of every segment of a tensor list.
 
     Arguments are lists over tensors (flat NumPy arrays, ``None`` where absent) plus ``segments`` (lists of
@@ -1107,6 +1149,10 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
     Where ``res_out[t]`` shares memory with ``res[t]`` (the engine's in-place state) nothing is written to it
     when a value is non-finite. The result does not depend on ``GPU_CODEC_THREADS``. ``stats`` (a dict, where
     given): its ``"misses"`` grows by the scans run again after a bracket missed (:func:`_sparse_segment`).
+    ``shared``: where one segment holds every tensor (global scope) of at most 2^32 elements each and none is
+    fp64, indices and values are each ``(array, offsets)``: one uint32 and one fp32 array that the selection
+    writes every tensor's entries into, tensor t's being ``[offsets[t], offsets[t + 1])`` (no array made a tensor;
+    the CPU backend hands them on as the kernels' shared outputs).
     """
     c = _Call(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit)
     c.workers, c.block = plan(sum(x.nbytes for x in new), thread_count())
@@ -1120,15 +1166,22 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
         stats["misses"] = stats.get("misses", 0) + c.misses
     if bad:
         return None, None, min(bad)
+    one = shared and nt > 1 and len(segments) == 1 and len(sparse) == 1 and _u32_f32(new, dtypes)
+    joined = None
     for seg, parts, lo, k in sparse:
-        _finish(c, seg, parts, lo, k, indices, values, packed)
+        joined = _finish(c, seg, parts, lo, k, indices, values, packed, one) or joined
         late = [p for p in parts if c.late(p)]
         c.release()
         if late:  # after _finish: it may read the residual again
             parallel_map(lambda p: _write_residual(c, p), late, c.workers)
             c.release()
+    if joined is not None:  # (every tensor's entries in one index and one value array)
+        all_idx, all_val, offsets = joined
+        if any(map(is_not, res_out, repeat(None))):  # (each tensor's range, for its residual)
+            indices = [all_idx[a:b] for a, b in pairwise(offsets)]
+            values = [all_val[a:b] for a, b in pairwise(offsets)]
     if all(r is None for r in res_out):
-        return indices, values, None
+        return (indices, values, None) if joined is None else ((all_idx, offsets), (all_val, offsets), None)
     done = set()
     for ts, lows, highs, rel, val in packed:  # the kept entries' residuals of a packed part's tensors: one rounding
         fix, rel = val - decoded(val, qmode), rel.astype(np.intp)  # (intp: no index cast per tensor)
@@ -1144,4 +1197,4 @@ def topk_select(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, s
             r[:] = full[t]
         v = values[t]
         r[indices[t]] = v - decoded(v, qmode)
-    return indices, values, None
+    return (indices, values, None) if joined is None else ((all_idx, offsets), (all_val, offsets), None)

@@ -4,6 +4,8 @@ definition (and the kernels, through the emulated backend) give, ties, zeros, re
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import numpy as np
 import pytest
 from gpu_codec.cpu_fallback import select
@@ -99,6 +101,85 @@ def test_residuals_of_packed_tensors(inplace, qmode):
         assert vals[t].tobytes() == want[t][kept].tobytes()
         w[kept] = want[t][kept] - decoded(want[t][kept], qmode)
         assert out[t].tobytes() == w.tobytes(), t
+
+
+@pytest.mark.parametrize("kind", ["normal", "zeros", "ties"])
+@pytest.mark.parametrize("residual", [False, True])
+def test_shared_outputs_are_the_per_tensor_outputs_in_one_array(kind, residual):
+    """With ``shared`` (what the CPU backend asks for), a global selection writes every tensor's entries into one
+    uint32 index array and one fp32 value array (tensor t's a range of each), the same entries and residuals as the
+    per-tensor arrays; per-tensor scope and fp64 tensors keep an array a tensor."""
+    upd, base = uneven(kind, 6, count=80)
+    new = [a.reshape(-1) for a in upd.values()]
+    bas = [a.reshape(-1) for a in base.values()]
+    nt = len(new)
+    rng = np.random.default_rng(1)
+    res = [(rng.standard_normal(a.size) * 0.1).astype(np.float32) for a in new] if residual else [None] * nt
+    k = gpu_codec.kept_count(0.01, sum(a.size for a in new))
+    got = {}
+    for shared in (False, True):
+        out = [np.empty(a.size, np.float32) for a in new] if residual else [None] * nt
+        rest = [0] * nt, [None] * nt, [0] * nt, 0, [list(range(nt))], [k], 0
+        idx, vals, bad = select.topk_select(new, bas, res, out, *rest, shared=shared)
+        assert bad is None
+        if shared:  # (one array a role, and each tensor's range of it)
+            (i_src, offsets), (v_src, v_offsets) = idx, vals
+            assert i_src.dtype == np.uint32 and v_src.dtype == np.float32 and i_src.size == v_src.size == k
+            assert offsets == v_offsets and len(offsets) == nt + 1 and offsets[-1] == k
+            idx = [i_src[a:b] for a, b in pairwise(offsets)]
+            vals = [v_src[a:b] for a, b in pairwise(offsets)]
+        written = [o.tobytes() for o in out if o is not None]
+        got[shared] = ([i.tobytes() for i in idx], [v.tobytes() for v in vals], written)
+    assert got[True] == got[False]
+    # per-tensor scope, and an fp64 tensor beside fp32 ones: an array a tensor
+    per = select.topk_select(
+        new,
+        bas,
+        [None] * nt,
+        [None] * nt,
+        [0] * nt,
+        [None] * nt,
+        [0] * nt,
+        0,
+        [[t] for t in range(nt)],
+        [1] * nt,
+        0,
+        shared=True,
+    )
+    assert type(per[0]) is list
+    f64 = [new[0].astype(np.float64)] + new[1:]
+    fb = [bas[0].astype(np.float64)] + bas[1:]
+    mixed = select.topk_select(
+        f64,
+        fb,
+        [None] * nt,
+        [None] * nt,
+        [3] + [0] * (nt - 1),
+        [None] * nt,
+        [0] * nt,
+        0,
+        [list(range(nt))],
+        [k],
+        0,
+        shared=True,
+    )
+    assert type(mixed[0]) is list and mixed[1][0].dtype == np.float64
+
+
+def test_the_cpu_backend_compresses_a_global_update_into_one_index_and_one_value_array():
+    """The CPU backend's global compress hands the payload records that are ranges of two shared arrays (no array
+    made a tensor), as the GPU path's; the bytes are those of the per-tensor arrays."""
+    upd, base = uneven("normal", 7, count=50)
+    with use_backend("cpu"):
+        p = gpu_codec.compress(upd, base, fraction=0.01)
+        per = gpu_codec.compress(upd, base, fraction=0.01, scope="per_tensor")
+    roles = {id(r.buffers.roles["indices"]) for r in p.tensors}
+    assert len(roles) == 1 and type(per.tensors[0].buffers) is dict
+    flat = {r.name: (r.buffers["indices"].copy(), r.buffers["values"].copy()) for r in p.tensors}
+    rebuilt = gpu_codec.Payload.from_bytes(p.to_bytes())
+    assert {r.name: (r.buffers["indices"].tobytes(), r.buffers["values"].tobytes()) for r in rebuilt.tensors} == {
+        n: (i.tobytes(), v.tobytes()) for n, (i, v) in flat.items()
+    }
 
 
 @pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler")

@@ -15,6 +15,7 @@ from ..cpu_fallback import limbs as _limbs
 from ..cpu_fallback import quantize as _q
 from ..cpu_fallback import rice as _rice
 from ..cpu_fallback import select as _select
+from ..format.common import Segmented
 from .base import dense_values, flat_tables, scatter_args, split_values
 from .decode import ArrayDecoders
 
@@ -55,9 +56,11 @@ class CpuBackend(ArrayDecoders):
 
     def topk_select(self, req):
         stats: dict[str, int] = {}
-        out = _select.topk_select(*req.select_args(), stats=stats)
+        idx, vals, bad = _select.topk_select(*req.select_args(), stats=stats, shared=True)
+        if type(idx) is tuple:  # (global scope: every tensor's entries in one array a role, as the kernels give them)
+            idx, vals = Segmented((idx[0],), idx[1]), Segmented((vals[0],), vals[1])
         self.bracket_misses += stats.get("misses", 0)
-        return out
+        return idx, vals, bad
 
     def dense_delta(self, req):
         new, base, res, res_out, dtypes, ext_scores, ext_dtypes = req.delta_args()
