@@ -911,3 +911,32 @@ def test_a_known_table_of_plain_4_byte_coo_records_reads_as_shared_ranges(monkey
     # (per-record views name their buffers' dtypes; ranges leave it to each array's own dtype, the same names)
     assert [r[:7] + r[8:] for r in alone[1]] == [r[:7] + r[8:] for r in first[1]]
     assert all(r[7] == {"indices": "uint32", "values": "float32"} and not f[7] for r, f in zip(alone[1], first[1]))
+
+
+# ------------------------------------------------------------------------------------------ table rows at once
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_table_rows_coded_at_once_are_the_rows_coded_one_by_one(seed, monkeypatch):
+    """The tensor table's rows of records of one form (``v2._rows_many``: every row's numbers coded by one
+    vectorized varint pass) are the bytes the row-by-row loop writes, or the same error where a record is broken."""
+    rng = random.Random(seed)
+    enc = rng.choice(["coo", "dense", None])
+    recs = [record(rng, nm, enc) for nm in names(rng, rng.choice([2, 5, 150]))]
+    if seed % 4 == 3:  # one record broken one way: a dimension or an nnz the table has no varint for
+        i = rng.randrange(len(recs))
+        broken = rng.choice([(-1,), (2.0,), (1 << 70,), "nnz"])
+        change = {"nnz": -1} if broken == "nnz" else {"shape": broken}
+        recs[i] = dataclasses.replace(recs[i], **change)
+    taken = []
+    real = v2._rows_many
+    monkeypatch.setattr(v2, "_rows_many", lambda *a: taken.append(real(*a) is not None) or real(*a))
+
+    def write():
+        return pack(recs, pipeline=[{"id": "topk", "fraction": 0.01}], layouts=wire_layouts(), version=2)
+
+    fast = outcome(write)
+    monkeypatch.setattr(v2, "_rows_many", lambda *a: None)
+    assert fast == outcome(write)
+    if enc is not None and seed % 4 != 3:
+        assert taken and all(taken)  # (one form, nothing broken: the rows at once)

@@ -95,7 +95,7 @@ from .common import (
     zstd_frame_size,
 )
 from .fingerprint import check_hex
-from .schema import FormSpec, Unrepresentable, WireTables, form_bytes, read_form, tables_of, uvarint
+from .schema import FormSpec, Unrepresentable, WireTables, form_bytes, read_form, tables_of, uvarint, uvarints
 
 VERSION = 2
 CHUNKED = 3  # the version whose nvcomp tensors are a zstd frame per chunk
@@ -1019,10 +1019,13 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
     t += _form_bytes(default, tables)
     t += uvarint(len(tensors))
     names = tuple([rec.name for rec in tensors])
+    entries = _cached(cache, "names", names, lambda: _name_entries(names))
+    rows = _rows_many(tensors, entries, forms, fields, default)
+    if rows is not None:  # (every record of the default form, with no field of its own: the rows at once)
+        t += rows
+        tensors = ()
     counted: dict[Form, tuple[bool, bool]] = {}  # form -> (has an nnz, has a zbytes)
-    for rec, entry, form, f, zb in zip(
-        tensors, _cached(cache, "names", names, lambda: _name_entries(names)), forms, fields, zbytes
-    ):
+    for rec, entry, form, f, zb in zip(tensors, entries, forms, fields, zbytes):
         t += entry
         shape = rec.shape
         own = form is not default and form != default
@@ -1053,6 +1056,47 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
                 raise Unrepresentable("zbytes")
             t += uvarint(zb)
     return bytes(t)
+
+
+_SHAPE_DTYPE_NNZ = attrgetter("shape", "dtype", "nnz")
+
+
+def _rows_many(tensors, entries, forms, fields, default: Form) -> bytes | None:
+    """:func:`_table`'s rows of records that all take the ``default`` form, not wrapped, with no field of their own:
+    each row its name's entry, then its head byte (dtype code, dimension count), dimensions and (a sparse form's)
+    nnz as varints, the numbers of every row coded at once (:func:`~gpu_codec.format.schema.uvarints`). None where
+    a row may not be so (the loop then writes them, and raises what it raises). The same bytes as the loop:
+    tests/test_format_fast.py writes tables both ways."""
+    n = len(tensors)
+    if n < 2 or default[0] in WRAPPERS or forms.count(default) != n or any(fields):
+        return None
+    shapes, dts, nnz = zip(*map(_SHAPE_DTYPE_NNZ, tensors))
+    if set(map(type, shapes)) != {tuple} or set(map(type, dts)) != {str} or not set(dts) <= _DTYPE_NAMES:
+        return None
+    ndim = np.fromiter(map(len, shapes), np.int64, n)
+    if int(ndim.max()) > MAX_NDIM:
+        return None
+    dims = [d for s in shapes for d in s]
+    if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) > MAX_TENSOR_ELEMENTS):
+        return None
+    sparse = default[0] in ("coo", "sparse")
+    if sparse and (set(map(type, nnz)) != {int} or min(nnz) < 0 or max(nnz) >= 1 << 64):
+        return None
+    per = 1 + ndim + sparse  # numbers a row: its head, its dimensions, its nnz
+    first = np.cumsum(per) - per
+    numbers = np.empty(int(per.sum()), np.uint64)
+    numbers[first] = np.fromiter(map(_DTYPE_CODE.__getitem__, dts), np.int64, n) | ndim << 2
+    if dims:
+        numbers[np.repeat(first + 1 - (np.cumsum(ndim) - ndim), ndim) + np.arange(len(dims))] = dims
+    if sparse:
+        numbers[first + 1 + ndim] = nnz
+    data, counts = uvarints(numbers)
+    at = np.concatenate([[0], np.cumsum(counts)])
+    starts, stops = at[first].tolist(), at[first + per].tolist()
+    out: list = [None] * (2 * n)
+    out[::2] = entries
+    out[1::2] = [data[a:b] for a, b in zip(starts, stops)]
+    return b"".join(out)
 
 
 def _on_device(a: Any) -> bool:
