@@ -364,19 +364,17 @@ class KernelOps:
         return self.xp.asarray(host)
 
     def _ptrs(self, arrays, *, skip_empty: bool = False) -> Any:
-        """A device table of the arrays' addresses (0 for None, and for empty arrays with ``skip_empty``): read by
-        the runner's ``ptrs`` in one loop where it has one and every array is there, else a call a tensor."""
+        """A device table of the arrays' addresses (0 for None, and for empty arrays with ``skip_empty``): where
+        every array is there and none is skipped (a selection's inputs), read by the runner's ``ptrs`` in one loop
+        where it has one; else a call a non-empty array."""
         if _all_none(arrays):  # (no residuals, no external scores: the common case)
             return self._up(np.zeros(len(arrays), np.uint64))
         many = getattr(self.runner, "ptrs", None)
-        if many is None or any(map(is_, arrays, repeat(None))):
+        if skip_empty or many is None or any(map(is_, arrays, repeat(None))):
             ptr = self.runner.ptr
             addrs = [0 if a is None or (skip_empty and not a.size) else ptr(a) for a in arrays]
             return self._up(np.asarray(addrs, dtype=np.uint64))
-        host = np.asarray(many(arrays), dtype=np.uint64)
-        if skip_empty:
-            host[np.asarray(list(map(_SIZE, arrays)), np.int64) == 0] = 0
-        return self._up(host)
+        return self._up(np.asarray(many(arrays), dtype=np.uint64))
 
     def topk_select(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """Same contract as :func:`gpu_codec.cpu_fallback.select.topk_select`, on the runner's memory."""
