@@ -204,6 +204,8 @@ def cpu_row(update: Update, repeat: int, seed: int, torch_too: bool) -> dict[str
         timed["torch_s"] = lambda: torch_topk(torch.cat(tn), torch.cat(tb), k)
     payload = gpu_codec.compress(new, base, fraction=0.01)
     timed["decompress_s"] = lambda: gpu_codec.decompress(payload, base=base)
+    blob = payload.to_bytes()  # (what a server decompresses: the payload's bytes, read and checked as well)
+    timed["decompress_bytes_s"] = lambda: gpu_codec.decompress(blob, base=base)
     samples = interleaved(timed, repeat, seed)
     row: dict[str, Any] = {key: statistics.median(v) for key, v in samples.items()}
     row["min"] = {key: min(v) for key, v in samples.items()}
@@ -213,6 +215,7 @@ def cpu_row(update: Update, repeat: int, seed: int, torch_too: bool) -> dict[str
     row["x_numpy"] = row["numpy_s"] / row["ours_s"]
     row["x_torch"] = row["torch_s"] / row["ours_s"] if torch_too else None
     row["decompress_x_subtract"] = row["decompress_s"] / sub
+    row["decompress_bytes_x_subtract"] = row["decompress_bytes_s"] / sub
     row["tensors_x_subtract"] = row["subtract_tensors_s"] / sub
     row.update(n=n, k=k, bytes=int(new_raw.nbytes), bf16=bf16, bracket_misses=misses)
     return row
@@ -323,8 +326,8 @@ def _line(row: dict[str, Any]) -> str:
         out += (
             f"  {c['n']:>11,} elem: x sub {c['x_subtract']:.2f} (per-tensor {c['x_subtract_per_tensor']:.2f}, "
             f"0.1% {c['x_subtract_0.1']:.2f}, EF {c['x_subtract_ef']:.2f}), x numpy {c['x_numpy']:.2f}, "
-            f"dec/sub {c['decompress_x_subtract']:.2f}, sub a tensor {c['tensors_x_subtract']:.2f}"
-            + (f", rescans {_misses(c)}" if c.get("bracket_misses") else "")
+            f"dec/sub {c['decompress_x_subtract']:.2f} (bytes {_dec_bytes(c)}), sub a tensor "
+            f"{c['tensors_x_subtract']:.2f}" + (f", rescans {_misses(c)}" if c.get("bracket_misses") else "")
         )
     e = row.get("emulated")
     if e:
@@ -373,6 +376,12 @@ def check(doc: dict[str, Any]) -> list[tuple[str, str, str]]:
     return out
 
 
+def _dec_bytes(c: dict[str, Any]) -> str:
+    """The decompress of the payload's bytes, in x sub ("–" in results from before it was measured)."""
+    x = c.get("decompress_bytes_x_subtract")
+    return "–" if x is None else f"{x:.2f}"
+
+
 def _misses(c: dict[str, Any]) -> str:
     """The NumPy selection's scans run again after a missed bracket, per CPU configuration (x sub, per-tensor,
     0.1%, 1% + EF), as ``a/b/c/d``."""
@@ -389,11 +398,13 @@ def markdown(doc: dict[str, Any]) -> str:
         "global unless named. Sub a tensor: one `np.subtract` call per tensor over the same bytes, in x sub (the "
         "floor of any pass that takes the tensors one by one). Rescans: the scans the NumPy selection ran again "
         "after its sample's bracket missed (its exact fallback), in the x sub, per-tensor, 0.1% and 1% + EF "
-        "configurations." + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
+        "configurations. Decompress: onto the base, of the compressed payload as it is, and (from bytes) of its "
+        "bytes, read and checked too, as a server receives them; the target is judged on the first."
+        + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
         "",
         "| entry | dtype | tensors | elements | sub a tensor | x sub | per-tensor | 0.1% | 1% + EF | x NumPy | "
-        "x torch | decompress x sub | rescans |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "x torch | decompress x sub | from bytes | rescans |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
         c = r.get("cpu")
@@ -404,7 +415,7 @@ def markdown(doc: dict[str, Any]) -> str:
         lines.append(
             f"| {r['entry']} | {r['dtype']} | {r['tensors']} | {c['n']:,} | {st} | {c['x_subtract']:.2f} | "
             f"{c['x_subtract_per_tensor']:.2f} | {c['x_subtract_0.1']:.2f} | {c['x_subtract_ef']:.2f} | "
-            f"{c['x_numpy']:.2f} | {tt} | {c['decompress_x_subtract']:.2f} | "
+            f"{c['x_numpy']:.2f} | {tt} | {c['decompress_x_subtract']:.2f} | {_dec_bytes(c)} | "
             f"{_misses(c) if c.get('bracket_misses') else '–'} |"
         )
     emu = [r for r in doc["rows"] if r.get("emulated")]

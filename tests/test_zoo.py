@@ -163,6 +163,8 @@ def test_quick_run_end_to_end(tmp_path, capsys):
         assert c["x_subtract"] == pytest.approx(c["ours_s"] / c["subtract_s"])
         assert c["x_numpy"] == pytest.approx(c["numpy_s"] / c["ours_s"])
         assert c["decompress_x_subtract"] == pytest.approx(c["decompress_s"] / c["subtract_s"])
+        assert c["decompress_bytes_x_subtract"] == pytest.approx(c["decompress_bytes_s"] / c["subtract_s"])
+        assert c["decompress_bytes_s"] > 0  # (the payload's bytes, as a server receives them)
         assert set(c["bracket_misses"]) == set(bench_zoo.CPU_CONFIGS)  # the NumPy selection's rescans, counted
         assert all(isinstance(v, int) and v >= 0 for v in c["bracket_misses"].values())
         if HAS_EMULATOR:  # the recording launcher's counts beside the emulated traffic
