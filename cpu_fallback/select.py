@@ -31,8 +31,8 @@ import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import pairwise, repeat
-from operator import attrgetter, is_not
+from itertools import pairwise
+from operator import attrgetter
 
 import numpy as np
 
@@ -1175,13 +1175,13 @@ def topk_select(
         if late:  # after _finish: it may read the residual again
             parallel_map(lambda p: _write_residual(c, p), late, c.workers)
             c.release()
-    if joined is not None:  # (every tensor's entries in one index and one value array)
-        all_idx, all_val, offsets = joined
-        if any(map(is_not, res_out, repeat(None))):  # (each tensor's range, for its residual)
-            indices = [all_idx[a:b] for a, b in pairwise(offsets)]
-            values = [all_val[a:b] for a, b in pairwise(offsets)]
+    result = (indices, values, None) if joined is None else ((joined[0], joined[2]), (joined[1], joined[2]), None)
     if all(r is None for r in res_out):
-        return (indices, values, None) if joined is None else ((all_idx, offsets), (all_val, offsets), None)
+        return result
+    if joined is not None:  # (every tensor's entries in one index and one value array: tensor t's, a range of each)
+        all_idx, all_val, offsets = joined
+        indices = [all_idx[a:b] for a, b in pairwise(offsets)]
+        values = [all_val[a:b] for a, b in pairwise(offsets)]
     done = set()
     for ts, lows, highs, rel, val in packed:  # the kept entries' residuals of a packed part's tensors: one rounding
         fix, rel = val - decoded(val, qmode), rel.astype(np.intp)  # (intp: no index cast per tensor)
@@ -1197,4 +1197,4 @@ def topk_select(
             r[:] = full[t]
         v = values[t]
         r[indices[t]] = v - decoded(v, qmode)
-    return (indices, values, None) if joined is None else ((all_idx, offsets), (all_val, offsets), None)
+    return result

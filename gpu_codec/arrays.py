@@ -72,8 +72,6 @@ class TensorTable(Sequence):
     @classmethod
     def of(cls, tensors: Sequence[Tensor]) -> TensorTable:
         """The table of tensors wrapped one by one."""
-        if isinstance(tensors, TensorTable):
-            return tensors
         cols = ([t.data, t.dtype, t.shape, t.kind, t.device] for t in tensors)
         return cls(*map(list, zip(*cols))) if tensors else cls([], [], [], [], [])
 

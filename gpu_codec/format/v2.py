@@ -1041,8 +1041,7 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
                 raise Unrepresentable("dimension")
         has = counted.get(form)
         if has is None:
-            wrapped = form[0] in WRAPPERS
-            has = counted[form] = ((form[1] if wrapped else form[0]) in ("coo", "sparse"), wrapped)
+            has = counted[form] = (_has_nnz(form), form[0] in WRAPPERS)
         if has[0]:
             nnz = rec.nnz
             if type(nnz) is int and 0 <= nnz < 0x80:
@@ -1059,6 +1058,11 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
 
 
 _SHAPE_DTYPE_NNZ = attrgetter("shape", "dtype", "nnz")
+
+
+def _has_nnz(form: Form) -> bool:
+    """Whether a table row of this form holds an nnz: a sparse form's (a wrapper's, its inner form's)."""
+    return (form[1] if form[0] in WRAPPERS else form[0]) in ("coo", "sparse")
 
 
 def _rows_many(tensors, entries, forms, fields, default: Form) -> bytes | None:
@@ -1079,7 +1083,7 @@ def _rows_many(tensors, entries, forms, fields, default: Form) -> bytes | None:
     dims = [d for s in shapes for d in s]
     if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) > MAX_TENSOR_ELEMENTS):
         return None
-    sparse = default[0] in ("coo", "sparse")
+    sparse = _has_nnz(default)
     if sparse and (set(map(type, nnz)) != {int} or min(nnz) < 0 or max(nnz) >= 1 << 64):
         return None
     per = 1 + ndim + sparse  # numbers a row: its head, its dimensions, its nnz
