@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Iterator, Mapping
-from itertools import accumulate, pairwise
+from itertools import accumulate, pairwise, repeat
 from operator import attrgetter, mul
 from typing import Any, NamedTuple
 
@@ -28,9 +28,9 @@ from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadL
 from .format import (
     TensorRecord,
 )
-from .format.common import Ranges, SegmentBuffers
+from .format.common import Ranges, RecordTable, SegmentBuffers, Segmented, record_columns
 from .format.fingerprint import check_base
-from .payload import Payload, as_mapping
+from .payload import Payload, as_mapping, payload_records
 from .xp.finite import all_finite, some_nonfinite
 
 # a record's (and a tensor's) fields, read for every record by one C call (a list comprehension reads each in Python)
@@ -429,12 +429,15 @@ def _runs(
     elements (see :func:`_dense_run`)."""
     most_numel, most_size = (None, None) if device else (SMALL_TENSOR, SMALL_RUN)
     most_entries = batch_entries(_output_bytes(logical, numels)) if device else SMALL_RUN_ENTRIES
-    if device and len(records) >= MANY_RECORDS and len(set(logical)) == 1 and set(map(_ENCODING, records)) == {"coo"}:
-        return _coo_runs(list(map(_NNZ, records)), most_entries)
+    table = record_columns(records)  # (plain coo records as columns: read as such, no record made)
+    all_coo = table is not None or set(map(_ENCODING, records)) == {"coo"}
+    if device and len(records) >= MANY_RECORDS and len(set(logical)) == 1 and all_coo:
+        return _coo_runs(list(table.nnz if table is not None else map(_NNZ, records)), most_entries)
+    inners = repeat("coo") if table is not None else map(inner_encoding, records)
+    nnzs = table.nnz if table is not None else map(_NNZ, records)
     out: list[int | None] = []
     run, size, entries, run_dense = -1, 0, 0, False
-    for i, (r, numel) in enumerate(zip(records, numels)):
-        inner = inner_encoding(r)
+    for i, (inner, nnz, numel) in enumerate(zip(inners, nnzs, numels)):
         is_dense = dense and inner in ("dense", "dense_q") and numel <= SMALL_TENSOR
         if not is_dense and (inner not in ("coo", "sparse") or (most_numel is not None and numel > most_numel)):
             out.append(None)
@@ -443,12 +446,12 @@ def _runs(
         if is_dense:
             fits = size + numel <= SMALL_RUN
         else:
-            fits = entries + r.nnz <= most_entries and (most_size is None or size + numel <= most_size)
+            fits = entries + nnz <= most_entries and (most_size is None or size + numel <= most_size)
         if not (joins and fits):
             run, size, entries, run_dense = run + 1, 0, 0, is_dense
         out.append(run)
         size += numel
-        entries += r.nnz
+        entries += nnz
     return out
 
 
@@ -600,6 +603,7 @@ def _decode_all(
     checks = DeviceChecks(backend.xp) if defer else None
     run: list = []  # (position, decoded) of the tensors of one run, adjacent in their buffer
     plain = plain_buffers(pipe, records)
+    table = record_columns(records)
 
     def one(i: int, d: Any) -> None:
         if d is None:  # (a plain record: decoded only where it is decoded alone)
@@ -619,7 +623,7 @@ def _decode_all(
             ok = _dense_run([d for _, d in run], flat_of, offsets, bs, lg, backend, checks)
         elif plain is not None:  # (the entries as they lie in the buffers: no decoder)
             joined = join_plain(plain, records, first, last + 1, offsets, backend)
-            nnz = [r.nnz for r in records[first : last + 1]]
+            nnz = table.nnz[first : last + 1] if table is not None else [r.nnz for r in records[first : last + 1]]
             ok = _apply_joined(joined, nnz, flat_of, offsets, bs, lg, backend, checks)
         else:
             ok = _decode_run([d for _, d in run], flat_of, offsets, bs, lg, backend, checks)
@@ -674,22 +678,31 @@ def join_plain(plain: Any, records: list, first: int, end: int, offsets: list[in
     its end), from their buffers as read from bytes (``plain``: :func:`plain_buffers`), with no decoder. Records
     whose buffers are ranges of the payload's data (:class:`SharedEntries`) are joined by one gather a role, with
     no array made per record, where the run has many of them."""
-    recs = records[first:end]
+    nnz, numels = _nnz_numels(records, first, end)
     if type(plain) is SharedEntries:
         if end - first >= SHARED_JOIN_MIN:
-            joined = _join_shared(plain, recs, first, end, offsets, backend)
+            joined = _join_shared(plain, nnz, numels, first, end, offsets, backend)
             if joined is not False:
                 return joined
         plain, first, end = (plain.indices[first:end], plain.values[first:end]), 0, end - first
     idx, vals = plain
     return join_entries(
-        [idx[first + j][: r.nnz] for j, r in enumerate(recs)],
-        [vals[first + j][: r.nnz] for j, r in enumerate(recs)],
-        [r.numel for r in recs],
+        [idx[first + j][:n] for j, n in enumerate(nnz)],
+        [vals[first + j][:n] for j, n in enumerate(nnz)],
+        numels,
         offsets,
         backend,
         True,
     )
+
+
+def _nnz_numels(records: Any, first: int, end: int) -> tuple[list[int], list[int]]:
+    """The entry and element counts of records ``[first, end)`` (a list of records, or a table's columns)."""
+    table = record_columns(records)
+    if table is not None:
+        return table.nnz[first:end], list(map(math.prod, table.shapes[first:end]))
+    recs = records[first:end]
+    return [r.nnz for r in recs], [r.numel for r in recs]
 
 
 _ROLES, _T = attrgetter("_roles"), attrgetter("_t")  # (a SegmentBuffers' slots, read by one C call each)
@@ -708,7 +721,15 @@ def plain_buffers(pipe: Any, records: list) -> tuple[list, list] | SharedEntries
     with host buffers (a payload read from bytes): its entries are read as they lie, with no decoder. None
     otherwise. Where the records' buffers are the reader's ranges of the payload's data (uint32 indices, float32
     values, record ``t`` range ``t``), the two shared ranges, with no array made per record."""
-    if not pipe.plain() or set(map(_ENCODING, records)) != {"coo"}:
+    if not pipe.plain():
+        return None
+    table = record_columns(records)
+    if table is not None:  # (plain coo records as columns: their shared arrays, or the records made after all)
+        shared = _table_entries(table)
+        if shared is not None:
+            return shared
+        records = table.records()
+    if set(map(_ENCODING, records)) != {"coo"}:
         return None
     bufs = list(map(_BUFFERS, records))
     if set(map(type, bufs)) == {SegmentBuffers} and len(set(map(id, map(_ROLES, bufs)))) == 1:
@@ -730,6 +751,27 @@ def plain_buffers(pipe: Any, records: list) -> tuple[list, list] | SharedEntries
     return idx, vals
 
 
+def _table_entries(table: RecordTable) -> SharedEntries | None:
+    """:func:`plain_buffers` of a table of records (:class:`~gpu_codec.format.common.RecordTable`): the reader's
+    ranges as they are, or a selection's shared host outputs (one uint32 index array and one float32 value array)
+    as ranges; None otherwise."""
+    ir, vr = table.roles.get("indices"), table.roles.get("values")
+    if len(table.roles) != 2:
+        return None
+    if type(ir) is Segmented and type(vr) is Segmented:
+        off = list(ir.offsets)
+        if off != list(vr.offsets) or ir.which is not None or (vr.which is not None and any(vr.which)):
+            return None
+        ir, vr = Ranges(ir.sources[0], off[:-1], off[1:]), Ranges(vr.sources[0], off[:-1], off[1:])
+    if type(ir) is not Ranges or type(vr) is not Ranges or len(ir) != len(table) or len(vr) != len(table):
+        return None
+    if type(ir.source) is not np.ndarray or type(vr.source) is not np.ndarray:
+        return None  # (a payload's own device buffers: decoded where they are)
+    if ir.source.dtype != np.uint32 or vr.source.dtype != np.float32:
+        return None
+    return SharedEntries(ir, vr)
+
+
 def _gather_shared(plain: SharedEntries, first: int, end: int, nnz: list[int]) -> tuple | None:
     """Records ``[first, end)`` of shared ranges, their entries joined: (indices, each counted in its own tensor;
     values; entry counts), each role gathered from the payload's data by one index array (each entry's place
@@ -739,11 +781,21 @@ def _gather_shared(plain: SharedEntries, first: int, end: int, nnz: list[int]) -
     counts = [b - a for a, b in zip(ir.starts[first:end], ir.stops[first:end])]
     if counts != nnz or counts != [b - a for a, b in zip(vr.starts[first:end], vr.stops[first:end])]:
         return None
+    if _end_to_end(ir, first, end) and _end_to_end(vr, first, end):
+        # (each role's ranges end to end, as a selection writes them: one slice; the indices copied, as a gather
+        # would give them, for the caller to shift in place)
+        gi = ir.source[ir.starts[first] : ir.stops[end - 1]].copy()
+        return gi, vr.source[vr.starts[first] : vr.stops[end - 1]], counts
     if sum(counts) > SHARED_JOIN_ENTRIES * len(counts):  # (few records of many entries: slices cost less)
         return None
     # (np.take: the data need not be aligned to its words, where indexing by an array is several times slower)
     gi = np.take(ir.source, _positions(ir.starts[first:end], counts))
     return gi, np.take(vr.source, _positions(vr.starts[first:end], counts)), counts
+
+
+def _end_to_end(r: Ranges, first: int, end: int) -> bool:
+    """Whether ranges ``[first, end)`` of ``r`` lie end to end (each starts where the one before it stops)."""
+    return r.starts[first + 1 : end] == r.stops[first : end - 1]
 
 
 def _positions(starts: list[int], counts: list[int]) -> np.ndarray:
@@ -765,11 +817,14 @@ def _positions(starts: list[int], counts: list[int]) -> np.ndarray:
     return step
 
 
-def _join_shared(plain: SharedEntries, recs: list, first: int, end: int, offsets: list[int], backend: Any) -> Any:
-    """:func:`join_plain` of records ``[first, end)`` of shared ranges: each role's entries gathered from the
-    payload's data by one index array (each entry's place there: its record's start plus its rank in the record);
-    False where a range is not its record's nnz long (then the records are sliced one by one)."""
-    got = _gather_shared(plain, first, end, [r.nnz for r in recs])
+def _join_shared(
+    plain: SharedEntries, nnz: list[int], numels: list[int], first: int, end: int, offsets: list[int], backend: Any
+) -> Any:
+    """:func:`join_plain` of records ``[first, end)`` of shared ranges (``nnz``, ``numels``: their entry and element
+    counts): each role's entries gathered from the payload's data by one index array (each entry's place there: its
+    record's start plus its rank in the record); False where a range is not its record's nnz long (then the records
+    are sliced one by one)."""
+    got = _gather_shared(plain, first, end, nnz)
     if got is None:
         return False
     gi, vals, counts = got
@@ -777,7 +832,7 @@ def _join_shared(plain: SharedEntries, recs: list, first: int, end: int, offsets
         return None
     wide = dtypes.index_dtype(offsets[-1] - offsets[0]).itemsize > 4
     gi = gi.astype(np.int64) if wide else gi
-    return _joined(gi, vals, counts, [r.numel for r in recs], offsets, backend, True, wide)
+    return _joined(gi, vals, counts, numels, offsets, backend, True, wide)
 
 
 BATCH_ENTRIES = (1 << 14, 1 << 22)  # the bounds of a batch's entries onto a base on the host (see batch_entries)
@@ -847,7 +902,9 @@ def _decode_onto_host(
     as_read = plain_buffers(pipe, records)
     every = as_read is not None
     if every:  # (the entries as they lie in the buffers, read in a few passes over the records)
-        idx_of, val_of, nnz_of = *as_read, [r.nnz for r in records]
+        table = record_columns(records)
+        idx_of, val_of = as_read
+        nnz_of = list(table.nnz) if table is not None else [r.nnz for r in records]
     pending: dict[Any, list] = {}  # storage dtype -> the positions of its batch (adjacent in its region)
     held: dict[Any, int] = {}  # ... and the batch's entries
 
@@ -1023,9 +1080,12 @@ def decompress(
         raise InvalidInputError(f"max_output_bytes must be a non-negative integer or None, got {max_output_bytes!r}")
     if not isinstance(payload, Payload):
         payload = Payload.from_bytes(payload)
-    records = payload.tensors
-    names = list(map(_NAME, records))
-    shapes, stored = list(map(_SHAPE, records)), list(map(_DTYPE, records))
+    records = payload_records(payload)  # (a list of records, or their columns)
+    table = record_columns(records)
+    if table is not None:
+        names, shapes, stored = list(table.names), list(table.shapes), list(table.dtypes)
+    else:
+        names, shapes, stored = list(map(_NAME, records)), list(map(_SHAPE, records)), list(map(_DTYPE, records))
     base_tensors = None
     if base is not None:
         base = as_mapping(base, "base")

@@ -31,7 +31,7 @@ from .format import (
     MAX_TENSORS,
     TensorRecord,
 )
-from .format.common import SegmentBuffers, Segmented
+from .format.common import RecordTable, SegmentBuffers, Segmented
 from .format.fingerprint import fingerprint
 from .payload import Payload, as_mapping, check_header_size, check_limits, check_metadata, within_limits
 from .xp.finite import all_finite
@@ -297,8 +297,11 @@ def compress(
         elif type(indices) is Segmented and type(values) is Segmented:  # shared outputs: no array per tensor
             roles = {"indices": indices, "values": values}
             nnz = np.diff(np.asarray(indices.offsets, np.int64)).tolist()  # (Python ints)
-            bufs = map(SegmentBuffers, repeat(roles), range(nt))
-            records = list(map(TensorRecord, names, logical, shapes, repeat("coo"), nnz, bufs))
+            if pipe.plain():  # (no stage to run on them: the records stay columns, no object a tensor)
+                records = RecordTable(names, logical, shapes, nnz, roles)
+            else:
+                bufs = map(SegmentBuffers, repeat(roles), range(nt))
+                records = list(map(TensorRecord, names, logical, shapes, repeat("coo"), nnz, bufs))
         else:
             records = [
                 TensorRecord(n, dt, shape, "coo", idx.size, {"indices": idx, "values": val})
@@ -306,7 +309,8 @@ def compress(
             ]
         pipeline_cfg = [] if dense else [{"id": "topk", "fraction": fraction, "scope": scope, "score": score_name}]
         # value, index and lossless stages, on the backend; they fix the kept residuals
-        records = pipe.encode(records, backend, res_out if binding is not None else None)
+        if type(records) is not RecordTable:
+            records = pipe.encode(records, backend, res_out if binding is not None else None)
         pipeline_cfg += pipe.after_topk()
         payload = Payload(records, pipeline_cfg, metadata, backend=backend.name)
         if fingerprint_base:

@@ -20,6 +20,7 @@ from .format import (
     MAX_NAME,
     MAX_NDIM,
     MAX_TENSOR_ELEMENTS,
+    RecordTable,
     TensorRecord,
     header_size,
     pack,
@@ -138,9 +139,11 @@ TABLE_ENTRY_BOUND = 512
 def _header_bound(payload: Payload) -> int:
     """An upper bound on the header's bytes from the names, the stage and metadata JSON and the tensor count alone
     (no layout of the table): where it is within the reader's limit, the exact size need not be computed."""
-    names = sum(map(len, map(_NAME, payload.tensors)))  # UTF-8 takes at most 4 bytes a character
+    records = payload_records(payload)
+    names = sum(map(len, records.names if type(records) is RecordTable else map(_NAME, records)))
     cfg = json.dumps([payload.pipeline, payload.metadata], separators=(",", ":"), ensure_ascii=True)
-    return 4 * names + TABLE_ENTRY_BOUND * (len(payload.tensors) + len(payload.pipeline)) + 4 * len(cfg) + 4096
+    # (UTF-8 takes at most 4 bytes a character)
+    return 4 * names + TABLE_ENTRY_BOUND * (len(records) + len(payload.pipeline)) + 4 * len(cfg) + 4096
 
 
 def check_header_size(payload: Payload) -> None:
@@ -150,7 +153,7 @@ def check_header_size(payload: Payload) -> None:
     if header > MAX_HEADER_BYTES:
         raise InvalidInputError(
             f"the payload header would be {header} bytes, over the reader's limit of {MAX_HEADER_BYTES}: "
-            f"{len(payload.tensors)} tensors, their names and the metadata do not fit"
+            f"{len(payload_records(payload))} tensors, their names and the metadata do not fit"
         )
 
 
@@ -167,18 +170,44 @@ class Payload:
 
     Attributes: ``tensors`` (list of :class:`~gpu_codec.format.TensorRecord`), ``pipeline`` (codec configs, as
     stored in the header), ``metadata`` (str -> JSON value), ``backend`` (the backend that made it, not stored).
+    A payload may hold its records as columns (:class:`~gpu_codec.format.common.RecordTable`: a compress with no
+    stage after top-k, a table read before): ``tensors`` makes the list when it is first read, and the payload
+    holds that list from then on.
     """
 
     def __init__(
-        self, tensors: list[TensorRecord], pipeline: list[dict], metadata: dict | None = None, backend: str = "cpu"
+        self,
+        tensors: list[TensorRecord] | RecordTable,
+        pipeline: list[dict],
+        metadata: dict | None = None,
+        backend: str = "cpu",
     ):
-        self.tensors = tensors
+        self._records = tensors
         self.pipeline = pipeline
         self.metadata = dict(metadata or {})
         self.backend = backend
         self._wire_cache: dict = {}  # the bytes stage's layout, shared by nbytes, header_nbytes and to_bytes
         self.version: int | None = None  # the wire version it was read from (None: made here)
         self.base_fingerprint: str | None = None  # of the base it was made against (compress(fingerprint_base=True))
+
+    @property
+    def tensors(self) -> list[TensorRecord]:
+        """The records, one :class:`~gpu_codec.format.TensorRecord` a tensor (made here, once, where the payload
+        holds them as columns).
+
+        >>> import numpy as np, gpu_codec
+        >>> p = gpu_codec.compress({"a": np.arange(9, dtype=np.float32), "b": -np.ones(3, np.float32)}, fraction=0.25)
+        >>> [(r.name, r.buffers["indices"].tolist()) for r in p.tensors], p.tensors is p.tensors
+        ([('a', [6, 7, 8]), ('b', [])], True)
+        """
+        records = self._records
+        if type(records) is RecordTable:
+            records = self._records = records.records()
+        return records
+
+    @tensors.setter
+    def tensors(self, records: list[TensorRecord]) -> None:
+        self._records = records
 
     @holds_collector
     def to_bytes(self, version: int | None = None) -> bytes:
@@ -196,7 +225,7 @@ class Payload:
         (b'GPUCODEC', 2, True, True)
         """
         blob = pack(
-            self.tensors,
+            self._records,
             pipeline=self.pipeline,
             metadata=self.metadata,
             layouts=wire_layouts(),
@@ -206,7 +235,7 @@ class Payload:
         )
         if blob[8] == 1 and int.from_bytes(blob[12:16], "little") > MAX_HEADER_BYTES:
             raise InvalidInputError(
-                f"a version-1 header for {len(self.tensors)} tensors would be over the reader's limit of "
+                f"a version-1 header for {len(self._records)} tensors would be over the reader's limit of "
                 f"{MAX_HEADER_BYTES} bytes; write version 2 (the default), whose tensor table is compact"
             )
         return blob
@@ -216,7 +245,7 @@ class Payload:
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Payload:
         """Parse and validate a payload of either format version (hostile input is rejected with a
         PayloadError)."""
-        header, records = unpack(blob, wire_layouts(), describe=False)
+        header, records = unpack(blob, wire_layouts(), describe=False, columns=True)
         p = cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
         p.version = int(header["version"])
         p.base_fingerprint = header.get("base_fingerprint")
@@ -225,7 +254,7 @@ class Payload:
     def _laid_out(self, measure: Callable[..., int]) -> int:
         """A size of the wire layout (sharing the layout with :meth:`to_bytes` through the cache)."""
         return measure(
-            self.tensors,
+            self._records,
             self.pipeline,
             self.metadata,
             wire_layouts(),
@@ -253,7 +282,10 @@ class Payload:
     @property
     def dense_nbytes(self) -> int:
         """Size of the dense update in its original dtypes."""
-        return sum(r.numel * dtypes.storage_dtype(r.dtype).itemsize for r in self.tensors)
+        records = self._records
+        if type(records) is RecordTable:
+            return sum(map(_storage_bytes, records.numels(), records.dtypes))
+        return sum(_storage_bytes(r.numel, r.dtype) for r in records)
 
     @property
     def ratio(self) -> float:
@@ -262,13 +294,24 @@ class Payload:
 
     @property
     def nnz(self) -> int:
-        return sum(r.nnz for r in self.tensors)
+        records = self._records
+        return sum(records.nnz) if type(records) is RecordTable else sum(r.nnz for r in records)
 
     def __repr__(self) -> str:
         return (
-            f"Payload({len(self.tensors)} tensors, {self.nnz} kept entries, {self.nbytes} bytes, "
+            f"Payload({len(self._records)} tensors, {self.nnz} kept entries, {self.nbytes} bytes, "
             f"ratio {self.ratio:.1f}x, backend={self.backend!r})"
         )
+
+
+def payload_records(payload: Payload) -> list[TensorRecord] | RecordTable:
+    """A payload's records as it holds them: the list, or a :class:`~gpu_codec.format.common.RecordTable` of
+    columns that reading :attr:`Payload.tensors` would turn into the list (the engine's readers take either)."""
+    return payload._records
+
+
+def _storage_bytes(numel: int, dtype: str) -> int:
+    return numel * dtypes.storage_dtype(dtype).itemsize
 
 
 __all__ = ["Payload", "as_mapping", "check_header_size", "check_json", "check_limits", "check_metadata"]

@@ -46,6 +46,7 @@ from .common import (
     TENSOR_DTYPES,
     FrameSlice,
     LayoutRule,
+    RecordTable,
     SharedFrame,
     TensorRecord,
     bounded_decompress,
@@ -79,8 +80,8 @@ def _single_frame_records(tensors: list[TensorRecord], pipeline: list, shared: b
     """Records an older version can hold: v1 (``shared``) has no shared frame, and neither v1 nor v2 has an
     nvcomp record of several frames; such a record gets one zstd frame of its own, compressed on the CPU (the
     decompressed bytes are what the format fixes, not the compressor)."""
-    if not any((shared and r.frame is not None) or v2.multi_frame(r) for r in tensors):
-        return tensors
+    if type(tensors) is RecordTable or not any((shared and r.frame is not None) or v2.multi_frame(r) for r in tensors):
+        return tensors  # (a table's records are plain coo: no frame)
     level = v2.zstd_level(pipeline)
     return [_one_frame(r, level, shared) for r in tensors]
 
@@ -99,7 +100,8 @@ def _plan(tensors, pipeline, metadata, layouts, version, cache, fingerprint=None
         return None
     if version == 2:
         tensors = _single_frame_records(tensors, pipeline, shared=False)
-    chunked = [r for r in tensors if r.chunk is not None]  # (multi_frame needs one)
+    # (multi_frame needs a chunk; a table's records have none)
+    chunked = [] if type(tensors) is RecordTable else [r for r in tensors if r.chunk is not None]
     chosen = version or (v2.CHUNKED if any(v2.multi_frame(r) for r in chunked) else v2.VERSION)
     try:
         return v2.plan(tensors, pipeline, metadata, layouts, cache, version=chosen, fingerprint=fingerprint)
@@ -188,8 +190,12 @@ def payload_version(blob: bytes | bytearray | memoryview) -> int:
 
 
 def unpack(
-    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None, *, describe: bool = True
-) -> tuple[dict, list[TensorRecord]]:
+    blob: bytes | bytearray | memoryview,
+    layouts: Mapping[str, LayoutRule] | None = None,
+    *,
+    describe: bool = True,
+    columns: bool = False,
+) -> tuple[dict, list[TensorRecord] | RecordTable]:
     """Validate a payload (version 1, 2 or 3) completely and return (header, records).
 
     Records hold NumPy views of their buffers; a ``zstd`` record of a v2 payload whose bytes stage ran over all
@@ -197,12 +203,14 @@ def unpack(
     ``layouts`` maps each encoding the reader accepts to its layout rule; the default is the container's own
     ``coo`` and ``dense``. :meth:`gpu_codec.Payload.from_bytes` passes every encoding the codecs declare.
     ``header`` holds ``version``, ``pipeline``, ``metadata`` and a ``tensors`` list (what the records say of
-    each tensor; a v2 or v3 header leaves it out with ``describe=False``). Raises a
-    :class:`~gpu_codec.errors.PayloadError` subclass naming the tensor and the problem.
+    each tensor; a v2 or v3 header leaves it out with ``describe=False``). With ``columns``, the records of a
+    v2 or v3 table of plain ``coo`` records that repeats one read before (a federated round's) may come as a
+    :class:`~gpu_codec.format.common.RecordTable` (columns, no object a record until one is read); else a list.
+    Raises a :class:`~gpu_codec.errors.PayloadError` subclass naming the tensor and the problem.
     """
     if payload_version(blob) == 1:
         return v1.unpack(blob, layouts)
-    return v2.unpack(blob, layouts, describe=describe)
+    return v2.unpack(blob, layouts, describe=describe, columns=columns)
 
 
 __all__ = [
@@ -220,6 +228,7 @@ __all__ = [
     "VERSIONS",
     "FrameSlice",
     "LayoutRule",
+    "RecordTable",
     "SharedFrame",
     "TensorRecord",
     "bounded_decompress",

@@ -260,6 +260,55 @@ class TensorRecord:
         return math.prod(self.shape)
 
 
+class RecordTable(Sequence):
+    """Plain ``coo`` records as columns, with no object a record until one is read: record ``t`` is
+    ``TensorRecord(names[t], dtypes[t], shapes[t], "coo", nnz[t], SegmentBuffers(roles, t))``, its buffers range
+    ``t`` of each role's shared array (a selection's :class:`Segmented` outputs, or the v2 reader's
+    :class:`Ranges` of a payload's data). What a compress with no stage after top-k makes and what the v2 reader
+    gives for a table it has read before; the writer, the reader and the decoder read its columns, and reading a
+    record makes them all (:meth:`records`, once). :attr:`gpu_codec.Payload.tensors` is always the list.
+
+    >>> roles = {"indices": Segmented((np.array([1, 0, 2], np.uint32),), [0, 1, 3]),
+    ...          "values": Segmented((np.array([.5, 1., 2.], np.float32),), [0, 1, 3])}
+    >>> t = RecordTable(["a", "b"], ["float32", "float32"], [(4,), (2, 2)], [1, 2], roles)
+    >>> len(t), t.numels(), t[1].name, t[1].buffers["indices"].tolist(), t.records() is t.records()
+    (2, [4, 4], 'b', [0, 2], True)
+    """
+
+    __slots__ = ("_made", "dtypes", "names", "nnz", "roles", "shapes")
+    encoding = "coo"
+
+    def __init__(self, names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[tuple], nnz: list[int], roles):
+        self.names, self.dtypes, self.shapes, self.roles = names, dtypes, shapes, roles
+        self.nnz = nnz if type(nnz) is list else list(nnz)  # (compared with lists of counts)
+        self._made: list[TensorRecord] | None = None
+
+    def records(self) -> list[TensorRecord]:
+        """Every record, made on the first call (the same list after it)."""
+        if self._made is None:
+            bufs = map(SegmentBuffers, repeat(self.roles), range(len(self.names)))
+            self._made = list(map(TensorRecord, self.names, self.dtypes, self.shapes, repeat("coo"), self.nnz, bufs))
+        return self._made
+
+    def numels(self) -> list[int]:
+        """Each record's element count."""
+        return list(map(math.prod, self.shapes))
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        return self.records()[i]
+
+    def __iter__(self) -> Iterator[TensorRecord]:
+        return iter(self.records())
+
+
+def record_columns(records: Sequence[TensorRecord]) -> RecordTable | None:
+    """``records`` where they are a :class:`RecordTable` (its columns to read), else None (a list of records)."""
+    return records if type(records) is RecordTable else None
+
+
 CODED = ("sparse", "dense_q")  # the encodings of a pipeline with a value or an index stage
 # a bytes stage's record's codec dict: in a shared frame, and holding its own frame (its compressed size too)
 WRAPPED_SHARED_KEYS = frozenset({"inner", "ic", "raw"})

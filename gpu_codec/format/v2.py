@@ -69,6 +69,7 @@ from .common import (
     FrameSlice,
     LayoutRule,
     Ranges,
+    RecordTable,
     SegmentBuffers,
     Segmented,
     SegmentPart,
@@ -88,6 +89,7 @@ from .common import (
     laid_out,
     layout_nbytes,
     loads_json,
+    record_columns,
     req,
     same_keys,
     same_str,
@@ -360,7 +362,7 @@ def _coded_many(tensors: list[TensorRecord], tables: WireTables) -> tuple[list, 
     :func:`~gpu_codec.format.common.laid_out`); None where any might fail (the loop then runs, and raises what it
     raises). The same output with fewer calls: tests/test_format_fast.py writes the same records through both."""
     n = len(tensors)
-    enc = tensors[0].encoding if n else None
+    enc = tensors[0].encoding if n and record_columns(tensors) is None else None  # (a table's are plain coo)
     if enc not in ("zstd", *CODED):
         return None
     many = getattr(tables.get(enc), "many", None)
@@ -607,23 +609,29 @@ def _plain_many(tensors: list[TensorRecord]) -> tuple[list[Any], int] | None:
     then runs, and raises what it raises). The same bytes with fewer calls and parts: tests/test_format_fast.py
     writes the same records through both."""
     n = len(tensors)
-    if n < 2 or type(tensors[0].buffers) is not SegmentBuffers:
+    table = record_columns(tensors)  # (a table: its columns, no record made)
+    if n < 2 or (table is None and type(tensors[0].buffers) is not SegmentBuffers):
         return None
     try:
-        encs, shapes, dts, nnz, codecs, bufs, stored = zip(*map(_PLAIN_OF, tensors))
-        if set(map(type, bufs)) != {SegmentBuffers} or len({id(b.roles) for b in bufs}) != 1:
-            return None
-        if not same_str(list(encs), "coo") or set(map(type, shapes)) != {tuple} or max(map(len, shapes)) > MAX_NDIM:
+        if table is not None:
+            shapes, dts, nnz, roles = table.shapes, table.dtypes, table.nnz, table.roles
+        else:
+            encs, shapes, dts, nnz, codecs, bufs, stored = zip(*map(_PLAIN_OF, tensors))
+            if set(map(type, bufs)) != {SegmentBuffers} or len({id(b.roles) for b in bufs}) != 1:
+                return None
+            if not same_str(list(encs), "coo") or [b.t for b in bufs] != list(range(n)):
+                return None
+            if set(map(type, codecs)) != {dict} or any(codecs) or set(map(type, stored)) != {dict} or any(stored):
+                return None
+            roles = bufs[0].roles
+        if set(map(type, shapes)) != {tuple} or max(map(len, shapes)) > MAX_NDIM:
             return None
         dims = [d for s in shapes for d in s]
         if dims and (set(map(type, dims)) != {int} or min(dims) < 0 or max(dims) > MAX_TENSOR_ELEMENTS):
             return None
         if set(map(type, dts)) != {str} or not set(dts) <= _DTYPE_NAMES or set(map(type, nnz)) != {int}:
             return None
-        if set(map(type, codecs)) != {dict} or any(codecs) or set(map(type, stored)) != {dict} or any(stored):
-            return None
-        roles = bufs[0].roles
-        if list(roles) != _PLAIN_COO or [b.t for b in bufs] != list(range(n)):
+        if list(roles) != _PLAIN_COO:
             return None
         iseg, vseg = roles["indices"], roles["values"]
         if type(iseg) is not Segmented or type(vseg) is not Segmented or len(iseg) != n or len(vseg) != n:
@@ -758,7 +766,7 @@ def plan(
     if len(tensors) > MAX_TENSORS:
         raise Unrepresentable("too many tensors")
     forms, fields, parts = [], [], []
-    all_zstd = bool(tensors) and all(r.encoding == "zstd" for r in tensors)
+    all_zstd = bool(tensors) and record_columns(tensors) is None and all(r.encoding == "zstd" for r in tensors)
     plain = {enc: layouts.get(enc) is rule for enc, rule in BASE_LAYOUTS.items()}
     plain_bytes, generic, zbytes = 0, [], []
     fast = _coded_many(tensors, layouts)
@@ -1018,7 +1026,8 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
     default = Counter(forms).most_common(1)[0][0] if forms else _NO_FORM
     t += _form_bytes(default, tables)
     t += uvarint(len(tensors))
-    names = tuple([rec.name for rec in tensors])
+    table = record_columns(tensors)
+    names = tuple(table.names) if table is not None else tuple([rec.name for rec in tensors])
     entries = _cached(cache, "names", names, lambda: _name_entries(names))
     rows = _rows_many(tensors, entries, forms, fields, default)
     if rows is not None:  # (every record of the default form, with no field of its own: the rows at once)
@@ -1074,7 +1083,10 @@ def _rows_many(tensors, entries, forms, fields, default: Form) -> bytes | None:
     n = len(tensors)
     if n < 2 or default[0] in WRAPPERS or forms.count(default) != n or any(fields):
         return None
-    shapes, dts, nnz = zip(*map(_SHAPE_DTYPE_NNZ, tensors))
+    table = record_columns(tensors)
+    shapes, dts, nnz = (
+        (table.shapes, table.dtypes, table.nnz) if table is not None else zip(*map(_SHAPE_DTYPE_NNZ, tensors))
+    )
     if set(map(type, shapes)) != {tuple} or set(map(type, dts)) != {str} or not set(dts) <= _DTYPE_NAMES:
         return None
     ndim = np.fromiter(map(len, shapes), np.int64, n)
@@ -1256,21 +1268,20 @@ def _coo32_ranges(roles: dict[str, Ranges], nnz: list[int], data: memoryview) ->
 
 class _SharedCoo(NamedTuple):
     """The layouts of a whole table read by :func:`_read_known` whose records are plain ``coo`` with uint32 indices
-    and float32 values, SHARED_VIEWS_MIN or more: their nnz, and the ``roles`` their buffers already refer to,
-    given their ranges by :func:`_views` (:func:`_coo32_ranges`) once the data is known."""
+    and float32 values, SHARED_VIEWS_MIN or more: their nnz, the ``roles`` their buffers refer to, given their
+    ranges by :func:`_views` (:func:`_coo32_ranges`) once the data is known, and the records themselves, as columns
+    (:class:`~gpu_codec.format.common.RecordTable`: no object a record)."""
 
     roles: dict[str, Ranges]
     nnz: list[int]
+    records: RecordTable
 
 
-def _shared_coo(k: _Known, nnzs: list[int], records: list) -> _SharedCoo:
-    """Records of known table ``k`` with ``nnzs`` entries, appended to ``records`` with their buffers as ranges (see
-    :func:`_shared_views`), without a layout list a record."""
+def _shared_coo(k: _Known, nnzs: list[int]) -> _SharedCoo:
+    """The records of known table ``k`` with ``nnzs`` entries, their buffers ranges of the data (see
+    :func:`_shared_views`): a table of columns, without a layout list or an object a record."""
     roles: dict[str, Ranges] = {}
-    n = len(nnzs)
-    bufs = map(SegmentBuffers, repeat(roles), range(n))
-    records.extend(map(TensorRecord, k.names, k.dtypes, k.shapes, repeat("coo"), nnzs, bufs, _dicts(n)))
-    return _SharedCoo(roles, nnzs)
+    return _SharedCoo(roles, nnzs, RecordTable(k.names, k.dtypes, k.shapes, nnzs, roles))
 
 
 def _views(records: list[TensorRecord], layouts_of: list | _SharedCoo, data: memoryview) -> None:
@@ -1372,9 +1383,9 @@ def _read_known(
     """Read the ``left`` entries of a plain table, from its first, where they repeat a table read before but for
     their nnz: each entry's bytes before its nnz compared with the known one's at once, then its nnz read and
     checked against its element count. Equal bytes after equal entries say the same name, dtype and shape, which
-    passed every check when first read. True where every entry matched, or the records' :class:`_SharedCoo`
-    where they are plain ``coo`` of 4-byte entries (their layouts, instead of ``lays``); else False and nothing is
-    read."""
+    passed every check when first read. True where every entry matched, or a :class:`_SharedCoo` where they are
+    plain ``coo`` of 4-byte entries (their layouts and their records, instead of ``lays`` and ``records``, which are
+    left as they are); else False and nothing is read."""
     for k in _KNOWN:
         if k.enc == enc and len(k.heads) == left:
             got = _match(k, t.buf, t.pos)
@@ -1386,8 +1397,8 @@ def _read_known(
     t.pos = pos
     names.update(k.names)
     earlier.extend(k.coded)
-    if k.coo32 and left >= SHARED_VIEWS_MIN:
-        return _shared_coo(k, nnzs, records)
+    if k.coo32 and left >= SHARED_VIEWS_MIN:  # (the whole table: its records are the shared one's columns)
+        return _shared_coo(k, nnzs)
     if enc == "coo":
         lays.extend([[("indices", i, n), ("values", v, n)] for i, v, n in zip(k.index_dtypes, k.value_dtypes, nnzs)])
     else:
@@ -1683,8 +1694,8 @@ def _read_plain(
     the duplicate-name check) would refuse, leaving ``t.pos`` at its start. The same checks with fewer calls:
     tests/test_format_fast.py reads valid and corrupt tables through both. A whole table (read from its first
     entry to its last here) is remembered, and a table that repeats one of the latest few but for its nnz is read
-    by :func:`_read_known` (which may give the whole table's layouts as a :class:`_SharedCoo`: returned, ``lays``
-    left empty)."""
+    by :func:`_read_known` (which may give the whole table's layouts and records as a :class:`_SharedCoo`:
+    returned, ``records`` and ``lays`` left empty)."""
     whole = not earlier
     if whole:
         known = _read_known(t, left, enc, names, earlier, records, lays)
@@ -1861,8 +1872,8 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
     while len(records) < count:
         if plain:
             shared = _read_plain(t, count - len(records), enc, earlier, names, records, layouts_of)
-            if shared is not None:  # (the whole table: its layouts in one object)
-                layouts_of = shared
+            if shared is not None:  # (the whole table: its layouts and its records in one object)
+                layouts_of, records = shared, shared.records
             if len(records) == count:
                 break
         if coded:  # (refused once: the rest of the table is read entry by entry)
@@ -1916,8 +1927,12 @@ def _check_not_truncated(mv: memoryview, version: int, flags: int, layouts) -> N
 
 
 def unpack(
-    blob: bytes | bytearray | memoryview, layouts: Mapping[str, LayoutRule] | None = None, *, describe: bool = True
-) -> tuple[dict, list[TensorRecord]]:
+    blob: bytes | bytearray | memoryview,
+    layouts: Mapping[str, LayoutRule] | None = None,
+    *,
+    describe: bool = True,
+    columns: bool = False,
+) -> tuple[dict, list[TensorRecord] | RecordTable]:
     """Validate a v2 or v3 payload completely; return (header, records). See :func:`gpu_codec.format.unpack`."""
     layouts = BASE_LAYOUTS if layouts is None else layouts
     mv = memoryview(blob).cast("B")
@@ -1989,6 +2004,8 @@ def unpack(
         ]
     if fingerprint is not None:
         header["base_fingerprint"] = fingerprint
+    if not columns and type(records) is RecordTable:
+        records = records.records()
     return header, records
 
 
