@@ -64,10 +64,11 @@ class TensorTable(Sequence):
     (1, (2, 3), [6], ['float32'], [(2, 3), (2, 3)])
     """
 
-    __slots__ = ("data", "devices", "dtypes", "kinds", "shapes")
+    __slots__ = ("_sizes", "data", "devices", "dtypes", "kinds", "shapes")
 
     def __init__(self, data: list, dtypes: list[str], shapes: list[tuple], kinds: list[str], devices: list):
         self.data, self.dtypes, self.shapes, self.kinds, self.devices = data, dtypes, shapes, kinds, devices
+        self._sizes: list[int] | None = None
 
     @classmethod
     def of(cls, tensors: Sequence[Tensor]) -> TensorTable:
@@ -76,8 +77,10 @@ class TensorTable(Sequence):
         return cls(*map(list, zip(*cols))) if tensors else cls([], [], [], [], [])
 
     def sizes(self) -> list[int]:
-        """Each tensor's element count (its flat data's size)."""
-        return list(map(_SIZE, self.data))
+        """Each tensor's element count (its flat data's size; read once, the table's data being fixed)."""
+        if self._sizes is None:
+            self._sizes = list(map(_SIZE, self.data))
+        return self._sizes
 
     def __len__(self) -> int:
         return len(self.data)

@@ -14,7 +14,6 @@ import math
 from collections.abc import Callable, Mapping
 from fractions import Fraction
 from itertools import repeat
-from operator import attrgetter
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
@@ -37,7 +36,6 @@ from .payload import Payload, as_mapping, check_header_size, check_limits, check
 from .xp.finite import all_finite
 
 # a tensor's fields (and an array's size), read for every tensor by one C call each
-_SIZE = attrgetter("size")
 
 if TYPE_CHECKING:
     from .pending import PendingPayload
@@ -284,7 +282,7 @@ def compress(
             values, bad = backend.dense_delta(req)
             indices = [None] * nt
         else:
-            segments, ks = _segments(list(map(_SIZE, new_arrays)), fraction, scope)
+            segments, ks = _segments(news.sizes(), fraction, scope)  # (the backend's arrays: the same sizes)
             req = SelectRequest(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks)
             indices, values, bad = backend.topk_select(req)
         if bad is not None:

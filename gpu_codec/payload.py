@@ -123,7 +123,10 @@ def within_limits(names: list[Any], shapes: list[tuple[int, ...]], sizes: list[i
     """
     if not names:
         return True
-    if set(map(type, names)) != {str} or not 0 < min(map(len, names)) <= max(map(len, names)) <= MAX_NAME:
+    if set(map(type, names)) != {str}:
+        return False
+    lengths = list(map(len, names))
+    if not 0 < min(lengths) <= max(lengths) <= MAX_NAME:
         return False
     if max(map(len, shapes)) > MAX_NDIM:
         return False

@@ -111,3 +111,28 @@ def test_torch_cuda_tables_are_views_of_the_tensors_and_give_the_cpu_bytes():
     dev_base["t3"][5] = float("nan")
     with use_backend("gpu"), pytest.raises(gpu_codec.errors.InvalidInputError, match=r"'t3'.*inf or NaN"):
         gpu_codec.Aggregator(base=dev_base)
+
+
+@pytest.mark.parametrize(
+    ("segments", "ok"),
+    [
+        ([[0, 1], [2]], True),
+        ([[0, 1], [], [2]], True),
+        ([[0, 1, 2]], True),
+        ([[1, 0], [2]], False),  # (not in order within a segment)
+        ([[0], [2], [1]], False),  # (segments out of order)
+        ([[0, 2], [1]], False),  # (not a run)
+        ([[0, 1]], False),  # (a tensor in no segment)
+        ([[0, 1], [1, 2]], False),  # (a tensor in two)
+    ],
+)
+def test_segments_must_be_runs_covering_the_tensors_in_order(segments, ok):
+    """The kernels' selection takes segments that are consecutive runs of tensors 0..n-1, in order (the chunk scan
+    ranks ties in launch order); anything else is refused before a launch."""
+    from gpu_codec.backends.kernels import _check_segments
+
+    if ok:
+        _check_segments(segments, 3)
+    else:
+        with pytest.raises(ValueError, match="consecutive runs"):
+            _check_segments(segments, 3)

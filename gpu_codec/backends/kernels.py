@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-from itertools import repeat
+from itertools import chain, repeat
 from operator import attrgetter, is_, is_not
 from statistics import NormalDist
 from typing import Any
@@ -110,9 +110,9 @@ def initial_state(ks: list[int]) -> np.ndarray:
 
 
 def _check_segments(segments, nt: int) -> None:
-    # the chunk scan ranks ties over a segment's chunks in launch order: a segment must be a run of tensors
-    flat = [t for seg in segments for t in seg]
-    if flat != list(range(nt)) or any(list(seg) != list(range(seg[0], seg[0] + len(seg))) for seg in segments if seg):
+    # the chunk scan ranks ties over a segment's chunks in launch order: a segment must be a run of tensors (the
+    # segments end to end being 0..nt-1 makes each one a run, in order)
+    if list(chain.from_iterable(segments)) != list(range(nt)):
         raise ValueError(f"segments must be consecutive runs covering tensors 0..{nt - 1} in order")
 
 
@@ -383,7 +383,8 @@ class KernelOps:
         sizes = [sum(map(numels.__getitem__, seg)) for seg in segments]
         # a large segment kept whole would make every element a candidate: the unfused passes skip its selection
         if self.fused and not any(k >= n > SAMPLE_ALL for n, k in zip(sizes, ks)):
-            got = self._topk_fused(new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode)
+            args = (new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode)
+            got = self._topk_fused(*args, numels=numels)
             if got is not None:
                 return got
             self.fused_fallbacks += 1
@@ -486,12 +487,15 @@ class KernelOps:
         host_counts = run.to_host(counts)[:nt].astype(np.int64) if grid else np.zeros(nt, np.int64)
         return self._split_output(idx, vals32, vals64, host_counts, tb.numel.tolist(), dtypes, K)
 
-    def _topk_fused(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
+    def _topk_fused(
+        self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode, numels=None
+    ):
         """The selection reading the full tensors once (kernels/topk.cu, "Fused selection"); None where the
-        bracket missed or the candidate pool overflowed (the caller then runs the unfused passes)."""
+        bracket missed or the candidate pool overflowed (the caller then runs the unfused passes). ``numels``: each
+        tensor's size, where the caller has them."""
         xp, run = self.xp, self.runner
         nt = len(new)
-        numels = [a.size for a in new]
+        numels = [a.size for a in new] if numels is None else numels
         codes = np.asarray(dtypes, np.int32)
         seg_of = segment_of(segments)
         nseg = len(segments)
@@ -506,7 +510,7 @@ class KernelOps:
         d_ext_dt = self._up(np.asarray(ext_dtypes, np.int32))
         no_res_out = _all_none(res_out)  # (no error feedback)
         # 1) the sample and, on the host, lo per segment and the size of the candidate pool
-        st = SegmentTable(numels, segments, ks)  # (the sample's plan and the candidates' share it)
+        st = SegmentTable(tb.numel, segments, ks)  # (the sample's plan and the candidates' share it)
         samp_off, stride = sample_plan(st)
         ns = int(samp_off[-1])
         tables = _nbytes(d_cs, d_nm, d_dt, d_so, p_new, p_base, p_res, p_ext, d_ext_dt)  # live until the end
