@@ -720,7 +720,8 @@ def plain_buffers(pipe: Any, records: list) -> tuple[list, list] | SharedEntries
     """Every record's indices and values where the pipeline has no stage after top-k and every record is ``coo``
     with host buffers (a payload read from bytes): its entries are read as they lie, with no decoder. None
     otherwise. Where the records' buffers are the reader's ranges of the payload's data (uint32 indices, float32
-    values, record ``t`` range ``t``), the two shared ranges, with no array made per record."""
+    values, record ``t`` range ``t``), or records held as columns whose buffers are those ranges or a selection's
+    shared host outputs (:func:`_table_entries`), the two shared ranges, with no array made per record."""
     if not pipe.plain():
         return None
     table = record_columns(records)
