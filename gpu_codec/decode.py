@@ -991,10 +991,10 @@ def _decode_onto_host(
     flush_all()
 
 
-def _reshape(a: Any, shape: tuple[int, ...]) -> Any:
-    """A flat output (NumPy, CuPy or torch, contiguous) in its tensor's shape: itself where that is flat (a view
-    a tensor costs a few µs on a device), else a view."""
-    return a if len(shape) == 1 else a.reshape(shape)
+def _shaped(names: list[str], flats: list[Any], shapes: list[tuple[int, ...]]) -> dict[str, Any]:
+    """name -> each flat output (NumPy, CuPy or torch, contiguous) in its tensor's shape: itself where that is flat
+    (a view a tensor costs a few µs on a device), else a view; in one comprehension, no call a flat tensor."""
+    return {n: a if len(s) == 1 else a.reshape(s) for n, a, s in zip(names, flats, shapes)}
 
 
 def _base_tensor(x: Any, r: TensorRecord) -> Tensor:
@@ -1091,7 +1091,7 @@ def decompress(
     if base is not None:
         base = as_mapping(base, "base")
         known = set(names)
-        if len(known) != len(base) or not all(n in base for n in known):
+        if len(known) != len(base) or not base.keys() >= known:
             missing = [n for n in names if n not in base]
             extra = [n for n in base if n not in known]
             raise InvalidInputError(
@@ -1134,13 +1134,13 @@ def decompress(
     if kind == "torch":
         split = outs.torch_views(logical, devs)
         if split is not None:
-            return dict(zip(names, map(_reshape, split, shapes)))
+            return _shaped(names, split, shapes)
     on_host = kind == "numpy" and backend.on_device  # (NumPy outputs of a device decode: one copy a region)
     views = outs.host_views(backend) if on_host else outs.views()
     if "bfloat16" not in logical and (kind == "numpy" or (kind == "cupy" and backend.on_device)):
         # (the common cases: every view already of the output's kind, where it goes; without from_backend's
         # per-call checks)
-        return dict(zip(names, map(_reshape, views, shapes)))
+        return _shaped(names, views, shapes)
     return {
         r.name: from_backend(v, lg, tuple(r.shape), kind, dev) for r, v, lg, dev in zip(records, views, logical, devs)
     }
