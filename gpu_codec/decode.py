@@ -28,15 +28,13 @@ from .errors import InvalidInputError, PayloadError, PayloadIndexError, PayloadL
 from .format import (
     TensorRecord,
 )
-from .format.common import Ranges, RecordTable, SegmentBuffers, Segmented, record_columns
+from .format.common import Ranges, RecordTable, SegmentBuffers, Segmented, record_column, record_columns
 from .format.fingerprint import check_base
 from .payload import Payload, as_mapping, payload_records
 from .xp.finite import all_finite, some_nonfinite
 
-# a record's (and a tensor's) fields, read for every record by one C call (a list comprehension reads each in Python)
-_NAME, _SHAPE, _DTYPE, _ENCODING, _NNZ, _BUFFERS = map(
-    attrgetter, ("name", "shape", "dtype", "encoding", "nnz", "buffers")
-)
+# a record's fields, read for every record by one C call (a list comprehension reads each in Python)
+_ENCODING, _BUFFERS = attrgetter("encoding"), attrgetter("buffers")
 
 MANY_RECORDS = 16  # a payload of at least this many records has its runs found, and taken, a run at a time
 DEFAULT_MAX_OUTPUT_BYTES = 4 << 30  # decompress's cap on the dense output a payload may declare
@@ -430,11 +428,11 @@ def _runs(
     most_numel, most_size = (None, None) if device else (SMALL_TENSOR, SMALL_RUN)
     most_entries = batch_entries(_output_bytes(logical, numels)) if device else SMALL_RUN_ENTRIES
     table = record_columns(records)  # (plain coo records as columns: read as such, no record made)
-    all_coo = table is not None or set(map(_ENCODING, records)) == {"coo"}
-    if device and len(records) >= MANY_RECORDS and len(set(logical)) == 1 and all_coo:
-        return _coo_runs(list(table.nnz if table is not None else map(_NNZ, records)), most_entries)
+    nnzs = record_column(records, "nnz")
+    all_coo = device and (table is not None or set(map(_ENCODING, records)) == {"coo"})  # (read on a device only)
+    if all_coo and len(records) >= MANY_RECORDS and len(set(logical)) == 1:
+        return _coo_runs(nnzs, most_entries)
     inners = repeat("coo") if table is not None else map(inner_encoding, records)
-    nnzs = table.nnz if table is not None else map(_NNZ, records)
     out: list[int | None] = []
     run, size, entries, run_dense = -1, 0, 0, False
     for i, (inner, nnz, numel) in enumerate(zip(inners, nnzs, numels)):
@@ -603,7 +601,7 @@ def _decode_all(
     checks = DeviceChecks(backend.xp) if defer else None
     run: list = []  # (position, decoded) of the tensors of one run, adjacent in their buffer
     plain = plain_buffers(pipe, records)
-    table = record_columns(records)
+    nnz_all = record_column(records, "nnz")
 
     def one(i: int, d: Any) -> None:
         if d is None:  # (a plain record: decoded only where it is decoded alone)
@@ -623,8 +621,7 @@ def _decode_all(
             ok = _dense_run([d for _, d in run], flat_of, offsets, bs, lg, backend, checks)
         elif plain is not None:  # (the entries as they lie in the buffers: no decoder)
             joined = join_plain(plain, records, first, last + 1, offsets, backend)
-            nnz = table.nnz[first : last + 1] if table is not None else [r.nnz for r in records[first : last + 1]]
-            ok = _apply_joined(joined, nnz, flat_of, offsets, bs, lg, backend, checks)
+            ok = _apply_joined(joined, nnz_all[first : last + 1], flat_of, offsets, bs, lg, backend, checks)
         else:
             ok = _decode_run([d for _, d in run], flat_of, offsets, bs, lg, backend, checks)
         if not ok:
@@ -678,7 +675,8 @@ def join_plain(plain: Any, records: list, first: int, end: int, offsets: list[in
     its end), from their buffers as read from bytes (``plain``: :func:`plain_buffers`), with no decoder. Records
     whose buffers are ranges of the payload's data (:class:`SharedEntries`) are joined by one gather a role, with
     no array made per record, where the run has many of them."""
-    nnz, numels = _nnz_numels(records, first, end)
+    nnz = record_column(records, "nnz", first, end)
+    numels = list(map(math.prod, record_column(records, "shape", first, end)))
     if type(plain) is SharedEntries:
         if end - first >= SHARED_JOIN_MIN:
             joined = _join_shared(plain, nnz, numels, first, end, offsets, backend)
@@ -694,15 +692,6 @@ def join_plain(plain: Any, records: list, first: int, end: int, offsets: list[in
         backend,
         True,
     )
-
-
-def _nnz_numels(records: Any, first: int, end: int) -> tuple[list[int], list[int]]:
-    """The entry and element counts of records ``[first, end)`` (a list of records, or a table's columns)."""
-    table = record_columns(records)
-    if table is not None:
-        return table.nnz[first:end], list(map(math.prod, table.shapes[first:end]))
-    recs = records[first:end]
-    return [r.nnz for r in recs], [r.numel for r in recs]
 
 
 _ROLES, _T = attrgetter("_roles"), attrgetter("_t")  # (a SegmentBuffers' slots, read by one C call each)
@@ -903,9 +892,8 @@ def _decode_onto_host(
     as_read = plain_buffers(pipe, records)
     every = as_read is not None
     if every:  # (the entries as they lie in the buffers, read in a few passes over the records)
-        table = record_columns(records)
         idx_of, val_of = as_read
-        nnz_of = list(table.nnz) if table is not None else [r.nnz for r in records]
+        nnz_of = record_column(records, "nnz")
     pending: dict[Any, list] = {}  # storage dtype -> the positions of its batch (adjacent in its region)
     held: dict[Any, int] = {}  # ... and the batch's entries
 
@@ -1082,11 +1070,7 @@ def decompress(
     if not isinstance(payload, Payload):
         payload = Payload.from_bytes(payload)
     records = payload_records(payload)  # (a list of records, or their columns)
-    table = record_columns(records)
-    if table is not None:
-        names, shapes, stored = list(table.names), list(table.shapes), list(table.dtypes)
-    else:
-        names, shapes, stored = list(map(_NAME, records)), list(map(_SHAPE, records)), list(map(_DTYPE, records))
+    names, shapes, stored = (record_column(records, f) for f in ("name", "shape", "dtype"))
     base_tensors = None
     if base is not None:
         base = as_mapping(base, "base")

@@ -35,8 +35,6 @@ from .format.fingerprint import fingerprint
 from .payload import Payload, as_mapping, check_header_size, check_limits, check_metadata, within_limits
 from .xp.finite import all_finite
 
-# a tensor's fields (and an array's size), read for every tensor by one C call each
-
 if TYPE_CHECKING:
     from .pending import PendingPayload
 
@@ -307,7 +305,7 @@ def compress(
             ]
         pipeline_cfg = [] if dense else [{"id": "topk", "fraction": fraction, "scope": scope, "score": score_name}]
         # value, index and lossless stages, on the backend; they fix the kept residuals
-        if type(records) is not RecordTable:
+        if not pipe.plain():
             records = pipe.encode(records, backend, res_out if binding is not None else None)
         pipeline_cfg += pipe.after_topk()
         payload = Payload(records, pipeline_cfg, metadata, backend=backend.name)

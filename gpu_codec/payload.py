@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Mapping
-from operator import attrgetter
 from typing import Any
 
 import numpy as np
@@ -27,8 +26,8 @@ from .format import (
     packed_size,
     unpack,
 )
+from .format.common import record_column
 
-_NAME = attrgetter("name")
 MAX_METADATA_DEPTH = 64  # nesting levels of metadata containers
 MAX_METADATA_INT = 10**40  # the header parser rejects longer integers
 
@@ -143,7 +142,7 @@ def _header_bound(payload: Payload) -> int:
     """An upper bound on the header's bytes from the names, the stage and metadata JSON and the tensor count alone
     (no layout of the table): where it is within the reader's limit, the exact size need not be computed."""
     records = payload_records(payload)
-    names = sum(map(len, records.names if type(records) is RecordTable else map(_NAME, records)))
+    names = sum(map(len, record_column(records, "name")))
     cfg = json.dumps([payload.pipeline, payload.metadata], separators=(",", ":"), ensure_ascii=True)
     # (UTF-8 takes at most 4 bytes a character)
     return 4 * names + TABLE_ENTRY_BOUND * (len(records) + len(payload.pipeline)) + 4 * len(cfg) + 4096
@@ -285,10 +284,8 @@ class Payload:
     @property
     def dense_nbytes(self) -> int:
         """Size of the dense update in its original dtypes."""
-        records = self._records
-        if type(records) is RecordTable:
-            return sum(map(_storage_bytes, records.numels(), records.dtypes))
-        return sum(_storage_bytes(r.numel, r.dtype) for r in records)
+        shapes, logical = record_column(self._records, "shape"), record_column(self._records, "dtype")
+        return sum(map(_storage_bytes, map(math.prod, shapes), logical))
 
     @property
     def ratio(self) -> float:
@@ -297,8 +294,7 @@ class Payload:
 
     @property
     def nnz(self) -> int:
-        records = self._records
-        return sum(records.nnz) if type(records) is RecordTable else sum(r.nnz for r in records)
+        return sum(record_column(self._records, "nnz"))
 
     def __repr__(self) -> str:
         return (

@@ -383,8 +383,8 @@ class KernelOps:
         sizes = [sum(map(numels.__getitem__, seg)) for seg in segments]
         # a large segment kept whole would make every element a candidate: the unfused passes skip its selection
         if self.fused and not any(k >= n > SAMPLE_ALL for n, k in zip(sizes, ks)):
-            args = (new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode)
-            got = self._topk_fused(*args, numels=numels)
+            args = (new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode, numels)
+            got = self._topk_fused(*args)
             if got is not None:
                 return got
             self.fused_fallbacks += 1
@@ -487,15 +487,12 @@ class KernelOps:
         host_counts = run.to_host(counts)[:nt].astype(np.int64) if grid else np.zeros(nt, np.int64)
         return self._split_output(idx, vals32, vals64, host_counts, tb.numel.tolist(), dtypes, K)
 
-    def _topk_fused(
-        self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode, numels=None
-    ):
+    def _topk_fused(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode, numels):
         """The selection reading the full tensors once (kernels/topk.cu, "Fused selection"); None where the
         bracket missed or the candidate pool overflowed (the caller then runs the unfused passes). ``numels``: each
-        tensor's size, where the caller has them."""
+        tensor's size."""
         xp, run = self.xp, self.runner
         nt = len(new)
-        numels = [a.size for a in new] if numels is None else numels
         codes = np.asarray(dtypes, np.int32)
         seg_of = segment_of(segments)
         nseg = len(segments)

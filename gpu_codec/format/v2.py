@@ -89,6 +89,7 @@ from .common import (
     laid_out,
     layout_nbytes,
     loads_json,
+    record_column,
     record_columns,
     req,
     same_keys,
@@ -1026,8 +1027,7 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
     default = Counter(forms).most_common(1)[0][0] if forms else _NO_FORM
     t += _form_bytes(default, tables)
     t += uvarint(len(tensors))
-    table = record_columns(tensors)
-    names = tuple(table.names) if table is not None else tuple([rec.name for rec in tensors])
+    names = tuple(record_column(tensors, "name"))
     entries = _cached(cache, "names", names, lambda: _name_entries(names))
     rows = _rows_many(tensors, entries, forms, fields, default)
     if rows is not None:  # (every record of the default form, with no field of its own: the rows at once)
@@ -1066,9 +1066,6 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
     return bytes(t)
 
 
-_SHAPE_DTYPE_NNZ = attrgetter("shape", "dtype", "nnz")
-
-
 def _has_nnz(form: Form) -> bool:
     """Whether a table row of this form holds an nnz: a sparse form's (a wrapper's, its inner form's)."""
     return (form[1] if form[0] in WRAPPERS else form[0]) in ("coo", "sparse")
@@ -1083,10 +1080,7 @@ def _rows_many(tensors, entries, forms, fields, default: Form) -> bytes | None:
     n = len(tensors)
     if n < 2 or default[0] in WRAPPERS or forms.count(default) != n or any(fields):
         return None
-    table = record_columns(tensors)
-    shapes, dts, nnz = (
-        (table.shapes, table.dtypes, table.nnz) if table is not None else zip(*map(_SHAPE_DTYPE_NNZ, tensors))
-    )
+    shapes, dts, nnz = (record_column(tensors, f) for f in ("shape", "dtype", "nnz"))
     if set(map(type, shapes)) != {tuple} or set(map(type, dts)) != {str} or not set(dts) <= _DTYPE_NAMES:
         return None
     ndim = np.fromiter(map(len, shapes), np.int64, n)
