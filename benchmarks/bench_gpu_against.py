@@ -103,6 +103,9 @@ def run(old_tree: pathlib.Path, against: str, entries: list[str], rounds: int, c
     from benchmarks.gpu_suite import _ensure_importable
 
     _ensure_importable()
+    # gpu_codec is bound first: bench_topk puts the checkout ahead on sys.path, where an uninstalled package lacks
+    # its mapped kernels/ and cpu_fallback/
+    import gpu_codec  # noqa: F401
     from benchmarks.bench_topk import machine_info  # (this checkout's backend, and the device's NVML record)
 
     try:  # (a GPU machine may have the tree without git: then --commit names it)

@@ -272,6 +272,7 @@ REGIONS: dict[str, Callable[[], str]] = {
     "flower": flower,
     "zoo_gpu": zoo_gpu,
     "gpu_against": gpu_against,
+    "gpu_against_shared": lambda: gpu_against("gpu_against_h100_2d770a8.json"),  # (the writer's shared ranges)
     "gpu_against_wrap": lambda: gpu_against("gpu_against_h100_wrap.json"),  # (the tensors wrapped as a table)
     "collector_gpu": lambda: collector("collector_gpu.json"),
     "collector_cpu": lambda: collector("collector_cpu.json"),

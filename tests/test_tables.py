@@ -32,6 +32,7 @@ def test_every_doc_keeps_its_generated_regions():
             "nvflare",
             "zoo_gpu",
             "gpu_against",
+            "gpu_against_shared",
             "gpu_against_wrap",
             "collector_gpu",
             "collector_cpu",
