@@ -34,7 +34,7 @@ import numpy as np
 
 from . import decode as _decode
 from . import dtypes
-from .arrays import Tensor, from_backend, is_device_array, tensor_table, to_tensor
+from .arrays import TensorTable, from_backend, is_device_array, tensor_table, to_tensor
 from .backends import events, get_backend
 from .codecs import decoder_for, host_resident, inner_encoding
 from .collector import holds_collector
@@ -103,8 +103,13 @@ class _Template:
         self.numels = np.asarray([math.prod(s) for _, s, _ in entries], np.int64)
         self.starts = np.concatenate([[0], np.cumsum(self.numels)])[:-1].astype(np.int64)
 
-    def records(self) -> list[TensorRecord]:
-        return [TensorRecord(n, d, s, "dense", math.prod(s), {}) for n, s, d in self.entries]
+    def held_bytes(self) -> int:
+        """:func:`held_bytes` of the tensors as dense records over a base, counted as one record a dtype (the
+        count is a sum over records, linear in each one's elements: the same number, with no record a tensor)."""
+        totals: dict[str, int] = {}
+        for (_, _, dt), n in zip(self.entries, self.numels.tolist()):
+            totals[dt] = totals.get(dt, 0) + n
+        return held_bytes([TensorRecord(dt, dt, (n,), "dense", n, {}) for dt, n in totals.items()], True)
 
     def check(self, records: list[TensorRecord], what: str) -> None:
         got = {r.name: (tuple(r.shape), r.dtype) for r in records}
@@ -271,7 +276,7 @@ class Aggregator:
         self._max_output_bytes = cap
         self._lock = threading.RLock()
         self._base = None
-        self._base_tensors: list[Tensor] = []  # the base's tensors, wrapped once (template order)
+        self._base_tensors = TensorTable.of([])  # the base's tensors, wrapped once as columns (template order)
         self._fingerprints: dict[tuple[str, ...], str] = {}  # the base's, by the payload order of the names
         self._template: _Template | None = None
         if base is not None:
@@ -279,21 +284,22 @@ class Aggregator:
                 raise InvalidInputError("base must be a non-empty mapping of name -> array")
             be = self._backend
             names, arrays = list(base), list(base.values())
-            tensors = list(tensor_table(arrays) or [to_tensor(a, n) for n, a in zip(names, arrays)])
-            for n, t in zip(names, tensors):
-                if t.dtype not in dtypes.FLOAT_DTYPES:
-                    raise InvalidInputError(f"tensor {n!r}: base dtype {t.dtype} is not a float dtype")
-            entries = [(n, tuple(t.shape), t.dtype) for n, t in zip(names, tensors)]
+            tensors = tensor_table(arrays) or TensorTable.of([to_tensor(a, n) for n, a in zip(names, arrays)])
+            logical = tensors.dtypes
+            if not dtypes.FLOAT_DTYPES.keys() >= set(logical):
+                n, dt = next((n, dt) for n, dt in zip(names, logical) if dt not in dtypes.FLOAT_DTYPES)
+                raise InvalidInputError(f"tensor {n!r}: base dtype {dt} is not a float dtype")
+            entries = list(zip(names, map(tuple, tensors.shapes), logical))
             self._base_tensors = tensors
             with be.stream(tensors):  # (on the caller's stream, behind its writes of the base)
-                storages = be.asarrays([t.data for t in tensors])
-                bad = first_nonfinite(storages, [dtypes.code(t.dtype) for t in tensors], be.xp, be.to_host)
+                storages = be.asarrays(tensors.data)
+                bad = first_nonfinite(storages, list(map(dtypes.code, logical)), be.xp, be.to_host)
                 events.waited()  # (its last step, a read-back, waited for the stream)
             if bad is not None:
                 raise InvalidInputError(f"tensor {names[bad]!r}: the base holds inf or NaN, so no mean on it is finite")
             self._base = base
             self._template = _Template(entries)
-            need = held_bytes(self._template.records(), True)
+            need = self._template.held_bytes()
             if cap is not None and need > cap:
                 raise InvalidInputError(
                     f"an aggregation over this base needs {need} bytes (accumulator, mean and result), over "
@@ -375,8 +381,8 @@ class Aggregator:
         names = tuple(r.name for r in payload.tensors)
         got = self._fingerprints.get(names)
         if got is None:
-            bases = [self._base_tensors[template.pos[n]] for n in names]
-            got = fingerprint([(n, b.dtype, b.data) for n, b in zip(names, bases)], self._backend)
+            at, tb = template.pos, self._base_tensors
+            got = fingerprint([(n, tb.dtypes[at[n]], tb.data[at[n]]) for n in names], self._backend)
             self._fingerprints[names] = got
         if got != payload.base_fingerprint:
             raise BaseMismatchError(
@@ -487,7 +493,7 @@ class Aggregator:
                     self._check_onto_base(seg.record, seg.idx, seg.vals, what, checks)
                     continue
                 lg = template.entries[seg.pos[0]][2]
-                bases = [self._base_tensors[p] for p in seg.pos]
+                bases = [self._base_tensors.data[p] for p in seg.pos]  # (their storages)
                 if seg.idx is not None:
                     self._check_run_onto_bases(seg, bases, lg, template, checks)
                     continue
@@ -500,7 +506,7 @@ class Aggregator:
                     backend.dense_apply(
                         [span[a:b] for a, b in cut],
                         [code] * len(cut),
-                        backend.asarrays([t.data for t in bases]),
+                        backend.asarrays(bases),
                         [seg.vals[a:b] for a, b in cut],
                         ScatterMode.ADD,
                         True,
@@ -512,7 +518,7 @@ class Aggregator:
         return segs, _grid_exponents(cmax)
 
     def _check_run_onto_bases(self, seg: _Segment, bases: list, lg: str, template: _Template, checks: Any) -> None:
-        """The sums with the bases of a sparse run's entries (their indices checked), formed as
+        """The sums with the bases (storages) of a sparse run's entries (their indices checked), formed as
         :func:`gpu_codec.decompress` forms them, from the bases read at the entries (``gather_entries``: one
         launch on a device; not a copy of the run's bases: the entries' worth of memory and work, not the
         elements'), their checks left in ``checks``."""
@@ -524,7 +530,7 @@ class Aggregator:
         spans = [*at.tolist(), int(at[-1] + template.numels[seg.pos[-1]])]  # each tensor's start in the run's span
         code, storage = dtypes.code(lg), dtypes.storage_dtype(lg)
         part = xp.empty(n, dtype=storage)
-        backend.gather_entries(part, backend.asarrays([b.data for b in bases]), spans, seg.idx, seg.counts)
+        backend.gather_entries(part, backend.asarrays(bases), spans, seg.idx, seg.counts)
         out = xp.empty(n, dtype=storage)
         checks.word(backend.dense_apply([out], [code], [part], [seg.vals], ScatterMode.ADD, True))
         checks.flag(some_nonfinite(out, code, xp))
@@ -618,7 +624,7 @@ class Aggregator:
         adds it (a chunk of entries at a time, into a small buffer); with ``checks``
         (:class:`gpu_codec.engine.DeviceChecks`), leave the check there unread."""
         backend, xp = self._backend, self._backend.xp
-        base = backend.asarray(self._base_tensors[self._template.pos[r.name]].data)
+        base = backend.asarray(self._base_tensors.data[self._template.pos[r.name]])
         code = dtypes.code(r.dtype)
         step = _decode.chunk_entries(
             vals.size, _decode.DECODE_CHUNK_DEVICE if backend.on_device else _decode.DECODE_CHUNK
@@ -771,7 +777,7 @@ class Aggregator:
                             means[entries[p][0]] = host[b - n : b]
             return {n: from_backend(means[n], dtypes.value_dtype(dt), shape, kind) for n, shape, dt in entries}
 
-    def _onto_base(self, means: dict[str, Any], bases: list, entries: list) -> dict[str, Any] | None:
+    def _onto_base(self, means: dict[str, Any], bases: TensorTable, entries: list) -> dict[str, Any] | None:
         """``base + mean`` of every tensor as :func:`gpu_codec.decompress` adds a dense delta onto its base (the
         same bytes), in one launch over all of them into one allocation per dtype, checked with one read-back;
         None where a sum is not finite (decompress then raises its error)."""
@@ -783,18 +789,16 @@ class Aggregator:
         checks = _decode.DeviceChecks(xp)
         codes = [dtypes.code(dt) for dt in logical]
         vals = [means[n] for n, _, _ in entries]
-        checks.word(
-            backend.dense_apply(views, codes, backend.asarrays([b.data for b in bases]), vals, ScatterMode.ADD, True)
-        )
+        checks.word(backend.dense_apply(views, codes, backend.asarrays(bases.data), vals, ScatterMode.ADD, True))
         del vals, means
         for dt in dict.fromkeys(logical):  # one allocation (and one check) per dtype
             checks.flag(some_nonfinite(outs.flat(logical.index(dt)), dtypes.code(dt), xp))
         if not checks.passed():
             return None
-        kind = bases[0].kind
+        kind, devices = bases.kinds[0], bases.devices
         if kind == "numpy":  # (one copy to the host a dtype, not one a tensor)
             views = outs.host_views(backend)
-        return {n: from_backend(views[i], dt, shape, kind, bases[i].device) for i, (n, shape, dt) in enumerate(entries)}
+        return {n: from_backend(views[i], dt, shape, kind, devices[i]) for i, (n, shape, dt) in enumerate(entries)}
 
 
 def aggregate(

@@ -196,6 +196,23 @@ def test_held_bytes_counts_the_accumulator_mean_and_result():
     assert held_bytes(recs, with_base=False) == 10 * 20
 
 
+def test_a_base_is_refused_exactly_where_its_per_tensor_count_passes_the_cap():
+    # the base's count is taken one dtype at a time: the same bytes as one dense record a tensor
+    import math
+
+    from gpu_codec.format import TensorRecord
+
+    rng = np.random.default_rng(4)
+    kinds = [np.float32, np.float16, np.float64]
+    base = {f"t{i}": np.zeros(rng.integers(0, 40, size=rng.integers(0, 3)), kinds[i % 3]) for i in range(40)}
+    recs = [TensorRecord(n, a.dtype.name, a.shape, "dense", math.prod(a.shape), {}) for n, a in base.items()]
+    need = held_bytes(recs, with_base=True)
+    assert need > 0
+    Aggregator(base=base, max_output_bytes=need)
+    with pytest.raises(InvalidInputError, match=f"needs {need} bytes"):
+        Aggregator(base=base, max_output_bytes=need - 1)
+
+
 def traced_peak(fn) -> int:
     tracemalloc.start()
     try:
