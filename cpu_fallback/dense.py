@@ -28,7 +28,9 @@ def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs,
         dt = int(out_dtypes[t])
         v = val_ptrs[t]
         ok = np.isfinite(v)
-        if not ok.all():
+        if ok.all():
+            ok = ...  # (every entry written: a plain assignment, not a masked one)
+        else:
             err[0] = min(int(err[0]), a + int(np.flatnonzero(~ok)[0]))
         out, base = out_ptrs[t], base_ptrs[t]
         add = int(mode) == SCATTER_ADD

@@ -759,7 +759,7 @@ class Aggregator:
             if self._base is not None:
                 # the cap was applied to every payload; every client's base + delta is finite, so the mean's is
                 # (its rounding aside, at the very edge of the dtype's range)
-                out = self._onto_base(means, bases, entries) if self._backend.on_device else None
+                out = self._onto_base(means, bases, entries)
                 if out is not None:
                     return out
                 recs = [

@@ -372,3 +372,30 @@ def test_a_signalling_nan_value_is_refused_without_a_warning(backend, fraction):
             with pytest.raises(gpu_codec.PayloadError, match="tensor 'w'"):
                 agg.add(blob)
             assert agg.count == 0
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_result_over_a_base_is_the_mean_delta_decompressed_onto_it(backend):
+    # the result adds every tensor's mean onto its base in one pass; decompress adds a dense payload of the same
+    # means record by record: the same bytes, every dtype (fp16 and bf16 round their sums to their storage)
+    from gpu_codec.format import TensorRecord
+
+    rng = np.random.default_rng(11)
+    shapes = {"a": (3, 4), "b": (0,), "c": (), "d": (257,), "e": (2, 2, 2)}
+    kinds = {"a": np.float32, "b": np.float32, "c": np.float64, "d": np.float16, "e": np.float32}
+    base = {n: rng.standard_normal(s).astype(kinds[n]) for n, s in shapes.items()}
+    with use_backend(backend):
+        with_base, without = Aggregator(base=base), Aggregator()
+        for w in (1.0, 2.5, 0.5):
+            new = {n: (b + rng.standard_normal(b.shape) * 0.1).astype(b.dtype) for n, b in base.items()}
+            blob = gpu_codec.compress(new, base, fraction=0.4).to_bytes()
+            with_base.add(blob, w)
+            without.add(blob, w)
+        got = {n: as_numpy(v) for n, v in with_base.result().items()}
+        means = {n: as_numpy(v) for n, v in without.result().items()}
+        recs = [TensorRecord(n, b.dtype.name, b.shape, "dense", b.size, {"values": means[n]}) for n, b in base.items()]
+        want = gpu_codec.decompress(gpu_codec.Payload(recs, []).to_bytes(), base=base)
+    assert got.keys() == want.keys()
+    for n, v in want.items():
+        v = as_numpy(v)
+        assert got[n].dtype == v.dtype and got[n].shape == v.shape and got[n].tobytes() == v.tobytes(), n
