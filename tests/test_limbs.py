@@ -46,6 +46,37 @@ def test_mean_matches_the_whole_array_form(threads, odt, monkeypatch):
 
 
 @pytest.mark.parametrize("threads", ["1", "2"])
+def test_the_mean_of_many_small_tensors_taken_together_matches_the_whole_array_form(threads, monkeypatch):
+    # small tensors end to end in the limbs make one task (each element scaled by its own tensor's scales); a gap,
+    # a large tensor or a full block starts another
+    monkeypatch.setenv(parallel.ENV, threads)
+    monkeypatch.setattr(L, "BLOCK", 256)
+    monkeypatch.setattr(L, "SMALL", 64)
+    rng = np.random.default_rng(5)
+    numels = [int(x) for x in rng.integers(0, 40, size=60)] + [300, 7, 0, 9]
+    starts, a = [], 0
+    for i, n in enumerate(numels):
+        a += 3 if i in (17, 41) else 0  # (two gaps: the runs break there)
+        starts.append(a)
+        a += n
+    limbs = _limbs(a, 6)
+    scales = 2.0 ** rng.integers(-60, 10, size=(len(numels), 3)).astype(np.float64)
+    total = 3.5
+    got = np.empty(sum(numels), np.float32)
+    L.limb_mean(limbs, starts, numels, scales, total, got)
+    want = []
+    for s, n, sc in zip(starts, numels, scales):
+        acc = limbs[0, s : s + n].astype(np.float64) * sc[0]
+        for j in (1, 2):
+            acc += limbs[j, s : s + n].astype(np.float64) * sc[j]
+        want.append((acc / total).astype(np.float32))
+    assert got.tobytes() == np.concatenate(want).tobytes()
+    kernel = np.empty(sum(numels), np.float32)
+    _emulated().limb_mean(limbs, np.asarray(starts), np.asarray(numels), scales, total, kernel)
+    assert kernel.tobytes() == got.tobytes()
+
+
+@pytest.mark.parametrize("threads", ["1", "2"])
 @pytest.mark.parametrize("sparse", [True, False], ids=["indices", "dense"])
 def test_add_matches_the_whole_array_form(threads, sparse, monkeypatch):
     monkeypatch.setenv(parallel.ENV, threads)
