@@ -113,10 +113,13 @@ class CpuBackend(ArrayDecoders):
         np.concatenate(sources, out=out, casting="no")  # the twin's bytes (the bits copied), in one call
 
     def gather_entries(self, out, sources, starts, indices, counts):
-        ends, at = np.cumsum(counts).tolist(), indices.dtype.type
-        parts = [np.take(s, indices[e - c : e] - at(a)) for s, a, c, e in zip(sources, starts, counts, ends) if c]
-        if parts:  # (the twin's bytes: each source's elements at its entries, in one call per source)
-            np.concatenate(parts, out=out, casting="no")
+        ends = np.cumsum(counts).tolist()
+        if not ends or not ends[-1]:
+            return
+        # every entry's position in its own source, in one subtraction; then one take a source that has entries
+        own = indices[: ends[-1]] - np.repeat(np.asarray(starts[: len(counts)], indices.dtype), counts)
+        parts = [s.take(own[e - c : e]) for s, c, e in zip(sources, counts, ends) if c]
+        np.concatenate(parts, out=out, casting="no")  # (the twin's bytes: each source's elements at its entries)
 
     def dense_apply(self, outs, out_dtypes, bases, values, mode, defer=False):
         counts = [int(o.size) for o in outs]
