@@ -29,6 +29,23 @@ OPS = ("compress", "to_bytes", "decompress", "aggregator", "add")
 MAX_PARAMS = 3e7
 
 
+def device_median(fn, n: int = 9, warmup: int = 2) -> float:
+    """The median of ``n`` calls of ``fn`` in ms, after ``warmup`` calls, each call between two device
+    synchronizes (torch's: the calls' work on the device is in the time)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    ts = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    return sorted(ts)[n // 2] * 1e3
+
+
 def child(root: str, entries: list[str]) -> dict:
     """The timings of the tree at ``root`` (run in a process of its own, from that tree's benchmarks)."""
     sys.path.insert(0, root)
@@ -45,17 +62,7 @@ def child(root: str, entries: list[str]) -> dict:
         as_torch = lambda v: v if isinstance(v, torch.Tensor) else torch.from_numpy(np.asarray(v, order="C"))  # noqa: E731
         return {k: as_torch(v).cuda() for k, v in d.items()}
 
-    def med(fn, n=9):
-        for _ in range(2):
-            fn()
-        ts = []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[n // 2] * 1e3
+    med = device_median
 
     out = {"package": gpu_codec.__file__}
     for name in entries:

@@ -12,7 +12,9 @@ of the rounds, and new over old.
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -21,10 +23,19 @@ ENTRIES = ("split-2^23-1000", "split-2^23-100")
 PARTS = ("agg", "agg_gc_free", "table", "list", "finite")
 
 
+def _against():
+    """This checkout's bench_gpu_against, loaded from its file: the child's imports resolve in the other tree."""
+    spec = importlib.util.spec_from_file_location(
+        "_gpu_against", pathlib.Path(__file__).with_name("bench_gpu_against.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def child(root: str) -> dict:
     """The figures of the tree at ``root`` (run in a process of its own)."""
-    import time
-
+    timer = _against().device_median  # (this checkout's, loaded before the other tree leads the imports)
     sys.path.insert(0, root)
     from benchmarks.gpu_suite import _ensure_importable
 
@@ -39,17 +50,8 @@ def child(root: str) -> dict:
     from gpu_codec.backends import get_backend
     from gpu_codec.xp.finite import first_nonfinite
 
-    def med(fn, n=21):
-        for _ in range(3):
-            fn()
-        ts = []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[n // 2] * 1e3
+    def med(fn):
+        return timer(fn, 21, 3)
 
     out = {}
     for name in ENTRIES:

@@ -17,7 +17,6 @@ import io
 import pathlib
 import pstats
 import sys
-import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -31,22 +30,14 @@ def main(argv: list[str]) -> int:
     import torch
 
     import gpu_codec
+    from benchmarks.bench_gpu_against import device_median
     from benchmarks.zoo import ZOO
     from gpu_codec.arrays import tensor_table
 
     name = argv[0] if argv else "split-2^23-1000"
 
-    def med(fn, n=21):
-        for _ in range(3):
-            fn()
-        ts = []
-        for _ in range(n):
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            fn()
-            torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        return sorted(ts)[n // 2] * 1e3
+    def med(fn):
+        return device_median(fn, 21, 3)
 
     u = ZOO[name].build(1.0, 0)
     new = {k: torch.from_numpy(np.asarray(v, order="C")).cuda() for k, v in u.new.items()}

@@ -22,15 +22,9 @@ def _limbs(n: int, seed: int) -> np.ndarray:
     return rng.integers(-(1 << 30), 1 << 30, size=(3, n), dtype=np.int32)
 
 
-@pytest.mark.parametrize("threads", ["1", "2", "3"])
-@pytest.mark.parametrize("odt", [np.float32, np.float64])
-def test_mean_matches_the_whole_array_form(threads, odt, monkeypatch):
-    monkeypatch.setenv(parallel.ENV, threads)
-    monkeypatch.setattr(L, "BLOCK", 96)  # several blocks per task, the last one short
-    limbs = _limbs(1001 + 77 + 5, 1)
-    starts, numels = [5, 1006, 0], [1001, 77, 5]  # tensors in any order in the accumulator
-    scales = np.asarray([[2.0**-20, 2.0**-38, 2.0**-56], [2.0**10, 2.0**-8, 2.0**-26], [0.0, 0.0, 0.0]])
-    total = 7.25
+def _check_mean(limbs, starts, numels, scales, total, odt) -> None:
+    """limb_mean of the NumPy backend against the whole-array form, tensor by tensor, and the kernel's (on the
+    emulator), to the byte."""
     got = np.empty(sum(numels), odt)
     L.limb_mean(limbs, starts, numels, scales, total, got)
     want = []
@@ -43,6 +37,17 @@ def test_mean_matches_the_whole_array_form(threads, odt, monkeypatch):
     kernel = np.empty(sum(numels), odt)  # the kernel backends' form: kernels/limbs.cu, on the emulator
     _emulated().limb_mean(limbs, np.asarray(starts), np.asarray(numels), scales, total, kernel)
     assert kernel.tobytes() == got.tobytes()
+
+
+@pytest.mark.parametrize("threads", ["1", "2", "3"])
+@pytest.mark.parametrize("odt", [np.float32, np.float64])
+def test_mean_matches_the_whole_array_form(threads, odt, monkeypatch):
+    monkeypatch.setenv(parallel.ENV, threads)
+    monkeypatch.setattr(L, "BLOCK", 96)  # several blocks per task, the last one short
+    limbs = _limbs(1001 + 77 + 5, 1)
+    starts, numels = [5, 1006, 0], [1001, 77, 5]  # tensors in any order in the accumulator
+    scales = np.asarray([[2.0**-20, 2.0**-38, 2.0**-56], [2.0**10, 2.0**-8, 2.0**-26], [0.0, 0.0, 0.0]])
+    _check_mean(limbs, starts, numels, scales, 7.25, odt)
 
 
 @pytest.mark.parametrize("threads", ["1", "2"])
@@ -61,19 +66,7 @@ def test_the_mean_of_many_small_tensors_taken_together_matches_the_whole_array_f
         a += n
     limbs = _limbs(a, 6)
     scales = 2.0 ** rng.integers(-60, 10, size=(len(numels), 3)).astype(np.float64)
-    total = 3.5
-    got = np.empty(sum(numels), np.float32)
-    L.limb_mean(limbs, starts, numels, scales, total, got)
-    want = []
-    for s, n, sc in zip(starts, numels, scales):
-        acc = limbs[0, s : s + n].astype(np.float64) * sc[0]
-        for j in (1, 2):
-            acc += limbs[j, s : s + n].astype(np.float64) * sc[j]
-        want.append((acc / total).astype(np.float32))
-    assert got.tobytes() == np.concatenate(want).tobytes()
-    kernel = np.empty(sum(numels), np.float32)
-    _emulated().limb_mean(limbs, np.asarray(starts), np.asarray(numels), scales, total, kernel)
-    assert kernel.tobytes() == got.tobytes()
+    _check_mean(limbs, starts, numels, scales, 3.5, np.float32)
 
 
 @pytest.mark.parametrize("threads", ["1", "2"])
