@@ -252,6 +252,15 @@ def gpu_against(name: str = "gpu_against_h100.json") -> str:
     return "\n".join(lines)
 
 
+def server() -> str:
+    """The server's side on the CPU, ``benchmarks/results/server_cpu.json`` (``benchmarks/bench_server.py``)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_server import markdown
+
+    return markdown(_load("server_cpu.json")).rstrip("\n")
+
+
 def collector(name: str) -> str:
     """The engine's calls with the garbage collector held off and left alone, ``benchmarks/results/<name>``
     (``benchmarks/bench_collector.py``)."""
@@ -276,6 +285,7 @@ REGIONS: dict[str, Callable[[], str]] = {
     "gpu_against_wrap": lambda: gpu_against("gpu_against_h100_wrap.json"),  # (the tensors wrapped as a table)
     "collector_gpu": lambda: collector("collector_gpu.json"),
     "collector_cpu": lambda: collector("collector_cpu.json"),
+    "server": server,
 }
 _REGION = re.compile(r"(<!-- tables:([a-z_]+) -->\n)(.*?)(\n?<!-- /tables:\2 -->)", re.S)  # (empty: filled too)
 
