@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gpu_codec.constants import CRIT_EXTERNAL, DT_F64, SCATTER_ADD
+from gpu_codec.constants import CRIT_EXTERNAL, DT_F32, DT_F64, SCATTER_ADD
 
 from .elementwise import load_f32, nonfinite, store_from_f32, tensor_delta_scores
 
@@ -34,6 +34,10 @@ def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs,
             err[0] = min(int(err[0]), a + int(np.flatnonzero(~ok)[0]))
         out, base = out_ptrs[t], base_ptrs[t]
         add = int(mode) == SCATTER_ADD
+        if ok is ... and add and dt == DT_F32 and base.dtype == v.dtype == np.float32:
+            with np.errstate(over="ignore"):  # (the fp32 sum, rounded once: the stored one, written in place)
+                np.add(base, v, out=out)
+            continue
         with np.errstate(invalid="ignore", over="ignore"):  # (a payload's NaN, even signalling, is refused above;
             # a sum past the dtype's range is the device's IEEE overflow, which the caller checks)
             if dt == DT_F64:
