@@ -37,7 +37,16 @@ from typing import Any
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_topk import machine_info
-from benchmarks.bench_zoo import HOST_MS, SYNCS, TIMED, commit_label, host_columns, host_verdicts, scale_for
+from benchmarks.bench_zoo import (
+    HOST_MS,
+    SYNCS,
+    TIMED,
+    commit_label,
+    host_columns,
+    host_verdicts,
+    scale_for,
+    write_results,
+)
 from benchmarks.zoo import ZOO, split_update
 from gpu_codec import Int8Blockwise, Quantize, RiceIndices, Zstd
 
@@ -239,9 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         doc["command"] = " ".join(["python benchmarks/bench_host.py", *(sys.argv[1:] if argv is None else argv)])
         print(f"({time.perf_counter() - t0:.1f} s)")
         out = a.out or RESULTS / "host_recording.json"
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-        out.with_suffix(".md").write_text(markdown(doc))
+        write_results(doc, out, markdown)
         print(f"wrote {out} and {out.with_suffix('.md')}")
     if a.check:
         verdicts = check(doc)

@@ -17,7 +17,6 @@ bytes, which both packages must give alike.
 from __future__ import annotations
 
 import argparse
-import json
 import pathlib
 import statistics
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import gpu_codec
 from benchmarks.bench_wire import alternating, result_doc
-from benchmarks.bench_zoo import scale_for
+from benchmarks.bench_zoo import scale_for, write_results
 from benchmarks.zoo import ZOO, split_update
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -167,9 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(doc))
     print(f"({time.perf_counter() - t0:.1f} s)")
     out = a.out or RESULTS / "server_cpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    out.with_suffix(".md").write_text(markdown(doc))
+    write_results(doc, out, markdown)
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0 if all(r["same_result"] for r in doc["rows"]) else 1
 

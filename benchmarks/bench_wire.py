@@ -36,7 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import gpu_codec
 from benchmarks.bench_topk import cpu_info
-from benchmarks.bench_zoo import commit_label, scale_for
+from benchmarks.bench_zoo import commit_label, scale_for, write_results
 from benchmarks.zoo import ZOO, split_update
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -235,9 +235,7 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown(doc))
     print(f"({time.perf_counter() - t0:.1f} s)")
     out = a.out or RESULTS / "wire_cpu.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    out.with_suffix(".md").write_text(markdown(doc))
+    write_results(doc, out, markdown)
     print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0 if all(r["same_bytes"] for r in doc["rows"]) else 1
 

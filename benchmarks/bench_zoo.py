@@ -29,6 +29,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -259,6 +260,13 @@ def emulated_rows(update: Update, backend=None) -> list[dict[str, Any]]:
         rec.pop("kernels")
         rows.append(rec)
     return rows
+
+
+def write_results(doc: dict[str, Any], out: pathlib.Path, page: Callable[[dict[str, Any]], str]) -> None:
+    """A benchmark's results written as ``out`` (JSON) and, beside it, its page (``page(doc)``, Markdown)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    out.with_suffix(".md").write_text(page(doc))
 
 
 def commit_label() -> str:
@@ -511,9 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"({time.perf_counter() - t0:.1f} s)")
         out = a.out or (None if a.quick else RESULTS / "zoo_cpu.json")
         if out is not None:
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-            out.with_suffix(".md").write_text(markdown(doc))
+            write_results(doc, out, markdown)
             print(f"wrote {out} and {out.with_suffix('.md')}")
     if a.readme:
         update_readme(doc)

@@ -44,7 +44,7 @@ _ensure_importable()
 import gpu_codec  # noqa: E402
 from benchmarks import tables  # noqa: E402
 from benchmarks.bench_topk import interleaved, machine_info  # noqa: E402
-from benchmarks.bench_zoo import CPU_CONFIGS, commit_label, scale_for, warm_residual  # noqa: E402
+from benchmarks.bench_zoo import CPU_CONFIGS, commit_label, scale_for, warm_residual, write_results  # noqa: E402
 from benchmarks.zoo import ZOO, Update  # noqa: E402
 from gpu_codec.backends import using_backend  # noqa: E402
 from gpu_codec.backends.cpu import CpuBackend  # noqa: E402
@@ -246,9 +246,7 @@ def run(
 
 
 def save(doc: dict[str, Any], out: pathlib.Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
-    out.with_suffix(".md").write_text(markdown(doc))
+    write_results(doc, out, markdown)
 
 
 def _line(row: dict[str, Any]) -> str:

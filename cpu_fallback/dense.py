@@ -28,13 +28,12 @@ def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs,
         dt = int(out_dtypes[t])
         v = val_ptrs[t]
         ok = np.isfinite(v)
-        if ok.all():
-            ok = ...  # (every entry written: a plain assignment, not a masked one)
-        else:
+        every = bool(ok.all())  # (then a plain assignment, not a masked one)
+        if not every:
             err[0] = min(int(err[0]), a + int(np.flatnonzero(~ok)[0]))
         out, base = out_ptrs[t], base_ptrs[t]
         add = int(mode) == SCATTER_ADD
-        if ok is ... and add and dt == DT_F32 and base.dtype == v.dtype == np.float32:
+        if every and add and dt == DT_F32 and base.dtype == v.dtype == np.float32:
             with np.errstate(over="ignore"):  # (the fp32 sum, rounded once: the stored one, written in place)
                 np.add(base, v, out=out)
             continue
@@ -44,7 +43,10 @@ def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs,
                 new = base + v if add else v
             else:
                 new = store_from_f32(load_f32(base, dt) + v if add else v, dt)
-        out[ok] = new[ok]
+        if every:
+            out[...] = new
+        else:
+            out[ok] = new[ok]
 
 
 def dense_delta(

@@ -114,36 +114,32 @@ def limb_mean(limbs: np.ndarray, starts, numels, scales, total: float, out: np.n
     [1.0, 1.0, 1.5, 1.0]
     """
     starts, numels = [int(a) for a in starts], [int(n) for n in numels]
-    tasks, o, t, nt = [], 0, 0, len(numels)
+    # a task: its pieces (tensor, start in the limbs, start in out, element count) and its buffers' size
+    tasks: list[tuple[list[tuple[int, int, int, int]], int]] = []
+    o, t, nt = 0, 0, len(numels)
     while t < nt:
         a, n = starts[t], numels[t]
         if n >= SMALL:
             blk = min(BLOCK, max(n // 8, 1 << 16))  # the fp64 buffers: at most an eighth of the tensor's elements
             step = -(-n // (thread_count() * blk)) * blk  # a large tensor: one task per thread, in whole blocks
-            tasks += [(t, t + 1, a, o, lo, hi, blk) for lo, hi in spans(0, n, max(step, 1))]
+            tasks += [([(t, a + lo, o + lo, hi - lo)], blk) for lo, hi in spans(0, n, max(step, 1))]
             o, t = o + n, t + 1
             continue
-        u, m = t + 1, n  # a run of small tensors, end to end in the limbs
-        while u < nt and numels[u] < SMALL and starts[u] == a + m:
-            m, u = m + numels[u], u + 1
-        tasks.append((t, u, a, o, 0, m, min(BLOCK, max(m, 1))))
-        o, t = o + m, u
+        pieces, m = [], 0  # a run of small tensors, end to end in the limbs, each one whole
+        while t < nt and (not pieces or (numels[t] < SMALL and starts[t] == a + m)):
+            pieces.append((t, starts[t], o + m, numels[t]))
+            m, t = m + numels[t], t + 1
+        tasks.append((pieces, min(BLOCK, max(m, 1))))
+        o += m
 
-    def task(job: tuple[int, int, int, int, int, int, int]) -> None:
-        t, u, a, o, lo, hi, blk = job
-        if hi <= lo:
-            return
-        acc = np.empty(min(blk, hi - lo), np.float64)
+    def task(job: tuple[list[tuple[int, int, int, int]], int]) -> None:
+        pieces, blk = job
+        acc = np.empty(max(1, min(blk, max(n for *_, n in pieces))), np.float64)
         term = np.empty_like(acc)
-        # one tensor's range [lo, hi), or each tensor of a run whole, in blocks of the buffers' size
-        for v in range(t, u):
-            if u - t > 1:
-                lo, hi = 0, numels[v]
-            sc = [float(x) for x in scales[v]]
-            for b in range(lo, hi, acc.size):
-                e = min(hi, b + acc.size)
+        for t, a, o, n in pieces:
+            sc = [float(x) for x in scales[t]]
+            for b in range(0, n, acc.size):
+                e = min(n, b + acc.size)
                 mean_span(limbs[:, a + b : a + e], sc, total, out[o + b : o + e], 0, e - b, acc, term)
-            if u - t > 1:
-                a, o = a + hi, o + hi
 
     parallel_map(task, tasks)
