@@ -209,7 +209,11 @@ def numpy_tensors(xs: list[Any]) -> TensorTable | None:
         xs = [x if type(x) is np.ndarray else np.asarray(x) for x in xs]  # (a NumPy float scalar: a 0-d array)
     if not all(map(_C_CONTIGUOUS, xs)):
         return None
-    logical = list(map(_NP_TO_LOGICAL.get, map(_DTYPE, xs)))
+    dts = set(map(_DTYPE, xs))
+    if len(dts) == 1:  # (one dtype, the common case: its name looked up once)
+        logical = [_NP_TO_LOGICAL.get(dts.pop())] * len(xs)
+    else:
+        logical = list(map(_NP_TO_LOGICAL.get, map(_DTYPE, xs)))
     if None in logical:
         return None
     shapes = list(map(_SHAPE, xs))

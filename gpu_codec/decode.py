@@ -13,7 +13,7 @@ import math
 import warnings
 from collections.abc import Iterator, Mapping
 from itertools import accumulate, pairwise, repeat
-from operator import attrgetter, mul
+from operator import attrgetter, mul, sub
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -768,8 +768,8 @@ def _gather_shared(plain: SharedEntries, first: int, end: int, nnz: list[int]) -
     there: its record's start plus its rank in the record). None where a range is not its record's ``nnz`` long, or
     the records hold more than SHARED_JOIN_ENTRIES entries each on average (the caller then slices them)."""
     ir, vr = plain
-    counts = [b - a for a, b in zip(ir.starts[first:end], ir.stops[first:end])]
-    if counts != nnz or counts != [b - a for a, b in zip(vr.starts[first:end], vr.stops[first:end])]:
+    counts = list(map(sub, ir.stops[first:end], ir.starts[first:end]))
+    if counts != nnz or counts != list(map(sub, vr.stops[first:end], vr.starts[first:end])):
         return None
     if _end_to_end(ir, first, end) and _end_to_end(vr, first, end):
         # (each role's ranges end to end, as a selection writes them: one slice; the indices copied, as a gather

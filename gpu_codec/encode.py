@@ -108,16 +108,21 @@ def _host_tables(
     """:func:`_check_tensors`' tables where the update and the base are each a table the fast wrappers take whole
     (:func:`~gpu_codec.arrays.tensor_table`) and pass every check, found with a few calls over the whole table;
     None where any check may fail (the tensor-by-tensor checks then give the error)."""
-    news = tensor_table([update[n] for n in names])
+    news = tensor_table(list(update.values()))  # (a mapping's values follow its keys: names)
     if news is None:
         return None
     if not within_limits(names, news.shapes, news.sizes()):
         return None
     if base is None:
         return news, None
-    if len(base) != len(names) or not base.keys() >= set(names):
+    if len(base) != len(names):
         return None
-    bases = tensor_table([base[n] for n in names])
+    if list(base.keys()) == names:  # (the update's names in its order, the common case: no lookup a name)
+        bases = tensor_table(list(base.values()))
+    elif base.keys() >= set(names):
+        bases = tensor_table([base[n] for n in names])
+    else:
+        return None
     if bases is None or bases.shapes != news.shapes or bases.dtypes != news.dtypes:
         return None
     return news, bases

@@ -81,6 +81,11 @@ def _case(name: str) -> tuple[dict, dict | None]:
         del base["t6"]
     elif name == "base extra":
         base["zz"] = np.ones(2, np.float32)
+    elif name == "base reordered":  # (the same names in another order: looked up by name)
+        base = dict(reversed(base.items()))
+    elif name == "base renamed":  # (as many names, one of them another)
+        base = dict(reversed(base.items()))
+        base["zz"] = base.pop("t6")
     elif name == "empty name":
         new[""] = np.ones(2, np.float32)
     elif name == "long name":
@@ -135,6 +140,8 @@ CASES = [
     "base dtype",
     "base missing",
     "base extra",
+    "base reordered",
+    "base renamed",
     "empty name",
     "long name",
     "str subclass name",
@@ -159,14 +166,18 @@ def test_table_checks_match_the_per_tensor_checks(monkeypatch, name):
     assert table == per_tensor
     taken = encode._host_tables(update, base, list(update)) is not None
     # (the table checks take these; the others go through the per-tensor checks)
-    assert taken == (name in ("ok", "no base", "mixed dtypes", "float scalars", "torch", "torch grad"))
+    taken_names = ("ok", "no base", "mixed dtypes", "float scalars", "torch", "torch grad", "base reordered")
+    assert taken == (name in taken_names)
 
 
 @pytest.mark.parametrize(
-    "name", ["ok", "int tensor", "base dtype", "zero dimension", "mixed dtypes", "float scalars", "torch"]
+    "name",
+    ["ok", "int tensor", "base dtype", "zero dimension", "mixed dtypes", "float scalars", "torch", "base reordered"],
 )
 def test_compress_agrees_with_the_per_tensor_checks(monkeypatch, name):
     update, base = _case(name)
     out = _with_and_without_tables(monkeypatch, lambda: gpu_codec.compress(update, base, fraction=0.1).to_bytes())
     assert out[0] == out[1]
-    assert isinstance(out[0], bytes) == (name in ("ok", "mixed dtypes", "float scalars", "torch"))
+    assert isinstance(out[0], bytes) == (name in ("ok", "mixed dtypes", "float scalars", "torch", "base reordered"))
+    if name == "base reordered":  # (the base in the update's order or another: the same bytes)
+        assert out[0] == gpu_codec.compress(update, _case("ok")[1], fraction=0.1).to_bytes()

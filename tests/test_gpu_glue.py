@@ -295,3 +295,31 @@ def test_the_cupy_runner_reads_a_table_of_addresses_as_its_ptr_does_one_by_one()
     runner = gpu.CupyRunner()
     arrays = [types.SimpleNamespace(data=types.SimpleNamespace(ptr=p)) for p in (4096, 0x7F0000001000, 8)]
     assert runner.ptrs(arrays) == [runner.ptr(a) for a in arrays] == [4096, 0x7F0000001000, 8]
+
+
+@pytest.mark.parametrize("sizes", [False, True])
+def test_an_address_table_that_skips_empty_arrays_reads_them_in_one_loop_and_zeroes_the_empty_ones(sizes):
+    """``KernelOps._ptrs(skip_empty=True)`` over a runner with ``ptrs``: every array's address but the empty ones',
+    which are 0 (a kernel reads nothing there), as the one-by-one path gives them; with a None among them, that
+    path itself."""
+    from gpu_codec.backends.kernels import KernelOps
+
+    class Runner:
+        xp = np
+
+        def ptr(self, a):
+            return a.addr
+
+        def ptrs(self, arrays):
+            return [a.addr for a in arrays]
+
+    def arr(addr, size):
+        return types.SimpleNamespace(addr=addr, size=size)
+
+    ops = KernelOps(Runner(), fused=True)
+    arrays = [arr(4096, 3), arr(8192, 0), arr(0x7F0000001000, 1), arr(64, 0)]
+    kw = {"sizes": [a.size for a in arrays]} if sizes else {}
+    got = ops._ptrs(arrays, skip_empty=True, **kw)
+    assert got.dtype == np.uint64 and got.tolist() == [4096, 0, 0x7F0000001000, 0]
+    assert ops._ptrs(arrays).tolist() == [4096, 8192, 0x7F0000001000, 64]
+    assert ops._ptrs([arrays[0], None, arrays[1]], skip_empty=True).tolist() == [4096, 0, 0]

@@ -330,6 +330,22 @@ def _all_none(xs) -> bool:
     return not any(map(is_not, xs, repeat(None)))
 
 
+def code_array(codes: list) -> np.ndarray:
+    """The dtype codes of a tensor list (ints, or :class:`~gpu_codec.constants.DType` members) as an int32 array:
+    one fill where they are all one (NumPy reads an enum member through its ``__index__``, about 80 ns each).
+
+    >>> from gpu_codec.constants import DType
+    >>> code_array([DType.F32] * 3).tolist(), code_array([DType.F32, DT_F64]).tolist(), code_array(()).size
+    ([0, 0, 0], [0, 3], 0)
+    """
+    if isinstance(codes, np.ndarray):
+        return codes.astype(np.int32, copy=False)
+    codes = codes if type(codes) is list else list(codes)
+    if codes and codes.count(codes[0]) == len(codes):
+        return np.full(len(codes), int(codes[0]), np.int32)
+    return np.fromiter(codes, np.int32, len(codes))
+
+
 def _nbytes(*arrays) -> int:
     return sum(int(a.nbytes) for a in arrays)
 
@@ -363,23 +379,27 @@ class KernelOps:
     def _up(self, host: np.ndarray):
         return self.xp.asarray(host)
 
-    def _ptrs(self, arrays, *, skip_empty: bool = False) -> Any:
+    def _ptrs(self, arrays, *, skip_empty: bool = False, sizes: list[int] | None = None) -> Any:
         """A device table of the arrays' addresses (0 for None, and for empty arrays with ``skip_empty``): where
-        every array is there and none is skipped (a selection's inputs), read by the runner's ``ptrs`` in one loop
-        where it has one; else a call a non-empty array."""
+        every array is there, read by the runner's ``ptrs`` in one loop where it has one (the empty ones' then set
+        to 0 in one call, with ``skip_empty``: ``sizes``, the arrays' sizes where the caller has them); else a call a
+        non-empty array."""
         if _all_none(arrays):  # (no residuals, no external scores: the common case)
             return self._up(np.zeros(len(arrays), np.uint64))
         many = getattr(self.runner, "ptrs", None)
-        if skip_empty or many is None or any(map(is_, arrays, repeat(None))):
+        if many is None or any(map(is_, arrays, repeat(None))):
             ptr = self.runner.ptr
             addrs = [0 if a is None or (skip_empty and not a.size) else ptr(a) for a in arrays]
             return self._up(np.asarray(addrs, dtype=np.uint64))
-        return self._up(np.asarray(many(arrays), dtype=np.uint64))
+        addrs = np.asarray(many(arrays), dtype=np.uint64)
+        if skip_empty:
+            addrs[np.asarray(list(map(_SIZE, arrays)) if sizes is None else sizes, np.int64) == 0] = 0
+        return self._up(addrs)
 
     def topk_select(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """Same contract as :func:`gpu_codec.cpu_fallback.select.topk_select`, on the runner's memory."""
         _check_segments(segments, len(new))
-        numels = list(map(int, map(_SIZE, new)))
+        numels = list(map(_SIZE, new))  # (Python ints, on every array module)
         sizes = [sum(map(numels.__getitem__, seg)) for seg in segments]
         # a large segment kept whole would make every element a candidate: the unfused passes skip its selection
         if self.fused and not any(k >= n > SAMPLE_ALL for n, k in zip(sizes, ks)):
@@ -399,10 +419,10 @@ class KernelOps:
         tb = TensorTables([int(a.size) for a in new], seg_of, len(segments))
         d_chunk_start, d_elem_off, d_numel = self._up(tb.chunk_start), self._up(tb.elem_off), self._up(tb.numel)
         d_seg_of = self._up(tb.seg_of)
-        d_dtypes = self._up(np.asarray(dtypes, dtype=np.int32))
+        d_dtypes = self._up(code_array(dtypes))
         p_new, p_base, p_res = self._ptrs(new), self._ptrs(base), self._ptrs(res)
         p_ext = self._ptrs(ext_scores)
-        d_ext_dt = self._up(np.asarray(ext_dtypes, dtype=np.int32))
+        d_ext_dt = self._up(code_array(ext_dtypes))
         keys = xp.empty(max(tb.total, 1), dtype=np.uint32)
         err = self._up(np.full(1, U64_MAX, dtype=np.uint64))
         nt32, grid = np.int32(nt), tb.nchunks
@@ -493,7 +513,7 @@ class KernelOps:
         tensor's size."""
         xp, run = self.xp, self.runner
         nt = len(new)
-        codes = np.asarray(dtypes, np.int32)
+        codes = code_array(dtypes)
         seg_of = segment_of(segments)
         nseg = len(segments)
         tb = TensorTables(numels, seg_of, nseg)
@@ -504,7 +524,7 @@ class KernelOps:
         d_cs, d_nm = self._up(tb.chunk_start), self._up(tb.numel)
         d_dt, d_so = self._up(codes), self._up(tb.seg_of)
         p_new, p_base, p_res, p_ext = self._ptrs(new), self._ptrs(base), self._ptrs(res), self._ptrs(ext_scores)
-        d_ext_dt = self._up(np.asarray(ext_dtypes, np.int32))
+        d_ext_dt = self._up(code_array(ext_dtypes))
         no_res_out = _all_none(res_out)  # (no error feedback)
         # 1) the sample and, on the host, lo per segment and the size of the candidate pool
         st = SegmentTable(tb.numel, segments, ks)  # (the sample's plan and the candidates' share it)
@@ -678,7 +698,7 @@ class KernelOps:
         if int(offsets[-1]) != K:
             raise AssertionError(f"kernels kept {int(offsets[-1])} entries, expected {K}")
         off = offsets.tolist()
-        which = (np.asarray(dtypes, np.int32) == DT_F64).view(np.int8).tolist()
+        which = (code_array(dtypes) == DT_F64).view(np.int8).tolist()
         values = Segmented((vals32, vals64), off, which)
         indices: Any = Segmented((idx,), off)
         if idx.dtype == np.uint64 and any(index_dtype(n) != np.uint64 for n in numels):
@@ -703,12 +723,12 @@ class KernelOps:
                     self._up(tb.chunk_start),
                     self._up(tb.elem_off),
                     self._up(tb.numel),
-                    self._up(np.asarray(dtypes, dtype=np.int32)),
+                    self._up(code_array(dtypes)),
                     self._ptrs(new),
                     self._ptrs(base),
                     self._ptrs(res),
                     self._ptrs(ext_scores),
-                    self._up(np.asarray(ext_dtypes, dtype=np.int32)),
+                    self._up(code_array(ext_dtypes)),
                     np.int32(crit),
                     vals32,
                     vals64,
@@ -776,7 +796,7 @@ class KernelOps:
                 np.uint64(total),
                 self._up(ent_start),
                 self._up(np.asarray(numels, np.int64)),
-                self._up(np.asarray(out_dtypes, np.int32)),
+                self._up(code_array(out_dtypes)),
                 self._ptrs(outs),
                 idx,
                 vals32,
@@ -807,7 +827,7 @@ class KernelOps:
                 np.int32(len(outs)),
                 np.uint64(total),
                 self._up(_offsets(counts)),
-                self._up(np.asarray(out_dtypes, np.int32)),
+                self._up(code_array(out_dtypes)),
                 self._ptrs(outs, skip_empty=True),
                 self._ptrs(bases, skip_empty=True),
                 self._ptrs(vals, skip_empty=True),
@@ -835,7 +855,7 @@ class KernelOps:
                     np.int32(len(sources)),
                     np.uint64(total),
                     self._up(_offsets(counts)),
-                    self._ptrs(sources, skip_empty=True),
+                    self._ptrs(sources, skip_empty=True, sizes=counts),
                     np.int32(out.dtype.itemsize),
                     out,
                 ),
@@ -873,7 +893,7 @@ class KernelOps:
             np.int32(len(values)),
             self._up(_offsets(counts)),
             self._up(np.asarray([DT_F64 if v.dtype == np.float64 else DT_F32 for v in values], np.int32)),
-            self._ptrs(values, skip_empty=True),
+            self._ptrs(values, skip_empty=True, sizes=counts),
             self._up(np.asarray([0 if i is None else np.dtype(i.dtype).itemsize for i in indices], np.int32)),
             self._ptrs(indices, skip_empty=True),
             self._ptrs(res, skip_empty=True),
