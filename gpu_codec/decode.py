@@ -565,6 +565,10 @@ class _Outputs:
     def host_views(self, backend: Any) -> list[Any]:
         """Every tensor's output as a host array, in record order: each region in device memory copied to the host
         once (one copy a storage dtype, where a copy a tensor would make the host wait for each), then cut."""
+        if len(self._sizes) == 1 and self.numels:  # (one region, the common case: cut in one comprehension)
+            flat = self.flat(0)
+            region = backend.to_host(flat) if is_device_array(flat) else flat
+            return [region[a : a + n] for a, n in zip(self.starts, self.numels)]
         hosts: dict[Any, Any] = {}
         out = []
         for i, (a, n) in enumerate(zip(self.starts, self.numels)):

@@ -384,17 +384,20 @@ def _device(emulator):
     return using_backend(RecordingBackend(emulator))  # the GPU path's code, run on the emulator
 
 
-@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64, "mixed"])
 @pytest.mark.parametrize("fraction", [0.03, None])
 @pytest.mark.parametrize("alone", [False, True])
 def test_the_device_decode_gives_the_cpu_bytes(emulator, dtype, fraction, alone, monkeypatch):
+    """(One dtype: the NumPy outputs are cut from one region of the device's output, copied back once; mixed: one
+    region a dtype.)"""
     monkeypatch.setattr(decode, "DECODE_CHUNK_DEVICE", (64, 64))  # chunks of entries: their order is checked
     if alone:  # (runs of at most 64 entries: the large tensor is decoded alone, a chunk at a time)
         monkeypatch.setattr(decode, "BATCH_ENTRIES", (64, 64))
     rng = np.random.default_rng(5)
     sizes = [300_000 if fraction else 3000, 5, 0, 7000, 1]  # (a dense tensor is never decoded in a run)
-    base = {f"t{i}": rng.standard_normal(s).astype(dtype) for i, s in enumerate(sizes)}
-    new = {k: (v + rng.standard_normal(v.size)).astype(dtype) for k, v in base.items()}
+    dts = [np.float32, np.float16, np.float64, np.float32, np.float64] if dtype == "mixed" else [dtype] * len(sizes)
+    base = {f"t{i}": rng.standard_normal(s).astype(dt) for i, (s, dt) in enumerate(zip(sizes, dts))}
+    new = {k: (v + rng.standard_normal(v.size)).astype(v.dtype) for k, v in base.items()}
     blob = _cpu_blob(new, base, fraction=fraction)
     with use_backend("cpu"):
         want = [gpu_codec.decompress(blob, base=base), gpu_codec.decompress(blob)]
