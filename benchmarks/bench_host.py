@@ -86,7 +86,11 @@ def run(
     for name, build, pipe in cases:
         t0 = time.perf_counter()
         update = build()
-        row = {"entry": name, "tensors": len(update.new), "elements": sum(math.prod(a.shape) for a in update.new.values())}
+        row = {
+            "entry": name,
+            "tensors": len(update.new),
+            "elements": sum(math.prod(a.shape) for a in update.new.values()),
+        }
         fraction, stages = PIPELINES[pipe] if pipe else (0.01, list)
         row["pipeline"] = pipe or "top-k"
         row["ops"] = host_columns(update, fraction=fraction, repeat=repeat, pipeline=stages())

@@ -490,7 +490,7 @@ class _Outputs:
         numels: list[int] | None = None,
     ):
         kinds = {lg: dtypes.storage_dtype(lg) for lg in dict.fromkeys(logical)}
-        storage = [kinds[lg] for lg in logical]
+        storage = list(map(kinds.__getitem__, logical))
         self._one = backend.on_device or onto
         self._key = storage if self._one else [("tensor", i) if g is None else ("run", g) for i, g in enumerate(runs)]
         self._dtype = dict(zip(self._key, storage))
@@ -1078,14 +1078,18 @@ def decompress(
     base_tensors = None
     if base is not None:
         base = as_mapping(base, "base")
-        known = set(names)
-        if len(known) != len(base) or not base.keys() >= known:
-            missing = [n for n in names if n not in base]
-            extra = [n for n in base if n not in known]
-            raise InvalidInputError(
-                f"payload and base name different tensors: missing from base {missing[:5]}, not in payload {extra[:5]}"
-            )
-        arrays = [base[n] for n in names]
+        if list(base.keys()) == names:  # (the payload's names in its order, the common case: no lookup a name)
+            arrays = list(base.values())
+        else:
+            known = set(names)
+            if len(known) != len(base) or not base.keys() >= known:
+                missing = [n for n in names if n not in base]
+                extra = [n for n in base if n not in known]
+                raise InvalidInputError(
+                    f"payload and base name different tensors: missing from base {missing[:5]}, "
+                    f"not in payload {extra[:5]}"
+                )
+            arrays = [base[n] for n in names]
         table = tensor_table(arrays)  # (a few calls in all)
         if table is not None and table.shapes == shapes and table.dtypes == stored:
             base_tensors = table

@@ -11,7 +11,7 @@ import gpu_codec
 from gpu_codec import decode
 from gpu_codec.backends.cpu import CpuBackend
 from gpu_codec.constants import DT_BF16, DT_F16, DT_F32, DT_F64, SCATTER_ADD
-from gpu_codec.errors import PayloadValueError
+from gpu_codec.errors import InvalidInputError, PayloadValueError
 
 from .common import BACKENDS, build_payload, split_payload, use_backend
 
@@ -105,3 +105,25 @@ def test_overflow_onto_a_base_leaves_it_untouched(monkeypatch):
     with pytest.raises(PayloadValueError, match="inf or NaN"):
         gpu_codec.decompress(blob, base=base)
     assert base["w"][900] == 60000 and (np.delete(base["w"], 900) == 1).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_base_in_another_order_gives_the_same_outputs_and_other_names_are_refused(backend):
+    """The base is read in the payload's order where its names come in that order (no lookup a name), else by name:
+    the same outputs, in the payload's order; a base that names other tensors, as many or not, is refused and names
+    them."""
+    rng = np.random.default_rng(11)
+    base = {f"t{i}": rng.standard_normal(50 + i).astype(np.float32) for i in range(6)}
+    new = {k: v + rng.standard_normal(v.size).astype(np.float32) for k, v in base.items()}
+    blob = gpu_codec.compress(new, base, fraction=0.2).to_bytes()
+    with use_backend(backend):
+        want = gpu_codec.decompress(blob, base=base)
+        got = gpu_codec.decompress(blob, base=dict(reversed(base.items())))
+        assert list(got) == list(want) == list(base)
+        assert all(np.asarray(got[k]).tobytes() == np.asarray(want[k]).tobytes() for k in want)
+        renamed = dict(base)
+        renamed["zz"] = renamed.pop("t2")
+        short = {k: v for k, v in base.items() if k != "t4"}
+        for bad, named in ((renamed, "'t2'.*'zz'"), (short, "'t4'")):
+            with pytest.raises(InvalidInputError, match=f"name different tensors.*{named}"):
+                gpu_codec.decompress(blob, base=bad)

@@ -380,21 +380,21 @@ class KernelOps:
         return self.xp.asarray(host)
 
     def _ptrs(self, arrays, *, skip_empty: bool = False, sizes: list[int] | None = None) -> Any:
-        """A device table of the arrays' addresses (0 for None, and for empty arrays with ``skip_empty``): where
-        every array is there, read by the runner's ``ptrs`` in one loop where it has one (the empty ones' then set
-        to 0 in one call, with ``skip_empty``: ``sizes``, the arrays' sizes where the caller has them); else a call a
-        non-empty array."""
+        """A device table of the arrays' addresses (0 for None, and for empty arrays with ``skip_empty``;
+        ``sizes``, the arrays' sizes where the caller has them): where every array is there and none is skipped,
+        read by the runner's ``ptrs`` in one loop where it has one; else a call a non-empty array."""
         if _all_none(arrays):  # (no residuals, no external scores: the common case)
             return self._up(np.zeros(len(arrays), np.uint64))
         many = getattr(self.runner, "ptrs", None)
-        if many is None or any(map(is_, arrays, repeat(None))):
+        if (
+            many is None
+            or any(map(is_, arrays, repeat(None)))
+            or (skip_empty and 0 in (list(map(_SIZE, arrays)) if sizes is None else sizes))
+        ):
             ptr = self.runner.ptr
             addrs = [0 if a is None or (skip_empty and not a.size) else ptr(a) for a in arrays]
             return self._up(np.asarray(addrs, dtype=np.uint64))
-        addrs = np.asarray(many(arrays), dtype=np.uint64)
-        if skip_empty:
-            addrs[np.asarray(list(map(_SIZE, arrays)) if sizes is None else sizes, np.int64) == 0] = 0
-        return self._up(addrs)
+        return self._up(np.asarray(many(arrays), dtype=np.uint64))
 
     def topk_select(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """Same contract as :func:`gpu_codec.cpu_fallback.select.topk_select`, on the runner's memory."""
