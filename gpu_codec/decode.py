@@ -30,7 +30,7 @@ from .format import (
 )
 from .format.common import Ranges, RecordTable, SegmentBuffers, Segmented, record_column, record_columns
 from .format.fingerprint import check_base
-from .payload import Payload, as_mapping, payload_records
+from .payload import Payload, as_mapping, in_order, payload_records
 from .xp.finite import all_finite, some_nonfinite
 
 # a record's fields, read for every record by one C call (a list comprehension reads each in Python)
@@ -1078,9 +1078,8 @@ def decompress(
     base_tensors = None
     if base is not None:
         base = as_mapping(base, "base")
-        if list(base.keys()) == names:  # (the payload's names in its order, the common case: no lookup a name)
-            arrays = list(base.values())
-        else:
+        arrays = in_order(base, names)  # (the payload's names in its order, the common case: no lookup a name)
+        if arrays is None:
             known = set(names)
             if len(known) != len(base) or not base.keys() >= known:
                 missing = [n for n in names if n not in base]

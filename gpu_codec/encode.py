@@ -32,7 +32,15 @@ from .format import (
 )
 from .format.common import RecordTable, SegmentBuffers, Segmented
 from .format.fingerprint import fingerprint
-from .payload import Payload, as_mapping, check_header_size, check_limits, check_metadata, within_limits
+from .payload import (
+    Payload,
+    as_mapping,
+    check_header_size,
+    check_limits,
+    check_metadata,
+    in_order,
+    within_limits,
+)
 from .xp.finite import all_finite
 
 if TYPE_CHECKING:
@@ -108,7 +116,8 @@ def _host_tables(
     """:func:`_check_tensors`' tables where the update and the base are each a table the fast wrappers take whole
     (:func:`~gpu_codec.arrays.tensor_table`) and pass every check, found with a few calls over the whole table;
     None where any check may fail (the tensor-by-tensor checks then give the error)."""
-    news = tensor_table(list(update.values()))  # (a mapping's values follow its keys: names)
+    arrays = in_order(update, names)  # (names are the update's keys: its values, where it reads them as a dict)
+    news = tensor_table([update[n] for n in names] if arrays is None else arrays)
     if news is None:
         return None
     if not within_limits(names, news.shapes, news.sizes()):
@@ -117,12 +126,12 @@ def _host_tables(
         return news, None
     if len(base) != len(names):
         return None
-    if list(base.keys()) == names:  # (the update's names in its order, the common case: no lookup a name)
-        bases = tensor_table(list(base.values()))
-    elif base.keys() >= set(names):
-        bases = tensor_table([base[n] for n in names])
-    else:
-        return None
+    arrays = in_order(base, names)  # (the update's names in its order, the common case: no lookup a name)
+    if arrays is None:
+        if not base.keys() >= set(names):
+            return None
+        arrays = [base[n] for n in names]
+    bases = tensor_table(arrays)
     if bases is None or bases.shapes != news.shapes or bases.dtypes != news.dtypes:
         return None
     return news, bases

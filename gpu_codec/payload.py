@@ -173,6 +173,24 @@ def as_mapping(x: Any, what: str) -> Mapping[str, Any]:
     return x
 
 
+def in_order(m: Mapping[str, Any], names: list[str]) -> list[Any] | None:
+    """``[m[n] for n in names]`` read in one call (``values()``, no lookup a name) where ``m``'s keys are ``names``
+    in that order and it reads its values as a dict does; None otherwise (a dict whose own ``__getitem__`` differs
+    from what its ``values()`` gives is read name by name by the caller).
+
+    >>> in_order({"a": 1, "b": 2}, ["a", "b"]), in_order({"b": 2, "a": 1}, ["a", "b"])
+    ([1, 2], None)
+    >>> class Doubled(dict):
+    ...     def __getitem__(self, k):
+    ...         return 2 * super().__getitem__(k)
+    >>> in_order(Doubled(a=1), ["a"]) is None
+    True
+    """
+    if isinstance(m, dict) and type(m).__getitem__ is not dict.__getitem__:
+        return None
+    return list(m.values()) if list(m.keys()) == names else None
+
+
 class Payload:
     """A compressed update: tensor records whose buffers stay where they were computed (the GPU on the GPU path)
     until :meth:`to_bytes`.

@@ -181,3 +181,23 @@ def test_compress_agrees_with_the_per_tensor_checks(monkeypatch, name):
     assert isinstance(out[0], bytes) == (name in ("ok", "mixed dtypes", "float scalars", "torch", "base reordered"))
     if name == "base reordered":  # (the base in the update's order or another: the same bytes)
         assert out[0] == gpu_codec.compress(update, _case("ok")[1], fraction=0.1).to_bytes()
+
+
+class _Converting(dict):
+    """A dict whose lookups give what it stores, converted (its ``values()`` give what it stores as it is)."""
+
+    def __getitem__(self, k):
+        return super().__getitem__(k) * np.float32(2)
+
+
+def test_a_dict_that_converts_on_lookup_is_read_by_lookup():
+    """An update or a base read in one call where its names come in order is read by its values only where that is
+    what a lookup gives: a dict subclass whose own lookup converts is read name by name, compress and decompress
+    alike."""
+    new, base = _table(6)
+    lazy_new = _Converting({k: v / np.float32(2) for k, v in new.items()})  # (halves: exact in fp32)
+    lazy_base = _Converting({k: v / np.float32(2) for k, v in base.items()})
+    want = gpu_codec.compress(new, base, fraction=0.2).to_bytes()
+    assert gpu_codec.compress(lazy_new, lazy_base, fraction=0.2).to_bytes() == want
+    out, got = gpu_codec.decompress(want, base=base), gpu_codec.decompress(want, base=lazy_base)
+    assert all(got[k].tobytes() == out[k].tobytes() for k in out)
