@@ -42,6 +42,7 @@ from benchmarks.bench_zoo import (
     HOST_MS,
     SYNCS,
     TIMED,
+    command_line,
     commit_label,
     host_columns,
     host_verdicts,
@@ -250,11 +251,10 @@ def main(argv: list[str] | None = None) -> int:
         doc = run(a.tensors, a.elements, a.entries, a.repeat, a.full, a.pipelines)
         if a.against:
             doc["against"] = against(a.against, a.elements, a.repeat, a.rounds)
-        doc["command"] = " ".join(["python benchmarks/bench_host.py", *(sys.argv[1:] if argv is None else argv)])
+        doc["command"] = command_line("bench_host.py", argv)
         print(f"({time.perf_counter() - t0:.1f} s)")
         out = a.out or RESULTS / "host_recording.json"
         write_results(doc, out, markdown)
-        print(f"wrote {out} and {out.with_suffix('.md')}")
     if a.check:
         verdicts = check(doc)
         for v, entry, text in verdicts:

@@ -36,7 +36,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import gpu_codec
 from benchmarks.bench_topk import cpu_info
-from benchmarks.bench_zoo import commit_label, scale_for, write_results
+from benchmarks.bench_zoo import command_line, commit_label, scale_for, write_results
 from benchmarks.zoo import ZOO, split_update
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -231,12 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     t0 = time.perf_counter()
     doc = run(a.elements, a.repeat, a.rounds, a.against)
-    doc["command"] = " ".join(["python benchmarks/bench_wire.py", *(sys.argv[1:] if argv is None else argv)])
+    doc["command"] = command_line("bench_wire.py", argv)
     print(markdown(doc))
     print(f"({time.perf_counter() - t0:.1f} s)")
     out = a.out or RESULTS / "wire_cpu.json"
     write_results(doc, out, markdown)
-    print(f"wrote {out} and {out.with_suffix('.md')}")
     return 0 if all(r["same_bytes"] for r in doc["rows"]) else 1
 
 

@@ -262,11 +262,22 @@ def emulated_rows(update: Update, backend=None) -> list[dict[str, Any]]:
     return rows
 
 
-def write_results(doc: dict[str, Any], out: pathlib.Path, page: Callable[[dict[str, Any]], str]) -> None:
-    """A benchmark's results written as ``out`` (JSON) and, beside it, its page (``page(doc)``, Markdown)."""
+def write_results(
+    doc: dict[str, Any], out: pathlib.Path, page: Callable[[dict[str, Any]], str], say: bool = True
+) -> None:
+    """A benchmark's results written as ``out`` (JSON) and, beside it, its page (``page(doc)``, Markdown); where
+    they went printed, with ``say``."""
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=1, default=str) + "\n")
     out.with_suffix(".md").write_text(page(doc))
+    if say:
+        print(f"wrote {out} and {out.with_suffix('.md')}")
+
+
+def command_line(script: str, argv: list[str] | None) -> str:
+    """How a benchmark was run, for its results: ``python benchmarks/<script>`` and its arguments (``argv``, or the
+    process's own where None)."""
+    return " ".join([f"python benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
 
 
 def commit_label() -> str:
@@ -515,12 +526,11 @@ def main(argv: list[str] | None = None) -> int:
                 torch_too=not a.no_torch,
                 traffic_from=json.loads(a.traffic_from.read_text()) if a.traffic_from else None,
             )
-        doc["command"] = " ".join(["python benchmarks/bench_zoo.py", *(sys.argv[1:] if argv is None else argv)])
+        doc["command"] = command_line("bench_zoo.py", argv)
         print(f"({time.perf_counter() - t0:.1f} s)")
         out = a.out or (None if a.quick else RESULTS / "zoo_cpu.json")
         if out is not None:
             write_results(doc, out, markdown)
-            print(f"wrote {out} and {out.with_suffix('.md')}")
     if a.readme:
         update_readme(doc)
         print(f"rewrote the zoo section of {README}")

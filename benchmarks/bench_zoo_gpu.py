@@ -246,7 +246,7 @@ def run(
 
 
 def save(doc: dict[str, Any], out: pathlib.Path) -> None:
-    write_results(doc, out, markdown)
+    write_results(doc, out, markdown, say=False)  # (after each entry: quietly)
 
 
 def _line(row: dict[str, Any]) -> str:

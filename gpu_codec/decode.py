@@ -562,13 +562,20 @@ class _Outputs:
                 out[i] = t
         return out
 
+    def _single(self) -> bool:
+        """Whether the outputs are one region (one storage dtype), each starting where the one before it ends."""
+        return len(self._sizes) == 1 and bool(self.numels)
+
+    def _cut(self, region: Any) -> list[Any]:
+        """Every tensor's output as a view of ``region``, the one region (:meth:`_single`) or a copy of it."""
+        return [region[a : a + n] for a, n in zip(self.starts, self.numels)]
+
     def host_views(self, backend: Any) -> list[Any]:
         """Every tensor's output as a host array, in record order: each region in device memory copied to the host
         once (one copy a storage dtype, where a copy a tensor would make the host wait for each), then cut."""
-        if len(self._sizes) == 1 and self.numels:  # (one region, the common case: cut in one comprehension)
+        if self._single():  # (one region, the common case: copied, then cut in one comprehension)
             flat = self.flat(0)
-            region = backend.to_host(flat) if is_device_array(flat) else flat
-            return [region[a : a + n] for a, n in zip(self.starts, self.numels)]
+            return self._cut(backend.to_host(flat) if is_device_array(flat) else flat)
         hosts: dict[Any, Any] = {}
         out = []
         for i, (a, n) in enumerate(zip(self.starts, self.numels)):
@@ -582,9 +589,8 @@ class _Outputs:
 
     def views(self) -> list[Any]:
         """Every tensor's output, in record order."""
-        if len(self._sizes) == 1 and self.numels:
-            flat = self.flat(0)
-            return [flat[a : a + n] for a, n in zip(self.starts, self.numels)]
+        if self._single():
+            return self._cut(self.flat(0))
         return [self.flat(i)[a : a + n] for i, (a, n) in enumerate(zip(self.starts, self.numels))]
 
 
