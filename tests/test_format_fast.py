@@ -424,6 +424,40 @@ def test_interleaved_parts_hold_each_records_indices_then_values():
     assert part.host(lambda a: np.array(a, copy=True)) == want
 
 
+def test_a_payload_read_from_bytes_is_written_again_at_once_with_its_bytes(monkeypatch):
+    """Plain coo records read from bytes (ranges of the payload's data, as v2._read_known gives them, in a list or
+    as columns) are written by the table-wide path too, as one interleaved part that cuts each role's ranges: the
+    bytes read, as plan's loop writes them; a range that is not its record's nnz long is left to the loop."""
+    monkeypatch.setattr(v2, "_KNOWN", ())
+    blob = _coo_table(random.Random(5), 40)
+    unpack(blob, wire_layouts())  # (the first read: the table is known after it)
+    for columns in (False, True):
+        _, recs = unpack(blob, wire_layouts(), columns=columns)
+        laid = v2._plain_many(recs)
+        assert [type(x) for x in laid[0]] == [v2._Interleaved] and laid[0][0].ranges is not None
+        assert laid[1] == laid[0][0].nbytes == len(laid[0][0].host())
+        assert write_both(list(recs)) == ("ok", blob)
+        assert pack(recs, pipeline=[], layouts=wire_layouts(), version=2) == blob
+    _, recs = unpack(blob, wire_layouts())
+    i = next(i for i, r in enumerate(recs) if r.nnz)
+    short = recs[:i] + [dataclasses.replace(recs[i], nnz=recs[i].nnz - 1)] + recs[i + 1 :]
+    assert v2._plain_many(short) is None
+    assert write_both(short)[0] != "ok"
+    u = {f"l{i}": np.random.default_rng(i).standard_normal(300 + i).astype(np.float32) for i in range(60)}
+    again = gpu_codec.compress(u, fraction=0.05).to_bytes()
+    for _ in range(2):  # (the second read gives ranges)
+        assert gpu_codec.Payload.from_bytes(again).to_bytes() == again
+
+
+def test_interleaved_ranges_hold_each_records_indices_then_values():
+    idx = np.arange(10, 20, dtype=np.uint32)
+    vals = np.arange(10, dtype=np.float32) + 0.5
+    ranges = ([6, 1, 4], [8, 1, 5], [0, 3, 9], [2, 3, 10])  # (index starts, stops; value starts, stops)
+    part = v2._Interleaved(idx, vals, None, ranges)
+    want = b"".join([idx[6:8].tobytes(), vals[0:2].tobytes(), idx[4:5].tobytes(), vals[9:10].tobytes()])
+    assert part.nbytes == len(want) and part.host() == want
+
+
 # ------------------------------------------------------------------------------------------ coded writer
 
 PIPES = {

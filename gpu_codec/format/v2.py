@@ -35,7 +35,7 @@ import zlib
 from collections import Counter
 from collections.abc import Iterator, Mapping
 from itertools import repeat
-from operator import attrgetter, itemgetter
+from operator import attrgetter, itemgetter, sub
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -567,27 +567,43 @@ _PLAIN_OF = attrgetter("encoding", "shape", "dtype", "nnz", "codec", "buffers", 
 
 
 class _Interleaved(NamedTuple):
-    """The buffers of records ``[0, n)`` of a selection's :class:`~gpu_codec.format.common.Segmented` outputs
-    (one shared indices array, one shared values array, of one element size), written as each record's indices
-    then its values: the data of :func:`plan`'s loop, laid out with a few calls over the whole table."""
+    """The buffers of records ``[0, n)`` of one shared indices array and one shared values array, of one element
+    size, written as each record's indices then its values: the data of :func:`plan`'s loop, laid out with a few
+    calls over the whole table. The records' entries are ranges ``[offsets[r], offsets[r + 1])`` of both arrays
+    (a selection's :class:`~gpu_codec.format.common.Segmented` outputs), or, where ``ranges`` is given, each
+    array's own ranges (``(index starts, index stops, value starts, value stops)``, host lists: a payload read from
+    bytes, :class:`~gpu_codec.format.common.Ranges`)."""
 
     indices: Any
     values: Any
-    offsets: np.ndarray  # int64, n + 1: record r's entries are [offsets[r], offsets[r + 1]) of both arrays
+    offsets: np.ndarray | None  # int64, n + 1 (None with ranges)
+    ranges: tuple[list[int], list[int], list[int], list[int]] | None = None
 
     @property
     def nbytes(self) -> int:
-        return 2 * int(self.offsets[-1] - self.offsets[0]) * self.indices.dtype.itemsize
+        size = self.indices.dtype.itemsize
+        if self.ranges is not None:
+            return size * (sum(self.ranges[1]) - sum(self.ranges[0]) + sum(self.ranges[3]) - sum(self.ranges[2]))
+        return 2 * int(self.offsets[-1] - self.offsets[0]) * size
 
     def host(self, to_host: Any = None) -> bytes:
         """The bytes, interleaved on the host (``to_host``: the device-to-host copy of each shared range, one each)."""
+        size = self.indices.dtype.itemsize
+        if self.ranges is not None:  # (host arrays read from bytes: each range cut from its array's memory)
+            ib = memoryview(np.ascontiguousarray(self.indices)).cast("B")
+            vb = memoryview(np.ascontiguousarray(self.values)).cast("B")
+            cut = [
+                list(map(slice, (np.asarray(a, np.int64) * size).tolist(), (np.asarray(b, np.int64) * size).tolist()))
+                for a, b in (self.ranges[:2], self.ranges[2:])
+            ]
+            return b"".join([x for pair in zip(map(ib.__getitem__, cut[0]), map(vb.__getitem__, cut[1])) for x in pair])
         a, b = int(self.offsets[0]), int(self.offsets[-1])
         idx, val = self.indices[a:b], self.values[a:b]
         if to_host is not None:
             idx, val = to_host(idx), to_host(val)
         ib = memoryview(np.ascontiguousarray(idx)).cast("B")
         vb = memoryview(np.ascontiguousarray(val)).cast("B")
-        at = ((self.offsets - a) * self.indices.dtype.itemsize).tolist()
+        at = ((self.offsets - a) * size).tolist()
         cuts = list(map(slice, at[:-1], at[1:]))  # (a slice of each memory a record: no copy until the join)
         return b"".join([x for pair in zip(map(ib.__getitem__, cuts), map(vb.__getitem__, cuts)) for x in pair])
 
@@ -635,11 +651,17 @@ def _plain_many(tensors: list[TensorRecord]) -> tuple[list[Any], int] | None:
         if list(roles) != _PLAIN_COO:
             return None
         iseg, vseg = roles["indices"], roles["values"]
-        if type(iseg) is not Segmented or type(vseg) is not Segmented or len(iseg) != n or len(vseg) != n:
+        if type(iseg) is not type(vseg) or type(iseg) not in (Segmented, Ranges) or len(iseg) != n or len(vseg) != n:
             return None
-        off = np.asarray(iseg.offsets, np.int64)
-        if not np.array_equal(off, np.asarray(vseg.offsets, np.int64)) or not np.array_equal(np.diff(off), nnz):
-            return None
+        if type(iseg) is Ranges:  # (a payload read from bytes: each role's records are ranges of its array)
+            nnz = list(nnz)
+            if list(map(sub, iseg.stops, iseg.starts)) != nnz or list(map(sub, vseg.stops, vseg.starts)) != nnz:
+                return None
+            off = None
+        else:
+            off = np.asarray(iseg.offsets, np.int64)
+            if not np.array_equal(off, np.asarray(vseg.offsets, np.int64)) or not np.array_equal(np.diff(off), nnz):
+                return None
         # one source array a role: every record's indices of one width, every record's values of one dtype
         wide = np.fromiter(map(math.prod, shapes), np.int64, n) > U32_INDEX_NUMEL
         f64 = dts.count("float64")
@@ -651,6 +673,15 @@ def _plain_many(tensors: list[TensorRecord]) -> tuple[list[Any], int] | None:
         if not _dtype_is(vsrc, "float64" if f64 else "float32", "values", {}):
             return None
         isz, vsz = isrc.dtype.itemsize, vsrc.dtype.itemsize
+        if off is None:  # (ranges of host arrays: interleaved where the two element sizes agree, else the loop)
+            if isz != vsz or type(isrc) is not np.ndarray or type(vsrc) is not np.ndarray:
+                return None
+            if nnz and (min(nnz) < 0 or min(iseg.starts) < 0 or min(vseg.starts) < 0):
+                return None
+            if nnz and (max(iseg.stops) > isrc.size or max(vseg.stops) > vsrc.size):
+                return None
+            ranges = (iseg.starts, iseg.stops, vseg.starts, vseg.stops)
+            return [_Interleaved(isrc, vsrc, None, ranges)], sum(nnz) * (isz + vsz)
         if isz == vsz:
             parts = [_Interleaved(isrc, vsrc, off)]
         else:
