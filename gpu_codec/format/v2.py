@@ -588,24 +588,26 @@ class _Interleaved(NamedTuple):
 
     def host(self, to_host: Any = None) -> bytes:
         """The bytes, interleaved on the host (``to_host``: the device-to-host copy of each shared range, one each)."""
+        return b"".join(self.pieces(to_host))
+
+    def pieces(self, to_host: Any = None) -> list[memoryview]:
+        """Each record's indices then its values, as views of the two arrays' memory on the host (no copy until they
+        are joined, by :meth:`host` or by the writer's one join of the whole payload)."""
         size = self.indices.dtype.itemsize
         if self.ranges is not None:  # (host arrays read from bytes: each range cut from its array's memory)
-            ib = memoryview(np.ascontiguousarray(self.indices)).cast("B")
-            vb = memoryview(np.ascontiguousarray(self.values)).cast("B")
-            cut = [
-                list(map(slice, (np.asarray(a, np.int64) * size).tolist(), (np.asarray(b, np.int64) * size).tolist()))
-                for a, b in (self.ranges[:2], self.ranges[2:])
-            ]
-            return b"".join([x for pair in zip(map(ib.__getitem__, cut[0]), map(vb.__getitem__, cut[1])) for x in pair])
-        a, b = int(self.offsets[0]), int(self.offsets[-1])
-        idx, val = self.indices[a:b], self.values[a:b]
-        if to_host is not None:
-            idx, val = to_host(idx), to_host(val)
+            idx, val = self.indices, self.values
+            at = [(np.asarray(r, np.int64) * size).tolist() for r in self.ranges]
+            cuts = list(map(slice, at[0], at[1])), list(map(slice, at[2], at[3]))
+        else:
+            a, b = int(self.offsets[0]), int(self.offsets[-1])
+            idx, val = self.indices[a:b], self.values[a:b]
+            if to_host is not None:
+                idx, val = to_host(idx), to_host(val)
+            at = ((self.offsets - a) * size).tolist()
+            cuts = (list(map(slice, at[:-1], at[1:])),) * 2  # (a slice of each memory a record)
         ib = memoryview(np.ascontiguousarray(idx)).cast("B")
         vb = memoryview(np.ascontiguousarray(val)).cast("B")
-        at = ((self.offsets - a) * size).tolist()
-        cuts = list(map(slice, at[:-1], at[1:]))  # (a slice of each memory a record: no copy until the join)
-        return b"".join([x for pair in zip(map(ib.__getitem__, cuts), map(vb.__getitem__, cuts)) for x in pair])
+        return [x for pair in zip(map(ib.__getitem__, cuts[0]), map(vb.__getitem__, cuts[1])) for x in pair]
 
 
 def _one_source(seg: Segmented) -> Any:
@@ -1208,7 +1210,7 @@ def write(p: _Plan) -> bytes:
         elif type(a) is SegmentPart:
             parts.append(np.asarray(a.source)[a.start : a.stop])
         elif type(a) is _Interleaved:
-            parts.append(a.host())
+            parts += a.pieces()  # (joined once, with the rest of the payload)
         else:
             parts.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
     else:
