@@ -37,7 +37,7 @@ import numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 import gpu_codec
-from benchmarks.bench_topk import interleaved, machine_info
+from benchmarks.bench_topk import interleaved, machine_info, with_threads
 from benchmarks.traffic import TARGETS, _measured, _record, device_aligned, traced_backend
 from benchmarks.zoo import ZOO, Entry, Update
 from gpu_codec.backends import using_backend
@@ -194,6 +194,8 @@ def cpu_row(update: Update, repeat: int, seed: int, torch_too: bool) -> dict[str
         before = getattr(backend, "bracket_misses", None)
         timed[key]()  # (untimed: the scans the NumPy selection ran again after its sample's bracket missed)
         misses[key] = backend.bracket_misses - before if before is not None else None
+    # (the same compress on one thread: what the second core gives it, beside the floor pass's one thread)
+    timed["ours_1t_s"] = lambda: with_threads(1, lambda: gpu_codec.compress(new, base, fraction=0.01))
     bf16 = any(_is_torch(a) for a in new.values())
     timed["numpy_s"] = lambda: numpy_topk(
         np.concatenate([_f32(a) for a in new.values()]), np.concatenate([_f32(a) for a in base.values()]), k
@@ -213,6 +215,7 @@ def cpu_row(update: Update, repeat: int, seed: int, torch_too: bool) -> dict[str
     sub = row["subtract_s"]
     for key in CPU_CONFIGS:
         row["x_subtract" + key[4:-2]] = row[key] / sub
+    row["x_subtract_1t"] = row["ours_1t_s"] / sub
     row["x_numpy"] = row["numpy_s"] / row["ours_s"]
     row["x_torch"] = row["torch_s"] / row["ours_s"] if torch_too else None
     row["decompress_x_subtract"] = row["decompress_s"] / sub
@@ -343,7 +346,8 @@ def _line(row: dict[str, Any]) -> str:
     c = row.get("cpu")
     if c:
         out += (
-            f"  {c['n']:>11,} elem: x sub {c['x_subtract']:.2f} (per-tensor {c['x_subtract_per_tensor']:.2f}, "
+            f"  {c['n']:>11,} elem: x sub {c['x_subtract']:.2f} (1 thread {c.get('x_subtract_1t', float('nan')):.2f}, "
+            f"per-tensor {c['x_subtract_per_tensor']:.2f}, "
             f"0.1% {c['x_subtract_0.1']:.2f}, EF {c['x_subtract_ef']:.2f}), x numpy {c['x_numpy']:.2f}, "
             f"dec/sub {c['decompress_x_subtract']:.2f} (bytes {_dec_bytes(c)}), sub a tensor "
             f"{c['tensors_x_subtract']:.2f}" + (f", rescans {_misses(c)}" if c.get("bracket_misses") else "")
@@ -415,15 +419,16 @@ def markdown(doc: dict[str, Any]) -> str:
         f"median of {doc['repeat']} interleaved rounds. Ratios to one `np.subtract` pass over the same bytes "
         "(x sub; lower is better) and speed-ups over the NumPy and torch pipelines (higher is better); top-k 1% "
         "global unless named. Sub a tensor: one `np.subtract` call per tensor over the same bytes, in x sub (the "
-        "floor of any pass that takes the tensors one by one). Rescans: the scans the NumPy selection ran again "
-        "after its sample's bracket missed (its exact fallback), in the x sub, per-tensor, 0.1% and 1% + EF "
-        "configurations. Decompress: onto the base, of the compressed payload as it is, and (from bytes) of its "
-        "bytes, read and checked too, as a server receives them; the target is judged on the first."
-        + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
+        "floor of any pass that takes the tensors one by one). 1 thread: the x sub compress on one thread "
+        "(`GPU_CODEC_THREADS=1`; the subtract pass is one call on one thread either way). Rescans: the scans "
+        "the NumPy selection ran again after its sample's bracket missed (its exact fallback), in the x sub, "
+        "per-tensor, 0.1% and 1% + EF configurations. Decompress: onto the base, of the compressed payload as it "
+        "is, and (from bytes) of its bytes, read and checked too, as a server receives them; the target is judged "
+        "on the first." + (f" Run: `{doc['command']}`." if doc.get("command") else ""),
         "",
-        "| entry | dtype | tensors | elements | sub a tensor | x sub | per-tensor | 0.1% | 1% + EF | x NumPy | "
-        "x torch | decompress x sub | from bytes | rescans |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| entry | dtype | tensors | elements | sub a tensor | x sub | 1 thread | per-tensor | 0.1% | 1% + EF | "
+        "x NumPy | x torch | decompress x sub | from bytes | rescans |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in doc["rows"]:
         c = r.get("cpu")
@@ -431,8 +436,9 @@ def markdown(doc: dict[str, Any]) -> str:
             continue
         tt = f"{c['x_torch']:.2f}" if c.get("x_torch") else "–"
         st = f"{c['tensors_x_subtract']:.2f}" if c.get("tensors_x_subtract") else "–"
+        one = f"{c['x_subtract_1t']:.2f}" if c.get("x_subtract_1t") else "–"
         lines.append(
-            f"| {r['entry']} | {r['dtype']} | {r['tensors']} | {c['n']:,} | {st} | {c['x_subtract']:.2f} | "
+            f"| {r['entry']} | {r['dtype']} | {r['tensors']} | {c['n']:,} | {st} | {c['x_subtract']:.2f} | {one} | "
             f"{c['x_subtract_per_tensor']:.2f} | {c['x_subtract_0.1']:.2f} | {c['x_subtract_ef']:.2f} | "
             f"{c['x_numpy']:.2f} | {tt} | {c['decompress_x_subtract']:.2f} | {_dec_bytes(c)} | "
             f"{_misses(c) if c.get('bracket_misses') else '–'} |"
