@@ -622,11 +622,12 @@ def _one_source(seg: Segmented) -> Any:
 def _plain_many(tensors: list[TensorRecord]) -> tuple[list[Any], int] | None:
     """What :func:`plan`'s loop makes of a table of plain ``coo`` records whose buffers are records ``0..n-1`` of a
     selection's shared outputs (:class:`~gpu_codec.format.common.SegmentBuffers` of one indices and one values
-    array): (the buffers written, in order: one :class:`_Interleaved` part where the two arrays' elements are of
-    one size, a range of each array a buffer otherwise; their bytes), every check of :func:`_plain_buffers` made
-    over the whole table. None where any might fail, and for records whose buffers are not such ranges (the loop
-    then runs, and raises what it raises). The same bytes with fewer calls and parts: tests/test_format_fast.py
-    writes the same records through both."""
+    array), or of the reader's ranges of a payload's data (:class:`~gpu_codec.format.common.Ranges`: a payload read
+    from bytes, written again): (the buffers written, in order: one :class:`_Interleaved` part where the two
+    arrays' elements are of one size, a range of each array a buffer otherwise, ranges of the reader's only
+    interleaved; their bytes), every check of :func:`_plain_buffers` made over the whole table. None where any
+    might fail, and for records whose buffers are not such ranges (the loop then runs, and raises what it raises).
+    The same bytes with fewer calls and parts: tests/test_format_fast.py writes the same records through both."""
     n = len(tensors)
     table = record_columns(tensors)  # (a table: its columns, no record made)
     if n < 2 or (table is None and type(tensors[0].buffers) is not SegmentBuffers):
