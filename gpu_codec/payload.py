@@ -24,6 +24,7 @@ from .format import (
     header_size,
     pack,
     packed_size,
+    table_frame,
     unpack,
 )
 from .format.common import record_column
@@ -276,6 +277,9 @@ class Payload:
         p = cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
         p.version = int(header["version"])
         p.base_fingerprint = header.get("base_fingerprint")
+        frame = table_frame(blob)
+        if frame is not None:  # (written again with the same table, the payload keeps its table's bytes)
+            p._wire_cache["read table"] = frame
         return p
 
     def _laid_out(self, measure: Callable[..., int]) -> int:

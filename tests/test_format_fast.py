@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import re
+import zlib
 
 import numpy as np
 import pytest
@@ -447,6 +448,47 @@ def test_a_payload_read_from_bytes_is_written_again_at_once_with_its_bytes(monke
     again = gpu_codec.compress(u, fraction=0.05).to_bytes()
     for _ in range(2):  # (the second read gives ranges)
         assert gpu_codec.Payload.from_bytes(again).to_bytes() == again
+
+
+def _table_refrozen(blob: bytes, level: int) -> bytes:
+    """``blob`` with its tensor table's zstd frame made again at ``level`` (as another writer might), its checksum
+    fixed: the same payload in other bytes."""
+    raw, frame = v2.table_frame(blob)
+    table = gpu_codec.format.bounded_decompress(frame, raw, "table")
+    head = v2._PREFIX.size
+    mv = v2._Reader(memoryview(blob), head, len(blob), "prefix")
+    tlen, _ = mv.varint("t", 1 << 30), mv.varint("r", 1 << 30)
+    at = mv.pos + tlen
+    z = v2.zstd_frame(table, level)
+    body = blob[:head] + v2.uvarint(len(z)) + v2.uvarint(raw) + z + blob[at : len(blob) - v2._CRC.size]
+    return body + v2._CRC.pack(zlib.crc32(body) & 0xFFFFFFFF)
+
+
+def test_a_payload_read_from_bytes_keeps_its_table_frame_when_written_again(monkeypatch):
+    """A payload read from bytes and written again with the same table takes the table's zstd frame it was read
+    with (no compression at the table's high level): its own bytes, even where another writer made that frame at
+    another level; a table changed since (new metadata) gets a frame of its own, and a fresh write of the same
+    records the writer's frame."""
+    u = {f"l{i}": np.random.default_rng(i).standard_normal(200 + i).astype(np.float32) for i in range(40)}
+    blob = gpu_codec.compress(u, fraction=0.05).to_bytes()
+    assert v2.table_frame(blob) is not None
+    made = []
+    real = v2._compress_table
+    monkeypatch.setattr(v2, "_compress_table", lambda t: made.append(1) or real(t))
+    p = gpu_codec.Payload.from_bytes(blob)
+    assert p.to_bytes() == blob and made == []
+    other = _table_refrozen(blob, 1)
+    assert other != blob
+    same = gpu_codec.decompress(other), gpu_codec.decompress(blob)
+    assert all(np.array_equal(same[0][k], same[1][k]) for k in u)
+    q = gpu_codec.Payload.from_bytes(other)
+    assert q.to_bytes() == other and made == []
+    fresh = gpu_codec.Payload(q.tensors, q.pipeline, q.metadata)
+    assert fresh.to_bytes() == blob and made == [1]  # (the writer's own frame)
+    q.metadata = {"round": 3}
+    again = q.to_bytes()
+    assert made == [1, 1] and gpu_codec.Payload.from_bytes(again).metadata == {"round": 3}
+    assert gpu_codec.format.table_frame(gpu_codec.compress(u, fraction=0.05).to_bytes(version=1)) is None
 
 
 def test_interleaved_ranges_hold_each_records_indices_then_values():

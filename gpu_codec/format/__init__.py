@@ -213,6 +213,13 @@ def unpack(
     return v2.unpack(blob, layouts, describe=describe, columns=columns)
 
 
+def table_frame(blob: bytes | bytearray | memoryview) -> tuple[int, bytes] | None:
+    """(raw size, bytes) of the zstd frame that holds the tensor table of a payload :func:`unpack` accepted, which
+    a write of the same records may take again (:func:`gpu_codec.format.v2.table_frame`); None for a version-1
+    payload and a table stored as it is."""
+    return None if payload_version(blob) == 1 else v2.table_frame(blob)
+
+
 __all__ = [
     "ALIGN",
     "BASE_LAYOUTS",
@@ -237,5 +244,6 @@ __all__ = [
     "pack",
     "packed_size",
     "payload_version",
+    "table_frame",
     "unpack",
 ]

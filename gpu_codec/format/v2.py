@@ -865,7 +865,7 @@ def plan(
         plain_bytes, generic = 0, parts
     table = _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, layouts, fingerprint)
     flags = (FLAG_METADATA if metadata else 0) | (mode << DATA_SHIFT) | (FLAG_FINGERPRINT if fingerprint else 0)
-    z = _cached(cache, "table", table, lambda: _compress_table(table))
+    z = _cached(cache, "table", table, lambda: _table_frame(table, cache))
     if len(z) + len(uvarint(len(table))) < len(table):
         flags |= FLAG_TABLE_ZSTD
         stored = uvarint(len(z)) + uvarint(len(table)) + z
@@ -881,6 +881,33 @@ def plan(
 def _compress_table(table: bytes) -> bytes:
     level = _TABLE_LEVEL_SMALL if len(table) <= _TABLE_SMALL else _TABLE_LEVEL_LARGE
     return zstd_frame(table, level)
+
+
+def _table_frame(table: bytes, cache: dict | None) -> bytes:
+    """The table's zstd frame: the one a payload read from bytes stored (``cache["read table"]``, set by
+    :func:`gpu_codec.Payload.from_bytes` from :func:`table_frame`) where it holds this very table, else a new one. A
+    payload read and written again keeps its own table bytes, with no compression at the table's high level."""
+    read = cache.get("read table") if cache is not None else None
+    if read is not None and read[0] == len(table):
+        try:
+            if bounded_decompress(read[1], len(table), "the tensor table") == table:
+                return read[1]
+        except PayloadError:
+            pass
+    return _compress_table(table)
+
+
+def table_frame(blob: bytes | bytearray | memoryview) -> tuple[int, bytes] | None:
+    """(raw size, the frame's bytes) of the zstd-compressed tensor table of a v2 or v3 payload that
+    :func:`unpack` has accepted; None where its table is stored as it is."""
+    mv = memoryview(blob).cast("B")
+    _, _, flags = _PREFIX.unpack_from(mv, 0)
+    if not flags & FLAG_TABLE_ZSTD:
+        return None
+    r = _Reader(mv, _PREFIX.size, len(mv) - _CRC.size, "payload prefix")
+    tlen = r.varint("table length", MAX_HEADER_BYTES)
+    raw = r.varint("table raw length", MAX_HEADER_BYTES)
+    return raw, r.take(tlen, "the tensor table")
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
