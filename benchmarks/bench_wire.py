@@ -45,10 +45,19 @@ RESULTS = ROOT / "benchmarks" / "results"
 TENSORS = (1, 100, 1000)
 OPS = ("from_bytes", "from_bytes_table_seen", "to_bytes", "to_bytes_names_seen", "rewrite", "copy")
 
+# FIXED_HEAP: the child fixes glibc's trim and mmap thresholds first, the same for every package timed. Left to
+# themselves, whether a payload-sized buffer freed at the heap's top goes back to the system (and is faulted in
+# again by the next call) turns on the heap's layout, which one small allocation elsewhere changes: at one tensor of
+# 2^23 top-1%, to_bytes read 1.05 ms in one package's process and 0.30 ms in the other's, for the same code path.
 # Run in a child whose sys.path starts with the package to time; argv: directory of payloads, samples.
 CHILD = r"""
-import json, pathlib, sys, time
+import ctypes, ctypes.util, json, pathlib, sys, time
 import numpy as np
+try:  # (glibc: a freed payload-sized buffer stays in the heap, as in a process that has run a while; see FIXED_HEAP)
+    _libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    _libc.mallopt(-1, 1 << 28), _libc.mallopt(-3, 1 << 25)  # M_TRIM_THRESHOLD, M_MMAP_THRESHOLD
+except (OSError, AttributeError):
+    pass
 import gpu_codec
 from gpu_codec import Payload
 from gpu_codec.format import TensorRecord, v2
@@ -202,7 +211,9 @@ def markdown(doc: dict[str, Any]) -> str:
     lines = [
         f"Measured at commit {doc['commit']} on {m['cpu_model']} ({m['simd']}), {m['cpu_count']} cores shared with "
         f"other work (load average {', '.join(f'{x:.1f}' for x in m['load_average'])}): µs per tensor, the best of "
-        f"{doc['samples']} samples in each of {doc['rounds']} alternating rounds. Payloads: top-1% global of "
+        f"{doc['samples']} samples in each of {doc['rounds']} alternating rounds, each process with glibc's trim and "
+        "mmap thresholds fixed (the same for every package: a freed payload-sized buffer stays in the heap). "
+        f"Payloads: top-1% global of "
         f"{doc['elements']:,} fp32 elements split into uneven tensors, and of the zoo's ResNet-50; copy: one "
         "np.copy of the payload's bytes. from_bytes: a table the reader has not read before (a first round); table "
         "seen: the same table again (every later round of a federated run, where only the nnz change; a package "
