@@ -272,7 +272,9 @@ class Payload:
     @holds_collector
     def from_bytes(cls, blob: bytes | bytearray | memoryview) -> Payload:
         """Parse and validate a payload of either format version (hostile input is rejected with a
-        PayloadError)."""
+        PayloadError). Written again with :meth:`to_bytes` (a filter passing it on), it keeps the zstd frame its
+        table was read with while the table is the same: a payload this library wrote gives back the bytes it was
+        read from."""
         header, records = unpack(blob, wire_layouts(), describe=False, columns=True)
         p = cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
         p.version = int(header["version"])
