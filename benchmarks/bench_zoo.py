@@ -346,7 +346,7 @@ def _line(row: dict[str, Any]) -> str:
     c = row.get("cpu")
     if c:
         out += (
-            f"  {c['n']:>11,} elem: x sub {c['x_subtract']:.2f} (1 thread {c.get('x_subtract_1t', float('nan')):.2f}, "
+            f"  {c['n']:>11,} elem: x sub {c['x_subtract']:.2f} (1 thread {_one_thread(c)}, "
             f"per-tensor {c['x_subtract_per_tensor']:.2f}, "
             f"0.1% {c['x_subtract_0.1']:.2f}, EF {c['x_subtract_ef']:.2f}), x numpy {c['x_numpy']:.2f}, "
             f"dec/sub {c['decompress_x_subtract']:.2f} (bytes {_dec_bytes(c)}), sub a tensor "
@@ -405,6 +405,12 @@ def _dec_bytes(c: dict[str, Any]) -> str:
     return "–" if x is None else f"{x:.2f}"
 
 
+def _one_thread(c: dict[str, Any]) -> str:
+    """The compress on one thread, in x sub ("–" in results from before it was measured)."""
+    x = c.get("x_subtract_1t")
+    return "–" if x is None else f"{x:.2f}"
+
+
 def _misses(c: dict[str, Any]) -> str:
     """The NumPy selection's scans run again after a missed bracket, per CPU configuration (x sub, per-tensor,
     0.1%, 1% + EF), as ``a/b/c/d``."""
@@ -436,12 +442,11 @@ def markdown(doc: dict[str, Any]) -> str:
             continue
         tt = f"{c['x_torch']:.2f}" if c.get("x_torch") else "–"
         st = f"{c['tensors_x_subtract']:.2f}" if c.get("tensors_x_subtract") else "–"
-        one = f"{c['x_subtract_1t']:.2f}" if c.get("x_subtract_1t") else "–"
         lines.append(
-            f"| {r['entry']} | {r['dtype']} | {r['tensors']} | {c['n']:,} | {st} | {c['x_subtract']:.2f} | {one} | "
-            f"{c['x_subtract_per_tensor']:.2f} | {c['x_subtract_0.1']:.2f} | {c['x_subtract_ef']:.2f} | "
-            f"{c['x_numpy']:.2f} | {tt} | {c['decompress_x_subtract']:.2f} | {_dec_bytes(c)} | "
-            f"{_misses(c) if c.get('bracket_misses') else '–'} |"
+            f"| {r['entry']} | {r['dtype']} | {r['tensors']} | {c['n']:,} | {st} | {c['x_subtract']:.2f} | "
+            f"{_one_thread(c)} | {c['x_subtract_per_tensor']:.2f} | {c['x_subtract_0.1']:.2f} | "
+            f"{c['x_subtract_ef']:.2f} | {c['x_numpy']:.2f} | {tt} | {c['decompress_x_subtract']:.2f} | "
+            f"{_dec_bytes(c)} | {_misses(c) if c.get('bracket_misses') else '–'} |"
         )
     emu = [r for r in doc["rows"] if r.get("emulated")]
     if emu:

@@ -455,12 +455,10 @@ def _table_refrozen(blob: bytes, level: int) -> bytes:
     fixed: the same payload in other bytes."""
     raw, frame = v2.table_frame(blob)
     table = gpu_codec.format.bounded_decompress(frame, raw, "table")
-    head = v2._PREFIX.size
-    mv = v2._Reader(memoryview(blob), head, len(blob), "prefix")
-    tlen, _ = mv.varint("t", 1 << 30), mv.varint("r", 1 << 30)
-    at = mv.pos + tlen
+    r, tlen, _ = v2._table_lengths(memoryview(blob), v2.FLAG_TABLE_ZSTD, len(blob))
     z = v2.zstd_frame(table, level)
-    body = blob[:head] + v2.uvarint(len(z)) + v2.uvarint(raw) + z + blob[at : len(blob) - v2._CRC.size]
+    rest = blob[r.pos + tlen : len(blob) - v2._CRC.size]
+    body = blob[: v2._PREFIX.size] + v2.uvarint(len(z)) + v2.uvarint(raw) + z + rest
     return body + v2._CRC.pack(zlib.crc32(body) & 0xFFFFFFFF)
 
 

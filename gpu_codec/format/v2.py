@@ -902,12 +902,17 @@ def table_frame(blob: bytes | bytearray | memoryview) -> tuple[int, bytes] | Non
     :func:`unpack` has accepted; None where its table is stored as it is."""
     mv = memoryview(blob).cast("B")
     _, _, flags = _PREFIX.unpack_from(mv, 0)
-    if not flags & FLAG_TABLE_ZSTD:
-        return None
-    r = _Reader(mv, _PREFIX.size, len(mv) - _CRC.size, "payload prefix")
+    r, tlen, raw = _table_lengths(mv, flags, len(mv) - _CRC.size)
+    return None if raw is None else (raw, r.take(tlen, "the tensor table"))
+
+
+def _table_lengths(mv: memoryview, flags: int, end: int) -> tuple[_Reader, int, int | None]:
+    """The prefix's table lengths, read after its fixed fields: (a reader at the table, the table's stored length,
+    its raw length where it is zstd-compressed, else None)."""
+    r = _Reader(mv, _PREFIX.size, end, "payload prefix")
     tlen = r.varint("table length", MAX_HEADER_BYTES)
-    raw = r.varint("table raw length", MAX_HEADER_BYTES)
-    return raw, r.take(tlen, "the tensor table")
+    raw = r.varint("table raw length", MAX_HEADER_BYTES) if flags & FLAG_TABLE_ZSTD else None
+    return r, tlen, raw
 
 
 def _common_prefix(a: bytes, b: bytes) -> int:
@@ -1897,14 +1902,10 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
     """Parse the prefix's table length(s) and the table of a payload whose bytes before ``end`` hold the table
     and the data. Returns (end of the table, pipeline, metadata, fingerprint, records, their buffer layouts).
     ``reader`` reads the table (a subclass may record where each field lies: gpu_codec.testing.fuzz)."""
-    r = _Reader(mv, _PREFIX.size, end, "payload prefix")
-    tlen = r.varint("table length", MAX_HEADER_BYTES)
-    if flags & FLAG_TABLE_ZSTD:
-        traw = r.varint("table raw length", MAX_HEADER_BYTES)
-        ztable = r.take(tlen, "the tensor table")
-        table = bounded_decompress(ztable, traw, "tensor table")
-    else:
-        table = r.take(tlen, "the tensor table")
+    r, tlen, traw = _table_lengths(mv, flags, end)
+    table = r.take(tlen, "the tensor table")
+    if traw is not None:
+        table = bounded_decompress(table, traw, "tensor table")
     mode = (flags >> DATA_SHIFT) & 3
     t = reader(table, 0, len(table), "tensor table")
     tables = tables_of(layouts)
@@ -1954,10 +1955,7 @@ def _check_not_truncated(mv: memoryview, version: int, flags: int, layouts) -> N
     n = len(mv)
     what = f"payload is truncated: {n} bytes"
     try:
-        r = _Reader(mv, _PREFIX.size, n, "payload prefix")
-        tlen = r.varint("table length", MAX_HEADER_BYTES)
-        if flags & FLAG_TABLE_ZSTD:
-            r.varint("table raw length", MAX_HEADER_BYTES)
+        r, tlen, _ = _table_lengths(mv, flags, n)
         if r.pos + tlen + _CRC.size > n:
             raise PayloadTruncatedError(f"{what}, its prefix declares a table of {tlen} bytes ending at {r.pos + tlen}")
         header_end, *_, layouts_of = _read_table(mv, version, flags, n, layouts)
