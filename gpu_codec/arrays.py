@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from .backends.base import DeviceViews, sizes_of
 from .dtypes import dtype_name
 from .errors import InvalidInputError
 
@@ -26,7 +27,6 @@ _NP_TO_LOGICAL = {
 _NP_FLOAT_KINDS = frozenset({np.ndarray, np.float32, np.float16, np.float64})  # what numpy_tensors takes
 # (an array's attributes, read for a whole list by one C call each)
 _C_CONTIGUOUS, _DTYPE, _SHAPE = attrgetter("flags.c_contiguous"), attrgetter("dtype"), attrgetter("shape")
-_SIZE = attrgetter("size")
 _TORCH_LOGICAL = {
     "torch.float32": "float32",
     "torch.float16": "float16",
@@ -79,7 +79,7 @@ class TensorTable(Sequence):
     def sizes(self) -> list[int]:
         """Each tensor's element count (its flat data's size; read once, the table's data being fixed)."""
         if self._sizes is None:
-            self._sizes = list(map(_SIZE, self.data))
+            self._sizes = sizes_of(self.data)
         return self._sizes
 
     def __len__(self) -> int:
@@ -236,8 +236,8 @@ def torch_tensors(xs: list[Any]) -> TensorTable | None:
     """:func:`to_tensor` of every tensor of ``xs`` where each is a dense, contiguous torch tensor of float32,
     float16, bfloat16 or float64, all on the CPU or all on one CUDA device (checked over the whole list, then a
     few calls a tensor: no copy); None where one is not (then :func:`to_tensor` wraps them one by one, with its
-    errors). CUDA tensors are wrapped as CuPy arrays over their memory (:func:`device_views`), which the call's
-    work then orders on the caller's torch stream.
+    errors). CUDA tensors are given by address (:class:`~gpu_codec.backends.base.DeviceViews`: CuPy arrays over
+    their memory, made only where one is read), which the call's work then orders on the caller's torch stream.
 
     >>> import torch
     >>> ts = torch_tensors([torch.zeros(2, 3), torch.ones(4, dtype=torch.bfloat16)])
@@ -268,7 +268,7 @@ def torch_tensors(xs: list[Any]) -> TensorTable | None:
 
         index = device.index if device.index is not None else torch.cuda.current_device()
         ptrs, numels = list(map(torch.Tensor.data_ptr, xs)), list(map(torch.Tensor.numel, xs))
-        views = device_views(cupy, ptrs, numels, list(map(_STORAGE.__getitem__, logical)), xs, index)
+        views = DeviceViews(cupy, ptrs, numels, list(map(_STORAGE.__getitem__, logical)), xs, [index] * len(xs))
         return TensorTable(views, logical, shapes, ["torch"] * len(xs), [device] * len(xs))
     if device.type != "cpu":
         return None
@@ -280,24 +280,6 @@ def torch_tensors(xs: list[Any]) -> TensorTable | None:
 
 _DEVICE, _LAYOUT, _REQUIRES_GRAD = attrgetter("device"), attrgetter("layout"), attrgetter("requires_grad")
 _STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64}
-
-
-def device_views(
-    cupy: Any, ptrs: list[int], numels: list[int], storage: list[Any], owners: list[Any], device_id: int
-) -> list[Any]:
-    """Flat CuPy arrays over device memory that ``owners`` hold (``numels[i]`` elements of ``storage[i]`` at
-    ``ptrs[i]`` on device ``device_id``): no copy, and none of DLPack's per-array stream handshake (a few µs an
-    array instead of tens); each view keeps its owner alive. ``cupy`` is the CuPy module (a stand-in in tests).
-    """
-    unowned, pointer, ndarray = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer, cupy.ndarray
-    sizes = {dt: np.dtype(dt).itemsize for dt in set(storage)}
-    out = []
-    for p, n, dt, owner in zip(ptrs, numels, storage, owners):
-        if n:
-            out.append(ndarray((n,), dt, pointer(unowned(p, n * sizes[dt], owner, device_id), 0)))
-        else:
-            out.append(ndarray((0,), dt))
-    return out
 
 
 def _torch_logical() -> dict:

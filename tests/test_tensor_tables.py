@@ -1,4 +1,4 @@
-"""Tables of tensors wrapped and checked at once: torch CUDA tensors as CuPy views (arrays.device_views), the
+"""Tables of tensors wrapped and checked at once: torch CUDA tensors given by address (backends.base.DeviceViews), the
 base's inf/NaN check in packs (xp.finite.first_nonfinite)."""
 
 from __future__ import annotations
@@ -9,14 +9,15 @@ import numpy as np
 import pytest
 
 import gpu_codec
-from gpu_codec.arrays import device_views, torch_tensors
+from gpu_codec.arrays import torch_tensors
+from gpu_codec.backends.base import DeviceViews, sizes_of
 from gpu_codec.constants import DT_BF16, DT_F16, DT_F32
 from gpu_codec.xp import finite
-from tests.common import HAS_GPU, use_backend
+from tests.common import HAS_EMULATOR, HAS_GPU, use_backend
 
 
 def _stand_in_cupy():
-    """What device_views uses of CuPy, recording its arguments (CuPy's own signatures)."""
+    """What DeviceViews uses of CuPy, recording its arguments (CuPy's own signatures)."""
     made = []
 
     class UnownedMemory:
@@ -39,13 +40,118 @@ def _stand_in_cupy():
 def test_device_views_cover_each_owner_memory_exactly():
     cupy, made = _stand_in_cupy()
     owners = [object(), object(), object()]
-    views = device_views(cupy, [4096, 0, 8192], [10, 0, 3], [np.float32, np.uint16, np.float64], owners, 2)
-    assert views == made and [v.shape for v in views] == [(10,), (0,), (3,)]
+    views = DeviceViews(cupy, [4096, 0, 8192], [10, 0, 3], [np.float32, np.uint16, np.float64], owners, [2, 2, 2])
+    assert made == [] and views.numels == [10, 0, 3]  # (nothing made until an item is read)
+    assert views[2] is views[2] and len(made) == 1  # (an item made once)
+    assert list(views) == [made[1], made[2], made[0]]  # (in order, the others made as they are read)
+    assert len(made) == 3 and [v.shape for v in views] == [(10,), (0,), (3,)]
     assert [v.dtype.name for v in views] == ["float32", "uint16", "float64"]
     m0, m2 = views[0].memptr, views[2].memptr
     assert (m0.mem.ptr, m0.mem.size, m0.mem.owner, m0.mem.device_id, m0.offset) == (4096, 40, owners[0], 2, 0)
     assert (m2.mem.ptr, m2.mem.size, m2.mem.owner) == (8192, 24, owners[2])
     assert views[1].memptr is None  # (an empty tensor: its own empty array, whatever its address)
+    with pytest.raises(IndexError):
+        views[3]
+
+
+def test_device_views_slices_and_sums_stay_columns():
+    cupy, made = _stand_in_cupy()
+    a = DeviceViews(cupy, [64, 128], [1, 2], [np.float32, np.float16], ["o1", "o2"], [0, 0])
+    b = DeviceViews(cupy, [256], [3], [np.float64], ["o3"], [0])
+    s = a + b
+    assert type(s) is DeviceViews and (s.ptrs, s.numels, s.owners) == ([64, 128, 256], [1, 2, 3], ["o1", "o2", "o3"])
+    assert type(s[1:]) is DeviceViews and s[1:].ptrs == [128, 256] and s[::-1].numels == [3, 2, 1]
+    assert sizes_of(s) == [1, 2, 3] and made == []
+    mixed = a + [None]  # (with a list: a list of the arrays)
+    assert type(mixed) is list and mixed[2] is None and mixed[:2] == [a[0], a[1]]
+    assert ([None] + b) == [None, b[0]]
+
+
+def test_kernel_ops_read_device_views_addresses_without_arrays():
+    """The kernel backends' address table of a DeviceViews is its ptrs column (0 for an empty tensor, as an
+    empty array's address reads), and the backend hands it on as it is: no array made."""
+    from gpu_codec.backends.kernels import KernelOps
+
+    cupy, made = _stand_in_cupy()
+    runner = types.SimpleNamespace(xp=np, ptr=lambda a: 1 / 0, ptrs=lambda arrays: 1 / 0)
+    ops = KernelOps(runner)
+    views = DeviceViews(cupy, [4096, 777, 8192], [10, 0, 3], [np.float32] * 3, [None] * 3, [0] * 3)
+    for skip in (False, True):
+        got = ops._ptrs(views, skip_empty=skip)
+        assert got.dtype == np.uint64 and got.tolist() == [4096, 0, 8192]
+    assert made == []
+
+
+def _host_cupy(made: list):
+    """CuPy's names that DeviceViews uses, over host memory: an item is made as a NumPy array over the memory at its
+    address (what the emulated kernels read, as the GPU's read a CUDA tensor's), its shape noted in ``made``."""
+    import ctypes
+
+    def ndarray(shape, dtype, memptr=None):
+        made.append(shape)
+        if memptr is None:
+            return np.empty(shape, dtype)
+        return np.frombuffer((ctypes.c_char * memptr.mem.size).from_address(memptr.mem.ptr), dtype)
+
+    cupy, _ = _stand_in_cupy()
+    cupy.ndarray = ndarray
+    return cupy
+
+
+@pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler")
+def test_tables_given_by_address_give_the_same_bytes_and_compress_makes_no_array(monkeypatch):
+    """Every table the engine wraps given by address (as a model's CUDA tensors are), on the emulated backend: the
+    payloads (global, per-tensor, error feedback), decompress onto the base and an aggregate equal the arrays'; a
+    compress reads only addresses and sizes (no array made)."""
+    import gpu_codec.arrays as arrays_mod
+
+    rng = np.random.default_rng(3)
+    shapes = [(3, 5), (), (0,), (300,), (8, 2), (41,)]
+    dts = [np.float32, np.float32, np.float16, np.float32, np.float64, np.float16]
+    base = {f"t{i}": rng.standard_normal(s).astype(dt) for i, (s, dt) in enumerate(zip(shapes, dts))}
+    new = {k: (v + rng.standard_normal(v.shape).astype(v.dtype)).astype(v.dtype) for k, v in base.items()}
+
+    def run():
+        out = {}
+        for scope in ("global", "per_tensor"):
+            out[scope] = gpu_codec.compress(new, base, fraction=0.2, scope=scope).to_bytes()
+        ef = gpu_codec.ErrorFeedback()
+        out["ef"] = [gpu_codec.compress(new, base, fraction=0.1, residual=ef).to_bytes() for _ in range(2)]
+        out["onto"] = gpu_codec.decompress(out["global"], base=base)
+        agg = gpu_codec.Aggregator(base=base)
+        agg.add(out["global"])
+        agg.add(out["per_tensor"])
+        out["mean"] = agg.result()
+        return out
+
+    with use_backend("emulated"):
+        want = run()
+        made: list = []
+        cupy, tables = _host_cupy(made), []
+        plain = arrays_mod.numpy_tensors
+
+        def by_address(xs):
+            table = plain(xs)
+            if table is not None:  # (NumPy arrays given by address, as torch CUDA tensors are to the GPU backend)
+                xs = table.data
+                cols = [a.ctypes.data for a in xs], [a.size for a in xs], [a.dtype.type for a in xs]
+                table.data = DeviceViews(cupy, *cols, list(xs), [0] * len(xs))
+                tables.append(table.data)
+            return table
+
+        monkeypatch.setattr(arrays_mod, "numpy_tensors", by_address)
+        full = [k for k, v in new.items() if v.size]  # (an empty tensor takes the checks a tensor at a time)
+        got = gpu_codec.compress({k: new[k] for k in full}, {k: base[k] for k in full}, fraction=0.2).to_bytes()
+        assert len(tables) == 2 and all(type(t) is DeviceViews for t in tables) and made == []
+        got_all = run()
+    with use_backend("emulated"):
+        assert got == gpu_codec.compress({k: new[k] for k in full}, {k: base[k] for k in full}, fraction=0.2).to_bytes()
+    for key in ("global", "per_tensor", "ef"):
+        assert got_all[key] == want[key], key
+    for key in ("onto", "mean"):
+        assert want[key].keys() == got_all[key].keys()
+        for k, v in want[key].items():
+            assert got_all[key][k].dtype == v.dtype and np.array_equal(got_all[key][k], v, equal_nan=True), (key, k)
 
 
 def _naive_first(arrays, dts):
@@ -111,6 +217,35 @@ def test_torch_cuda_tables_are_views_of_the_tensors_and_give_the_cpu_bytes():
     dev_base["t3"][5] = float("nan")
     with use_backend("gpu"), pytest.raises(gpu_codec.errors.InvalidInputError, match=r"'t3'.*inf or NaN"):
         gpu_codec.Aggregator(base=dev_base)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")
+def test_torch_cuda_compress_reads_the_tensors_addresses_only(monkeypatch):
+    """A compress of torch CUDA tensors (global, per-tensor, with error feedback) makes no CuPy array of the update
+    or the base: the kernels read their addresses and sizes. Its bytes are the CPU's."""
+    torch = pytest.importorskip("torch")
+    g = torch.Generator().manual_seed(1)
+    shapes = [(3, 5), (), (700,), (8, 2), (40, 3)]
+    base = {f"t{i}": torch.randn(s, generator=g) for i, s in enumerate(shapes)}
+    base["h"] = torch.randn(33, generator=g).to(torch.bfloat16)
+    base["f"] = torch.randn(65, generator=g).to(torch.float16)
+    new = {k: v + torch.randn(v.shape, generator=g).to(v.dtype) for k, v in base.items()}
+    dev_new, dev_base = ({k: v.cuda() for k, v in d.items()} for d in (new, base))
+    assert type(torch_tensors(list(dev_new.values())).data) is DeviceViews
+    made, make = [], DeviceViews._make
+    monkeypatch.setattr(DeviceViews, "_make", lambda self, i: made.append(i) or make(self, i))
+
+    def run(n, b):
+        out = [gpu_codec.compress(n, b, fraction=0.3, scope=s).to_bytes() for s in ("global", "per_tensor")]
+        ef = gpu_codec.ErrorFeedback()
+        return out + [gpu_codec.compress(n, b, fraction=0.1, residual=ef).to_bytes() for _ in range(2)]
+
+    with use_backend("gpu"):
+        got = run(dev_new, dev_base)
+    assert made == []
+    with use_backend("cpu"):
+        assert got == run(new, base)
 
 
 @pytest.mark.parametrize(

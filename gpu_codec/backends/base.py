@@ -14,6 +14,7 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -90,6 +91,80 @@ class SelectRequest(DeltaRequest):
     def select_args(self) -> tuple:
         """The fields in the order of the selection's (and its twin's) arguments."""
         return (*self.delta_args(), self.criterion, self.segments, self.ks, self.rounding)
+
+
+class DeviceViews(Sequence):
+    """Flat device arrays given by address, each made into an array only when it is read: item ``i`` is
+    ``numels[i]`` elements of ``storage[i]`` (a NumPy dtype) at ``ptrs[i]`` on CUDA device ``device_ids[i]``, in
+    memory that ``owners[i]`` holds (a torch tensor, which its array keeps alive). The kernel backends read the
+    ``ptrs`` and ``numels`` columns and make no array; reading an item makes it once, a CuPy array over that
+    memory (no copy, and none of DLPack's per-array stream handshake). ``cupy``: the CuPy module (a stand-in in
+    tests). A slice, and the sum of two such sequences, stay columns.
+
+    >>> v = DeviceViews(None, [4096, 0], [10, 0], [np.float32, np.uint16], [None, None], [0, 0])
+    >>> len(v), v.numels, (v + v).ptrs, v[1:].numels
+    (2, [10, 0], [4096, 0, 4096, 0], [0])
+    """
+
+    __slots__ = ("_made", "cupy", "device_ids", "numels", "owners", "ptrs", "storage")
+
+    def __init__(
+        self, cupy: Any, ptrs: list[int], numels: list[int], storage: list[Any], owners: list[Any], device_ids: list
+    ):
+        self.cupy, self.ptrs, self.numels, self.storage = cupy, ptrs, numels, storage
+        self.owners, self.device_ids = owners, device_ids
+        self._made: list | None = None  # (each item's array, once made)
+
+    def __len__(self) -> int:
+        return len(self.ptrs)
+
+    def __getitem__(self, i):  # type: ignore[override]
+        if isinstance(i, slice):
+            cols = (self.ptrs, self.numels, self.storage, self.owners, self.device_ids)
+            return DeviceViews(self.cupy, *(c[i] for c in cols))
+        made = self._made
+        if made is None:
+            made = self._made = [None] * len(self.ptrs)
+        a = made[i]  # (an index out of range raises here, as a list's)
+        if a is None:
+            a = made[i] = self._make(i)
+        return a
+
+    def _make(self, i: int) -> Any:
+        cupy, n, dt = self.cupy, self.numels[i], self.storage[i]
+        if not n:
+            return cupy.ndarray((0,), dt)  # (an empty tensor: its own empty array, whatever its address)
+        mem = cupy.cuda.UnownedMemory(self.ptrs[i], n * np.dtype(dt).itemsize, self.owners[i], self.device_ids[i])
+        return cupy.ndarray((n,), dt, cupy.cuda.MemoryPointer(mem, 0))
+
+    def __iter__(self) -> Iterator[Any]:
+        return map(self.__getitem__, range(len(self.ptrs)))
+
+    def __add__(self, other: Sequence) -> Sequence:
+        if type(other) is DeviceViews and other.cupy is self.cupy:
+            cols = zip(
+                (self.ptrs, self.numels, self.storage, self.owners, self.device_ids),
+                (other.ptrs, other.numels, other.storage, other.owners, other.device_ids),
+            )
+            return DeviceViews(self.cupy, *(a + b for a, b in cols))
+        return list(self) + list(other)
+
+    def __radd__(self, other: Sequence) -> list:
+        return list(other) + list(self)
+
+
+def sizes_of(arrays: Sequence[Any]) -> list[int]:
+    """Each array's element count, as Python ints: a :class:`DeviceViews`' column, without making its arrays.
+
+    >>> sizes_of([np.zeros(3), np.zeros(0)]), sizes_of(DeviceViews(None, [64], [5], [np.float32], [None], [0]))
+    ([3, 0], [5])
+    """
+    if type(arrays) is DeviceViews:
+        return list(arrays.numels)
+    return list(map(_SIZE, arrays))  # (a NumPy or CuPy array's size is a Python int)
+
+
+_SIZE = attrgetter("size")
 
 
 @runtime_checkable
@@ -413,6 +488,7 @@ def gathered(backend: Any) -> Iterator[None]:
 __all__ = [
     "Array",
     "Backend",
+    "DeviceViews",
     "Runner",
     "abs_max",
     "abs_max_bits",
@@ -426,6 +502,7 @@ __all__ = [
     "mean_span",
     "read_joined",
     "scatter_args",
+    "sizes_of",
     "some_nonfinite",
     "split_values",
 ]

@@ -25,6 +25,7 @@ import numpy as np
 
 from ..errors import InvalidInputError
 from . import events
+from .base import DeviceViews
 from .decode import ArrayDecoders
 from .float_ops import KernelFloatOps
 from .kernels import KernelBackendBase
@@ -199,7 +200,9 @@ class GpuBackend(KernelFloatOps, ArrayDecoders, KernelBackendBase):
             return a
         return self.xp.asarray(a)
 
-    def asarrays(self, arrays: Sequence[Any]) -> list[Any]:
+    def asarrays(self, arrays: Sequence[Any]) -> Sequence[Any]:
+        if type(arrays) is DeviceViews:  # (device arrays already, made where one is read)
+            return arrays
         nd, asarray = self.xp.ndarray, self.xp.asarray
         return [a if a is None or type(a) is nd else asarray(a) for a in arrays]
 

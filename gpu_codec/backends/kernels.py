@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from itertools import chain, repeat
 from operator import attrgetter, is_, is_not
 from statistics import NormalDist
@@ -44,7 +45,7 @@ from ..constants import (
     max_bits,
 )
 from ..format.common import Segmented
-from .base import Runner, all_finite, dense_values, flat_tables, scatter_args, split_values
+from .base import DeviceViews, Runner, all_finite, dense_values, flat_tables, scatter_args, sizes_of, split_values
 
 FUSED_ENV = "GPU_CODEC_FUSED_SELECT"
 SAMPLE_RUN = 8  # consecutive elements per sampled run (one 32-byte sector of fp32; design_effect counts on 8)
@@ -383,6 +384,10 @@ class KernelOps:
         """A device table of the arrays' addresses (0 for None, and for empty arrays with ``skip_empty``;
         ``sizes``, the arrays' sizes where the caller has them): where every array is there and none is skipped,
         read by the runner's ``ptrs`` in one loop where it has one; else a call a non-empty array."""
+        if type(arrays) is DeviceViews:  # (a caller's tensors given by address: no array made)
+            addrs = np.asarray(arrays.ptrs, np.uint64)
+            addrs[np.asarray(arrays.numels) == 0] = 0  # (as an empty array's address reads)
+            return self._up(addrs)
         if _all_none(arrays):  # (no residuals, no external scores: the common case)
             return self._up(np.zeros(len(arrays), np.uint64))
         many = getattr(self.runner, "ptrs", None)
@@ -399,7 +404,7 @@ class KernelOps:
     def topk_select(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit, segments, ks, qmode):
         """Same contract as :func:`gpu_codec.cpu_fallback.select.topk_select`, on the runner's memory."""
         _check_segments(segments, len(new))
-        numels = list(map(_SIZE, new))  # (Python ints, on every array module)
+        numels = sizes_of(new)  # (Python ints, on every array module)
         sizes = [sum(map(numels.__getitem__, seg)) for seg in segments]
         # a large segment kept whole would make every element a candidate: the unfused passes skip its selection
         if self.fused and not any(k >= n > SAMPLE_ALL for n, k in zip(sizes, ks)):
@@ -416,7 +421,7 @@ class KernelOps:
         xp, run = self.xp, self.runner
         nt = len(new)
         seg_of = segment_of(segments)
-        tb = TensorTables([int(a.size) for a in new], seg_of, len(segments))
+        tb = TensorTables(sizes_of(new), seg_of, len(segments))
         d_chunk_start, d_elem_off, d_numel = self._up(tb.chunk_start), self._up(tb.elem_off), self._up(tb.numel)
         d_seg_of = self._up(tb.seg_of)
         d_dtypes = self._up(code_array(dtypes))
@@ -708,7 +713,7 @@ class KernelOps:
     def dense_delta(self, new, base, res, res_out, dtypes, ext_scores, ext_dtypes, crit):
         """Dense mode in one pass over the inputs (see :meth:`gpu_codec.backends.base.Backend.dense_delta`)."""
         xp, run = self.xp, self.runner
-        numels = [int(a.size) for a in new]
+        numels = sizes_of(new)
         tb = TensorTables(numels, [0] * len(new), 1)
         off, n32, n64 = flat_tables(numels, dtypes, DT_F64)
         vals32, vals64 = xp.empty(n32, np.float32), xp.empty(n64, np.float64)
@@ -842,7 +847,7 @@ class KernelOps:
 
     def gather_copy(self, out, sources) -> None:
         """``out`` = the sources end to end, bits as they are, in one launch (kernels/scatter.cu)."""
-        counts = list(map(_SIZE, sources))
+        counts = sizes_of(sources)
         total = sum(counts)
         if total != out.size:
             raise ValueError(f"gather_copy: the sources hold {total} elements, the output {out.size}")
@@ -996,8 +1001,11 @@ class KernelBackendBase:
         self.xp = runner.xp
         self.ops = KernelOps(runner)
 
-    def asarrays(self, arrays) -> list[Any]:
-        """:meth:`asarray` of each (None stays None)."""
+    def asarrays(self, arrays) -> Sequence[Any]:
+        """:meth:`asarray` of each (None stays None); a :class:`~.base.DeviceViews` as it is (arrays of the runner's
+        memory, each made where it is read)."""
+        if type(arrays) is DeviceViews:
+            return arrays
         asarray = self.asarray  # type: ignore[attr-defined]
         return [None if a is None else asarray(a) for a in arrays]
 
