@@ -98,6 +98,22 @@ def _host_cupy(made: list):
     return cupy
 
 
+def test_device_views_over_memory_read_twice_are_the_same_arrays():
+    """Items made over real memory (NumPy arrays, which compare element by element) are made once: a second pass,
+    whole or by index, gives the very arrays of the first."""
+    xs = [np.arange(5, dtype=np.float32), np.zeros(0, np.float16), np.ones(3)]
+    made: list = []
+    views = DeviceViews(
+        _host_cupy(made), [a.ctypes.data for a in xs], [3, 0, 2], [a.dtype.type for a in xs], xs, [0] * 3
+    )
+    first = views[0]
+    assert first.tolist() == [0.0, 1.0, 2.0] and len(made) == 1
+    whole = list(views)
+    assert whole[0] is first and len(made) == 3 and [a.tolist() for a in whole] == [[0, 1, 2], [], [1.0, 1.0]]
+    again = list(views)
+    assert all(a is b for a, b in zip(again, whole)) and views[2] is whole[2] and len(made) == 3
+
+
 @pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler")
 def test_tables_given_by_address_give_the_same_bytes_and_compress_makes_no_array(monkeypatch):
     """Every table the engine wraps given by address (as a model's CUDA tensors are), on the emulated backend: the

@@ -14,7 +14,8 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from operator import attrgetter
+from itertools import repeat
+from operator import attrgetter, is_
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -131,14 +132,39 @@ class DeviceViews(Sequence):
         return a
 
     def _make(self, i: int) -> Any:
-        cupy, n, dt = self.cupy, self.numels[i], self.storage[i]
-        if not n:
-            return cupy.ndarray((0,), dt)  # (an empty tensor: its own empty array, whatever its address)
-        mem = cupy.cuda.UnownedMemory(self.ptrs[i], n * np.dtype(dt).itemsize, self.owners[i], self.device_ids[i])
-        return cupy.ndarray((n,), dt, cupy.cuda.MemoryPointer(mem, 0))
+        return self._made_all([i])[i]
+
+    def _made_all(self, which: Sequence[int]) -> list:
+        """The items ``which`` made (those not made yet), in one loop; the cache of every item's array."""
+        made = self._made
+        if made is None:
+            made = self._made = [None] * len(self.ptrs)
+        cupy, ptrs, numels, storage, owners, devs = (
+            self.cupy,
+            self.ptrs,
+            self.numels,
+            self.storage,
+            self.owners,
+            self.device_ids,
+        )
+        unowned, pointer, ndarray = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer, cupy.ndarray
+        itemsize = {dt: np.dtype(dt).itemsize for dt in set(map(storage.__getitem__, which))}
+        for i in which:
+            if made[i] is None:
+                n, dt = numels[i], storage[i]
+                if n:
+                    made[i] = ndarray((n,), dt, pointer(unowned(ptrs[i], n * itemsize[dt], owners[i], devs[i]), 0))
+                else:  # (an empty tensor: its own empty array, whatever its address)
+                    made[i] = ndarray((0,), dt)
+        return made
 
     def __iter__(self) -> Iterator[Any]:
-        return map(self.__getitem__, range(len(self.ptrs)))
+        made = self._made
+        if made is None or any(
+            map(is_, made, repeat(None))
+        ):  # (every item made in one loop; `in` would compare arrays)
+            made = self._made_all(range(len(self.ptrs)))
+        return iter(made)
 
     def __add__(self, other: Sequence) -> Sequence:
         if type(other) is DeviceViews and other.cupy is self.cupy:
