@@ -2,8 +2,8 @@
 
 For a zoo entry as torch CUDA tensors (split-2^23-1000 unless named): the median of 21 calls (after 3 warm-up
 calls, each followed by a device synchronize) of ``compress``, ``decompress`` of its bytes onto the base,
-``Payload.from_bytes`` and ``tensor_table`` of the update's tensors (the wrapping of torch CUDA tensors as CuPy
-views over their memory, which compress does for the update and for the base), then ``cProfile``'s 30 costliest
+``Payload.from_bytes`` and ``tensor_table`` of the update's tensors (the table of torch CUDA tensors, their addresses,
+sizes, dtypes and shapes, which compress reads for the update and for the base), then ``cProfile``'s 30 costliest
 functions of 10 calls of compress and of decompress. The recording launcher (``gpu_codec.testing.recording``)
 takes NumPy arrays standing for resident tensors, so it does not see the torch glue this shows.
 
