@@ -223,13 +223,13 @@ def numpy_tensors(xs: list[Any]) -> TensorTable | None:
 
 def tensor_table(xs: list[Any]) -> TensorTable | None:
     """:func:`to_tensor` of every array of ``xs`` where they form a table the fast wrappers take whole
-    (:func:`numpy_tensors`, :func:`torch_tensors`: a few calls over the list); None otherwise, and for an empty
-    list (then :func:`to_tensor` wraps them one by one, with its errors).
+    (:func:`numpy_tensors`, :func:`torch_tensors`, :func:`cupy_tensors`: a few calls over the list); None
+    otherwise, and for an empty list (then :func:`to_tensor` wraps them one by one, with its errors).
 
     >>> [t.kind for t in tensor_table([np.zeros(2, np.float32)])], tensor_table([]), tensor_table([[1.0]])
     (['numpy'], None, None)
     """
-    return (numpy_tensors(xs) or torch_tensors(xs)) if xs else None
+    return (numpy_tensors(xs) or torch_tensors(xs) or cupy_tensors(xs)) if xs else None
 
 
 def torch_tensors(xs: list[Any]) -> TensorTable | None:
@@ -278,7 +278,34 @@ def torch_tensors(xs: list[Any]) -> TensorTable | None:
     return TensorTable([a.reshape(-1) for a in host], logical, shapes, ["torch"] * len(xs), [device] * len(xs))
 
 
+def cupy_tensors(xs: list[Any]) -> TensorTable | None:
+    """:func:`to_tensor` of every array of ``xs`` where each is a C-contiguous CuPy array of float32, float16 or
+    float64, all on one CUDA device (checked over the whole list: no CuPy call a tensor, no copy); None where one
+    is not (then :func:`to_tensor` wraps them one by one, with its errors). They are given by address
+    (:class:`~gpu_codec.backends.base.DeviceViews`), as torch CUDA tensors are.
+
+    >>> cupy_tensors([np.zeros(3, np.float32)]) is None  # (NumPy arrays: numpy_tensors' table)
+    True
+    """
+    types = set(map(type, xs))
+    if len(types) != 1 or not next(iter(types)).__module__.startswith("cupy"):
+        return None
+    import cupy
+
+    if types != {cupy.ndarray} or not all(map(_C_CONTIGUOUS, xs)):
+        return None
+    devices = set(map(_DEVICE_ID, xs))
+    logical = list(map(_NP_TO_LOGICAL.get, map(_DTYPE, xs)))
+    if len(devices) != 1 or None in logical:
+        return None
+    (dev,) = devices
+    ptrs, numels, n = list(map(_DATA_PTR, xs)), list(map(_SIZE, xs)), len(xs)
+    views = DeviceViews(cupy, ptrs, numels, list(map(_STORAGE.__getitem__, logical)), list(xs), [dev] * n)
+    return TensorTable(views, logical, list(map(_SHAPE, xs)), ["cupy"] * n, [dev] * n)
+
+
 _DEVICE, _LAYOUT, _REQUIRES_GRAD = attrgetter("device"), attrgetter("layout"), attrgetter("requires_grad")
+_DEVICE_ID, _DATA_PTR, _SIZE = attrgetter("device.id"), attrgetter("data.ptr"), attrgetter("size")
 _STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64}
 
 

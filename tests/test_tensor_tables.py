@@ -205,6 +205,80 @@ def test_first_nonfinite_in_packs_names_the_first_bad_tensor(monkeypatch, seed):
         assert finite.first_nonfinite(arrays, dts) == _naive_first(arrays, dts)
 
 
+def _cupy_over(shapes_dtypes: list, device_id: int = 0) -> list:
+    """CuPy arrays over device addresses nothing reads (CuPy makes them without a device)."""
+    cupy = pytest.importorskip("cupy")
+    out, addr = [], 1 << 40
+    for shape, dt in shapes_dtypes:
+        nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+        mem = cupy.cuda.UnownedMemory(addr, max(nbytes, 1), None, device_id)
+        out.append(cupy.ndarray(shape, dt, cupy.cuda.MemoryPointer(mem, 0)))
+        addr += (nbytes + 511) // 512 * 512
+    return out
+
+
+def test_cupy_tables_are_given_by_address_as_to_tensor_wraps_each():
+    """CuPy arrays (C-contiguous floats on one device) as a table of addresses: every column as to_tensor gives it
+    tensor by tensor, and no CuPy array made; anything else is left to to_tensor."""
+    from gpu_codec.arrays import cupy_tensors, tensor_table, to_tensor
+
+    xs = _cupy_over([((3, 5), np.float32), ((), np.float64), ((7,), np.float16), ((2, 2, 2), np.float32)], 1)
+    table = tensor_table(xs)
+    assert table is not None and type(table.data) is DeviceViews and table.data._made is None
+    one = [to_tensor(x, f"t{i}") for i, x in enumerate(xs)]
+    assert table.dtypes == [t.dtype for t in one] and table.shapes == [t.shape for t in one]
+    assert table.kinds == ["cupy"] * 4 and table.devices == [t.device for t in one] == [1] * 4
+    assert table.data.ptrs == [t.data.data.ptr for t in one] and table.sizes() == [15, 1, 7, 8]
+    assert [a.data.ptr for a in table.data] == table.data.ptrs and table.data[2].dtype == np.float16
+    assert cupy_tensors([xs[0], xs[0].T]) is None  # (not contiguous)
+    assert cupy_tensors(xs[:1] + _cupy_over([((4,), np.float32)], 0)) is None  # (two devices)
+    assert cupy_tensors(xs[:1] + _cupy_over([((4,), np.int32)])) is None  # (not a float)
+    assert cupy_tensors([xs[0], np.zeros(3, np.float32)]) is None  # (two kinds)
+
+
+def test_cupy_inputs_take_the_table_checks_of_the_whole_update():
+    """compress's checks of a CuPy update and base read them as two tables (no tensor wrapped one by one), and
+    refuse a base whose shape differs as the tensor-by-tensor checks do."""
+    from gpu_codec import encode
+
+    xs = _cupy_over([((3, 5), np.float32), ((40,), np.float32)])
+    ys = _cupy_over([((3, 5), np.float32), ((40,), np.float32)])
+    names, news, bases = encode._check_tensors(dict(zip("ab", xs)), dict(zip("ab", ys)))
+    assert names == ["a", "b"] and type(news.data) is DeviceViews and type(bases.data) is DeviceViews
+    assert bases.data.ptrs == [y.data.ptr for y in ys] and news.data._made is None
+    zs = _cupy_over([((5, 3), np.float32), ((40,), np.float32)])
+    with pytest.raises(gpu_codec.errors.InvalidInputError, match=r"'a'.*shape \(3, 5\) differs"):
+        encode._check_tensors(dict(zip("ab", xs)), dict(zip("ab", zs)))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")
+def test_cupy_inputs_give_the_cpu_bytes_and_outputs():
+    """CuPy update and base (given by address): the CPU backend's payloads, decompress onto the base and mean."""
+    cupy = pytest.importorskip("cupy")
+    rng = np.random.default_rng(5)
+    shapes = [(3, 5), (), (700,), (8, 2)]
+    base = {f"t{i}": rng.standard_normal(s).astype(np.float32) for i, s in enumerate(shapes)}
+    base["h"] = rng.standard_normal(33).astype(np.float16)
+    new = {k: (v + rng.standard_normal(v.shape)).astype(v.dtype) for k, v in base.items()}
+    dev_new, dev_base = ({k: cupy.asarray(v) for k, v in d.items()} for d in (new, base))
+    with use_backend("cpu"):
+        want = [gpu_codec.compress(new, base, fraction=0.3, scope=s).to_bytes() for s in ("global", "per_tensor")]
+        want_out = gpu_codec.decompress(want[0], base=base)
+    with use_backend("gpu"):
+        got = [
+            gpu_codec.compress(dev_new, dev_base, fraction=0.3, scope=s).to_bytes() for s in ("global", "per_tensor")
+        ]
+        out = gpu_codec.decompress(got[0], base=dev_base)
+        agg = gpu_codec.Aggregator(base=dev_base)
+        agg.add(got[0])
+        mean = agg.result()
+    assert got == want
+    for k, v in want_out.items():
+        assert type(out[k]) is cupy.ndarray and np.array_equal(out[k].get(), v)
+        assert np.array_equal(cupy.asnumpy(mean[k]), v)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_GPU, reason="no CUDA GPU")
 def test_torch_cuda_tables_are_views_of_the_tensors_and_give_the_cpu_bytes():
