@@ -14,7 +14,10 @@ For the tensors of N = 2^23 fp32 elements split into 100 and 1,000 uneven tensor
 - ``iterate``: every item of a new table made (what reading a whole table costs, as ``Aggregator(base)``'s check
   of the base does).
 
-Each is printed beside its ratio to ``wrap`` measured in the same run. Needs CuPy importable (no device).
+Each is printed beside its ratio to ``wrap`` measured in the same run. Then CuPy inputs (arrays over addresses
+nothing reads, in the split's sizes): compress's checks of an update and a base of them (``encode._check_tensors``)
+as ``cupy_each``, one tensor at a time (``to_tensor``, the path CuPy inputs took before :func:`cupy_tensors`; the
+table wrappers turned off for it), and ``cupy_table``, read as two tables. Needs CuPy importable (no device).
 
     python benchmarks/bench_device_views.py     # writes benchmarks/results/device_views_cpu.{json,md}
 """
@@ -39,10 +42,12 @@ import numpy as np
 from benchmarks.bench_topk import cpu_info
 from benchmarks.bench_zoo import command_line, commit_label, write_results
 from benchmarks.zoo import split_update
+from gpu_codec import encode
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 OPS = ("wrap", "table", "addresses", "iterate")
+CUPY_OPS = ("cupy_each", "cupy_table")
 BASE_ADDRESS = 1 << 40  # (an address no call dereferences: CuPy's objects only hold it)
 
 
@@ -86,15 +91,41 @@ def row(cupy: Any, tensors: int, elements: int, repeat: int) -> dict[str, Any]:
     got = list(DeviceViews(cupy, ptrs, numels, storage, owners, devs))
     want = wrap(cupy, ptrs, numels, storage, owners, 0)
     assert [(a.data.ptr, a.size) for a in got] == [(a.data.ptr, a.size) for a in want]  # (the same arrays)
-    ms = {op: [] for op in OPS}
+    update, base = _cupy_update(cupy, numels, 0), _cupy_update(cupy, numels, len(numels))
+    fns["cupy_each"] = lambda: _checked_each(update, base)
+    fns["cupy_table"] = lambda: encode._check_tensors(update, base)
+    assert [t.data.data.ptr for t in _checked_each(update, base)[1]] == encode._check_tensors(update, base)[1].data.ptrs
+    ms = {op: [] for op in fns}
     for _ in range(3):  # (the ops take turns, so that each sees the same machine load)
-        for op in OPS:
+        for op in fns:
             ms[op].append(_median_ms(fns[op], repeat))
     out: dict[str, Any] = {"tensors": tensors, "elements": elements}
-    for op in OPS:
+    for op in fns:
         out[f"{op}_ms"] = min(ms[op])
+    for op in OPS:
         out[f"x_{op}"] = out[f"{op}_ms"] / out["wrap_ms"]
+    out["x_cupy_table"] = out["cupy_table_ms"] / out["cupy_each_ms"]
     return out
+
+
+def _cupy_update(cupy: Any, numels: list[int], first: int) -> dict[str, Any]:
+    """name -> a CuPy fp32 array of each size, over addresses nothing reads (made without a device; ``first``
+    sets them apart from another update's)."""
+    out, addr = {}, BASE_ADDRESS + (first << 30)
+    for i, n in enumerate(numels):
+        mem = cupy.cuda.UnownedMemory(addr, 4 * n, None, 0)
+        out[f"t{i}"] = cupy.ndarray((n,), np.float32, cupy.cuda.MemoryPointer(mem, 0))
+        addr += (4 * n + 511) // 512 * 512
+    return out
+
+
+def _checked_each(update: dict[str, Any], base: dict[str, Any]):
+    """compress's checks with the table wrappers off: every tensor wrapped and checked alone (``to_tensor``)."""
+    table, encode.tensor_table = encode.tensor_table, lambda xs: None
+    try:
+        return encode._check_tensors(update, base)
+    finally:
+        encode.tensor_table = table
 
 
 def markdown(doc: dict[str, Any]) -> str:
@@ -111,6 +142,19 @@ def markdown(doc: dict[str, Any]) -> str:
     for r in doc["rows"]:
         cells = [f"{r['wrap_ms']:.3f}"] + [f"{r[f'{op}_ms']:.4f} ({r[f'x_{op}']:.3g}×)" for op in OPS[1:]]
         lines.append(f"| {r['tensors']:,} | {' | '.join(cells)} |")
+    lines += [
+        "",
+        "CuPy inputs: compress's checks of an update and a base, ms (in brackets: over `cupy_each`, a tensor at a "
+        "time, the path they took before).",
+        "",
+        "| tensors | cupy_each | cupy_table |",
+        "| ---: | ---: | ---: |",
+    ]
+    for r in doc["rows"]:
+        if "cupy_each_ms" in r:
+            lines.append(
+                f"| {r['tensors']:,} | {r['cupy_each_ms']:.3f} | {r['cupy_table_ms']:.3f} ({r['x_cupy_table']:.3g}×) |"
+            )
     return "\n".join(lines) + "\n"
 
 

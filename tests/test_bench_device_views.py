@@ -17,7 +17,8 @@ def test_rows_time_every_op_against_the_wrapping_loop(tmp_path):
     doc = json.loads(out.read_text())
     assert [r["tensors"] for r in doc["rows"]] == [3, 40] and doc["machine"]["simd"]
     for r in doc["rows"]:
-        assert r["x_wrap"] == 1.0 and all(r[f"{op}_ms"] > 0 for op in b.OPS)
+        assert r["x_wrap"] == 1.0 and all(r[f"{op}_ms"] > 0 for op in b.OPS + b.CUPY_OPS)
+        assert r["x_cupy_table"] == r["cupy_table_ms"] / r["cupy_each_ms"]
     assert "| 40 |" in out.with_suffix(".md").read_text()
     with pytest.raises(SystemExit):  # (an existing result is kept unless --force)
         b.main(["--tensors", "3", "--elements", "5000", "--repeat", "1", "--out", str(out)])
