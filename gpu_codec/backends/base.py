@@ -218,9 +218,9 @@ class Backend(Protocol):
         """``a`` in this backend's memory (no copy where it is there already)."""
         ...
 
-    def asarrays(self, arrays: Sequence[Any]) -> list[Any]:
+    def asarrays(self, arrays: Sequence[Any]) -> Sequence[Any]:
         """:meth:`asarray` of each of ``arrays`` (None stays None), without a call a tensor where each is in this
-        backend's memory already (a model's tensors)."""
+        backend's memory already (a model's tensors; a :class:`DeviceViews` on the kernel backends, as it is)."""
         ...
 
     def to_host(self, a: Array) -> np.ndarray:
