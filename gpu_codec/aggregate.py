@@ -28,6 +28,7 @@ import math
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,7 @@ from . import decode as _decode
 from . import dtypes
 from .arrays import TensorTable, from_backend, is_device_array, tensor_table, to_tensor
 from .backends import events, get_backend
+from .backends.base import DeviceViews, joined_by_address
 from .codecs import decoder_for, host_resident, inner_encoding
 from .collector import holds_collector
 from .constants import ScatterMode
@@ -293,7 +295,9 @@ class Aggregator:
             self._base_tensors = tensors
             with be.stream(tensors):  # (on the caller's stream, behind its writes of the base)
                 storages = be.asarrays(tensors.data)
-                bad = first_nonfinite(storages, list(map(dtypes.code, logical)), be.xp, be.to_host)
+                join = partial(joined_by_address, be, storages) if type(storages) is DeviceViews else None
+                codes = list(map(dtypes.code, logical))
+                bad = first_nonfinite(storages, codes, be.xp, be.to_host, tensors.sizes(), join)
                 events.waited()  # (its last step, a read-back, waited for the stream)
             if bad is not None:
                 raise InvalidInputError(f"tensor {names[bad]!r}: the base holds inf or NaN, so no mean on it is finite")

@@ -114,13 +114,59 @@ def test_device_views_over_memory_read_twice_are_the_same_arrays():
     assert all(a is b for a, b in zip(again, whole)) and views[2] is whole[2] and len(made) == 3
 
 
+def _tables_by_address(monkeypatch) -> tuple[list, list]:
+    """Every NumPy table the engine wraps given by address from now on, as torch CUDA tensors are to the GPU
+    backend (items made over host memory, :func:`_host_cupy`): the shapes of the items made, and the tables."""
+    import gpu_codec.arrays as arrays_mod
+
+    made: list = []
+    cupy, tables, plain = _host_cupy(made), [], arrays_mod.numpy_tensors
+
+    def by_address(xs):
+        table = plain(xs)
+        if table is not None:
+            xs = table.data
+            cols = [a.ctypes.data for a in xs], [a.size for a in xs], [a.dtype.type for a in xs]
+            table.data = DeviceViews(cupy, *cols, list(xs), [0] * len(xs))
+            tables.append(table.data)
+        return table
+
+    monkeypatch.setattr(arrays_mod, "numpy_tensors", by_address)
+    return made, tables
+
+
+@pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler")
+def test_aggregator_checks_a_base_given_by_address_without_its_arrays(monkeypatch):
+    """Aggregator(base)'s inf/NaN check of a base given by address joins its small tensors by their addresses (one
+    gather a pack): no array made for a tensor of a pack; a NaN is still found and named, and the mean is the
+    arrays'."""
+    rng = np.random.default_rng(8)
+    sizes_dts = [(300, np.float32), (41, np.float16), (7, np.float64), (1000, np.float32), (5, np.float16)]
+    base = {f"t{i}": rng.standard_normal(n).astype(dt) for i, (n, dt) in enumerate(sizes_dts)}
+    new = {k: (v + rng.standard_normal(v.shape)).astype(v.dtype) for k, v in base.items()}
+    bad = dict(base, t3=base["t3"].copy())
+    bad["t3"][17] = np.nan
+    with use_backend("emulated"):
+        blob = gpu_codec.compress(new, base, fraction=0.1).to_bytes()
+        agg = gpu_codec.Aggregator(base=base)
+        agg.add(blob)
+        want = agg.result()
+        made, tables = _tables_by_address(monkeypatch)
+        agg = gpu_codec.Aggregator(base=base)
+        assert len(tables) == 1 and made == [(7,)]  # (the one float64 tensor, checked alone: its array made)
+        agg.add(blob)
+        got = agg.result()
+        with pytest.raises(gpu_codec.errors.InvalidInputError, match=r"'t3'.*inf or NaN"):
+            gpu_codec.Aggregator(base=bad)
+    for k, v in want.items():
+        assert got[k].dtype == v.dtype and np.array_equal(got[k], v), k
+
+
 @pytest.mark.skipif(not HAS_EMULATOR, reason="no C++20 compiler")
 def test_tables_given_by_address_give_the_same_bytes_and_compress_makes_no_array(monkeypatch):
     """Every table the engine wraps given by address (as a model's CUDA tensors are), on the emulated backend: the
     payloads (global, per-tensor, error feedback), decompress onto the base and an aggregate equal the arrays'; a
     compress reads only addresses and sizes (no array made)."""
-    import gpu_codec.arrays as arrays_mod
-
     rng = np.random.default_rng(3)
     shapes = [(3, 5), (), (0,), (300,), (8, 2), (41,)]
     dts = [np.float32, np.float32, np.float16, np.float32, np.float64, np.float16]
@@ -142,20 +188,7 @@ def test_tables_given_by_address_give_the_same_bytes_and_compress_makes_no_array
 
     with use_backend("emulated"):
         want = run()
-        made: list = []
-        cupy, tables = _host_cupy(made), []
-        plain = arrays_mod.numpy_tensors
-
-        def by_address(xs):
-            table = plain(xs)
-            if table is not None:  # (NumPy arrays given by address, as torch CUDA tensors are to the GPU backend)
-                xs = table.data
-                cols = [a.ctypes.data for a in xs], [a.size for a in xs], [a.dtype.type for a in xs]
-                table.data = DeviceViews(cupy, *cols, list(xs), [0] * len(xs))
-                tables.append(table.data)
-            return table
-
-        monkeypatch.setattr(arrays_mod, "numpy_tensors", by_address)
+        made, tables = _tables_by_address(monkeypatch)
         full = [k for k, v in new.items() if v.size]  # (an empty tensor takes the checks a tensor at a time)
         got = gpu_codec.compress({k: new[k] for k in full}, {k: base[k] for k in full}, fraction=0.2).to_bytes()
         assert len(tables) == 2 and all(type(t) is DeviceViews for t in tables) and made == []

@@ -131,6 +131,11 @@ class DeviceViews(Sequence):
             a = made[i] = self._make(i)
         return a
 
+    def pick(self, indices: Sequence[int]) -> DeviceViews:
+        """The items at ``indices``, as columns (no array made)."""
+        cols = (self.ptrs, self.numels, self.storage, self.owners, self.device_ids)
+        return DeviceViews(self.cupy, *([c[i] for i in indices] for c in cols))
+
     def _make(self, i: int) -> Any:
         return self._made_all([i])[i]
 
@@ -177,6 +182,15 @@ class DeviceViews(Sequence):
 
     def __radd__(self, other: Sequence) -> list:
         return list(other) + list(self)
+
+
+def joined_by_address(backend: Any, views: DeviceViews, indices: Sequence[int]) -> Array:
+    """The items ``indices`` of ``views`` (of one storage dtype) end to end in one new array of ``backend``'s, by
+    one launch that reads their addresses (``gather_copy``): no array made an item."""
+    part = views.pick(indices)
+    out = backend.xp.empty(sum(part.numels), part.storage[0])
+    backend.gather_copy(out, part)
+    return out
 
 
 def sizes_of(arrays: Sequence[Any]) -> list[int]:
@@ -524,6 +538,7 @@ __all__ = [
     "flat_tables",
     "from_abs_bits",
     "gathered",
+    "joined_by_address",
     "later",
     "mean_span",
     "read_joined",

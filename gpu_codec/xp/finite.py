@@ -39,11 +39,13 @@ PACK_ALONE = 1 << 18  # elements from which a tensor is checked on its own
 PACK_MAX = 1 << 22  # elements of one concatenation of smaller tensors
 
 
-def first_nonfinite(arrays, dts, xp=np, to_host=np.asarray) -> int | None:
+def first_nonfinite(arrays, dts, xp=np, to_host=np.asarray, sizes=None, join=None) -> int | None:
     """The index of the first of ``arrays`` (storages of logical dtype codes ``dts``) that holds inf or NaN, or
     None, with one read-back (``to_host``) where none does. Tensors of ``PACK_ALONE`` elements or more are
     checked alone; smaller ones of one dtype together, concatenated up to ``PACK_MAX`` elements at a time, so
     that the launches follow the bytes rather than the tensor count (a model's hundreds of biases and norms).
+    ``sizes``: each array's size, where the caller has them; ``join(indices)``: those arrays end to end in one new
+    array, where the caller joins them without reading each (``xp.concatenate`` of them otherwise).
 
     >>> from gpu_codec.constants import DT_F16, DT_F32
     >>> a = [np.ones(3, np.float32), np.ones(2, np.float16), np.array([1, np.nan], np.float32)]
@@ -53,8 +55,8 @@ def first_nonfinite(arrays, dts, xp=np, to_host=np.asarray) -> int | None:
     groups: list[list[int]] = []  # the tensors of one flag
     packs: dict[int, list[int]] = {}  # dtype -> its open pack of small tensors
     filled: dict[int, int] = {}
-    for i, (a, dt) in enumerate(zip(arrays, dts)):
-        n = int(a.size)
+    sizes = [int(a.size) for a in arrays] if sizes is None else sizes
+    for i, (n, dt) in enumerate(zip(sizes, dts)):
         if n >= PACK_ALONE:
             groups.append([i])
             continue
@@ -70,10 +72,9 @@ def first_nonfinite(arrays, dts, xp=np, to_host=np.asarray) -> int | None:
     groups.extend(packs.values())
     if not groups:
         return None
-    flags = [
-        some_nonfinite(arrays[g[0]] if len(g) == 1 else xp.concatenate([arrays[i] for i in g]), dts[g[0]], xp)
-        for g in groups
-    ]
+    if join is None:
+        join = lambda g: xp.concatenate([arrays[i] for i in g])  # noqa: E731
+    flags = [some_nonfinite(arrays[g[0]] if len(g) == 1 else join(g), dts[g[0]], xp) for g in groups]
     hit = np.flatnonzero(to_host(xp.stack(flags)))
     if not hit.size:
         return None
