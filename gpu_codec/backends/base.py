@@ -97,10 +97,10 @@ class SelectRequest(DeltaRequest):
 class DeviceViews(Sequence):
     """Flat device arrays given by address, each made into an array only when it is read: item ``i`` is
     ``numels[i]`` elements of ``storage[i]`` (a NumPy dtype) at ``ptrs[i]`` on CUDA device ``device_ids[i]``, in
-    memory that ``owners[i]`` holds (a torch tensor, which its array keeps alive). The kernel backends read the
-    ``ptrs`` and ``numels`` columns and make no array; reading an item makes it once, a CuPy array over that
-    memory (no copy, and none of DLPack's per-array stream handshake). ``cupy``: the CuPy module (a stand-in in
-    tests). A slice, and the sum of two such sequences, stay columns.
+    memory that ``owners[i]`` holds (a torch tensor or a CuPy array, which its array keeps alive). The kernel
+    backends read the ``ptrs`` and ``numels`` columns and make no array; reading an item makes it once, a CuPy
+    array over that memory (no copy, and none of DLPack's per-array stream handshake). ``cupy``: the CuPy module
+    (a stand-in in tests). A slice, a pick and the sum of two such sequences stay columns.
 
     >>> v = DeviceViews(None, [4096, 0], [10, 0], [np.float32, np.uint16], [None, None], [0, 0])
     >>> len(v), v.numels, (v + v).ptrs, v[1:].numels
@@ -144,14 +144,8 @@ class DeviceViews(Sequence):
         made = self._made
         if made is None:
             made = self._made = [None] * len(self.ptrs)
-        cupy, ptrs, numels, storage, owners, devs = (
-            self.cupy,
-            self.ptrs,
-            self.numels,
-            self.storage,
-            self.owners,
-            self.device_ids,
-        )
+        ptrs, numels, storage, owners, devs = self.ptrs, self.numels, self.storage, self.owners, self.device_ids
+        cupy = self.cupy
         unowned, pointer, ndarray = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer, cupy.ndarray
         itemsize = {dt: np.dtype(dt).itemsize for dt in set(map(storage.__getitem__, which))}
         for i in which:
@@ -165,9 +159,8 @@ class DeviceViews(Sequence):
 
     def __iter__(self) -> Iterator[Any]:
         made = self._made
-        if made is None or any(
-            map(is_, made, repeat(None))
-        ):  # (every item made in one loop; `in` would compare arrays)
+        # every item made in one loop where one is missing (found by identity: `None in` would compare arrays)
+        if made is None or any(map(is_, made, repeat(None))):
             made = self._made_all(range(len(self.ptrs)))
         return iter(made)
 
