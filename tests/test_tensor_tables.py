@@ -7,6 +7,8 @@ import types
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import gpu_codec
 from gpu_codec.arrays import torch_tensors
@@ -65,6 +67,43 @@ def test_device_views_slices_and_sums_stay_columns():
     mixed = a + [None]  # (with a list: a list of the arrays)
     assert type(mixed) is list and mixed[2] is None and mixed[:2] == [a[0], a[1]]
     assert ([None] + b) == [None, b[0]]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    numels=st.lists(st.integers(0, 9), max_size=12),
+    index=st.integers(-14, 14),
+    cut=st.tuples(
+        st.none() | st.integers(-14, 14), st.none() | st.integers(-14, 14), st.sampled_from([None, 1, 2, -1])
+    ),
+    picks=st.lists(st.integers(0, 11), max_size=6),
+)
+def test_device_views_read_as_the_list_of_their_arrays(numels, index, cut, picks):
+    """Indexing, slicing, picking, summing and iterating a DeviceViews give what the list of its arrays gives (each
+    array made once), without making an array for anything but a read item."""
+    cupy, made = _stand_in_cupy()
+    ptrs = [4096 * (i + 1) for i in range(len(numels))]
+    views = DeviceViews(cupy, ptrs, numels, [np.float32] * len(numels), list(range(len(numels))), [0] * len(numels))
+    want = [(p if n else None, n) for p, n in zip(ptrs, numels)]  # (address, size) of each item
+
+    def seen(a):
+        return (a.memptr.mem.ptr if a.memptr is not None else None, a.shape[0])
+
+    part = views[slice(*cut)]
+    assert type(part) is DeviceViews and list(zip(part.ptrs, part.numels)) == list(zip(ptrs, numels))[slice(*cut)]
+    picked = views.pick([i for i in picks if i < len(numels)])
+    assert picked.numels == [numels[i] for i in picks if i < len(numels)]
+    both = views + part
+    assert type(both) is DeviceViews and both.numels == numels + part.numels and made == []
+    if -len(numels) <= index < len(numels):
+        assert seen(views[index]) == want[index] and len(made) == 1
+    else:
+        with pytest.raises(IndexError):
+            views[index]
+    items = list(views)
+    assert [seen(a) for a in items] == want and len(made) == len(numels)
+    assert list(views) == items and len(made) == len(numels)  # (made once)
+    assert views + [None] == items + [None] and [None] + views == [None] + items
 
 
 def test_kernel_ops_read_device_views_addresses_without_arrays():
