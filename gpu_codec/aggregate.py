@@ -37,7 +37,7 @@ from . import decode as _decode
 from . import dtypes
 from .arrays import TensorTable, from_backend, is_device_array, tensor_table, to_tensor
 from .backends import events, get_backend
-from .backends.base import DeviceViews, joined_by_address
+from .backends.base import joined
 from .codecs import decoder_for, host_resident, inner_encoding
 from .collector import holds_collector
 from .constants import ScatterMode
@@ -295,8 +295,7 @@ class Aggregator:
             self._base_tensors = tensors
             with be.stream(tensors):  # (on the caller's stream, behind its writes of the base)
                 storages = be.asarrays(tensors.data)
-                join = partial(joined_by_address, be, storages) if type(storages) is DeviceViews else None
-                codes = list(map(dtypes.code, logical))
+                codes, join = list(map(dtypes.code, logical)), partial(joined, be, storages)
                 bad = first_nonfinite(storages, codes, be.xp, be.to_host, tensors.sizes(), join)
                 events.waited()  # (its last step, a read-back, waited for the stream)
             if bad is not None:

@@ -299,13 +299,13 @@ def cupy_tensors(xs: list[Any]) -> TensorTable | None:
     if len(devices) != 1 or None in logical:
         return None
     (dev,) = devices
-    ptrs, numels, n = list(map(_DATA_PTR, xs)), list(map(_SIZE, xs)), len(xs)
+    ptrs, numels, n = list(map(_DATA_PTR, xs)), sizes_of(xs), len(xs)
     views = DeviceViews(cupy, ptrs, numels, list(map(_STORAGE.__getitem__, logical)), list(xs), [dev] * n)
     return TensorTable(views, logical, list(map(_SHAPE, xs)), ["cupy"] * n, [dev] * n)
 
 
 _DEVICE, _LAYOUT, _REQUIRES_GRAD = attrgetter("device"), attrgetter("layout"), attrgetter("requires_grad")
-_DEVICE_ID, _DATA_PTR, _SIZE = attrgetter("device.id"), attrgetter("data.ptr"), attrgetter("size")
+_DEVICE_ID, _DATA_PTR = attrgetter("device.id"), attrgetter("data.ptr")
 _STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64}
 
 

@@ -395,8 +395,8 @@ def test_torch_cuda_compress_reads_the_tensors_addresses_only(monkeypatch):
     new = {k: v + torch.randn(v.shape, generator=g).to(v.dtype) for k, v in base.items()}
     dev_new, dev_base = ({k: v.cuda() for k, v in d.items()} for d in (new, base))
     assert type(torch_tensors(list(dev_new.values())).data) is DeviceViews
-    made, make = [], DeviceViews._make
-    monkeypatch.setattr(DeviceViews, "_make", lambda self, i: made.append(i) or make(self, i))
+    made, make = [], DeviceViews._made_all
+    monkeypatch.setattr(DeviceViews, "_made_all", lambda self, which: made.extend(which) or make(self, which))
 
     def run(n, b):
         out = [gpu_codec.compress(n, b, fraction=0.3, scope=s).to_bytes() for s in ("global", "per_tensor")]

@@ -119,32 +119,26 @@ class DeviceViews(Sequence):
     def __len__(self) -> int:
         return len(self.ptrs)
 
+    def _columns(self) -> tuple[list, ...]:
+        return self.ptrs, self.numels, self.storage, self.owners, self.device_ids
+
     def __getitem__(self, i):  # type: ignore[override]
         if isinstance(i, slice):
-            cols = (self.ptrs, self.numels, self.storage, self.owners, self.device_ids)
-            return DeviceViews(self.cupy, *(c[i] for c in cols))
+            return DeviceViews(self.cupy, *(c[i] for c in self._columns()))
         made = self._made
-        if made is None:
-            made = self._made = [None] * len(self.ptrs)
-        a = made[i]  # (an index out of range raises here, as a list's)
-        if a is None:
-            a = made[i] = self._make(i)
-        return a
+        a = None if made is None else made[i]  # (an index out of range raises, as a list's)
+        return self._made_all((i,))[i] if a is None else a
 
     def pick(self, indices: Sequence[int]) -> DeviceViews:
         """The items at ``indices``, as columns (no array made)."""
-        cols = (self.ptrs, self.numels, self.storage, self.owners, self.device_ids)
-        return DeviceViews(self.cupy, *([c[i] for i in indices] for c in cols))
-
-    def _make(self, i: int) -> Any:
-        return self._made_all([i])[i]
+        return DeviceViews(self.cupy, *([c[i] for i in indices] for c in self._columns()))
 
     def _made_all(self, which: Sequence[int]) -> list:
         """The items ``which`` made (those not made yet), in one loop; the cache of every item's array."""
         made = self._made
         if made is None:
             made = self._made = [None] * len(self.ptrs)
-        ptrs, numels, storage, owners, devs = self.ptrs, self.numels, self.storage, self.owners, self.device_ids
+        ptrs, numels, storage, owners, devs = self._columns()
         cupy = self.cupy
         unowned, pointer, ndarray = cupy.cuda.UnownedMemory, cupy.cuda.MemoryPointer, cupy.ndarray
         itemsize = {dt: np.dtype(dt).itemsize for dt in set(map(storage.__getitem__, which))}
@@ -166,21 +160,20 @@ class DeviceViews(Sequence):
 
     def __add__(self, other: Sequence) -> Sequence:
         if type(other) is DeviceViews and other.cupy is self.cupy:
-            cols = zip(
-                (self.ptrs, self.numels, self.storage, self.owners, self.device_ids),
-                (other.ptrs, other.numels, other.storage, other.owners, other.device_ids),
-            )
-            return DeviceViews(self.cupy, *(a + b for a, b in cols))
+            return DeviceViews(self.cupy, *(a + b for a, b in zip(self._columns(), other._columns())))
         return list(self) + list(other)
 
     def __radd__(self, other: Sequence) -> list:
         return list(other) + list(self)
 
 
-def joined_by_address(backend: Any, views: DeviceViews, indices: Sequence[int]) -> Array:
-    """The items ``indices`` of ``views`` (of one storage dtype) end to end in one new array of ``backend``'s, by
-    one launch that reads their addresses (``gather_copy``): no array made an item."""
-    part = views.pick(indices)
+def joined(backend: Any, arrays: Sequence[Any], indices: Sequence[int]) -> Array:
+    """The arrays ``indices`` of ``arrays`` (of one storage dtype) end to end in one new array of ``backend``'s:
+    from a :class:`DeviceViews`, by one launch that reads their addresses (``gather_copy``: no array made an
+    item); from a list, ``xp.concatenate``."""
+    if type(arrays) is not DeviceViews:
+        return backend.xp.concatenate([arrays[i] for i in indices])
+    part = arrays.pick(indices)
     out = backend.xp.empty(sum(part.numels), part.storage[0])
     backend.gather_copy(out, part)
     return out
@@ -531,7 +524,7 @@ __all__ = [
     "flat_tables",
     "from_abs_bits",
     "gathered",
-    "joined_by_address",
+    "joined",
     "later",
     "mean_span",
     "read_joined",

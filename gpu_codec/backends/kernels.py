@@ -17,7 +17,7 @@ import math
 import os
 from collections.abc import Sequence
 from itertools import chain, repeat
-from operator import attrgetter, is_, is_not
+from operator import is_, is_not
 from statistics import NormalDist
 from typing import Any
 
@@ -323,9 +323,6 @@ def wide_indices(numels: list[int]) -> bool:
     return bool(numels) and index_dtype(max(numels)) == np.uint64  # (the largest decides: one call, not one a tensor)
 
 
-_SIZE = attrgetter("size")
-
-
 def _all_none(xs) -> bool:
     """Whether every item of ``xs`` is None (one C loop, no comparison of arrays)."""
     return not any(map(is_not, xs, repeat(None)))
@@ -394,7 +391,7 @@ class KernelOps:
         if (
             many is None
             or any(map(is_, arrays, repeat(None)))
-            or (skip_empty and 0 in (list(map(_SIZE, arrays)) if sizes is None else sizes))
+            or (skip_empty and 0 in (sizes_of(arrays) if sizes is None else sizes))
         ):
             ptr = self.runner.ptr
             addrs = [0 if a is None or (skip_empty and not a.size) else ptr(a) for a in arrays]
