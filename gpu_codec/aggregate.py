@@ -36,7 +36,7 @@ import numpy as np
 from . import decode as _decode
 from . import dtypes
 from .arrays import TensorTable, from_backend, is_device_array, tensor_table, to_tensor
-from .backends import events, get_backend
+from .backends import events, get_backend, require_cupy
 from .backends.base import joined
 from .codecs import decoder_for, host_resident, inner_encoding
 from .collector import holds_collector
@@ -60,6 +60,9 @@ LIMBS = 3
 MAX_PAYLOADS = (1 << (32 - LIMB_BITS)) - 1  # every limb sum stays within int32
 _BETA_MIN = -56 * LIMB_BITS  # grid floor (2^-1008): keeps every scale factor a normal fp64
 _C_MAX = 2.0**960  # weighted values at or above this would overflow the top limb's scale
+# the least weight above 0: the grid floor, divided by the weights' sum, stays below 2^-208 (a weight of 1e-300
+# put it at 1e-4 of the mean's values, and 5e-324 took every weighted value below the floor, to a mean of 0)
+W_MIN = 2.0**-800
 ACCUMULATOR_BYTES = LIMBS * 4  # per element: three int32 limbs
 SPARSE_ENTRY_BYTES = 32  # decoding a sparse tensor, per kept entry: at most 28 measured (fp64, Rice + zstd)
 
@@ -92,6 +95,11 @@ def _check_weight(weight: Any) -> float:
         w = math.inf
     if not (math.isfinite(w) and w >= 0.0):
         raise InvalidInputError(f"a weight must be finite and non-negative, got {weight!r}")
+    if 0.0 < w < W_MIN:
+        raise InvalidInputError(
+            f"a weight must be 0 or at least 2^-800 (about 1.5e-241), got {weight!r}: scale the weights up (the mean "
+            "does not change)"
+        )
     return w
 
 
@@ -235,7 +243,8 @@ class Aggregator:
 
     A payload that does not match (with a base: a payload that records the fingerprint of another base,
     ``BaseMismatchError``), fails to decode, holds a bad index or a non-finite value, comes with a bad
-    weight, or cannot be represented in the aggregation (a weight x value beyond the accumulator's range, a weight
+    weight (negative, not finite, or above 0 but below 2^-800, where the accumulator's grid would be too coarse for
+    the mean), or cannot be represented in the aggregation (a weight x value beyond the accumulator's range, a weight
     that takes the weights' sum past fp64's range, a delta that takes the base past its dtype's range) raises a
     :class:`~gpu_codec.errors.GpuCodecError` and leaves the accumulator exactly as it was: a server drops that
     client and carries on with the others.
@@ -270,6 +279,8 @@ class Aggregator:
     ) -> None:
         if like is not None and like not in ("numpy", "cupy", "torch"):
             raise InvalidInputError(f"like must be 'numpy', 'cupy' or 'torch', got {like!r}")
+        if like == "cupy":
+            require_cupy("like='cupy'")
         cap = max_output_bytes
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
             raise InvalidInputError(f"max_output_bytes must be a non-negative integer or None, got {cap!r}")
@@ -798,10 +809,10 @@ class Aggregator:
             checks.flag(some_nonfinite(outs.flat(logical.index(dt)), dtypes.code(dt), xp))
         if not checks.passed():
             return None
-        kind, devices = bases.kinds[0], bases.devices
-        if kind == "numpy":  # (one copy to the host a dtype, not one a tensor)
+        kinds, devices = bases.kinds, bases.devices
+        if set(kinds) == {"numpy"}:  # (one copy to the host a dtype, not one a tensor)
             views = outs.host_views(backend)
-        return {n: from_backend(views[i], dt, shape, kind, devices[i]) for i, (n, shape, dt) in enumerate(entries)}
+        return {n: from_backend(views[i], dt, shape, kinds[i], devices[i]) for i, (n, shape, dt) in enumerate(entries)}
 
 
 def aggregate(
@@ -837,10 +848,15 @@ def aggregate(
     >>> aggregate(ps)["w"].tolist(), aggregate(ps, weights=[0, 0, 1])["w"].tolist()
     ([3.0, 0.0], [6.0, 0.0])
     """
+    if isinstance(payloads, (bytes, bytearray, memoryview, Payload)) or not isinstance(payloads, Iterable):
+        raise InvalidInputError(f"payloads must be an iterable of payloads, got {type(payloads).__name__}")
     payloads = list(payloads)
     if weights is None:
         weights = [1.0] * len(payloads)
-    elif len(weights) != len(payloads):
+    elif isinstance(weights, (str, bytes, Mapping)) or not isinstance(weights, Iterable):
+        raise InvalidInputError(f"weights must be a sequence of numbers, one a payload, got {type(weights).__name__}")
+    weights = list(weights)
+    if len(weights) != len(payloads):
         raise InvalidInputError(f"{len(weights)} weights for {len(payloads)} payloads")
     agg = Aggregator(base, like=like, max_output_bytes=max_output_bytes)
     for p, w in zip(payloads, weights):

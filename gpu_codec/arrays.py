@@ -157,12 +157,19 @@ def to_tensor(x: Any, name: str) -> Tensor:
         if logical == "bfloat16":
             t = t.view(torch.int16)
         flat = t.reshape(-1)
-        if flat.is_cuda:
-            import cupy
+        try:
+            if flat.is_cuda:
+                import cupy
 
-            data = cupy.from_dlpack(flat)
-        else:
-            data = flat.numpy()
+                data = cupy.from_dlpack(flat)
+            else:
+                data = flat.numpy()
+        except (TypeError, BufferError, RuntimeError):  # (a dtype with no NumPy or DLPack form: float8, complex32)
+            if logical in _TORCH_LOGICAL.values():
+                raise
+            raise InvalidInputError(
+                f"tensor {name!r}: dtype {logical} is not supported (float32, float16, bfloat16, float64)"
+            ) from None
         if logical == "bfloat16":
             data = data.view(np.uint16)
         return Tensor(data, logical, shape, "torch", x.device)

@@ -20,7 +20,7 @@ import numpy as np
 
 from . import dtypes
 from .arrays import Tensor, TensorTable, from_backend, is_device_array, tensor_table, to_tensor
-from .backends import Backend, get_backend
+from .backends import Backend, get_backend, require_cupy
 from .codecs import decoder_for, inner_encoding
 from .collector import holds_collector
 from .constants import U64_MAX, ScatterMode
@@ -51,6 +51,8 @@ def _output_kind(like: str | None, base_tensors: TensorTable | None) -> tuple[st
         return "numpy", None
     if like not in ("numpy", "cupy", "torch"):
         raise InvalidInputError(f"like must be 'numpy', 'cupy' or 'torch', got {like!r}")
+    if like == "cupy":
+        require_cupy("like='cupy'")
     return like, None
 
 
@@ -1074,9 +1076,9 @@ def decompress(
             DeprecationWarning,
             stacklevel=2,
         )
-    cap = max_output_bytes
-    if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
-        raise InvalidInputError(f"max_output_bytes must be a non-negative integer or None, got {max_output_bytes!r}")
+    for cap, what in ((max_output_bytes, "max_output_bytes"), (max_elements, "max_elements")):
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap < 0):
+            raise InvalidInputError(f"{what} must be a non-negative integer or None, got {cap!r}")
     if not isinstance(payload, Payload):
         payload = Payload.from_bytes(payload)
     records = payload_records(payload)  # (a list of records, or their columns)
@@ -1128,6 +1130,11 @@ def decompress(
                 outs = _Outputs(records, logical, runs, base_tensors is not None, backend, numels)
             _decode_all(pipe, records, bases, logical, runs, outs, backend, bounds, False)
     devs = base_tensors.devices if base_tensors is not None else [device] * len(records)
+    if base_tensors is not None and len(set(base_tensors.kinds)) > 1:  # (a base of several kinds: each its own)
+        return {
+            r.name: from_backend(v, lg, tuple(r.shape), kd, dev)
+            for r, v, lg, kd, dev in zip(records, outs.views(), logical, base_tensors.kinds, devs)
+        }
     if kind == "torch":
         split = outs.torch_views(logical, devs)
         if split is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from fractions import Fraction
 from itertools import repeat
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -22,10 +22,10 @@ from . import dtypes
 from .arrays import TensorTable, tensor_table, to_tensor
 from .backends import Backend, get_backend
 from .backends.base import DeltaRequest, SelectRequest
-from .codecs import SCOPES, as_pipeline, check_fraction
+from .codecs import SCOPES, as_pipeline, check_fraction, get_codec
 from .collector import holds_collector
 from .constants import DType
-from .errors import InvalidInputError
+from .errors import CodecConfigError, InvalidInputError, UnknownCodecError
 from .format import (
     MAX_TENSORS,
     TensorRecord,
@@ -55,7 +55,9 @@ def kept_count(fraction: float, n: int) -> int:
     >>> kept_count(0.01, 100), kept_count(0.01, 101), kept_count(1.0, 7), kept_count(0.5, 0)
     (1, 2, 7, 0)
     """
-    return kept_counts(fraction, [n])[0]
+    if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 0:
+        raise InvalidInputError(f"n must be a non-negative integer (the elements), got {n!r}")
+    return kept_counts(check_fraction(fraction), [int(n)])[0]
 
 
 def kept_counts(fraction: float, numels: list[int]) -> list[int]:
@@ -394,10 +396,13 @@ def encode_coo(
             raise InvalidInputError(f"tensor {name!r}: expected SparseEntries, got {type(e).__name__}")
         if e.dtype not in dtypes.FLOAT_DTYPES:
             raise InvalidInputError(f"tensor {name!r}: dtype {e.dtype!r} is not one of {list(dtypes.FLOAT_DTYPES)}")
-        try:
-            shape = tuple(int(s) for s in e.shape)
-        except (TypeError, ValueError):
-            raise InvalidInputError(f"tensor {name!r}: shape {e.shape!r} is not a tuple of integers") from None
+        if (
+            isinstance(e.shape, (str, bytes))
+            or not isinstance(e.shape, Iterable)
+            or not all(isinstance(s, (int, np.integer)) and not isinstance(s, bool) for s in e.shape)
+        ):
+            raise InvalidInputError(f"tensor {name!r}: shape {e.shape!r} is not a tuple of integers")
+        shape = tuple(int(s) for s in e.shape)
         if any(s < 0 for s in shape):
             raise InvalidInputError(f"tensor {name!r}: shape {shape} has a negative dimension")
         check_limits(name, shape)
@@ -410,11 +415,13 @@ def encode_coo(
             idx = backend.asarray(ti.data).reshape(-1)
             val = backend.asarray(tv.data).reshape(-1)
             if idx.dtype.kind not in "iu":
-                raise InvalidInputError(f"tensor {name!r}: indices must be integers, got {idx.dtype}")
-            if val.dtype.kind != "f" or idx.size != val.size:
+                raise InvalidInputError(f"tensor {name!r}: indices must be integers, got {ti.dtype}")
+            if tv.dtype not in dtypes.FLOAT_DTYPES or idx.size != val.size:
                 raise InvalidInputError(
-                    f"tensor {name!r}: values must be {idx.size} floats (one per index), got {val.dtype}[{val.size}]"
+                    f"tensor {name!r}: values must be {idx.size} floats (one per index), got {tv.dtype}[{val.size}]"
                 )
+            if tv.dtype == "bfloat16":  # (its bits: widened to float32, exactly)
+                val = backend.decode_bf16(val)
             if idx.size:
                 lo, hi = int(idx.min()), int(idx.max())
                 if lo < 0 or hi >= numel or bool(xp.any(idx[1:] <= idx[:-1])):
@@ -422,16 +429,32 @@ def encode_coo(
                         f"tensor {name!r}: indices must be strictly ascending and inside [0, {numel}), "
                         f"got a range [{lo}, {hi}]"
                     )
-                if not bool(xp.all(xp.isfinite(val))):
-                    raise InvalidInputError(f"tensor {name!r}: a value is not finite (inf or NaN)")
             idx = idx.astype(dtypes.index_dtype(numel), copy=False)
-            val = val.astype(dtypes.value_dtype(dtype), copy=False)
+            vdt = dtypes.value_dtype(dtype)
+            with np.errstate(over="ignore"):  # (a value past the value dtype's range becomes inf: refused below)
+                val = val.astype(vdt, copy=False)
+            if idx.size and not bool(xp.all(xp.isfinite(val))):
+                raise InvalidInputError(
+                    f"tensor {name!r}: a value is not finite in {np.dtype(vdt).name} (inf or NaN, or past its range)"
+                )
             records.append(TensorRecord(name, dtype, shape, "coo", int(idx.size), {"indices": idx, "values": val}))
         records = pipe.encode(records, backend, None)
-    head = [dict(selection)] if selection is not None else []
+    head = [] if selection is None else [_checked_selection(selection)]
     payload = Payload(records, head + pipe.after_topk(), metadata, backend=backend.name)
     check_header_size(payload)
     return payload
+
+
+def _checked_selection(selection: Any) -> dict[str, Any]:
+    """:func:`encode_coo`'s ``selection``, as given, once it is a registered selection stage's valid config (what a
+    reader rebuilds the header's pipeline from)."""
+    try:
+        codec = get_codec(selection)
+    except (UnknownCodecError, CodecConfigError) as e:
+        raise InvalidInputError(f"selection: {e}") from None
+    if codec.stage != "sparsify":
+        raise InvalidInputError(f"selection must be a selection stage's config (e.g. topk), got {selection['id']!r}")
+    return dict(selection)
 
 
 __all__ = ["SparseEntries", "compress", "encode_coo", "kept_count"]

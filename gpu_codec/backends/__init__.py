@@ -57,6 +57,19 @@ def gpu_probe() -> tuple[bool, str]:
     return True, f"CuPy {cupy.__version__} with {n} CUDA device(s), {nv}; kernels: {target}"
 
 
+def require_cupy(what: str) -> None:
+    """Raise :class:`~gpu_codec.errors.BackendUnavailableError` where CuPy arrays cannot be made here (``what``: the
+    argument that asks for them): CuPy not importable, or no usable CUDA device."""
+    try:
+        import cupy
+
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:  # no CuPy, no driver, no device
+        raise BackendUnavailableError(f"{what} needs CuPy and a CUDA device: {type(e).__name__}: {e}") from None
+    if n < 1:
+        raise BackendUnavailableError(f"{what} needs CuPy and a CUDA device: CuPy finds none")
+
+
 def _target_probe(n: int) -> tuple[bool, str]:
     """Whether NVRTC can build code every visible device's driver loads (see :func:`.nvrtc.target_for`)."""
     try:
@@ -239,4 +252,13 @@ def backend_info() -> dict[str, Any]:
     return info
 
 
-__all__ = ["ENV", "Backend", "backend_info", "get_backend", "gpu_probe", "reset_backend", "using_backend"]
+__all__ = [
+    "ENV",
+    "Backend",
+    "backend_info",
+    "get_backend",
+    "gpu_probe",
+    "require_cupy",
+    "reset_backend",
+    "using_backend",
+]

@@ -171,8 +171,15 @@ def header_size(
 
 
 def payload_version(blob: bytes | bytearray | memoryview) -> int:
-    """The format version a payload declares (after checking its length and magic)."""
-    mv = memoryview(blob).cast("B")
+    """The format version a payload declares (after checking its type, length and magic)."""
+    try:
+        mv = memoryview(blob).cast("B")
+    except TypeError:  # (not a buffer, or one whose bytes are not in order: a strided view)
+        what = "a non-contiguous memoryview" if isinstance(blob, memoryview) else type(blob).__name__
+        raise InvalidInputError(
+            f"a payload is bytes, a bytearray or a C-contiguous buffer, got {what}"
+            + (" (pass bytes(view))" if isinstance(blob, memoryview) else "")
+        ) from None
     if len(mv) < _MAGIC_VERSION.size:
         cut = len(mv) > 0 and bytes(mv[:8]) == MAGIC[: len(mv)]
         raise (PayloadTruncatedError if cut else PayloadHeaderError)(

@@ -1,0 +1,173 @@
+"""Bad input gets the library's own one-line errors, and unusual good input gives the right result: bases of several
+array kinds, weights near the accumulator's grid, torch dtypes with no NumPy form, arguments that are not the
+types asked for, and encode_coo's entries, shapes and selection."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+import gpu_codec
+from gpu_codec import ErrorFeedback, Payload, SparseEntries, encode_coo
+from gpu_codec.errors import BackendUnavailableError, InvalidInputError
+
+from .common import BACKENDS, HAS_GPU, use_backend
+
+torch = pytest.importorskip("torch")
+
+
+def _blob(values=(1.0, 3.0)):
+    return gpu_codec.compress({"w": np.array(values, np.float32)}, fraction=1.0).to_bytes()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("torch_first", [False, True])
+def test_a_base_of_several_kinds_gives_each_tensor_back_in_its_own_kind(backend, torch_first):
+    items = [("y", np.ones(2, np.float32)), ("x", torch.ones(3).bfloat16())]
+    base = dict(items[::-1] if torch_first else items)
+    new = {"y": base["y"] + 1, "x": base["x"] + 1}
+    with use_backend(backend):
+        blob = gpu_codec.compress(new, base, fraction=1.0).to_bytes()
+        for out in (gpu_codec.decompress(blob, base=base), gpu_codec.aggregate([blob], base=base)):
+            assert isinstance(out["y"], np.ndarray) and out["y"].dtype == np.float32
+            assert out["y"].tolist() == [2.0, 2.0]
+            assert isinstance(out["x"], torch.Tensor) and out["x"].dtype == torch.bfloat16
+            assert out["x"].tolist() == [2.0, 2.0, 2.0]
+
+
+@pytest.mark.parametrize("weights", [[1e-300, 1e-300], [5e-324, 0.0], [1.0, 2.0**-801]])
+def test_a_weight_below_the_grid_floor_is_refused(weights):
+    with pytest.raises(InvalidInputError, match="at least 2\\^-800"):
+        gpu_codec.aggregate([_blob(), _blob((3.0, 5.0))], weights=weights)
+    agg = gpu_codec.Aggregator()
+    agg.add(_blob(), 1.0)
+    with pytest.raises(InvalidInputError):
+        agg.add(_blob(), 2.0**-801)
+    assert agg.count == 1 and agg.result()["w"].tolist() == [1.0, 3.0]
+
+
+def test_weights_at_the_floor_give_the_mean_exactly():
+    w = 2.0**-800
+    out = gpu_codec.aggregate([_blob(), _blob((3.0, 5.0))], weights=[w, w])
+    assert out["w"].tolist() == [2.0, 4.0]
+    out = gpu_codec.aggregate([_blob(), _blob((3.0, 5.0))], weights=[w, 0])
+    assert out["w"].tolist() == [1.0, 3.0]
+
+
+@pytest.mark.parametrize("name", ["float8_e4m3fn", "float8_e5m2", "complex32"])
+def test_torch_dtypes_with_no_numpy_form_are_refused(name):
+    if not hasattr(torch, name):
+        pytest.skip(f"torch has no {name}")
+    with warnings.catch_warnings():  # (complex32: "experimental")
+        warnings.simplefilter("ignore", UserWarning)
+        bad = torch.zeros(3, dtype=getattr(torch, name))
+    good = {"w": torch.zeros(3)}
+    for call in (
+        lambda: gpu_codec.compress({"w": bad}, fraction=0.5),
+        lambda: gpu_codec.compress(good, {"w": bad}, fraction=0.5),
+        lambda: gpu_codec.decompress(gpu_codec.compress(good, good, fraction=0.5).to_bytes(), base={"w": bad}),
+        lambda: gpu_codec.Aggregator(base={"w": bad}),
+        lambda: encode_coo({"w": SparseEntries(np.array([0]), bad[:1], (3,), "float32")}),
+    ):
+        with pytest.raises(InvalidInputError, match=f"tensor 'w': dtype {name} is not supported"):
+            call()
+
+
+@pytest.mark.parametrize("thing", [None, "abc", 3, [1, 2], "tensor", "strided"])
+def test_a_payload_that_is_not_a_contiguous_buffer_is_refused(thing):
+    blob = _blob()
+    made = {"tensor": lambda: torch.zeros(8, dtype=torch.uint8), "strided": lambda: memoryview(blob)[::2]}
+    x = made[thing]() if isinstance(thing, str) and thing in made else thing
+    calls = [gpu_codec.decompress, Payload.from_bytes, ErrorFeedback.from_bytes, lambda b: gpu_codec.aggregate([b])]
+    for call in calls:
+        with pytest.raises(InvalidInputError, match=r"a payload is bytes|expected a gpu_codec Payload"):
+            call(x)
+
+
+def test_bytes_like_payloads_still_read():
+    blob = _blob()
+    for b in (bytearray(blob), memoryview(blob), np.frombuffer(blob, np.uint8)):
+        assert gpu_codec.decompress(b)["w"].tolist() == [1.0, 3.0]
+
+
+def test_aggregate_takes_any_iterables_and_refuses_other_arguments():
+    blobs = [_blob(), _blob((3.0, 5.0))]
+    assert gpu_codec.aggregate(iter(blobs), weights=(w for w in (1, 3)))["w"].tolist() == [2.5, 4.5]
+    assert gpu_codec.aggregate(blobs, weights=np.array([3, 1]))["w"].tolist() == [1.5, 3.5]
+    for args, match in (
+        ((5,), "payloads must be an iterable"),
+        ((blobs[0],), "payloads must be an iterable"),
+        ((Payload.from_bytes(blobs[0]),), "payloads must be an iterable"),
+        ((blobs, 3), "weights must be a sequence"),
+        ((blobs, "ab"), "weights must be a sequence"),
+        ((blobs, [1]), "1 weights for 2 payloads"),
+    ):
+        with pytest.raises(InvalidInputError, match=match):
+            gpu_codec.aggregate(*args)
+
+
+def test_encode_coo_refuses_a_value_past_its_dtype_range_after_the_cast():
+    with pytest.raises(InvalidInputError, match="not finite in float32"):
+        encode_coo({"w": SparseEntries(np.array([1]), np.array([1e300]), (3,), "float32")})
+    p = encode_coo({"w": SparseEntries(np.array([1]), np.array([1e300]), (3,), "float64")})
+    assert gpu_codec.decompress(p.to_bytes())["w"].tolist() == [0.0, 1e300, 0.0]
+
+
+@pytest.mark.parametrize(
+    "selection, match",
+    [
+        ({"id": "nope"}, "not registered"),
+        ({"id": "topk", "fraction": 5}, "fraction must be in"),
+        ({"id": "topk", "f": 1}, "unknown field"),
+        ({"id": "zstd", "level": 3}, "a selection stage"),
+        ("topk", "must be a mapping"),
+    ],
+)
+def test_encode_coo_refuses_a_selection_no_reader_could_rebuild(selection, match):
+    with pytest.raises(InvalidInputError, match=match):
+        encode_coo({"w": SparseEntries(np.array([0]), np.array([1.0]), (3,), "float32")}, selection=selection)
+
+
+def test_encode_coo_records_a_valid_selection_as_given():
+    sel = {"id": "topk", "fraction": 0.5, "scope": "global", "score": "magnitude"}
+    p = encode_coo({"w": SparseEntries(np.array([0]), np.array([1.0]), (3,), "float32")}, selection=sel)
+    back = Payload.from_bytes(p.to_bytes())
+    assert back.pipeline[0] == sel
+    assert gpu_codec.decompress(p.to_bytes())["w"].tolist() == [1.0, 0.0, 0.0]
+
+
+def test_encode_coo_takes_bfloat16_values_and_names_a_bad_values_dtype():
+    e = SparseEntries(torch.tensor([0, 2]), torch.tensor([1.5, -2.25], dtype=torch.bfloat16), (3,), "bfloat16")
+    assert gpu_codec.decompress(encode_coo({"w": e}).to_bytes())["w"].tolist() == [1.5, 0.0, -2.25]
+    with pytest.raises(InvalidInputError, match="got int32\\[1\\]"):
+        encode_coo({"w": SparseEntries(np.array([0]), np.array([1], np.int32), (3,), "float32")})
+
+
+@pytest.mark.parametrize("shape", [(3.7,), "3", (True,), 3, None])
+def test_encode_coo_refuses_a_shape_that_is_not_integers(shape):
+    with pytest.raises(InvalidInputError, match="is not a tuple of integers"):
+        encode_coo({"w": SparseEntries(np.array([0]), np.array([1.0]), shape, "float32")})
+    ok = encode_coo({"w": SparseEntries(np.array([0]), np.array([1.0]), [np.int64(3)], "float32")})
+    assert gpu_codec.decompress(ok.to_bytes())["w"].shape == (3,)
+
+
+@pytest.mark.parametrize("args", [("x", 30), (0.5, -3), (0.5, 3.0), (0.0, 3), (0.5, True)])
+def test_kept_count_refuses_what_is_not_a_fraction_and_a_count(args):
+    with pytest.raises(InvalidInputError):
+        gpu_codec.kept_count(*args)
+    assert gpu_codec.kept_count(0.01, np.int64(101)) == 2
+
+
+@pytest.mark.parametrize("cap", ["x", -1, 1.5, True])
+def test_decompress_checks_its_deprecated_cap_too(cap):
+    with pytest.warns(DeprecationWarning), pytest.raises(InvalidInputError, match="max_elements must be"):
+        gpu_codec.decompress(_blob(), max_elements=cap)
+
+
+@pytest.mark.skipif(HAS_GPU, reason="a CUDA GPU is usable here")
+def test_cupy_outputs_without_a_device_are_refused_up_front():
+    for call in (lambda: gpu_codec.decompress(_blob(), like="cupy"), lambda: gpu_codec.Aggregator(like="cupy")):
+        with pytest.raises(BackendUnavailableError, match="like='cupy' needs CuPy and a CUDA device"):
+            call()
