@@ -8,6 +8,7 @@ neither NumPy nor CuPy has, travels as its uint16 bit pattern.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from operator import attrgetter
@@ -103,11 +104,14 @@ class TensorTable(Sequence):
 
 
 def _is_torch(x: Any) -> bool:
-    if not type(x).__module__.startswith("torch"):
-        return False
-    import torch
+    """Whether ``x`` is a torch tensor, a subclass's included (torch is not imported for it: a tensor's class
+    comes from a module that has imported torch)."""
+    if type(x).__module__.startswith("torch"):
+        import torch
 
-    return isinstance(x, torch.Tensor)
+        return isinstance(x, torch.Tensor)
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(x, torch.Tensor)
 
 
 def _is_cupy(x: Any) -> bool:
@@ -180,6 +184,8 @@ def to_tensor(x: Any, name: str) -> Tensor:
         logical = _NP_TO_LOGICAL.get(dt) or dtype_name(dt)
         data = cupy.ascontiguousarray(x).reshape(-1)
         return Tensor(data, logical, tuple(x.shape), "cupy", x.device.id)
+    if isinstance(x, np.ma.MaskedArray):  # (np.asarray would drop the mask: the masked elements' data is arbitrary)
+        raise InvalidInputError(f"tensor {name!r}: a masked array; pass its .filled(value) or its .data")
     try:
         arr = np.asarray(x)
     except (ValueError, TypeError) as e:

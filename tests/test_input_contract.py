@@ -171,3 +171,21 @@ def test_cupy_outputs_without_a_device_are_refused_up_front():
     for call in (lambda: gpu_codec.decompress(_blob(), like="cupy"), lambda: gpu_codec.Aggregator(like="cupy")):
         with pytest.raises(BackendUnavailableError, match="like='cupy' needs CuPy and a CUDA device"):
             call()
+
+
+def test_a_torch_tensor_subclass_reads_as_a_tensor():
+    class Sub(torch.Tensor):
+        pass
+
+    new, base = torch.arange(6.0).as_subclass(Sub), torch.zeros(6).as_subclass(Sub)
+    p = gpu_codec.compress({"w": new}, {"w": base}, fraction=0.5)
+    assert p.to_bytes() == gpu_codec.compress({"w": torch.arange(6.0)}, {"w": torch.zeros(6)}, fraction=0.5).to_bytes()
+    assert gpu_codec.decompress(p.to_bytes(), base={"w": base})["w"].tolist() == [0.0, 0.0, 0.0, 3.0, 4.0, 5.0]
+
+
+def test_a_masked_array_is_refused_not_read_without_its_mask():
+    m = np.ma.masked_array(np.arange(4, dtype=np.float32), mask=[0, 1, 0, 0])
+    with pytest.raises(InvalidInputError, match="tensor 'w': a masked array"):
+        gpu_codec.compress({"w": m}, fraction=0.5)
+    with pytest.raises(InvalidInputError, match="tensor 'w': a masked array"):
+        gpu_codec.compress({"w": m.data}, {"w": m}, fraction=0.5)
