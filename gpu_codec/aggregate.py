@@ -340,9 +340,7 @@ class Aggregator:
         """Scatter-add one client's payload (a :class:`~gpu_codec.Payload` or its bytes) with ``weight``; a payload
         that is refused leaves the aggregation exactly as it was."""
         w = _check_weight(weight)
-        if not isinstance(payload, Payload):
-            if not isinstance(payload, (bytes, bytearray, memoryview)):
-                raise InvalidInputError(f"expected a gpu_codec Payload or its bytes, got {type(payload)}")
+        if not isinstance(payload, Payload):  # (its bytes: any contiguous buffer, as decompress takes)
             payload = Payload.from_bytes(payload)
         with self._lock:
             self._add(payload, w, weight)

@@ -17,6 +17,7 @@ from .errors import InvalidInputError
 from .format import (
     MAX_HEADER_BYTES,
     MAX_NAME,
+    MAX_NAMES_BYTES,
     MAX_NDIM,
     MAX_TENSOR_ELEMENTS,
     RecordTable,
@@ -106,6 +107,11 @@ def check_limits(name: Any, shape: tuple[int, ...]) -> None:
         raise InvalidInputError(f"tensor names must be non-empty strings, got {name!r}")
     if len(name) > MAX_NAME:
         raise InvalidInputError(f"tensor {name[:40]!r}...: name of {len(name)} characters, the limit is {MAX_NAME}")
+    if not name.isascii():
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidInputError(f"tensor {name!r}: the name has no UTF-8 form (a lone surrogate)") from None
     if len(shape) > MAX_NDIM:
         raise InvalidInputError(f"tensor {name!r}: {len(shape)} dimensions, the wire format allows {MAX_NDIM}")
     if math.prod(s for s in shape if s) > MAX_TENSOR_ELEMENTS:
@@ -133,6 +139,12 @@ def within_limits(names: list[Any], shapes: list[tuple[int, ...]], sizes: list[i
     lengths = list(map(len, names))
     if not 0 < min(lengths) <= max(lengths) <= MAX_NAME:
         return False
+    joined = "".join(names)
+    if not joined.isascii():  # (every name has a UTF-8 form: no lone surrogate)
+        try:
+            joined.encode("utf-8")
+        except UnicodeEncodeError:
+            return False
     if max(map(len, shapes)) > MAX_NDIM:
         return False
     sizes = list(map(math.prod, shapes)) if sizes is None else sizes
@@ -159,6 +171,12 @@ def _header_bound(payload: Payload) -> int:
 def check_header_size(payload: Payload) -> None:
     if _header_bound(payload) <= MAX_HEADER_BYTES:
         return
+    names = record_column(payload_records(payload), "name")
+    named = sum(len(n.encode("utf-8", "surrogatepass")) for n in names)
+    if named > MAX_NAMES_BYTES:  # (what the reader bounds: the names as read, each whole)
+        raise InvalidInputError(
+            f"the {len(names)} tensor names take {named} bytes in UTF-8, over the reader's limit of {MAX_NAMES_BYTES}"
+        )
     header = payload.header_nbytes
     if header > MAX_HEADER_BYTES:
         raise InvalidInputError(

@@ -272,3 +272,49 @@ def test_a_fifo_named_like_a_checkpoint_gets_that_format(files, capsys):
     with np.load(files / "copy.npz") as z:
         assert sorted(z.files) == ["b", "w"]
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def _big_payload(folder) -> str:
+    """A dense payload of 64 MiB of output: a decompress that writes for a while."""
+    rng = np.random.default_rng(1)
+    path = folder / "big.gcodec"
+    path.write_bytes(
+        gpu_codec.compress({"w": rng.standard_normal(1 << 24).astype(np.float32)}, fraction=None).to_bytes()
+    )
+    return str(path)
+
+
+def test_stdout_closed_early_is_an_error_not_a_short_success(files):
+    """A reader that takes a few bytes and closes the pipe: the command fails (a buffered write could stop short
+    and report success with the output cut)."""
+    big = _big_payload(files)
+    env = dict(os.environ, PYTHONWARNINGS="default", FLWR_TELEMETRY_ENABLED="0")
+    argv = [sys.executable, "-m", "gpu_codec.cli", "decompress", big, "-o", "-", "--format", "npz"]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=files) as p:
+        assert len(p.stdout.read(10)) == 10
+        p.stdout.close()
+        err = p.stderr.read()
+        assert p.wait(timeout=120) != 0, err
+    assert b"stdout: 1 tensor" not in err and b"Traceback" not in err
+
+
+def test_sigterm_leaves_no_temporary_file_behind(files):
+    """``kill`` (SIGTERM) while the output is written: exit 143, one line, no temporary and no output file."""
+    import signal
+    import time
+
+    big = _big_payload(files)
+    env = dict(os.environ, PYTHONWARNINGS="default", FLWR_TELEMETRY_ENABLED="0")
+    argv = [sys.executable, "-m", "gpu_codec.cli", "decompress", big, "-o", str(files / "out.npz")]
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=files) as p:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not [n for n in os.listdir(files) if n.startswith(".gpu-codec-")]:
+            time.sleep(0.005)  # (until the temporary file exists: the output is being written)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=120)
+    if p.returncode == 0:  # (it finished first: the output is whole and nothing else is there)
+        assert (files / "out.npz").exists()
+    else:
+        assert p.returncode == 143 and err == b"gpu-codec: error: terminated\n", (p.returncode, err)
+        assert not (files / "out.npz").exists()
+    no_temporaries(files)

@@ -370,3 +370,72 @@ def test_zero_size_tensor_within_limits_decodes():
     ).to_bytes()
     out = gpu_codec.decompress(blob)
     assert out["e"].shape == (0, 1 << 20) and out["w"].tolist() == [0, 0, 2, 3]
+
+
+# ------------------------------------------------------------------------------------------ names
+
+
+def test_a_v1_name_with_no_utf8_form_is_a_header_error():
+    """JSON can escape a lone surrogate (``\\ud800``); such a name has no UTF-8 form (a fingerprint, an output
+    file's keys): the reader refuses it, and compress never writes one."""
+    blob = _raw_header_payload(lambda t: t.replace('"name":"conv.weight"', '"name":"\\ud800"', 1))
+    assert b'"\\ud800"' in blob
+    with pytest.raises(E.PayloadHeaderError, match="no UTF-8 form"):
+        gpu_codec.Payload.from_bytes(blob)
+    for names in (["\ud800"], ["a", "b\udfff"]):
+        with pytest.raises(E.InvalidInputError, match="no UTF-8 form"):
+            gpu_codec.compress({n: np.ones(3, np.float32) for n in names}, fraction=0.5)
+
+
+@pytest.mark.parametrize("pipeline", [None, [gpu_codec.Quantize("float16"), gpu_codec.RiceIndices()]])
+def test_the_names_of_a_table_are_bounded_as_read(monkeypatch, pipeline):
+    """A name coded against an earlier one copies up to 4 KiB of it for a few bytes of table: the names as read
+    count against MAX_NAMES_BYTES in every path of the reader (plain, coded and entry by entry), before they are
+    all made."""
+    from gpu_codec.format import v2
+
+    names = [f"block{i}.layer.weight" for i in range(40)]
+    p = gpu_codec.compress({n: np.arange(8, dtype=np.float32) for n in names}, fraction=0.5, pipeline=pipeline)
+    blob = p.to_bytes()
+    total = sum(len(n) for n in names)
+    monkeypatch.setattr(v2, "MAX_NAMES_BYTES", total - 1)
+    for plain in (True, False):
+        with monkeypatch.context() as m:
+            if not plain:
+                m.setattr(v2, "_read_plain", lambda *a: None)
+                m.setattr(v2, "_read_coded", lambda *a: False)
+            with pytest.raises(E.PayloadLimitError, match="tensor names take more than"):
+                gpu_codec.Payload.from_bytes(blob)
+    monkeypatch.setattr(v2, "MAX_NAMES_BYTES", total)
+    assert len(gpu_codec.Payload.from_bytes(blob).tensors) == 40  # (at the bound)
+
+
+def test_compress_refuses_names_past_the_readers_bound(monkeypatch):
+    from gpu_codec import payload as pl
+
+    names = {f"{'x' * 200}{i}": np.ones(2, np.float32) for i in range(10)}
+    monkeypatch.setattr(pl, "MAX_HEADER_BYTES", 1000)  # (past the cheap bound: the names are counted)
+    monkeypatch.setattr(pl, "MAX_NAMES_BYTES", 2000)
+    with pytest.raises(E.InvalidInputError, match="tensor names take"):
+        gpu_codec.compress(names, fraction=0.5)
+
+
+# a valid v2 payload (two tensors of 4 fp32 elements, one kept entry each) whose second name is written whole, not
+# against the first, as another writer may write it: 60 bytes of prefix and table, 20 of data and checksum
+NAMES_WRITTEN_WHOLE = bytes.fromhex(
+    "475055434f44454302000000002e0101190200000002000e6c617965722e302e776569676874040401000e6c617965722e312e"
+    "776569676874040401020000000000003f020000000000003f5f2948f3"
+)
+
+
+def test_header_length_is_read_from_the_bytes():
+    from gpu_codec.cli.commands import header_split
+    from gpu_codec.format import v2
+
+    blob = NAMES_WRITTEN_WHOLE
+    assert {k: v.tolist() for k, v in gpu_codec.decompress(blob).items()} == {
+        "layer.0.weight": [0.0, 0.0, 0.5, 0.0],
+        "layer.1.weight": [0.0, 0.0, 0.5, 0.0],
+    }
+    assert v2.header_length(blob) == 60 and header_split(blob) == (60, 20)
+    assert gpu_codec.Payload.from_bytes(blob).header_nbytes < 60  # (this writer codes the second name shorter)

@@ -90,6 +90,9 @@ def test_bytes_like_payloads_still_read():
     blob = _blob()
     for b in (bytearray(blob), memoryview(blob), np.frombuffer(blob, np.uint8)):
         assert gpu_codec.decompress(b)["w"].tolist() == [1.0, 3.0]
+        agg = gpu_codec.Aggregator()
+        agg.add(b)  # (any contiguous buffer, as decompress takes)
+        assert agg.result()["w"].tolist() == [1.0, 3.0]
 
 
 def test_aggregate_takes_any_iterables_and_refuses_other_arguments():

@@ -21,8 +21,10 @@ import json
 import logging
 import math
 import os
+import signal
 import struct
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator, Sequence
@@ -141,14 +143,15 @@ def _read_payload(path: str) -> tuple[bytes, Any]:
     return blob, gpu_codec.Payload.from_bytes(blob)  # a cut payload: the reader's PayloadTruncatedError
 
 
-def header_split(payload: Any, blob: bytes) -> tuple[int, int]:
-    """(header bytes, data bytes) of a serialized payload: for version 1 the prefix and JSON header (u32 header
-    length at bytes 12..16; data starts at 16 + that), for version 2 ``payload.header_nbytes`` (prefix, tensor
-    table, metadata). Data counts every byte after the header, checksum included.
+def header_split(blob: bytes) -> tuple[int, int]:
+    """(header bytes, data bytes) of a serialized payload, as they lie in ``blob``: for version 1 the prefix and JSON
+    header (u32 header length at bytes 12..16; data starts at 16 + that), for versions 2 and 3 the prefix and the
+    stored tensor table (with the pipeline and metadata). Data counts every byte after the header, checksum
+    included.
 
     >>> p = gpu_codec.compress({"w": np.ones(8, np.float32)}, fraction=0.5)
     >>> for blob in (p.to_bytes(), p.to_bytes(version=1)):
-    ...     h, d = header_split(gpu_codec.Payload.from_bytes(blob), blob)
+    ...     h, d = header_split(blob)
     ...     print(blob[8], h + d == len(blob), h < d)
     2 True True
     1 True False
@@ -158,7 +161,7 @@ def header_split(payload: Any, blob: bytes) -> tuple[int, int]:
         (hlen,) = struct.unpack_from("<I", blob, 12)
         h = 16 + hlen
     else:
-        h = payload.header_nbytes
+        h = v2.header_length(blob)
     return int(h), len(blob) - int(h)
 
 
@@ -313,7 +316,7 @@ def cmd_compress(a: argparse.Namespace) -> int:
         bar.update()
         write_output(target, lambda f: f.write(blob))
         bar.update()
-    h, d = header_split(payload, blob)
+    h, d = header_split(blob)
     n = sum(math.prod(r.shape) for r in payload.tensors)
     doc = {
         "output": a.output,
@@ -439,7 +442,7 @@ def _tensor_row(r: Any) -> dict:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     blob, payload = _read_payload(a.payload)
-    h, d = header_split(payload, blob)
+    h, d = header_split(blob)
     (version,) = struct.unpack_from("<I", blob, 8)
     tensors = [_tensor_row(r) for r in payload.tensors]
     mode = "records" if version == 1 else v2.DATA_MODES[(blob[12] >> v2.DATA_SHIFT) & 3]
@@ -688,6 +691,28 @@ def _fail(message: str) -> None:
     print(f"{PROG}: error: {describe(' '.join(str(message).split()))}", file=sys.stderr)
 
 
+class _Terminated(BaseException):
+    """SIGTERM (``kill``, ``timeout``), raised where the command is, so that its cleanup runs as for Ctrl-C: no
+    temporary file left beside an output."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated
+
+
+@contextlib.contextmanager
+def _terminable() -> Iterator[None]:
+    """SIGTERM raises :class:`_Terminated` while inside (in the main thread; the handler before is put back)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    before = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``gpu-codec``.
 
@@ -713,7 +738,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return e.code if isinstance(e.code, int) else 0
         verbose = args.verbose
         logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
-        with _backend(getattr(args, "backend", None)):
+        with _terminable(), _backend(getattr(args, "backend", None)):
             return args.fn(args)
     except BrokenPipeError:  # the reader went away (``gpu-codec inspect ... | head``): stop quietly
         with contextlib.suppress(OSError, ValueError):
@@ -729,6 +754,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         _fail("interrupted")
         return 130
+    except _Terminated:
+        _fail("terminated")
+        return 143
     except Exception as e:
         _fail(f"internal error: {type(e).__name__}: {e}")
         if verbose:

@@ -171,11 +171,10 @@ def write_output(target: Target, write: Callable[[Any], Any]) -> None:
         buf = io.BytesIO()  # stdout, devices and FIFOs cannot seek; the formats may need to
         write(buf)
         data = buf.getbuffer()
-        if target.kind == "stdout":
+        if target.kind == "stdout":  # (every byte, or an error: a buffered write may stop short at a closed pipe)
             sys.stdout.flush()
-            out = sys.stdout.buffer
-            out.write(data)
-            out.flush()
+            sys.stdout.buffer.flush()
+            _write_all(sys.stdout.fileno(), data, "stdout")
         else:
             _write_through(target.path, data)
         return
@@ -228,16 +227,23 @@ def _write_through(path: str, data: Any) -> None:
         mode = os.fstat(fd).st_mode
         if not (stat.S_ISCHR(mode) or stat.S_ISFIFO(mode)):
             raise _refuse(f"output {describe(path)} changed while writing; nothing was written")
-        view, done = memoryview(data).cast("B"), 0
-        while done < len(view):
-            try:
-                done += os.write(fd, view[done:])
-            except InterruptedError:
-                continue
-            except OSError as e:
-                raise OSError(e.errno, e.strerror, path) from None
+        _write_all(fd, data, path)
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: Any, path: str) -> None:
+    """Every byte of ``data`` into ``fd``, however few each write takes; an OSError naming ``path`` otherwise."""
+    view, done = memoryview(data).cast("B"), 0
+    while done < len(view):
+        try:
+            done += os.write(fd, view[done:])
+        except InterruptedError:
+            continue
+        except BrokenPipeError:
+            raise
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, path) from None
 
 
 def stdout_is_output(*paths: str | None) -> bool:

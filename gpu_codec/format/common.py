@@ -24,6 +24,10 @@ MAX_HEADER_BYTES = 16 << 20
 MAX_TENSORS = 100_000
 MAX_NDIM = 8
 MAX_NAME = 1024
+# the names of one payload, as read (UTF-8), take at most this many bytes: a v2 name coded against an earlier one
+# copies up to 4 KiB of it for a few bytes of table, so without a bound a 5 KB payload declared 100,000 names of
+# 4 KiB (a reader's peak of about 1 GB, with no dense output for max_output_bytes to count)
+MAX_NAMES_BYTES = 4 * MAX_HEADER_BYTES
 MAX_TENSOR_ELEMENTS = 1 << 40
 MAX_WINDOW = 1 << 27  # the largest zstd window a reader accepts
 MAX_INT_DIGITS = 40  # a header integer longer than this is junk (every bounded field fits in 20 digits)

@@ -235,6 +235,15 @@ def _check_not_truncated(mv: memoryview, hlen: int) -> None:
     )
 
 
+def _utf8(name: str) -> bool:
+    """Whether a name read from JSON (where ``\\ud800`` escapes a lone surrogate) is text with a UTF-8 form."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_record(i: int, e: Any, layouts: Mapping[str, LayoutRule]) -> TensorRecord:
     _req(isinstance(e, dict), PayloadHeaderError, f"tensor entry {i} is not an object")
     name = e.get("name")
@@ -243,6 +252,7 @@ def _check_record(i: int, e: Any, layouts: Mapping[str, LayoutRule]) -> TensorRe
         PayloadHeaderError,
         f"tensor entry {i}: 'name' must be a non-empty string of at most {MAX_NAME} characters",
     )
+    _req(_utf8(name), PayloadHeaderError, f"tensor entry {i}: 'name' {name!r} has no UTF-8 form (a lone surrogate)")
     where = f"tensor {name!r}"
     dtype = e.get("dtype")
     _req(

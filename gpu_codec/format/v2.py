@@ -60,6 +60,7 @@ from .common import (
     MAX_CHUNK_LOG2,
     MAX_HEADER_BYTES,
     MAX_NAME,
+    MAX_NAMES_BYTES,
     MAX_NDIM,
     MAX_TENSOR_ELEMENTS,
     MAX_TENSORS,
@@ -128,6 +129,14 @@ STAGE_JSON = 0  # a pipeline stage stored as JSON (every code above it is a code
 
 MAX_STAGES = 16
 MAX_NAME_BYTES = 4 * MAX_NAME
+
+
+class _Names(list):
+    """A table's names read so far (UTF-8, in order: what later names are coded against), and their bytes."""
+
+    spent = 0
+
+
 _TABLE_LEVEL_SMALL, _TABLE_LEVEL_LARGE, _TABLE_SMALL = 19, 3, 256 << 10
 
 # (encoding, inner encoding | None, value form tag | None, its params, index form tag | None, its params); params
@@ -906,6 +915,15 @@ def table_frame(blob: bytes | bytearray | memoryview) -> tuple[int, bytes] | Non
     return None if raw is None else (raw, r.take(tlen, "the tensor table"))
 
 
+def header_length(blob: bytes | bytearray | memoryview) -> int:
+    """Bytes of the prefix and the stored tensor table of a v2 or v3 payload that :func:`unpack` has accepted, as
+    they lie in ``blob`` (another writer's table may be coded otherwise than this one would code it)."""
+    mv = memoryview(blob).cast("B")
+    _, _, flags = _PREFIX.unpack_from(mv, 0)
+    r, tlen, _ = _table_lengths(mv, flags, len(mv) - _CRC.size)
+    return r.pos + tlen
+
+
 def _table_lengths(mv: memoryview, flags: int, end: int) -> tuple[_Reader, int, int | None]:
     """The prefix's table lengths, read after its fixed fields: (a reader at the table, the table's stored length,
     its raw length where it is zstd-compressed, else None)."""
@@ -1456,6 +1474,7 @@ def _read_known(
     pos, nnzs = got
     t.pos = pos
     names.update(k.names)
+    earlier.spent += sum(map(len, k.coded))  # (within the bound: the table passed it when it was first read)
     earlier.extend(k.coded)
     if k.coo32 and left >= SHARED_VIEWS_MIN:  # (the whole table: its records are the shared one's columns)
         return _shared_coo(k, nnzs)
@@ -1650,13 +1669,15 @@ def _read_coded(
         return False
     zbytes = wrapped and mode == DATA_RECORDS
     buf, pos, end = t.buf, t.pos, t.end
-    first, known = pos, len(earlier)
+    first, known, spent0 = pos, len(earlier), earlier.spent
     rows, got = [], set()  # (name, dtype, shape, nnz, numel, stored field values, zbytes) per entry
     try:
         for _ in range(left):
             start = pos
             try:
                 nb, name, kind, dims, numel, pos = _entry_head(buf, pos, end, earlier, names)
+                if earlier.spent + len(nb) > MAX_NAMES_BYTES:  # (_read_tensor reads it again, and refuses it)
+                    raise _Leave
                 nnz = numel
                 if sparse:
                     nnz, pos = _read_nnz(buf, pos, numel)
@@ -1683,6 +1704,7 @@ def _read_coded(
                 break
             names.add(name)
             got.add(name)
+            earlier.spent += len(nb)
             earlier.append(nb)
             rows.append((name, DTYPE_CODES[kind & 3], tuple(dims), nnz, numel, vals, zb))
         if not rows:
@@ -1693,6 +1715,7 @@ def _read_coded(
     if not ok:  # nothing kept: the entries are read again, one by one
         names.difference_update(got)
         del earlier[known:]
+        earlier.spent = spent0
         t.pos = first
         return False
     t.pos = pos
@@ -1777,10 +1800,14 @@ def _read_plain(
             else:
                 nnz = numel
                 lay = [("values", vd, numel)]
+            spent = earlier.spent + len(nb)
+            if spent > MAX_NAMES_BYTES:  # (_read_tensor reads it again, and refuses it)
+                raise _Leave
         except (_Leave, IndexError, UnicodeDecodeError):
             t.pos = start
             return
         names.add(name)
+        earlier.spent = spent
         earlier.append(nb)
         records.append(TensorRecord(name, dtype, tuple(dims), enc, nnz, {}, {}))
         lays.append(lay)
@@ -1921,7 +1948,7 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
         fingerprint = t.take(FINGERPRINT_BYTES, "the base fingerprint").hex()
     default = _read_form(t, tables)
     count = t.varint("tensor count", MAX_TENSORS, PayloadLimitError)
-    records, layouts_of, names, earlier = [], [], set(), []
+    records, layouts_of, names, earlier = [], [], set(), _Names()
     enc = default[0]
     plain = reader is _Reader and mode == DATA_RECORDS and enc in BASE_LAYOUTS and tables.get(enc) is BASE_LAYOUTS[enc]
     coded = reader is _Reader and enc not in BASE_LAYOUTS
@@ -1937,6 +1964,11 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
             if len(records) == count:
                 break
         rec, nb, lay = _read_tensor(t, earlier, default, tables, mode, version)
+        earlier.spent += len(nb)
+        if earlier.spent > MAX_NAMES_BYTES:
+            raise PayloadLimitError(
+                f"{t.what}: the tensor names take more than {MAX_NAMES_BYTES} bytes (at tensor {len(records)})"
+            )
         earlier.append(nb)
         if rec.name in names:
             raise PayloadHeaderError(f"tensor {rec.name!r} appears twice")
