@@ -20,9 +20,10 @@ In a Flower app:
   reply as top-k of ``reply - received model`` (error feedback kept in the client's ``Context.state`` across
   rounds), when the server said it can decode it.
 * :class:`CompressedStrategy`: a ``flwr.serverapp.strategy.Strategy`` wrapping ``FedAvg`` or any strategy with
-  the same hooks. It sends the global model compressed (lossless by default), says so in the train config, and
-  aggregates the replies with :func:`gpu_codec.aggregate` straight from the sparse form (FedAvg's weighted mean,
-  the same bytes in any arrival order); metrics stay the wrapped strategy's.
+  the same hooks. It sends the global model compressed (lossless by default), says so in the train config, and,
+  under FedAvg's rule, aggregates the replies with :func:`gpu_codec.aggregate` straight from the sparse form
+  (FedAvg's weighted mean, the same bytes in any arrival order); a strategy with a rule of its own aggregates the
+  replies' decoded models itself; metrics stay the wrapped strategy's.
 
 >>> import numpy as np
 >>> import flwr.app
@@ -125,6 +126,18 @@ def payload_array(payload: Any) -> Array:
     else:
         raise InvalidInputError(f"expected a gpu_codec Payload or its bytes, got {type(payload).__name__}")
     return Array(dtype=STYPE_GPU_CODEC, shape=(len(_GUARD) + len(blob),), stype=STYPE_NUMPY, data=_GUARD + blob)
+
+
+def _fedavg_rule(strategy: Any) -> bool:
+    """Whether ``strategy`` aggregates arrays by FedAvg's rule (flwr's ``FedAvg`` and ``FedProx``, or a subclass
+    that keeps FedAvg's ``aggregate_train``): :class:`CompressedStrategy` then averages the replies from their sparse
+    form; any other rule (FedMedian, FedAdam, differential privacy's clipping and noise, ...) is the wrapped
+    strategy's, run on the decoded models."""
+    try:
+        from flwr.serverapp.strategy import FedAvg
+    except ImportError:  # (an older flwr: no strategy of this kind to match)
+        return False
+    return getattr(type(strategy), "aggregate_train", None) is FedAvg.aggregate_train
 
 
 def holds_payload(a: Any) -> bool:
@@ -424,16 +437,20 @@ def compression_mod(
         accepts = False
         if msg.has_content():
             content = msg.content
-            accepts = any(c.get(ACCEPT_KEY) == STYPE_GPU_CODEC for c in content.config_records.values())
+            # (a train message of a server that decodes payloads: the models received are what replies are
+            # compressed against; any other message's arrays are handed on as they came, not read here)
+            accepts = msg.metadata.message_type.split(".")[0] == "train" and any(
+                c.get(ACCEPT_KEY) == STYPE_GPU_CODEC for c in content.config_records.values()
+            )
             for rk in list(content.array_records.keys()):
                 rec = content.array_records[rk]
                 if _is_compressed(rec):
                     rec = decode_record(rec, max_output_bytes=cap)
                     content[rk] = rec
-                received[rk] = {k: rec[k].numpy() for k in rec}
+                if accepts:
+                    received[rk] = {k: rec[k].numpy() for k in rec}
         reply = call_next(msg, context)
-        kind = msg.metadata.message_type.split(".")[0]
-        if not accepts or kind != "train" or reply.has_error() or not reply.has_content():
+        if not accepts or reply.has_error() or not reply.has_content():
             return reply
         for rk in list(reply.content.array_records.keys()):
             if rk not in received:
@@ -489,14 +506,19 @@ class CompressedStrategy(Strategy):
         per fp32 parameter of the global model, more for a reply sending every entry sparse); a reply that
         needs more is left out. Default 4 GiB; ``None``: no cap.
 
-    The arrays a round produces are ``received + sum(w_i delta_i) / sum(w_i)`` (FedAvg's rule), where
-    ``received`` is the model the clients decoded; :func:`gpu_codec.aggregate` makes it the same to the byte
-    in any arrival order. Fleets may be mixed: a reply without a payload (a client without
-    :func:`compression_mod`) is taken losslessly beside compressed ones, and a node whose reply says it could
-    not read the compressed model (a stock Flower client fails on the ``.npy`` guard) is logged and sent the
-    model uncompressed from then on. A reply that cannot be used (a bad payload, arrays that do not match the
-    global model, a bad weight) is logged and left out of the arrays and the metrics, and the round goes on
-    with the others. Non-float arrays are averaged densely, in an order fixed by their content.
+    Where the wrapped strategy aggregates by FedAvg's rule (flwr's ``FedAvg``, ``FedProx``, or a subclass keeping
+    FedAvg's ``aggregate_train``), the arrays a round produces are ``received + sum(w_i delta_i) / sum(w_i)``,
+    where ``received`` is the model the clients decoded, computed from the sparse form; :func:`gpu_codec.aggregate`
+    makes it the same to the byte in any arrival order. Any other rule (FedMedian, FedTrimmedAvg, FedAdam,
+    differential privacy's clipping and noise) stays the wrapped strategy's: it gets each reply's model decoded
+    onto ``received`` (one dense model a reply) and aggregates them itself.
+
+    Fleets may be mixed: a reply without a payload (a client without :func:`compression_mod`) is taken
+    losslessly beside compressed ones, and a node whose reply says it could not read the compressed model (a stock
+    Flower client fails on the ``.npy`` guard) is logged and sent the model uncompressed from then on. A reply that
+    cannot be used (a bad payload, arrays that do not match the global model, a bad weight) is logged and left out
+    of the arrays and the metrics, and the round goes on with the others. Non-float arrays are averaged densely,
+    in an order fixed by their content.
     """
 
     def __init__(
@@ -588,6 +610,8 @@ class CompressedStrategy(Strategy):
     def aggregate_train(self, server_round: int, replies: Any) -> tuple[Any, Any]:
         replies = list(replies)
         self._note_unreadable(server_round, replies)
+        if not _fedavg_rule(self.strategy):  # (its own rule: it gets the models, decoded)
+            return self.strategy.aggregate_train(server_round, self._decoded_replies(server_round, replies))
         valid = [m for m in replies if not m.has_error()]
         arrays, taken = None, []
         if valid:
@@ -608,6 +632,40 @@ class CompressedStrategy(Strategy):
                 stubbed.append(Message(content=rd, metadata=m.metadata))
         _, metrics = self.strategy.aggregate_train(server_round, stubbed)
         return arrays, metrics
+
+    def _decoded_replies(self, server_round: int, replies: list) -> list:
+        """The replies as a stock client would have sent them, for a wrapped strategy with a rule of its own: each
+        reply's model decoded onto the global model it was made against (``received + delta``), its plain arrays as
+        they came, in the global model's order; replies with an error passed on; a reply that cannot be read is
+        logged and left out, as :meth:`_aggregate` leaves it out."""
+        if self._sent is None:
+            raise InvalidInputError("aggregate_train before configure_train: no global model to add deltas to")
+        base = self._sent[2]
+        floats = _split_floats(base, None)
+        plain = {n for n in base if n not in floats}
+        out = []
+        for i, m in enumerate(replies):
+            if m.has_error():
+                out.append(m)
+                continue
+            try:
+                _, payload, others = self._read_reply(m.content, base, floats, plain)
+                if payload is not None:
+                    cap = self.max_output_bytes
+                    others.update(_engine.decompress(payload, {n: base[n] for n in floats}, max_output_bytes=cap))
+            except GpuCodecError as e:
+                log.warning(
+                    "round %d: the reply of node %d is left out of the aggregation: reply %d: %s",
+                    server_round,
+                    m.metadata.src_node_id,
+                    i,
+                    e,
+                )
+                continue
+            record = ArrayRecord({n: Array(np.asarray(others[n])) for n in base})
+            content = RecordDict({k: (record if k in m.content.array_records else v) for k, v in m.content.items()})
+            out.append(Message(content=content, metadata=m.metadata))
+        return out
 
     def _aggregate(self, server_round: int, replies: list) -> tuple[Any, list]:
         """(the new model, or None if no reply could be used; the replies used)."""

@@ -363,3 +363,54 @@ def test_evaluate_messages_carry_the_compressed_model_and_replies_pass_through()
     assert list(seen) == ["w", "b", "steps"] and all(seen[k].tobytes() == arrays[k].numpy().tobytes() for k in seen)
     assert seen["b"].dtype == np.float16 and not ctx.state.config_records
     assert strategy.aggregate_evaluate(1, [reply])["acc"] == 0.5
+
+
+def _other_rules():
+    from flwr.serverapp.strategy import FedAdam, FedMedian, FedTrimmedAvg
+
+    return {
+        "fedmedian": lambda: FedMedian(min_available_nodes=4, min_train_nodes=4),
+        "fedtrimmedavg": lambda: FedTrimmedAvg(min_available_nodes=4, min_train_nodes=4, beta=0.25),
+        "fedadam": lambda: FedAdam(min_available_nodes=4, min_train_nodes=4),
+    }
+
+
+@pytest.mark.parametrize("rule", ["fedmedian", "fedtrimmedavg", "fedadam"])
+def test_a_wrapped_strategy_with_its_own_rule_aggregates_the_decoded_models(rule):
+    """A strategy that does not aggregate by FedAvg's rule gets the replies' models, decoded onto the global model
+    the clients received: its result is what it gives on the plain replies (a lossless round), not FedAvg's mean."""
+    make = _other_rules()[rule]
+    arrays = global_model()
+    stock = make()
+    _, plain = round_trip(stock, None, arrays=arrays)
+    want, want_metrics = stock.aggregate_train(1, plain)
+    wrapped = CompressedStrategy(make())
+    _, replies = round_trip(wrapped, compression_mod(1.0), arrays=arrays)
+    assert all(r.content["arrays"]["gpu_codec"].dtype == "gpu_codec.v1" for r in replies)
+    new, metrics = wrapped.aggregate_train(1, replies)
+    assert list(new) == list(want) and metrics == want_metrics
+    for k in want:
+        tol = 2e-3 if want[k].numpy().dtype == np.float16 else 1e-5  # (base + delta rounds to float16)
+        np.testing.assert_allclose(new[k].numpy(), want[k].numpy(), rtol=tol, atol=tol)
+    mean = dense_fedavg(arrays)["w"]
+    assert not np.allclose(new["w"].numpy(), mean, rtol=1e-4, atol=1e-4)  # (another rule than FedAvg's)
+
+
+def test_client_side_dp_noise_is_the_wrapped_strategy_s():
+    """Client-side fixed clipping adds its noise at the server's aggregation: with the models decoded, the wrapped
+    strategy adds it (FedAvg's mean alone would drop it, and the privacy guarantee with it)."""
+    from flwr.serverapp.strategy import DifferentialPrivacyClientSideFixedClipping
+
+    arrays = global_model()
+    fedavg = FedAvg(min_available_nodes=4, min_train_nodes=4)
+    dp = DifferentialPrivacyClientSideFixedClipping(
+        fedavg, noise_multiplier=1.0, clipping_norm=100.0, num_sampled_clients=4
+    )
+    wrapped = CompressedStrategy(dp)
+    _, replies = round_trip(wrapped, compression_mod(1.0), arrays=arrays)
+    new, _ = wrapped.aggregate_train(1, replies)
+    plain_mean = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4))
+    _, again = round_trip(plain_mean, compression_mod(1.0), arrays=arrays)
+    mean, _ = plain_mean.aggregate_train(1, again)
+    noise = new["w"].numpy().astype(np.float64) - mean["w"].numpy()
+    assert np.abs(noise).max() > 1.0  # (noise of standard deviation 100 / 4 a coordinate)
