@@ -34,6 +34,20 @@ def pipeline_configs(pipeline: Any) -> list[dict] | None:
         raise InvalidInputError(str(e)) from None
 
 
+def dense_stages(stages: list[dict] | None) -> list[dict] | None:
+    """The stage configs that apply to a dense update (every entry sent): index and top-k stages have nothing to
+    work on there.
+
+    >>> dense_stages([{"id": "quantize", "dtype": "float16"}, {"id": "rice"}, {"id": "zstd", "level": 3}])
+    [{'id': 'quantize', 'dtype': 'float16'}, {'id': 'zstd', 'level': 3}]
+    """
+    if not stages:
+        return stages
+    from .codecs import get_codec
+
+    return [s for s in stages if get_codec(s).stage not in ("indices", "sparsify")]
+
+
 def is_lossy(fraction: float | None, pipeline: Any) -> bool:
     """Whether compressing with this top-k fraction and these codec stages can change a value."""
     if fraction is not None and float(fraction) < 1.0:

@@ -190,7 +190,20 @@ class ParameterPackerWithLayerNames(ParameterPacker[list]):
     def unpack_parameters(self, packed_parameters: NDArrays) -> tuple[NDArrays, list[str]]:
         _need(len(packed_parameters) >= 1, "a layer-names packing holds at least the names array")
         split_size = len(packed_parameters) - 1
-        return packed_parameters[:split_size], packed_parameters[split_size:][0].tolist()
+        return packed_parameters[:split_size], _names(packed_parameters[split_size])
+
+
+def _names(packed: Any) -> list[str]:
+    """The names array of a packing as a list of str (one name packs as a 0-d array); PackedLayoutError where it
+    is not an array of strings."""
+    names = packed.tolist() if isinstance(packed, np.ndarray) else None
+    if isinstance(names, str):
+        names = [names]
+    _need(
+        isinstance(names, list) and all(isinstance(n, str) for n in names),
+        f"the packing's last array holds the tensor names, got {getattr(packed, 'dtype', type(packed).__name__)}",
+    )
+    return names
 
 
 class SparseCooParameterPacker(ParameterPacker[tuple]):
@@ -215,9 +228,7 @@ class SparseCooParameterPacker(ParameterPacker[tuple]):
         model_parameters = packed_parameters[:split_size]
         parameter_indices = packed_parameters[split_size : (2 * split_size)]
         tensor_shapes = packed_parameters[(2 * split_size) : (3 * split_size)]
-        tensor_names = packed_parameters[(3 * split_size) :][0].tolist()
-        if isinstance(tensor_names, str):  # one name packs as a 0-d array
-            tensor_names = [tensor_names]
+        tensor_names = _names(packed_parameters[3 * split_size])
         return model_parameters, (parameter_indices, tensor_shapes, tensor_names)
 
     @staticmethod

@@ -109,8 +109,8 @@ def compress_params(
     rest = {k: v for k, v in params.items() if k not in tensors}
     kinds = {_kind_of(v) for v in tensors.values()}
     stages = adapt.pipeline_configs(pipeline)
-    if fraction is None and stages:
-        stages = _dense_stages(stages)
+    if fraction is None:
+        stages = adapt.dense_stages(stages)
     payload = _engine.compress(tensors, fraction=fraction, scope=scope, score=score, residual=residual, pipeline=stages)
     data: dict[str, Any] = {PAYLOAD_KEY: payload.to_bytes(), **rest}
     meta = {
@@ -125,13 +125,6 @@ def compress_params(
         "passed_through": sorted(rest),
     }
     return data, meta
-
-
-def _dense_stages(stages: list[dict]) -> list[dict]:
-    """The stages that apply to a dense update: index and top-k stages have nothing to work on there."""
-    from .codecs import get_codec
-
-    return [s for s in stages if get_codec(s).stage not in ("indices", "sparsify")]
 
 
 def decompress_params(

@@ -99,6 +99,25 @@ def test_key_from_environment_and_base64(monkeypatch):
     assert enc.get_config() == {"key_file": None, "key_env": "GPU_CODEC_TEST_KEY", "bind": ["round"]}
 
 
+def test_a_compressor_with_no_arguments_sends_whole_weights_dense():
+    """Clara's configs list ``DataCompressor`` with ``{}``: with no global model (the server's way down) the model
+    itself goes dense (top-1% of raw weights zeroed 99% of it); with one, the delta's top-1%; with ``delta=False``
+    the model, a delta already, its top-k."""
+    glob, local = models(2)
+    comp = C.ProcessorChain.from_config({"pre_processors": [{"name": "DataCompressor", "args": {}}]})
+    ctx = C.DataContext(model=dict(local))
+    comp.process_outgoing(ctx, C.AppContext())
+    assert ctx.get_model().nnz == sum(v.size for v in local.values())
+    C.DataDeCompressor().process(ctx, C.AppContext())
+    assert all(np.array_equal(ctx.get_model()[n], local[n]) for n in local)
+    ctx = C.DataContext(model=dict(local))
+    comp.process_outgoing(ctx, C.AppContext(global_model=glob))
+    assert ctx.get_model().nnz == gpu_codec.kept_count(0.01, sum(v.size for v in local.values()))
+    ctx = C.DataContext(model=dict(local))
+    C.DataCompressor(fraction=0.25, delta=False).process(ctx, C.AppContext(global_model=glob))
+    assert ctx.get_model().nnz == gpu_codec.kept_count(0.25, sum(v.size for v in local.values()))
+
+
 @pytest.mark.parametrize("where", ["ciphertext", "tag", "nonce", "key_id", "magic", "truncated"])
 def test_tampered_payload_is_rejected_and_not_decoded(key_file, where):
     glob, local = models(1)

@@ -163,6 +163,12 @@ def test_sparse_coo_packer_layout_and_extract():
     assert got_names == ["a", "bb"] and len(got_vals) == len(got_idx) == len(got_shapes) == 2
     with pytest.raises(F.PackedLayoutError, match="3n \\+ 1"):
         F.SparseCooParameterPacker().unpack_parameters(packed[:-2])
+    for bad in (np.array(5), np.array([1, 2]), [b"a", b"bb"]):  # (names that are not strings: refused)
+        with pytest.raises(F.PackedLayoutError, match="holds the tensor names"):
+            F.SparseCooParameterPacker().unpack_parameters([*packed[:-1], bad])
+        with pytest.raises(F.PackedLayoutError, match="holds the tensor names"):
+            F.ParameterPackerWithLayerNames().unpack_parameters([vals, bad])
+    assert F.SparseCooParameterPacker().unpack_parameters([vals, idx, shape, np.array("a")])[1][2] == ["a"]
 
 
 # ---------------------------------------------------------------- exchanger, engine mode

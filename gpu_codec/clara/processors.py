@@ -93,10 +93,15 @@ class DataCompressor(DataProcessor):
     Parameters
     ----------
     fraction, scope, score, pipeline
-        As for :func:`gpu_codec.compress` (``fraction=None``: dense, every entry).
+        As for :func:`gpu_codec.compress` (``fraction=None``: dense, every entry). ``fraction`` applies to a
+        delta: ``model - global_model``, or with ``delta=False`` the model as given (a delta already, as an
+        NVFlare ``WEIGHT_DIFF``).
     delta
         ``"auto"`` (the default): compress ``model - global_model`` when the app context holds a global model,
-        else the model itself; ``True``: require the global model; ``False``: never.
+        else the model itself, dense through the pipeline's value and bytes stages (top-k of raw weights would
+        send 1% of the model and zero the rest; Clara's own configs list ``DataCompressor`` with no arguments,
+        on the server's way down as on the client's way up); ``True``: require the global model; ``False``:
+        never (the model is a delta already: ``fraction`` applies to it).
 
     The data context's metadata (JSON values only) travels in the payload header, so the receiver's
     :class:`DataDeCompressor` restores it.
@@ -137,13 +142,16 @@ class DataCompressor(DataProcessor):
         model = _require_mapping_model(data_ctx.get_model(), "DataCompressor")
         use_delta = self.delta is True or (self.delta == "auto" and isinstance(app_ctx.global_model, Mapping))
         base = _base_for(model, app_ctx, "DataCompressor") if use_delta else None
+        fraction, pipeline = self.fraction, self.pipeline
+        if self.delta == "auto" and not use_delta:  # (the model itself, whole weights: dense)
+            fraction, pipeline = None, adapt.dense_stages(pipeline)
         payload = adapt.engine_compress(
             model,
             base,
-            fraction=self.fraction,
+            fraction=fraction,
             scope=self.scope,
             score=self.score,
-            pipeline=self.pipeline,
+            pipeline=pipeline,
             metadata=header_metadata(data_ctx, use_delta, app_ctx),
         )
         self._check_abort()
