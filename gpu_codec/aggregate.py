@@ -46,6 +46,7 @@ from .errors import (
     InvalidInputError,
     PayloadError,
     PayloadIndexError,
+    PayloadLayoutError,
     PayloadLimitError,
     PayloadValueError,
 )
@@ -350,6 +351,8 @@ class Aggregator:
         if self.count >= MAX_PAYLOADS:
             raise InvalidInputError(f"an aggregation takes at most {MAX_PAYLOADS} payloads")
         self._check_weight_sum(w, weight, what)
+        if not payload.tensors:  # (no update: as the first payload it would fix an empty template for the round)
+            raise PayloadLayoutError(f"{what} holds no tensor")
         template = self._template
         need = held_bytes(payload.tensors, self._base is not None)
         if self._max_output_bytes is not None and need > self._max_output_bytes:

@@ -390,7 +390,7 @@ def test_a_wrapped_strategy_with_its_own_rule_aggregates_the_decoded_models(rule
     new, metrics = wrapped.aggregate_train(1, replies)
     assert list(new) == list(want) and metrics == want_metrics
     for k in want:
-        tol = 2e-3 if want[k].numpy().dtype == np.float16 else 1e-5  # (base + delta rounds to float16)
+        tol = 2e-3 if arrays[k].numpy().dtype == np.float16 else 1e-5  # (base + delta rounds to float16)
         np.testing.assert_allclose(new[k].numpy(), want[k].numpy(), rtol=tol, atol=tol)
     mean = dense_fedavg(arrays)["w"]
     assert not np.allclose(new["w"].numpy(), mean, rtol=1e-4, atol=1e-4)  # (another rule than FedAvg's)

@@ -192,3 +192,18 @@ def test_a_masked_array_is_refused_not_read_without_its_mask():
         gpu_codec.compress({"w": m}, fraction=0.5)
     with pytest.raises(InvalidInputError, match="tensor 'w': a masked array"):
         gpu_codec.compress({"w": m.data}, {"w": m}, fraction=0.5)
+
+
+def test_an_empty_payload_cannot_fix_an_aggregation_s_tensors():
+    """A payload with no tensor reads (the format allows it), but as an aggregation's first payload it would fix an
+    empty tensor set and every later client would be refused: it is refused itself, and the round goes on."""
+    from gpu_codec.errors import PayloadLayoutError
+    from gpu_codec.format import pack
+
+    empty = pack([], pipeline=[])
+    assert gpu_codec.decompress(empty) == {}
+    agg = gpu_codec.Aggregator()
+    with pytest.raises(PayloadLayoutError, match="payload 0 holds no tensor"):
+        agg.add(empty)
+    agg.add(_blob())
+    assert agg.count == 1 and agg.result()["w"].tolist() == [1.0, 3.0]

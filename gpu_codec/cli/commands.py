@@ -668,7 +668,7 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("-o", "--output", required=True, help="checkpoint to write, in BASE's format ('-': stdout)")
     ap.set_defaults(fn=cmd_apply)
 
-    i = sub.add_parser("inspect", parents=[common], help="validate a payload and list its tensors")
+    i = sub.add_parser("inspect", parents=[common], help="check a payload's layout and checksum and list its tensors")
     i.add_argument("payload", metavar="PAYLOAD", help="the payload file")
     i.set_defaults(fn=cmd_inspect)
 
