@@ -128,6 +128,16 @@ def payload_array(payload: Any) -> Array:
     return Array(dtype=STYPE_GPU_CODEC, shape=(len(_GUARD) + len(blob),), stype=STYPE_NUMPY, data=_GUARD + blob)
 
 
+def _left_out(server_round: int, m: Any, i: int, e: Exception) -> None:
+    log.warning(
+        "round %d: the reply of node %d is left out of the aggregation: reply %d: %s",
+        server_round,
+        m.metadata.src_node_id,
+        i,
+        e,
+    )
+
+
 def _fedavg_rule(strategy: Any) -> bool:
     """Whether ``strategy`` aggregates arrays by FedAvg's rule (flwr's ``FedAvg`` and ``FedProx``, or a subclass
     that keeps FedAvg's ``aggregate_train``): :class:`CompressedStrategy` then averages the replies from their sparse
@@ -633,15 +643,19 @@ class CompressedStrategy(Strategy):
         _, metrics = self.strategy.aggregate_train(server_round, stubbed)
         return arrays, metrics
 
+    def _received(self) -> tuple[dict[str, np.ndarray], list[str]]:
+        """The global model the clients decoded this round, and its float arrays' names."""
+        if self._sent is None:
+            raise InvalidInputError("aggregate_train before configure_train: no global model to add deltas to")
+        base = self._sent[2]
+        return base, _split_floats(base, None)
+
     def _decoded_replies(self, server_round: int, replies: list) -> list:
         """The replies as a stock client would have sent them, for a wrapped strategy with a rule of its own: each
         reply's model decoded onto the global model it was made against (``received + delta``), its plain arrays as
         they came, in the global model's order; replies with an error passed on; a reply that cannot be read is
         logged and left out, as :meth:`_aggregate` leaves it out."""
-        if self._sent is None:
-            raise InvalidInputError("aggregate_train before configure_train: no global model to add deltas to")
-        base = self._sent[2]
-        floats = _split_floats(base, None)
+        base, floats = self._received()
         plain = {n for n in base if n not in floats}
         out = []
         for i, m in enumerate(replies):
@@ -654,13 +668,7 @@ class CompressedStrategy(Strategy):
                     cap = self.max_output_bytes
                     others.update(_engine.decompress(payload, {n: base[n] for n in floats}, max_output_bytes=cap))
             except GpuCodecError as e:
-                log.warning(
-                    "round %d: the reply of node %d is left out of the aggregation: reply %d: %s",
-                    server_round,
-                    m.metadata.src_node_id,
-                    i,
-                    e,
-                )
+                _left_out(server_round, m, i, e)
                 continue
             record = ArrayRecord({n: Array(np.asarray(others[n])) for n in base})
             content = RecordDict({k: (record if k in m.content.array_records else v) for k, v in m.content.items()})
@@ -669,10 +677,7 @@ class CompressedStrategy(Strategy):
 
     def _aggregate(self, server_round: int, replies: list) -> tuple[Any, list]:
         """(the new model, or None if no reply could be used; the replies used)."""
-        if self._sent is None:
-            raise InvalidInputError("aggregate_train before configure_train: no global model to add deltas to")
-        base = self._sent[2]
-        floats = _split_floats(base, None)
+        base, floats = self._received()
         agg = None
         if floats:
             agg = Aggregator(base={n: base[n] for n in floats}, max_output_bytes=self.max_output_bytes)
@@ -684,13 +689,7 @@ class CompressedStrategy(Strategy):
                 if payload is not None:
                     agg.add(payload, w)  # a payload it refuses leaves the accumulator as it was
             except GpuCodecError as e:
-                log.warning(
-                    "round %d: the reply of node %d is left out of the aggregation: reply %d: %s",
-                    server_round,
-                    m.metadata.src_node_id,
-                    i,
-                    e,
-                )
+                _left_out(server_round, m, i, e)
                 continue
             for n, a in others.items():
                 plain[n].append((w, a))
