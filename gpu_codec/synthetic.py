@@ -5,8 +5,8 @@ convolutions with norms, an MLP with a layer norm, attention projections, a head
 is heavy-tailed (Student t, 3 dof) with a log-normal scale per layer and per output channel, so top-k positions
 cluster the way trained deltas do. Everything is generated with NumPy from a seed.
 
->>> base = synthetic_model(100_000, seed=0)
->>> sorted(base)[:3], sum(v.size for v in base.values()) >= 100_000
+>>> base = synthetic_model(200_000, seed=0)
+>>> sorted(base)[:3], sum(v.size for v in base.values()) >= 200_000
 (['attn.out.bias', 'attn.out.weight', 'attn.qkv.bias'], True)
 >>> new = synthetic_update(base, seed=1)
 >>> all(new[k].shape == base[k].shape and new[k].dtype == base[k].dtype for k in base)
@@ -51,11 +51,25 @@ def model_shapes(scale: float = 1.0) -> dict[str, tuple[int, ...]]:
     return s
 
 
+SMALLEST_SCALE = 1e-3
+
+
+def smallest_model_params() -> int:
+    """Parameters of the smallest :func:`synthetic_model` (every layer keeps its least shape): 117,200.
+
+    >>> smallest_model_params()
+    117200
+    """
+    return sum(math.prod(s) for s in model_shapes(SMALLEST_SCALE).values())
+
+
 def synthetic_model(n_params: int = 5_000_000, *, seed: int = 0, dtype: str = "float32") -> dict[str, np.ndarray]:
-    """The :func:`model_shapes` model scaled to at least ``n_params`` parameters, as name -> NumPy array."""
-    if n_params < 1000:
-        raise ValueError(f"n_params must be at least 1000, got {n_params}")
-    scale = 1e-3
+    """The :func:`model_shapes` model scaled to at least ``n_params`` parameters, as name -> NumPy array (at least
+    :func:`smallest_model_params`, which ``n_params`` may not be below)."""
+    least = smallest_model_params()
+    if n_params < least:
+        raise ValueError(f"n_params must be at least {least} (the smallest model), got {n_params}")
+    scale = SMALLEST_SCALE
     while sum(math.prod(s) for s in model_shapes(scale).values()) < n_params:
         scale *= 1.05
     rng = np.random.default_rng(seed)

@@ -175,14 +175,14 @@ def test_info_and_demo_json(capsys):
     rc, out, _ = run(capsys, "info", "--backend", "cpu")
     assert rc == 0 and "backend: cpu (forced by --backend cpu)" in out  # the option the user gave, not the variable
     assert os.environ.get("GPU_CODEC_BACKEND") is None or gpu_codec.backend_info()["backend"]  # restored
-    rc, out, _ = run(capsys, "demo", "--params", "20000", "--clients", "2", "--codec", "ternary", "--json")
+    rc, out, _ = run(capsys, "demo", "--params", "2e5", "--clients", "2", "--codec", "ternary", "--json")
     doc = json.loads(out)
     assert rc == 0 and doc["clients"] == 2 and doc["parameters"] >= 20000 and doc["ratio"] > 1
     assert doc["pipeline"] == "ternary,rice,zstd"
 
 
 def test_demo_text_keeps_its_lines(capsys):
-    rc, out, _ = run(capsys, "demo", "--params", "20000", "--clients", "2", "--quiet", "--codec", "raw")
+    rc, out, _ = run(capsys, "demo", "--params", "2e5", "--clients", "2", "--quiet", "--codec", "raw")
     assert rc == 0
     for word in ("backend:", "parameters", "ratio", "compress:", "decompress:", "B per kept parameter", "aggregate:"):
         assert word in out
@@ -203,6 +203,8 @@ def test_bench_quick_writes_json_and_plots(tmp_path, capsys):
     assert all(r["selection_matches_numpy"] for r in cpu)
     pipes = {r["pipeline"] for r in doc["sizes"]}
     assert {"raw", "fp16,rice,zstd", "ternary,rice"} <= pipes
+    assert doc["settings"]["params"] == 117_200 and doc["settings"]["repeat"] == 1  # (the smallest model)
+
     raw = next(r for r in doc["sizes"] if r["pipeline"] == "raw" and r["fraction"] == 0.1)
     tern = next(r for r in doc["sizes"] if r["pipeline"] == "ternary,rice" and r["fraction"] == 0.1)
     assert tern["bytes_per_kept_parameter"] < raw["bytes_per_kept_parameter"]
@@ -211,6 +213,15 @@ def test_bench_quick_writes_json_and_plots(tmp_path, capsys):
     for p in doc["plots"]:
         with open(p, "rb") as f:
             assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bench_quick_takes_the_options_given(tmp_path, capsys):
+    out_dir = tmp_path / "bench"
+    argv = ["bench", "--quick", "--sizes", "4096", "--fractions", "0.1", "--params", "2e5", "--repeat", "2"]
+    rc, out, err = run(capsys, *argv, "--no-plot", "--no-torch", "--out", str(out_dir), "--json")
+    assert (rc, err) == (0, "")
+    doc = json.loads(out)
+    assert doc["settings"]["params"] == 200_000 and doc["settings"]["repeat"] == 2
 
 
 def test_names_json_member_round_trips_awkward_names(tmp_path):

@@ -93,7 +93,7 @@ def test_npy_header_that_lies_about_its_size(files, capsys):
     ("argv", "says"),
     [
         (["demo", "--clients", "0"], "--clients must be at least 1"),
-        (["demo", "--params", "10"], "--params must be at least 1000"),
+        (["demo", "--params", "10"], "--params must be at least 117200"),
         (["demo", "--params", "1e12"], "--params must be at most"),
         (["demo", "--params", "2.5e3x"], "must be an integer"),
         (["demo", "--params", "1e99"], "too large"),
@@ -161,6 +161,14 @@ def test_max_output_bytes(files, capsys):
     user_error(capsys, "decompress", u, "-o", str(files / "m.npz"), "--max-output-bytes", "100", says="over --max")
     user_error(capsys, "apply", str(files / "base.npz"), u, "-o", str(files / "m.npz"), "--max-output-bytes", "100B")
     assert main(["decompress", u, "-o", str(files / "m.npz"), "--max-output-bytes", "140"]) == 0  # 35 fp32 values
+    assert main(["decompress", u, "-o", str(files / "n.npz"), "--max-output-bytes", "none"]) == 0
+    capsys.readouterr()
+    # the default cap (4 GiB) is the option's: its error names the option, as the cap given does
+    none = gpu_codec.SparseEntries(np.zeros(0, np.int64), np.zeros(0), (5 << 28,), "float32")
+    huge = gpu_codec.encode_coo({"w": none})
+    (files / "huge.gcodec").write_bytes(huge.to_bytes())
+    err = user_error(capsys, "decompress", str(files / "huge.gcodec"), "-o", str(files / "h.npz"), says="over --max")
+    assert "4,294,967,296" in err and "'none'" in err and not (files / "h.npz").exists()
 
 
 def test_mismatched_checkpoints(files, capsys):

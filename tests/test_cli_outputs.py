@@ -318,3 +318,19 @@ def test_sigterm_leaves_no_temporary_file_behind(files):
         assert p.returncode == 143 and err == b"gpu-codec: error: terminated\n", (p.returncode, err)
         assert not (files / "out.npz").exists()
     no_temporaries(files)
+
+
+def test_an_output_named_as_a_folder_is_refused_before_any_work(files, capsys):
+    """``-o out/`` (a folder that does not exist) is refused up front; before, the command compressed first and
+    then failed naming its temporary file."""
+    refused(
+        capsys,
+        "compress",
+        str(files / "new.npz"),
+        str(files / "base.npz"),
+        "-o",
+        str(files / "out") + "/",
+        says="names a folder",
+    )
+    assert not (files / "out").exists()
+    no_temporaries(files)

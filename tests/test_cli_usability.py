@@ -47,7 +47,7 @@ def test_dense_works_with_the_default_pipeline(files, capsys):
     rc, _, err = run(capsys, *args, "-o", str(tmp / "dense2"), "--pipeline", "fp16,rice")
     assert rc == 2 and "rice" in err and not (tmp / "dense2").exists()
     for codec in ("fp16", "ternary", "raw"):
-        rc, out, err = run(capsys, "demo", "--params", "2e4", "--clients", "1", "--fraction", "dense", "--codec", codec)
+        rc, out, err = run(capsys, "demo", "--params", "2e5", "--clients", "1", "--fraction", "dense", "--codec", codec)
         assert (rc, err) == (0, ""), (codec, err)
         assert "rice" not in out.splitlines()[2]
 
@@ -159,7 +159,7 @@ def test_version(capsys):
 def test_counts_take_the_notation_the_help_shows(capsys):
     p = build_parser()
     assert p.parse_args(["demo", "--params", "2e6"]).params == 2_000_000
-    assert p.parse_args(["demo", "--params", "2^14", "--clients", "1e1"]).params == 16384
+    assert p.parse_args(["demo", "--params", "2^17", "--clients", "1e1"]).params == 131072
     assert p.parse_args(["bench", "--sizes", "2^14", "1e6", "4194304", "2**10"]).sizes == [16384, 10**6, 4194304, 1024]
     assert p.parse_args(["bench", "--params", "1_000_000", "--repeat", "5"]).params == 10**6
     for bad in ("2^41", "0.5", "1e-3", "two"):
@@ -171,7 +171,7 @@ def test_backend_option_is_reported_as_the_option(capsys, monkeypatch):
     monkeypatch.delenv("GPU_CODEC_BACKEND", raising=False)
     rc, out, _ = run(capsys, "info", "--backend", "emulated", "--json")
     assert rc == 0 and json.loads(out)["reason"].startswith("forced by --backend emulated")
-    rc, out, _ = run(capsys, "demo", "--params", "2e4", "--clients", "1", "--backend", "cpu")
+    rc, out, _ = run(capsys, "demo", "--params", "2e5", "--clients", "1", "--backend", "cpu")
     assert rc == 0 and "backend: cpu (forced by --backend cpu)" in out and "GPU_CODEC_BACKEND" not in out
     monkeypatch.setenv("GPU_CODEC_BACKEND", "cpu")  # set by the user: reported as the variable
     rc, out, _ = run(capsys, "info")
@@ -179,7 +179,7 @@ def test_backend_option_is_reported_as_the_option(capsys, monkeypatch):
 
 
 def test_plurals(tmp_path, capsys):
-    rc, out, _ = run(capsys, "demo", "--params", "2e4", "--clients", "1", "-q")
+    rc, out, _ = run(capsys, "demo", "--params", "2e5", "--clients", "1", "-q")
     assert rc == 0 and "(global), 1 client\n" in out and "1 clients" not in out
     blob = gpu_codec.compress({"w": np.arange(1.0, 9.0, dtype=np.float32)}, fraction=0.125).to_bytes()
     (tmp_path / "u").write_bytes(blob)

@@ -126,8 +126,8 @@ def test_the_wheel_ships_the_kernels_and_the_command_line(installed):
 def test_the_installed_command_line_runs(installed):
     cli, work = str(installed["cli"]), installed["work"]
     assert _run([cli, "--version"], cwd=work).stdout == f"gpu-codec {_version()}\n"
-    demo = json.loads(_run([cli, "demo", "--params", "2e4", "--clients", "2", "--json", "-q"], cwd=work).stdout)
-    assert demo["clients"] == 2 and demo["parameters"] >= 20_000 and demo["ratio"] > 10
+    demo = json.loads(_run([cli, "demo", "--params", "2e5", "--clients", "2", "--json", "-q"], cwd=work).stdout)
+    assert demo["clients"] == 2 and demo["parameters"] >= 200_000 and demo["ratio"] > 10
     rng = np.random.default_rng(0)
     base = {"w": rng.standard_normal((40, 30)).astype(np.float32), "b": np.zeros(30, np.float32)}
     new = {k: v + rng.standard_normal(v.shape).astype(np.float32) for k, v in base.items()}

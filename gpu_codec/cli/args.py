@@ -118,6 +118,15 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def parse_cap(text: str) -> int | None:
+    """``--max-output-bytes``: a byte count (:func:`parse_bytes`), or ``none`` for no cap.
+
+    >>> parse_cap("4GiB"), parse_cap("none")
+    (4294967296, None)
+    """
+    return None if text.strip().lower() == "none" else parse_bytes(text)
+
+
 def parse_pipeline(spec: str) -> list[Any]:
     """``--pipeline``: comma-separated stage names -> codecs (``raw``/``fp32`` add no stage).
 

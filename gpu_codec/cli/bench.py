@@ -29,6 +29,7 @@ import numpy as np
 import gpu_codec
 
 from ..errors import InvalidInputError
+from ..synthetic import smallest_model_params
 from .args import int_at_least, parse_count, parse_fraction, parse_pipeline
 from .outputs import describe, resolve_output, write_output
 
@@ -82,14 +83,13 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         "--fractions", nargs="+", type=parse_fraction, metavar="F", help="densities (default 0.001 0.01 0.1)"
     )
     p.add_argument(
-        "--repeat", type=int_at_least(1, "--repeat"), default=3, metavar="N", help="timed runs per case (median)"
+        "--repeat", type=int_at_least(1, "--repeat"), metavar="N", help="timed runs per case (median; default 3)"
     )
     p.add_argument(
         "--params",
-        type=int_at_least(1000, "--params", 1 << 31),
-        default=1_000_000,
+        type=int_at_least(smallest_model_params(), "--params", 1 << 31),
         metavar="N",
-        help="model size for the byte counts, e.g. 1e6 (default)",
+        help="model size for the byte counts, e.g. 1e6 (the default)",
     )
     p.add_argument(
         "--backends",
@@ -104,7 +104,11 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         default="gpu-codec-bench",
         help="folder for bench.json and the plots (files already there are replaced only with --force)",
     )
-    p.add_argument("--quick", action="store_true", help="small sizes, one run each (a smoke test)")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="small sizes, one run each, the smallest model (a smoke test; options given explicitly still apply)",
+    )
 
 
 def _positive_size(text: str) -> int:
@@ -369,11 +373,12 @@ def bench_command(a: argparse.Namespace, emit: Callable, progress: Callable, bac
     """Run ``gpu-codec bench`` (called by the command-line entry point with its output helpers)."""
     import json
 
-    if a.quick:
-        sizes, fractions, repeat, params = a.sizes or [1 << 14, 1 << 16], a.fractions or [0.01, 0.1], 1, 20_000
+    if a.quick:  # (what the options say, where given)
+        sizes, fractions = a.sizes or [1 << 14, 1 << 16], a.fractions or [0.01, 0.1]
+        repeat, params = a.repeat or 1, a.params or smallest_model_params()
     else:
         sizes = a.sizes or [1 << 20, 1 << 22, 1 << 24, 1 << 26]
-        fractions, repeat, params = a.fractions or [0.001, 0.01, 0.1], a.repeat, a.params
+        fractions, repeat, params = a.fractions or [0.001, 0.01, 0.1], a.repeat or 3, a.params or 1_000_000
     if any(f is None for f in fractions):
         raise InvalidInputError("bench --fractions takes numbers in (0, 1]; 'dense' has no top-k to time")
     backends = a.backends or (["cpu", "gpu"] if _gpu_usable() else ["cpu"])

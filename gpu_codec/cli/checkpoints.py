@@ -166,7 +166,11 @@ def as_numpy(name: str, a: Any, what: str) -> np.ndarray:
         raise InvalidInputError(f"tensor {describe(repr(name))} is bfloat16, which {what} cannot store")
     if type(a).__module__.startswith("cupy"):
         return a.get()
-    return a.detach().cpu().numpy()
+    try:
+        return a.detach().cpu().numpy()
+    except TypeError:  # (a torch dtype with no NumPy form: float8, complex32)
+        kind = dtype_name(a)
+        raise InvalidInputError(f"tensor {describe(repr(name))} is {kind}, which {what} cannot store") from None
 
 
 def as_torch(a: Any) -> Any:
@@ -388,6 +392,22 @@ def _read_safetensors(path: str) -> dict[str, Any]:
         raise InvalidInputError(f"{describe(path)}: not a readable .safetensors file ({_first_line(e)})") from None
 
 
+def _unshared(tensors: dict[str, Any]) -> dict[str, Any]:
+    """The tensors, each holding its own memory: safetensors refuses tensors that share a storage (a checkpoint's
+    tied weights, or counters that are one tensor under two names); those after the first, and views of a larger
+    storage, are copied."""
+    seen: set[int] = set()
+    out = {}
+    for k, t in tensors.items():
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if (ptr in seen and storage.nbytes()) or storage.nbytes() != t.numel() * t.element_size():
+            t = t.clone()
+        seen.add(ptr)
+        out[k] = t
+    return out
+
+
 def _write_safetensors(f: Any, tensors: Mapping[str, Any]) -> None:
     _safetensors("output")
     if "__metadata__" in tensors:
@@ -395,7 +415,7 @@ def _write_safetensors(f: Any, tensors: Mapping[str, Any]) -> None:
     if any(not isinstance(v, np.ndarray) for v in tensors.values()):
         from safetensors.torch import save
 
-        data = save({k: as_torch(v).contiguous() for k, v in tensors.items()})
+        data = save(_unshared({k: as_torch(v).contiguous() for k, v in tensors.items()}))
     else:
         from safetensors.numpy import save
 

@@ -34,6 +34,7 @@ import numpy as np
 
 import gpu_codec
 
+from ..decode import DEFAULT_MAX_OUTPUT_BYTES
 from ..dtypes import CRITERIA
 from ..errors import (
     BackendUnavailableError,
@@ -41,13 +42,14 @@ from ..errors import (
     InvalidInputError,
 )
 from ..format import v2
+from ..synthetic import smallest_model_params
 from .args import (
     DEFAULT_PIPELINE,
     STAGE_NAMES,
     UsageError,
     default_pipeline,
     int_at_least,
-    parse_bytes,
+    parse_cap,
     parse_fraction,
     parse_pipeline,
 )
@@ -173,17 +175,18 @@ def _output_nbytes(payload: Any, with_base: bool) -> int:
 
 
 def _check_output_cap(payload: Any, with_base: bool, cap: int | None) -> dict:
-    kwargs: dict = {}
-    if cap is None:
-        return kwargs
-    need = _output_nbytes(payload, with_base)
-    if need > cap:
-        raise InvalidInputError(
-            f"the payload decodes to {need:,} bytes of dense tensors, over --max-output-bytes {cap:,}"
-        )
+    """decompress's keyword for ``--max-output-bytes`` (None: no cap), the payload checked against it first, so that
+    the error names the option."""
+    if cap is not None:
+        need = _output_nbytes(payload, with_base)
+        if need > cap:
+            raise InvalidInputError(
+                f"the payload decodes to {need:,} bytes of dense tensors, over --max-output-bytes {cap:,} "
+                "(a larger N, or 'none', accepts it)"
+            )
     if "max_output_bytes" in _inspect.signature(gpu_codec.decompress).parameters:
-        kwargs["max_output_bytes"] = cap  # the engine checks it too, where it knows the option
-    return kwargs
+        return {"max_output_bytes": cap}  # the engine checks it too, where it knows the option
+    return {}
 
 
 def _split_float(path: str, tensors: dict[str, Any], skip: bool) -> tuple[dict[str, Any], list[str]]:
@@ -563,9 +566,10 @@ def build_parser() -> argparse.ArgumentParser:
     out_cap = argparse.ArgumentParser(add_help=False)
     out_cap.add_argument(
         "--max-output-bytes",
-        type=parse_bytes,
+        type=parse_cap,
+        default=DEFAULT_MAX_OUTPUT_BYTES,
         metavar="N",
-        help="refuse a payload that decodes to more dense bytes than N (e.g. 4GiB)",
+        help="refuse a payload that decodes to more dense bytes than N (default 4GiB; 'none': no cap)",
     )
     force = argparse.ArgumentParser(add_help=False)
     force.add_argument("-f", "--force", action="store_true", help=_FORCE_HELP)
@@ -597,7 +601,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     d.add_argument(
         "--params",
-        type=int_at_least(1000, "--params", 1 << 31),
+        type=int_at_least(smallest_model_params(), "--params", 1 << 31),
         default=5_000_000,
         metavar="N",
         help="model size in parameters, e.g. 5000000, 5e6 or 2^22 (default 5e6)",

@@ -120,6 +120,8 @@ def resolve_output(
     except OSError as e:  # ENOTDIR, EACCES, ENAMETOOLONG...
         raise _refuse(f"output {name}: {e.strerror or e}") from None
     if lst is None:
+        if path.endswith(("/", os.sep)):  # ("out/": a folder's name, which abspath would cut to "out")
+            raise _refuse(f"output {name} names a folder; name a file")
         folder = os.path.dirname(os.path.abspath(path))
         if not os.path.isdir(folder):
             raise _refuse(f"output folder {describe(folder)} does not exist")
