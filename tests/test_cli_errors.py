@@ -270,3 +270,33 @@ def test_names_are_data_not_paths_nor_terminal_codes(files, capsys):
     np.savez(files / "ints.npz", **ints)
     err = user_error(capsys, "compress", str(files / "ints.npz"), "-o", "o", says="not a float tensor")
     assert "\\x1b[31mcount" in err
+
+
+def test_base_tensors_copied_into_an_output_that_cannot_hold_them_as_they_are(tmp_path, capsys):
+    """Non-float tensors of the base are copied into the output: two names of one storage are written to
+    .safetensors (which refuses shared memory) as copies, and a float8 tensor into .npz is refused in one line."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("safetensors")
+    c = torch.tensor(7)
+    torch.save({"w": torch.ones(4), "a": c, "b": c}, tmp_path / "b.pt")
+    torch.save({"w": torch.ones(4) * 2, "a": c, "b": c}, tmp_path / "n.pt")
+    p = str(tmp_path / "p.gcodec")
+    assert main(["compress", str(tmp_path / "n.pt"), str(tmp_path / "b.pt"), "-o", p, "--skip-non-float"]) == 0
+    out = tmp_path / "out.safetensors"
+    assert main(["decompress", p, "--base", str(tmp_path / "b.pt"), "-o", str(out)]) == 0
+    from safetensors.torch import load_file
+
+    got = load_file(str(out))
+    assert got["a"].item() == got["b"].item() == 7 and got["w"].tolist() == [2.0, 1.0, 1.0, 1.0]
+    capsys.readouterr()
+    if not hasattr(torch, "float8_e4m3fn"):
+        return
+    f8 = torch.zeros(3, dtype=torch.float8_e4m3fn)
+    torch.save({"w": torch.ones(4), "f8": f8}, tmp_path / "b8.pt")
+    torch.save({"w": torch.ones(4) * 2, "f8": f8}, tmp_path / "n8.pt")
+    p8 = str(tmp_path / "p8.gcodec")
+    assert main(["compress", str(tmp_path / "n8.pt"), str(tmp_path / "b8.pt"), "-o", p8, "--skip-non-float"]) == 0
+    capsys.readouterr()
+    o = str(tmp_path / "o.npz")
+    user_error(capsys, "decompress", p8, "--base", str(tmp_path / "b8.pt"), "-o", o, says="float8")
+    assert not (tmp_path / "o.npz").exists()
