@@ -124,7 +124,8 @@ def ternary_mu(v: np.ndarray) -> np.float32:
     v = np.asarray(v)
     if v.size == 0:
         return np.float32(0.0)
-    return np.float32(np.float64(abs_pairwise_sum(v)) / np.float64(v.size))
+    with np.errstate(over="ignore"):  # (past fp32's range: inf, as the kernel's cast gives; the engine refuses it)
+        return np.float32(np.float64(abs_pairwise_sum(v)) / np.float64(v.size))
 
 
 def ternary_signs(v: np.ndarray) -> np.ndarray:

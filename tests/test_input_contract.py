@@ -207,3 +207,17 @@ def test_an_empty_payload_cannot_fix_an_aggregation_s_tensors():
         agg.add(empty)
     agg.add(_blob())
     assert agg.count == 1 and agg.result()["w"].tolist() == [1.0, 3.0]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ternary_of_values_past_float32_is_refused_and_the_residual_kept(backend):
+    """Dense float64 values past float32's range (the route top-k's refusal points to) under ternary made mu inf:
+    compress returned, its residual became -inf and to_bytes raised a bare ValueError. Now compress refuses it and
+    the error-feedback state is as it was."""
+    with use_backend(backend):
+        ef = ErrorFeedback()
+        gpu_codec.compress({"w": np.array([3.0, -1.0])}, fraction=None, pipeline=[gpu_codec.Ternary()], residual=ef)
+        before = ef.to_bytes()
+        with pytest.raises(InvalidInputError, match="tensor 'w': the ternary codec's mu is inf"):
+            gpu_codec.compress({"w": np.array([1e39, 1.0])}, fraction=None, pipeline=[gpu_codec.Ternary()], residual=ef)
+        assert ef.to_bytes() == before

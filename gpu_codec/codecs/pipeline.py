@@ -188,6 +188,13 @@ class Pipeline:
 
                 later(backend, arrays, keep)
         if self._coded():
+            for r, (vf, _, _) in zip(records, vparts):  # (a codec's float field read back: ternary's mu)
+                bad = [k for k, x in vf.items() if isinstance(x, float) and not math.isfinite(x)]
+                if bad:
+                    raise InvalidInputError(
+                        f"tensor {r.name!r}: the {vc.codec_id} codec's {bad[0]} is {vf[bad[0]]} (kept values past "
+                        "float32's range); send them with no value codec"
+                    )
             out = []
             for r, (vf, vb, vd), (inf, ib, idt) in zip(records, vparts, iparts):
                 codec = {"v": vc.tag, **vf}
