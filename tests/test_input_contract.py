@@ -221,3 +221,25 @@ def test_ternary_of_values_past_float32_is_refused_and_the_residual_kept(backend
         with pytest.raises(InvalidInputError, match="tensor 'w': the ternary codec's mu is inf"):
             gpu_codec.compress({"w": np.array([1e39, 1.0])}, fraction=None, pipeline=[gpu_codec.Ternary()], residual=ef)
         assert ef.to_bytes() == before
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "values, fraction",
+    [(np.array([np.finfo(np.float32).max, 1.0], np.float32), 1.0), (np.array([1e39, 1.0]), None)],
+    ids=["float32 max, top-k", "float64 past float32, dense"],
+)
+def test_int8_blocks_at_float32_s_edge_are_refused_and_the_residual_kept(backend, values, fraction):
+    """A block whose largest magnitude is float32's max (or a float64 value past it) got a scale whose 127x is
+    inf: the payload decoded to inf (the reader refused it) and the residual took the inf. Now compress refuses
+    it, naming the tensor, and the error-feedback state is as it was; 3e38 still goes."""
+    with use_backend(backend):
+        ef = ErrorFeedback()
+        pipe = [gpu_codec.Int8Blockwise(256)]
+        gpu_codec.compress({"w": np.array([3.0, -1.0], values.dtype)}, fraction=fraction, pipeline=pipe, residual=ef)
+        before = ef.to_bytes()
+        with pytest.raises(InvalidInputError, match="tensor 'w': the int8 codec's scale x 127 is inf"):
+            gpu_codec.compress({"w": values}, fraction=fraction, pipeline=pipe, residual=ef)
+        assert ef.to_bytes() == before
+        ok = gpu_codec.compress({"w": np.array([3e38, 0.0], values.dtype)}, fraction=fraction, pipeline=pipe)
+        assert np.isfinite(gpu_codec.decompress(ok.to_bytes())["w"]).all()

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backends.base import later
 from ..errors import PayloadHeaderError
 from ..format import TensorRecord
 from ..format.schema import Field
@@ -149,7 +150,29 @@ class Int8Blockwise(ValueCodec):
 
     def encode_values(self, values, indices, res, backend):
         qs, ss = backend.int8(values, self.block_size, indices, res)
-        return [({"block": self.block_size}, {"values": q, "scales": s}, {}) for q, s in zip(qs, ss)]
+        parts = [({"block": self.block_size}, {"values": q, "scales": s}, {}) for q, s in zip(qs, ss)]
+
+        def finish(host: list) -> None:  # (the scales, read with the call's other host reads)
+            for fields, top in zip((f for f, _, _ in parts), _largest_decoded(host)):
+                if not np.isfinite(top):  # (127 x a scale past float32's range: the pipeline refuses it)
+                    fields["scale x 127"] = float(top)
+
+        later(backend, list(ss), finish)
+        return parts
+
+
+def _largest_decoded(scales: list[np.ndarray]) -> np.ndarray:
+    """Each tensor's largest decoded magnitude, ``127 x`` its largest block scale in float32 (0 for no block), from
+    host copies of its scales: inf where a block's values were at float32's edge (or past it, from float64)."""
+    sizes = np.fromiter((s.size for s in scales), np.int64, len(scales))
+    top = np.zeros(len(scales), np.float32)
+    some = np.flatnonzero(sizes)
+    if some.size:
+        joined = np.concatenate([scales[i] for i in some]).astype(np.float32, copy=False)
+        starts = (np.cumsum(sizes[some]) - sizes[some]).astype(np.intp)
+        top[some] = np.maximum.reduceat(joined, starts)
+    with np.errstate(over="ignore"):
+        return top * np.float32(127.0)
 
 
 __all__ = ["DTYPES", "Int8Blockwise", "Quantize"]
