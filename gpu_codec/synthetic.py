@@ -21,6 +21,8 @@ import math
 
 import numpy as np
 
+from .errors import InvalidInputError
+
 
 def model_shapes(scale: float = 1.0) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape; ``scale`` 1.0 gives about 5.3 million parameters in 28 tensors."""
@@ -68,7 +70,7 @@ def synthetic_model(n_params: int = 5_000_000, *, seed: int = 0, dtype: str = "f
     :func:`smallest_model_params`, which ``n_params`` may not be below)."""
     least = smallest_model_params()
     if n_params < least:
-        raise ValueError(f"n_params must be at least {least} (the smallest model), got {n_params}")
+        raise InvalidInputError(f"n_params must be at least {least} (the smallest model), got {n_params}")
     scale = SMALLEST_SCALE
     while sum(math.prod(s) for s in model_shapes(scale).values()) < n_params:
         scale *= 1.05

@@ -246,7 +246,7 @@ def time_case(backend: str, n: int, fraction: float, *, repeat: int, torch_too: 
 def size_table(params: int, fractions: list[float | None]) -> list[dict[str, Any]]:
     """Bytes per kept parameter and relative L2 error of each pipeline in :data:`PIPELINES` on a synthetic update.
 
-    >>> rows = size_table(2000, [0.1])
+    >>> rows = size_table(smallest_model_params(), [0.1])
     >>> [r["pipeline"] for r in rows][:2], rows[0]["rel_l2_error"] > 0
     (['raw', 'fp16,rice'], True)
     """
