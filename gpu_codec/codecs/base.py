@@ -166,9 +166,20 @@ def check_int(codec: str, name: str, value: Any, lo: int, hi: int) -> int:
     return int(value)
 
 
+class ValueOverflow(Exception):
+    """Raised by a value codec (when its host reads come back) where the values of the tensor at ``position`` would
+    decode past float32's range: :meth:`~gpu_codec.codecs.Pipeline.encode` refuses it, naming the tensor, before
+    any residual is committed."""
+
+    def __init__(self, position: int, what: str):
+        super().__init__(position, what)
+        self.position, self.what = position, what
+
+
 class ValueCodec(Codec):
     """A ``values`` stage: encodes every tensor's kept values in one batch and fixes the error-feedback residual
-    of each kept entry to ``value - decoded`` (``res`` lists are None where there is no residual)."""
+    of each kept entry to ``value - decoded`` (``res`` lists are None where there is no residual). A codec whose
+    decoded values can leave float32's range raises :class:`ValueOverflow` for such a tensor."""
 
     stage = "values"
     forms: ClassVar[tuple[Form, ...]] = ()

@@ -55,7 +55,7 @@ from ..format.common import (
     same_str,
 )
 from ..xp.rice import MANY_BITS, rice_decode_many
-from .base import STAGES, Codec
+from .base import STAGES, Codec, ValueOverflow
 from .quantize import Quantize
 from .registry import get_codec, index_forms, value_forms, wire_layouts
 from .rice import RawIndices, RiceIndices
@@ -162,39 +162,38 @@ class Pipeline:
         # the stages' host reads (ternary's mu, Rice's bit counts) and, for a bytes stage on the host, the coded
         # buffers themselves: one copy for all, where the block ends (backends.base.gathered), which is the call's
         # wait; a bytes stage on the device (nvCOMP) runs after it and ends with its own copy to the host
-        with gathered(backend):
-            if self._coded():
-                vals = [r.buffers["values"] for r in records]
-                idxs = [None if dense else r.buffers["indices"] for r in records]
-                res = residual if residual is not None else [None] * len(records)
-                vc = self.values if self.values is not None else Quantize("float32")
-                vparts = vc.encode_values(vals, idxs, res, backend)
-                if dense:
-                    iparts = [({}, {}, {})] * len(records)
-                else:
-                    ic = self.indices if self.indices is not None else RawIndices()
-                    iparts = ic.encode_indices(idxs, [r.numel for r in records], backend)
-            if host_bytes:
+        try:
+            with gathered(backend):
                 if self._coded():
-                    bufs_of = [{**ib, **vb} for (_, vb, _), (_, ib, _) in zip(vparts, iparts)]
-                else:
-                    bufs_of = [r.buffers for r in records]
-                roles = [list(b) for b in bufs_of]
-                arrays = [b[role] for b, rs in zip(bufs_of, roles) for role in rs]
+                    vals = [r.buffers["values"] for r in records]
+                    idxs = [None if dense else r.buffers["indices"] for r in records]
+                    res = residual if residual is not None else [None] * len(records)
+                    vc = self.values if self.values is not None else Quantize("float32")
+                    vparts = vc.encode_values(vals, idxs, res, backend)
+                    if dense:
+                        iparts = [({}, {}, {})] * len(records)
+                    else:
+                        ic = self.indices if self.indices is not None else RawIndices()
+                        iparts = ic.encode_indices(idxs, [r.numel for r in records], backend)
+                if host_bytes:
+                    if self._coded():
+                        bufs_of = [{**ib, **vb} for (_, vb, _), (_, ib, _) in zip(vparts, iparts)]
+                    else:
+                        bufs_of = [r.buffers for r in records]
+                    roles = [list(b) for b in bufs_of]
+                    arrays = [b[role] for b, rs in zip(bufs_of, roles) for role in rs]
 
-                def keep(copies: list) -> None:
-                    it = iter(copies)
-                    host.extend({role: next(it) for role in rs} for rs in roles)
+                    def keep(copies: list) -> None:
+                        it = iter(copies)
+                        host.extend({role: next(it) for role in rs} for rs in roles)
 
-                later(backend, arrays, keep)
+                    later(backend, arrays, keep)
+        except ValueOverflow as e:  # (raised where the host reads came back: no record made, no residual kept)
+            raise InvalidInputError(
+                f"tensor {records[e.position].name!r}: {e.what} (kept values past float32's range); send them with "
+                "no value codec"
+            ) from None
         if self._coded():
-            for r, (vf, _, _) in zip(records, vparts):  # (a codec's float field read back: ternary's mu)
-                bad = [k for k, x in vf.items() if isinstance(x, float) and not math.isfinite(x)]
-                if bad:
-                    raise InvalidInputError(
-                        f"tensor {r.name!r}: the {vc.codec_id} codec's {bad[0]} is {vf[bad[0]]} (kept values past "
-                        "float32's range); send them with no value codec"
-                    )
             out = []
             for r, (vf, vb, vd), (inf, ib, idt) in zip(records, vparts, iparts):
                 codec = {"v": vc.tag, **vf}

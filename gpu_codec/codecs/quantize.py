@@ -22,7 +22,7 @@ from ..backends.base import later
 from ..errors import PayloadHeaderError
 from ..format import TensorRecord
 from ..format.schema import Field
-from .base import Form, ValueCodec, check_choice, check_int
+from .base import Form, ValueCodec, ValueOverflow, check_choice, check_int
 from .wire import is_int, n_blocks, value_dtype_name, where
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -153,9 +153,9 @@ class Int8Blockwise(ValueCodec):
         parts = [({"block": self.block_size}, {"values": q, "scales": s}, {}) for q, s in zip(qs, ss)]
 
         def finish(host: list) -> None:  # (the scales, read with the call's other host reads)
-            for fields, top in zip((f for f, _, _ in parts), _largest_decoded(host)):
-                if not np.isfinite(top):  # (127 x a scale past float32's range: the pipeline refuses it)
-                    fields["scale x 127"] = float(top)
+            bad = np.flatnonzero(~np.isfinite(_largest_decoded(host)))
+            if bad.size:  # (a block at float32's edge, or past it from float64: 127 x its scale overflows)
+                raise ValueOverflow(int(bad[0]), "the int8 codec's scale x 127 is inf")
 
         later(backend, list(ss), finish)
         return parts

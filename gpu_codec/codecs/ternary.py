@@ -17,6 +17,7 @@ A kept value of exactly 0 is sent as +mu (one bit cannot say 0; error feedback c
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -25,7 +26,7 @@ from ..backends.base import later
 from ..errors import PayloadHeaderError
 from ..format import TensorRecord
 from ..format.schema import Field
-from .base import Form, ValueCodec
+from .base import Form, ValueCodec, ValueOverflow
 from .wire import n_blocks, where
 
 _F32_MAX = float(np.finfo(np.float32).max)
@@ -88,7 +89,9 @@ class Ternary(ValueCodec):
         parts = [({"mu": 0.0}, {"signs": s}, {}) for s in signs]
 
         def finish(host):  # each mu, read with the call's other host reads
-            for (fields, _, _), mu in zip(parts, host[0].tolist()):
+            for j, ((fields, _, _), mu) in enumerate(zip(parts, host[0].tolist())):
+                if not math.isfinite(mu):  # (kept values past float32's range, from float64)
+                    raise ValueOverflow(j, f"the ternary codec's mu is {mu}")
                 fields["mu"] = mu
 
         later(backend, [mus], finish)
