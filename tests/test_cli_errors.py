@@ -108,10 +108,15 @@ def test_npy_header_that_lies_about_its_size(files, capsys):
         (["demo", "--pipeline", "lzma"], "unknown stage 'lzma'"),
         (["demo", "--pipeline", "zstd,fp16"], "--pipeline"),
         (["demo", "--pipeline", "int8:0"], "int8"),
+        (["demo", "--pipeline", ""], "a stage name is empty"),  # not the default, not raw: said
+        (["demo", "--pipeline", ","], "a stage name is empty"),
+        (["demo", "--pipeline", "fp16,,zstd"], "a stage name is empty"),
         (["frobnicate"], "invalid choice"),
         (["compress", "x.npz"], "required: -o/--output"),
         (["compress", "x.npz", "-o", "u", "--score", "biggest"], "invalid choice"),
         (["decompress", "u", "-o", "m.npz", "--max-output-bytes", "lots"], "byte count"),
+        (["decompress", "u", "-o", "m.npz", "--max-output-bytes", "1.5"], "whole number of bytes"),
+        (["decompress", "u", "-o", "m.npz", "--max-output-bytes", "-3"], "byte count"),
         (["bench", "--sizes", "0"], "element count"),
         (["bench", "--fractions", "dense", "--quick"], "'dense' has no top-k"),
     ],
@@ -163,6 +168,9 @@ def test_max_output_bytes(files, capsys):
     assert main(["decompress", u, "-o", str(files / "m.npz"), "--max-output-bytes", "140"]) == 0  # 35 fp32 values
     assert main(["decompress", u, "-o", str(files / "n.npz"), "--max-output-bytes", "none"]) == 0
     capsys.readouterr()
+    user_error(capsys, "decompress", u, "-o", str(files / "p.npz"), "--max-output-bytes", "1.3e2", says="over --max")
+    assert main(["decompress", u, "-o", str(files / "p.npz"), "--max-output-bytes", "2^30"]) == 0  # counts too
+    capsys.readouterr()
     # the default cap (4 GiB) is the option's: its error names the option, as the cap given does
     none = gpu_codec.SparseEntries(np.zeros(0, np.int64), np.zeros(0), (5 << 28,), "float32")
     huge = gpu_codec.encode_coo({"w": none})
@@ -191,6 +199,25 @@ def test_apply_refuses_a_different_output_format(files, capsys):
         str(files / "m.pt"),
         says="base's format",
     )
+
+
+def test_decompress_refuses_a_format_the_output_name_contradicts(files, capsys):
+    u = str(files / "u.gcodec")
+    err = user_error(capsys, "decompress", u, "-o", str(files / "m.npz"), "--format", "pt", says="--format pt")
+    assert "names npz" in err and not (files / "m.npz").exists()
+    assert main(["decompress", u, "-o", str(files / "m.pth"), "--format", "pt"]) == 0  # what it names
+    assert main(["decompress", u, "-o", str(files / "m.bin"), "--format", "npz"]) == 0  # no format named: --format's
+    capsys.readouterr()
+    with np.load(files / "m.bin") as z:
+        assert sorted(z.files) == ["b", "w"]
+
+
+def test_bench_refuses_a_missing_backend_before_making_its_folder(tmp_path, capsys):
+    if gpu_codec.backend_info()["backend"] == "gpu":
+        pytest.skip("a GPU is usable here")
+    out = tmp_path / "report"
+    user_error(capsys, "bench", "--quick", "--backends", "gpu", "--out", str(out), says="--backends gpu")
+    assert not out.exists()
 
 
 class _Evil:

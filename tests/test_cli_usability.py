@@ -151,6 +151,17 @@ def test_verbose_before_or_after_the_command(capsys, monkeypatch):
         assert rc == 1 and "Traceback" in err, argv
 
 
+def test_quiet_and_json_before_or_after_the_command(capsys):
+    p = build_parser()
+    for argv in (["-q", "--json", "info"], ["info", "-q", "--json"], ["--json", "info", "-q"]):
+        a = p.parse_args(argv)
+        assert (a.quiet, a.json) == (True, True), argv
+    a = p.parse_args(["info"])
+    assert (a.quiet, a.json) == (False, False)
+    rc, out, _ = run(capsys, "--json", "info")
+    assert rc == 0 and json.loads(out)["gpu_codec"] == gpu_codec.__version__
+
+
 def test_version(capsys):
     rc, out, err = run(capsys, "--version")
     assert (rc, out, err) == (0, f"gpu-codec {gpu_codec.__version__}\n", "")

@@ -5,6 +5,7 @@ and the benchmark command (:mod:`gpu_codec.cli.bench`), which both import from h
 from __future__ import annotations
 
 import argparse
+import contextlib
 import decimal
 import math
 import re
@@ -106,16 +107,24 @@ _UNITS.update({"kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "tib": 2**40
 
 
 def parse_bytes(text: str) -> int:
-    """A byte count: ``1000000``, ``512MiB``, ``2GB``, ``1.5G``.
+    """A byte count: ``1000000``, ``512MiB``, ``2GB``, ``1.5G``, or a count as :func:`parse_count` takes it
+    (``1e9``, ``2^30``).
 
-    >>> parse_bytes("512MiB"), parse_bytes("2GB"), parse_bytes("1.5g")
-    (536870912, 2000000000, 1500000000)
+    >>> parse_bytes("512MiB"), parse_bytes("2GB"), parse_bytes("1.5g"), parse_bytes("2^30"), parse_bytes("1e9")
+    (536870912, 2000000000, 1500000000, 1073741824, 1000000000)
     """
+    with contextlib.suppress(ValueError):
+        n = parse_count(text)
+        if n >= 0:
+            return n
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]*)?)\s*([a-zA-Z]*)\s*", text)
     unit = m.group(2).lower() if m else ""
     if m is None or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"must be a byte count such as 1000000, 512MiB or 2GB, got {text!r}")
-    return int(float(m.group(1)) * _UNITS[unit])
+    n = decimal.Decimal(m.group(1)) * _UNITS[unit]
+    if n != n.to_integral_value():
+        raise argparse.ArgumentTypeError(f"must be a whole number of bytes, got {text!r}")
+    return int(n)
 
 
 def parse_cap(text: str) -> int | None:
@@ -136,11 +145,17 @@ def parse_pipeline(spec: str) -> list[Any]:
     [{'id': 'quantize', 'dtype': 'float16'}, {'id': 'rice'}, {'id': 'zstd', 'level': 5}]
     >>> parse_pipeline("int8:64")[0].get_config()
     {'id': 'int8', 'block_size': 64}
+    >>> parse_pipeline("fp16,,zstd")
+    Traceback (most recent call last):
+    ...
+    gpu_codec.cli.args.UsageError: --pipeline 'fp16,,zstd': a stage name is empty (raw: no stage)
     """
     stages: list[Any] = []
     for part in spec.split(","):
         name, _, arg = part.strip().lower().partition(":")
-        if name in ("raw", "fp32", "none", "") and not arg:
+        if not name and not arg:
+            raise UsageError(f"--pipeline {describe(repr(spec))}: a stage name is empty (raw: no stage)")
+        if name in ("raw", "fp32", "none") and not arg:
             continue
         try:
             if name == "fp16" and not arg:

@@ -388,6 +388,9 @@ def bench_command(a: argparse.Namespace, emit: Callable, progress: Callable, bac
             import torch  # noqa: F401
         except ImportError:
             torch_too = False
+    for be in backends:  # one that is not there is refused before the folder is made
+        with backend_ctx(be, "--backends"):
+            pass
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise InvalidInputError(f"--out {describe(a.out)} is a file; name a folder")
     os.makedirs(a.out, exist_ok=True)

@@ -105,8 +105,9 @@ def _progress(a: argparse.Namespace, total: int, desc: str, unit: str = "step"):
 
 
 @contextlib.contextmanager
-def _backend(choice: str | None) -> Iterator[None]:
-    """Force a backend for one command (``auto`` leaves the environment's choice), then restore."""
+def _backend(choice: str | None, option: str = "--backend") -> Iterator[None]:
+    """Force a backend for one command (``auto`` leaves the environment's choice), then restore; ``option`` is
+    what an error names (the option that chose it)."""
     if not choice or choice == "auto":
         yield
         return
@@ -117,7 +118,7 @@ def _backend(choice: str | None) -> Iterator[None]:
         try:
             gpu_codec.backend_info()  # a forced GPU that is not there fails here, before any file is read
         except BackendUnavailableError as e:
-            raise BackendUnavailableError(str(e).replace(f"{BACKEND_ENV}={choice}", f"--backend {choice}")) from None
+            raise BackendUnavailableError(str(e).replace(f"{BACKEND_ENV}={choice}", f"{option} {choice}")) from None
         yield
     finally:
         if old is None:
@@ -218,7 +219,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
         import cupy as xp
     else:
         xp = np
-    spec = a.pipeline or default_pipeline(a.fraction, _DEMO_CODECS[a.codec])
+    spec = default_pipeline(a.fraction, _DEMO_CODECS[a.codec]) if a.pipeline is None else a.pipeline
     pipeline = parse_pipeline(spec) or None
     base_host = synthetic_model(a.params, seed=0)
     n = sum(v.size for v in base_host.values())
@@ -290,7 +291,7 @@ def cmd_compress(a: argparse.Namespace) -> int:
         raise UsageError(
             "--fingerprint-base needs BASE: the fingerprint is of the checkpoint the update is made against"
         )
-    spec = a.pipeline or default_pipeline(a.fraction)
+    spec = default_pipeline(a.fraction) if a.pipeline is None else a.pipeline
     pipeline = parse_pipeline(spec)
     target = resolve_output(a.output, inputs=[a.new, base_path], force=a.force)
     with _progress(a, 4 if base_path else 3, "compress") as bar:
@@ -399,9 +400,15 @@ def _write_decoded(
 
 def cmd_decompress(a: argparse.Namespace) -> int:
     target = resolve_output(a.output, inputs=[a.payload, a.base], force=a.force)
+    suffix = os.path.splitext(a.output)[1].lower() if target.kind != "stdout" else ""
     if a.format:
         fmt = _FORMAT_NAMES[a.format]
-    elif target.kind == "stdout" or (target.kind == "through" and os.path.splitext(a.output)[1].lower() not in FORMATS):
+        if suffix in FORMATS and FORMATS[suffix] != fmt:
+            raise UsageError(
+                f"--format {a.format} writes {fmt}, but the output {describe(a.output)} names {FORMATS[suffix]} "
+                "(drop --format, or name the output for its format)"
+            )
+    elif target.kind == "stdout" or (target.kind == "through" and suffix not in FORMATS):
         raise UsageError(f"decompress to {_name(a.output)} needs --format npz|safetensors|pt (no suffix to go by)")
     else:
         fmt = checkpoint_format(a.output)
@@ -547,15 +554,16 @@ _FORCE_HELP = (
 
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of ``gpu-codec`` (every subcommand takes ``--json``, ``-q`` and ``-v``)."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument(
-        "--json",
-        action="store_true",
-        help="print one JSON document instead of text (on stdout; on stderr when -o - writes the output there)",
+    # each of these is taken before the subcommand or after it: SUPPRESS, so that a subcommand that is not given
+    # one leaves the value the main parser set
+    shared = (
+        (("--json",), "print one JSON document instead of text (on stdout; on stderr when -o - writes there)"),
+        (("-q", "--quiet"), "no progress bar"),
+        (("-v", "--verbose"), _VERBOSE_HELP),
     )
-    common.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
-    # SUPPRESS: a subcommand that is not given -v leaves the value the main parser set
-    common.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help=_VERBOSE_HELP)
+    common = argparse.ArgumentParser(add_help=False)
+    for flags, text in shared:
+        common.add_argument(*flags, action="store_true", default=argparse.SUPPRESS, help=text)
     backend = argparse.ArgumentParser(add_help=False)
     backend.add_argument(
         "--backend",
@@ -592,7 +600,8 @@ def build_parser() -> argparse.ArgumentParser:
         "and FIFOs are written through; -o - is stdout. Numbers take 2000000, 2e6 or 2^21. "
         "Exit status: 0 ok, 2 bad input (one line on stderr), 1 internal error.",
     )
-    p.add_argument("-v", "--verbose", action="store_true", help=_VERBOSE_HELP)
+    for flags, text in shared:
+        p.add_argument(*flags, action="store_true", help=text)
     p.add_argument("--version", action="version", version=f"{PROG} {gpu_codec.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
 
