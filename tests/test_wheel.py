@@ -106,17 +106,39 @@ def test_the_wheel_ships_the_kernels_and_the_command_line(installed):
     assert cu and {f"gpu_codec/kernels/{n}" for n in cu} <= names
     assert {f"gpu_codec/kernels/{p.name}" for p in (ROOT / "kernels").glob("*.cuh")} <= names
     assert "gpu_codec/cli/outputs.py" in names and "gpu_codec/cpu_fallback/__init__.py" in names
+    # every module of the checkout's packages (a subpackage left out of pyproject.toml's list is not shipped)
+    shipped_from = {"gpu_codec": ROOT / "gpu_codec", "gpu_codec/cpu_fallback": ROOT / "cpu_fallback"}
+    for where, folder in shipped_from.items():
+        for py in folder.rglob("*.py"):
+            if "__pycache__" not in py.parts:
+                assert f"{where}/{py.relative_to(folder).as_posix()}" in names, py
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     with zipfile.ZipFile(installed["wheel"]) as zf:
         assert "gpu-codec = gpu_codec.cli:main" in zf.read(entry).decode()
-    # imported from the environment, not from the checkout, and reading the kernel sources from there
+    # imported from the environment, not from the checkout, and reading the kernel sources from there; every
+    # module of the package imported (but __main__; the adapters' optional imports aside), each from the
+    # environment: a module missing from the wheel would otherwise be found in the checkout (an editable install)
     probe = (
-        "import json, gpu_codec\n"
+        "import json, pkgutil, sys, gpu_codec\n"
+        "OPTIONAL = ('flwr', 'nvflare', 'openfl', 'fl4health', 'cupy', 'torch', 'safetensors', 'matplotlib')\n"
         "from gpu_codec.backends.sources import kernel_files\n"
-        "print(json.dumps({'file': gpu_codec.__file__, 'kernels': kernel_files()}))\n"
+        "for m in pkgutil.walk_packages(gpu_codec.__path__, 'gpu_codec.'):\n"
+        "    if m.name.endswith('.__main__'):\n"
+        "        continue\n"
+        "    try:\n"
+        "        __import__(m.name)\n"
+        "    except ImportError as e:\n"
+        "        cause = e if e.name else e.__cause__\n"
+        "        if (getattr(cause, 'name', None) or '').split('.')[0] not in OPTIONAL:\n"
+        "            raise\n"
+        "files = {n: getattr(m, '__file__', None) for n, m in sys.modules.items() if n.startswith('gpu_codec')}\n"
+        "print(json.dumps({'file': gpu_codec.__file__, 'kernels': kernel_files(), 'modules': files}))\n"
     )
     doc = json.loads(_run([str(installed["python"]), "-c", probe], cwd=installed["work"]).stdout)
     assert Path(doc["file"]).resolve().is_relative_to(installed["venv"].resolve()), doc["file"]
+    assert len(doc["modules"]) > 40
+    for name, file in doc["modules"].items():
+        assert file and Path(file).resolve().is_relative_to(installed["venv"].resolve()), (name, file)
     assert set(doc["kernels"]) == cu
     shipped = Path(doc["file"]).parent / "kernels"
     for n in cu:
