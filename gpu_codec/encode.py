@@ -224,12 +224,13 @@ def compress(
     -----
     Host waits on the GPU. The call runs on the caller's current torch stream (CuPy's current stream for
     CuPy inputs), and the host waits for that stream at these points: each small read-back of the selection
-    (an error word after scoring, the sampled keys, the per-tensor kept counts; with codecs, the ternary means
-    and Rice bit counts), each of which waits for everything queued on the stream before it, so the first one
-    also waits for the work the caller queued before the call (an optimizer step, say); and the end of the
-    call, which waits for the whole stream so that the payload's device buffers are complete
-    (``blocking=False`` skips only this last wait). :meth:`Payload.to_bytes` then copies the buffers to the
-    host, and a stored error-feedback residual carries an event that the next call's stream waits on.
+    (an error word after scoring, the sampled keys, the per-tensor kept counts), each of which waits for
+    everything queued on the stream before it, so the first one also waits for the work the caller queued
+    before the call (an optimizer step, say); and the end of the call, which waits for the whole stream so that
+    the payload's device buffers are complete: where the stages need values on the host (the ternary means, the
+    Rice bit counts, the bytes zstd compresses), that wait is one copy of all of them, else a sync.
+    ``blocking=False`` skips the end's sync, not that copy. :meth:`Payload.to_bytes` then copies the buffers to
+    the host, and a stored error-feedback residual carries an event that the next call's stream waits on.
 
     >>> import numpy as np
     >>> p = compress({"a": np.array([1., -4., 2.], np.float32), "b": np.array([4., 0.5], np.float32)},

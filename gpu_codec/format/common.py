@@ -636,13 +636,16 @@ _ZSTD_MAGIC = 0xFD2FB528
 def zstd_frame_size(data: Any, what: str) -> int:
     """The exact length of the zstd frame at the start of ``data``, from its header and block headers (RFC 8878
     section 3.1.1), without decompressing anything. A reserved bit, a reserved block type or a truncated frame is
-    a PayloadLayoutError."""
+    a PayloadLayoutError (a truncated frame's has ``needs``: the bytes the headers read so far show the frame
+    needs at least)."""
     mv = memoryview(data).cast("B")
     n = len(mv)
 
     def need(end: int) -> None:
         if end > n:
-            raise PayloadLayoutError(f"{what}: zstd frame is truncated")
+            e = PayloadLayoutError(f"{what}: zstd frame is truncated ({n} bytes; at least {end} needed)")
+            e.needs = end
+            raise e
 
     need(5)
     if int.from_bytes(mv[0:4], "little") != _ZSTD_MAGIC:

@@ -1989,7 +1989,10 @@ def _check_not_truncated(mv: memoryview, version: int, flags: int, layouts) -> N
     try:
         r, tlen, _ = _table_lengths(mv, flags, n)
         if r.pos + tlen + _CRC.size > n:
-            raise PayloadTruncatedError(f"{what}, its prefix declares a table of {tlen} bytes ending at {r.pos + tlen}")
+            raise PayloadTruncatedError(
+                f"{what}, its prefix declares a table of {tlen} bytes: with the checksum, at least "
+                f"{r.pos + tlen + _CRC.size} bytes"
+            )
         header_end, *_, layouts_of = _read_table(mv, version, flags, n, layouts)
     except PayloadTruncatedError:
         raise
@@ -2000,8 +2003,11 @@ def _check_not_truncated(mv: memoryview, version: int, flags: int, layouts) -> N
         try:
             size = zstd_frame_size(mv[header_end:], "shared zstd frame")
         except PayloadLayoutError as e:
-            if "truncated" in str(e):
-                raise PayloadTruncatedError(f"{what}: its shared zstd frame is cut off") from None
+            if hasattr(e, "needs"):
+                raise PayloadTruncatedError(
+                    f"{what}, its shared zstd frame is cut off: with the checksum, at least "
+                    f"{header_end + e.needs + _CRC.size} bytes"
+                ) from None
             return
         need = header_end + size + _CRC.size
         req(need <= n, PayloadTruncatedError, f"{what}, its shared zstd frame and checksum need {need}")
