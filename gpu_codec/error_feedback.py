@@ -85,6 +85,18 @@ class ErrorFeedback:
         with self._lock:
             return list(self._state)
 
+    def layout(self) -> dict[str, tuple[str, tuple[int, ...]]]:
+        """name -> (dtype, shape) of each tensor's residual: what the next call's update must match.
+
+        >>> import numpy as np, gpu_codec
+        >>> ef = ErrorFeedback()
+        >>> _ = gpu_codec.compress({"w": np.ones((2, 3), np.float32)}, fraction=0.5, residual=ef)
+        >>> ef.layout()
+        {'w': ('float32', (2, 3))}
+        """
+        with self._lock:
+            return {n: (dt, shape) for n, (_, dt, shape) in self._state.items()}
+
     def reset(self) -> None:
         """Forget every residual."""
         with self._lock:

@@ -54,14 +54,13 @@ import numpy as np
 from . import adapt
 from . import engine as _engine
 from .aggregate import Aggregator
-from .arrays import array_kind
+from .arrays import array_kind, to_tensor
 from .error_feedback import ErrorFeedback
 from .errors import GpuCodecError, InvalidInputError, PayloadLayoutError, PayloadLimitError
 
 try:
     from flwr.app import Array, ArrayRecord, ConfigRecord, Message, RecordDict
     from flwr.serverapp.strategy import Strategy
-    from flwr.serverapp.strategy.strategy_utils import validate_message_reply_consistency
 except ImportError as _e:
     raise ImportError(f"gpu_codec.flower needs flwr: pip install 'gpu_codec[flower]' ({_e})") from _e
 
@@ -427,7 +426,8 @@ def compression_mod(
         As for :func:`gpu_codec.compress` (``fraction=None``: dense, value codecs only).
     error_feedback
         Keep what compression dropped in ``context.state`` (as a checksummed gpu_codec record, no pickle) and add
-        it to the next round's delta.
+        it to the next round's delta; where the model's dtype or a shape changes (flwr's FedAdam returns a float32
+        model as float64), the residual starts over, with a warning.
     key
         Name of the compressed Array in the record.
     max_output_bytes
@@ -472,6 +472,7 @@ def compression_mod(
             if error_feedback:
                 saved = context.state.config_records.get(state_key)
                 ef = ErrorFeedback.from_bytes(saved["state"]) if saved is not None else ErrorFeedback()
+                _reset_if_changed(ef, arrays, received[rk])
             new_rec, names = _compressed_record(
                 arrays, received[rk], key, fraction=fraction, scope=scope, pipeline=pipeline_cfg, residual=ef
             )
@@ -482,6 +483,23 @@ def compression_mod(
         return reply
 
     return gpu_codec_mod
+
+
+def _reset_if_changed(ef: ErrorFeedback, arrays: Mapping[str, np.ndarray], received: Mapping[str, np.ndarray]) -> None:
+    """Forget the residuals where the model they were kept for has changed (a strategy whose model comes back in
+    another dtype, as flwr's FedAdam returns float64 for float32; a resized layer): each would be refused against
+    the new update, and the client could not reply again (what is lost: one round's dropped entries)."""
+    was = ef.layout()
+    if not was:
+        return
+    changed = []
+    for n in _split_floats(arrays, received):
+        t = to_tensor(arrays[n], n)
+        if n in was and was[n] != (t.dtype, tuple(t.shape)):
+            changed.append(f"{n!r} {was[n][0]}{list(was[n][1])} -> {t.dtype}{list(t.shape)}")
+    if changed:
+        log.warning("the model changed (%s): its error-feedback residual starts over", ", ".join(changed[:3]))
+        ef.reset()
 
 
 def _weighted_plain_mean(entries: list[tuple[float, np.ndarray]], total: float) -> np.ndarray:
@@ -526,8 +544,10 @@ class CompressedStrategy(Strategy):
     Fleets may be mixed: a reply without a payload (a client without :func:`compression_mod`) is taken
     losslessly beside compressed ones, and a node whose reply says it could not read the compressed model (a stock
     Flower client fails on the ``.npy`` guard) is logged and sent the model uncompressed from then on. A reply that
-    cannot be used (a bad payload, arrays that do not match the global model, a bad weight) is logged and left out
-    of the arrays and the metrics, and the round goes on with the others. Non-float arrays are averaged densely,
+    cannot be used (a bad payload, arrays that do not match the global model, a bad weight, metric names the other
+    replies do not have, which flwr's own check refuses the whole round for) is logged and left out of the arrays
+    and the metrics, and the round goes on with the others; a round with no positive weight gives ``(None,
+    None)``, said in the log. Non-float arrays are averaged densely,
     in an order fixed by their content.
     """
 
@@ -618,17 +638,19 @@ class CompressedStrategy(Strategy):
     # ---------------------------------------------------------------- up
 
     def aggregate_train(self, server_round: int, replies: Any) -> tuple[Any, Any]:
-        replies = list(replies)
+        replies = self._screened(server_round, list(replies))
         self._note_unreadable(server_round, replies)
         if not _fedavg_rule(self.strategy):  # (its own rule: it gets the models, decoded)
-            return self.strategy.aggregate_train(server_round, self._decoded_replies(server_round, replies))
+            decoded = self._decoded_replies(server_round, replies)
+            if not any(not m.has_error() and self._weight(m.content) > 0 for m in decoded):
+                return self._nothing(server_round)
+            return self.strategy.aggregate_train(server_round, decoded)
         valid = [m for m in replies if not m.has_error()]
-        arrays, taken = None, []
-        if valid:
-            # the metric records as the wrapped strategy checks them; the array records reply by reply below
-            contents = [m.content for m in valid]
-            validate_message_reply_consistency(contents, self.weighted_by_key, check_arrayrecord=False)
-            arrays, taken = self._aggregate(server_round, valid)
+        if not valid:  # (only errors: the wrapped strategy logs them and has nothing to aggregate)
+            return self.strategy.aggregate_train(server_round, replies)
+        arrays, taken = self._aggregate(server_round, valid)
+        if arrays is None:
+            return self._nothing(server_round)
         # the wrapped strategy sees the replies taken, with empty arrays: it checks, logs and aggregates metrics
         kept = {id(m) for m in taken}
         stubbed = []
@@ -642,6 +664,49 @@ class CompressedStrategy(Strategy):
                 stubbed.append(Message(content=rd, metadata=m.metadata))
         _, metrics = self.strategy.aggregate_train(server_round, stubbed)
         return arrays, metrics
+
+    @staticmethod
+    def _nothing(server_round: int) -> tuple[None, None]:
+        log.warning("round %d: no reply with a positive weight could be aggregated", server_round)
+        return None, None
+
+    def _weight(self, content: Any) -> float:
+        """A reply's weight: the ``weighted_by_key`` entry of its one MetricRecord, a non-negative number."""
+        metrics = list(content.metric_records.values())
+        if len(metrics) != 1:
+            raise InvalidInputError(f"it holds {len(metrics)} MetricRecords, expected one")
+        key = self.weighted_by_key
+        if key not in metrics[0]:
+            raise InvalidInputError(f"its MetricRecord has no {key!r}")
+        w = metrics[0][key]
+        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
+            raise InvalidInputError(f"its weight {key!r} is {w!r}, not a non-negative number")
+        return float(w)
+
+    def _screened(self, server_round: int, replies: list) -> list:
+        """The replies the wrapped strategy's checks of the records would take, each checked alone: one ArrayRecord,
+        one MetricRecord with a weight (:meth:`_weight`), and the metric names most replies have (a reply that
+        differs is logged and left out, where the wrapped strategy would refuse the whole round); replies with an
+        error passed on."""
+        ok: dict[int, frozenset] = {}  # position of each reply that passed -> its metric names
+        for i, m in enumerate(replies):
+            if m.has_error():
+                continue
+            try:
+                if len(m.content.array_records) != 1:
+                    raise InvalidInputError(f"it holds {len(m.content.array_records)} ArrayRecords, expected one")
+                self._weight(m.content)
+            except GpuCodecError as e:
+                _left_out(server_round, m, i, e)
+                continue
+            ok[i] = frozenset(next(iter(m.content.metric_records.values())).keys())
+        names = list(ok.values())
+        common = max(dict.fromkeys(names), key=names.count) if names else None  # (the most replies'; first of a tie)
+        for i, got in ok.items():
+            if got != common:
+                e = InvalidInputError(f"its metrics {sorted(got)[:5]} are not the other replies' {sorted(common)[:5]}")
+                _left_out(server_round, replies[i], i, e)
+        return [m for i, m in enumerate(replies) if m.has_error() or ok.get(i) == common]
 
     def _received(self) -> tuple[dict[str, np.ndarray], list[str]]:
         """The global model the clients decoded this round, and its float arrays' names."""
@@ -697,7 +762,6 @@ class CompressedStrategy(Strategy):
             taken.append(m)
         total = math.fsum(weights)
         if not taken or total <= 0:
-            log.warning("round %d: no reply with a positive weight could be aggregated", server_round)
             return None, taken
         merged = agg.result() if agg is not None else {}
         merged.update({n: _weighted_plain_mean(v, total) for n, v in plain.items()})
@@ -710,9 +774,7 @@ class CompressedStrategy(Strategy):
         arrays, each checked against the global model before it is read."""
         if len(content.array_records) != 1:
             raise InvalidInputError(f"it holds {len(content.array_records)} ArrayRecords, expected one")
-        w = next(iter(content.metric_records.values()))[self.weighted_by_key]
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
-            raise InvalidInputError(f"its weight {self.weighted_by_key!r} is {w!r}, not a non-negative number")
+        w = self._weight(content)
         rec = next(iter(content.array_records.values()))
         keys = [k for k in rec if holds_payload(rec[k])]
         if len(keys) > 1:
@@ -741,4 +803,4 @@ class CompressedStrategy(Strategy):
             raise InvalidInputError("it holds a payload, but the global model has no float array")
         if set(others) != plain:
             raise InvalidInputError(f"it carries plain arrays {sorted(others)[:5]}, expected {sorted(plain)[:5]}")
-        return float(w), payload, others
+        return w, payload, others

@@ -324,6 +324,13 @@ def _engine_ef() -> Any:
     return ErrorFeedback
 
 
+def _check_not_emptied(dxo: Any) -> None:
+    """A DXO with no data whose meta says it is compressed has lost its payload: a PayloadError, not a model."""
+    info = dxo.get_meta_prop(META_KEY)
+    if isinstance(info, Mapping) and info.get("compressed"):
+        raise PayloadError(f"the DXO's meta says it is compressed, but it holds no data (no {PAYLOAD_KEY!r})")
+
+
 class _Decompressing(DXOFilter):
     def __init__(self, like: str | None, device: Any, max_output_bytes: int | None) -> None:
         super().__init__(supported_data_kinds=list(_UPDATE_KINDS), data_kinds_to_filter=list(_UPDATE_KINDS))
@@ -332,6 +339,21 @@ class _Decompressing(DXOFilter):
         self.like = like
         self.device = device
         self.max_output_bytes = max_output_bytes
+
+    def process(self, shareable: Any, fl_ctx: Any) -> Any:
+        if shareable.get_return_code() == ReturnCode.OK:
+            try:
+                dxo = from_shareable(shareable)
+            except Exception:  # (not a DXO: NVFlare's filter passes it on)
+                dxo = None
+            if dxo is not None and dxo.data is None:  # (NVFlare's filter passes a DXO without data on unread)
+                _check_not_emptied(dxo)
+        return super().process(shareable, fl_ctx)
+
+    def _apply_filter(self, dxo: Any, shareable: Any, fl_ctx: Any) -> Any:
+        if not dxo.data:  # (NVFlare's filter skips an empty DXO unread)
+            _check_not_emptied(dxo)
+        return super()._apply_filter(dxo, shareable, fl_ctx)
 
     def _decompress(self, dxo: Any) -> Any:
         info = dxo.get_meta_prop(META_KEY)
@@ -352,7 +374,8 @@ class _Decompressing(DXOFilter):
 class UpdateDecompressor(_Decompressing):
     """Server-side task-result filter: a client's compressed update back to dense arrays before aggregation.
 
-    A payload that does not parse (corrupt, truncated, another format, tensors that disagree with the meta) is
+    A payload that does not parse (corrupt, truncated, another format, tensors that disagree with the meta, or
+    missing from a DXO whose meta says it is compressed, which NVFlare's own filter would pass on unread) is
     rejected: one error line in the server log names the client, the task and the round, and the result is
     replaced by ``TASK_RESULT_FILTER_ERROR``, so the controller drops that contribution and goes on with the
     others. Nothing from the rejected payload reaches the aggregator.

@@ -414,3 +414,75 @@ def test_client_side_dp_noise_is_the_wrapped_strategy_s():
     mean, _ = plain_mean.aggregate_train(1, again)
     noise = new["w"].numpy().astype(np.float64) - mean["w"].numpy()
     assert np.abs(noise).max() > 1.0  # (noise of standard deviation 100 / 4 a coordinate)
+
+
+def _broken_metrics(r: Message, how: str) -> None:
+    """Damage one reply's metric records as a client might."""
+    if how == "no key":
+        r.content["metrics"] = MetricRecord({"loss": 1.0})
+    elif how == "no record":
+        del r.content["metrics"]
+    elif how == "two records":
+        r.content["more"] = MetricRecord({"num-examples": 3})
+    elif how == "list weight":
+        r.content["metrics"]["num-examples"] = [1, 2]
+    else:  # "extra key": a metric the other replies do not have
+        r.content["metrics"]["extra"] = 1.0
+
+
+@pytest.mark.parametrize("rule", ["fedavg", "fedmedian", "fedadam"])
+@pytest.mark.parametrize("how", ["no key", "no record", "two records", "list weight", "extra key"])
+def test_a_reply_with_bad_metrics_is_left_out_whatever_the_rule(rule, how, caplog):
+    """flwr's own check refuses the whole round for one such reply (or the rule raises a KeyError): the wrapper
+    leaves that reply out and aggregates the others as it would without it."""
+    rules = {"fedavg": lambda: FedAvg(min_available_nodes=4, min_train_nodes=4), **_other_rules()}
+    arrays = global_model()
+    strategy = CompressedStrategy(rules[rule]())
+    _, replies = round_trip(strategy, compression_mod(0.5), arrays=arrays)
+    alike = CompressedStrategy(rules[rule]())  # (a rule may keep state between rounds: FedAdam does)
+    alike.configure_train(1, arrays, ConfigRecord(), Nodes())
+    want, want_metrics = alike.aggregate_train(1, [replies[i] for i in (0, 1, 3)])
+    _broken_metrics(replies[2], how)
+    with caplog.at_level("WARNING", logger="gpu_codec.flower"):
+        new, metrics = strategy.aggregate_train(1, replies)
+    assert f"node {replies[2].metadata.src_node_id} is left out" in caplog.text
+    assert all(new[k].data == want[k].data for k in want) and metrics == want_metrics
+
+
+@pytest.mark.parametrize("rule", ["fedavg", "fedmedian", "fedadam"])
+def test_a_round_with_no_positive_weight_gives_no_model_and_no_exception(rule, caplog):
+    rules = {"fedavg": lambda: FedAvg(min_available_nodes=4, min_train_nodes=4), **_other_rules()}
+    strategy = CompressedStrategy(rules[rule]())
+    _, replies = round_trip(strategy, compression_mod(0.5))
+    for r in replies[1:]:
+        r.content["metrics"]["num-examples"] = 0
+    replies[0].content["arrays"] = compressed_record({"v": np.ones(3, np.float32)}, fraction=0.5)  # unusable
+    with caplog.at_level("WARNING", logger="gpu_codec.flower"):
+        assert strategy.aggregate_train(1, replies) == (None, None)
+    assert "no reply with a positive weight" in caplog.text
+
+
+def test_error_feedback_starts_over_where_the_strategy_changes_the_model_s_dtype(caplog):
+    """flwr's FedAdam returns a float32 model as float64: each client's float32 residual would be refused from the
+    second round on, every round after; it starts over, once, and the clients keep replying compressed."""
+    from flwr.serverapp.strategy import FedAdam
+
+    strategy = CompressedStrategy(FedAdam(min_available_nodes=4, min_train_nodes=4))
+    mod = compression_mod(0.5)
+    contexts = {n: Context(1, n, {}, RecordDict(), {}) for n in NODES}
+    arrays = ArrayRecord({"w": Array(np.ones((6, 5), np.float32))})
+    dtypes = []
+    for rnd in (1, 2, 3):
+        msgs = list(strategy.configure_train(rnd, arrays, ConfigRecord(), Nodes()))
+        replies = []
+        with caplog.at_level("WARNING", logger="gpu_codec.flower"):
+            for m in msgs:
+                node = m.metadata.dst_node_id
+                replies.append(mod(m, contexts[node], local_train(node)))
+        assert all(not r.has_error() and "gpu_codec" in r.content["arrays"] for r in replies)
+        arrays, _ = strategy.aggregate_train(rnd, replies)
+        dtypes.append(arrays["w"].numpy().dtype)
+    assert dtypes[0] == np.float64  # (what FedAdam does to the model)
+    assert caplog.text.count("error-feedback residual starts over") == len(NODES)  # (round 2 only)
+    state = contexts[11].state.config_records["gpu_codec.error_feedback.arrays"]["state"]
+    assert gpu_codec.ErrorFeedback.from_bytes(state).layout() == {"w": ("float64", (6, 5))}

@@ -104,7 +104,7 @@ def test_weights_go_dense_and_other_entries_pass_through(tmp_path):
     assert sorted(gpu_codec.ErrorFeedback.load(tmp_path / "site-1.gcef").names()) == ["fc.b", "fc.w"]
 
 
-@pytest.mark.parametrize("damage", ["flip", "pickle", "truncate", "not_bytes", "no_meta"])
+@pytest.mark.parametrize("damage", ["flip", "pickle", "truncate", "not_bytes", "no_meta", "no_data", "data_none"])
 def test_corrupt_or_foreign_payload_is_rejected(damage, caplog):
     sent = gcf.UpdateCompressor(fraction=0.5).process(shareable(diff()), ctx())
     dxo = from_shareable(sent)
@@ -117,6 +117,10 @@ def test_corrupt_or_foreign_payload_is_rejected(damage, caplog):
         dxo.data[gcf.PAYLOAD_KEY] = blob[:-9]
     elif damage == "not_bytes":
         dxo.data[gcf.PAYLOAD_KEY] = np.zeros(4, np.float32)
+    elif damage == "no_data":  # (NVFlare's own filter passes an empty DXO on unread: its meta says compressed)
+        dxo.data = {}
+    elif damage == "data_none":
+        dxo.data = None
     else:
         dxo.remove_meta_props([gcf.META_KEY])
     bad = dxo.update_shareable(sent)
