@@ -6,6 +6,7 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import warnings
 import zipfile
 
 import numpy as np
@@ -327,3 +328,74 @@ def test_base_tensors_copied_into_an_output_that_cannot_hold_them_as_they_are(tm
     o = str(tmp_path / "o.npz")
     user_error(capsys, "decompress", p8, "--base", str(tmp_path / "b8.pt"), "-o", o, says="float8")
     assert not (tmp_path / "o.npz").exists()
+
+
+def test_an_npz_shape_with_negative_sizes_is_refused(files, capsys):
+    import struct
+
+    header = b"{'descr': '<f4', 'fortran_order': False, 'shape': (-2, -2), }"
+    header += b" " * (64 - (10 + len(header) + 1) % 64) + b"\n"  # (-2 x -2 x 4 bytes: the data's 16 bytes)
+    member = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + bytes(16)
+    with zipfile.ZipFile(files / "neg.npz", "w") as z:
+        z.writestr("w.npy", member)
+    user_error(capsys, "compress", str(files / "neg.npz"), "-o", str(files / "o"), says="negative size")
+    user_error(capsys, "apply", str(files / "neg.npz"), str(files / "u.gcodec"), "-o", str(files / "m.npz"))
+    assert not (files / "o").exists() and not (files / "m.npz").exists()
+
+
+def test_an_empty_base_path_is_refused_not_taken_as_no_base(files, capsys):
+    new, u = str(files / "new.npz"), str(files / "u.gcodec")
+    user_error(capsys, "compress", new, "", "-o", str(files / "o"), says="the base path is empty")
+    user_error(capsys, "compress", new, "--base", " ", "-o", str(files / "o"), says="the base path is empty")
+    user_error(capsys, "decompress", u, "--base", "", "-o", str(files / "m.npz"), says="the base path is empty")
+    assert not (files / "o").exists() and not (files / "m.npz").exists()
+
+
+def test_skip_non_float_refuses_a_tensor_that_is_float_in_the_base(files, capsys):
+    np.savez(files / "n2.npz", w=np.ones((6, 5), np.float32), c=np.arange(3))
+    np.savez(files / "b2.npz", w=np.zeros((6, 5), np.float32), c=np.zeros(3, np.float32))
+    err = user_error(
+        capsys, "compress", str(files / "n2.npz"), str(files / "b2.npz"), "-o", str(files / "o"), "--skip-non-float"
+    )
+    assert "'c' is int64" in err and "float32" in err and not (files / "o").exists()
+
+
+def test_torch_tensors_a_state_dict_may_hold(files, capsys):
+    """What torch's weights_only loader gives beside plain tensors: lazily negated or conjugated views (read as their
+    values), nested tensors (refused), and dtypes a format cannot store (refused in one line)."""
+    torch = pytest.importorskip("torch")
+    w = torch.arange(6, dtype=torch.float32)
+    torch.save({"w": w._neg_view()}, files / "neg.pt")
+    assert main(["compress", str(files / "neg.pt"), "-o", str(files / "n.gc"), "--fraction", "dense", "-q"]) == 0
+    np.testing.assert_array_equal(gpu_codec.decompress((files / "n.gc").read_bytes())["w"], -np.arange(6))
+    capsys.readouterr()
+    with warnings.catch_warnings():  # (torch warns that its nested tensors are a prototype)
+        warnings.simplefilter("ignore")
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+    torch.save({"w": w, "x": nested}, files / "nest.pt")
+    user_error(capsys, "compress", str(files / "nest.pt"), "-o", str(files / "o"), "--skip-non-float", says="dense")
+    # non-float base tensors copied into the output as they read: a conjugated view's values, or a refusal
+    c = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    torch.save({"w": w, "c": c.conj()}, files / "conj.pt")
+    with warnings.catch_warnings():  # (torch warns that complex32 is experimental)
+        warnings.simplefilter("ignore")
+        torch.save({"w": w, "c": torch.zeros(2, dtype=torch.complex32)}, files / "c32.pt")
+    blob = gpu_codec.compress({"w": w.numpy() + 1}, {"w": w.numpy()}, fraction=0.5).to_bytes()
+    (files / "w.gc").write_bytes(blob)
+    out = str(files / "o.safetensors")
+    assert main(["decompress", str(files / "w.gc"), "--base", str(files / "conj.pt"), "-o", out, "-q"]) == 0
+    from safetensors.torch import load_file
+
+    assert load_file(out)["c"].tolist() == [1 - 2j, 3 + 4j]
+    capsys.readouterr()
+    err = user_error(
+        capsys, "decompress", str(files / "w.gc"), "--base", str(files / "c32.pt"), "-o", str(files / "c.safetensors")
+    )
+    assert "complex32" in err and not (files / "c.safetensors").exists()
+
+
+def test_a_pt_file_pickled_with_another_protocol_is_refused_saying_so(files, capsys):
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.ones(3)}, files / "p5.pt", pickle_protocol=5)
+    err = user_error(capsys, "compress", str(files / "p5.pt"), "-o", str(files / "o"), says="opcodes")
+    assert "did not write" not in err and "beyond tensors" not in err

@@ -258,6 +258,8 @@ def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: st
             raise _npz_error(path, f"{where}: object arrays are refused (reading them would need pickle)")
         if dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biufc":
             raise _npz_error(path, f"{where}: dtype {describe(dtype)} is not a plain numeric dtype")
+        if any(d < 0 for d in shape):  # (two negative sizes multiply to a plausible byte count)
+            raise _npz_error(path, f"{where}: header declares shape {describe(shape)}, with a negative size")
         nbytes = math.prod(shape) * dtype.itemsize
         left = info.file_size - f.tell()
         if nbytes != left:  # checked before allocating anything
@@ -305,6 +307,8 @@ def _first_line(e: BaseException) -> str:
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6; older files are a pickle (protocol byte 0x80)
 _GLOBAL = re.compile(r"unsupported GLOBAL ([\w.]+)")
+# what torch.save's older format pickles first (a long), whatever the protocol: the file is torch's
+_LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
 
 def _torch_refusal(path: str, head: bytes, e: BaseException) -> InvalidInputError:
@@ -314,6 +318,9 @@ def _torch_refusal(path: str, head: bytes, e: BaseException) -> InvalidInputErro
     found = _GLOBAL.search(text)
     if found:
         why = f"it holds Python objects beyond tensors ({describe(found.group(1))}), which are never unpickled"
+    elif "Unsupported operand" in text and (head.startswith(_ZIP_MAGIC) or _LEGACY_MAGIC in head):
+        # (torch.save's, with another pickle protocol than its default 2, whose opcodes torch's loader reads)
+        why = "torch.save wrote it with a pickle protocol whose opcodes torch's restricted loader does not read"
     elif isinstance(e, pickle.UnpicklingError) and not head.startswith(_ZIP_MAGIC):
         why = "it is a pickle that torch.save did not write; pickles are never loaded"
     elif isinstance(e, pickle.UnpicklingError):
@@ -326,7 +333,7 @@ def _torch_refusal(path: str, head: bytes, e: BaseException) -> InvalidInputErro
 
 def _read_torch(path: str) -> dict[str, Any]:
     with open(path, "rb") as f:
-        head = f.read(4)
+        head = f.read(32)
     if not head.startswith(_ZIP_MAGIC) and not head.startswith(b"\x80"):
         raise InvalidInputError(
             f"{describe(path)}: not a torch checkpoint (torch.save writes a zip archive; this file is neither "
@@ -350,9 +357,9 @@ def _read_torch(path: str) -> dict[str, Any]:
                 f"{describe(path)}: entry {describe(repr(k))} is a {type(v).__name__}, not a tensor "
                 "(the file must hold a flat state dict)"
             )
-        if v.layout != torch.strided or v.is_quantized:
+        if v.layout != torch.strided or v.is_quantized or v.is_nested:
             raise InvalidInputError(f"{describe(path)}: tensor {describe(repr(k))} is not a dense tensor")
-        out[k] = v
+        out[k] = v.resolve_conj().resolve_neg()  # (a lazily negated or conjugated view: its values, as they read)
     return out
 
 
@@ -415,7 +422,13 @@ def _write_safetensors(f: Any, tensors: Mapping[str, Any]) -> None:
     if any(not isinstance(v, np.ndarray) for v in tensors.values()):
         from safetensors.torch import save
 
-        data = save(_unshared({k: as_torch(v).contiguous() for k, v in tensors.items()}))
+        ts = {k: as_torch(v).contiguous() for k, v in tensors.items()}
+        try:
+            data = save(_unshared(ts))
+        except KeyError as e:  # (safetensors' table of dtypes has no entry for this one: complex32, say)
+            bad = next((k for k, t in ts.items() if t.dtype == e.args[0]), None) if e.args else None
+            what = f"tensor {describe(repr(bad))} is {describe(e.args[0])}" if bad is not None else describe(e)
+            raise InvalidInputError(f"cannot be written as .safetensors: {what}, a dtype it does not store") from None
     else:
         from safetensors.numpy import save
 

@@ -284,9 +284,10 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_compress(a: argparse.Namespace) -> int:
-    if a.base and a.base_opt:
+    if a.base is not None and a.base_opt is not None:
         raise UsageError("give BASE either as the second argument or as --base, not both")
-    base_path = a.base or a.base_opt
+    base_path = a.base if a.base is not None else a.base_opt
+    _check_base_path(base_path)
     if a.fingerprint_base and not base_path:
         raise UsageError(
             "--fingerprint-base needs BASE: the fingerprint is of the checkpoint the update is made against"
@@ -301,6 +302,13 @@ def cmd_compress(a: argparse.Namespace) -> int:
         base = None
         if base_path:
             base_ck = read_checkpoint(base_path)
+            for k in skipped:  # (left out of the payload, it must be one apply copies from the base)
+                if k in base_ck.tensors and is_float_tensor(base_ck.tensors[k]):
+                    raise InvalidInputError(
+                        f"tensor {describe(repr(k))} is {dtype_name(new_ck.tensors[k])} in {describe(a.new)} but "
+                        f"{dtype_name(base_ck.tensors[k])} in {describe(base_path)}: --skip-non-float leaves out only "
+                        "tensors that are not float in both"
+                    )
             base = {k: v for k, v in base_ck.tensors.items() if k not in set(skipped)}
             bar.update()
         gpu_codec.backend_info()  # choosing the backend (probing CuPy and the driver) is not compress time
@@ -377,7 +385,7 @@ def _write_decoded(
     with _progress(a, 4, what) as bar:
         _blob, payload = _read_payload(payload_path)
         bar.update()
-        base_ck = read_checkpoint(base_path) if base_path else None
+        base_ck = read_checkpoint(base_path) if base_path is not None else None
         bar.update()
         tensors, copied = _decode(a, payload, base_ck)
         bar.update()
@@ -398,7 +406,14 @@ def _write_decoded(
     return 0
 
 
+def _check_base_path(path: str | None) -> None:
+    """An empty BASE (an unset shell variable, say) is a mistake, not "no base"."""
+    if path is not None and not path.strip():
+        raise UsageError("the base path is empty (leave BASE out to go without one)")
+
+
 def cmd_decompress(a: argparse.Namespace) -> int:
+    _check_base_path(a.base)
     target = resolve_output(a.output, inputs=[a.payload, a.base], force=a.force)
     suffix = os.path.splitext(a.output)[1].lower() if target.kind != "stdout" else ""
     if a.format:
