@@ -547,8 +547,7 @@ class CompressedStrategy(Strategy):
     cannot be used (a bad payload, arrays that do not match the global model, a bad weight, metric names the other
     replies do not have, which flwr's own check refuses the whole round for) is logged and left out of the arrays
     and the metrics, and the round goes on with the others; a round with no positive weight gives ``(None,
-    None)``, said in the log. Non-float arrays are averaged densely,
-    in an order fixed by their content.
+    None)``, said in the log. Non-float arrays are averaged densely, in an order fixed by their content.
     """
 
     def __init__(
@@ -771,9 +770,7 @@ class CompressedStrategy(Strategy):
         self, content: Any, base: dict[str, np.ndarray], floats: list[str], plain: set[str]
     ) -> tuple[float, Any, dict[str, np.ndarray]]:
         """One reply's weight, payload (a reply without one: its full model, compressed losslessly) and plain
-        arrays, each checked against the global model before it is read."""
-        if len(content.array_records) != 1:
-            raise InvalidInputError(f"it holds {len(content.array_records)} ArrayRecords, expected one")
+        arrays, each checked against the global model before it is read (a reply :meth:`_screened` took)."""
         w = self._weight(content)
         rec = next(iter(content.array_records.values()))
         keys = [k for k in rec if holds_payload(rec[k])]
