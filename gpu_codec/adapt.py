@@ -48,6 +48,34 @@ def dense_stages(stages: list[dict] | None) -> list[dict] | None:
     return [s for s in stages if get_codec(s).stage not in ("indices", "sparsify")]
 
 
+def restart_if_changed(residual: Any, update: Mapping[str, Any]) -> list[str]:
+    """Forget an error-feedback state (:class:`~gpu_codec.ErrorFeedback`) where the model it was kept for has
+    changed: a tensor of ``update`` (name -> float array) whose dtype or shape is not its residual's (a strategy
+    that returns the model in another dtype, as flwr's FedAdam gives float64 for float32; a resized layer). Each
+    such residual would be refused against every update from then on; what is lost is one round's dropped
+    entries. Returns what changed (empty: the state is kept).
+
+    >>> import numpy as np, gpu_codec
+    >>> ef = gpu_codec.ErrorFeedback()
+    >>> _ = gpu_codec.compress({"w": np.ones(4, np.float32)}, fraction=0.5, residual=ef)
+    >>> restart_if_changed(ef, {"w": np.ones(4, np.float32)}), len(ef)
+    ([], 1)
+    >>> restart_if_changed(ef, {"w": np.ones(4)}), len(ef)
+    (["'w' float32[4] -> float64[4]"], 0)
+    """
+    from .arrays import to_tensor
+
+    was = residual.layout()
+    changed = []
+    for n in [n for n in update if n in was]:
+        t = to_tensor(update[n], n)
+        if was[n] != (t.dtype, tuple(t.shape)):
+            changed.append(f"{n!r} {was[n][0]}{list(was[n][1])} -> {t.dtype}{list(t.shape)}")
+    if changed:
+        residual.reset()
+    return changed
+
+
 def is_lossy(fraction: float | None, pipeline: Any) -> bool:
     """Whether compressing with this top-k fraction and these codec stages can change a value."""
     if fraction is not None and float(fraction) < 1.0:

@@ -54,7 +54,7 @@ import numpy as np
 from . import adapt
 from . import engine as _engine
 from .aggregate import Aggregator
-from .arrays import array_kind, to_tensor
+from .arrays import array_kind
 from .error_feedback import ErrorFeedback
 from .errors import GpuCodecError, InvalidInputError, PayloadLayoutError, PayloadLimitError
 
@@ -472,7 +472,9 @@ def compression_mod(
             if error_feedback:
                 saved = context.state.config_records.get(state_key)
                 ef = ErrorFeedback.from_bytes(saved["state"]) if saved is not None else ErrorFeedback()
-                _reset_if_changed(ef, arrays, received[rk])
+                changed = adapt.restart_if_changed(ef, {n: arrays[n] for n in _split_floats(arrays, received[rk])})
+                if changed:
+                    log.warning("the model changed (%s): its error-feedback residual starts over", ", ".join(changed))
             new_rec, names = _compressed_record(
                 arrays, received[rk], key, fraction=fraction, scope=scope, pipeline=pipeline_cfg, residual=ef
             )
@@ -483,23 +485,6 @@ def compression_mod(
         return reply
 
     return gpu_codec_mod
-
-
-def _reset_if_changed(ef: ErrorFeedback, arrays: Mapping[str, np.ndarray], received: Mapping[str, np.ndarray]) -> None:
-    """Forget the residuals where the model they were kept for has changed (a strategy whose model comes back in
-    another dtype, as flwr's FedAdam returns float64 for float32; a resized layer): each would be refused against
-    the new update, and the client could not reply again (what is lost: one round's dropped entries)."""
-    was = ef.layout()
-    if not was:
-        return
-    changed = []
-    for n in _split_floats(arrays, received):
-        t = to_tensor(arrays[n], n)
-        if n in was and was[n] != (t.dtype, tuple(t.shape)):
-            changed.append(f"{n!r} {was[n][0]}{list(was[n][1])} -> {t.dtype}{list(t.shape)}")
-    if changed:
-        log.warning("the model changed (%s): its error-feedback residual starts over", ", ".join(changed[:3]))
-        ef.reset()
 
 
 def _weighted_plain_mean(entries: list[tuple[float, np.ndarray]], total: float) -> np.ndarray:

@@ -263,7 +263,8 @@ class UpdateCompressor(_Compressing):
     weights_fraction
         The fraction for ``WEIGHTS`` DXOs; ``None`` (the default): dense, only the pipeline applies.
     error_feedback
-        Keep what top-k leaves out of a ``WEIGHT_DIFF`` and add it to the next round's (per site, in memory).
+        Keep what top-k leaves out of a ``WEIGHT_DIFF`` and add it to the next round's (per site, in memory);
+        where the model's dtype or a shape changes, the residual starts over, with a warning.
     state_dir
         Where to also keep the error-feedback state on disk (``<state_dir>/<site>.gcef``), so a restarted
         client resumes it; None: memory only.
@@ -311,6 +312,9 @@ class UpdateCompressor(_Compressing):
         diff = dxo.data_kind == DataKind.WEIGHT_DIFF
         fraction = self.fraction if diff else self.weights_fraction
         residual = self.residual_state(site) if (diff and self.error_feedback and fraction is not None) else None
+        changed = adapt.restart_if_changed(residual, dxo.data) if residual is not None else []
+        if changed:
+            self.log_warning(fl_ctx, f"gpu_codec: the model changed ({', '.join(changed)}): the residual starts over")
         new = self._compress(dxo, fraction, residual, fl_ctx, f"at {site} round {_round_of(shareable, fl_ctx)}")
         if residual is not None and self._state_path(site):
             os.makedirs(self.state_dir, exist_ok=True)

@@ -104,6 +104,19 @@ def test_weights_go_dense_and_other_entries_pass_through(tmp_path):
     assert sorted(gpu_codec.ErrorFeedback.load(tmp_path / "site-1.gcef").names()) == ["fc.b", "fc.w"]
 
 
+def test_error_feedback_starts_over_where_the_model_changes(caplog):
+    up = gcf.UpdateCompressor(fraction=0.25)
+    up.process(shareable(diff(0)), ctx())
+    assert up.residual_state("site-1").layout()["fc.w"] == ("float32", (16, 8))
+    wider = {k: v.astype(np.float64) for k, v in diff(1).items()}  # (a model now sent in float64)
+    with caplog.at_level(logging.WARNING):
+        sent = up.process(shareable(wider), ctx())
+    assert sent.get_return_code() == ReturnCode.OK and "the residual starts over" in caplog.text
+    assert up.residual_state("site-1").layout()["fc.w"] == ("float64", (16, 8))
+    got = from_shareable(gcf.UpdateDecompressor().process(sent, ctx("server"))).data
+    np.testing.assert_array_equal(got["fc.w"], topk_ref(wider, 0.25)["fc.w"])  # (no residual added: it started over)
+
+
 @pytest.mark.parametrize("damage", ["flip", "pickle", "truncate", "not_bytes", "no_meta", "no_data", "data_none"])
 def test_corrupt_or_foreign_payload_is_rejected(damage, caplog):
     sent = gcf.UpdateCompressor(fraction=0.5).process(shareable(diff()), ctx())
