@@ -149,7 +149,7 @@ def test_wrong_key_is_rejected(key_file):
 @pytest.mark.parametrize(
     "args, match",
     [
-        ({}, "exactly one"),
+        ({}, "GPU_CODEC_MODEL_KEY"),  # (no key given: the default variable, not set here)
         ({"key": b"short"}, "16, 24 or 32 bytes"),
         ({"key": bytes(33)}, "16, 24 or 32 bytes"),
         ({"key": 32}, "must be bytes"),
@@ -160,10 +160,31 @@ def test_wrong_key_is_rejected(key_file):
         ({"key": KEY, "key_env": "X"}, "exactly one"),
     ],
 )
-def test_key_errors(args, match):
+def test_key_errors(args, match, monkeypatch):
+    monkeypatch.delenv("GPU_CODEC_MODEL_KEY", raising=False)
     with pytest.raises(InvalidInputError, match=match) as e:
         C.ModelEncryptor(**args)
     assert isinstance(e.value, (C.EncryptionKeyError, InvalidInputError))
+
+
+def test_clara_s_configs_name_the_cipher_with_no_arguments(monkeypatch):
+    """Clara's own config files list ``{"name": "ModelEncryptor", "args": {}}``: the key comes from the environment
+    (GPU_CODEC_MODEL_KEY); here compress-then-encrypt, with Clara's post list as written."""
+    monkeypatch.setenv("GPU_CODEC_MODEL_KEY", KEY.hex())
+    config = {
+        "pre_processors": [{"name": "DataCompressor", "args": {}}, {"name": "ModelEncryptor", "args": {}}],
+        "post_processors": [{"name": "DataDeCompressor", "args": {}}, {"name": "ModelDecryptor", "args": {}}],
+    }
+    glob, local = models(3)
+    app = C.AppContext(global_model=glob)
+    sent = C.serialize(C.ProcessorChain.from_config(config).process_outgoing(C.DataContext(model=local), app))
+    server = C.deserialize(sent)
+    C.ProcessorChain.from_config(config).process_incoming(server, app)
+    for n, v in ref_topk_delta(local, glob, 0.01).items():
+        np.testing.assert_array_equal(server.get_model()[n], v)
+    monkeypatch.setenv("GPU_CODEC_MODEL_KEY", bytes(range(1, 33)).hex())  # (another key: refused)
+    with pytest.raises(C.DecryptionError):
+        C.ProcessorChain.from_config(config).process_incoming(C.deserialize(sent), app)
 
 
 @pytest.mark.parametrize("size", [16, 24, 32])

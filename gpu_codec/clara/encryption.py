@@ -35,9 +35,10 @@ from ..errors import InvalidInputError
 from .context import ENVELOPE_MAGIC, AppContext, DataContext, DecryptionError, EncryptionKeyError, ProcessorOrderError
 from .processors import DataProcessor, header_metadata
 
-__all__ = ["KEY_SIZES", "KeyFilePermissionWarning", "ModelDecryptor", "ModelEncryptor"]
+__all__ = ["DEFAULT_KEY_ENV", "KEY_SIZES", "KeyFilePermissionWarning", "ModelDecryptor", "ModelEncryptor"]
 
 KEY_SIZES = (16, 24, 32)  # AES-128, AES-192, AES-256
+DEFAULT_KEY_ENV = "GPU_CODEC_MODEL_KEY"  # where a processor given no key reads it (Clara's configs give none)
 _ENV_VERSION = 2  # 2: the bound app-context values are in the associated data
 _ENV_HEAD = struct.Struct("<8sB8s12s")  # magic, version, key id, nonce; then ciphertext + 16-byte tag
 
@@ -79,10 +80,17 @@ def _check_key_file_mode(path: str) -> None:
 
 def _load_key(key_file: str | None, key_env: str | None, key: Any) -> bytes:
     given = [x is not None for x in (key_file, key_env, key)]
-    if sum(given) != 1:
+    if sum(given) > 1:
         raise EncryptionKeyError(
             "give exactly one of key_file (a path), key_env (an environment variable name) or key (bytes)"
         )
+    if not any(given):  # (Clara's configs name the processors with no arguments: the key comes from outside)
+        if not os.environ.get(DEFAULT_KEY_ENV):
+            raise EncryptionKeyError(
+                f"with no key_file, key_env or key, the key is read from the environment variable "
+                f"{DEFAULT_KEY_ENV} (hex or base64), which is not set"
+            )
+        key_env = DEFAULT_KEY_ENV
     if key is not None:
         if not isinstance(key, (bytes, bytearray, memoryview)):
             raise EncryptionKeyError(
@@ -165,8 +173,9 @@ class ModelEncryptor(_KeyedProcessor):
     Parameters
     ----------
     key_file, key_env, key
-        Exactly one: a file holding the key (raw, hex digits or base64; a warning if others can read it), an
-        environment variable holding it (hex or base64), or the key as 16, 24 or 32 bytes.
+        At most one: a file holding the key (raw, hex digits or base64; a warning if others can read it), an
+        environment variable holding it (hex or base64), or the key as 16, 24 or 32 bytes. None of them (as
+        Clara's configs give it, ``"args": {}``): the environment variable ``GPU_CODEC_MODEL_KEY``.
     bind
         App-context entries bound into the associated data (default ``("round",)``; ``()`` binds nothing,
         ``("round", "task")`` also the task). The decryptor must see the same values.
