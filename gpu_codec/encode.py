@@ -447,15 +447,15 @@ def encode_coo(
 
 
 def _checked_selection(selection: Any) -> dict[str, Any]:
-    """:func:`encode_coo`'s ``selection``, as given, once it is a registered selection stage's valid config (what a
-    reader rebuilds the header's pipeline from)."""
+    """:func:`encode_coo`'s ``selection``, as given (NumPy numbers as the Python numbers they hold), once it is a
+    registered selection stage's valid config (what a reader rebuilds the header's pipeline from)."""
     try:
         codec = get_codec(selection)
     except (UnknownCodecError, CodecConfigError) as e:
         raise InvalidInputError(f"selection: {e}") from None
     if codec.stage != "sparsify":
         raise InvalidInputError(f"selection must be a selection stage's config (e.g. topk), got {selection['id']!r}")
-    return dict(selection)
+    return {k: v.item() if isinstance(v, np.generic) else v for k, v in selection.items()}
 
 
 __all__ = ["SparseEntries", "compress", "encode_coo", "kept_count"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -194,8 +195,20 @@ class ErrorFeedback:
         return ef
 
     def save(self, path: str | os.PathLike) -> None:
-        with open(path, "wb") as f:
-            f.write(self.to_bytes())
+        """Write :meth:`to_bytes` to ``path``, replacing it at once: the bytes are made first, then written to a
+        temporary file beside it and moved into place, so a state that cannot be written, an interruption or a
+        full disk leaves the file there as it was."""
+        blob = self.to_bytes()
+        path = os.fspath(path)
+        fd, tmp = tempfile.mkstemp(prefix=".gcef-", dir=os.path.dirname(os.path.abspath(path)))
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(blob)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ErrorFeedback:

@@ -270,7 +270,7 @@ class Payload:
         >>> blob[:8], blob[8], len(blob) == p.nbytes, len(p.to_bytes(version=1)) > len(blob)
         (b'GPUCODEC', 2, True, True)
         """
-        blob = pack(
+        return pack(
             self._records,
             pipeline=self.pipeline,
             metadata=self.metadata,
@@ -279,12 +279,6 @@ class Payload:
             cache=self._wire_cache,
             fingerprint=self.base_fingerprint,
         )
-        if blob[8] == 1 and int.from_bytes(blob[12:16], "little") > MAX_HEADER_BYTES:
-            raise InvalidInputError(
-                f"a version-1 header for {len(self._records)} tensors would be over the reader's limit of "
-                f"{MAX_HEADER_BYTES} bytes; write version 2 (the default), whose tensor table is compact"
-            )
-        return blob
 
     @classmethod
     @holds_collector

@@ -243,3 +243,47 @@ def test_int8_blocks_at_float32_s_edge_are_refused_and_the_residual_kept(backend
         assert ef.to_bytes() == before
         ok = gpu_codec.compress({"w": np.array([3e38, 0.0], values.dtype)}, fraction=fraction, pipeline=pipe)
         assert np.isfinite(gpu_codec.decompress(ok.to_bytes())["w"]).all()
+
+
+@pytest.mark.parametrize("version", [2.0, 3.0, 1.0, True, "2"])
+def test_a_wire_version_is_an_int_of_1_2_or_3(version):
+    p = gpu_codec.compress({"w": np.arange(8, dtype=np.float32)}, fraction=0.5)
+    ef = ErrorFeedback()
+    gpu_codec.compress({"w": np.arange(8, dtype=np.float32)}, fraction=0.5, residual=ef)
+    for obj in (p, ef):
+        with pytest.raises(InvalidInputError, match="version must be 1, 2 or 3"):
+            obj.to_bytes(version=version)
+
+
+def test_what_no_reader_takes_is_not_written_and_a_saved_state_stays_whole(tmp_path, monkeypatch):
+    from gpu_codec.format import MAX_TENSORS, TensorRecord, pack
+
+    one = np.zeros(1, np.float32)
+    many = [TensorRecord(f"t{i}", "float32", (1,), "dense", 1, {"values": one}) for i in range(MAX_TENSORS + 1)]
+    for version in (None, 1, 2):  # (v2 cannot hold them; v1 could, and no reader would read it)
+        with pytest.raises(InvalidInputError, match="at most 100000"):
+            pack(many, pipeline=[], version=version)
+    # an error-feedback state that cannot be written leaves the file saved before as it was
+    ef = ErrorFeedback()
+    gpu_codec.compress({"w": np.arange(8, dtype=np.float32)}, fraction=0.5, residual=ef)
+    path = tmp_path / "site.gcef"
+    ef.save(path)
+    before = path.read_bytes()
+
+    def refused(*a, **k):
+        raise InvalidInputError("no")
+
+    monkeypatch.setattr(ErrorFeedback, "to_bytes", refused)
+    with pytest.raises(InvalidInputError):
+        ef.save(path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["site.gcef"]
+    monkeypatch.undo()
+    assert ErrorFeedback.load(path).layout() == {"w": ("float32", (8,))}
+
+
+def test_encode_coo_takes_numpy_numbers_in_its_selection():
+    e = SparseEntries(np.array([1, 3]), np.array([1.0, 2.0], np.float32), (4,), "float32")
+    for value in (np.float32(0.5), np.float64(0.5)):
+        p = encode_coo({"w": e}, selection={"id": "topk", "fraction": value})
+        again = Payload.from_bytes(p.to_bytes())
+        assert again.pipeline[0]["fraction"] == 0.5 and type(again.pipeline[0]["fraction"]) is float

@@ -93,7 +93,7 @@ def _v1_records(tensors: list[TensorRecord], pipeline: list) -> list[TensorRecor
 
 def _plan(tensors, pipeline, metadata, layouts, version, cache, fingerprint=None):
     """The v2 or v3 plan, or None where v1 must be written."""
-    if version not in (None, 1, 2, 3):
+    if version is not None and (type(version) is not int or version not in (1, 2, 3)):  # (not 2.0, not True)
         raise InvalidInputError(
             f"version must be 1, 2 or 3 (or None: the lowest that holds the records), got {version!r}"
         )
@@ -132,9 +132,17 @@ def pack(
     hex digits, :mod:`gpu_codec.format.fingerprint`) is the base fingerprint to store; None stores none, and the
     bytes are then exactly those of a payload without the feature.
     """
+    if len(tensors) > MAX_TENSORS:  # (what every reader refuses is not written)
+        raise InvalidInputError(f"{len(tensors)} tensors: the wire format holds at most {MAX_TENSORS}")
     p = _plan(tensors, pipeline, metadata, layouts, version, cache, fingerprint)
     if p is None:
-        return v1.pack(_v1_records(tensors, pipeline), pipeline=pipeline, metadata=metadata, fingerprint=fingerprint)
+        blob = v1.pack(_v1_records(tensors, pipeline), pipeline=pipeline, metadata=metadata, fingerprint=fingerprint)
+        if int.from_bytes(blob[12:16], "little") > MAX_HEADER_BYTES:
+            raise InvalidInputError(
+                f"a version-1 header for {len(tensors)} tensors would be over the reader's limit of "
+                f"{MAX_HEADER_BYTES} bytes; write version 2 (the default), whose tensor table is compact"
+            )
+        return blob
     return v2.write(p)
 
 
