@@ -23,30 +23,36 @@ def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs,
     es = np.asarray(ent_start, dtype=np.uint64)
     for t in range(int(nt)):
         a, b = int(es[t]), int(es[t + 1])
-        if b <= a:
-            continue
-        dt = int(out_dtypes[t])
-        v = val_ptrs[t]
-        ok = np.isfinite(v)
-        every = bool(ok.all())  # (then a plain assignment, not a masked one)
-        if not every:
-            err[0] = min(int(err[0]), a + int(np.flatnonzero(~ok)[0]))
-        out, base = out_ptrs[t], base_ptrs[t]
-        add = int(mode) == SCATTER_ADD
-        if every and add and dt == DT_F32 and base.dtype == v.dtype == np.float32:
-            with np.errstate(over="ignore"):  # (the fp32 sum, rounded once: the stored one, written in place)
-                np.add(base, v, out=out)
-            continue
-        with np.errstate(invalid="ignore", over="ignore"):  # (a payload's NaN, even signalling, is refused above;
-            # a sum past the dtype's range is the device's IEEE overflow, which the caller checks)
-            if dt == DT_F64:
-                new = base + v if add else v
-            else:
-                new = store_from_f32(load_f32(base, dt) + v if add else v, dt)
-        if every:
-            out[...] = new
+        dt, add = int(out_dtypes[t]), int(mode) == SCATTER_ADD
+        out, base, v = out_ptrs[t], base_ptrs[t], val_ptrs[t]
+        for s in range(0, b - a, APPLY_BLOCK):  # (a block at a time: temporaries of a block, not of the tensor)
+            e = min(b - a, s + APPLY_BLOCK)
+            _apply_block(out[s:e], None if base is None else base[s:e], v[s:e], dt, add, a + s, err)
+
+
+APPLY_BLOCK = 1 << 16  # elements dense_apply takes at a time (its fp32 temporaries: 256 KiB a block)
+
+
+def _apply_block(out, base, v, dt: int, add: bool, first: int, err) -> None:
+    """:func:`dense_apply` of one block of one tensor (``first``: its first entry's number)."""
+    ok = np.isfinite(v)
+    every = bool(ok.all())  # (then a plain assignment, not a masked one)
+    if not every:
+        err[0] = min(int(err[0]), first + int(np.flatnonzero(~ok)[0]))
+    if every and add and dt == DT_F32 and base.dtype == v.dtype == np.float32:
+        with np.errstate(over="ignore"):  # (the fp32 sum, rounded once: the stored one, written in place)
+            np.add(base, v, out=out)
+        return
+    with np.errstate(invalid="ignore", over="ignore"):  # (a payload's NaN, even signalling, is refused above;
+        # a sum past the dtype's range is the device's IEEE overflow, which the caller checks)
+        if dt == DT_F64:
+            new = base + v if add else v
         else:
-            out[ok] = new[ok]
+            new = store_from_f32(load_f32(base, dt) + v if add else v, dt)
+    if every:
+        out[...] = new
+    else:
+        out[ok] = new[ok]
 
 
 def dense_delta(

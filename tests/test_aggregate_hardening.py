@@ -276,6 +276,33 @@ def test_peak_memory_stays_within_one_and_a_half_caps(name, with_base):
     assert peak <= 1.5 * cap, (peak / cap, name)
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float64"])
+def test_peak_memory_onto_a_base_of_another_dtype_stays_within_one_and_a_half_caps(dtype):
+    """The sum with a bf16, fp16 or fp64 base is made a block at a time: a whole-tensor fp32 temporary (and the
+    finiteness test's) took a bf16 result to 1.83 caps."""
+    torch = pytest.importorskip("torch")
+    cap = 8 << 20
+    rng = np.random.default_rng(2)
+    probe = {"w": torch.zeros(16, dtype=getattr(torch, dtype))}
+    per = held_bytes(gpu_codec.compress(probe, probe, fraction=None).tensors, True) / 16
+    n = int(cap / per) - 64
+    base = {"w": torch.from_numpy(rng.standard_normal(n)).to(getattr(torch, dtype))}
+    blobs = [
+        gpu_codec.compress(
+            {"w": base["w"] + torch.from_numpy(rng.standard_normal(n)).to(base["w"].dtype)}, base, fraction=None
+        ).to_bytes()
+        for _ in range(2)
+    ]
+    agg = Aggregator(base=base, max_output_bytes=cap)
+
+    def run():
+        for b in blobs:
+            agg.add(b, 1.0)
+        agg.result()
+
+    assert traced_peak(run) <= 1.5 * cap
+
+
 def test_memory_benchmark_runs_and_stays_within_its_target(tmp_path):
     import json
     import subprocess

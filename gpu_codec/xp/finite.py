@@ -30,9 +30,15 @@ def some_nonfinite(x, dt: int, xp=np):
     >>> bool(some_nonfinite(np.array([1.0, np.inf], np.float32), DT_F32))
     True
     """
+    if xp is np and x.size > CHECK_BLOCK:  # (on the host, a block at a time: no temporary of the tensor's size)
+        flat = x.reshape(-1)
+        return np.bool_(any(some_nonfinite(flat[s : s + CHECK_BLOCK], dt) for s in range(0, flat.size, CHECK_BLOCK)))
     if dt == DT_BF16:
         return xp.any((x & 0x7F80) == 0x7F80)
     return ~xp.all(xp.isfinite(x))
+
+
+CHECK_BLOCK = 1 << 18  # elements some_nonfinite tests at a time on the host
 
 
 PACK_ALONE = 1 << 18  # elements from which a tensor is checked on its own
