@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import tempfile
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -33,6 +32,7 @@ import numpy as np
 from . import dtypes
 from .arrays import TensorTable
 from .backends import Backend, events, get_backend
+from .backends.files import replace_atomically
 from .codecs import wire_layouts
 from .errors import InvalidInputError, PayloadLayoutError, PayloadValueError
 from .format import TensorRecord, pack, unpack
@@ -199,16 +199,7 @@ class ErrorFeedback:
         temporary file beside it and moved into place, so a state that cannot be written, an interruption or a
         full disk leaves the file there as it was."""
         blob = self.to_bytes()
-        path = os.fspath(path)
-        fd, tmp = tempfile.mkstemp(prefix=".gcef-", dir=os.path.dirname(os.path.abspath(path)))
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(blob)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        replace_atomically(path, lambda f: f.write(blob), prefix=".gcef-")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> ErrorFeedback:

@@ -350,14 +350,9 @@ class _Decompressing(DXOFilter):
                 dxo = from_shareable(shareable)
             except Exception:  # (not a DXO: NVFlare's filter passes it on)
                 dxo = None
-            if dxo is not None and dxo.data is None:  # (NVFlare's filter passes a DXO without data on unread)
+            if dxo is not None and not dxo.data:  # (NVFlare's filter passes a DXO without data on unread)
                 _check_not_emptied(dxo)
         return super().process(shareable, fl_ctx)
-
-    def _apply_filter(self, dxo: Any, shareable: Any, fl_ctx: Any) -> Any:
-        if not dxo.data:  # (NVFlare's filter skips an empty DXO unread)
-            _check_not_emptied(dxo)
-        return super()._apply_filter(dxo, shareable, fl_ctx)
 
     def _decompress(self, dxo: Any) -> Any:
         info = dxo.get_meta_prop(META_KEY)

@@ -15,12 +15,12 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import tempfile
 import threading
 from pathlib import Path
 
 from ..constants import compile_options
 from ..errors import BackendUnavailableError
+from .files import replace_atomically
 
 _lock = threading.Lock()
 _memory: dict[str, bytes] = {}
@@ -165,10 +165,7 @@ def cached_image(source: str, name: str, arch: str) -> bytes:
             image, _ = compile_source(source, name, arch)
             try:
                 path.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-                with os.fdopen(fd, "wb") as f:
-                    f.write(image)
-                os.replace(tmp, path)
+                replace_atomically(path, lambda f: f.write(image))
             except OSError:
                 pass  # an unwritable cache only costs a compile per process
         _memory[key] = image

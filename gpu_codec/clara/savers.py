@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import abc
 import os
-import tempfile
 from collections.abc import Mapping
 from typing import Any
 
+from ..backends.files import replace_atomically
 from ..errors import InvalidInputError
 from .context import DataContext
 from .reader_writers import compile_exclude, torch_module_of
@@ -142,15 +142,7 @@ class PTModelSaver(ModelSaver):
         os.makedirs(self.model_log_dir, exist_ok=True)
         path = os.path.join(self.model_log_dir, self.BEST_FILE if is_best else self.FILE)
         ckpt = {"model": self._state(model), "round": None if round_number is None else int(round_number)}
-        fd, tmp = tempfile.mkstemp(dir=self.model_log_dir, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                torch.save(ckpt, f)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.remove(tmp)
-            raise
+        replace_atomically(path, lambda f: torch.save(ckpt, f))
         self.last_path = path
         return path
 
