@@ -5,6 +5,7 @@ emulator and the NVRTC tests.)"""
 from __future__ import annotations
 
 import logging
+import sys
 import types
 from pathlib import Path
 
@@ -174,6 +175,77 @@ def test_nvml_looks_up_by_uuid_and_reports_mig():
     with pytest.raises(LookupError):
         backends._nvml_handle(fake({}), uuid)
     assert "nvmlDeviceGetHandleByIndex" not in Path(backends.__file__).read_text()
+
+
+def _fake_nvml(uuids, mig_mode=False):
+    """A pynvml with one GPU at PCI bus 0000:1A:00.0 (uuids[0]) and its MIG instances (uuids[1:])."""
+    handles = {"gpu": uuids[0], **{f"mig{i}": u for i, u in enumerate(uuids[1:])}}
+
+    def by_uuid(u):
+        for h, v in handles.items():
+            if u in ("GPU-" + v, "MIG-" + v):
+                return h
+        raise RuntimeError("NVML_ERROR_NOT_FOUND")
+
+    def by_bus(bus):
+        if bus != "0000:1A:00.0":
+            raise RuntimeError("NVML_ERROR_NOT_FOUND")
+        return "gpu"
+
+    return types.SimpleNamespace(
+        nvmlDeviceGetHandleByUUID=by_uuid,
+        nvmlDeviceGetHandleByPciBusId=by_bus,
+        nvmlDeviceIsMigDeviceHandle=lambda h: h.startswith("mig"),
+        nvmlDeviceGetMigMode=lambda h: [int(mig_mode), int(mig_mode)],
+        nvmlDeviceGetMaxMigDeviceCount=lambda h: 7,
+        nvmlDeviceGetMigDeviceHandleByIndex=lambda h, i: (
+            f"mig{i}" if i < len(uuids) - 1 else (_ for _ in ()).throw(RuntimeError("NVML_ERROR_NOT_FOUND"))
+        ),
+        nvmlDeviceGetUUID=lambda h: ("MIG-" if h.startswith("mig") else "GPU-") + handles[h],
+    )
+
+
+def test_nvml_finds_a_device_whose_uuid_cupy_cut_at_a_zero_byte():
+    # CuPy reads cudaDeviceProp.uuid as a C string: 2bb4bfa0-dac2-5986-1a00-... comes back as its first 9 bytes
+    # (seen on a real device), so the UUID alone cannot name it.
+    whole = bytes.fromhex("2bb4bfa0dac259861a00c3e200693bba")
+    cut = whole[: whole.index(0)]
+    assert len(cut) == 9
+    nvml = _fake_nvml([backends.format_uuid(whole)])
+    assert backends._nvml_handle(nvml, whole) == ("gpu", False)  # (16 bytes: by UUID, as before)
+    assert backends._nvml_handle(nvml, cut, "0000:1A:00.0") == ("gpu", False)
+    with pytest.raises(LookupError, match="PCI bus"):
+        backends._nvml_handle(nvml, cut)  # (no bus id: nothing to look it up by)
+    with pytest.raises(LookupError):
+        backends._nvml_handle(nvml, cut + b"\x01", "0000:1A:00.0")  # (not a prefix cut at a zero byte)
+    # a MIG instance of that GPU, cut the same way, is told from its parent by the rest of its prefix
+    mig = bytes.fromhex("2bb4bfa0dac259861a01c3e200693bba")
+    other = bytes.fromhex("77b4bfa0dac2598600000000000000aa")
+    nvml = _fake_nvml([backends.format_uuid(mig), backends.format_uuid(other), backends.format_uuid(whole)], True)
+    assert backends._nvml_handle(nvml, other[: other.index(0)], "0000:1A:00.0") == ("mig0", True)
+    assert backends._nvml_handle(nvml, cut, "0000:1A:00.0") == ("mig1", True)
+    same = _fake_nvml([backends.format_uuid(whole), backends.format_uuid(whole)], True)
+    with pytest.raises(LookupError, match="2 devices"):
+        backends._nvml_handle(same, cut, "0000:1A:00.0")
+
+
+def test_nvml_info_reports_a_device_whose_uuid_has_a_zero_byte(monkeypatch):
+    whole = bytes.fromhex("2bb4bfa0dac259861a00c3e200693bba")
+    nvml = _fake_nvml([backends.format_uuid(whole)])
+    nvml.nvmlInit = nvml.nvmlShutdown = lambda: None
+    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=150754820096)
+    nvml.nvmlDeviceGetName = lambda h: b"NVIDIA H200"
+    nvml.nvmlSystemGetDriverVersion = lambda: "580.159.04"
+    nvml.nvmlSystemGetCudaDriverVersion = lambda: 13000
+    nvml.nvmlDeviceGetMaxClockInfo = lambda h, which: 1980
+    nvml.NVML_CLOCK_SM, nvml.NVML_CLOCK_MEM = 0, 1
+    monkeypatch.setitem(sys.modules, "pynvml", nvml)
+    monkeypatch.setattr(cupy.cuda, "Device", lambda: types.SimpleNamespace(id=0))
+    monkeypatch.setattr(cupy.cuda.runtime, "getDeviceProperties", lambda d: {"uuid": whole[:9]})
+    monkeypatch.setattr(cupy.cuda.runtime, "deviceGetPCIBusId", lambda d: "0000:1A:00.0", raising=False)
+    info = backends._nvml_info()
+    assert info.get("uuid") == backends.format_uuid(whole), info
+    assert info["name"] == "NVIDIA H200" and info["driver"] == "580.159.04" and not info["mig"]
 
 
 def test_probe_needs_nvrtc_and_falls_back_with_a_log_line(monkeypatch, caplog):

@@ -113,19 +113,63 @@ def format_uuid(raw: Any) -> str:
     return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
 
 
-def _nvml_handle(pynvml: Any, uuid: str) -> tuple[Any, bool]:
-    """NVML's handle of the device (or MIG instance) with CUDA UUID ``uuid``: (handle, is a MIG instance)."""
+def _nvml_handle(pynvml: Any, uuid: str | bytes, bus_id: str | None = None) -> tuple[Any, bool]:
+    """NVML's handle of the device (or MIG instance) with CUDA UUID ``uuid``: (handle, is a MIG instance).
+
+    ``uuid`` is the UUID as text, or CUDA's 16 bytes. CuPy reads ``cudaDeviceProp.uuid`` as a C string, so a UUID
+    with a zero byte comes back cut before it; such a prefix is looked up among the GPU at PCI bus ``bus_id`` and
+    its MIG instances, and must match exactly one of them.
+    """
+    if isinstance(uuid, (bytes, bytearray)):
+        if len(uuid) == 16:
+            uuid = format_uuid(uuid)
+        else:
+            return _nvml_handle_by_prefix(pynvml, bytes(uuid), bus_id)
     for prefix in ("GPU-", "MIG-"):
         try:
             h = pynvml.nvmlDeviceGetHandleByUUID(prefix + uuid)
         except Exception:
             continue
-        try:
-            mig = bool(pynvml.nvmlDeviceIsMigDeviceHandle(h))
-        except Exception:
-            mig = prefix == "MIG-"
-        return h, mig
+        return h, _is_mig(pynvml, h, prefix == "MIG-")
     raise LookupError(f"NVML knows no device with UUID {uuid} (as GPU- or MIG-)")
+
+
+def _is_mig(pynvml: Any, h: Any, default: bool) -> bool:
+    try:
+        return bool(pynvml.nvmlDeviceIsMigDeviceHandle(h))
+    except Exception:
+        return default
+
+
+def _nvml_handle_by_prefix(pynvml: Any, head: bytes, bus_id: str | None) -> tuple[Any, bool]:
+    """The device whose UUID starts with ``head`` and a zero byte (a UUID cut at its first zero byte), among the GPU
+    at PCI bus ``bus_id`` and its MIG instances."""
+    if len(head) > 15 or bus_id is None:
+        raise LookupError(f"a CUDA UUID has 16 bytes, got {len(head)} and no PCI bus id to find the device by")
+    want = (head + b"\0").hex()
+    gpu = pynvml.nvmlDeviceGetHandleByPciBusId(bus_id)
+    found = [(gpu, False)]
+    try:
+        count = int(pynvml.nvmlDeviceGetMaxMigDeviceCount(gpu)) if pynvml.nvmlDeviceGetMigMode(gpu)[0] else 0
+    except Exception:
+        count = 0
+    for i in range(count):
+        try:
+            found.append((pynvml.nvmlDeviceGetMigDeviceHandleByIndex(gpu, i), True))
+        except Exception:
+            continue
+    hits = [
+        (h, mig)
+        for h, mig in found
+        if format_uuid(_text(pynvml.nvmlDeviceGetUUID(h))).replace("-", "").startswith(want)
+    ]
+    if len(hits) != 1:
+        raise LookupError(f"{len(hits)} devices at PCI bus {bus_id} have a UUID starting {want}")
+    return hits[0]
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
 
 
 def _nvml_info() -> dict[str, Any]:
@@ -136,10 +180,12 @@ def _nvml_info() -> dict[str, Any]:
         import pynvml
 
         dev = cupy.cuda.Device().id
-        uuid = format_uuid(cupy.cuda.runtime.getDeviceProperties(dev)["uuid"])
+        raw = bytes(cupy.cuda.runtime.getDeviceProperties(dev)["uuid"])
+        bus_id = cupy.cuda.runtime.deviceGetPCIBusId(dev) if len(raw) != 16 else None
         pynvml.nvmlInit()
         try:
-            h, mig = _nvml_handle(pynvml, uuid)
+            h, mig = _nvml_handle(pynvml, raw, bus_id)
+            uuid = format_uuid(raw) if bus_id is None else format_uuid(_text(pynvml.nvmlDeviceGetUUID(h)))
             mem = pynvml.nvmlDeviceGetMemoryInfo(h)
             name = pynvml.nvmlDeviceGetName(h)
             out = {
