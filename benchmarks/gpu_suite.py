@@ -55,13 +55,17 @@ _EXTRA_PYTHONPATH: list[str] = []
 
 def _ensure_importable() -> None:
     """Make ``gpu_codec`` importable from this checkout even where ``pip install -e .`` could not run (the
-    package maps kernels/ and cpu_fallback/ into it, so a plain sys.path entry is not enough)."""
+    package maps kernels/ and cpu_fallback/ into it, so a plain sys.path entry is not enough).
+
+    A ``gpu_codec`` installed from elsewhere (a wheel on PYTHONPATH) is not this checkout's: the steps run in
+    processes started in the checkout, whose own ``gpu_codec/`` comes first there, so it is mapped too."""
     try:
         import gpu_codec.kernels
 
-        import gpu_codec.backends.kernels  # noqa: F401
+        import gpu_codec.backends.kernels
 
-        return
+        if Path(gpu_codec.__file__).resolve().parent == (ROOT / "gpu_codec").resolve():
+            return
     except ImportError:
         pass
     tmp = Path(tempfile.mkdtemp(prefix="gpu_codec_src_"))
