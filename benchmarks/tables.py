@@ -280,6 +280,7 @@ REGIONS: dict[str, Callable[[], str]] = {
     "headline": headline,
     "flower": flower,
     "zoo_gpu": zoo_gpu,
+    "gpu_against_latest": lambda: gpu_against("gpu_against_h200_091d083.json"),  # (52 commits, none GPU-timed)
     "gpu_against_views": lambda: gpu_against("gpu_against_h200_0e78d74.json"),  # (the tensors given by address)
     "gpu_against": gpu_against,
     "gpu_against_shared": lambda: gpu_against("gpu_against_h100_2d770a8.json"),  # (the writer's shared ranges)

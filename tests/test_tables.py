@@ -31,6 +31,7 @@ def test_every_doc_keeps_its_generated_regions():
             "headline",
             "nvflare",
             "zoo_gpu",
+            "gpu_against_latest",
             "gpu_against_views",
             "gpu_against",
             "gpu_against_shared",
