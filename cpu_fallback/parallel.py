@@ -52,12 +52,12 @@ def thread_count() -> int:
 
 
 def _executor(n: int) -> ThreadPoolExecutor:
-    """The module's pool of ``n`` threads (the caller is the extra one), made again when the count changes."""
+    """The module's pool, of at least ``n`` threads (the caller is the extra one; a call submits only as many
+    items as it has threads for). A larger count makes a larger pool; the one before it is dropped, never shut
+    down, since a call in another thread may still be handing it work (its idle threads end once it is freed)."""
     global _pool, _pool_size
     with _lock:
-        if _pool is None or _pool_size != n:
-            if _pool is not None:
-                _pool.shutdown(wait=False)
+        if _pool is None or _pool_size < n:
             _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="gpu_codec")
             _pool_size = n
         return _pool

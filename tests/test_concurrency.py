@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import contextlib
 import queue
+import sys
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -155,3 +157,61 @@ def test_one_error_feedback_shared_by_threads_stays_consistent(backend):
         assert not errors, errors
         assert sorted(got) == sorted(serial)
         assert ef.to_bytes() == ef_serial.to_bytes()
+
+
+@pytest.fixture
+def fast_switching():
+    """Threads switch at every chance, so a race shows within a few calls."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(old)
+
+
+def test_one_received_payload_decoded_by_threads_at_once(fast_switching):
+    # A payload read by from_bytes whose tensors share one zstd frame reads it through shared cursors: from several
+    # threads at once they raised, wrote wrong bytes, gave undecodable to_bytes() and crashed the interpreter.
+    rng = np.random.default_rng(0)
+    update = {f"layer.{i}.w": rng.standard_normal(1000 + i).astype(np.float32) for i in range(20)}
+    blob = gpu_codec.compress(update, fraction=0.05, pipeline=[Quantize("float16"), RiceIndices(), Zstd()]).to_bytes()
+    ref = gpu_codec.decompress(gpu_codec.Payload.from_bytes(blob))
+    for _ in range(6):
+        p = gpu_codec.Payload.from_bytes(blob)
+        start = threading.Barrier(8)
+
+        def one(i, p=p, start=start):
+            start.wait()
+            return gpu_codec.decompress(p) if i % 2 else p.to_bytes()
+
+        with ThreadPoolExecutor(8) as pool:
+            got = list(pool.map(one, range(8)))
+        for i, g in enumerate(got):
+            if i % 2:
+                assert all(np.array_equal(g[k], ref[k]) for k in ref)
+            else:
+                assert g == blob
+
+
+def test_calls_asking_for_different_thread_counts_share_the_pool(monkeypatch):
+    # The pool was shut down and made again whenever a call asked for another size: a call in another thread that
+    # had taken the old one then failed with "cannot schedule new futures after shutdown".
+    from gpu_codec.cpu_fallback.parallel import parallel_map
+
+    monkeypatch.setenv("GPU_CODEC_THREADS", "8")
+    errors = []
+
+    def caller(k):
+        for j in range(300):
+            items = range(2 + (j + k) % 7)
+            try:
+                assert parallel_map(lambda x: x * x, items) == [x * x for x in items]
+            except Exception as e:
+                errors.append(repr(e))
+                return
+
+    threads = [threading.Thread(target=caller, args=(k,)) for k in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []

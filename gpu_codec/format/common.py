@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
@@ -55,11 +56,13 @@ class SharedFrame:
     same bytes stored plainly) holding each tensor's inner buffers back to back. It is read a range at a time, at
     decode time (after the caller's limits on element counts), never while a payload is parsed and never whole:
     a compressed frame is checked by one pass over it on first use, then read through :class:`FrameStream`'s
-    forward cursors; plain bytes are read in place."""
+    forward cursors; plain bytes are read in place. Threads may read one frame at once (a payload decoded by
+    several): its stream is made once, under a lock, and reads through it take turns."""
 
     def __init__(self, data: memoryview, raw: int, compressed: bool):
         self._data, self._raw, self._compressed = data, raw, compressed
         self._stream: FrameStream | None = None
+        self._made = threading.Lock()
 
     @property
     def nbytes(self) -> int:
@@ -73,9 +76,13 @@ class SharedFrame:
         """Bytes ``[start, end)`` of the content (a view of the payload where it is stored plainly)."""
         if not self._compressed:
             return self._data[start:end]
-        if self._stream is None:
-            self._stream = FrameStream(self._data, self._raw, self._raw, f"{what}: shared zstd frame")
-        return self._stream.read(start, end)
+        stream = self._stream
+        if stream is None:
+            with self._made:
+                if self._stream is None:
+                    self._stream = FrameStream(self._data, self._raw, self._raw, f"{what}: shared zstd frame")
+                stream = self._stream
+        return stream.read(start, end)
 
 
 @dataclass(frozen=True)
@@ -767,7 +774,8 @@ class FrameStream:
     Construction reads the frame once, front to back, to check it and to keep its bytes from ``keep_from`` on
     (``tail``). :meth:`read` then decompresses up to the range asked for with one of a few forward cursors (the
     one furthest along that has not passed the range), so buffers read in step, such as a sparse tensor's
-    indices and values, each cost one pass over the frame in all.
+    indices and values, each cost one pass over the frame in all. The cursors are shared state (a zstd reader is
+    not safe to share between threads): reads from several threads take turns.
     """
 
     PIECE = 1 << 20  # the most one read asks zstd for at once
@@ -784,23 +792,30 @@ class FrameStream:
         if not c.at_end():
             raise c._error("it holds more")
         self._cursors: list[_Cursor] = []
+        self._turn = threading.Lock()
 
     def close(self) -> None:
         """Drop the decompression contexts (a later :meth:`read` opens new ones)."""
-        self._cursors = []
+        with self._turn:
+            self._cursors = []
 
     def read(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of the content."""
-        behind = [c for c in self._cursors if c.pos <= start]
-        if behind:
-            c = max(behind, key=lambda c: c.pos)
-        else:
-            if len(self._cursors) >= self.CURSORS:
-                self._cursors.remove(min(self._cursors, key=lambda c: c.pos))
-            c = _Cursor(self.data, self.what, self.raw)
-            self._cursors.append(c)
-        c.skip(start - c.pos)
-        return c.take(end - start)
+        with self._turn:
+            behind = [c for c in self._cursors if c.pos <= start]
+            if behind:
+                c = max(behind, key=lambda c: c.pos)
+            else:
+                if len(self._cursors) >= self.CURSORS:
+                    self._cursors.remove(min(self._cursors, key=lambda c: c.pos))
+                c = _Cursor(self.data, self.what, self.raw)
+                self._cursors.append(c)
+            try:
+                c.skip(start - c.pos)
+                return c.take(end - start)
+            except BaseException:
+                self._cursors.remove(c)  # (its place in the frame is unknown: the next read opens another)
+                raise
 
 
 class ChunkedFrameStream:
@@ -823,9 +838,14 @@ class ChunkedFrameStream:
             self.frames.append(s)
         self.tail = tails[0] if len(tails) == 1 else b"".join(tails)
         self._open: list[FrameStream] = []
+        self._turn = threading.Lock()
 
     def read(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of the content."""
+        """Bytes ``[start, end)`` of the content (reads from several threads take turns)."""
+        with self._turn:
+            return self._read(start, end)
+
+    def _read(self, start: int, end: int) -> bytes:
         parts = []
         while start < end:
             i = start // self.chunk
