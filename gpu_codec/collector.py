@@ -10,9 +10,11 @@ hand it back as they found it. The objects they make are freed by reference coun
 among them waits for the next collection.
 
 Calls in several threads share one hold: the first to enter turns automatic collection off, where it was on, and
-the last to leave turns it back on. A thread that turns the collector off itself while another thread is inside
-one of these calls finds it on again when that call returns. :func:`set_paused` (``False``) leaves the collector
-alone.
+the last to leave turns it back on. A call that leaves while others are still inside runs the collection that
+automatic collection owes by then (the oldest generation whose count is past its threshold, once the youngest's
+is), so calls that overlap without a break, as a server's threads decoding back to back do, never starve the
+collector. A thread that turns the collector off itself while another thread is inside one of these calls finds it
+on again when that call returns. :func:`set_paused` (``False``) leaves the collector alone.
 
 >>> import gc
 >>> with collector_paused():
@@ -75,11 +77,27 @@ def collector_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        owed = None
         with _lock:
             _inside -= 1
             if not _inside and _turned_off:
                 _turned_off = False
                 gc.enable()
+            elif _inside and _turned_off:
+                owed = _owed()
+        if owed is not None:
+            gc.collect(owed)
+
+
+def _owed() -> int | None:
+    """The generation automatic collection would collect now, were it on (None: none is due)."""
+    count, threshold = gc.get_count(), gc.get_threshold()
+    if not threshold[0] or count[0] <= threshold[0]:
+        return None
+    for gen in (2, 1):
+        if threshold[gen] and count[gen] >= threshold[gen]:
+            return gen
+    return 0
 
 
 def holds_collector(fn: _F) -> _F:

@@ -130,6 +130,45 @@ def test_threads_share_one_hold():
     assert states == [False, False, True]
 
 
+def test_calls_that_overlap_without_a_break_do_not_starve_the_collector():
+    # With one thread always inside a call, the shared hold never handed collection back: a server's threads
+    # decoding back to back left every reference cycle of the process uncollected.
+    import weakref
+
+    class Node:
+        pass
+
+    gc.enable()
+    entered, release = threading.Event(), threading.Event()
+
+    def long_call():
+        with collector.collector_paused():
+            entered.set()
+            release.wait(10)
+
+    t = threading.Thread(target=long_call)
+    t.start()
+    old = gc.get_threshold()
+    try:
+        entered.wait(10)
+        gc.set_threshold(50)
+        cycle = Node()
+        cycle.me = cycle
+        gone = weakref.ref(cycle)
+        del cycle
+        junk = [[] for _ in range(200)]  # (past the youngest generation's threshold)
+        with collector.collector_paused():
+            pass
+        assert not gc.isenabled()  # (the other thread is still inside)
+        assert gone() is None
+        del junk
+    finally:
+        gc.set_threshold(*old)
+        release.set()
+        t.join(10)
+    assert gc.isenabled()
+
+
 def test_set_paused_false_leaves_the_collector_alone(monkeypatch):
     seen = []
     real = encode_mod.tensor_table
