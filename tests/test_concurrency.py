@@ -215,3 +215,56 @@ def test_calls_asking_for_different_thread_counts_share_the_pool(monkeypatch):
     for t in threads:
         t.join()
     assert errors == []
+
+
+def test_backend_info_while_another_thread_resets_the_choice(fast_switching, monkeypatch):
+    # backend_info read the choice's record apart from the choice: a reset in between raised KeyError.
+    from gpu_codec.backends import reset_backend
+
+    monkeypatch.setenv("GPU_CODEC_BACKEND", "cpu")
+    stop, errors = threading.Event(), []
+
+    def resetter():
+        while not stop.is_set():
+            reset_backend()
+
+    def reader():
+        for _ in range(20000):
+            try:
+                assert gpu_codec.backend_info()["backend"] == "cpu"
+            except Exception as e:
+                errors.append(repr(e))
+                return
+
+    t = threading.Thread(target=resetter)
+    t.start()
+    readers = [threading.Thread(target=reader) for _ in range(2)]
+    try:
+        for r in readers:
+            r.start()
+        for r in readers:
+            r.join()
+    finally:
+        stop.set()
+        t.join()
+        reset_backend()
+    assert errors == []
+
+
+def test_backend_info_reads_the_choice_and_its_record_together(monkeypatch):
+    # (the race above made certain: a reset lands between the choice and the read of its record)
+    from gpu_codec import backends
+
+    monkeypatch.setenv("GPU_CODEC_BACKEND", "cpu")
+    real = backends.get_backend
+
+    def then_reset():
+        b = real()
+        backends.reset_backend()
+        return b
+
+    monkeypatch.setattr(backends, "get_backend", then_reset)
+    try:
+        assert backends.backend_info()["backend"] == "cpu"
+    finally:
+        backends.reset_backend()

@@ -241,9 +241,14 @@ def _choose() -> Backend:
 
 def get_backend() -> Backend:
     """The backend in use (chosen on first call, then cached; :func:`reset_backend` chooses again)."""
-    key = os.environ.get(ENV, "").strip().lower()
     if _override:
         return _override[-1]
+    return _chosen(os.environ.get(ENV, "").strip().lower())[0]
+
+
+def _chosen(key: str) -> tuple[Backend, dict[str, Any]]:
+    """The backend for ``GPU_CODEC_BACKEND`` = ``key`` and what :func:`backend_info` says of its choice, read
+    together (a :func:`reset_backend` in another thread in between left the second missing)."""
     with _lock:
         b = _cache.get(key)
         if b is None:
@@ -251,7 +256,7 @@ def get_backend() -> Backend:
             b = _choose()
             _cache[key] = b
             _info_by_key[key] = dict(_info)
-        return b
+        return b, _info_by_key[key]
 
 
 _info_by_key: dict[str, dict[str, Any]] = {}
@@ -263,7 +268,8 @@ _override: list[Backend] = []
 @contextlib.contextmanager
 def using_backend(backend: Backend) -> Iterator[Backend]:
     """Run the library on ``backend`` inside the block (tools that measure a backend they built themselves,
-    e.g. an emulator that counts memory traffic)."""
+    e.g. an emulator that counts memory traffic). The choice is the process's, every thread's, while the block
+    runs: blocks in several threads at once are not kept apart."""
     if not isinstance(backend, Backend):
         raise InvalidInputError(f"using_backend needs a Backend, got {type(backend).__name__}")
     _override.append(backend)
@@ -282,11 +288,12 @@ def reset_backend() -> None:
 
 def backend_info() -> dict[str, Any]:
     """What backend is in use and why, with NVML device details when a GPU is there."""
-    b = get_backend()
-    if _override:
-        info = {"backend": b.name, "reason": "set by using_backend"}
+    over = _override[-1:]
+    if over:
+        b, info = over[0], {"backend": over[0].name, "reason": "set by using_backend"}
     else:
-        info = dict(_info_by_key[os.environ.get(ENV, "").strip().lower()])
+        b, chosen = _chosen(os.environ.get(ENV, "").strip().lower())
+        info = dict(chosen)
     info.update(b.info())
     info["numpy"] = np.__version__
     try:
