@@ -146,8 +146,9 @@ def to_tensor(x: Any, name: str) -> Tensor:
     if kind == "torch":
         import torch
 
-        if x.layout != torch.strided:
-            raise InvalidInputError(f"tensor {name!r}: a {x.layout} torch tensor is not supported; pass a dense one")
+        if x.layout != torch.strided or x.is_nested:
+            what = "nested" if x.is_nested else str(x.layout)
+            raise InvalidInputError(f"tensor {name!r}: a {what} torch tensor is not supported; pass a dense one")
         if x.device.type not in ("cpu", "cuda"):
             raise InvalidInputError(
                 f"tensor {name!r}: a torch tensor on device {x.device.type!r} holds no data gpu_codec can read "
@@ -156,6 +157,8 @@ def to_tensor(x: Any, name: str) -> Tensor:
         logical = _TORCH_LOGICAL.get(str(x.dtype), str(x.dtype).replace("torch.", ""))
         shape = tuple(int(s) for s in x.shape)
         t = x.detach()
+        if t.is_neg():  # (a negated view: its memory holds the values' negations)
+            t = t.resolve_neg()
         if not t.is_contiguous():
             t = t.contiguous()
         if logical == "bfloat16":
@@ -168,9 +171,13 @@ def to_tensor(x: Any, name: str) -> Tensor:
                 data = cupy.from_dlpack(flat)
             else:
                 data = flat.numpy()
-        except (TypeError, BufferError, RuntimeError):  # (a dtype with no NumPy or DLPack form: float8, complex32)
-            if logical in _TORCH_LOGICAL.values():
-                raise
+        except (TypeError, BufferError, RuntimeError) as e:  # (a dtype with no NumPy or DLPack form: float8, ...)
+            if logical in _TORCH_LOGICAL.values():  # (a subclass torch does not hand over: MaskedTensor, ...)
+                why = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise InvalidInputError(
+                    f"tensor {name!r}: torch does not hand over this {type(x).__name__} as an array ({why}); "
+                    "pass a plain dense tensor"
+                ) from None
             raise InvalidInputError(
                 f"tensor {name!r}: dtype {logical} is not supported (float32, float16, bfloat16, float64)"
             ) from None
@@ -273,6 +280,9 @@ def torch_tensors(xs: list[Any]) -> TensorTable | None:
     logical = list(map(_torch_logical().get, map(_DTYPE, xs)))
     if None in logical or not all(map(torch.Tensor.is_contiguous, xs)):
         return None
+    # (a subclass, a nested tensor or a negated view is not its memory's values: to_tensor takes each, or refuses it)
+    if not types <= {torch.Tensor, torch.nn.Parameter} or any(map(_IS_NESTED, xs)) or any(map(torch.Tensor.is_neg, xs)):
+        return None
     if any(map(_REQUIRES_GRAD, xs)):
         xs = [x.detach() for x in xs]
     shapes = list(map(tuple, map(_SHAPE, xs)))
@@ -318,6 +328,7 @@ def cupy_tensors(xs: list[Any]) -> TensorTable | None:
 
 
 _DEVICE, _LAYOUT, _REQUIRES_GRAD = attrgetter("device"), attrgetter("layout"), attrgetter("requires_grad")
+_IS_NESTED = attrgetter("is_nested")
 _DEVICE_ID, _DATA_PTR = attrgetter("device.id"), attrgetter("data.ptr")
 _STORAGE = {"float32": np.float32, "float16": np.float16, "bfloat16": np.uint16, "float64": np.float64}
 

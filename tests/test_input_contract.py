@@ -75,6 +75,43 @@ def test_torch_dtypes_with_no_numpy_form_are_refused(name):
             call()
 
 
+def test_a_negated_view_is_read_as_its_values():
+    # A contiguous fp32 tensor with torch's negative bit (the imaginary part of a conjugate, a _neg_view) holds its
+    # values' negations in memory: .numpy() refused it (a raw RuntimeError), and given by address it would read wrong.
+    values = torch.tensor([1.0, -2.0, 3.5, 0.25])
+    neg = (-values)._neg_view()  # (values, as a negated view of their negations)
+    assert neg.is_neg() and neg.is_contiguous()
+    imag = torch.complex(torch.zeros(4), -values).conj().imag
+    base = torch.zeros(4)
+    for x in (neg, imag):
+        want = gpu_codec.compress({"w": values.clone()}, {"w": base}, fraction=0.5).to_bytes()
+        assert gpu_codec.compress({"w": x}, {"w": base}, fraction=0.5).to_bytes() == want
+        assert gpu_codec.compress({"w": values.clone()}, {"w": x}, fraction=0.5).to_bytes() != want
+        out = gpu_codec.decompress(want, base={"w": x})["w"]
+        assert out.tolist() == (values + torch.tensor([0.0, -2.0, 3.5, 0.0])).tolist()
+        agg = gpu_codec.Aggregator(base={"w": x})
+        agg.add(want)
+        assert agg.result()["w"].tolist() == out.tolist()
+
+
+def test_torch_tensors_torch_does_not_hand_over_get_our_error():
+    with warnings.catch_warnings():  # (both are prototypes: torch warns)
+        warnings.simplefilter("ignore", UserWarning)
+        masked = torch.masked.masked_tensor(torch.ones(2), torch.tensor([True, False]))
+        nested = torch.nested.nested_tensor([torch.ones(1), torch.ones(2)])
+    good = {"w": torch.zeros(2)}
+    for bad, why in ((masked, "MaskedTensor"), (nested, "nested")):
+        for call in (
+            lambda bad=bad: gpu_codec.compress({"w": bad}, fraction=0.5),
+            lambda bad=bad: gpu_codec.compress({"w": bad, "v": torch.ones(3)}, fraction=0.5),
+            lambda bad=bad: gpu_codec.decompress(gpu_codec.compress(good, fraction=0.5).to_bytes(), base={"w": bad}),
+            lambda bad=bad: gpu_codec.Aggregator(base={"w": bad}),
+        ):
+            with pytest.raises(InvalidInputError, match=f"tensor 'w': .*{why}"), warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)  # (torch warns at every use of a MaskedTensor)
+                call()
+
+
 @pytest.mark.parametrize("thing", [None, "abc", 3, [1, 2], "tensor", "strided"])
 def test_a_payload_that_is_not_a_contiguous_buffer_is_refused(thing):
     blob = _blob()
