@@ -50,9 +50,9 @@ from .errors import (
     PayloadLimitError,
     PayloadValueError,
 )
-from .format import TensorRecord
+from .format import MAX_TENSORS, TensorRecord
 from .format.fingerprint import fingerprint
-from .payload import Payload
+from .payload import Payload, check_limits, within_limits
 from .xp.finite import all_finite, first_nonfinite, some_nonfinite
 from .xp.limbs import abs_max, abs_max_bits
 
@@ -298,7 +298,12 @@ class Aggregator:
                 raise InvalidInputError("base must be a non-empty mapping of name -> array")
             be = self._backend
             names, arrays = list(base), list(base.values())
+            if len(names) > MAX_TENSORS:
+                raise InvalidInputError(f"the base has {len(names)} tensors, the wire format allows {MAX_TENSORS}")
             tensors = tensor_table(arrays) or TensorTable.of([to_tensor(a, n) for n, a in zip(names, arrays)])
+            if not within_limits(names, tensors.shapes, tensors.sizes()):  # (a tensor no payload can hold)
+                for n, shape in zip(names, tensors.shapes):
+                    check_limits(n, tuple(shape))
             logical = tensors.dtypes
             if not dtypes.FLOAT_DTYPES.keys() >= set(logical):
                 n, dt = next((n, dt) for n, dt in zip(names, logical) if dt not in dtypes.FLOAT_DTYPES)

@@ -316,3 +316,18 @@ def test_memory_benchmark_runs_and_stays_within_its_target(tmp_path):
     res = json.loads(out.read_text())
     assert len(res["rows"]) == 8 and res["max_ratio"] <= 1.5
     assert res["hostile"]["refused_with"] == ["PayloadLimitError"] and res["hostile"]["peak_bytes"] < 1 << 20
+
+
+@pytest.mark.parametrize(
+    "base, why",
+    [
+        ({1: np.ones(2, np.float32)}, "non-empty strings"),
+        ({"": np.ones(2, np.float32)}, "non-empty strings"),
+        ({"w": np.ones((1,) * 9, np.float32)}, "9 dimensions"),
+        ({"ok": np.ones(2, np.float32), "w": np.ones((1,) * 9, np.float32)}, "tensor 'w': 9 dimensions"),
+    ],
+)
+def test_a_base_no_payload_can_match_is_refused_up_front(base, why):
+    # (compress refuses these tensors, so every add() would have failed, blaming each client in turn)
+    with pytest.raises(gpu_codec.errors.InvalidInputError, match=why):
+        gpu_codec.Aggregator(base=base)
