@@ -1025,7 +1025,9 @@ def decompress(
     base
         Mapping name -> array with exactly the payload's names, shapes and dtypes. With it the result is
         ``base + delta`` per tensor, rounded to the base's dtype, as the base's kind on its device; the base itself
-        is never written. Without it, the dense delta (fp32, fp64 for fp64 tensors).
+        is never written. Without it, the dense delta (fp32, fp64 for fp64 tensors). The base is not scanned for
+        inf or NaN (a pass over it): such an entry comes through where no entry of the payload lands, and a sum
+        that is not finite is refused (``PayloadValueError``); ``Aggregator(base=)`` checks its base whole.
     like
         Kind of the result without a base: ``'numpy'`` (default), ``'cupy'`` or ``'torch'``.
     max_output_bytes
@@ -1038,7 +1040,9 @@ def decompress(
     Returns
     -------
     dict
-        name -> dense tensor, in the payload's order.
+        name -> dense tensor, in the payload's order. The tensors are views of one allocation (one a storage
+        dtype): keeping one alive keeps it all, and ``torch.save`` of a single tensor writes all of it (a whole
+        dict is saved once); ``.clone()`` / ``.copy()`` a tensor to keep it on its own.
 
     Raises
     ------
