@@ -3,9 +3,11 @@ they found it (on, off by the caller, after an error, across threads); ``set_pau
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import threading
+import weakref
 
 import numpy as np
 import pytest
@@ -108,10 +110,10 @@ def test_an_error_hands_the_collector_back():
     assert gc.isenabled()
 
 
-def test_threads_share_one_hold():
-    gc.enable()
+@contextlib.contextmanager
+def another_thread_inside():
+    """Another thread inside a held call until the block ends."""
     entered, release = threading.Event(), threading.Event()
-    states = []
 
     def long_call():
         with collector.collector_paused():
@@ -121,11 +123,20 @@ def test_threads_share_one_hold():
     t = threading.Thread(target=long_call)
     t.start()
     entered.wait(10)
-    with collector.collector_paused():
-        states.append(gc.isenabled())
-    states.append(gc.isenabled())  # (the other thread is still inside)
-    release.set()
-    t.join(10)
+    try:
+        yield
+    finally:
+        release.set()
+        t.join(10)
+
+
+def test_threads_share_one_hold():
+    gc.enable()
+    states = []
+    with another_thread_inside():
+        with collector.collector_paused():
+            states.append(gc.isenabled())
+        states.append(gc.isenabled())  # (the other thread is still inside)
     states.append(gc.isenabled())
     assert states == [False, False, True]
 
@@ -133,39 +144,26 @@ def test_threads_share_one_hold():
 def test_calls_that_overlap_without_a_break_do_not_starve_the_collector():
     # With one thread always inside a call, the shared hold never handed collection back: a server's threads
     # decoding back to back left every reference cycle of the process uncollected.
-    import weakref
-
     class Node:
         pass
 
     gc.enable()
-    entered, release = threading.Event(), threading.Event()
-
-    def long_call():
-        with collector.collector_paused():
-            entered.set()
-            release.wait(10)
-
-    t = threading.Thread(target=long_call)
-    t.start()
     old = gc.get_threshold()
-    try:
-        entered.wait(10)
-        gc.set_threshold(50)
-        cycle = Node()
-        cycle.me = cycle
-        gone = weakref.ref(cycle)
-        del cycle
-        junk = [[] for _ in range(200)]  # (past the youngest generation's threshold)
-        with collector.collector_paused():
-            pass
-        assert not gc.isenabled()  # (the other thread is still inside)
-        assert gone() is None
-        del junk
-    finally:
-        gc.set_threshold(*old)
-        release.set()
-        t.join(10)
+    with another_thread_inside():
+        try:
+            gc.set_threshold(50)
+            cycle = Node()
+            cycle.me = cycle
+            gone = weakref.ref(cycle)
+            del cycle
+            junk = [[] for _ in range(200)]  # (past the youngest generation's threshold)
+            with collector.collector_paused():
+                pass
+            assert not gc.isenabled()  # (the other thread is still inside)
+            assert gone() is None
+            del junk
+        finally:
+            gc.set_threshold(*old)
     assert gc.isenabled()
 
 
