@@ -7,7 +7,7 @@ import numpy as np
 
 from gpu_codec.constants import CRIT_EXTERNAL, DT_F32, DT_F64, SCATTER_ADD
 
-from .elementwise import load_f32, nonfinite, store_from_f32, tensor_delta_scores
+from .elementwise import delta, load_f32, nonfinite, store_from_f32, tensor_delta_scores
 
 
 def dense_apply(nt, total, ent_start, out_dtypes, out_ptrs, base_ptrs, val_ptrs, mode, err):
@@ -73,13 +73,34 @@ def dense_delta(
 ):
     """Twin of ``dense_delta`` (kernels/topk.cu): every element's delta at ``elem_off[t]`` in ``vals32`` (``vals64``
     for fp64 tensors), and the lowest tensor with a non-finite delta, or a non-finite score of a caller's score
-    function, in ``err[0]`` (a built-in criterion selects nothing here: its fp32 score may overflow)."""
+    function, in ``err[0]`` (a built-in criterion selects nothing here: its fp32 score may overflow, and is not
+    computed). A tensor is taken DELTA_BLOCK elements at a time: the temporaries are a block's, not the tensor's
+    (whole, a bf16 tensor's took about 20 bytes an element).
+
+    >>> v32, err = np.zeros(4, np.float32), np.full(1, 2**64 - 1, np.uint64)
+    >>> dense_delta(1, None, [0], [4], [0], [np.arange(4, dtype=np.float32)], [np.ones(4, np.float32)], [None],
+    ...             [None], [0], 0, v32, None, err)
+    >>> v32.tolist(), int(err[0]) == 2**64 - 1
+    ([-1.0, 0.0, 1.0, 2.0], True)
+    """
+    external = int(crit) == CRIT_EXTERNAL
     for t in range(int(nt)):
-        n = int(numel[t])
-        if n == 0:
-            continue
-        dt, d, s, _ = tensor_delta_scores(t, new_ptrs, base_ptrs, res_ptrs, dtypes, crit, score_ptrs, score_dtypes)
-        off = int(elem_off[t])
-        (vals64 if dt == DT_F64 else vals32)[off : off + n] = d
-        if nonfinite(d) or (int(crit) == CRIT_EXTERNAL and nonfinite(s)):
+        n, off, dt = int(numel[t]), int(elem_off[t]), int(dtypes[t])
+        out = vals64 if dt == DT_F64 else vals32
+        bad = False
+        for s in range(0, n, DELTA_BLOCK):
+            e = min(n, s + DELTA_BLOCK)
+            if external:
+                _, d, sc, _ = tensor_delta_scores(
+                    t, new_ptrs, base_ptrs, res_ptrs, dtypes, crit, score_ptrs, score_dtypes, slice(s, e)
+                )
+                bad = bad or nonfinite(sc)
+            else:
+                d = delta(*(None if a is None else a[s:e] for a in (new_ptrs[t], base_ptrs[t], res_ptrs[t])), dt)
+            out[off + s : off + e] = d
+            bad = bad or nonfinite(d)
+        if bad:
             err[0] = min(int(err[0]), t)
+
+
+DELTA_BLOCK = 1 << 18  # elements dense_delta takes at a time
