@@ -467,3 +467,27 @@ def test_streaming_decode_gives_the_same_result_on_every_backend(backend):
         assert {k: np.asarray(v).tobytes() for k, v in w.items()} == {
             k: (v.get() if be.on_device else np.asarray(v)).tobytes() for k, v in g.items()
         }
+
+
+@pytest.mark.parametrize("stages", [[], [gpu_codec.Int8Blockwise(256), gpu_codec.Zstd()]])
+def test_to_bytes_makes_one_copy_of_the_payload_and_keeps_none(stages):
+    # The writer joined the payload, then copied it whole again to append its 4-byte checksum; a record's own
+    # zstd frame was copied into the writer's cache, where it stayed beside the payload's.
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    n = 1 << 22
+    new = {"a": rng.standard_normal(n).astype(np.float32), "b": rng.standard_normal(n // 3).astype(np.float32)}
+    p = gpu_codec.compress(new, fraction=None if stages else 0.25, pipeline=stages or None)
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        blob = p.to_bytes()
+        size, peak = len(blob), tracemalloc.get_traced_memory()[1] - start
+        del blob
+        kept = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.1 * size, f"to_bytes peaked at {peak / size:.2f} payloads"
+    assert kept < 0.05 * size, f"the payload keeps {kept} bytes after to_bytes"
+    assert gpu_codec.Payload.from_bytes(p.to_bytes()).to_bytes() == p.to_bytes()

@@ -749,8 +749,8 @@ def _wrapped_data(records, level: int, cache: dict | None, force: int | None) ->
         # and its records' contents are not read: plan checked each one's raw size)
         small = sum(r.codec["raw"] for r in records) <= SHARED_FRAME_MAX
         raws = [_raw_of(r) if small or r.frame is not None else None for r in records]
-        frames = [
-            zstd_frame(raw, level) if r.frame is not None else np.asarray(r.buffers["compressed"]).tobytes()
+        frames = [  # (a record's own frame as it lies: a copy would stay in the cache beside the payload's)
+            zstd_frame(raw, level) if r.frame is not None else _uint8(r.buffers["compressed"])
             for r, raw in zip(records, raws)
         ]
         if not small:
@@ -771,6 +771,13 @@ def _wrapped_data(records, level: int, cache: dict | None, force: int | None) ->
     if mode == DATA_ZSTD:
         return mode, [joint if joint is not None else zstd_frame(joint_raw, level)], [None] * len(records)
     return mode, frames, [len(f) for f in frames]
+
+
+def _uint8(buf: Any) -> np.ndarray:
+    """A host buffer's bytes as a flat uint8 array, without a copy where it is contiguous."""
+    if isinstance(buf, (bytes, bytearray, memoryview)):
+        return np.frombuffer(buf, np.uint8)
+    return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
 
 
 def multi_frame(rec: TensorRecord) -> bool:
@@ -1265,8 +1272,11 @@ def write(p: _Plan) -> bytes:
         else:
             parts.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
     else:
-        try:
-            body = b"".join(parts)  # each array's memory as it lies, as _gather copies it
+        try:  # (the checksum over the parts as they lie, then one join with it: no second copy of the payload)
+            crc = 0
+            for a in parts:
+                crc = zlib.crc32(a, crc)
+            return b"".join([*parts, _CRC.pack(crc & 0xFFFFFFFF)])  # each array's memory, as _gather copies it
         except (BufferError, TypeError, ValueError):  # an array that is not contiguous, or a dtype without a buffer
             body = p.head + _gather(p.parts, p.data_len)
     return body + _CRC.pack(zlib.crc32(body) & 0xFFFFFFFF)
