@@ -36,6 +36,7 @@ from .backends.files import replace_atomically
 from .codecs import wire_layouts
 from .errors import InvalidInputError, PayloadLayoutError, PayloadValueError
 from .format import TensorRecord, pack, unpack
+from .xp.finite import some_nonfinite
 
 _KIND = "gpu_codec.ErrorFeedback"
 
@@ -176,18 +177,21 @@ class ErrorFeedback:
         """Rebuild a state saved by :meth:`to_bytes` (validated as any payload; arrays land on the backend).
 
         A residual holding NaN or inf is rejected (:class:`~gpu_codec.errors.PayloadValueError`): it would
-        poison every later update of that client.
+        poison every later update of that client. On the host, the residuals of ``bytes`` (which cannot change)
+        are read where they lie, as views of it (:meth:`load` holds one copy of the state, not two); those of a
+        buffer that can change are copied.
         """
         header, records = unpack(blob, wire_layouts())  # (any payload reads, so that one of another kind is named)
         if header.get("metadata", {}).get("kind") != _KIND:
             raise PayloadLayoutError("this payload is not a saved ErrorFeedback state")
         ef = cls()
         backend = get_backend()
+        fixed = type(blob) is bytes
         for r in records:
             if r.encoding != "dense":
                 raise PayloadLayoutError(f"tensor {r.name!r}: a saved residual must be 'dense', got {r.encoding!r}")
-            values = np.array(r.buffers["values"])
-            if not np.isfinite(values).all():
+            values = np.asarray(r.buffers["values"]) if fixed else np.array(r.buffers["values"])
+            if some_nonfinite(values, dtypes.code(values.dtype.name)):  # (a block at a time)
                 raise PayloadValueError(f"tensor {r.name!r}: the saved residual holds a non-finite value (inf or NaN)")
             ef._state[r.name] = (backend.asarray(values), r.dtype, tuple(r.shape))
         # the uploads are queued on the current stream: the first compress, on whatever stream, waits for them

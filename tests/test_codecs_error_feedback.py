@@ -120,3 +120,28 @@ def test_bf16_tensors_keep_fp32_residual():
     s = gpu_codec.decompress(p.to_bytes())["w"]
     np.testing.assert_array_equal(ef.residual("w"), d - s)
     assert ef.residual("w").dtype == np.float32
+
+
+def test_load_holds_one_copy_of_the_state_and_goes_on_as_the_saved_one(tmp_path):
+    # load read the file, then copied each residual out of it (and tested it with a mask of its size): 2x the state.
+    import tracemalloc
+
+    rng = np.random.default_rng(0)
+    base = {"a": rng.standard_normal(1 << 21).astype(np.float32), "b": rng.standard_normal(999).astype(np.float16)}
+    new = {k: (v + rng.standard_normal(v.size).astype(v.dtype)).astype(v.dtype) for k, v in base.items()}
+    ef = ErrorFeedback()
+    gpu_codec.compress(new, base, fraction=0.01, residual=ef)
+    path = tmp_path / "ef.gcef"
+    ef.save(path)
+    size = path.stat().st_size
+    tracemalloc.start()
+    try:
+        loaded = ErrorFeedback.load(path)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 1.2 * size, f"load peaked at {peak / size:.2f} states"
+    again = {k: (v + 1).astype(v.dtype) for k, v in new.items()}
+    want = gpu_codec.compress(again, new, fraction=0.01, residual=ef).to_bytes()
+    assert gpu_codec.compress(again, new, fraction=0.01, residual=loaded).to_bytes() == want
+    assert loaded.to_bytes() == ef.to_bytes()
