@@ -24,6 +24,7 @@ True
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -97,6 +98,13 @@ class Form:
         return 1 if self.unit is None else self.unit(rec)
 
 
+@functools.cache
+def _init_params(cls: type) -> tuple[str, ...]:
+    """The names of ``cls.__init__``'s arguments but ``self`` (read once a class: a decode reads a codec's config
+    on every call, and ``inspect.signature`` costs tens of µs)."""
+    return tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
+
+
 class Codec:
     """Base class of every codec. Subclasses set ``codec_id`` and ``stage`` and store each constructor
     argument under an attribute of the same name."""
@@ -115,8 +123,7 @@ class Codec:
 
     @classmethod
     def _params(cls) -> list[str]:
-        sig = inspect.signature(cls.__init__)
-        return [p for p in sig.parameters if p != "self"]
+        return list(_init_params(cls))
 
     def get_config(self) -> dict[str, Any]:
         """A JSON dict: ``{"id": codec_id, <each constructor argument>: value}``."""
