@@ -365,3 +365,29 @@ def test_ternary_with_error_feedback_beats_without_over_rounds():
             acc += gpu_codec.decompress(p.to_bytes())["w"]
         sums[use_ef] = np.linalg.norm(acc / 20 - target["w"]) / np.linalg.norm(target["w"])
     assert sums[True] < 0.5 * sums[False]
+
+
+def test_a_codecs_arguments_follow_its_init_and_do_not_keep_it_alive():
+    # (its constructor's arguments are read once an __init__: a class made at run time must still go away, and
+    # one whose __init__ is replaced must be read again)
+    import gc
+    import weakref
+
+    made = type("Made", (Zstd,), {"codec_id": "zstd"})
+    assert made(level=4).get_config() == {"id": "zstd", "level": 4}
+    gone = weakref.ref(made)
+    del made
+    gc.collect()
+    assert gone() is None
+
+    class Windowed(Zstd):
+        codec_id = "zstd"
+
+    assert Windowed(level=3).get_config() == {"id": "zstd", "level": 3}
+
+    def init(self, level=3, window=5):
+        Zstd.__init__(self, level)
+        self.window = window
+
+    Windowed.__init__ = init
+    assert Windowed(level=3).get_config() == {"id": "zstd", "level": 3, "window": 5}

@@ -24,8 +24,8 @@ True
 
 from __future__ import annotations
 
-import functools
 import inspect
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -98,11 +98,20 @@ class Form:
         return 1 if self.unit is None else self.unit(rec)
 
 
-@functools.cache
+_PARAMS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # class -> (its __init__, weakly; its arguments)
+
+
 def _init_params(cls: type) -> tuple[str, ...]:
-    """The names of ``cls.__init__``'s arguments but ``self`` (read once a class: a decode reads a codec's config
-    on every call, and ``inspect.signature`` costs tens of µs)."""
-    return tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
+    """The names of ``cls.__init__``'s arguments but ``self``, read once an ``__init__`` (a decode reads a codec's
+    config on every call, and ``inspect.signature`` costs about 10 µs); a class made and dropped at run time is not
+    kept alive, and one whose ``__init__`` is replaced is read again."""
+    init = cls.__init__
+    hit = _PARAMS.get(cls)
+    if hit is not None and hit[0]() is init:
+        return hit[1]
+    params = tuple(p for p in inspect.signature(init).parameters if p != "self")
+    _PARAMS[cls] = (weakref.ref(init), params)
+    return params
 
 
 class Codec:
