@@ -9,12 +9,13 @@ lands on one call in tens and costs tens to hundreds of milliseconds, which aver
 hand it back as they found it. The objects they make are freed by reference counting as ever; a reference cycle
 among them waits for the next collection.
 
-Calls in several threads share one hold: the first to enter turns automatic collection off, where it was on, and
-the last to leave turns it back on. A call that leaves while others are still inside runs the collection that
-automatic collection owes by then (the oldest generation whose count is past its threshold, once the youngest's
-is), so calls that overlap without a break, as a server's threads decoding back to back do, never starve the
-collector. A thread that turns the collector off itself while another thread is inside one of these calls finds it
-on again when that call returns. :func:`set_paused` (``False``) leaves the collector alone.
+Calls in several threads share one hold: the first to enter turns automatic collection off, where it was on, and the
+last to leave turns it back on (a call inside another of its thread's, as ``Aggregator.add`` reads its payload,
+holds nothing of its own). A call that leaves while calls in other threads are still inside runs the collection that
+automatic collection owes by then (the oldest generation whose count is past its threshold, once the youngest's is),
+so calls that overlap without a break, as a server's threads decoding back to back do, never starve the collector. A
+thread that turns the collector off itself while another thread is inside one of these calls finds it on again when
+that call returns. :func:`set_paused` (``False``) leaves the collector alone.
 
 >>> import gc
 >>> with collector_paused():
@@ -43,7 +44,8 @@ from .errors import InvalidInputError
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 _lock = threading.Lock()
-_inside = 0  # calls inside a hold, in every thread
+_inside = 0  # threads inside a hold (their outermost calls)
+_local = threading.local()  # .depth: this thread's calls inside one another
 _turned_off = False  # whether the hold turned automatic collection off (and so turns it back on)
 _paused = True
 
@@ -68,6 +70,15 @@ def collector_paused() -> Iterator[None]:
     if not _paused:
         yield
         return
+    depth = getattr(_local, "depth", 0)
+    if depth:  # (a call inside another of this thread's: the outer one holds, and hands back)
+        _local.depth = depth + 1
+        try:
+            yield
+        finally:
+            _local.depth = depth
+        return
+    _local.depth = 1
     with _lock:
         if not _inside:
             _turned_off = gc.isenabled()
@@ -77,6 +88,7 @@ def collector_paused() -> Iterator[None]:
     try:
         yield
     finally:
+        _local.depth = 0
         owed = None
         with _lock:
             _inside -= 1

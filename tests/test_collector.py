@@ -167,6 +167,32 @@ def test_calls_that_overlap_without_a_break_do_not_starve_the_collector():
     assert gc.isenabled()
 
 
+def test_a_call_inside_another_of_its_threads_runs_no_collection():
+    # (Aggregator.add reads its payload by from_bytes, a held call inside a held call: leaving it ran the owed
+    # collection inside add, as if another thread were inside)
+    gc.enable()
+    old, seen = gc.get_threshold(), []
+
+    def started(phase, info):
+        if phase == "start":
+            seen.append(info)
+
+    gc.callbacks.append(started)
+    try:
+        gc.set_threshold(10)
+        with collector.collector_paused():
+            before = len(seen)
+            junk = [[] for _ in range(200)]
+            with collector.collector_paused():
+                pass
+            during = len(seen) - before
+            del junk
+    finally:
+        gc.set_threshold(*old)
+        gc.callbacks.remove(started)
+    assert during == 0 and gc.isenabled()
+
+
 def test_set_paused_false_leaves_the_collector_alone(monkeypatch):
     seen = []
     real = encode_mod.tensor_table
