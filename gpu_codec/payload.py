@@ -286,7 +286,9 @@ class Payload:
         """Parse and validate a payload of either format version (hostile input is rejected with a
         PayloadError). Written again with :meth:`to_bytes` (a filter passing it on), it keeps the zstd frame its
         table was read with while the table is the same: a payload this library wrote gives back the bytes it was
-        read from."""
+        read from. The payload reads ``blob`` where it lies, without a copy: a buffer that can change (a
+        ``bytearray``, a view of one) must not change while the payload is in use, or what it decodes and writes
+        changes with it; ``bytes`` cannot."""
         header, records = unpack(blob, wire_layouts(), describe=False, columns=True)
         p = cls(records, header.get("pipeline", []), header.get("metadata", {}), backend="cpu")
         p.version = int(header["version"])
