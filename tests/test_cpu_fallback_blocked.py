@@ -678,3 +678,18 @@ def test_rice_decoders_reject_alike(monkeypatch, numpy_alias):
         assert got[0] == got[1]
         outcomes.add(got[0][0])
     assert len(outcomes) >= 3  # the trials reach several checks
+
+
+def test_fp16_loads_as_numpys_cast_for_every_bit_pattern():
+    """load_f32 reads fp16 through a table of NumPy's own cast: every one of the 65,536 patterns (NaNs, infinities,
+    subnormals, -0.0) gives the cast's bits, from uint16 storage or float16, contiguous or strided."""
+    from gpu_codec.cpu_fallback.elementwise import DT_F16, load_f32
+
+    bits = np.arange(1 << 16, dtype=np.uint16)
+    want = bits.view(np.float16).astype(np.float32).view(np.uint32)
+    for x in (bits, bits.view(np.float16), bits[::-1][::-1], bits[::3]):
+        got = load_f32(x, DT_F16)
+        assert got.dtype == np.float32
+        assert np.array_equal(got.view(np.uint32), x.view(np.float16).astype(np.float32).view(np.uint32))
+    assert np.array_equal(load_f32(bits, DT_F16).view(np.uint32), want)
+    assert load_f32(np.array(0x3C00, np.uint16), DT_F16) == 1.0  # (0-d)
