@@ -13,8 +13,11 @@ in :mod:`gpu_codec.arrays`, re-exported here for the adapters.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping
 from typing import Any
+
+import numpy as np
 
 from . import engine as _engine
 from .arrays import array_kind, backend_to_torch, torch_to_backend  # noqa: F401 - the adapters' torch bridge
@@ -74,6 +77,31 @@ def restart_if_changed(residual: Any, update: Mapping[str, Any]) -> list[str]:
     if changed:
         residual.reset()
     return changed
+
+
+def content_key(model: Mapping[str, Any]) -> tuple | None:
+    """What a model holds, to tell a model changed in place from the one a cache was made for: each entry's name,
+    dtype, shape and a CRC-32 of its bytes (host NumPy arrays, or objects with ``dtype``, ``shape`` and ``data``
+    bytes, as Flower's ``Array``); None where an entry is neither (a cache then is not to be trusted). One read of
+    the model, no copy of a contiguous one.
+
+    >>> import numpy as np
+    >>> m = {"w": np.zeros(3, np.float32)}
+    >>> k = content_key(m)
+    >>> m["w"][1] = 2.0
+    >>> content_key(m) == k, content_key({"w": [1.0]})
+    (False, None)
+    """
+    out = []
+    for name, v in model.items():
+        if isinstance(v, np.ndarray) and not v.dtype.hasobject:
+            data = np.ascontiguousarray(v).reshape(-1).view(np.uint8)
+            out.append((name, v.dtype.str, v.shape, zlib.crc32(data)))
+        elif isinstance(getattr(v, "data", None), (bytes, bytearray)) and hasattr(v, "dtype") and hasattr(v, "shape"):
+            out.append((name, str(v.dtype), tuple(v.shape), zlib.crc32(v.data)))
+        else:
+            return None
+    return tuple(out)
 
 
 def is_lossy(fraction: float | None, pipeline: Any) -> bool:

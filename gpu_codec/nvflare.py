@@ -428,19 +428,24 @@ class ModelCompressor(_Compressing):
     ) -> None:
         super().__init__(fraction, scope, score, DEFAULT_DOWN_PIPELINE if pipeline == "default" else pipeline)
         self._lock = threading.Lock()
-        self._last: tuple[Any, Any, Any] | None = None  # (the data dict compressed last, its DXO, the round)
+        # (the data dict compressed last, its DXO, the round, what it held: adapt.content_key)
+        self._last: tuple[Any, Any, Any, Any] | None = None
 
     def process_dxo(self, dxo: Any, shareable: Any, fl_ctx: Any) -> Any:
         if dxo.get_meta_prop(META_KEY) is not None:
             return None
         rnd = _round_of(shareable, fl_ctx)
         with self._lock:  # one global model, many clients: compress it once per round
-            if self._last is not None and self._last[0] is dxo.data and self._last[2] == rnd:
-                done = self._last[1]  # a fresh DXO around the same bytes: each client's filter history is its own
+            # (the same dict may have been changed in place since: a relay's controller adds each client's diff
+            # into it within one round; what it holds tells)
+            key = adapt.content_key(dxo.data) if isinstance(dxo.data, dict) else None
+            last = self._last
+            if last is not None and last[0] is dxo.data and last[2] == rnd and key is not None and key == last[3]:
+                done = last[1]  # a fresh DXO around the same bytes: each client's filter history is its own
                 return DXO(data_kind=done.data_kind, data=done.data, meta=_meta_copy(done))
             fraction = self.fraction if dxo.data_kind == DataKind.WEIGHT_DIFF else None
             new = self._compress(dxo, fraction, None, fl_ctx, f"for round {rnd}")
-            self._last = (dxo.data, new, rnd)
+            self._last = (dxo.data, new, rnd, key)
             return new
 
 

@@ -194,6 +194,34 @@ def test_global_model_compressed_once_for_all_clients():
     assert from_shareable(down.process(s, ctx("server"))).data[gcf.PAYLOAD_KEY] != dxos[0].data[gcf.PAYLOAD_KEY]
 
 
+def test_a_relay_that_changes_the_global_model_in_place_within_a_round_sends_each_client_the_new_one():
+    # NVFlare's cyclic relay adds each client's WEIGHT_DIFF into the same weights dict (FullModelShareableGenerator)
+    # and sends it on in the same round: cached by the dict and the round, the next client got the model from
+    # before the previous one trained.
+    from nvflare.apis.shareable import make_copy
+    from nvflare.app_common.abstract.model import make_model_learnable
+    from nvflare.app_common.shareablegenerators.full_model_shareable_generator import FullModelShareableGenerator
+
+    gen, dec = FullModelShareableGenerator(), gcf.ModelDecompressor()
+    down = gcf.ModelCompressor(pipeline=[{"id": "zstd"}])
+    learnable = make_model_learnable({"w": np.zeros(8, np.float32)}, {})
+    server = ctx("server")
+    server.set_prop(AppConstants.GLOBAL_MODEL, learnable, private=True, sticky=True)
+    received = []
+    for client in ("site-1", "site-2", "site-3"):
+        task = gen.learnable_to_shareable(learnable, server)
+        task.set_header(AppConstants.CURRENT_ROUND, 0)
+        out = down.process(make_copy(task), ctx("server"))
+        received.append(from_shareable(dec.process(out, ctx(client))).data["w"].tolist())
+        result = DXO(data_kind=DataKind.WEIGHT_DIFF, data={"w": np.ones(8, np.float32)}).to_shareable()
+        learnable = gen.shareable_to_learnable(result, server)  # (into the same dict)
+    assert received == [[0.0] * 8, [1.0] * 8, [2.0] * 8]
+    task = gen.learnable_to_shareable(learnable, server)
+    task.set_header(AppConstants.CURRENT_ROUND, 0)
+    a, b = (from_shareable(down.process(make_copy(task), ctx("server"))) for _ in range(2))
+    assert a.data[gcf.PAYLOAD_KEY] is b.data[gcf.PAYLOAD_KEY]  # (unchanged: still compressed once)
+
+
 def test_clara_processors_as_filters(tmp_path):
     key = tmp_path / "fl.key"
     key.write_bytes(bytes(range(32)).hex().encode())
