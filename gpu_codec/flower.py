@@ -553,7 +553,9 @@ class CompressedStrategy(Strategy):
         if self.downlink and any(s["id"] == "topk" for s in self.downlink):
             raise InvalidInputError("the global model goes down dense: a downlink pipeline takes no topk stage")
         self.key = key
-        self._sent: tuple[Any, Any, dict[str, np.ndarray]] | None = None
+        # (the record sent last, what it held (adapt.content_key), the record the clients got, what they decode)
+        self._sent: tuple[Any, Any, Any, dict[str, np.ndarray]] | None = None
+        self._trained: dict[str, np.ndarray] | None = None  # the model configure_train sent: the deltas' base
 
     def __getattr__(self, name: str) -> Any:
         if name == "strategy":
@@ -571,15 +573,17 @@ class CompressedStrategy(Strategy):
     # ---------------------------------------------------------------- down
 
     def _down(self, arrays: Any) -> Any:
-        """The record sent for ``arrays`` (compressed once per model), remembering what clients decode."""
-        if self._sent is not None and self._sent[0] is arrays:
-            return self._sent[1]
+        """The record sent for ``arrays`` (compressed once per model: a record changed in place since is sent
+        anew), remembering what clients decode."""
+        key = adapt.content_key(arrays)
+        if self._sent is not None and self._sent[0] is arrays and key is not None and key == self._sent[1]:
+            return self._sent[2]
         plain = {k: arrays[k].numpy() for k in arrays}
         if self.downlink is None:
             sent = arrays
         else:
             sent, _ = _compressed_record(plain, None, self.key, fraction=None, pipeline=self.downlink)
-        self._sent = (arrays, sent, _decode_model(sent, None))
+        self._sent = (arrays, key, sent, _decode_model(sent, None))
         return sent
 
     def _with_down(self, messages: Any, arrays: Any) -> list:
@@ -594,7 +598,9 @@ class CompressedStrategy(Strategy):
 
     def configure_train(self, server_round: int, arrays: Any, config: Any, grid: Any) -> list:
         config[ACCEPT_KEY] = STYPE_GPU_CODEC
-        return self._with_down(self.strategy.configure_train(server_round, arrays, config, grid), arrays)
+        out = self._with_down(self.strategy.configure_train(server_round, arrays, config, grid), arrays)
+        self._trained = self._sent[3]  # (an evaluation configured before the replies come sends its own model)
+        return out
 
     def configure_evaluate(self, server_round: int, arrays: Any, config: Any, grid: Any) -> list:
         return self._with_down(self.strategy.configure_evaluate(server_round, arrays, config, grid), arrays)
@@ -694,9 +700,9 @@ class CompressedStrategy(Strategy):
 
     def _received(self) -> tuple[dict[str, np.ndarray], list[str]]:
         """The global model the clients decoded this round, and its float arrays' names."""
-        if self._sent is None:
+        if self._trained is None:
             raise InvalidInputError("aggregate_train before configure_train: no global model to add deltas to")
-        base = self._sent[2]
+        base = self._trained
         return base, _split_floats(base, None)
 
     def _decoded_replies(self, server_round: int, replies: list) -> list:

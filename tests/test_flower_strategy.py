@@ -486,3 +486,33 @@ def test_error_feedback_starts_over_where_the_strategy_changes_the_model_s_dtype
     assert caplog.text.count("error-feedback residual starts over") == len(NODES)  # (round 2 only)
     state = contexts[11].state.config_records["gpu_codec.error_feedback.arrays"]["state"]
     assert gpu_codec.ErrorFeedback.from_bytes(state).layout() == {"w": ("float64", (6, 5))}
+
+
+@pytest.mark.parametrize("downlink", ["default", None])
+def test_a_global_model_changed_in_place_between_rounds_goes_down_anew(downlink):
+    # The record sent was cached by the ArrayRecord object: a ServerApp that writes the new model into the same
+    # record sent the clients the old one (default downlink), or added their deltas to the old one (no downlink).
+    kw = {} if downlink == "default" else {"downlink": None}
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4), **kw)
+    plain = FedAvg(min_available_nodes=4, min_train_nodes=4)
+    arrays, ref = global_model(), global_model()
+    for rnd in (1, 2):
+        _, replies = round_trip(strategy, compression_mod(1.0), rnd=rnd, arrays=arrays)
+        new, _ = strategy.aggregate_train(rnd, replies)
+        _, plain_replies = round_trip(plain, None, rnd=rnd, arrays=ref)
+        want, _ = plain.aggregate_train(rnd, plain_replies)
+        tol = 2e-3 if downlink == "default" else 1e-6  # (the default downlink sends fp16)
+        np.testing.assert_allclose(new["w"].numpy(), want["w"].numpy(), rtol=tol, atol=tol)
+        for k in arrays:  # (the same records, written in place)
+            arrays[k], ref[k] = new[k], want[k]
+
+
+def test_an_evaluation_configured_before_the_training_replies_come_leaves_their_base_alone():
+    # (the deltas were added to whatever model was sent down last: here the evaluated one)
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4), downlink=None)
+    current = global_model()
+    best = ArrayRecord({k: Array(np.zeros_like(current[k].numpy())) for k in current})
+    _, replies = round_trip(strategy, compression_mod(1.0), arrays=current)
+    list(strategy.configure_evaluate(1, best, ConfigRecord(), Nodes()))
+    new, _ = strategy.aggregate_train(1, replies)
+    np.testing.assert_allclose(new["w"].numpy(), dense_fedavg(current)["w"], rtol=1e-6, atol=1e-6)
