@@ -285,6 +285,7 @@ class UpdateCompressor(_Compressing):
         self.error_feedback = bool(error_feedback)
         self.state_dir = state_dir
         self._states: dict[str, Any] = {}
+        self._site_locks: dict[str, threading.Lock] = {}  # one a site: its check, compress and save go together
         self._lock = threading.Lock()
 
     def _state_path(self, site: str) -> str | None:
@@ -312,13 +313,21 @@ class UpdateCompressor(_Compressing):
         diff = dxo.data_kind == DataKind.WEIGHT_DIFF
         fraction = self.fraction if diff else self.weights_fraction
         residual = self.residual_state(site) if (diff and self.error_feedback and fraction is not None) else None
-        changed = adapt.restart_if_changed(residual, dxo.data) if residual is not None else []
-        if changed:
-            self.log_warning(fl_ctx, f"gpu_codec: the model changed ({', '.join(changed)}): the residual starts over")
-        new = self._compress(dxo, fraction, residual, fl_ctx, f"at {site} round {_round_of(shareable, fl_ctx)}")
-        if residual is not None and self._state_path(site):
-            os.makedirs(self.state_dir, exist_ok=True)
-            residual.save(self._state_path(site))
+        what = f"at {site} round {_round_of(shareable, fl_ctx)}"
+        if residual is None:
+            return self._compress(dxo, fraction, None, fl_ctx, what)
+        with self._lock:
+            turn = self._site_locks.setdefault(site, threading.Lock())
+        with turn:  # (two tasks of one site at once: the residual checked, used and saved by one, then the other)
+            changed = adapt.restart_if_changed(residual, dxo.data)
+            if changed:
+                self.log_warning(
+                    fl_ctx, f"gpu_codec: the model changed ({', '.join(changed)}): the residual starts over"
+                )
+            new = self._compress(dxo, fraction, residual, fl_ctx, what)
+            if self._state_path(site):
+                os.makedirs(self.state_dir, exist_ok=True)
+                residual.save(self._state_path(site))
         return new
 
 

@@ -222,6 +222,49 @@ def test_a_relay_that_changes_the_global_model_in_place_within_a_round_sends_eac
     assert a.data[gcf.PAYLOAD_KEY] is b.data[gcf.PAYLOAD_KEY]  # (unchanged: still compressed once)
 
 
+def test_two_tasks_of_one_site_at_once_take_turns_with_its_residual(monkeypatch):
+    # The residual was checked against the model (restarted where it changed), then used, then saved, each step on
+    # its own: a second task of the same site changing it in between failed the first task's result.
+    import threading
+
+    from gpu_codec import adapt
+
+    up = gcf.UpdateCompressor(fraction=0.1)
+    models = [{"w": np.random.default_rng(t).standard_normal((20, 10 + 5 * t)).astype(np.float32)} for t in (0, 1)]
+    a_checked, b_done = threading.Event(), threading.Event()
+    real = adapt.restart_if_changed
+
+    def restart(residual, update):
+        out = real(residual, update)
+        if update is models[0]:  # (task A, checked: task B now runs its whole call, if nothing keeps it out)
+            a_checked.set()
+            b_done.wait(2)
+        return out
+
+    monkeypatch.setattr(adapt, "restart_if_changed", restart)
+    results = {}
+
+    def task(i):
+        if i == 1:
+            a_checked.wait(10)
+        try:
+            results[i] = from_shareable(up.process(shareable(models[i]), ctx("site-1")))
+        except Exception as e:  # (re-raised below)
+            results[i] = e
+        finally:
+            if i == 1:
+                b_done.set()
+
+    threads = [threading.Thread(target=task, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert all(isinstance(results[i], DXO) for i in (0, 1)), results
+    for i in (0, 1):
+        assert results[i].get_meta_prop(gcf.META_KEY) is not None
+
+
 def test_clara_processors_as_filters(tmp_path):
     key = tmp_path / "fl.key"
     key.write_bytes(bytes(range(32)).hex().encode())
