@@ -426,7 +426,8 @@ class UpdateDecompressor(_Decompressing):
 
 class ModelCompressor(_Compressing):
     """Server-side task-data filter: the global model on the way down, dense through ``pipeline`` (fp16 + zstd
-    by default), compressed once and the same DXO given to every client of the round.
+    by default), compressed once and the same DXO given to every client of the round (compressed again where the
+    model changed since, even in place within the round, as NVFlare's cyclic relay adds each client's diff).
 
     ``fraction`` applies to ``WEIGHT_DIFF`` task data only (a server sending model deltas); ``WEIGHTS`` always
     go dense.
