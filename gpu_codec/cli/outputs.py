@@ -40,6 +40,7 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import signal
 import stat
 import sys
 import tempfile
@@ -181,8 +182,11 @@ def write_output(target: Target, write: Callable[[Any], Any]) -> None:
             _write_through(target.path, data)
         return
     folder = os.path.dirname(os.path.abspath(target.real))
-    fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".tmp", dir=folder)
+    tmp, held = None, _hold_signals()  # (Ctrl-C or kill between the file's making and the try: it would stay)
     try:
+        fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".tmp", dir=folder)
+        _release_signals(held)  # (one that came meanwhile is raised here, inside the try)
+        held = None
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -199,8 +203,26 @@ def write_output(target: Target, write: Callable[[Any], Any]) -> None:
             os.chmod(tmp, 0o666 & ~umask)  # the mode open() would give, not mkstemp's 0600
             _link_new(tmp, target.real)
     finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)
+        _release_signals(held)
+        if tmp is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+
+_HELD = (signal.SIGINT, signal.SIGTERM)
+
+
+def _hold_signals() -> Any:
+    """Ctrl-C and kill held back (where the system can, in the main thread): the signal mask before, or None."""
+    if not hasattr(signal, "pthread_sigmask") or sys.platform == "win32":
+        return None
+    return signal.pthread_sigmask(signal.SIG_BLOCK, _HELD)
+
+
+def _release_signals(before: Any) -> None:
+    """Put back the signal mask :func:`_hold_signals` changed (None: nothing to put back)."""
+    if before is not None:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
 
 
 def _link_new(tmp: str, path: str) -> None:
