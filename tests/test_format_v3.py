@@ -318,3 +318,35 @@ def test_golden_v3_payload():
         ),
     )
     assert pathlib.Path(path).stat().st_size < 64 << 10
+
+
+@pytest.mark.parametrize(
+    ("edit", "says"),
+    [
+        (lambda r: setattr(r, "name", "a"), "appears twice"),
+        (lambda r: setattr(r, "name", ""), "non-empty strings"),
+        (lambda r: setattr(r, "chunk", 1 << 17), "does not match its frames"),
+        (lambda r: setattr(r, "chunk", None), "does not match its frames"),
+        (lambda r: setattr(r, "dtype", "float64"), "no payload a reader takes"),
+        (lambda r: setattr(r, "encoding", "zstd"), "no payload a reader takes"),
+    ],
+)
+def test_records_changed_after_reading_are_refused_not_written(edit, says):
+    # to_bytes wrote each of these (some silently as version 1) for the reader to refuse
+    from gpu_codec.testing.nvcomp import nvcomp_payload
+
+    rng = np.random.default_rng(0)
+    update = {"a": rng.standard_normal(100).astype(np.float32), "many": rng.standard_normal(114_691).astype(np.float32)}
+    blob = nvcomp_payload(update, chunk=1 << 16, fraction=None, pipeline=[gpu_codec.Zstd(1)])
+    p = gpu_codec.Payload.from_bytes(blob)
+    assert p.to_bytes() == blob
+    edit(p.tensors[1])
+    with pytest.raises(gpu_codec.errors.InvalidInputError, match=says):
+        p.to_bytes()
+
+
+def test_metadata_with_no_json_form_is_our_error():
+    p = gpu_codec.compress({"w": np.ones(4, np.float32)}, fraction=0.5)
+    p.metadata = {"x": float("nan")}
+    with pytest.raises(gpu_codec.errors.InvalidInputError, match="no JSON form"):
+        p.to_bytes()

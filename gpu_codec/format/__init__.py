@@ -31,7 +31,13 @@ from collections.abc import Mapping
 
 import numpy as np
 
-from ..errors import InvalidInputError, PayloadHeaderError, PayloadTruncatedError, UnsupportedVersionError
+from ..errors import (
+    InvalidInputError,
+    PayloadError,
+    PayloadHeaderError,
+    PayloadTruncatedError,
+    UnsupportedVersionError,
+)
 from . import v1, v2
 from .common import (
     ALIGN,
@@ -53,6 +59,7 @@ from .common import (
     bounded_decompress,
     compress_bound,
     decompress_frames,
+    dumps_json,
     zstd_frame,
 )
 
@@ -134,6 +141,12 @@ def pack(
     """
     if len(tensors) > MAX_TENSORS:  # (what every reader refuses is not written)
         raise InvalidInputError(f"{len(tensors)} tensors: the wire format holds at most {MAX_TENSORS}")
+    if type(tensors) is not RecordTable:  # (records a caller may have made or changed: a table's are compress's)
+        _check_names([r.name for r in tensors])
+    try:
+        dumps_json(metadata or {})
+    except (TypeError, ValueError) as e:
+        raise InvalidInputError(f"metadata has no JSON form a reader takes: {e}") from None
     p = _plan(tensors, pipeline, metadata, layouts, version, cache, fingerprint)
     if p is None:
         blob = v1.pack(_v1_records(tensors, pipeline), pipeline=pipeline, metadata=metadata, fingerprint=fingerprint)
@@ -142,8 +155,24 @@ def pack(
                 f"a version-1 header for {len(tensors)} tensors would be over the reader's limit of "
                 f"{MAX_HEADER_BYTES} bytes; write version 2 (the default), whose tensor table is compact"
             )
+        if version is None:  # (v2 refused the records: written as v1 only if a reader takes them)
+            try:
+                v1.unpack(blob, layouts)
+            except PayloadError as e:
+                raise InvalidInputError(f"these records make no payload a reader takes: {e}") from None
         return blob
     return v2.write(p)
+
+
+def _check_names(names: list) -> None:
+    """The names a reader takes: non-empty strings, each once."""
+    bad = next((n for n in names if not isinstance(n, str) or not n), None)
+    if bad is not None:
+        raise InvalidInputError(f"tensor names must be non-empty strings, got {bad!r}")
+    if len(set(names)) != len(names):
+        seen: set[str] = set()
+        twice = next(n for n in names if n in seen or seen.add(n))
+        raise InvalidInputError(f"tensor {twice!r} appears twice: a reader refuses a payload that holds it so")
 
 
 def packed_size(

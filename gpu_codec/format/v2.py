@@ -27,6 +27,8 @@ declarations come with the layout rules (:func:`gpu_codec.codecs.wire_layouts`):
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import re
@@ -95,6 +97,7 @@ from .common import (
     req,
     same_keys,
     same_str,
+    split_frames,
     zstd_frame,
     zstd_frame_size,
 )
@@ -485,6 +488,39 @@ def _coded_forms(enc: str, ics: list, nnz: list[int], numels: list[int], tables:
     return (tags[0], out[0], tags[1] if enc == "sparse" else None, out[1] if enc == "sparse" else ()), fields
 
 
+_FRAMES_UNCHECKED: contextvars.ContextVar[bool] = contextvars.ContextVar("frames_unchecked", default=False)
+
+
+@contextlib.contextmanager
+def frames_unchecked() -> Iterator[None]:
+    """The writer leaves ``nvcomp`` records' frames unchecked inside the block: for tools that build payloads whose
+    frames lie, to test that readers refuse them (:mod:`gpu_codec.testing.nvcomp`)."""
+    token = _FRAMES_UNCHECKED.set(True)
+    try:
+        yield
+    finally:
+        _FRAMES_UNCHECKED.reset(token)
+
+
+def _check_frames(rec: TensorRecord, comp: list[Any], version: int) -> None:
+    """An ``nvcomp`` record's frames against its ``raw`` size and ``chunk``, as the reader checks them (headers
+    only), where its buffer is on the host: a record changed since it was made (a payload read, edited and written
+    again) is refused here, not written for the reader to refuse. A device buffer is the codec's own, made to
+    match (reading it here would copy it to the host)."""
+    buf = comp[0] if len(comp) == 1 else None
+    if type(buf) is not np.ndarray or _FRAMES_UNCHECKED.get():
+        return
+    raw, what = rec.codec["raw"], f"tensor {rec.name!r}"
+    try:
+        if version == CHUNKED and multi_frame(rec):
+            split_frames(buf, raw, rec.chunk, what)
+        else:
+            check_frame(buf, raw, what)
+            check_one_frame(buf, what)
+    except PayloadError as e:
+        raise InvalidInputError(f"{e}: the record does not match its frames") from None
+
+
 def _check_buffers(rec: TensorRecord, layout: list[tuple[str, str, int]]) -> list[Any]:
     if list(rec.buffers) != [role for role, _, _ in layout]:
         raise Unrepresentable(f"tensor {rec.name!r}: buffers {list(rec.buffers)} are not in layout order")
@@ -863,6 +899,8 @@ def plan(
                 if "zbytes" not in rec.codec:
                     raise Unrepresentable("zbytes")
                 comp = _check_buffers(rec, _layout_of(rec, layouts))
+                if form[0] == "nvcomp":
+                    _check_frames(rec, comp, version)
                 if not all_zstd:
                     parts.extend(comp)
                     generic.extend(comp)
