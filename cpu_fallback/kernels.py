@@ -243,7 +243,8 @@ def _written(out, ii, v, dt, mode):
         if dt == DT_F64 or (dt == DT_F32 and mode == 1):
             if mode != 1:
                 return v
-            w = out.take(ii)  # (in place: one temporary, the same sums)
+            w = out.take(ii.astype(np.intp, copy=False))  # (in place: one temporary, the same sums; NumPy 1.x's
+            # take refuses uint64 indices)
             w += v
             return w
         return store_from_f32(load_f32(out[ii], dt) + v if mode == 1 else v, dt)

@@ -501,7 +501,7 @@ class SparseCooParameterExchanger(_EngineSelection, PartialParameterExchanger[tu
             v = t.reshape(-1)[idx]
             if v.dtype == torch.bfloat16:
                 v = v.float()
-            coords = torch.stack(torch.unravel_index(idx, tuple(t.shape)), dim=1)
+            coords = _unravel(idx, tuple(t.shape))
             values.append(v.cpu().numpy())
             indices.append(coords.cpu().numpy())
             shapes.append(np.array(list(t.shape)))
@@ -697,3 +697,21 @@ def _torch_value_dtype(logical: str) -> Any:
     import torch
 
     return torch.float64 if logical == "float64" else torch.float32
+
+
+def _unravel(idx: Any, shape: tuple[int, ...]) -> Any:
+    """Each flat index's coordinates in ``shape`` (entries x dims, int64), as ``torch.unravel_index`` stacks them;
+    by division, since torch 2.1, the oldest supported, has no ``unravel_index``.
+
+    >>> import torch
+    >>> _unravel(torch.tensor([0, 5, 11]), (3, 4)).tolist()
+    [[0, 0], [1, 1], [2, 3]]
+    """
+    import torch
+
+    idx = idx.to(torch.int64)
+    coords = []
+    for size in reversed(shape):
+        coords.append(idx % size if size else idx)
+        idx = idx // size if size else idx
+    return torch.stack(coords[::-1], dim=1) if coords else idx.new_zeros((idx.numel(), 0))

@@ -118,6 +118,7 @@ class CpuBackend(ArrayDecoders):
             return
         # every entry's position in its own source, in one subtraction; then one take a source that has entries
         own = indices[: ends[-1]] - np.repeat(np.asarray(starts[: len(counts)], indices.dtype), counts)
+        own = own.astype(np.intp, copy=False)  # (NumPy 1.x's take refuses uint64 indices)
         parts = [s.take(own[e - c : e]) for s, c, e in zip(sources, counts, ends) if c]
         np.concatenate(parts, out=out, casting="no")  # (the twin's bytes: each source's elements at its entries)
 

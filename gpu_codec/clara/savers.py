@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import abc
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -158,7 +159,9 @@ class PTModelSaver(ModelSaver):
         if not path:
             raise InvalidInputError("no checkpoint to load: give a path, save one first, or set ckpt_preload_path")
         try:
-            ckpt = torch.load(path, map_location="cpu", weights_only=True)
+            with warnings.catch_warnings():  # (torch 2.1 warns that TypedStorage is deprecated, on every first load)
+                warnings.simplefilter("ignore", UserWarning)
+                ckpt = torch.load(path, map_location="cpu", weights_only=True)
         except OSError as e:
             raise InvalidInputError(f"cannot read checkpoint {path!r}: {e.strerror or e}") from None
         except Exception as e:

@@ -182,7 +182,12 @@ def as_torch(a: Any) -> Any:
     a = np.asarray(a, order="C")  # (not ascontiguousarray, which makes a 0-d array 1-d)
     if not a.flags.writeable:
         a = a.copy()
-    return torch.from_numpy(a)
+    try:
+        return torch.from_numpy(a)
+    except TypeError:  # (torch before 2.3 has no uint16, uint32, uint64)
+        raise InvalidInputError(
+            f"torch {torch.__version__} has no {a.dtype} tensor for a .pt file; write .npz or .safetensors"
+        ) from None
 
 
 # --- .npz ------------------------------------------------------------------------------------------------------
@@ -306,7 +311,7 @@ def _first_line(e: BaseException) -> str:
 
 
 _ZIP_MAGIC = b"PK\x03\x04"  # torch.save's format since torch 1.6; older files are a pickle (protocol byte 0x80)
-_GLOBAL = re.compile(r"unsupported GLOBAL ([\w.]+)")
+_GLOBAL = re.compile(r"(?:unsupported GLOBAL|Unsupported class) ([\w.]+)")  # (torch 2.2 on; torch 2.1)
 # what torch.save's older format pickles first (a long), whatever the protocol: the file is torch's
 _LEGACY_MAGIC = b"\x8a\x0a" + (0x1950A86A20F9469CFC6C).to_bytes(10, "little")
 
