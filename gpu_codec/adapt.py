@@ -23,6 +23,7 @@ from . import engine as _engine
 from .arrays import array_kind, backend_to_torch, torch_to_backend  # noqa: F401 - the adapters' torch bridge
 from .codecs import Pipeline, as_pipeline
 from .errors import CodecConfigError, InvalidInputError, UnknownCodecError
+from .format.common import as_uint8
 
 
 def pipeline_configs(pipeline: Any) -> list[dict] | None:
@@ -95,8 +96,7 @@ def content_key(model: Mapping[str, Any]) -> tuple | None:
     out = []
     for name, v in model.items():
         if isinstance(v, np.ndarray) and not v.dtype.hasobject:
-            data = np.ascontiguousarray(v).reshape(-1).view(np.uint8)
-            out.append((name, v.dtype.str, v.shape, zlib.crc32(data)))
+            out.append((name, v.dtype.str, v.shape, zlib.crc32(as_uint8(v))))
         elif isinstance(getattr(v, "data", None), (bytes, bytearray)) and hasattr(v, "dtype") and hasattr(v, "shape"):
             out.append((name, str(v.dtype), tuple(v.shape), zlib.crc32(v.data)))
         else:

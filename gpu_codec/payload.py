@@ -28,7 +28,7 @@ from .format import (
     table_frame,
     unpack,
 )
-from .format.common import record_column
+from .format.common import check_name, record_column
 
 MAX_METADATA_DEPTH = 64  # nesting levels of metadata containers
 MAX_METADATA_INT = 10**40  # the header parser rejects longer integers
@@ -103,8 +103,7 @@ def check_metadata(metadata: Any) -> dict[str, Any]:
 
 def check_limits(name: Any, shape: tuple[int, ...]) -> None:
     """A tensor the reader will accept: the wire format's name, rank and element limits."""
-    if not isinstance(name, str) or not name:
-        raise InvalidInputError(f"tensor names must be non-empty strings, got {name!r}")
+    check_name(name)
     if len(name) > MAX_NAME:
         raise InvalidInputError(f"tensor {name[:40]!r}...: name of {len(name)} characters, the limit is {MAX_NAME}")
     if not name.isascii():

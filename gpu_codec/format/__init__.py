@@ -57,6 +57,7 @@ from .common import (
     SharedFrame,
     TensorRecord,
     bounded_decompress,
+    check_name,
     compress_bound,
     decompress_frames,
     dumps_json,
@@ -166,9 +167,8 @@ def pack(
 
 def _check_names(names: list) -> None:
     """The names a reader takes: non-empty strings, each once."""
-    bad = next((n for n in names if not isinstance(n, str) or not n), None)
-    if bad is not None:
-        raise InvalidInputError(f"tensor names must be non-empty strings, got {bad!r}")
+    for n in names:
+        check_name(n)
     if len(set(names)) != len(names):
         seen: set[str] = set()
         twice = next(n for n in names if n in seen or seen.add(n))

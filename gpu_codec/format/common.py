@@ -17,7 +17,7 @@ import zstandard
 
 from ..constants import index_itemsizes
 from ..dtypes import dtype_name, index_dtype
-from ..errors import PayloadHeaderError, PayloadLayoutError, PayloadLimitError
+from ..errors import InvalidInputError, PayloadHeaderError, PayloadLayoutError, PayloadLimitError
 
 MAGIC = b"GPUCODEC"
 ALIGN = 8  # v1 buffer alignment
@@ -526,6 +526,23 @@ def loads_json(raw: bytes, what: str = "header") -> Any:
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise PayloadHeaderError(f"{what} is not valid JSON: {e}") from None
+
+
+def as_uint8(buf: Any) -> np.ndarray:
+    """A host buffer's bytes as a flat uint8 array, without a copy where it is contiguous.
+
+    >>> as_uint8(np.ones(2, np.float16)).tolist(), as_uint8(b"ab").tolist()
+    ([0, 60, 0, 60], [97, 98])
+    """
+    if isinstance(buf, (bytes, bytearray, memoryview)):
+        return np.frombuffer(buf, np.uint8)
+    return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
+
+
+def check_name(name: Any) -> None:
+    """A tensor name a reader takes: a non-empty string (its length and encoding: the caller's limits)."""
+    if not isinstance(name, str) or not name:
+        raise InvalidInputError(f"tensor names must be non-empty strings, got {name!r}")
 
 
 def dumps_json(obj: Any) -> bytes:

@@ -78,6 +78,7 @@ from .common import (
     SegmentPart,
     SharedFrame,
     TensorRecord,
+    as_uint8,
     bounded_decompress,
     buffer_dtype_name,
     canonical_dtype,
@@ -786,7 +787,7 @@ def _wrapped_data(records, level: int, cache: dict | None, force: int | None) ->
         small = sum(r.codec["raw"] for r in records) <= SHARED_FRAME_MAX
         raws = [_raw_of(r) if small or r.frame is not None else None for r in records]
         frames = [  # (a record's own frame as it lies: a copy would stay in the cache beside the payload's)
-            zstd_frame(raw, level) if r.frame is not None else _uint8(r.buffers["compressed"])
+            zstd_frame(raw, level) if r.frame is not None else as_uint8(r.buffers["compressed"])
             for r, raw in zip(records, raws)
         ]
         if not small:
@@ -807,13 +808,6 @@ def _wrapped_data(records, level: int, cache: dict | None, force: int | None) ->
     if mode == DATA_ZSTD:
         return mode, [joint if joint is not None else zstd_frame(joint_raw, level)], [None] * len(records)
     return mode, frames, [len(f) for f in frames]
-
-
-def _uint8(buf: Any) -> np.ndarray:
-    """A host buffer's bytes as a flat uint8 array, without a copy where it is contiguous."""
-    if isinstance(buf, (bytes, bytearray, memoryview)):
-        return np.frombuffer(buf, np.uint8)
-    return np.ascontiguousarray(buf).reshape(-1).view(np.uint8)
 
 
 def multi_frame(rec: TensorRecord) -> bool:
@@ -1289,7 +1283,7 @@ def _gather(parts: list[Any], total: int) -> bytes:
             a = np.asarray(a.source)[a.start : a.stop]
         elif type(a) is _Interleaved:
             a = a.host()
-        b = a if isinstance(a, bytes) else np.ascontiguousarray(a).reshape(-1).view(np.uint8).tobytes()
+        b = a if isinstance(a, bytes) else as_uint8(a).tobytes()
         out[off : off + len(b)] = b
         off += len(b)
     return bytes(out)
@@ -1308,7 +1302,7 @@ def write(p: _Plan) -> bytes:
         elif type(a) is _Interleaved:
             parts += a.pieces()  # (joined once, with the rest of the payload)
         else:
-            parts.append(np.ascontiguousarray(a).reshape(-1).view(np.uint8))
+            parts.append(as_uint8(a))
     else:
         try:  # (the checksum over the parts as they lie, then one join with it: no second copy of the payload)
             crc = 0
