@@ -24,7 +24,7 @@ from .backends import Backend, get_backend
 from .backends.base import DeltaRequest, SelectRequest
 from .codecs import SCOPES, as_pipeline, check_fraction, get_codec
 from .collector import holds_collector
-from .constants import DType
+from .constants import DT_BF16, DT_F32, DT_F64, DType
 from .errors import CodecConfigError, InvalidInputError, UnknownCodecError
 from .format import (
     MAX_TENSORS,
@@ -301,7 +301,9 @@ def compress(
             req = SelectRequest(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks)
             indices, values, bad = backend.topk_select(req)
         if bad is not None:
-            raise InvalidInputError(_bad_input(names[bad], new_arrays[bad], base_arrays[bad], res_in[bad], crit))
+            raise InvalidInputError(
+                _bad_input(names[bad], new_arrays[bad], base_arrays[bad], res_in[bad], crit, dtype_codes[bad])
+            )
         if dense:
             records = [
                 TensorRecord(n, dt, shape, "dense", val.size, {"values": val})
@@ -334,19 +336,40 @@ def compress(
     return payload
 
 
-def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int) -> str:
-    """Why the selection refused tensor ``name``: a non-finite value, or (fp64) a finite delta whose fp32 score
-    overflows, which only dense mode can send (top-k compares scores in fp32)."""
+def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int, dt: int) -> str:
+    """Why the selection refused tensor ``name`` (of dtype code ``dt``): a non-finite value; (fp64) a finite delta
+    whose fp32 score overflows, which only dense mode can send (top-k compares scores in fp32); or a finite update
+    and base whose delta plus the error-feedback residual is not finite (the residual grew past the range: every
+    later round would fail the same way until it is reset)."""
+    xp = get_backend().xp
     if new.dtype == np.float64 and crit != dtypes.CRIT_EXTERNAL:
         with np.errstate(over="ignore", invalid="ignore"):
             d = new - base if base is not None else new
             d = d + res if res is not None else d
-        if all_finite(d, dtypes.code("float64"), get_backend().xp):
+        if all_finite(d, dtypes.code("float64"), xp):
             return (
                 f"tensor {name!r}: a finite float64 delta past the float32 range (|delta| > 3.4e38) has no float32 "
                 "score for top-k to compare; compress with fraction=None (dense), which sends float64 values exactly"
             )
+    inputs_finite = all_finite(new, dt, xp) and (base is None or all_finite(base, dt, xp))
+    if res is not None and crit != dtypes.CRIT_EXTERNAL and inputs_finite:
+        with np.errstate(over="ignore", invalid="ignore"):
+            d = _wide(new, dt) - _wide(base, dt) if base is not None else _wide(new, dt)
+            if all_finite(d, DT_F32, xp) and not all_finite(d + res, DT_F32, xp):
+                return (
+                    f"tensor {name!r}: the update and its delta against base are finite, but the delta plus the "
+                    "error-feedback residual is not (inf or NaN): the residual has grown past the range; "
+                    "ErrorFeedback.reset() discards it"
+                )
     return f"tensor {name!r}: the update, its delta against base or its score holds a non-finite value (inf or NaN)"
+
+
+def _wide(x: Any, dt: int) -> Any:
+    """A tensor's storage as the dtype its delta is taken in: fp64 as it is, the others as fp32 (bf16's bit
+    patterns widened)."""
+    if dt == DT_BF16:
+        return (x.astype(np.uint32) << 16).view(np.float32)
+    return x if dt in (DT_F32, DT_F64) else x.astype(np.float32)
 
 
 class SparseEntries(NamedTuple):

@@ -145,3 +145,32 @@ def test_load_holds_one_copy_of_the_state_and_goes_on_as_the_saved_one(tmp_path)
     want = gpu_codec.compress(again, new, fraction=0.01, residual=ef).to_bytes()
     assert gpu_codec.compress(again, new, fraction=0.01, residual=loaded).to_bytes() == want
     assert loaded.to_bytes() == ef.to_bytes()
+
+
+@pytest.mark.parametrize("with_base", [False, True])
+def test_a_residual_grown_past_the_range_is_named_and_nothing_is_stored(with_base):
+    # round 1 sends a[0] and keeps 3e38 for a[1]; from round 2 on delta + residual is inf though the update is finite
+    ef = ErrorFeedback()
+    new = {"a": np.array([3e38, 3e38], np.float32)}
+    base = {"a": np.zeros(2, np.float32)} if with_base else None
+    gpu_codec.compress(new, base, fraction=0.5, residual=ef)
+    kept = ef.residual("a").copy()
+    for _ in range(2):
+        with pytest.raises(InvalidInputError, match="plus the error-feedback residual is not.*reset"):
+            gpu_codec.compress(new, base, fraction=0.5, residual=ef)
+        np.testing.assert_array_equal(ef.residual("a"), kept)
+    ef.reset()
+    gpu_codec.compress(new, base, fraction=0.5, residual=ef)  # (a fresh residual: the round goes through)
+
+
+def test_a_non_finite_update_with_a_residual_is_not_blamed_on_the_residual():
+    ef = ErrorFeedback()
+    gpu_codec.compress({"a": np.ones(4, np.float32)}, fraction=0.5, residual=ef)
+    for bad in (np.inf, np.nan):
+        with pytest.raises(InvalidInputError, match="the update, its delta against base or its score holds") as e:
+            gpu_codec.compress({"a": np.array([1, bad, 1, 1], np.float32)}, fraction=0.5, residual=ef)
+        assert "residual" not in str(e.value)
+    with pytest.raises(InvalidInputError, match="the update, its delta against base or its score holds"):
+        gpu_codec.compress(
+            {"a": np.full(4, 3e38, np.float32)}, {"a": np.full(4, -3e38, np.float32)}, fraction=0.5, residual=ef
+        )
