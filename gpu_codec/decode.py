@@ -1024,7 +1024,8 @@ def decompress(
         The bytes :meth:`Payload.to_bytes` wrote (treated as hostile), or a :class:`Payload`.
     base
         Mapping name -> array with exactly the payload's names, shapes and dtypes. With it the result is
-        ``base + delta`` per tensor, rounded to the base's dtype, as the base's kind on its device; the base itself
+        ``base + delta`` per tensor, as the base's kind on its device: a float32 add (float64 for float64 tensors)
+        rounded to the base's dtype (a fp16 or bf16 result is rounded twice: docs/FORMAT.md §10); the base itself
         is never written. Without it, the dense delta (fp32, fp64 for fp64 tensors). The base is not scanned for
         inf or NaN (a pass over it): such an entry comes through where no entry of the payload lands, and a sum
         that is not finite is refused (``PayloadValueError``); ``Aggregator(base=)`` checks its base whole.
