@@ -70,7 +70,7 @@ def installed(tmp_path_factory) -> dict:
     src = tmp / "src"
     src.mkdir()
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "*.so", "*.pyc", "build", "dist")
-    for name in ("pyproject.toml", "README.md"):
+    for name in ("pyproject.toml", "README.md", "LICENSE"):
         shutil.copy2(ROOT / name, src / name)
     for name in ("gpu_codec", "kernels", "cpu_fallback"):
         shutil.copytree(ROOT / name, src / name, ignore=ignore)
@@ -115,6 +115,11 @@ def test_the_wheel_ships_the_kernels_and_the_command_line(installed):
     entry = next(n for n in names if n.endswith(".dist-info/entry_points.txt"))
     with zipfile.ZipFile(installed["wheel"]) as zf:
         assert "gpu-codec = gpu_codec.cli:main" in zf.read(entry).decode()
+        # the license the metadata declares, shipped with its text
+        meta = zf.read(next(n for n in names if n.endswith(".dist-info/METADATA"))).decode()
+        assert "License-Expression: Apache-2.0" in meta
+        lic = next(n for n in names if n.endswith(".dist-info/licenses/LICENSE"))
+        assert zf.read(lic) == (ROOT / "LICENSE").read_bytes()
     # imported from the environment, not from the checkout, and reading the kernel sources from there; every
     # module of the package imported (but __main__; the adapters' optional imports aside), each from the
     # environment: a module missing from the wheel would otherwise be found in the checkout (an editable install)
