@@ -119,7 +119,7 @@ def test_npy_header_that_lies_about_its_size(files, capsys):
         (["decompress", "u", "-o", "m.npz", "--max-output-bytes", "1.5"], "whole number of bytes"),
         (["decompress", "u", "-o", "m.npz", "--max-output-bytes", "-3"], "byte count"),
         (["bench", "--sizes", "0"], "element count"),
-        (["bench", "--fractions", "dense", "--quick"], "'dense' has no top-k"),
+        (["bench", "--fractions", "dense", "--quick"], "dense mode has no top-k to time"),
     ],
 )
 def test_bad_arguments(capsys, argv, says):
@@ -399,3 +399,77 @@ def test_a_pt_file_pickled_with_another_protocol_is_refused_saying_so(files, cap
     torch.save({"w": torch.ones(3)}, files / "p5.pt", pickle_protocol=5)
     err = user_error(capsys, "compress", str(files / "p5.pt"), "-o", str(files / "o"), says="opcodes")
     assert "did not write" not in err and "beyond tensors" not in err
+
+
+def test_an_output_that_cannot_be_made_is_named_by_the_path_given(files, monkeypatch, capsys):
+    # the folder goes away between the check and the write: the error names the output, not a hidden temp file
+    from gpu_codec.cli import outputs
+
+    (files / "gone").mkdir()
+    target = outputs.resolve_output(str(files / "gone" / "u.gcodec"))
+    (files / "gone").rmdir()
+    with pytest.raises(FileNotFoundError) as e:
+        outputs.write_output(target, lambda f: f.write(b"x"))
+    assert e.value.filename == str(files / "gone" / "u.gcodec")
+
+    def full(f):  # a write error without a file name (a full disk)
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError) as e:
+        outputs.write_output(outputs.resolve_output(str(files / "d.npz")), full)
+    assert (e.value.errno, e.value.filename) == (28, str(files / "d.npz"))
+    assert not (files / "d.npz").exists() and not [p for p in os.listdir(files) if p.endswith(".tmp")]
+
+
+def _cli(args: list[str], **kw):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "gpu_codec.cli", *args], check=False, **kw)
+
+
+def test_a_closed_stdout_is_refused_in_one_line(files):
+    import subprocess
+    import sys
+
+    for args in (["info"], ["compress", str(files / "new.npz"), str(files / "base.npz"), "-o", "-"]):
+        cmd = " ".join([sys.executable, "-m", "gpu_codec.cli", *args]) + " >&-"
+        r = subprocess.run(["bash", "-c", cmd], check=False, stderr=subprocess.PIPE, text=True)
+        assert r.returncode == 2, r.stderr
+        assert (
+            r.stderr.strip()
+            == "gpu-codec: error: stdout is closed; redirect it (to /dev/null to discard what is printed)"
+        )
+
+
+def test_stdout_that_is_an_input_is_refused_and_the_input_kept(files):
+    before = (files / "new.npz").read_bytes()
+    with open(files / "new.npz", "ab") as out:
+        r = _cli(["compress", str(files / "new.npz"), str(files / "base.npz"), "-o", "-"], stdout=out, stderr=-1)
+    assert r.returncode == 2
+    assert b"stdout is the same file as the input" in r.stderr and r.stderr.count(b"\n") == 1
+    assert (files / "new.npz").read_bytes() == before
+    payload = (files / "u.gcodec").read_bytes()
+    with open(files / "u.gcodec", "r+b") as out:
+        r = _cli(["decompress", str(files / "u.gcodec"), "--format", "npz", "-o", "-"], stdout=out, stderr=-1)
+    assert r.returncode == 2 and (files / "u.gcodec").read_bytes() == payload
+
+
+def test_bench_out_must_name_a_folder(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    user_error(capsys, "bench", "--quick", "--out", "", says="--out is empty")
+    user_error(capsys, "bench", "--quick", "--out", "-", says="--out -")
+    assert os.listdir(tmp_path) == []
+    user_error(capsys, "bench", "--fractions", "dense", says="dense mode has no top-k to time")
+    user_error(capsys, "bench", "--fractions", "0", says="dense mode has no top-k to time")
+
+
+def test_a_missing_package_for_the_output_format_is_refused_before_decoding(files, capsys, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # (import torch raises ImportError)
+    monkeypatch.setitem(sys.modules, "safetensors", None)
+    (files / "junk.gcodec").write_bytes(b"not a payload")  # (never read: the output is refused first)
+    for out in ("d.pt", "d.safetensors"):
+        err = user_error(capsys, "decompress", str(files / "junk.gcodec"), "-o", str(files / out), says=out)
+        assert "needs" in err and not (files / out).exists()

@@ -28,6 +28,31 @@ class UsageError(InvalidInputError):
 # --- argument types --------------------------------------------------------------------------------------------
 
 
+def parse_density(text: str) -> float:
+    """``bench --fractions``: a number in (0, 1] (no ``dense``: dense mode has no top-k to time).
+
+    >>> parse_density("0.01")
+    0.01
+    >>> parse_density("0")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be a number in (0, 1] (dense mode has no top-k to time), got '0'
+    >>> parse_density("dense")
+    Traceback (most recent call last):
+    ...
+    argparse.ArgumentTypeError: must be a number in (0, 1] (dense mode has no top-k to time), got 'dense'
+    """
+    try:
+        f = parse_fraction(text) if text.strip().lower() != "dense" else None
+    except argparse.ArgumentTypeError:
+        f = None
+    if f is None:
+        raise argparse.ArgumentTypeError(
+            f"must be a number in (0, 1] (dense mode has no top-k to time), got {describe(repr(text))}"
+        )
+    return f
+
+
 def parse_fraction(text: str) -> float | None:
     """``--fraction``: a number in (0, 1], or ``dense`` (None: keep every entry).
 
@@ -136,6 +161,17 @@ def parse_cap(text: str) -> int | None:
     return None if text.strip().lower() == "none" else parse_bytes(text)
 
 
+def _stage_int(arg: str, part: str) -> int:
+    """A stage's whole-number argument (``zstd:-3``, ``int8:2^10``), or a UsageError naming the stage."""
+    try:
+        return parse_count(arg)
+    except ValueError:
+        raise UsageError(
+            f"--pipeline: stage {describe(repr(part.strip()))}: its argument must be a whole number such as 64 "
+            f"or 2^10, got {describe(repr(arg))}"
+        ) from None
+
+
 def parse_pipeline(spec: str) -> list[Any]:
     """``--pipeline``: comma-separated stage names -> codecs (``raw``/``fp32`` add no stage).
 
@@ -145,6 +181,10 @@ def parse_pipeline(spec: str) -> list[Any]:
     [{'id': 'quantize', 'dtype': 'float16'}, {'id': 'rice'}, {'id': 'zstd', 'level': 5}]
     >>> parse_pipeline("int8:64")[0].get_config()
     {'id': 'int8', 'block_size': 64}
+    >>> parse_pipeline("zstd:abc")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    gpu_codec.cli.args.UsageError: --pipeline: stage 'zstd:abc': its argument must be a whole number ... got 'abc'
     >>> parse_pipeline("fp16,,zstd")
     Traceback (most recent call last):
     ...
@@ -163,13 +203,13 @@ def parse_pipeline(spec: str) -> list[Any]:
             elif name == "bf16" and not arg:
                 stages.append(gpu_codec.Quantize("bfloat16"))
             elif name == "int8":
-                stages.append(gpu_codec.Int8Blockwise(int(arg)) if arg else gpu_codec.Int8Blockwise())
+                stages.append(gpu_codec.Int8Blockwise(_stage_int(arg, part)) if arg else gpu_codec.Int8Blockwise())
             elif name == "ternary" and not arg:
                 stages.append(gpu_codec.Ternary())
             elif name == "rice" and not arg:
                 stages.append(gpu_codec.RiceIndices())
             elif name == "zstd":
-                stages.append(gpu_codec.Zstd(int(arg)) if arg else gpu_codec.Zstd())
+                stages.append(gpu_codec.Zstd(_stage_int(arg, part)) if arg else gpu_codec.Zstd())
             elif name == "nvcomp" and not arg:
                 stages.append(gpu_codec.Nvcomp())
             else:
@@ -209,6 +249,7 @@ __all__ = [
     "int_at_least",
     "parse_bytes",
     "parse_count",
+    "parse_density",
     "parse_fraction",
     "parse_pipeline",
 ]

@@ -30,7 +30,7 @@ import gpu_codec
 
 from ..errors import InvalidInputError
 from ..synthetic import smallest_model_params
-from .args import int_at_least, parse_count, parse_fraction, parse_pipeline
+from .args import int_at_least, parse_count, parse_density, parse_pipeline
 from .outputs import describe, resolve_output, write_output
 
 PLOTS = ("throughput.png", "speedup.png", "bytes_per_param.png")
@@ -79,9 +79,7 @@ def add_bench_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="element counts, e.g. 4194304, 4e6 or 2^22 (default 2^20 2^22 2^24 2^26)",
     )
-    p.add_argument(
-        "--fractions", nargs="+", type=parse_fraction, metavar="F", help="densities (default 0.001 0.01 0.1)"
-    )
+    p.add_argument("--fractions", nargs="+", type=parse_density, metavar="F", help="densities (default 0.001 0.01 0.1)")
     p.add_argument(
         "--repeat", type=int_at_least(1, "--repeat"), metavar="N", help="timed runs per case (median; default 3)"
     )
@@ -379,8 +377,6 @@ def bench_command(a: argparse.Namespace, emit: Callable, progress: Callable, bac
     else:
         sizes = a.sizes or [1 << 20, 1 << 22, 1 << 24, 1 << 26]
         fractions, repeat, params = a.fractions or [0.001, 0.01, 0.1], a.repeat or 3, a.params or 1_000_000
-    if any(f is None for f in fractions):
-        raise InvalidInputError("bench --fractions takes numbers in (0, 1]; 'dense' has no top-k to time")
     backends = a.backends or (["cpu", "gpu"] if _gpu_usable() else ["cpu"])
     torch_too = not a.no_torch
     if torch_too:
@@ -391,6 +387,10 @@ def bench_command(a: argparse.Namespace, emit: Callable, progress: Callable, bac
     for be in backends:  # one that is not there is refused before the folder is made
         with backend_ctx(be, "--backends"):
             pass
+    if not a.out:
+        raise InvalidInputError("--out is empty; name a folder for bench.json and the plots")
+    if a.out == "-":
+        raise InvalidInputError("--out - would be a folder named '-' (bench writes a folder, not stdout); name one")
     if os.path.exists(a.out) and not os.path.isdir(a.out):
         raise InvalidInputError(f"--out {describe(a.out)} is a file; name a folder")
     os.makedirs(a.out, exist_ok=True)

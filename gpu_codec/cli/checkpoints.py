@@ -128,6 +128,7 @@ def write_checkpoint(dest: Any, tensors: Mapping[str, Any], fmt: str | None = No
     """
     target = dest if isinstance(dest, Target) else resolve_output(dest)
     fmt = fmt or checkpoint_format(target.path)
+    writer_ready(fmt, "stdout" if target.kind == "stdout" else target.path)
     writer: Callable[[Any, Mapping[str, Any]], None] = {
         "npz": _write_npz,
         "torch": _write_torch,
@@ -135,6 +136,18 @@ def write_checkpoint(dest: Any, tensors: Mapping[str, Any], fmt: str | None = No
     }[fmt]
     write_output(target, lambda f: writer(f, tensors))
     return fmt
+
+
+def writer_ready(fmt: str, name: str) -> None:
+    """Refuse, naming the output ``name``, a format whose package is not installed (``torch`` for ``.pt``,
+    ``safetensors``): checked before any work, not when the result is written.
+
+    >>> writer_ready("npz", "out.npz")  # (NumPy alone)
+    """
+    if fmt == "torch":
+        _torch(name)
+    elif fmt == "safetensors":
+        _safetensors(name)
 
 
 def check_input(path: str) -> None:
@@ -301,7 +314,10 @@ def _torch(path: str) -> Any:
     try:
         import torch
     except ImportError:
-        raise InvalidInputError(f"{describe(path)}: reading or writing .pt needs torch (pip install torch)") from None
+        raise InvalidInputError(
+            f"{describe(path)}: reading or writing .pt needs torch (pip install 'gpu_codec[torch]'; on a machine "
+            "without a GPU, torch's CPU build: --index-url https://download.pytorch.org/whl/cpu)"
+        ) from None
     return torch
 
 

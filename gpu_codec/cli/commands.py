@@ -60,6 +60,7 @@ from .checkpoints import (
     is_float_tensor,
     read_checkpoint,
     write_checkpoint,
+    writer_ready,
 )
 from .outputs import STDOUT, Target, describe, resolve_output, write_output
 
@@ -424,6 +425,7 @@ def cmd_decompress(a: argparse.Namespace) -> int:
         raise UsageError(f"decompress to {_name(a.output)} needs --format npz|safetensors|pt (no suffix to go by)")
     else:
         fmt = checkpoint_format(a.output)
+    writer_ready(fmt, _name(a.output))  # (a missing package refused before the payload is decoded)
     return _write_decoded(a, target, fmt, "decompress", a.payload, a.base)
 
 
@@ -762,6 +764,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as e:  # --help and --version print and stop
             return e.code if isinstance(e.code, int) else 0
         verbose = args.verbose
+        if sys.stdout is None:  # (``>&-``: what the command prints, or writes with ``-o -``, would be lost)
+            _fail("stdout is closed; redirect it (to /dev/null to discard what is printed)")
+            return 2
         logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
         with _terminable(), _backend(getattr(args, "backend", None)):
             return args.fn(args)

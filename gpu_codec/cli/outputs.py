@@ -110,8 +110,13 @@ def resolve_output(
     if not path:
         raise _refuse("the output path is empty")
     if path == STDOUT:
+        if sys.stdout is None:
+            raise _refuse("stdout is closed; redirect it to a file or name an output")
         if not force and _isatty(sys.stdout):
             raise _refuse(f"refusing to write binary data to a terminal; redirect stdout or pass {option}")
+        same = _same_as_input(_fstat_stdout(), inputs)
+        if same is not None:  # (``-o - >> input``: appended to, or written over, the input being read)
+            raise _refuse(f"stdout is the same file as the input {describe(same)}; redirect it to another file")
         return Target(path, "stdout")
     name = describe(path)
     try:
@@ -133,15 +138,9 @@ def resolve_output(
         raise _refuse(f"output {name} is a symbolic link to a missing file; name a file") from None
     except OSError as e:  # a loop of links
         raise _refuse(f"output {name}: {e.strerror or e}") from None
-    for inp in inputs:
-        if not inp or inp == STDOUT:
-            continue
-        try:
-            ist = os.stat(inp)
-        except OSError:
-            continue
-        if (ist.st_dev, ist.st_ino) == (st.st_dev, st.st_ino):
-            raise _refuse(f"output {name} is the same file as the input {describe(inp)}; name another file")
+    same = _same_as_input(st, inputs)
+    if same is not None:
+        raise _refuse(f"output {name} is the same file as the input {describe(same)}; name another file")
     if stat.S_ISDIR(st.st_mode):
         raise _refuse(f"output {name} is a directory; name a file")
     if stat.S_ISCHR(st.st_mode) or stat.S_ISFIFO(st.st_mode):
@@ -155,6 +154,31 @@ def resolve_output(
         raise _refuse(f"output {name} exists{link}{ro}; pass {option} to replace it")
     real = os.path.realpath(path) if stat.S_ISLNK(lst.st_mode) else path
     return Target(path, "replace", real, stat.S_IMODE(st.st_mode), (st.st_uid, st.st_gid))
+
+
+def _fstat_stdout() -> os.stat_result | None:
+    """stdout's file status, where it is a regular file (None otherwise, or where it cannot be read)."""
+    try:
+        st = os.fstat(sys.stdout.fileno())
+    except (AttributeError, ValueError, OSError, io.UnsupportedOperation):
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def _same_as_input(st: os.stat_result | None, inputs: Sequence[str | None]) -> str | None:
+    """The first of ``inputs`` that is the file ``st`` describes (same device and inode), or None."""
+    if st is None:
+        return None
+    for inp in inputs:
+        if not inp or inp == STDOUT:
+            continue
+        try:
+            ist = os.stat(inp)
+        except OSError:
+            continue
+        if (ist.st_dev, ist.st_ino) == (st.st_dev, st.st_ino):
+            return inp
+    return None
 
 
 def _isatty(stream: Any) -> bool:
@@ -202,6 +226,11 @@ def write_output(target: Target, write: Callable[[Any], Any]) -> None:
             os.umask(umask)
             os.chmod(tmp, 0o666 & ~umask)  # the mode open() would give, not mkstemp's 0600
             _link_new(tmp, target.real)
+    except OSError as e:  # the output's own errors named by the path given, not the hidden temporary file's
+        made = e.filename is not None and os.path.basename(str(e.filename)).startswith(_TMP_PREFIX)
+        if e.filename is not None and e.filename not in (tmp, folder, target.real) and not made:
+            raise
+        raise OSError(e.errno, e.strerror, target.path) from None
     finally:
         _release_signals(held)
         if tmp is not None:
