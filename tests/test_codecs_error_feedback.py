@@ -156,7 +156,7 @@ def test_a_residual_grown_past_the_range_is_named_and_nothing_is_stored(with_bas
     gpu_codec.compress(new, base, fraction=0.5, residual=ef)
     kept = ef.residual("a").copy()
     for _ in range(2):
-        with pytest.raises(InvalidInputError, match="plus the error-feedback residual is not.*reset"):
+        with pytest.raises(InvalidInputError, match=r"plus the error-feedback residual is not.*reset"):
             gpu_codec.compress(new, base, fraction=0.5, residual=ef)
         np.testing.assert_array_equal(ef.residual("a"), kept)
     ef.reset()
