@@ -120,6 +120,10 @@ def test_npy_header_that_lies_about_its_size(files, capsys):
         (["decompress", "u", "-o", "m.npz", "--max-output-bytes", "-3"], "byte count"),
         (["bench", "--sizes", "0"], "element count"),
         (["bench", "--fractions", "dense", "--quick"], "dense mode has no top-k to time"),
+        (["demo", "--pipeline", "zstd:abc"], "its argument must be a whole number such as 64 or 2^10, got 'abc'"),
+        (["demo", "--pipeline", "int8:2^30"], "block_size must be in"),
+        (["demo", "--fraction", "dense", "--pipeline", "rice", "--params", "2e5"], "--fraction dense encodes"),
+        (["--backend", "xx", "info"], "argument --backend: invalid choice: 'xx'"),
     ],
 )
 def test_bad_arguments(capsys, argv, says):
@@ -473,3 +477,13 @@ def test_a_missing_package_for_the_output_format_is_refused_before_decoding(file
     for out in ("d.pt", "d.safetensors"):
         err = user_error(capsys, "decompress", str(files / "junk.gcodec"), "-o", str(files / out), says=out)
         assert "needs" in err and not (files / out).exists()
+
+
+def test_backend_is_taken_before_the_command_too(capsys):
+    from gpu_codec.cli import main
+
+    for argv in (["--backend", "emulated", "info"], ["info", "--backend", "emulated"]):
+        assert main(argv) == 0
+        assert "backend: emulated (forced by --backend emulated" in capsys.readouterr().out
+    assert main(["--backend", "emulated", "info", "--backend", "cpu"]) == 0  # (the command's own wins)
+    assert "backend: cpu (forced by --backend cpu)" in capsys.readouterr().out

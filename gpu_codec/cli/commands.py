@@ -578,13 +578,10 @@ def build_parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     for flags, text in shared:
         common.add_argument(*flags, action="store_true", default=argparse.SUPPRESS, help=text)
-    backend = argparse.ArgumentParser(add_help=False)
-    backend.add_argument(
-        "--backend",
-        choices=["auto", "cpu", "gpu", "emulated"],
-        default="auto",
-        help="force a backend (default: the GPU where usable, else the NumPy fallback)",
-    )
+    backend_help = "force a backend (default: the GPU where usable, else the NumPy fallback)"
+    backends = ["auto", "cpu", "gpu", "emulated"]
+    backend = argparse.ArgumentParser(add_help=False)  # (before the subcommand too: SUPPRESS, as the shared ones)
+    backend.add_argument("--backend", choices=backends, default=argparse.SUPPRESS, help=backend_help)
     out_cap = argparse.ArgumentParser(add_help=False)
     out_cap.add_argument(
         "--max-output-bytes",
@@ -616,6 +613,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     for flags, text in shared:
         p.add_argument(*flags, action="store_true", help=text)
+    p.add_argument("--backend", choices=backends, default=argparse.SUPPRESS, help=backend_help)
     p.add_argument("--version", action="version", version=f"{PROG} {gpu_codec.__version__}")
     sub = p.add_subparsers(dest="cmd", required=True, metavar="COMMAND", parser_class=_Parser)
 
@@ -775,7 +773,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except GpuCodecError as e:  # bad input, a bad payload, a backend that is not there
-        _fail(str(e))
+        _fail(str(e).replace("fraction=None encodes", "--fraction dense encodes"))  # (the option, not the keyword)
         return 2
     except OSError as e:  # a file that cannot be read or written
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
