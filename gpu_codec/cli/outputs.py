@@ -102,9 +102,9 @@ def resolve_output(
     Raises
     ------
     InvalidInputError
-        One line naming the path and the reason: empty, stdout a terminal, a missing folder, a directory, a
-        block device or socket, a dangling symbolic link, the same file as an input, or an existing file
-        without ``force``.
+        One line naming the path and the reason: empty, stdout closed, a terminal or the same file as an input,
+        a missing folder, a directory, a block device or socket, a dangling symbolic link, the same file as an
+        input, or an existing file without ``force``.
     """
     path = str(path)
     if not path:
