@@ -326,13 +326,14 @@ def _decode_model(record: Any, max_output_bytes: int | None) -> dict[str, np.nda
     output in all (each Array refused before it is decoded if it declares more than what is left)."""
     left = _check_cap(max_output_bytes)
     out: dict[str, np.ndarray] = {}
-    order: list[str] = []
+    sent = None  # the sender's order of every array, as the payload's metadata records it
     for k in record:
         a = record[k]
         if not holds_payload(a):
+            if k in out:
+                raise InvalidInputError(f"tensor {k!r} appears twice in the record")
             out[k] = read_numpy(a, max_bytes=left)
             left = _spent(left, [out[k]])
-            order.append(k)
             continue
         payload = array_payload(a)
         dense = _engine.decompress(payload, max_output_bytes=left)
@@ -341,13 +342,12 @@ def _decode_model(record: Any, max_output_bytes: int | None) -> dict[str, np.nda
             if r.name in out:
                 raise InvalidInputError(f"tensor {r.name!r} appears twice in the record")
             out[r.name] = adapt.cast_to_logical(dense[r.name], r.dtype, "numpy")
-        sent = payload.metadata.get("order")
-        order.extend(r.name for r in payload.tensors)
-        if isinstance(sent, list) and all(isinstance(n, str) for n in sent):
-            order = sent  # used only if it names exactly the same arrays (checked below)
-    if sorted(order) != sorted(out):
-        order = list(out)
-    return {n: out[n] for n in order}
+        order = payload.metadata.get("order")
+        if isinstance(order, list) and all(isinstance(n, str) for n in order):
+            sent = order
+    if sent is not None and len(sent) == len(out) and set(sent) == set(out):  # (else the record's own order)
+        return {n: out[n] for n in sent}
+    return out
 
 
 def decode_record(record: Any, *, max_output_bytes: int | None = _engine.DEFAULT_MAX_OUTPUT_BYTES) -> Any:
@@ -532,7 +532,10 @@ class CompressedStrategy(Strategy):
     cannot be used (a bad payload, arrays that do not match the global model, a bad weight, metric names the other
     replies do not have, which flwr's own check refuses the whole round for) is logged and left out of the arrays
     and the metrics, and the round goes on with the others; a round with no positive weight gives ``(None,
-    None)``, said in the log. Non-float arrays are averaged densely, in an order fixed by their content.
+    None)``, said in the log. Non-float arrays are averaged densely, in an order fixed by their content, and an
+    integer or bool array's mean is rounded to the nearest integer in its own dtype (FedAvg's rule gives a float64
+    mean: BatchNorm's ``num_batches_tracked`` would then change dtype between rounds, and a client sending back the
+    dtype it loaded would no longer match the global model). The arrays come back in the global model's order.
     """
 
     def __init__(

@@ -516,3 +516,28 @@ def test_an_evaluation_configured_before_the_training_replies_come_leaves_their_
     list(strategy.configure_evaluate(1, best, ConfigRecord(), Nodes()))
     new, _ = strategy.aggregate_train(1, replies)
     np.testing.assert_allclose(new["w"].numpy(), dense_fedavg(current)["w"], rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("downlink", ["zstd", None])
+def test_the_model_keeps_its_order_with_a_non_float_array_among_the_floats(downlink):
+    # (a BatchNorm counter between two layers: a client loading arrays by position, and flwr's fixedclipping_mod,
+    # which refuses a reply whose keys are in another order, need the order sent)
+    rng = np.random.default_rng(1)
+    names = ["0.weight", "1.num_batches_tracked", "1.running_mean", "2.weight"]
+    arrays = ArrayRecord(
+        {
+            "0.weight": Array(rng.standard_normal((4, 3)).astype(np.float32)),
+            "1.num_batches_tracked": Array(np.array([7], np.int64)),
+            "1.running_mean": Array(rng.standard_normal(4).astype(np.float32)),
+            "2.weight": Array(rng.standard_normal((2, 4)).astype(np.float32)),
+        }
+    )
+    kwargs = {} if downlink else {"downlink": None}
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4), **kwargs)
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), Nodes()))
+    seen = list(decode_record(msgs[0].content["arrays"]))
+    assert seen == names
+    _, replies = round_trip(strategy, compression_mod(0.5), arrays=arrays)
+    new, _ = strategy.aggregate_train(1, replies)
+    assert list(new) == names
+    assert new["1.num_batches_tracked"].numpy().dtype == np.int64 and new["1.num_batches_tracked"].numpy().shape == (1,)
