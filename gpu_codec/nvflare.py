@@ -1,8 +1,9 @@
 """NVIDIA FLARE filters: the gpu_codec engine where NVFlare puts a compressor (extra ``nvflare``).
 
 Four :class:`~nvflare.apis.dxo_filter.DXOFilter` subclasses, in two pairs, each recording what it did in the DXO
-meta as NVFlare's own ``ModelQuantizer`` / ``ModelDequantizer`` do (``MetaKey.PROCESSED_ALGORITHM`` and a
-``"gpu_codec"`` entry), and keeping every other meta entry (``NUM_STEPS_CURRENT_ROUND``, ...):
+meta as NVFlare's own ``ModelQuantizer`` / ``ModelDequantizer`` do (the compressor sets
+``MetaKey.PROCESSED_ALGORITHM`` and a ``"gpu_codec"`` entry, the decompressor removes both), and keeping every
+other meta entry (``NUM_STEPS_CURRENT_ROUND``, ...):
 
 * :class:`UpdateCompressor` (client, task result) and :class:`UpdateDecompressor` (server, task result): the
   client's ``WEIGHT_DIFF`` DXO becomes its exact top-k entries through any codec pipeline, with error feedback
@@ -371,12 +372,13 @@ class _Decompressing(DXOFilter):
             return None  # an uncompressed DXO: nothing to undo
         like = self.like or info.get("kind") or "numpy"
         dense = decompress_params(dxo.data, info, like=like, device=self.device, max_output_bytes=self.max_output_bytes)
+        # our meta entries removed, as NVFlare's ModelDequantizer removes its own: a workflow that relays a result's
+        # meta into the next task (Cyclic: ``model.meta = result.meta``) would otherwise send a dense model marked
+        # compressed, which the compressor leaves as it is and the next client's decompressor refuses
         meta = {k: v for k, v in _meta_copy(dxo).items() if k != META_KEY}
         if meta.get(MetaKey.PROCESSED_ALGORITHM) == ALGORITHM:
             del meta[MetaKey.PROCESSED_ALGORITHM]
-        new = DXO(data_kind=dxo.data_kind, data=dense, meta=meta)
-        new.set_meta_prop(META_KEY, {**dict(info), "decompressed_by": type(self).__name__})
-        return new
+        return DXO(data_kind=dxo.data_kind, data=dense, meta=meta)
 
 
 class UpdateDecompressor(_Decompressing):

@@ -71,7 +71,7 @@ def test_update_round_trip_keeps_meta_and_error_feedback():
 
     got = from_shareable(down.process(sent, ctx("server")))
     assert got.data_kind == DataKind.WEIGHT_DIFF and got.get_meta_prop(MetaKey.NUM_STEPS_CURRENT_ROUND) == 7
-    assert got.get_meta_prop(MetaKey.PROCESSED_ALGORITHM) is None
+    assert got.get_meta_prop(MetaKey.PROCESSED_ALGORITHM) is None and got.get_meta_prop(gcf.META_KEY) is None
     want = topk_ref(d, 0.25)
     for n in d:
         np.testing.assert_array_equal(got.data[n], want[n])
@@ -263,6 +263,30 @@ def test_two_tasks_of_one_site_at_once_take_turns_with_its_residual(monkeypatch)
     assert all(isinstance(results[i], DXO) for i in (0, 1)), results
     for i in (0, 1):
         assert results[i].get_meta_prop(gcf.META_KEY) is not None
+
+
+def test_a_relay_that_passes_a_result_s_meta_on_compresses_every_hop():
+    # NVFlare's Cyclic workflow: ``model.params, model.meta = result.params, result.meta``, and the next task's DXO
+    # gets that meta. A decoded result still marked compressed went down dense and the next client refused it.
+    from nvflare.app_common.abstract.fl_model import FLModel, ParamsType
+    from nvflare.app_common.utils.fl_model_utils import FLModelUtils
+
+    srv_down, srv_up = gcf.ModelCompressor(), gcf.UpdateDecompressor()
+    cli_down, cli_up = gcf.ModelDecompressor(), gcf.UpdateCompressor(fraction=0.1)
+    model = FLModel(params_type=ParamsType.FULL, params={"w": np.ones((4, 4), np.float32)}, meta={})
+    for hop, site in enumerate(["site-1", "site-2", "site-3"]):
+        task = FLModelUtils.to_shareable(model)
+        task.set_header(AppConstants.CURRENT_ROUND, 1)
+        task = srv_down.process(task, ctx("server", 1))
+        assert set(from_shareable(task).data) == {gcf.PAYLOAD_KEY}, hop  # compressed on every hop
+        got = from_shareable(cli_down.process(task, ctx(site, 1)))
+        assert got.get_meta_prop(gcf.META_KEY) is None and got.get_meta_prop(MetaKey.PROCESSED_ALGORITHM) is None
+        np.testing.assert_array_equal(np.asarray(got.data["w"]), np.ones((4, 4)) + hop)
+        trained = FLModel(params_type=ParamsType.FULL, params={"w": np.asarray(got.data["w"]) + 1}, meta={})
+        res = srv_up.process(cli_up.process(FLModelUtils.to_shareable(trained), ctx(site, 1)), ctx("server", 1))
+        result = FLModelUtils.from_shareable(res)
+        assert gcf.META_KEY not in result.meta
+        model.params, model.meta = result.params, result.meta  # (nvflare/app_common/workflows/cyclic.py)
 
 
 def test_clara_processors_as_filters(tmp_path):
