@@ -55,6 +55,10 @@ class _Binding:
 class ErrorFeedback:
     """Per-client residual state for :func:`gpu_codec.compress` (``residual=``).
 
+    A tensor's residual is kept until :meth:`reset`, also through calls that do not name it (a client may compress
+    parts of its model in separate calls); a model whose layers are removed or renamed should start over
+    (:meth:`reset`), or the residuals of the tensors gone stay held.
+
     Thread safe: a compress call holds the state's lock from reading the residual to storing the new one, so
     threads sharing one state take turns (each sees the residual the previous call left). A call that fails
     (bad input, a pipeline that cannot encode the update, metadata too large) leaves the residual as it was:
@@ -157,6 +161,15 @@ class ErrorFeedback:
             raise RuntimeError("an error-feedback binding was committed twice")
         for (n, dt, shape), a in zip(binding.entries, binding.res_out):
             self._state[n] = (a, dt, shape)
+        if len(self._state) > len(binding.entries):  # (residuals of tensors this call did not name)
+            # each is copied out of the allocation it shares with an earlier call's residuals (a call writes them as
+            # slices of one allocation a dtype): a name kept from an earlier call no longer holds all of its memory
+            bound = {n for n, _, _ in binding.entries}
+            for n in [n for n in self._state if n not in bound]:
+                a, dt, shape = self._state[n]
+                base = getattr(a, "base", None)
+                if base is not None and base.nbytes > a.nbytes:
+                    self._state[n] = (a.copy(), dt, shape)
         binding.committed = True
         self._ready = events.record(backend)
 

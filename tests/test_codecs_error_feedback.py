@@ -174,3 +174,31 @@ def test_a_non_finite_update_with_a_residual_is_not_blamed_on_the_residual():
         gpu_codec.compress(
             {"a": np.full(4, 3e38, np.float32)}, {"a": np.full(4, -3e38, np.float32)}, fraction=0.5, residual=ef
         )
+
+
+def test_a_residual_kept_from_an_earlier_call_does_not_hold_that_call_s_memory():
+    import gc
+    import weakref
+
+    ef = ErrorFeedback()
+    rng = np.random.default_rng(0)
+    model = {n: rng.standard_normal(50_000).astype(np.float32) for n in ("a", "b", "c")}
+    gpu_codec.compress(model, fraction=0.01, residual=ef)
+    first = weakref.ref(ef._state["a"][0].base)  # (the first call's one allocation, which every residual slices)
+    kept = ef.residual("a")
+    gpu_codec.compress({"b": model["b"], "c": model["c"]}, fraction=0.01, residual=ef)  # (not naming "a")
+    gc.collect()
+    assert first() is None
+    np.testing.assert_array_equal(ef.residual("a"), kept)  # ("a" is kept, as it was)
+    assert sorted(ef.names()) == ["a", "b", "c"]
+
+
+def test_an_adapter_s_state_starts_over_where_a_layer_is_gone():
+    from gpu_codec.adapt import restart_if_changed
+
+    ef = ErrorFeedback()
+    model = {"a": np.ones(8, np.float32), "b": np.ones(8, np.float32)}
+    gpu_codec.compress(model, fraction=0.25, residual=ef)
+    assert restart_if_changed(ef, model) == [] and len(ef) == 2
+    assert restart_if_changed(ef, {"b": model["b"], "c": np.ones(3, np.float32)}) == ["'a' is gone"]
+    assert len(ef) == 0
