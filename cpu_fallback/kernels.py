@@ -10,6 +10,7 @@ runs the faster composition in :mod:`cpu_fallback.select`, which gives the same 
 from __future__ import annotations
 
 from functools import partial
+from operator import attrgetter
 
 import numpy as np
 
@@ -27,6 +28,8 @@ from .elementwise import (
     tensor_delta_scores,
 )
 from .parallel import parallel_map, spans
+
+_SIZE = attrgetter("size")
 
 BLOCK = 256
 ITEMS = 16
@@ -302,11 +305,12 @@ def _bad_entries(idx, v, numel):
     return min(bad) if bad else None
 
 
-def _onto_blocks(out, sources, start, stop, dt, idx, v):
+def _onto_blocks(out, sources, start, stop, dt, idx, v, sizes=None):
     """``out[start:stop]`` = the ``sources`` end to end, and the entries ``idx`` (checked: ascending, within
     [start, stop)) added to it, in blocks of ONTO_BLOCK elements on the thread pool, each block's entries applied
-    while the block is in cache; whether every sum written is finite."""
-    sizes = np.fromiter((a.size for a in sources), np.int64, len(sources))
+    while the block is in cache; whether every sum written is finite. ``sizes``: the sources' sizes, where known."""
+    if sizes is None:
+        sizes = np.fromiter(map(_SIZE, sources), np.int64, len(sources))
     ends = np.cumsum(sizes) + start
     begins = ends - sizes
     firsts = np.arange(start, stop, ONTO_BLOCK, dtype=np.int64)
@@ -382,14 +386,15 @@ def scatter_onto_bases(out, bases, dt, idx, vals):
     >>> out.tolist()
     [1.0, 6.0, 7.0, 0.0, 0.0]
     """
-    total, held = int(out.size), sum([a.size for a in bases])
+    sizes = np.fromiter(map(_SIZE, bases), np.int64, len(bases))
+    total, held = int(out.size), int(sizes.sum())
     if held != total:
         raise ValueError(f"the bases hold {held} elements, the output {total}")
     v = vals if dt == DT_F64 else vals.astype(np.float32, copy=False)
     bad = _bad_entries(idx, v, total)
     if bad is not None:
         return bad, True
-    return None, _onto_blocks(out, list(bases), 0, total, dt, idx, v)
+    return None, _onto_blocks(out, list(bases), 0, total, dt, idx, v, sizes)
 
 
 def scatter_u32(*args):
