@@ -52,13 +52,13 @@ def dense_stages(stages: list[dict] | None) -> list[dict] | None:
     return [s for s in stages if get_codec(s).stage not in ("indices", "sparsify")]
 
 
-def restart_if_changed(residual: Any, update: Mapping[str, Any]) -> list[str]:
+def restart_if_changed(residual: Any, update: Mapping[str, Any], whole: bool = False) -> list[str]:
     """Forget an error-feedback state (:class:`~gpu_codec.ErrorFeedback`) where the model it was kept for has
-    changed: a tensor of ``update`` (name -> float array, the whole model) whose dtype or shape is not its
-    residual's (a strategy that returns the model in another dtype, as flwr's FedAdam gives float64 for float32; a
-    resized layer), or a residual whose tensor ``update`` no longer has (a layer removed or renamed). Each such
-    residual would be refused against every update from then on, or held (with its memory) for a tensor that is
-    gone; what is lost is one round's dropped entries. Returns what changed (empty: the state is kept).
+    changed: a tensor of ``update`` (name -> float array) whose dtype or shape is not its residual's (a strategy
+    that returns the model in another dtype, as flwr's FedAdam gives float64 for float32; a resized layer). Each
+    such residual would be refused against every update from then on; what is lost is one round's dropped
+    entries. ``whole``: ``update`` is every tensor the state is kept for, so a residual whose tensor it lacks (a
+    layer removed or renamed) is discarded alone, the others kept. Returns what changed (empty: the state is kept).
 
     >>> import numpy as np, gpu_codec
     >>> ef = gpu_codec.ErrorFeedback()
@@ -67,9 +67,10 @@ def restart_if_changed(residual: Any, update: Mapping[str, Any]) -> list[str]:
     ([], 1)
     >>> restart_if_changed(ef, {"w": np.ones(4)}), len(ef)
     (["'w' float32[4] -> float64[4]"], 0)
-    >>> _ = gpu_codec.compress({"w": np.ones(4, np.float32)}, fraction=0.5, residual=ef)
-    >>> restart_if_changed(ef, {"v": np.ones(4, np.float32)}), len(ef)
-    (["'w' is gone"], 0)
+    >>> two = {"w": np.ones(4, np.float32), "v": np.ones(4, np.float32)}
+    >>> _ = gpu_codec.compress(two, fraction=0.5, residual=ef)
+    >>> restart_if_changed(ef, {"v": np.ones(4, np.float32)}, whole=True), ef.names()
+    (["'w' is gone"], ['v'])
     """
     from .arrays import to_tensor
 
@@ -79,10 +80,12 @@ def restart_if_changed(residual: Any, update: Mapping[str, Any]) -> list[str]:
         t = to_tensor(update[n], n)
         if was[n] != (t.dtype, tuple(t.shape)):
             changed.append(f"{n!r} {was[n][0]}{list(was[n][1])} -> {t.dtype}{list(t.shape)}")
-    changed += [f"{n!r} is gone" for n in was if n not in update]
     if changed:
         residual.reset()
-    return changed
+        return changed
+    gone = [n for n in was if n not in update] if whole else []
+    residual.discard(gone)
+    return [f"{n!r} is gone" for n in gone]
 
 
 def content_key(model: Mapping[str, Any]) -> tuple | None:

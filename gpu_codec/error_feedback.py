@@ -55,9 +55,9 @@ class _Binding:
 class ErrorFeedback:
     """Per-client residual state for :func:`gpu_codec.compress` (``residual=``).
 
-    A tensor's residual is kept until :meth:`reset`, also through calls that do not name it (a client may compress
-    parts of its model in separate calls); a model whose layers are removed or renamed should start over
-    (:meth:`reset`), or the residuals of the tensors gone stay held.
+    A tensor's residual is kept until :meth:`reset` or :meth:`discard`, also through calls that do not name it (a
+    client may compress parts of its model in separate calls): residuals of layers removed or renamed stay held
+    until discarded.
 
     Thread safe: a compress call holds the state's lock from reading the residual to storing the new one, so
     threads sharing one state take turns (each sees the residual the previous call left). A call that fails
@@ -108,6 +108,20 @@ class ErrorFeedback:
         with self._lock:
             self._state.clear()
             self._ready = None
+
+    def discard(self, names: list[str]) -> None:
+        """Forget the residuals of the tensors ``names`` (layers removed or renamed); a name not held is ignored.
+
+        >>> import numpy as np, gpu_codec
+        >>> ef = ErrorFeedback()
+        >>> two = {"a": np.ones(4, np.float32), "b": np.ones(4, np.float32)}
+        >>> _ = gpu_codec.compress(two, fraction=0.5, residual=ef)
+        >>> ef.discard(["a", "z"]); ef.names()
+        ['b']
+        """
+        with self._lock:
+            for n in names:
+                self._state.pop(n, None)
 
     def residual(self, name: str) -> np.ndarray:
         """A host copy of one tensor's residual, in the tensor's shape."""
@@ -162,16 +176,25 @@ class ErrorFeedback:
         for (n, dt, shape), a in zip(binding.entries, binding.res_out):
             self._state[n] = (a, dt, shape)
         if len(self._state) > len(binding.entries):  # (residuals of tensors this call did not name)
-            # each is copied out of the allocation it shares with an earlier call's residuals (a call writes them as
-            # slices of one allocation a dtype): a name kept from an earlier call no longer holds all of its memory
-            bound = {n for n, _, _ in binding.entries}
-            for n in [n for n in self._state if n not in bound]:
-                a, dt, shape = self._state[n]
-                base = getattr(a, "base", None)
-                if base is not None and base.nbytes > a.nbytes:
-                    self._state[n] = (a.copy(), dt, shape)
+            self._compact({n for n, _, _ in binding.entries})
         binding.committed = True
         self._ready = events.record(backend)
+
+    def _compact(self, named: set[str]) -> None:
+        """Copy the residuals a call did not name (``named``: those it did) out of an earlier call's allocation
+        where they no longer fill it (a call writes its residuals as slices of one allocation a dtype): a name
+        kept from an earlier call holds its own memory, not all of that call's."""
+        groups: dict[int, list[str]] = {}
+        for n, (a, _, _) in self._state.items():
+            base = getattr(a, "base", None)
+            if n not in named and base is not None:
+                groups.setdefault(id(base), []).append(n)
+        for ns in groups.values():
+            base = self._state[ns[0]][0].base
+            if sum(int(self._state[n][0].nbytes) for n in ns) < int(base.nbytes):
+                for n in ns:
+                    a, dt, shape = self._state[n]
+                    self._state[n] = (a.copy(), dt, shape)
 
     # --- persistence ----------------------------------------------------------------------------------------------
 

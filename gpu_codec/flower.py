@@ -427,7 +427,8 @@ def compression_mod(
     error_feedback
         Keep what compression dropped in ``context.state`` (as a checksummed gpu_codec record, no pickle) and add
         it to the next round's delta; where the model's dtype or a shape changes (flwr's FedAdam returns a float32
-        model as float64), the residual starts over, with a warning.
+        model as float64), the residual starts over, with a warning; a layer gone from the model has its residual
+        discarded.
     key
         Name of the compressed Array in the record.
     max_output_bytes
@@ -467,12 +468,14 @@ def compression_mod(
                 continue
             rec = reply.content.array_records[rk]
             arrays = {k: rec[k].numpy() for k in rec}
-            ef = None
+            ef, changed = None, []
             state_key = f"{_EF_STATE}.{rk}"
             if error_feedback:
                 saved = context.state.config_records.get(state_key)
                 ef = ErrorFeedback.from_bytes(saved["state"]) if saved is not None else ErrorFeedback()
-                changed = adapt.restart_if_changed(ef, {n: arrays[n] for n in _split_floats(arrays, received[rk])})
+                # (the reply is the whole model: a residual of a float array it no longer has is discarded)
+                floats = {n: a for n, a in arrays.items() if a.dtype.name in _FLOAT_NPY}
+                changed = adapt.restart_if_changed(ef, floats, whole=True)
                 if changed:
                     log.warning("the model changed (%s): its error-feedback residual starts over", ", ".join(changed))
             new_rec, names = _compressed_record(
@@ -480,8 +483,8 @@ def compression_mod(
             )
             if names:
                 reply.content[rk] = new_rec
-                if ef is not None:
-                    context.state[state_key] = ConfigRecord({"state": ef.to_bytes()})
+            if ef is not None and (names or changed):  # (a state started over is saved so, said once)
+                context.state[state_key] = ConfigRecord({"state": ef.to_bytes()})
         return reply
 
     return gpu_codec_mod

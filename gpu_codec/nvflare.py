@@ -265,7 +265,8 @@ class UpdateCompressor(_Compressing):
         The fraction for ``WEIGHTS`` DXOs; ``None`` (the default): dense, only the pipeline applies.
     error_feedback
         Keep what top-k leaves out of a ``WEIGHT_DIFF`` and add it to the next round's (per site, in memory);
-        where the model's dtype or a shape changes, the residual starts over, with a warning.
+        where the model's dtype or a shape changes, the residual starts over, with a warning (a tensor a DXO does
+        not carry keeps its residual: a site's DXOs may carry parts of the model).
     state_dir
         Where to also keep the error-feedback state on disk (``<state_dir>/<site>.gcef``), so a restarted
         client resumes it; None: memory only.

@@ -163,6 +163,14 @@ def test_a_residual_grown_past_the_range_is_named_and_nothing_is_stored(with_bas
     gpu_codec.compress(new, base, fraction=0.5, residual=ef)  # (a fresh residual: the round goes through)
 
 
+def test_a_grown_residual_is_named_with_a_custom_score_too():
+    ef = ErrorFeedback()
+    new = {"a": np.array([3e38, 3e38], np.float32)}
+    gpu_codec.compress(new, fraction=0.5, residual=ef)
+    with pytest.raises(InvalidInputError, match="plus the error-feedback residual is not"):
+        gpu_codec.compress(new, fraction=0.5, residual=ef, score=lambda u, b: {k: np.abs(v) for k, v in u.items()})
+
+
 def test_a_non_finite_update_with_a_residual_is_not_blamed_on_the_residual():
     ef = ErrorFeedback()
     gpu_codec.compress({"a": np.ones(4, np.float32)}, fraction=0.5, residual=ef)
@@ -193,12 +201,25 @@ def test_a_residual_kept_from_an_earlier_call_does_not_hold_that_call_s_memory()
     assert sorted(ef.names()) == ["a", "b", "c"]
 
 
-def test_an_adapter_s_state_starts_over_where_a_layer_is_gone():
+def test_an_adapter_s_state_drops_a_layer_that_is_gone_and_keeps_the_others():
     from gpu_codec.adapt import restart_if_changed
 
     ef = ErrorFeedback()
-    model = {"a": np.ones(8, np.float32), "b": np.ones(8, np.float32)}
+    model = {"a": np.ones(8, np.float32), "b": np.arange(8, dtype=np.float32)}
     gpu_codec.compress(model, fraction=0.25, residual=ef)
-    assert restart_if_changed(ef, model) == [] and len(ef) == 2
-    assert restart_if_changed(ef, {"b": model["b"], "c": np.ones(3, np.float32)}) == ["'a' is gone"]
-    assert len(ef) == 0
+    kept = ef.residual("b")
+    assert restart_if_changed(ef, model, whole=True) == [] and len(ef) == 2
+    assert restart_if_changed(ef, {"b": model["b"]}) == [] and len(ef) == 2  # (a partial update: nothing gone)
+    assert restart_if_changed(ef, {"b": model["b"], "c": np.ones(3, np.float32)}, whole=True) == ["'a' is gone"]
+    assert ef.names() == ["b"]
+    np.testing.assert_array_equal(ef.residual("b"), kept)
+
+
+def test_residuals_that_still_fill_their_allocation_are_not_copied():
+    # (a client compressing its model in two halves a round: each call's residuals stay where they were written)
+    ef = ErrorFeedback()
+    a, b = {"a": np.ones(1000, np.float32)}, {"b": np.ones(1000, np.float32)}
+    gpu_codec.compress(a, fraction=0.01, residual=ef)
+    held = ef._state["a"][0]
+    gpu_codec.compress(b, fraction=0.01, residual=ef)
+    assert ef._state["a"][0] is held
