@@ -352,7 +352,7 @@ def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int, dt: int) -> 
                 "score for top-k to compare; compress with fraction=None (dense), which sends float64 values exactly"
             )
     inputs_finite = all_finite(new, dt, xp) and (base is None or all_finite(base, dt, xp))
-    if res is not None and crit != dtypes.CRIT_EXTERNAL and inputs_finite:
+    if res is not None and inputs_finite:
         with np.errstate(over="ignore", invalid="ignore"):
             d = _wide(new, dt) - _wide(base, dt) if base is not None else _wide(new, dt)
             if all_finite(d, DT_F32, xp) and not all_finite(d + res, DT_F32, xp):

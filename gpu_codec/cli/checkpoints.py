@@ -315,8 +315,8 @@ def _torch(path: str) -> Any:
         import torch
     except ImportError:
         raise InvalidInputError(
-            f"{describe(path)}: reading or writing .pt needs torch (pip install 'gpu_codec[torch]'; on a machine "
-            "without a GPU, torch's CPU build: --index-url https://download.pytorch.org/whl/cpu)"
+            f"{describe(path)}: reading or writing .pt needs torch (pip install torch; on a machine without a GPU, "
+            "its CPU build: pip install torch --index-url https://download.pytorch.org/whl/cpu)"
         ) from None
     return torch
 

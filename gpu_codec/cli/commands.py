@@ -712,6 +712,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _in_cli_words(message: str) -> str:
+    """A library message in the command line's words: its options, not the keywords of the Python API.
+
+    >>> _in_cli_words("compress with fraction=None (dense), which sends float64 values exactly")
+    'compress with --fraction dense, which sends float64 values exactly'
+    """
+    return message.replace("fraction=None (dense)", "--fraction dense").replace("fraction=None", "--fraction dense")
+
+
 def _fail(message: str) -> None:
     print(f"{PROG}: error: {describe(' '.join(str(message).split()))}", file=sys.stderr)
 
@@ -773,7 +782,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except GpuCodecError as e:  # bad input, a bad payload, a backend that is not there
-        _fail(str(e).replace("fraction=None encodes", "--fraction dense encodes"))  # (the option, not the keyword)
+        _fail(_in_cli_words(str(e)))
         return 2
     except OSError as e:  # a file that cannot be read or written
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
