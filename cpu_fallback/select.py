@@ -31,7 +31,7 @@ import math
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from itertools import pairwise
+from itertools import pairwise, repeat
 from operator import attrgetter
 
 import numpy as np
@@ -666,28 +666,44 @@ def _stride(n: int) -> int:
 def _sample(c: _Call, seg: list[int], n: int) -> np.ndarray:
     """Keys of a sample of the segment: runs of RUN elements at every ``stride``-th element of its tensors laid end
     to end (:func:`_phases`). The runs of |delta| tensors of one dtype are gathered into one array first (a view
-    per tensor and array, made in one comprehension over the tensor table), so their keys take a few calls whatever
-    the tensor count."""
+    per tensor and array, made by one ``map`` over the tensor table), so their keys take a few calls whatever the
+    tensor count; the tensors are grouped by (dtype, has base, has residual) with one pass of ``zip`` over the
+    table, and one group (the common case) takes no Python a tensor at all."""
     stride = _stride(n)
-    keys, batch = [], {}  # (dtype, has base, has residual) -> positions in seg of |delta| tensors
+    keys = []
     fast = c.crit in (0, 3)
     dts, news, bases, res = c.dtypes, c.new, c.base, c.res
-    starts, rows = _phases(np.array([news[t].size for t in seg], np.int64), stride)
+    ns = [news[t] for t in seg]
+    starts, rows = _phases(np.fromiter(map(_SIZE, ns), np.int64, len(ns)), stride)
+    batch: dict[tuple, list[int]] = {}  # (dtype, has base, has residual) -> positions in seg of |delta| tensors
+    rest = []  # positions of the others (scores, fp64), each sampled alone
     if fast:
-        for i in [i for i, t in enumerate(seg) if dts[t] != DT_F64]:
-            t = seg[i]
-            batch.setdefault((dts[t], bases[t] is not None, res[t] is not None), []).append(i)
+        sd = [dts[t] for t in seg]
+        hb = [bases[t] is not None for t in seg]
+        hr = [res[t] is not None for t in seg]
+        groups = set(zip(sd, hb, hr))
+        if len(groups) == 1 and DT_F64 not in sd:  # (one group: every tensor with rows)
+            batch[groups.pop()] = [i for i, r in enumerate(rows) if r] if 0 in rows else list(range(len(seg)))
+        else:
+            for i, g in enumerate(zip(sd, hb, hr)):
+                if not rows[i]:
+                    continue
+                if g[0] == DT_F64:
+                    rest.append(i)
+                else:
+                    batch.setdefault(g, []).append(i)
+    else:
+        rest = [i for i, r in enumerate(rows) if r]
     with np.errstate(over="ignore", invalid="ignore"):
-        for i, t in enumerate(seg):
-            if (fast and dts[t] != DT_F64) or not rows[i]:
-                continue
+        for i in rest:
+            t = seg[i]
             nw, bs, rs, ex = (_runs(x, stride, starts[i]) for x in (news[t], bases[t], res[t], c.ext[t]))
             keys.append(_keys(t, nw, bs, rs, dts[t], c.crit, ex, c.ext_dt[t])[1].ravel())
         for (dt, has_base, has_res), at in batch.items():
-            at = [i for i in at if rows[i]]
             if not at:
                 continue
-            ts, r, o = [seg[i] for i in at], [rows[i] for i in at], [starts[i] for i in at]
+            ts = [seg[i] for i in at]
+            r, o = [rows[i] for i in at], [starts[i] for i in at]
             nw, bs, rs = (
                 _runs_of([xs[t] for t in ts], r, o, stride) if on else None
                 for xs, on in ((news, True), (bases, has_base), (res, has_res))
@@ -698,10 +714,12 @@ def _sample(c: _Call, seg: list[int], n: int) -> np.ndarray:
 
 def _runs_of(xs: list[np.ndarray], rows: list[int], starts: list[int], stride: int) -> np.ndarray:
     """The runs of :func:`_runs` of each array of ``xs`` (one dtype; ``rows`` of them from ``starts``, every one at
-    least one: a view of its array, made by one constructor call), in one array."""
+    least one: a view of its array, made by one constructor call, the calls made by ``map``), in one array."""
     dt = xs[0].dtype
-    size, st = dt.itemsize, (stride * dt.itemsize, dt.itemsize)
-    return np.concatenate([np.ndarray((r, RUN), dt, x, o * size, st) for x, r, o in zip(xs, rows, starts)]).reshape(-1)
+    size = dt.itemsize
+    shapes = zip(rows, repeat(RUN))
+    views = map(np.ndarray, shapes, repeat(dt), xs, [o * size for o in starts], repeat((stride * size, size)))
+    return np.concatenate(list(views)).reshape(-1)
 
 
 def _order_stats(x: np.ndarray, ranks: list[int]) -> list[np.uint32]:
