@@ -284,9 +284,12 @@ def command_line(script: str, argv: list[str] | None) -> str:
 
 
 def commit_label() -> str:
+    """The checkout's commit, and whether its code differs from it (changes to benchmarks/results/ aside: a
+    benchmark's own earlier outputs are not the code it measures)."""
     try:
         git = lambda *a: subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True, check=False)  # noqa: E731
-        head, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no")
+        head = git("rev-parse", "--short", "HEAD")
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":(exclude)benchmarks/results")
         return head.stdout.strip() + (" (with local changes)" if dirty.stdout.strip() else "")
     except OSError:
         return "unknown"
