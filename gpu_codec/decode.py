@@ -157,6 +157,10 @@ def _decode_one(d: Any, base: Any, backend: Any, bounds: tuple[int, int], out_of
             idx = d.indices(a, b)
             bad = backend.scatter([out], [code], [numel], [idx], [vals], mode)
         if bad is not None:
+            if dense:  # (no indices: only a value can be bad)
+                raise PayloadIndexError(
+                    f"tensor {d.name!r}: dense value at entry {a + bad} is not finite; nothing was decoded"
+                )
             raise PayloadIndexError(
                 f"tensor {d.name!r}: sparse index at entry {a + bad} is out of range, repeated or not "
                 "increasing, or its value is not finite; nothing was decoded"

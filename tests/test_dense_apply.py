@@ -148,3 +148,15 @@ def test_a_dense_payload_holding_a_signalling_nan_is_a_payload_error():
     p.tensors[0].buffers["values"] = vals
     with pytest.raises(gpu_codec.PayloadError, match="tensor 'w'"):
         gpu_codec.decompress(p.to_bytes(), base=base)
+
+
+@pytest.mark.parametrize("with_base", [False, True])
+def test_a_dense_value_that_is_not_finite_is_named_as_a_value_not_an_index(with_base):
+    p = gpu_codec.compress({"w": np.ones(6, np.float32)}, fraction=None)
+    vals = np.array(p.tensors[0].buffers["values"], np.float32)
+    vals[3] = np.inf
+    p.tensors[0].buffers["values"] = vals
+    base = {"w": np.zeros(6, np.float32)} if with_base else None
+    with pytest.raises(gpu_codec.PayloadError, match=r"tensor 'w': dense value at entry 3 is not finite") as e:
+        gpu_codec.decompress(p.to_bytes(), base)
+    assert "index" not in str(e.value)

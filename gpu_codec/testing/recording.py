@@ -27,6 +27,11 @@ Counted, per call (:class:`Counts`):
   ``d2h_bytes``: bytes the read-backs bring back;
 - ``allocs``: device allocations.
 
+The recorded arrays stand for device arrays throughout, so a call's outputs stay where they are: a decode whose
+base is resident gives its outputs as the device arrays a CuPy base would get; the one copy to the host a region
+that NumPy outputs of a device decode take (``_Outputs.host_views``, after the call's scope) is neither run nor
+counted here (the GPU suite runs it on a device).
+
 Not counted: NumPy's own functions called directly on a device array (CuPy would refuse most; they are flagged in
 ``host_numpy``, which should stay empty), the driver's cost of a launch or a copy (the replay skips them: on a GPU
 each launch costs a few µs of host time on top), and the time the device itself takes. Inputs named
