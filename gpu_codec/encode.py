@@ -344,9 +344,15 @@ def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int, dt: int) -> 
     xp = get_backend().xp
     if new.dtype == np.float64 and crit != dtypes.CRIT_EXTERNAL:
         with np.errstate(over="ignore", invalid="ignore"):
-            d = new - base if base is not None else new
-            d = d + res if res is not None else d
+            d0 = new - base if base is not None else new
+            d = d0 + res if res is not None else d0
         if all_finite(d, dtypes.code("float64"), xp):
+            if res is not None and bool(xp.all(xp.abs(d0) <= np.finfo(np.float32).max)):
+                return (
+                    f"tensor {name!r}: the float64 delta plus the error-feedback residual is past the float32 range "
+                    "(|x| > 3.4e38), where top-k compares scores: the residual has grown; ErrorFeedback.reset() "
+                    "discards it"
+                )
             return (
                 f"tensor {name!r}: a finite float64 delta past the float32 range (|delta| > 3.4e38) has no float32 "
                 "score for top-k to compare; compress with fraction=None (dense), which sends float64 values exactly"

@@ -171,6 +171,16 @@ def test_a_grown_residual_is_named_with_a_custom_score_too():
         gpu_codec.compress(new, fraction=0.5, residual=ef, score=lambda u, b: {k: np.abs(v) for k, v in u.items()})
 
 
+def test_a_float64_residual_past_the_float32_range_is_named():
+    ef = ErrorFeedback()
+    new = {"a": np.array([3e38, 3e38], np.float64)}
+    gpu_codec.compress(new, fraction=0.5, residual=ef)
+    with pytest.raises(InvalidInputError, match="float64 delta plus the error-feedback residual is past"):
+        gpu_codec.compress(new, fraction=0.5, residual=ef)
+    with pytest.raises(InvalidInputError, match="a finite float64 delta past the float32 range"):  # (no residual)
+        gpu_codec.compress({"a": np.array([1e39, 1.0])}, fraction=0.5, residual=ErrorFeedback())
+
+
 def test_a_non_finite_update_with_a_residual_is_not_blamed_on_the_residual():
     ef = ErrorFeedback()
     gpu_codec.compress({"a": np.ones(4, np.float32)}, fraction=0.5, residual=ef)
