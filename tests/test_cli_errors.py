@@ -487,3 +487,65 @@ def test_backend_is_taken_before_the_command_too(capsys):
         assert "backend: emulated (forced by --backend emulated" in capsys.readouterr().out
     assert main(["--backend", "emulated", "info", "--backend", "cpu"]) == 0  # (the command's own wins)
     assert "backend: cpu (forced by --backend cpu)" in capsys.readouterr().out
+
+
+def _npz_bytes(tmp_path, header: dict, data: bytes = b"") -> str:
+    """An .npz of one member 'w.npy' whose .npy header is ``header`` (written as given) followed by ``data``."""
+    text = repr(header).encode()
+    text += b" " * (-(len(text) + 11) % 64) + b"\n"
+    npy = b"\x93NUMPY\x01\x00" + len(text).to_bytes(2, "little") + text + data
+    path = tmp_path / f"h{len(os.listdir(tmp_path))}.npz"
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr("w.npy", npy)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "shape, says",
+    [
+        ((2**40, 2**40, 0), "sizes multiply past 2^56"),
+        ((10**3000, 10**3000), "sizes multiply past 2^56"),
+        ((True, 4), "not all integers"),
+        ((1,) * 40, "40 dimensions; at most 32 are read"),
+        ((3, -4, -5), "negative size"),
+    ],
+)
+def test_an_npy_header_with_an_impossible_shape_is_refused_before_anything_is_allocated(tmp_path, capsys, shape, says):
+    path = _npz_bytes(tmp_path, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    err = user_error(capsys, "compress", path, "-o", str(tmp_path / "o"), says=says)
+    assert len(err) < 300  # (a size of 3,000 digits is never printed)
+
+
+def test_broken_zip_archives_are_one_line(files, capsys):
+    good = (files / "new.npz").read_bytes()
+    enc = bytearray(good)  # the encrypted flag, in the local header and the central directory
+    enc[enc.find(b"PK\x03\x04") + 6] |= 1
+    enc[enc.find(b"PK\x01\x02") + 8] |= 1
+    (files / "enc.npz").write_bytes(bytes(enc))
+    user_error(capsys, "compress", str(files / "enc.npz"), "-o", str(files / "o"), says="is encrypted")
+    cd = bytearray(good)  # the central directory's offset past the end of the file
+    end = cd.rfind(b"PK\x05\x06")
+    cd[end + 16 : end + 20] = (0xFFFFFFFF).to_bytes(4, "little")
+    (files / "cd.npz").write_bytes(bytes(cd))
+    user_error(capsys, "compress", str(files / "cd.npz"), "-o", str(files / "o"), says="not a readable .npz archive")
+
+
+def test_torch_views_that_repeat_their_storage_or_declare_huge_empty_shapes_are_refused(files, capsys):
+    torch = pytest.importorskip("torch")
+    torch.save({"w": torch.zeros(1).expand(1 << 20)}, files / "rep.pt")  # 4 MiB of values from 4 bytes
+    user_error(capsys, "compress", str(files / "rep.pt"), "-o", str(files / "o"), says="repeats its storage's elements")
+    torch.save({"w": torch.empty(2**62, 0)}, files / "empty.pt")
+    user_error(capsys, "compress", str(files / "empty.pt"), "-o", str(files / "o"), says="multiply past 2^56")
+    (files / "plain.pt").write_bytes(pickle.dumps({"w": 1}, protocol=2))
+    user_error(capsys, "compress", str(files / "plain.pt"), "-o", str(files / "o"), says="a pickle that torch.save")
+    assert not (files / "o").exists()
+
+
+def test_running_out_of_memory_is_one_line(files, capsys, monkeypatch):
+    from gpu_codec.cli import commands
+
+    def hungry(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(commands, "read_checkpoint", hungry)
+    user_error(capsys, "compress", str(files / "new.npz"), "-o", str(files / "o"), says="out of memory")

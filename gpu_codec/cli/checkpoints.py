@@ -45,6 +45,9 @@ from .outputs import Target, describe, resolve_output, write_output
 FORMATS = {".pt": "torch", ".pth": "torch", ".safetensors": "safetensors", ".npz": "npz"}
 NAME_COMMENT = b"gpu_codec.name:"
 _CHUNK = 64 << 20
+_MAX_NDIM = 32  # dimensions a tensor read may have (NumPy before 2.0 holds 32; no model's tensor comes near)
+_MAX_ELEMENTS = 1 << 56  # elements a shape may declare, its zero sizes counted as one (times any itemsize, within
+# NumPy's byte range; 7.2e16, far past any model's tensor)
 _MAX_MEMBER_NAME = 240  # longer encoded names get an index-based member name
 
 
@@ -248,6 +251,8 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
                 raise _npz_error(path, "some members carry a tensor name comment and some do not")
             order = []
             for i, c in zip(infos, commented):
+                if i.flag_bits & 0x1:
+                    raise _npz_error(path, f"member {describe(repr(i.filename))} is encrypted")
                 if not i.filename.endswith(".npy"):
                     raise _npz_error(path, f"member {describe(repr(i.filename))} is not an .npy array")
                 order.append((i, c if c is not None else i.filename[: -len(".npy")]))  # else np.savez naming
@@ -255,8 +260,35 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
             if len(set(names)) != len(names):
                 raise _npz_error(path, "two members hold the same tensor name")
             return {n: _read_member(path, zf, i, n) for i, n in order}
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, NotImplementedError) as e:
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, zlib.error, NotImplementedError, RuntimeError) as e:
         raise _npz_error(path, f"not a readable .npz archive ({describe(e)})") from None
+    except OSError as e:
+        if e.filename is not None:  # (the file itself: named by the error)
+            raise
+        raise _npz_error(path, f"not a readable .npz archive ({describe(e.strerror or e)})") from None
+
+
+def check_shape(path: str, name: str, shape: Any) -> None:
+    """Refuse, naming the file and the tensor, a shape no array can have: sizes that are not integers (a bool
+    either), negative, more than 32 dimensions, or sizes whose product (zeros counted as ones) passes 2^56, as an
+    empty tensor of huge sizes does; its sizes are never printed whole (a size of 4,000 digits).
+
+    >>> check_shape("m.npz", "w", (3, 4))
+    >>> check_shape("m.npz", "w", (2**40, 2**40, 0))
+    Traceback (most recent call last):
+    ...
+    gpu_codec.errors.InvalidInputError: m.npz: tensor 'w' declares a shape whose sizes multiply past 2^56
+    """
+    where = f"{describe(path)}: tensor {describe(repr(name))}"
+    dims = tuple(shape)
+    if len(dims) > _MAX_NDIM:
+        raise InvalidInputError(f"{where} has {len(dims)} dimensions; at most {_MAX_NDIM} are read")
+    if any(type(d) is not int for d in dims):
+        raise InvalidInputError(f"{where} declares a shape whose sizes are not all integers")
+    if any(d < 0 for d in dims):  # (two negative sizes multiply to a plausible byte count)
+        raise InvalidInputError(f"{where} declares a shape with a negative size")
+    if math.prod(max(d, 1) for d in dims) > _MAX_ELEMENTS:
+        raise InvalidInputError(f"{where} declares a shape whose sizes multiply past 2^56")
 
 
 def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str) -> np.ndarray:
@@ -276,8 +308,7 @@ def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: st
             raise _npz_error(path, f"{where}: object arrays are refused (reading them would need pickle)")
         if dtype.fields is not None or dtype.subdtype is not None or dtype.kind not in "biufc":
             raise _npz_error(path, f"{where}: dtype {describe(dtype)} is not a plain numeric dtype")
-        if any(d < 0 for d in shape):  # (two negative sizes multiply to a plausible byte count)
-            raise _npz_error(path, f"{where}: header declares shape {describe(shape)}, with a negative size")
+        check_shape(path, name, shape)
         nbytes = math.prod(shape) * dtype.itemsize
         left = info.file_size - f.tell()
         if nbytes != left:  # checked before allocating anything
@@ -342,7 +373,7 @@ def _torch_refusal(path: str, head: bytes, e: BaseException) -> InvalidInputErro
     elif "Unsupported operand" in text and (head.startswith(_ZIP_MAGIC) or _LEGACY_MAGIC in head):
         # (torch.save's, with another pickle protocol than its default 2, whose opcodes torch's loader reads)
         why = "torch.save wrote it with a pickle protocol whose opcodes torch's restricted loader does not read"
-    elif isinstance(e, pickle.UnpicklingError) and not head.startswith(_ZIP_MAGIC):
+    elif not head.startswith(_ZIP_MAGIC) and (isinstance(e, pickle.UnpicklingError) or _LEGACY_MAGIC not in head):
         why = "it is a pickle that torch.save did not write; pickles are never loaded"
     elif isinstance(e, pickle.UnpicklingError):
         why = "it holds objects beyond tensors, which are never unpickled"
@@ -380,6 +411,12 @@ def _read_torch(path: str) -> dict[str, Any]:
             )
         if v.layout != torch.strided or v.is_quantized or v.is_nested:
             raise InvalidInputError(f"{describe(path)}: tensor {describe(repr(k))} is not a dense tensor")
+        check_shape(path, k, v.shape)
+        if v.numel() * v.element_size() > v.untyped_storage().nbytes():  # (a stride of 0, or strides that overlap)
+            raise InvalidInputError(
+                f"{describe(path)}: tensor {describe(repr(k))} is a view that repeats its storage's elements "
+                f"({v.numel()} elements over a storage of {v.untyped_storage().nbytes()} bytes); save it contiguous"
+            )
         out[k] = v.resolve_conj().resolve_neg()  # (a lazily negated or conjugated view: its values, as they read)
     return out
 
@@ -415,9 +452,12 @@ def _read_safetensors(path: str) -> dict[str, Any]:
     framework = "pt" if _has_torch() else "numpy"  # torch reads bfloat16, NumPy cannot
     try:
         with st.safe_open(path, framework=framework) as f:
-            return {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
+            out = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no __iter__
     except Exception as e:  # SafetensorError, or NumPy refusing a dtype it lacks
         raise InvalidInputError(f"{describe(path)}: not a readable .safetensors file ({_first_line(e)})") from None
+    for k, t in out.items():
+        check_shape(path, k, tuple(t.shape))
+    return out
 
 
 def _unshared(tensors: dict[str, Any]) -> dict[str, Any]:

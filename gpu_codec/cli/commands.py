@@ -788,6 +788,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         where = f"{e.filename}: " if getattr(e, "filename", None) else ""
         _fail(f"{where}{e.strerror or e}")
         return 2
+    except MemoryError:  # (an input that decodes to more than this machine holds: said, as a user's limit)
+        _fail("out of memory: the inputs need more memory than is available (for a payload: --max-output-bytes)")
+        return 2
     except KeyboardInterrupt:
         _fail("interrupted")
         return 130
