@@ -124,6 +124,8 @@ def test_npy_header_that_lies_about_its_size(files, capsys):
         (["demo", "--pipeline", "int8:2^30"], "block_size must be in"),
         (["demo", "--fraction", "dense", "--pipeline", "rice", "--params", "2e5"], "--fraction dense encodes"),
         (["--backend", "xx", "info"], "argument --backend: invalid choice: 'xx'"),
+        (["--backend", "cpu", "inspect", "u.gcodec"], "--backend does not apply to inspect"),
+        (["--backend", "cpu", "bench", "--quick"], "--backend does not apply to bench"),
     ],
 )
 def test_bad_arguments(capsys, argv, says):

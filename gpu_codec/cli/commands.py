@@ -582,6 +582,7 @@ def build_parser() -> argparse.ArgumentParser:
     backends = ["auto", "cpu", "gpu", "emulated"]
     backend = argparse.ArgumentParser(add_help=False)  # (before the subcommand too: SUPPRESS, as the shared ones)
     backend.add_argument("--backend", choices=backends, default=argparse.SUPPRESS, help=backend_help)
+    backend.set_defaults(takes_backend=True)
     out_cap = argparse.ArgumentParser(add_help=False)
     out_cap.add_argument(
         "--max-output-bytes",
@@ -771,6 +772,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         except SystemExit as e:  # --help and --version print and stop
             return e.code if isinstance(e.code, int) else 0
         verbose = args.verbose
+        if hasattr(args, "backend") and not getattr(args, "takes_backend", False):  # (given before the command)
+            raise UsageError(f"--backend does not apply to {args.cmd} (see {PROG} {args.cmd} --help)")
         if sys.stdout is None:  # (``>&-``: what the command prints, or writes with ``-o -``, would be lost)
             _fail("stdout is closed; redirect it (to /dev/null to discard what is printed)")
             return 2
