@@ -541,3 +541,22 @@ def test_the_model_keeps_its_order_with_a_non_float_array_among_the_floats(downl
     new, _ = strategy.aggregate_train(1, replies)
     assert list(new) == names
     assert new["1.num_batches_tracked"].numpy().dtype == np.int64 and new["1.num_batches_tracked"].numpy().shape == (1,)
+
+
+@pytest.mark.parametrize("shape", [(-1, -1), (0, -1), (-2, -4), (True,)])
+def test_a_reply_whose_npy_header_lies_about_its_shape_is_left_out(shape, caplog):
+    import struct
+
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4))
+    _, replies = round_trip(strategy, compression_mod(0.5))
+    good, _ = strategy.aggregate_train(1, [replies[i] for i in (0, 1, 3)])
+    header = repr({"descr": "<i8", "fortran_order": False, "shape": shape}).encode()
+    header += b" " * (-(10 + len(header) + 1) % 64) + b"\n"
+    data = b"\x93NUMPY\x01\x00" + struct.pack("<H", len(header)) + header + bytes(8)  # (-1 x -1 x 8: 8 bytes)
+    replies[2].content["arrays"]["steps"] = Array(dtype="int64", shape=(1,), stype="numpy.ndarray", data=data)
+    with caplog.at_level("WARNING", logger="gpu_codec.flower"):
+        new, _ = strategy.aggregate_train(1, replies)
+    assert "left out" in caplog.text and "shape no array can have" in caplog.text
+    assert all(new[k].data == good[k].data for k in good)
+    with pytest.raises(gpu_codec.PayloadError, match="shape no array can have"):
+        read_numpy(replies[2].content["arrays"]["steps"])
