@@ -80,7 +80,8 @@ class TensorboardModelVisualizer(ModelVisualizer):
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as e:  # pragma: no cover - torch and tensorboard are optional
                 raise InvalidInputError(
-                    f"TensorboardModelVisualizer needs torch and tensorboard: pip install tensorboard torch==2.13.0 ({e})"
+                    "TensorboardModelVisualizer needs torch and tensorboard: "
+                    f"pip install tensorboard torch==2.13.0 ({e})"
                 ) from None
             self._writer = SummaryWriter(log_dir=self.log_dir)
         return self._writer
