@@ -139,6 +139,10 @@ class ParameterPackerWithControlVariates(ParameterPacker[NDArrays]):
         return model_weights + additional_parameters
 
     def unpack_parameters(self, packed_parameters: NDArrays) -> tuple[NDArrays, NDArrays]:
+        _need(
+            len(packed_parameters) >= self.size_of_model_params,
+            f"a control-variates packing holds at least the model's {self.size_of_model_params} arrays",
+        )
         return packed_parameters[: self.size_of_model_params], packed_parameters[self.size_of_model_params :]
 
 
@@ -156,7 +160,7 @@ class ParameterPackerWithClippingBit(ParameterPacker[float]):
     def unpack_parameters(self, packed_parameters: NDArrays) -> tuple[NDArrays, float]:
         _need(len(packed_parameters) >= 1, "a clipping-bit packing holds at least the clipping bound")
         split_size = len(packed_parameters) - 1
-        return packed_parameters[:split_size], packed_parameters[split_size:][0].item()
+        return packed_parameters[:split_size], _scalar(packed_parameters[split_size], "clipping bound")
 
 
 class ParameterPackerAdaptiveConstraint(ParameterPacker[float]):
@@ -168,8 +172,7 @@ class ParameterPackerAdaptiveConstraint(ParameterPacker[float]):
     def unpack_parameters(self, packed_parameters: NDArrays) -> tuple[NDArrays, float]:
         _need(len(packed_parameters) >= 1, "an adaptive-constraint packing holds at least the constraint variable")
         split_size = len(packed_parameters) - 1
-        packed_contents = packed_parameters[split_size:]
-        return packed_parameters[:split_size], float(packed_contents[0])
+        return packed_parameters[:split_size], float(_scalar(packed_parameters[split_size], "constraint variable"))
 
 
 ParameterPackerFedProx = ParameterPackerAdaptiveConstraint  # fl4health's former name
@@ -190,7 +193,22 @@ class ParameterPackerWithLayerNames(ParameterPacker[list]):
     def unpack_parameters(self, packed_parameters: NDArrays) -> tuple[NDArrays, list[str]]:
         _need(len(packed_parameters) >= 1, "a layer-names packing holds at least the names array")
         split_size = len(packed_parameters) - 1
-        return packed_parameters[:split_size], _names(packed_parameters[split_size])
+        names = _names(packed_parameters[split_size])
+        _need(len(names) == split_size, f"a layer-names packing has {len(names)} names for {split_size} arrays")
+        return packed_parameters[:split_size], names
+
+
+def _scalar(packed: Any, what: str) -> float | int:
+    """The one finite real number a packing's last array holds (fl4health packs it as a 0-d array); a
+    PackedLayoutError otherwise (a string, an object, NaN, several values).
+
+    >>> _scalar(np.array(0.5), "bound"), _scalar(np.array([3]), "bound")
+    (0.5, 3)
+    """
+    ok = isinstance(packed, (np.ndarray, np.generic)) and packed.size == 1 and packed.dtype.kind in "iuf"
+    value = packed.reshape(-1)[0].item() if ok else None
+    _need(ok and math.isfinite(value), f"the {what} must be one finite number in a NumPy array")
+    return value
 
 
 def _names(packed: Any) -> list[str]:

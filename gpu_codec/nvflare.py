@@ -413,7 +413,7 @@ class UpdateDecompressor(_Decompressing):
     def process(self, shareable: Any, fl_ctx: Any) -> Any:
         try:
             return super().process(shareable, fl_ctx)
-        except (GpuCodecError, ValueError, TypeError, KeyError) as e:
+        except (GpuCodecError, ValueError, TypeError, KeyError, MemoryError) as e:
             peer = _peer_of(shareable, fl_ctx)
             task = shareable.get_header(ReservedKey.TASK_NAME, None) or fl_ctx.get_prop(ReservedKey.TASK_NAME, "?")
             self.log_error(
@@ -570,12 +570,18 @@ class ClaraFilter(Filter):
         data = dict(dxo.data or {})
         meta = _meta_copy(dxo)
         if PAYLOAD_KEY in data:
-            model: Any = bytes(data.pop(PAYLOAD_KEY))
+            raw = data.pop(PAYLOAD_KEY)
+            if not isinstance(raw, (bytes, bytearray, memoryview)):  # (bytes(2**33) would allocate 8 GiB)
+                raise PayloadError(f"the DXO's {PAYLOAD_KEY!r} is a {type(raw).__name__}, not bytes")
+            model: Any = bytes(raw)
             if not model.startswith(clara.ENVELOPE_MAGIC):
                 model = _engine.Payload.from_bytes(model)
         else:
             model = data
-        ctx = clara.DataContext(model=model, metadata=meta.get("clara") or {})
+        clara_meta = meta.get("clara") or {}
+        if not isinstance(clara_meta, Mapping):
+            raise PayloadError(f"the DXO meta's 'clara' entry is a {type(clara_meta).__name__}, not a mapping")
+        ctx = clara.DataContext(model=model, metadata=clara_meta)
         app = clara.AppContext(
             round_number=_local_round(shareable, fl_ctx) or 0,
             task=shareable.get_header(ReservedKey.TASK_NAME, "") or "",

@@ -85,11 +85,14 @@ def _shape_of(metadata: Any) -> tuple[int, ...]:
     """The shape a transformer's metadata declares (a dict, or OpenFL's view of a ``MetadataProto``)."""
     if not isinstance(metadata, Mapping) or "int_list" not in metadata:
         raise InvalidInputError(f"metadata must be a mapping with 'int_list' (the shape), got {metadata!r}")
+    got = metadata["int_list"]
     try:
-        return tuple(int(s) for s in metadata["int_list"])
-    except (TypeError, ValueError):
-        got = metadata["int_list"]
-        raise InvalidInputError(f"metadata 'int_list' must be a list of integers, got {got!r}") from None
+        sizes = list(got) if not isinstance(got, (str, bytes, Mapping)) else None
+    except TypeError:
+        sizes = None
+    if sizes is None or any(isinstance(s, bool) or not isinstance(s, (int, np.integer)) for s in sizes):
+        raise InvalidInputError(f"metadata 'int_list' must be a list of integers, got {got!r:.80}")
+    return tuple(int(s) for s in sizes)
 
 
 class GpuCodecTransformer(Transformer):

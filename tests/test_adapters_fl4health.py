@@ -382,3 +382,17 @@ def test_compact_exchanger_with_a_codec_pipeline_round_trips():
     raw.pull_parameters([a], raw_dst)
     for (n, x), (_, y) in zip(dst.state_dict().items(), raw_dst.state_dict().items()):
         assert torch.equal(x, y.half().float()), n  # fp16 rounding of the same kept values, zeros elsewhere
+
+
+def test_packers_refuse_what_a_hostile_client_packs():
+    w = [np.ones(3, np.float32)]
+    for bound in (np.ones(3), [0.5], np.array("abc"), np.array(None, dtype=object), np.array(np.nan), "inf"):
+        with pytest.raises(F.PackedLayoutError, match="one finite number"):
+            F.ParameterPackerWithClippingBit().unpack_parameters(w + [bound])
+        with pytest.raises(F.PackedLayoutError, match="one finite number"):
+            F.ParameterPackerAdaptiveConstraint().unpack_parameters(w + [bound])
+    assert F.ParameterPackerAdaptiveConstraint().unpack_parameters(w + [np.array(2)])[1] == 2.0
+    with pytest.raises(F.PackedLayoutError, match="3 names for 1 arrays"):
+        F.ParameterPackerWithLayerNames().unpack_parameters(w + [np.array(["a", "b", "c"])])
+    with pytest.raises(F.PackedLayoutError, match="at least the model's 3 arrays"):
+        F.ParameterPackerWithControlVariates(3).unpack_parameters(w)

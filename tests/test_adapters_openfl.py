@@ -180,6 +180,9 @@ def test_bad_input_gets_gpu_codec_errors():
         p.backward(blob, [{"int_to_float": {}}])
     with pytest.raises(InvalidInputError, match="integers"):
         p.backward(blob, [{"int_list": ["four", 4]}])
+    for lie in ([float("inf"), 4], [3.9, 4.2], "34", {3: "x", 4: "y"}, [True, 4]):  # (coerced or overflowed before)
+        with pytest.raises(InvalidInputError, match="integers"):
+            p.backward(blob, [{"int_list": lie}])
     with pytest.raises(InvalidInputError, match="payload's bytes"):
         p.backward(np.frombuffer(blob, np.uint8), meta)
     with pytest.raises(InvalidInputError, match="like"):

@@ -314,6 +314,12 @@ def test_clara_processors_as_filters(tmp_path):
     assert got.get_filter_history() == ["ClaraFilter", "ClaraFilter"]
     with pytest.raises(C.DecryptionError):  # replayed into another round: the associated data differs
         server.process(client.process(shareable(dict(d), rnd=2), ctx(rnd=2)), ctx("server", rnd=3))
+    # what a hostile peer puts under the payload key or in the meta: our error, nothing allocated for it
+    for lie in (1 << 33, "abc", None, -1):
+        with pytest.raises(gpu_codec.PayloadError, match="not bytes"):
+            server.process(shareable({gcf.PAYLOAD_KEY: lie}), ctx("server"))
+    with pytest.raises(gpu_codec.PayloadError, match="'clara' entry is a list"):
+        server.process(shareable({gcf.PAYLOAD_KEY: C.ENVELOPE_MAGIC}, clara=[1, 2]), ctx("server"))
 
 
 # ---------------------------------------------------------------- the job in NVFlare's simulator
@@ -423,3 +429,17 @@ def test_exported_job_is_portable(job, tmp_path):
     assert meters and meters[0]["args"]["output_file"] == "sizes.jsonl"
     with pytest.raises(ValueError, match="damaged_site"):
         job.build_job("none", damaged_site=True)
+
+
+def test_a_payload_that_needs_more_memory_than_there_is_drops_that_contribution(monkeypatch, caplog):
+    up, down = gcf.UpdateCompressor(fraction=0.25), gcf.UpdateDecompressor()
+    sent = up.process(shareable(diff()), ctx())
+
+    def hungry(*args, **kwargs):
+        raise MemoryError
+
+    monkeypatch.setattr(gcf, "decompress_params", hungry)
+    with caplog.at_level(logging.ERROR):
+        reply = down.process(sent, ctx("server"))
+    assert reply.get_return_code() == ReturnCode.TASK_RESULT_FILTER_ERROR
+    assert "MemoryError" in caplog.text and "this contribution is dropped" in caplog.text
