@@ -44,6 +44,21 @@ def test_model_processor_contract():
         d.initialize(3)
 
 
+def test_a_refused_model_leaves_the_module_as_it_was():
+    torch = pytest.importorskip("torch")
+    model = net()
+    rw = C.PTModelReaderWriter()
+    rw.initialize(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    names = list(before)
+    good = {names[0]: np.full(tuple(before[names[0]].shape), 7.0, np.float32)}  # (a good value read first)
+    for bad in (np.ones(123, np.float32), np.array(["x"], dtype=object)):
+        with pytest.raises(InvalidInputError, match=repr(names[1])):
+            rw.apply_model({**good, names[1]: bad})
+        assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert rw.apply_model(good) is True and bool((model.state_dict()[names[0]] == 7).all())
+
+
 def test_pt_model_saver_round_trip(tmp_path):
     model = net(1)
     saver = C.PTModelSaver(exclude_vars=r"num_batches_tracked", model_log_dir=str(tmp_path))

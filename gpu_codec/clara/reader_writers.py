@@ -151,25 +151,32 @@ class PTModelReaderWriter(ModelProcessor):
         return {n: state[n] for n in model_vars if n in state}
 
     def apply_model(self, model_params: Any, options: Any = None) -> bool:
-        """Copy received values into the module's tensors (in place). Returns True if any was assigned."""
+        """Copy received values into the module's tensors (in place). Returns True if any was assigned. Every
+        received value is converted and checked against its tensor's shape before any is written: a refused
+        model leaves the module as it was."""
         import torch
 
         state = self._state()
         params = _params_from(model_params, state, "torch", "PTModelReaderWriter")
-        assigned = False
-        with torch.no_grad():
-            for name, value in params.items():
-                if name not in state:
-                    continue
-                dst = state[name]
+        pairs = []
+        for name, value in params.items():
+            if name not in state:
+                continue
+            dst = state[name]
+            try:
                 src = to_torch_on(value, dst.device)
-                if tuple(src.shape) != tuple(dst.shape):
-                    raise InvalidInputError(
-                        f"tensor {name!r}: received shape {tuple(src.shape)}, the model has {tuple(dst.shape)}"
-                    )
+            except (TypeError, ValueError) as e:  # (an object array, a string: no tensor)
+                what = type(value).__name__
+                raise InvalidInputError(f"tensor {name!r}: received a {what} torch cannot take ({e})") from None
+            if tuple(src.shape) != tuple(dst.shape):
+                raise InvalidInputError(
+                    f"tensor {name!r}: received shape {tuple(src.shape)}, the model has {tuple(dst.shape)}"
+                )
+            pairs.append((dst, src))
+        with torch.no_grad():
+            for dst, src in pairs:
                 dst.copy_(src)
-                assigned = True
-        return assigned
+        return bool(pairs)
 
 
 def torch_module_of(fitter: Any, who: str) -> Any:
