@@ -206,12 +206,15 @@ def write_output(target: Target, write: Callable[[Any], Any]) -> None:
             _write_through(target.path, data)
         return
     folder = os.path.dirname(os.path.abspath(target.real))
-    tmp, held = None, _hold_signals()  # (Ctrl-C or kill between the file's making and the try: it would stay)
+    # (Ctrl-C or kill between the file's making and the try would leave it, and between the descriptor's wrapping
+    # and the with block would leave the wrapper unclosed: both are made while the signals are held)
+    tmp, f, held = None, None, _hold_signals()
     try:
         fd, tmp = tempfile.mkstemp(prefix=_TMP_PREFIX, suffix=".tmp", dir=folder)
+        f = os.fdopen(fd, "wb")
         _release_signals(held)  # (one that came meanwhile is raised here, inside the try)
         held = None
-        with os.fdopen(fd, "wb") as f:
+        with f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
@@ -233,6 +236,8 @@ def write_output(target: Target, write: Callable[[Any], Any]) -> None:
         raise OSError(e.errno, e.strerror, target.path) from None
     finally:
         _release_signals(held)
+        if f is not None:
+            f.close()  # (closed already, but where a signal came before the with block)
         if tmp is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
