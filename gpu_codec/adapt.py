@@ -20,7 +20,12 @@ from typing import Any
 import numpy as np
 
 from . import engine as _engine
-from .arrays import array_kind, backend_to_torch, torch_to_backend  # noqa: F401 - the adapters' torch bridge
+from .arrays import (  # noqa: F401 - the adapters' torch bridge and their check of a received array's shape
+    array_kind,
+    backend_to_torch,
+    declared_shape_problem,
+    torch_to_backend,
+)
 from .codecs import Pipeline, as_pipeline
 from .errors import CodecConfigError, InvalidInputError, UnknownCodecError
 from .format.common import as_uint8

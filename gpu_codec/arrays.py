@@ -103,6 +103,33 @@ class TensorTable(Sequence):
         return list(self) + list(other)
 
 
+MAX_DECLARED_NDIM = 32  # dimensions a received array header may declare (NumPy before 2.0 holds 32; no model's
+# tensor comes near)
+MAX_DECLARED_ELEMENTS = 1 << 56  # elements it may declare, zero sizes counted as one (times any itemsize, within
+# NumPy's byte range; 7.2e16, far past any model's tensor)
+
+
+def declared_shape_problem(shape: Any) -> str | None:
+    """Why no array can have ``shape`` as a file or a message declares it (an ``.npy`` header, a checkpoint's
+    tensor), checked before its sizes are multiplied or printed: sizes that are not integers (a bool either),
+    negative (two of them multiply to a plausible byte count), more than 32 dimensions, or sizes whose product,
+    zeros counted as ones, passes 2^56 (an empty tensor of huge sizes); None where it is a shape.
+
+    >>> declared_shape_problem((3, 4)), declared_shape_problem((-2, -2)), declared_shape_problem((2**40, 2**40, 0))
+    (None, 'declares a shape with a negative size', 'declares a shape whose sizes multiply past 2^56')
+    """
+    dims = tuple(shape)
+    if len(dims) > MAX_DECLARED_NDIM:
+        return f"has {len(dims)} dimensions; at most {MAX_DECLARED_NDIM} are read"
+    if any(type(d) is not int for d in dims):
+        return "declares a shape whose sizes are not all integers"
+    if any(d < 0 for d in dims):
+        return "declares a shape with a negative size"
+    if math.prod(max(d, 1) for d in dims) > MAX_DECLARED_ELEMENTS:
+        return "declares a shape whose sizes multiply past 2^56"
+    return None
+
+
 def _is_torch(x: Any) -> bool:
     """Whether ``x`` is a torch tensor, a subclass's included (torch is not imported for it: a tensor's class
     comes from a module that has imported torch)."""

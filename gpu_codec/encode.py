@@ -24,7 +24,7 @@ from .backends import Backend, get_backend
 from .backends.base import DeltaRequest, SelectRequest
 from .codecs import SCOPES, as_pipeline, check_fraction, get_codec
 from .collector import holds_collector
-from .constants import DT_BF16, DT_F32, DT_F64, DType
+from .constants import DT_BF16, DT_F16, DT_F32, DT_F64, DType
 from .errors import CodecConfigError, InvalidInputError, UnknownCodecError
 from .format import (
     MAX_TENSORS,
@@ -341,41 +341,33 @@ def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int, dt: int) -> 
     whose fp32 score overflows, which only dense mode can send (top-k compares scores in fp32); or a finite update
     and base whose delta plus the error-feedback residual is not finite (the residual grew past the range: every
     later round would fail the same way until it is reset)."""
-    xp = get_backend().xp
-    if new.dtype == np.float64 and crit != dtypes.CRIT_EXTERNAL:
-        with np.errstate(over="ignore", invalid="ignore"):
-            d0 = new - base if base is not None else new
-            d = d0 + res if res is not None else d0
-        if all_finite(d, dtypes.code("float64"), xp):
-            if res is not None and bool(xp.all(xp.abs(d0) <= np.finfo(np.float32).max)):
-                return (
-                    f"tensor {name!r}: the float64 delta plus the error-feedback residual is past the float32 range "
-                    "(|x| > 3.4e38), where top-k compares scores: the residual has grown; ErrorFeedback.reset() "
-                    "discards it"
-                )
+    backend = get_backend()
+    xp = backend.xp
+    # the delta in the dtype it is taken in: fp64 as it is, the others as fp32 (the backend's widening of the
+    # stored fp16 and bf16 bits)
+    wide = {DT_F16: backend.decode_f16, DT_BF16: backend.decode_bf16}.get(dt, lambda x: x)
+    with np.errstate(over="ignore", invalid="ignore"):
+        d0 = wide(new) - wide(base) if base is not None else wide(new)
+        d = d0 + res if res is not None else d0
+    if dt == DT_F64 and crit != dtypes.CRIT_EXTERNAL and all_finite(d, DT_F64, xp):
+        if res is not None and bool(xp.all(xp.abs(d0) <= np.finfo(np.float32).max)):
             return (
-                f"tensor {name!r}: a finite float64 delta past the float32 range (|delta| > 3.4e38) has no float32 "
-                "score for top-k to compare; compress with fraction=None (dense), which sends float64 values exactly"
+                f"tensor {name!r}: the float64 delta plus the error-feedback residual is past the float32 range "
+                "(|x| > 3.4e38), where top-k compares scores: the residual has grown; ErrorFeedback.reset() "
+                "discards it"
             )
+        return (
+            f"tensor {name!r}: a finite float64 delta past the float32 range (|delta| > 3.4e38) has no float32 "
+            "score for top-k to compare; compress with fraction=None (dense), which sends float64 values exactly"
+        )
     inputs_finite = all_finite(new, dt, xp) and (base is None or all_finite(base, dt, xp))
-    if res is not None and inputs_finite:
-        with np.errstate(over="ignore", invalid="ignore"):
-            d = _wide(new, dt) - _wide(base, dt) if base is not None else _wide(new, dt)
-            if all_finite(d, DT_F32, xp) and not all_finite(d + res, DT_F32, xp):
-                return (
-                    f"tensor {name!r}: the update and its delta against base are finite, but the delta plus the "
-                    "error-feedback residual is not (inf or NaN): the residual has grown past the range; "
-                    "ErrorFeedback.reset() discards it"
-                )
+    if res is not None and inputs_finite and all_finite(d0, DT_F32, xp) and not all_finite(d, DT_F32, xp):
+        return (
+            f"tensor {name!r}: the update and its delta against base are finite, but the delta plus the "
+            "error-feedback residual is not (inf or NaN): the residual has grown past the range; "
+            "ErrorFeedback.reset() discards it"
+        )
     return f"tensor {name!r}: the update, its delta against base or its score holds a non-finite value (inf or NaN)"
-
-
-def _wide(x: Any, dt: int) -> Any:
-    """A tensor's storage as the dtype its delta is taken in: fp64 as it is, the others as fp32 (bf16's bit
-    patterns widened)."""
-    if dt == DT_BF16:
-        return (x.astype(np.uint32) << 16).view(np.float32)
-    return x if dt in (DT_F32, DT_F64) else x.astype(np.float32)
 
 
 class SparseEntries(NamedTuple):

@@ -203,12 +203,9 @@ def _read_npy(data: bytes, max_bytes: int | None) -> np.ndarray:
         raise PayloadLayoutError(f"not a valid .npy array: {e}") from None
     if dtype.hasobject:
         raise PayloadLayoutError("the .npy array has an object dtype, which cannot be read without pickle")
-    # sizes checked before they are multiplied: two negative sizes make a plausible byte count; a bool or a huge
-    # size no array has
-    if len(shape) > 32 or any(type(d) is not int or d < 0 for d in shape):
-        raise PayloadLayoutError(f"the .npy array declares a shape no array can have ({len(shape)} sizes)")
-    if math.prod(max(d, 1) for d in shape) > 1 << 56:
-        raise PayloadLayoutError("the .npy array declares a shape whose sizes multiply past 2^56")
+    problem = adapt.declared_shape_problem(shape)  # (before its sizes are multiplied)
+    if problem is not None:
+        raise PayloadLayoutError(f"the .npy array declares a shape no array can have: it {problem}")
     nbytes = math.prod(shape) * dtype.itemsize
     if max_bytes is not None and nbytes > max_bytes:
         raise PayloadLimitError(f"the .npy array declares {nbytes} bytes, over the cap of {max_bytes}")

@@ -128,6 +128,14 @@ def compress_params(
     return data, meta
 
 
+def _payload_bytes(blob: Any) -> Any:
+    """What a DXO carries under :data:`PAYLOAD_KEY`, where it is bytes (anything else a peer put there is a
+    PayloadError: ``bytes(2**33)`` would allocate 8 GiB)."""
+    if not isinstance(blob, (bytes, bytearray, memoryview)):
+        raise PayloadError(f"the DXO's {PAYLOAD_KEY!r} is a {type(blob).__name__}, not bytes (the serialized payload)")
+    return blob
+
+
 def decompress_params(
     data: Mapping[str, Any],
     meta: Mapping[str, Any] | None = None,
@@ -141,10 +149,7 @@ def decompress_params(
 
     Raises :class:`~gpu_codec.errors.PayloadError` for anything that is not a valid gpu_codec payload.
     """
-    blob = data.get(PAYLOAD_KEY) if isinstance(data, Mapping) else None
-    if not isinstance(blob, (bytes, bytearray, memoryview)):
-        raise PayloadError(f"expected the serialized payload (bytes) under {PAYLOAD_KEY!r}, got {type(blob).__name__}")
-    payload = _engine.Payload.from_bytes(blob)
+    payload = _engine.Payload.from_bytes(_payload_bytes(data.get(PAYLOAD_KEY) if isinstance(data, Mapping) else None))
     kind = like or (meta or {}).get("kind") or "numpy"
     if kind not in ("numpy", "torch", "cupy"):
         raise InvalidInputError(f"like must be 'numpy', 'torch' or 'cupy', got {kind!r}")
@@ -570,10 +575,7 @@ class ClaraFilter(Filter):
         data = dict(dxo.data or {})
         meta = _meta_copy(dxo)
         if PAYLOAD_KEY in data:
-            raw = data.pop(PAYLOAD_KEY)
-            if not isinstance(raw, (bytes, bytearray, memoryview)):  # (bytes(2**33) would allocate 8 GiB)
-                raise PayloadError(f"the DXO's {PAYLOAD_KEY!r} is a {type(raw).__name__}, not bytes")
-            model: Any = bytes(raw)
+            model: Any = bytes(_payload_bytes(data.pop(PAYLOAD_KEY)))
             if not model.startswith(clara.ENVELOPE_MAGIC):
                 model = _engine.Payload.from_bytes(model)
         else:

@@ -39,15 +39,13 @@ from typing import Any
 
 import numpy as np
 
+from ..arrays import declared_shape_problem
 from ..errors import InvalidInputError
 from .outputs import Target, describe, resolve_output, write_output
 
 FORMATS = {".pt": "torch", ".pth": "torch", ".safetensors": "safetensors", ".npz": "npz"}
 NAME_COMMENT = b"gpu_codec.name:"
 _CHUNK = 64 << 20
-_MAX_NDIM = 32  # dimensions a tensor read may have (NumPy before 2.0 holds 32; no model's tensor comes near)
-_MAX_ELEMENTS = 1 << 56  # elements a shape may declare, its zero sizes counted as one (times any itemsize, within
-# NumPy's byte range; 7.2e16, far past any model's tensor)
 _MAX_MEMBER_NAME = 240  # longer encoded names get an index-based member name
 
 
@@ -269,9 +267,8 @@ def _read_npz(path: str) -> dict[str, np.ndarray]:
 
 
 def check_shape(path: str, name: str, shape: Any) -> None:
-    """Refuse, naming the file and the tensor, a shape no array can have: sizes that are not integers (a bool
-    either), negative, more than 32 dimensions, or sizes whose product (zeros counted as ones) passes 2^56, as an
-    empty tensor of huge sizes does; its sizes are never printed whole (a size of 4,000 digits).
+    """Refuse, naming the file and the tensor, a shape no array can have
+    (:func:`~gpu_codec.arrays.declared_shape_problem`); its sizes are never printed (a size of 4,000 digits).
 
     >>> check_shape("m.npz", "w", (3, 4))
     >>> check_shape("m.npz", "w", (2**40, 2**40, 0))
@@ -279,16 +276,9 @@ def check_shape(path: str, name: str, shape: Any) -> None:
     ...
     gpu_codec.errors.InvalidInputError: m.npz: tensor 'w' declares a shape whose sizes multiply past 2^56
     """
-    where = f"{describe(path)}: tensor {describe(repr(name))}"
-    dims = tuple(shape)
-    if len(dims) > _MAX_NDIM:
-        raise InvalidInputError(f"{where} has {len(dims)} dimensions; at most {_MAX_NDIM} are read")
-    if any(type(d) is not int for d in dims):
-        raise InvalidInputError(f"{where} declares a shape whose sizes are not all integers")
-    if any(d < 0 for d in dims):  # (two negative sizes multiply to a plausible byte count)
-        raise InvalidInputError(f"{where} declares a shape with a negative size")
-    if math.prod(max(d, 1) for d in dims) > _MAX_ELEMENTS:
-        raise InvalidInputError(f"{where} declares a shape whose sizes multiply past 2^56")
+    problem = declared_shape_problem(shape)
+    if problem is not None:
+        raise InvalidInputError(f"{describe(path)}: tensor {describe(repr(name))} {problem}")
 
 
 def _read_member(path: str, zf: zipfile.ZipFile, info: zipfile.ZipInfo, name: str) -> np.ndarray:

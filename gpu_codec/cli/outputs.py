@@ -102,9 +102,9 @@ def resolve_output(
     Raises
     ------
     InvalidInputError
-        One line naming the path and the reason: empty, stdout closed, a terminal or the same file as an input,
-        a missing folder, a directory, a block device or socket, a dangling symbolic link, the same file as an
-        input, or an existing file without ``force``.
+        One line naming the path and the reason: empty, stdout closed or a terminal, a missing folder, a
+        directory, a block device or socket, a dangling symbolic link, the same file as an input (stdout too), or
+        an existing file without ``force``.
     """
     path = str(path)
     if not path:
@@ -230,8 +230,8 @@ def write_output(target: Target, write: Callable[[Any], Any]) -> None:
             os.chmod(tmp, 0o666 & ~umask)  # the mode open() would give, not mkstemp's 0600
             _link_new(tmp, target.real)
     except OSError as e:  # the output's own errors named by the path given, not the hidden temporary file's
-        made = e.filename is not None and os.path.basename(str(e.filename)).startswith(_TMP_PREFIX)
-        if e.filename is not None and e.filename not in (tmp, folder, target.real) and not made:
+        ours = e.filename is None or e.filename in (folder, target.real)
+        if not ours and not os.path.basename(str(e.filename)).startswith(_TMP_PREFIX):
             raise
         raise OSError(e.errno, e.strerror, target.path) from None
     finally:
