@@ -53,7 +53,7 @@ from .errors import (
 from .format import MAX_TENSORS, TensorRecord
 from .format.fingerprint import fingerprint
 from .payload import Payload, check_limits, within_limits
-from .xp.finite import all_finite, first_nonfinite, some_nonfinite
+from .xp.finite import all_finite, first_nonfinite, saturate_inf, some_nonfinite
 from .xp.limbs import abs_max, abs_max_bits
 
 LIMB_BITS = 18
@@ -87,6 +87,18 @@ def _grid_exponent(m: float) -> int | None:
     return None if beta == NO_GRID else beta
 
 
+def shown_weight(weight: Any) -> str:
+    """A weight as an error message writes it: its repr, but an int of more than 1,000 bits by its size (its
+    digits may be more than ``str`` writes, and a line should stay a line).
+
+    >>> shown_weight(3), shown_weight(2.5), shown_weight(-(10**400))
+    ('3', '2.5', 'an integer of 1329 bits')
+    """
+    if isinstance(weight, int) and weight.bit_length() > 1000:
+        return f"an integer of {weight.bit_length()} bits"
+    return repr(weight)
+
+
 def _check_weight(weight: Any) -> float:
     if isinstance(weight, bool) or not isinstance(weight, (int, float, np.integer, np.floating)):
         raise InvalidInputError(f"a weight must be a non-negative number, got {type(weight).__name__}")
@@ -95,7 +107,7 @@ def _check_weight(weight: Any) -> float:
     except OverflowError:
         w = math.inf
     if not (math.isfinite(w) and w >= 0.0):
-        raise InvalidInputError(f"a weight must be finite and non-negative, got {weight!r}")
+        raise InvalidInputError(f"a weight must be finite and non-negative, got {shown_weight(weight)}")
     if 0.0 < w < W_MIN:
         raise InvalidInputError(
             f"a weight must be 0 or at least 2^-800 (about 1.5e-241), got {weight!r}: scale the weights up (the mean "
@@ -778,7 +790,7 @@ class Aggregator:
                 entries = self._template.entries
             if self._base is not None:
                 # the cap was applied to every payload; every client's base + delta is finite, so the mean's is
-                # (its rounding aside, at the very edge of the dtype's range)
+                # (_onto_base saturates a sum the mean's rounding takes past the dtype's range)
                 out = self._onto_base(means, bases, entries)
                 if out is not None:
                     return out
@@ -799,8 +811,9 @@ class Aggregator:
 
     def _onto_base(self, means: dict[str, Any], bases: TensorTable, entries: list) -> dict[str, Any] | None:
         """``base + mean`` of every tensor as :func:`gpu_codec.decompress` adds a dense delta onto its base (the
-        same bytes), in one launch over all of them into one allocation per dtype, checked with one read-back;
-        None where a sum is not finite (decompress then raises its error)."""
+        same bytes), in one launch over all of them into one allocation per dtype, checked with one read-back; a
+        sum the mean's rounding takes past the dtype's range is its largest finite value of that sign. None where a
+        sum is still not finite (decompress then raises its error)."""
         backend, xp = self._backend, self._backend.xp
         logical = [dt for _, _, dt in entries]
         recs = [TensorRecord(n, dt, shape, "dense", math.prod(shape), {}) for n, shape, dt in entries]
@@ -811,10 +824,19 @@ class Aggregator:
         vals = [means[n] for n, _, _ in entries]
         checks.word(backend.dense_apply(views, codes, backend.asarrays(bases.data), vals, ScatterMode.ADD, True))
         del vals, means
-        for dt in dict.fromkeys(logical):  # one allocation (and one check) per dtype
-            checks.flag(some_nonfinite(outs.flat(logical.index(dt)), dtypes.code(dt), xp))
+        regions = [(outs.flat(logical.index(dt)), dtypes.code(dt)) for dt in dict.fromkeys(logical)]
+        for flat, code in regions:  # one allocation (and one check) per dtype
+            checks.flag(some_nonfinite(flat, code, xp))
         if not checks.passed():
-            return None
+            # every client's base + delta was finite (add() refused any other), so the mean's exact sum rounds to
+            # a finite value; where the mean's rounding to its grid took a sum at the very edge of the dtype's range
+            # past it, the sum is that edge: the largest finite value of its sign
+            checks = _decode.DeviceChecks(xp)
+            for flat, code in regions:
+                saturate_inf(flat, code, xp)
+                checks.flag(some_nonfinite(flat, code, xp))
+            if not checks.passed():
+                return None
         kinds, devices = bases.kinds, bases.devices
         if set(kinds) == {"numpy"}:  # (one copy to the host a dtype, not one a tensor)
             views = outs.host_views(backend)

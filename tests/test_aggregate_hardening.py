@@ -124,6 +124,31 @@ def test_a_delta_that_takes_the_base_out_of_range_is_refused_at_add(fraction, ba
         check_refusals_onto_a_base(base, fine, payload)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("weights", [[1.0], [1.0, 1.0, 1.0, 2.0**36]], ids=["alone", "weighty"])
+def test_a_sum_the_means_rounding_takes_past_the_range_is_its_largest_finite_value(backend, weights):
+    """A client whose base + delta is finite (accepted at add) but at the very edge of fp32: the accumulator's grid
+    (2^-35 of the largest weighted value, here 2^127's) rounds its delta up by a hair, to half an ulp of FLT_MAX,
+    which takes the sum to inf. The exact mean of finite sums rounds to FLT_MAX, so the result is FLT_MAX, where
+    the round used to fail for every client."""
+    top = np.finfo(np.float32).max
+    base = {"w": np.array([top, -top, 0.0, 1.0], np.float32)}
+    edge = np.float32(2.0**103) * np.float32(1 - 2.0**-24)  # FLT_MAX + edge rounds to FLT_MAX
+    kept = np.array([edge, 2.0**127], np.float32)
+    entries = gpu_codec.SparseEntries(np.array([0, 1], np.uint32), kept, (4,), "float32")
+    crafted = gpu_codec.encode_coo({"w": entries}).to_bytes()
+    honest = gpu_codec.compress({"w": np.array([top, -top, 0.0, 2.0], np.float32)}, base, fraction=0.25)
+    with use_backend(backend):
+        assert np.isfinite(gpu_codec.decompress(crafted, base=base)["w"]).all()
+        agg = Aggregator(base)
+        for w in weights[:-1]:
+            agg.add(honest, w)
+        agg.add(crafted, weights[-1])  # accepted: its own sum is finite
+        got = agg.result()["w"]
+    assert got[0] == top  # the edge, not inf
+    assert np.isfinite(got).all() and got[1] > -top and got[2] == 0.0
+
+
 @pytest.mark.parametrize("size", [50, SMALL_TENSOR + 50], ids=["small", "large"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_tensor_of_a_run_that_takes_its_base_out_of_range_is_refused(backend, size):

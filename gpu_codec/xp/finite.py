@@ -41,6 +41,24 @@ def some_nonfinite(x, dt: int, xp=np):
 CHECK_BLOCK = 1 << 18  # elements some_nonfinite tests at a time on the host
 
 
+def saturate_inf(x, dt: int, xp=np) -> None:
+    """Set each inf of ``x`` (a tensor's storage of logical dtype ``dt``, bf16 as uint16 bit patterns) to the
+    largest finite value of its sign, in place; NaN and finite values stay as they are.
+
+    >>> from gpu_codec.constants import DT_F16
+    >>> x = np.array([0x7F80, 0xFF80, 0x7FC0, 0x3F80], np.uint16)
+    >>> saturate_inf(x, DT_BF16); [hex(v) for v in x.tolist()]
+    ['0x7f7f', '0xff7f', '0x7fc0', '0x3f80']
+    >>> y = np.array([np.inf, -np.inf, 1.0], np.float16); saturate_inf(y, DT_F16); y.tolist()
+    [65504.0, -65504.0, 1.0]
+    """
+    if dt == DT_BF16:  # inf: an exponent of all ones and no mantissa; one less is the largest finite
+        x -= ((x & 0x7FFF) == 0x7F80).astype(x.dtype)
+        return
+    top = np.finfo(x.dtype).max
+    xp.clip(x, -top, top, out=x)  # (a NaN stays NaN)
+
+
 PACK_ALONE = 1 << 18  # elements from which a tensor is checked on its own
 PACK_MAX = 1 << 22  # elements of one concatenation of smaller tensors
 
