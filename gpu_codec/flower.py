@@ -53,7 +53,7 @@ import numpy as np
 
 from . import adapt
 from . import engine as _engine
-from .aggregate import Aggregator
+from .aggregate import Aggregator, shown_weight
 from .arrays import array_kind
 from .error_feedback import ErrorFeedback
 from .errors import GpuCodecError, InvalidInputError, PayloadLayoutError, PayloadLimitError
@@ -494,12 +494,23 @@ def compression_mod(
 
 
 def _weighted_plain_mean(entries: list[tuple[float, np.ndarray]], total: float) -> np.ndarray:
-    """Weighted mean of dense arrays in an order fixed by their bytes (so by content, not arrival)."""
+    """Weighted mean of dense arrays in an order fixed by their bytes (so by content, not arrival). Where a weight
+    near fp64's range takes a product or the sum past it, each array is weighed by its share of the total
+    instead (a mean stays within its arrays' range).
+
+    >>> _weighted_plain_mean([(1e307, np.array([40], np.int64)), (1e307, np.array([41], np.int64))], 2e307)
+    array([40])
+    """
     entries = sorted(entries, key=lambda e: (hashlib.sha256(e[1].tobytes()).digest(), e[0]))
     acc = np.zeros(entries[0][1].shape, np.float64)
-    for w, a in entries:
-        acc += w * a.astype(np.float64)
-    mean = acc / total
+    with np.errstate(over="ignore", invalid="ignore"):
+        for w, a in entries:
+            acc += w * a.astype(np.float64)
+        mean = acc / total
+        if not np.isfinite(mean).all():
+            mean[...] = 0.0
+            for w, a in entries:
+                mean += (w / total) * a.astype(np.float64)
     dt = entries[0][1].dtype
     if dt.kind in "iub":
         mean = np.rint(mean)
@@ -678,8 +689,12 @@ class CompressedStrategy(Strategy):
         if key not in metrics[0]:
             raise InvalidInputError(f"its MetricRecord has no {key!r}")
         w = metrics[0][key]
-        if isinstance(w, bool) or not isinstance(w, (int, float)) or not (math.isfinite(w) and w >= 0):
-            raise InvalidInputError(f"its weight {key!r} is {w!r}, not a non-negative number")
+        try:  # (an in-process message may carry any int: one past fp64's range is no weight either)
+            fine = not isinstance(w, bool) and isinstance(w, (int, float)) and math.isfinite(w) and w >= 0
+        except OverflowError:
+            fine = False
+        if not fine:
+            raise InvalidInputError(f"its weight {key!r} is {shown_weight(w)}, not a non-negative number")
         return float(w)
 
     def _screened(self, server_round: int, replies: list) -> list:
@@ -759,8 +774,13 @@ class CompressedStrategy(Strategy):
                 plain[n].append((w, a))
             weights.append(w)
             taken.append(m)
-        total = math.fsum(weights)
-        if not taken or total <= 0:
+        try:  # (with float arrays the Aggregator refused a weight that takes the sum past fp64's range)
+            total = math.fsum(weights)
+        except OverflowError:
+            total = math.inf
+        if not taken or not 0 < total < math.inf:
+            if taken and total == math.inf:
+                log.warning("round %d: the replies' weights sum past fp64's range", server_round)
             return None, taken
         merged = agg.result() if agg is not None else {}
         merged.update({n: _weighted_plain_mean(v, total) for n, v in plain.items()})

@@ -130,7 +130,7 @@ def test_mismatched_or_bad_payloads_leave_the_accumulator_as_it_was():
     for update, match in bad_inputs:
         with pytest.raises(InvalidInputError, match=match):
             agg.add(gpu_codec.compress(update, fraction=0.2))
-    for w in (-1.0, float("nan"), True, "2", 10**400):
+    for w in (-1.0, float("nan"), True, "2", 10**400, -(10**5000)):  # (the last: more digits than str() writes)
         with pytest.raises(InvalidInputError, match="weight"):
             agg.add(gpu_codec.compress(other, fraction=0.2), w)
     blob = gpu_codec.compress(other, fraction=0.2).to_bytes(version=1)  # v1: its JSON header is easy to edit

@@ -462,6 +462,50 @@ def test_a_round_with_no_positive_weight_gives_no_model_and_no_exception(rule, c
     assert "no reply with a positive weight" in caplog.text
 
 
+def test_a_weight_near_the_fp64_range_averages_the_integer_arrays_within_their_range():
+    """One reply's weight of 1e307 (a valid double) beside weights of 11 to 14: its float arrays unchanged (so the
+    Aggregator takes it: no weight x value past its range), the integer array's mean is the heavy reply's, where
+    w * a overflowed fp64 and came back INT64_MIN."""
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4))
+    arrays = global_model()
+    msgs = list(strategy.configure_train(1, arrays, ConfigRecord(), Nodes()))
+    replies = []
+    for m in msgs:
+        node = m.metadata.dst_node_id
+
+        def train(msg: Message, context: Context, node=node) -> Message:
+            rec = msg.content["arrays"]
+            new = {k: rec[k].numpy() + (0 if rec[k].dtype.startswith("float") else node) for k in rec}
+            weight = 1e307 if node == NODES[2] else node
+            content = RecordDict(
+                {
+                    "arrays": ArrayRecord({k: Array(v) for k, v in new.items()}),
+                    "metrics": MetricRecord({"num-examples": weight}),
+                }
+            )
+            return Message(content, reply_to=msg)
+
+        replies.append(compression_mod(0.5)(m, Context(1, node, {}, RecordDict(), {}), train))
+    new, _ = strategy.aggregate_train(1, replies)
+    assert new["steps"].numpy().tolist() == [10 + NODES[2]]
+
+
+def test_an_integer_weight_past_the_fp64_range_leaves_its_reply_out(caplog):
+    """An in-process message may carry any Python int: 10**400 (past fp64's range, its digits longer than a log
+    line) leaves that reply out, where the round raised OverflowError."""
+    arrays = global_model()
+    strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4))
+    _, replies = round_trip(strategy, compression_mod(0.5), arrays=arrays)
+    alike = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4))
+    alike.configure_train(1, arrays, ConfigRecord(), Nodes())
+    want, _ = alike.aggregate_train(1, [replies[i] for i in (0, 1, 3)])
+    replies[2].content["metrics"]["num-examples"] = 10**400
+    with caplog.at_level("WARNING", logger="gpu_codec.flower"):
+        new, _ = strategy.aggregate_train(1, replies)
+    assert "is an integer of 1329 bits, not" in caplog.text and "0000000000" not in caplog.text
+    assert all(new[k].data == want[k].data for k in want)
+
+
 def test_error_feedback_starts_over_where_the_strategy_changes_the_model_s_dtype(caplog):
     """flwr's FedAdam returns a float32 model as float64: each client's float32 residual would be refused from the
     second round on, every round after; it starts over, once, and the clients keep replying compressed."""
