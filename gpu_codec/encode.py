@@ -336,9 +336,14 @@ def compress(
     return payload
 
 
+# criteria whose score is |delta| or its negation (the others read the weights)
+_DELTA_CRITERIA = (dtypes.Criterion.MAGNITUDE, dtypes.Criterion.LARGEST_CHANGE, dtypes.Criterion.SMALLEST_CHANGE)
+
+
 def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int, dt: int) -> str:
-    """Why the selection refused tensor ``name`` (of dtype code ``dt``): a non-finite value; (fp64) a finite delta
-    whose fp32 score overflows, which only dense mode can send (top-k compares scores in fp32); or a finite update
+    """Why the selection refused tensor ``name`` (of dtype code ``dt``): a non-finite value; (fp64) a finite delta,
+    or under a criterion that reads the weights a finite weight, whose fp32 score overflows (top-k compares scores
+    in fp32); or a finite update
     and base whose delta plus the error-feedback residual is not finite (the residual grew past the range: every
     later round would fail the same way until it is reset)."""
     backend = get_backend()
@@ -350,7 +355,14 @@ def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int, dt: int) -> 
         d0 = wide(new) - wide(base) if base is not None else wide(new)
         d = d0 + res if res is not None else d0
     if dt == DT_F64 and crit != dtypes.CRIT_EXTERNAL and all_finite(d, DT_F64, xp):
-        if res is not None and bool(xp.all(xp.abs(d0) <= np.finfo(np.float32).max)):
+        top = np.finfo(np.float32).max
+        if crit not in _DELTA_CRITERIA and bool(xp.all(xp.abs(d) <= top)):  # (the score reads the weights)
+            score = next(k for k, v in dtypes.CRITERIA.items() if v == crit)
+            return (
+                f"tensor {name!r}: a float64 weight past the float32 range (|w| > 3.4e38) has no float32 score "
+                f"{score!r} for top-k to compare; compress with score='magnitude', or fraction=None (dense)"
+            )
+        if res is not None and bool(xp.all(xp.abs(d0) <= top)):
             return (
                 f"tensor {name!r}: the float64 delta plus the error-feedback residual is past the float32 range "
                 "(|x| > 3.4e38), where top-k compares scores: the residual has grown; ErrorFeedback.reset() "

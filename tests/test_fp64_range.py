@@ -36,6 +36,20 @@ def test_top_k_says_why_it_cannot(backend):
 
 
 @pytest.mark.parametrize("backend", ["cpu", "emulated"])
+@pytest.mark.parametrize("score", ["largest_final_magnitude", "smallest_final_magnitude"])
+def test_a_criterion_that_reads_the_weights_blames_the_weight_not_the_delta(backend, score):
+    """An unchanged weight of 1e300 (its delta 0): under a criterion that scores the weights, the weight's score
+    overflows float32; the message said a delta was past the range, where every delta is small."""
+    base, new = {"w": np.array([1e300, 1.0, 2.0])}, {"w": np.array([1e300, 1.5, 2.5])}
+    with use_backend(backend):
+        assert gpu_codec.compress(new, base, fraction=0.34).tensors[0].nnz == 2  # (|delta| is fine)
+        with pytest.raises(InvalidInputError) as e:
+            gpu_codec.compress(new, base, fraction=0.34, score=score)
+    msg = str(e.value)
+    assert "float64 weight past the float32 range" in msg and repr(score) in msg and "delta" not in msg
+
+
+@pytest.mark.parametrize("backend", ["cpu", "emulated"])
 @pytest.mark.parametrize("fraction", [None, 0.5])
 def test_a_non_finite_delta_is_still_called_non_finite(backend, fraction):
     with use_backend(backend), pytest.raises(InvalidInputError, match="non-finite"):
