@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -110,7 +110,8 @@ class ErrorFeedback:
             self._ready = None
 
     def discard(self, names: list[str]) -> None:
-        """Forget the residuals of the tensors ``names`` (layers removed or renamed); a name not held is ignored.
+        """Forget the residuals of the tensors ``names`` (layers removed or renamed; a list or another iterable of
+        names, not one name alone); a name not held is ignored.
 
         >>> import numpy as np, gpu_codec
         >>> ef = ErrorFeedback()
@@ -118,16 +119,27 @@ class ErrorFeedback:
         >>> _ = gpu_codec.compress(two, fraction=0.5, residual=ef)
         >>> ef.discard(["a", "z"]); ef.names()
         ['b']
+        >>> ef.discard("b")
+        Traceback (most recent call last):
+        ...
+        gpu_codec.errors.InvalidInputError: discard takes a list of tensor names, got str: discard(['b']) for one
         """
+        if isinstance(names, (str, bytes)) or not isinstance(names, Iterable):
+            one = f": discard([{names!r}]) for one" if isinstance(names, str) else ""
+            raise InvalidInputError(f"discard takes a list of tensor names, got {type(names).__name__}{one}")
+        names = list(names)
         with self._lock:
             for n in names:
-                self._state.pop(n, None)
+                if isinstance(n, str):
+                    self._state.pop(n, None)
 
     def residual(self, name: str) -> np.ndarray:
-        """A host copy of one tensor's residual, in the tensor's shape."""
+        """A host copy of one tensor's residual, in the tensor's shape; :class:`~gpu_codec.errors.InvalidInputError`
+        where none is held for ``name``."""
         with self._lock:
             if name not in self._state:
-                raise KeyError(name)
+                held = list(self._state)
+                raise InvalidInputError(f"no residual is held for tensor {name!r} ({len(held)} held: {held[:5]})")
             a, _, shape = self._state[name]
             backend = get_backend()
             events.wait(backend, self._ready)  # the copy runs on the current stream, after the writes

@@ -480,7 +480,8 @@ def compression_mod(
                 floats = {n: a for n, a in arrays.items() if a.dtype.name in _FLOAT_NPY}
                 changed = adapt.restart_if_changed(ef, floats, whole=True)
                 if changed:
-                    log.warning("the model changed (%s): its error-feedback residual starts over", ", ".join(changed))
+                    what = "its error-feedback residual starts over" if not len(ef) else "their residuals are dropped"
+                    log.warning("the model changed (%s): %s", ", ".join(changed), what)
             new_rec, names = _compressed_record(
                 arrays, received[rk], key, fraction=fraction, scope=scope, pipeline=pipeline_cfg, residual=ef
             )

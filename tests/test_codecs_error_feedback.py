@@ -106,9 +106,15 @@ def test_shape_change_and_reset():
     assert len(ef) == 0
     gpu_codec.compress(bad, fraction=0.1, residual=ef)
     assert ef.residual("a").shape == (601,)
-    with pytest.raises(KeyError):
-        ef.residual("nope")
+    with pytest.raises(InvalidInputError, match=r"no residual is held for tensor 'nope' \(2 held: \['a', 'b'\]\)"):
+        ef.residual("nope")  # (the library's own error, where a bare KeyError came)
     assert repr(ef) == "ErrorFeedback(2 tensors)"
+    for names in ("a", None, 5):  # (a string alone discarded its characters; None or 5 raised TypeError)
+        with pytest.raises(InvalidInputError, match="discard takes a list of tensor names"):
+            ef.discard(names)
+    ef.discard([None, "zz", ["a"]])  # (names not held are ignored, whatever they are)
+    ef.discard(n for n in ("a",))
+    assert ef.names() == ["b"]
 
 
 def test_bf16_tensors_keep_fp32_residual():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -530,6 +531,30 @@ def test_error_feedback_starts_over_where_the_strategy_changes_the_model_s_dtype
     assert caplog.text.count("error-feedback residual starts over") == len(NODES)  # (round 2 only)
     state = contexts[11].state.config_records["gpu_codec.error_feedback.arrays"]["state"]
     assert gpu_codec.ErrorFeedback.from_bytes(state).layout() == {"w": ("float64", (6, 5))}
+
+
+def test_a_layer_gone_from_the_model_drops_its_residual_and_keeps_the_others(caplog):
+    """Round 2's model lacks 'v': each client's residual of 'v' is dropped, that of 'w' kept (its reply differs
+    from a client's without a residual), and the warning says so (it said the whole residual started over)."""
+    mod = compression_mod(0.5)
+    contexts = {n: Context(1, n, {}, RecordDict(), {}) for n in NODES}
+    key = "gpu_codec.error_feedback.arrays"
+    rng = np.random.default_rng(1)
+    w, v = rng.standard_normal((6, 5)).astype(np.float32), rng.standard_normal(7).astype(np.float32)
+    for rnd, arrays in ((1, {"w": w, "v": v}), (2, {"w": w})):
+        strategy = CompressedStrategy(FedAvg(min_available_nodes=4, min_train_nodes=4))
+        record = ArrayRecord({k: Array(a) for k, a in arrays.items()})
+        with caplog.at_level("WARNING", logger="gpu_codec.flower"):
+            for m in strategy.configure_train(rnd, record, ConfigRecord(), Nodes()):
+                node = m.metadata.dst_node_id
+                fresh = mod(copy.deepcopy(m), Context(1, node, {}, RecordDict(), {}), local_train(node))
+                reply = mod(m, contexts[node], local_train(node))
+                ef = gpu_codec.ErrorFeedback.from_bytes(contexts[node].state.config_records[key]["state"])
+                assert ef.names() == list(arrays)
+                sent = [r.content["arrays"]["gpu_codec"].data for r in (reply, fresh)]
+                assert (sent[0] != sent[1]) == (rnd == 2)  # (round 2: 'w''s residual carried on)
+    assert caplog.text.count("('v' is gone): their residuals are dropped") == len(NODES)
+    assert "starts over" not in caplog.text
 
 
 @pytest.mark.parametrize("downlink", ["default", None])
