@@ -343,9 +343,8 @@ _DELTA_CRITERIA = (dtypes.Criterion.MAGNITUDE, dtypes.Criterion.LARGEST_CHANGE, 
 def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int, dt: int) -> str:
     """Why the selection refused tensor ``name`` (of dtype code ``dt``): a non-finite value; (fp64) a finite delta,
     or under a criterion that reads the weights a finite weight, whose fp32 score overflows (top-k compares scores
-    in fp32); or a finite update
-    and base whose delta plus the error-feedback residual is not finite (the residual grew past the range: every
-    later round would fail the same way until it is reset)."""
+    in fp32); or a finite update and base whose delta plus the error-feedback residual is not finite (the residual
+    grew past the range: every later round would fail the same way until it is reset)."""
     backend = get_backend()
     xp = backend.xp
     # the delta in the dtype it is taken in: fp64 as it is, the others as fp32 (the backend's widening of the
