@@ -28,7 +28,7 @@ from .format import (
     table_frame,
     unpack,
 )
-from .format.common import check_name, record_column
+from .format.common import MAX_JSON_VALUES, check_name, json_values_bound, record_column
 
 MAX_METADATA_DEPTH = 64  # nesting levels of metadata containers
 MAX_METADATA_INT = 10**40  # the header parser rejects longer integers
@@ -92,11 +92,16 @@ def check_metadata(metadata: Any) -> dict[str, Any]:
     if not isinstance(metadata, Mapping):
         raise InvalidInputError(f"metadata must be a mapping, got {type(metadata).__name__}")
     out = check_json(metadata)
-    size = len(json.dumps(out, separators=(",", ":"), ensure_ascii=True))
-    if size > MAX_HEADER_BYTES // 2:
+    text = json.dumps(out, separators=(",", ":"), ensure_ascii=True)  # (as the writers write it)
+    if len(text) > MAX_HEADER_BYTES // 2:
         raise InvalidInputError(
-            f"metadata is {size} bytes as JSON, over {MAX_HEADER_BYTES // 2} (half the header limit of "
+            f"metadata is {len(text)} bytes as JSON, over {MAX_HEADER_BYTES // 2} (half the header limit of "
             f"{MAX_HEADER_BYTES} bytes); send large data as tensors"
+        )
+    if json_values_bound(text) > MAX_JSON_VALUES:  # (what a reader refuses: format.common.MAX_JSON_VALUES)
+        raise InvalidInputError(
+            f"metadata holds more than {MAX_JSON_VALUES} JSON values (counted as a reader counts them: commas, "
+            "brackets and braces); send large data as tensors"
         )
     return out
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -683,7 +684,10 @@ def strict_json(raw: bytes, what: str) -> Any:
         return x
 
     try:
-        return json.loads(raw.decode("utf-8"), parse_constant=no_constants, parse_int=bounded_int, parse_float=finite)
+        text = raw.decode("utf-8")
+        bare = re.sub(r'"(?:[^"\\]|\\.)*"', "", text, flags=re.S)  # (the strings out: their commas do not count)
+        need(1 + bare.count(",") + bare.count("[") + bare.count("{") <= 1 << 18, "limit", f"{what}: over 2^18 values")
+        return json.loads(text, parse_constant=no_constants, parse_int=bounded_int, parse_float=finite)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise SpecError("header", f"{what} is not JSON: {e}") from None
 

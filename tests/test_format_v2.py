@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import struct
 import zlib
 
@@ -594,3 +595,63 @@ def test_the_worked_example_in_format_md():
         layouts=wire_layouts(),
     )
     assert len(want) == 36 and blob[:-4] == want and blob[-4:] == struct.pack("<I", zlib.crc32(want))
+
+
+def _varint(v: int) -> bytes:
+    out = bytearray()
+    while True:
+        c, v = v & 0x7F, v >> 7
+        out.append(c | (0x80 if v else 0))
+        if not v:
+            return bytes(out)
+
+
+@pytest.mark.parametrize("raw_delta, tail", [(1, b""), (-1, b""), (0, b"\0")], ids=["longer", "shorter", "junk"])
+def test_a_compressed_table_that_does_not_decompress_to_its_raw_length_is_a_header_error(raw_delta, tail):
+    """docs/FORMAT.md's v2 example (one float32 tensor of 4, index 2 = 0.5), its table compressed (flag Z): a
+    declared raw length off by one, or junk after the frame, is a PayloadHeaderError naming the table (it was a
+    PayloadLimitError or PayloadLayoutError, saying 'the tensor's encoding implies')."""
+    table = bytes.fromhex("0101190200000001000177040401")
+    data = struct.pack("<I", 2) + struct.pack("<f", 0.5)
+
+    def blob(delta: int, junk: bytes) -> bytes:
+        z = zstandard.ZstdCompressor().compress(table) + junk
+        b = b"GPUCODEC" + struct.pack("<I", 2) + b"\x02" + _varint(len(z)) + _varint(len(table) + delta) + z + data
+        return b + struct.pack("<I", zlib.crc32(b))
+
+    assert gpu_codec.decompress(blob(0, b""))["w"].tolist() == [0.0, 0.0, 0.5, 0.0]
+    with pytest.raises(E.PayloadHeaderError, match="the compressed tensor table does not decompress to") as e:
+        gpu_codec.decompress(blob(raw_delta, tail))
+    assert "tensor's encoding" not in str(e.value)
+
+
+@pytest.mark.parametrize("where", ["metadata", "stage"])
+def test_json_of_more_values_than_the_cap_is_refused_before_it_is_parsed(where, monkeypatch):
+    """A v2 table is compressed: 16 MiB of metadata `[{},{},...]` took 1.5 KB of payload and 430 MiB of objects
+    to parse. Metadata or a stage's JSON config past MAX_JSON_VALUES is a PayloadLimitError, found by counting
+    (no object is built); the writer refuses such metadata itself."""
+    import tracemalloc
+
+    from gpu_codec import payload as P
+    from gpu_codec.format.common import MAX_JSON_VALUES
+
+    many = [{}] * (MAX_JSON_VALUES + 1)
+    u = {"w": np.ones(8, np.float32)}
+    with pytest.raises(E.InvalidInputError, match="more than 262144 JSON values"):
+        gpu_codec.compress(u, fraction=0.5, metadata={"a": many})
+    monkeypatch.setattr(P, "MAX_JSON_VALUES", 1 << 30)  # (a writer without the check, as a hostile client's)
+    if where == "metadata":
+        blob = gpu_codec.compress(u, fraction=0.5, metadata={"a": many}).to_bytes()
+    else:
+        p = gpu_codec.compress(u, fraction=0.5)
+        p.pipeline[0] = {**p.pipeline[0], "x": many}  # (a JSON stage: travels as JSON, read before it is checked)
+        blob = p.to_bytes()
+    assert len(blob) < 20_000  # (the table compressed)
+    tracemalloc.start()
+    try:
+        with pytest.raises(E.PayloadLimitError, match="more than 262144 JSON values"):
+            gpu_codec.Payload.from_bytes(blob)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 8 * len(json.dumps(many))  # (the text and its copies; the objects would take 60 bytes a value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +33,10 @@ MAX_NAMES_BYTES = 4 * MAX_HEADER_BYTES
 MAX_TENSOR_ELEMENTS = 1 << 40
 MAX_WINDOW = 1 << 27  # the largest zstd window a reader accepts
 MAX_INT_DIGITS = 40  # a header integer longer than this is junk (every bounded field fits in 20 digits)
+# values (containers and scalars) of one JSON text a payload carries apart from v1's header (metadata, a stage's
+# config): a v2 table is compressed, so without a bound 1.5 KB of payload declared 16 MiB of metadata `[{},{},...]`,
+# 5.6 million objects a reader built (about 430 MiB, with no dense output for max_output_bytes to count)
+MAX_JSON_VALUES = 1 << 18
 # v3: an nvcomp tensor's raw bytes are cut into chunks of 2^16 to 2^24 bytes (nvCOMP's zstd takes at most 16 MiB
 # per chunk), one zstd frame each
 MIN_CHUNK_LOG2, MAX_CHUNK_LOG2 = 16, 24
@@ -515,14 +520,32 @@ def _parse_float(text: str) -> float:
     return x
 
 
-def loads_json(raw: bytes, what: str = "header") -> Any:
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+
+
+def json_values_bound(text: str) -> int:
+    """An upper bound on the values (containers and scalars) of the JSON ``text``, counted without parsing it:
+    one plus its commas and its opening brackets and braces outside strings (each container holds at most one
+    element more than the commas between its elements). At most twice the true count, plus one.
+
+    >>> json_values_bound('{"a": [1, 2, {}], "b,[{": "x"}'), json_values_bound("7")  # (6 values, 1 value)
+    (7, 1)
+    """
+    bare = _JSON_STRING.sub("", text)
+    return 1 + bare.count(",") + bare.count("[") + bare.count("{")
+
+
+def loads_json(raw: bytes, what: str = "header", max_values: int | None = None) -> Any:
     """Strict JSON: UTF-8, no NaN/Infinity constants, no number that overflows a float, no integer of more
-    than 40 digits. Anything else is a :class:`~gpu_codec.errors.PayloadHeaderError`."""
+    than 40 digits; with ``max_values``, no more values than that (:func:`json_values_bound`, checked before
+    anything is parsed). Anything else is a :class:`~gpu_codec.errors.PayloadHeaderError`
+    (:class:`~gpu_codec.errors.PayloadLimitError` for too many values)."""
     try:
-        return json.loads(
-            raw.decode("utf-8"), parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float
-        )
-    except PayloadHeaderError:
+        text = raw.decode("utf-8")
+        if max_values is not None and json_values_bound(text) > max_values:
+            raise PayloadLimitError(f"{what} holds more than {max_values} JSON values")
+        return json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float)
+    except (PayloadHeaderError, PayloadLimitError):
         raise
     except (UnicodeDecodeError, ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
         raise PayloadHeaderError(f"{what} is not valid JSON: {e}") from None
@@ -631,7 +654,7 @@ def check_frame(data: bytes | memoryview, raw: int, what: str) -> int:
     cs = params.content_size
     if cs != zstandard.CONTENTSIZE_UNKNOWN and cs != raw:
         exc = PayloadLimitError if cs > raw else PayloadLayoutError
-        raise exc(f"{what}: zstd frame declares {cs} bytes, the tensor's encoding implies {raw}")
+        raise exc(f"{what}: zstd frame declares {cs} bytes, {raw} expected")
     if params.window_size > MAX_WINDOW:
         raise PayloadLimitError(f"{what}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW}")
     return cs

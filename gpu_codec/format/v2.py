@@ -61,6 +61,7 @@ from .common import (
     MAGIC,
     MAX_CHUNK_LOG2,
     MAX_HEADER_BYTES,
+    MAX_JSON_VALUES,
     MAX_NAME,
     MAX_NAMES_BYTES,
     MAX_NDIM,
@@ -228,7 +229,7 @@ def _read_stage(r: _Reader, tables: WireTables) -> dict:
     code = r.u8("stage code")
     if code == STAGE_JSON:
         n = r.varint("stage config length", r.end - r.pos)
-        cfg = loads_json(r.take(n, "stage config"), "a pipeline stage config")
+        cfg = loads_json(r.take(n, "stage config"), "a pipeline stage config", MAX_JSON_VALUES)
         req(
             isinstance(cfg, dict) and isinstance(cfg.get("id"), str),
             PayloadHeaderError,
@@ -1974,7 +1975,10 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
     r, tlen, traw = _table_lengths(mv, flags, end)
     table = r.take(tlen, "the tensor table")
     if traw is not None:
-        table = bounded_decompress(table, traw, "tensor table")
+        try:
+            table = bounded_decompress(table, traw, "the compressed tensor table")
+        except PayloadError as e:  # (a frame's checks name a tensor's encoding: here it is the header that is bad)
+            raise PayloadHeaderError(f"the compressed tensor table does not decompress to {traw} bytes: {e}") from None
     mode = (flags >> DATA_SHIFT) & 3
     t = reader(table, 0, len(table), "tensor table")
     tables = tables_of(layouts)
@@ -1982,7 +1986,7 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
     metadata: Any = {}
     if flags & FLAG_METADATA:
         mlen = t.varint("metadata length", t.end - t.pos)
-        metadata = loads_json(t.take(mlen, "metadata"), "metadata")
+        metadata = loads_json(t.take(mlen, "metadata"), "metadata", MAX_JSON_VALUES)
         if not isinstance(metadata, dict):
             raise PayloadHeaderError("metadata must be a JSON object")
     fingerprint = None
