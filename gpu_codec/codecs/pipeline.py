@@ -597,6 +597,8 @@ def _decoded(rec: TensorRecord, backend: Backend, indices: np.ndarray | None = N
         with _quiet():
             vals = cpu.as_values(vform.decode(rec, vform.slice(rec, host, 0, rec.nnz), rec.nnz, cpu), vd)
         return Decoded(*head, _slicer(vals, backend), _slicer(idx, backend), host=(idx, vals))
+    if indices is None and rec.codec.get("i") == "raw":  # (read a slice at a time where they lie, a frame's too)
+        return Decoded(*head, values, _slicer(rec.buffers["indices"], backend, index_dtype(rec.numel)), vform.step(rec))
     if indices is not None:
         idx = backend.asarray(indices).astype(index_dtype(rec.numel), copy=False)
     else:
