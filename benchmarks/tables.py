@@ -271,6 +271,16 @@ def collector(name: str) -> str:
     return table(_load(name))
 
 
+def layout() -> str:
+    """The caller's tensors as separate allocations and as views of one, ``benchmarks/results/layout_cpu.json``
+    (``benchmarks/bench_layout.py``)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_layout import markdown
+
+    return markdown(_load("layout_cpu.json")).rstrip("\n")
+
+
 REGIONS: dict[str, Callable[[], str]] = {
     "pipelines": pipelines,
     "topk": topk,
@@ -288,6 +298,7 @@ REGIONS: dict[str, Callable[[], str]] = {
     "collector_gpu": lambda: collector("collector_gpu.json"),
     "collector_cpu": lambda: collector("collector_cpu.json"),
     "server": server,
+    "layout": layout,
 }
 _REGION = re.compile(r"(<!-- tables:([a-z_]+) -->\n)(.*?)(\n?<!-- /tables:\2 -->)", re.S)  # (empty: filled too)
 
