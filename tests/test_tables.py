@@ -40,6 +40,7 @@ def test_every_doc_keeps_its_generated_regions():
             "collector_cpu",
             "topk",
             "traffic",
+            "layout",
             "server",
             "convergence",
             "pipelines",
