@@ -100,8 +100,8 @@ def check_metadata(metadata: Any) -> dict[str, Any]:
         )
     if json_values_bound(text) > MAX_JSON_VALUES:  # (what a reader refuses: format.common.MAX_JSON_VALUES)
         raise InvalidInputError(
-            f"metadata holds more than {MAX_JSON_VALUES} JSON values (counted as a reader counts them: commas, "
-            "brackets and braces); send large data as tensors"
+            f"metadata counts more than {MAX_JSON_VALUES} JSON values (one plus its commas, brackets and braces "
+            "outside strings, as a reader counts them); send large data as tensors"
         )
     return out
 

@@ -685,7 +685,7 @@ def strict_json(raw: bytes, what: str) -> Any:
 
     try:
         text = raw.decode("utf-8")
-        bare = re.sub(r'"(?:[^"\\]|\\.)*"', "", text, flags=re.S)  # (the strings out: their commas do not count)
+        bare = re.sub(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', "", text, flags=re.S)  # (strings out, an unclosed one too)
         need(1 + bare.count(",") + bare.count("[") + bare.count("{") <= 1 << 18, "limit", f"{what}: over 2^18 values")
         return json.loads(text, parse_constant=no_constants, parse_int=bounded_int, parse_float=finite)
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:

@@ -623,6 +623,14 @@ def test_a_compressed_table_that_does_not_decompress_to_its_raw_length_is_a_head
     with pytest.raises(E.PayloadHeaderError, match="the compressed tensor table does not decompress to") as e:
         gpu_codec.decompress(blob(raw_delta, tail))
     assert "tensor's encoding" not in str(e.value)
+    # a window past 2^27 is refused as every frame's is (a PayloadLimitError), not said not to decompress
+    params = zstandard.ZstdCompressionParameters.from_level(3, window_log=28, write_content_size=False)
+    co = zstandard.ZstdCompressor(compression_params=params).compressobj()
+    z = co.compress(table) + co.flush()
+    b = b"GPUCODEC" + struct.pack("<I", 2) + b"\x02" + _varint(len(z)) + _varint(len(table)) + z + data
+    with pytest.raises(E.PayloadLimitError, match="window of 268435456 bytes exceeds") as e:
+        gpu_codec.decompress(b + struct.pack("<I", zlib.crc32(b)))
+    assert "does not decompress" not in str(e.value)
 
 
 @pytest.mark.parametrize("where", ["metadata", "stage"])
@@ -637,21 +645,40 @@ def test_json_of_more_values_than_the_cap_is_refused_before_it_is_parsed(where, 
 
     many = [{}] * (MAX_JSON_VALUES + 1)
     u = {"w": np.ones(8, np.float32)}
-    with pytest.raises(E.InvalidInputError, match="more than 262144 JSON values"):
+    with pytest.raises(E.InvalidInputError, match="counts more than 262144 JSON values"):
         gpu_codec.compress(u, fraction=0.5, metadata={"a": many})
-    monkeypatch.setattr(P, "MAX_JSON_VALUES", 1 << 30)  # (a writer without the check, as a hostile client's)
+    monkeypatch.setattr(P, "MAX_JSON_VALUES", 1 << 30)  # (a writer without the checks, as a hostile client's)
+    monkeypatch.setattr(v2, "MAX_JSON_VALUES", 1 << 30)
     if where == "metadata":
-        blob = gpu_codec.compress(u, fraction=0.5, metadata={"a": many}).to_bytes()
+        p = gpu_codec.compress(u, fraction=0.5, metadata={"a": many})
     else:
         p = gpu_codec.compress(u, fraction=0.5)
         p.pipeline[0] = {**p.pipeline[0], "x": many}  # (a JSON stage: travels as JSON, read before it is checked)
-        blob = p.to_bytes()
+    blob = p.to_bytes(version=2)
+    monkeypatch.undo()
+    assert p.to_bytes()[8] == 1  # (our writer: version 1, whose header a reader parses as it comes, holds it)
     assert len(blob) < 20_000  # (the table compressed)
     tracemalloc.start()
     try:
-        with pytest.raises(E.PayloadLimitError, match="more than 262144 JSON values"):
+        with pytest.raises(E.PayloadLimitError, match="counts more than 262144 JSON values"):
             gpu_codec.Payload.from_bytes(blob)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
     assert peak < 8 * len(json.dumps(many))  # (the text and its copies; the objects would take 60 bytes a value)
+
+
+def test_counting_json_values_takes_time_linear_in_the_text():
+    """The count strips strings with one regular expression: a string that never closes (`"\\"\\"\\"...`) made
+    every quote start a scan to the end (64 KB took 13 s; the 16 MiB a table may hold, days). 4 MiB of it, run
+    in a child process that must finish within a minute, takes a fraction of a second; the counts of closed and
+    unclosed strings are as a reader needs them."""
+    import subprocess
+    import sys
+
+    from gpu_codec.format.common import json_values_bound
+
+    assert json_values_bound('{"a":"' + '\\"' * 5) == 2 and json_values_bound('["a\\\\", "b,{"]') == 3
+    assert json_values_bound('"\\') == 1 and json_values_bound('[1,"x') == 3
+    code = "from gpu_codec.format.common import json_values_bound as b; b('{\"a\":\"' + '\\\\\"' * (1 << 21))"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -520,13 +520,15 @@ def _parse_float(text: str) -> float:
     return x
 
 
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"', re.S)
+# a string, or one that never closes, to the end of the text (so that no quote starts a scan to the end again:
+# `"\"\"\"...` unclosed took time quadratic in its length)
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.S)
 
 
 def json_values_bound(text: str) -> int:
-    """An upper bound on the values (containers and scalars) of the JSON ``text``, counted without parsing it:
-    one plus its commas and its opening brackets and braces outside strings (each container holds at most one
-    element more than the commas between its elements). At most twice the true count, plus one.
+    """An upper bound on the values (containers and scalars) of the JSON ``text``, counted without parsing it, in
+    time linear in its length: one plus its commas and its opening brackets and braces outside strings (each
+    container holds at most one element more than the commas between its elements; an empty one counts twice).
 
     >>> json_values_bound('{"a": [1, 2, {}], "b,[{": "x"}'), json_values_bound("7")  # (6 values, 1 value)
     (7, 1)
@@ -543,7 +545,10 @@ def loads_json(raw: bytes, what: str = "header", max_values: int | None = None) 
     try:
         text = raw.decode("utf-8")
         if max_values is not None and json_values_bound(text) > max_values:
-            raise PayloadLimitError(f"{what} holds more than {max_values} JSON values")
+            raise PayloadLimitError(
+                f"{what} counts more than {max_values} JSON values (one plus its commas, brackets and braces outside "
+                "strings)"
+            )
         return json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float)
     except (PayloadHeaderError, PayloadLimitError):
         raise
@@ -656,8 +661,13 @@ def check_frame(data: bytes | memoryview, raw: int, what: str) -> int:
         exc = PayloadLimitError if cs > raw else PayloadLayoutError
         raise exc(f"{what}: zstd frame declares {cs} bytes, {raw} expected")
     if params.window_size > MAX_WINDOW:
-        raise PayloadLimitError(f"{what}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW}")
+        raise WindowLimitError(f"{what}: zstd window of {params.window_size} bytes exceeds {MAX_WINDOW}")
     return cs
+
+
+class WindowLimitError(PayloadLimitError):
+    """A zstd frame's window past :data:`MAX_WINDOW` (a :class:`~gpu_codec.errors.PayloadLimitError` wherever the
+    frame lies; told apart where another frame error is reported as the header's)."""
 
 
 def bounded_decompress(data: bytes, raw: int, what: str) -> bytes:

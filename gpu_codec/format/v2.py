@@ -79,6 +79,7 @@ from .common import (
     SegmentPart,
     SharedFrame,
     TensorRecord,
+    WindowLimitError,
     as_uint8,
     bounded_decompress,
     buffer_dtype_name,
@@ -91,6 +92,7 @@ from .common import (
     dumps_json,
     frames_bound,
     is_int,
+    json_values_bound,
     laid_out,
     layout_nbytes,
     loads_json,
@@ -222,6 +224,8 @@ def _stage_bytes(cfg: Any, tables: WireTables) -> bytes:
         j = dumps_json(cfg)
     except (TypeError, ValueError) as e:
         raise Unrepresentable(str(e)) from None
+    if json_values_bound(j.decode()) > MAX_JSON_VALUES:  # (what a reader refuses; version 1 holds it)
+        raise Unrepresentable(f"pipeline stage {cfg.get('id')!r} counts more than {MAX_JSON_VALUES} JSON values")
     return bytes([STAGE_JSON]) + uvarint(len(j)) + j
 
 
@@ -1145,6 +1149,8 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
         if not isinstance(metadata, dict):
             raise Unrepresentable("metadata")
         j = dumps_json(metadata)
+        if json_values_bound(j.decode()) > MAX_JSON_VALUES:  # (what a reader refuses; version 1 holds it)
+            raise Unrepresentable(f"metadata counts more than {MAX_JSON_VALUES} JSON values")
         t += uvarint(len(j)) + j
     if fingerprint is not None:
         t += bytes.fromhex(check_hex(fingerprint))
@@ -1977,7 +1983,9 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
     if traw is not None:
         try:
             table = bounded_decompress(table, traw, "the compressed tensor table")
-        except PayloadError as e:  # (a frame's checks name a tensor's encoding: here it is the header that is bad)
+        except WindowLimitError:  # (refused as every frame's is)
+            raise
+        except PayloadError as e:  # (a frame's own checks: here it is the header that is bad)
             raise PayloadHeaderError(f"the compressed tensor table does not decompress to {traw} bytes: {e}") from None
     mode = (flags >> DATA_SHIFT) & 3
     t = reader(table, 0, len(table), "tensor table")
