@@ -822,7 +822,8 @@ class Aggregator:
         checks = _decode.DeviceChecks(xp)
         codes = [dtypes.code(dt) for dt in logical]
         vals = [means[n] for n, _, _ in entries]
-        checks.word(backend.dense_apply(views, codes, backend.asarrays(bases.data), vals, ScatterMode.ADD, True))
+        word = backend.dense_apply(views, codes, backend.asarrays(bases.data), vals, ScatterMode.ADD, True)
+        checks.word(word)
         del vals, means
         regions = [(outs.flat(logical.index(dt)), dtypes.code(dt)) for dt in dict.fromkeys(logical)]
         for flat, code in regions:  # one allocation (and one check) per dtype
@@ -830,8 +831,10 @@ class Aggregator:
         if not checks.passed():
             # every client's base + delta was finite (add() refused any other), so the mean's exact sum rounds to
             # a finite value; where the mean's rounding to its grid took a sum at the very edge of the dtype's range
-            # past it, the sum is that edge: the largest finite value of its sign
+            # past it, the sum is that edge: the largest finite value of its sign (a mean value the apply refused,
+            # which leaves its element unwritten, still fails)
             checks = _decode.DeviceChecks(xp)
+            checks.word(word)
             for flat, code in regions:
                 saturate_inf(flat, code, xp)
                 checks.flag(some_nonfinite(flat, code, xp))

@@ -149,6 +149,33 @@ def test_a_sum_the_means_rounding_takes_past_the_range_is_its_largest_finite_val
     assert np.isfinite(got).all() and got[1] > -top and got[2] == 0.0
 
 
+def test_a_mean_value_the_apply_refuses_is_not_saturated_away(monkeypatch):
+    """Where the one apply of the means onto the bases refuses a value (its error word set, that element left as
+    it was: here inf), the retry that saturates the sums keeps that word: the result comes from the fallback's
+    decode, right to the byte, not from an output with an element the apply never wrote."""
+    base = {"w": np.arange(6, dtype=np.float32)}
+    p = gpu_codec.compress({"w": np.arange(6, dtype=np.float32) + 0.5}, base, fraction=None)
+    with use_backend("cpu"):
+        want = Aggregator(base)
+        want.add(p)
+        want = want.result()["w"]
+        agg = Aggregator(base)
+        agg.add(p)
+        real, calls = agg._backend.dense_apply, []
+
+        def refusing(outs, *a, **k):  # (the first call, the result's one apply: entry 0 refused)
+            got = real(outs, *a, **k)
+            if not calls:
+                outs[0][0] = np.inf
+                got = np.zeros(1, np.uint64) if k.get("defer") or len(a) > 4 else 0
+            calls.append(1)
+            return got
+
+        monkeypatch.setattr(agg._backend, "dense_apply", refusing)
+        got = agg.result()["w"]
+    assert got.tobytes() == want.tobytes() and len(calls) > 1  # (the fallback decoded it again)
+
+
 @pytest.mark.parametrize("size", [50, SMALL_TENSOR + 50], ids=["small", "large"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_tensor_of_a_run_that_takes_its_base_out_of_range_is_refused(backend, size):
