@@ -936,8 +936,12 @@ def _decode_onto_host(
         else:
             idx, vals, nnz, srcs = [[t[i] for i in pos] for t in (idx_of, val_of, nnz_of, bases)]
             at, sizes = starts[pos], numels[pos]
+        if not every:  # (entries decoded for the batch: held no longer than it, where each batch's stayed to the end)
+            for i in pos:
+                idx_of[i] = val_of[i] = None
         if shared is None:
             joined = _join_host(idx, vals, nnz, sizes, at - at[0])
+            del idx, vals  # (joined: the tensors' own arrays are not needed beside the joined ones)
         else:
             gi, v, counts = shared
             joined = _host_checked(gi, v, np.asarray(counts, np.int64), nnz, sizes, at - at[0])

@@ -70,3 +70,15 @@ def test_peak_of_rice_coded_indices_at_high_density(name):
     base = {k: np.zeros_like(v) for k, v in u.items()}
     for b in (None, base):
         assert peak_ratio(blob, b) <= bound, (name, b is not None)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_onto_a_base_each_batch_s_decoded_entries_are_let_go(dtype):
+    """Ten tensors, half their entries kept, zstd: decoded onto a base a batch at a time, each batch's entries
+    were held until the decode returned (fp32: over 1.5x the output here, 2.2x at 5.3M parameters); each batch's
+    are let go once it is written (1.37x here)."""
+    rng = np.random.default_rng(0)
+    base = {f"t{t}": rng.standard_normal(N, dtype=np.float32).astype(dtype) for t in range(10)}
+    new = {k: (v + rng.standard_normal(N).astype(dtype) * dtype(0.05)).astype(dtype) for k, v in base.items()}
+    blob = gpu_codec.compress(new, base, fraction=0.5, pipeline=[Zstd(level=1)]).to_bytes()
+    assert peak_ratio(blob, base) <= 1.5
