@@ -35,7 +35,7 @@ def cpu_backend():
 # Written from docs/FORMAT.md, not from the implementation: prefix, table (decompressed), data.
 
 
-def read_varint(b: bytes, pos: int) -> tuple[int, int]:
+def readvarint(b: bytes, pos: int) -> tuple[int, int]:
     n, shift = 0, 0
     while True:
         x = b[pos]
@@ -59,9 +59,9 @@ def split_v2(blob: bytes) -> tuple[int, bytes, bytes]:
     """(flags, table bytes as stored before compression, data section)."""
     assert blob[:8] == b"GPUCODEC" and struct.unpack_from("<I", blob, 8)[0] == 2
     flags = blob[12]
-    tlen, pos = read_varint(blob, 13)
+    tlen, pos = readvarint(blob, 13)
     if flags & 2:
-        traw, pos = read_varint(blob, pos)
+        traw, pos = readvarint(blob, pos)
         table = zstandard.ZstdDecompressor().decompress(blob[pos : pos + tlen], max_output_size=traw)
     else:
         table = blob[pos : pos + tlen]
@@ -597,15 +597,6 @@ def test_the_worked_example_in_format_md():
     assert len(want) == 36 and blob[:-4] == want and blob[-4:] == struct.pack("<I", zlib.crc32(want))
 
 
-def _varint(v: int) -> bytes:
-    out = bytearray()
-    while True:
-        c, v = v & 0x7F, v >> 7
-        out.append(c | (0x80 if v else 0))
-        if not v:
-            return bytes(out)
-
-
 @pytest.mark.parametrize("raw_delta, tail", [(1, b""), (-1, b""), (0, b"\0")], ids=["longer", "shorter", "junk"])
 def test_a_compressed_table_that_does_not_decompress_to_its_raw_length_is_a_header_error(raw_delta, tail):
     """docs/FORMAT.md's v2 example (one float32 tensor of 4, index 2 = 0.5), its table compressed (flag Z): a
@@ -616,7 +607,7 @@ def test_a_compressed_table_that_does_not_decompress_to_its_raw_length_is_a_head
 
     def blob(delta: int, junk: bytes) -> bytes:
         z = zstandard.ZstdCompressor().compress(table) + junk
-        b = b"GPUCODEC" + struct.pack("<I", 2) + b"\x02" + _varint(len(z)) + _varint(len(table) + delta) + z + data
+        b = b"GPUCODEC" + struct.pack("<I", 2) + b"\x02" + varint(len(z)) + varint(len(table) + delta) + z + data
         return b + struct.pack("<I", zlib.crc32(b))
 
     assert gpu_codec.decompress(blob(0, b""))["w"].tolist() == [0.0, 0.0, 0.5, 0.0]
@@ -627,7 +618,7 @@ def test_a_compressed_table_that_does_not_decompress_to_its_raw_length_is_a_head
     params = zstandard.ZstdCompressionParameters.from_level(3, window_log=28, write_content_size=False)
     co = zstandard.ZstdCompressor(compression_params=params).compressobj()
     z = co.compress(table) + co.flush()
-    b = b"GPUCODEC" + struct.pack("<I", 2) + b"\x02" + _varint(len(z)) + _varint(len(table)) + z + data
+    b = b"GPUCODEC" + struct.pack("<I", 2) + b"\x02" + varint(len(z)) + varint(len(table)) + z + data
     with pytest.raises(E.PayloadLimitError, match="window of 268435456 bytes exceeds") as e:
         gpu_codec.decompress(b + struct.pack("<I", zlib.crc32(b)))
     assert "does not decompress" not in str(e.value)
