@@ -28,7 +28,7 @@ from .format import (
     table_frame,
     unpack,
 )
-from .format.common import MAX_JSON_VALUES, check_name, json_values_bound, record_column
+from .format.common import MAX_JSON_VALUES, check_name, json_shape, record_column
 
 MAX_METADATA_DEPTH = 64  # nesting levels of metadata containers
 MAX_METADATA_INT = 10**40  # the header parser rejects longer integers
@@ -98,7 +98,7 @@ def check_metadata(metadata: Any) -> dict[str, Any]:
             f"metadata is {len(text)} bytes as JSON, over {MAX_HEADER_BYTES // 2} (half the header limit of "
             f"{MAX_HEADER_BYTES} bytes); send large data as tensors"
         )
-    if json_values_bound(text) > MAX_JSON_VALUES:  # (what a reader refuses: format.common.MAX_JSON_VALUES)
+    if json_shape(text)[0] > MAX_JSON_VALUES:  # (what a reader refuses: format.common.MAX_JSON_VALUES)
         raise InvalidInputError(
             f"metadata counts more than {MAX_JSON_VALUES} JSON values (one plus its commas, brackets and braces "
             "outside strings, as a reader counts them); send large data as tensors"

@@ -659,17 +659,52 @@ def test_json_of_more_values_than_the_cap_is_refused_before_it_is_parsed(where, 
     assert peak < 8 * len(json.dumps(many))  # (the text and its copies; the objects would take 60 bytes a value)
 
 
-def test_counting_json_values_takes_time_linear_in_the_text():
-    """The count strips strings with one regular expression: a string that never closes (`"\\"\\"\\"...`) made
-    every quote start a scan to the end (64 KB took 13 s; the 16 MiB a table may hold, days). 4 MiB of it, run
-    in a child process that must finish within a minute, takes a fraction of a second; the counts of closed and
-    unclosed strings are as a reader needs them."""
+def test_counting_json_values_takes_time_and_memory_linear_in_the_text():
+    """The count reads the text a block of bytes at a time with NumPy: a string that never closes
+    (`"\\"\\"...`) made a regular expression start a scan to the end at every quote (64 KB took 13 s), and a
+    string of 16 MiB took 1.9 GB of the expression's backtracking state. 4 MiB of either, run in a child process
+    that must finish within a minute, takes well under a second and a few MiB; the counts of closed and unclosed
+    strings, and the nesting, are as a reader needs them."""
     import subprocess
     import sys
+    import tracemalloc
 
-    from gpu_codec.format.common import json_values_bound
+    from gpu_codec.format.common import json_shape
 
-    assert json_values_bound('{"a":"' + '\\"' * 5) == 2 and json_values_bound('["a\\\\", "b,{"]') == 3
-    assert json_values_bound('"\\') == 1 and json_values_bound('[1,"x') == 3
-    code = "from gpu_codec.format.common import json_values_bound as b; b('{\"a\":\"' + '\\\\\"' * (1 << 21))"
+    assert json_shape('{"a":"' + '\\"' * 5) == (2, 1) and json_shape('["a\\\\", "b,{"]') == (3, 1)
+    assert json_shape('"\\') == (1, 0) and json_shape('[1,"x') == (3, 1) and json_shape("[[{}],[]]") == (6, 3)
+    code = "from gpu_codec.format.common import json_shape as s; s('{\"a\":\"' + '\\\\\"' * (1 << 21))"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+    text = ('{"a":"' + "a" * (1 << 22) + '"}').encode()
+    tracemalloc.start()
+    try:
+        assert json_shape(text) == (2, 1)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20  # (a block's temporaries; the expression held about 120 bytes a character)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_metadata_nested_past_the_writer_s_bound_is_refused_before_it_is_parsed(version, monkeypatch):
+    """Metadata 64 levels deep (the writer's bound) travels; 200 levels, written by hand, is refused by the
+    reader (a PayloadLimitError) before it is parsed, where it was read and the payload then raised a bare
+    RecursionError when written again or shown."""
+    from gpu_codec import payload as P
+
+    def nested(n: int):
+        v: object = 1
+        for _ in range(n):
+            v = [v]
+        return v
+
+    u = {"w": np.ones(8, np.float32)}
+    ok = gpu_codec.compress(u, fraction=0.5, metadata={"a": nested(63)})
+    back = gpu_codec.Payload.from_bytes(ok.to_bytes(version=version))
+    assert back.metadata == ok.metadata and back.to_bytes(version=version) == ok.to_bytes(version=version)
+    monkeypatch.setattr(P, "MAX_METADATA_DEPTH", 1 << 20)  # (a writer without the check, as a hostile client's)
+    monkeypatch.setattr(v2, "MAX_JSON_DEPTH", 1 << 20)
+    deep = gpu_codec.compress(u, fraction=0.5, metadata={"a": nested(200)}).to_bytes(version=version)
+    monkeypatch.undo()
+    with pytest.raises(E.PayloadLimitError, match=r"nests brackets and braces 20[12] deep, more than"):  # (v1: +1)
+        gpu_codec.Payload.from_bytes(deep)

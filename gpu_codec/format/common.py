@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import operator
-import re
 import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,6 +36,9 @@ MAX_INT_DIGITS = 40  # a header integer longer than this is junk (every bounded 
 # config): a v2 table is compressed, so without a bound 1.5 KB of payload declared 16 MiB of metadata `[{},{},...]`,
 # 5.6 million objects a reader built (about 430 MiB, with no dense output for max_output_bytes to count)
 MAX_JSON_VALUES = 1 << 18
+# ... and their nesting of brackets and braces: metadata is at most 64 levels below its own object (a deeper text
+# parsed near the interpreter's recursion limit, and the payload then could not be written or shown)
+MAX_JSON_DEPTH = 65
 # v3: an nvcomp tensor's raw bytes are cut into chunks of 2^16 to 2^24 bytes (nvCOMP's zstd takes at most 16 MiB
 # per chunk), one zstd frame each
 MIN_CHUNK_LOG2, MAX_CHUNK_LOG2 = 16, 24
@@ -520,35 +522,57 @@ def _parse_float(text: str) -> float:
     return x
 
 
-# a string, or one that never closes, to the end of the text (so that no quote starts a scan to the end again:
-# `"\"\"\"...` unclosed took time quadratic in its length)
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*(?:"|\\?\Z)', re.S)
+JSON_BLOCK = 1 << 18  # bytes of JSON text json_shape reads at a time (its temporaries: about 10 bytes a byte)
+_QUOTE, _OPEN, _CLOSE, _COMMA = 34, (91, 123), (93, 125), 44  # '"', '[' '{', ']' '}', ','
 
 
-def json_values_bound(text: str) -> int:
-    """An upper bound on the values (containers and scalars) of the JSON ``text``, counted without parsing it, in
-    time linear in its length: one plus its commas and its opening brackets and braces outside strings (each
-    container holds at most one element more than the commas between its elements; an empty one counts twice).
+def json_shape(raw: bytes | str) -> tuple[int, int]:
+    """(an upper bound on the values of the JSON text ``raw``, its deepest nesting of brackets and braces), counted
+    without parsing it, a block of bytes at a time with a few NumPy passes each: no object a value, whatever the
+    text. Values: one plus its commas and opening brackets and braces outside strings (a container holds at most
+    one element more than the commas between its elements; an empty one counts twice). The escapes ``\\\\`` and
+    ``\\"`` are dropped first, so every quote left opens or closes a string (an unclosed one runs to the end);
+    UTF-8 puts no ASCII byte inside a character.
 
-    >>> json_values_bound('{"a": [1, 2, {}], "b,[{": "x"}'), json_values_bound("7")  # (6 values, 1 value)
-    (7, 1)
+    >>> json_shape('{"a": [1, 2, {}], "b,[{": "x\\"]"}'), json_shape("7"), json_shape('[[[]], "[[[["]')
+    ((7, 3), (1, 0), (5, 3))
     """
-    bare = _JSON_STRING.sub("", text)
-    return 1 + bare.count(",") + bare.count("[") + bare.count("{")
+    if isinstance(raw, str):
+        raw = raw.encode("utf-8", "surrogatepass")
+    text = np.frombuffer(raw.replace(b"\\\\", b"").replace(b'\\"', b""), np.uint8)
+    values, inside, depth, deepest = 1, 0, 0, 0
+    for s in range(0, text.size, JSON_BLOCK):
+        x = text[s : s + JSON_BLOCK]
+        quotes = np.cumsum(x == _QUOTE, dtype=np.uint8)  # (mod 256: its parity is what tells inside from out)
+        out = ((quotes + np.uint8(inside)) & 1) == 0
+        opens = ((x == _OPEN[0]) | (x == _OPEN[1])) & out
+        values += int(np.count_nonzero(opens)) + int(np.count_nonzero((x == _COMMA) & out))
+        step = opens.astype(np.int32) - (((x == _CLOSE[0]) | (x == _CLOSE[1])) & out)
+        if step.size:
+            level = np.cumsum(step, out=step)
+            deepest = max(deepest, depth + int(level.max()))
+            depth += int(level[-1])
+            inside = (inside + int(quotes[-1])) & 1
+    return values, deepest
 
 
-def loads_json(raw: bytes, what: str = "header", max_values: int | None = None) -> Any:
+def loads_json(raw: bytes, what: str = "header", max_values: int | None = None, max_depth: int | None = None) -> Any:
     """Strict JSON: UTF-8, no NaN/Infinity constants, no number that overflows a float, no integer of more
-    than 40 digits; with ``max_values``, no more values than that (:func:`json_values_bound`, checked before
-    anything is parsed). Anything else is a :class:`~gpu_codec.errors.PayloadHeaderError`
-    (:class:`~gpu_codec.errors.PayloadLimitError` for too many values)."""
+    than 40 digits; with ``max_values`` / ``max_depth``, no more values than that and no deeper nesting of
+    brackets and braces (:func:`json_shape`, checked before anything is parsed). Anything else is a
+    :class:`~gpu_codec.errors.PayloadHeaderError` (:class:`~gpu_codec.errors.PayloadLimitError` for a count or a
+    nesting past its bound)."""
     try:
+        if max_values is not None or max_depth is not None:
+            values, deepest = json_shape(raw)
+            if max_values is not None and values > max_values:
+                raise PayloadLimitError(
+                    f"{what} counts more than {max_values} JSON values (one plus its commas, brackets and braces "
+                    "outside strings)"
+                )
+            if max_depth is not None and deepest > max_depth:
+                raise PayloadLimitError(f"{what} nests brackets and braces {deepest} deep, more than {max_depth}")
         text = raw.decode("utf-8")
-        if max_values is not None and json_values_bound(text) > max_values:
-            raise PayloadLimitError(
-                f"{what} counts more than {max_values} JSON values (one plus its commas, brackets and braces outside "
-                "strings)"
-            )
         return json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int, parse_float=_parse_float)
     except (PayloadHeaderError, PayloadLimitError):
         raise

@@ -53,6 +53,7 @@ from .common import (
     BUFFER_DTYPES,
     MAGIC,
     MAX_HEADER_BYTES,
+    MAX_JSON_DEPTH,
     MAX_NAME,
     MAX_TENSORS,
     TENSOR_DTYPES,
@@ -68,6 +69,9 @@ from .common import req as _req
 from .fingerprint import check_hex
 
 VERSION = 1
+# the header's nesting of brackets and braces: metadata's bound, one level below the header object (a tensor entry
+# and a stage config nest a few levels; a deeper text parsed near the interpreter's recursion limit)
+HEADER_DEPTH = MAX_JSON_DEPTH + 1
 _PREFIX = struct.Struct("<8sII")
 _CRC = struct.Struct("<I")
 
@@ -201,7 +205,7 @@ def parse_header(blob: bytes | bytearray | memoryview) -> tuple[dict, memoryview
         raise PayloadChecksumError(
             f"checksum mismatch: payload is corrupt (stored 0x{stored:08x}, computed 0x{computed:08x})"
         )
-    header = loads_json(bytes(mv[_PREFIX.size : _PREFIX.size + hlen]))
+    header = loads_json(bytes(mv[_PREFIX.size : _PREFIX.size + hlen]), max_depth=HEADER_DEPTH)
     _req(isinstance(header, dict), PayloadHeaderError, "header JSON must be an object")
     _req(
         header.get("format") == "gpu_codec" and _is_int(header.get("version")) and header["version"] == VERSION,
@@ -224,7 +228,7 @@ def _check_not_truncated(mv: memoryview, hlen: int) -> None:
     """Where the checksum fails: a PayloadTruncatedError if the header (read as far as it can be) declares more
     data than the payload holds, so a cut payload is reported as cut and not only as corrupt."""
     try:
-        dl = loads_json(bytes(mv[_PREFIX.size : _PREFIX.size + hlen])).get("data_length")
+        dl = loads_json(bytes(mv[_PREFIX.size : _PREFIX.size + hlen]), max_depth=HEADER_DEPTH).get("data_length")
     except (PayloadError, AttributeError):
         return
     need = _PREFIX.size + hlen + dl + _CRC.size if _is_int(dl) else 0

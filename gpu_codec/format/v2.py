@@ -61,6 +61,7 @@ from .common import (
     MAGIC,
     MAX_CHUNK_LOG2,
     MAX_HEADER_BYTES,
+    MAX_JSON_DEPTH,
     MAX_JSON_VALUES,
     MAX_NAME,
     MAX_NAMES_BYTES,
@@ -92,7 +93,7 @@ from .common import (
     dumps_json,
     frames_bound,
     is_int,
-    json_values_bound,
+    json_shape,
     laid_out,
     layout_nbytes,
     loads_json,
@@ -224,16 +225,22 @@ def _stage_bytes(cfg: Any, tables: WireTables) -> bytes:
         j = dumps_json(cfg)
     except (TypeError, ValueError) as e:
         raise Unrepresentable(str(e)) from None
-    if json_values_bound(j.decode()) > MAX_JSON_VALUES:  # (what a reader refuses; version 1 holds it)
-        raise Unrepresentable(f"pipeline stage {cfg.get('id')!r} counts more than {MAX_JSON_VALUES} JSON values")
+    if _past_json_bounds(j):  # (what a reader refuses; version 1 holds it)
+        raise Unrepresentable(f"pipeline stage {cfg.get('id')!r} is past the JSON bounds of a v2 table")
     return bytes([STAGE_JSON]) + uvarint(len(j)) + j
+
+
+def _past_json_bounds(j: bytes) -> bool:
+    """Whether JSON text a v2 table would hold (metadata, a stage's config) is past what its reader takes."""
+    values, deepest = json_shape(j)
+    return values > MAX_JSON_VALUES or deepest > MAX_JSON_DEPTH
 
 
 def _read_stage(r: _Reader, tables: WireTables) -> dict:
     code = r.u8("stage code")
     if code == STAGE_JSON:
         n = r.varint("stage config length", r.end - r.pos)
-        cfg = loads_json(r.take(n, "stage config"), "a pipeline stage config", MAX_JSON_VALUES)
+        cfg = loads_json(r.take(n, "stage config"), "a pipeline stage config", MAX_JSON_VALUES, MAX_JSON_DEPTH)
         req(
             isinstance(cfg, dict) and isinstance(cfg.get("id"), str),
             PayloadHeaderError,
@@ -1149,8 +1156,8 @@ def _table(tensors, pipeline, metadata, forms, fields, zbytes, mode, cache, tabl
         if not isinstance(metadata, dict):
             raise Unrepresentable("metadata")
         j = dumps_json(metadata)
-        if json_values_bound(j.decode()) > MAX_JSON_VALUES:  # (what a reader refuses; version 1 holds it)
-            raise Unrepresentable(f"metadata counts more than {MAX_JSON_VALUES} JSON values")
+        if _past_json_bounds(j):  # (what a reader refuses; version 1 holds it)
+            raise Unrepresentable("metadata is past the JSON bounds of a v2 table")
         t += uvarint(len(j)) + j
     if fingerprint is not None:
         t += bytes.fromhex(check_hex(fingerprint))
@@ -1994,7 +2001,7 @@ def _read_table(mv: memoryview, version: int, flags: int, end: int, layouts, rea
     metadata: Any = {}
     if flags & FLAG_METADATA:
         mlen = t.varint("metadata length", t.end - t.pos)
-        metadata = loads_json(t.take(mlen, "metadata"), "metadata", MAX_JSON_VALUES)
+        metadata = loads_json(t.take(mlen, "metadata"), "metadata", MAX_JSON_VALUES, MAX_JSON_DEPTH)
         if not isinstance(metadata, dict):
             raise PayloadHeaderError("metadata must be a JSON object")
     fingerprint = None
