@@ -10,7 +10,6 @@ runs the faster composition in :mod:`cpu_fallback.select`, which gives the same 
 from __future__ import annotations
 
 from functools import partial
-from operator import attrgetter
 
 import numpy as np
 
@@ -20,6 +19,7 @@ from gpu_codec.xp.finite import all_finite
 from .elementwise import (
     DT_F32,
     DT_F64,
+    array_sizes,
     decoded,
     delta,
     load_f32,
@@ -28,8 +28,6 @@ from .elementwise import (
     tensor_delta_scores,
 )
 from .parallel import parallel_map, spans
-
-_SIZE = attrgetter("size")
 
 BLOCK = 256
 ITEMS = 16
@@ -310,7 +308,7 @@ def _onto_blocks(out, sources, start, stop, dt, idx, v, sizes=None):
     [start, stop)) added to it, in blocks of ONTO_BLOCK elements on the thread pool, each block's entries applied
     while the block is in cache; whether every sum written is finite. ``sizes``: the sources' sizes, where known."""
     if sizes is None:
-        sizes = np.fromiter(map(_SIZE, sources), np.int64, len(sources))
+        sizes = array_sizes(sources)
     ends = np.cumsum(sizes) + start
     begins = ends - sizes
     firsts = np.arange(start, stop, ONTO_BLOCK, dtype=np.int64)
@@ -386,7 +384,7 @@ def scatter_onto_bases(out, bases, dt, idx, vals):
     >>> out.tolist()
     [1.0, 6.0, 7.0, 0.0, 0.0]
     """
-    sizes = np.fromiter(map(_SIZE, bases), np.int64, len(bases))
+    sizes = array_sizes(bases)
     total, held = int(out.size), int(sizes.sum())
     if held != total:
         raise ValueError(f"the bases hold {held} elements, the output {total}")

@@ -32,13 +32,12 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from itertools import pairwise, repeat
-from operator import attrgetter
 
 import numpy as np
 
 from gpu_codec.constants import U32_INDEX_NUMEL, index_dtype
 
-from .elementwise import DT_F32, DT_F64, decoded, delta, nonfinite, score_key, scores_f32
+from .elementwise import DT_F32, DT_F64, array_sizes, decoded, delta, nonfinite, score_key, scores_f32
 from .parallel import parallel_map, thread_count
 
 SAMPLE = 1 << 16  # sampled keys: about one element in SAMPLE_STRIDE, at least SAMPLE_MIN, at most SAMPLE
@@ -81,7 +80,6 @@ PACKED_PARALLEL = 1 << 15  # small tables (per-tensor scope) whose tensors avera
 # 1.15x at 400)
 HIST_BINS = 1 << 10  # a part's histogram of its keys' top 16 bits, counted from lo's up (the last bin takes every
 # higher key): the final threshold is found in one bin's keys instead of by a partition of every candidate
-_SIZE = attrgetter("size")
 _NONNEG = (0, 1, 3)  # criteria whose fp32 score is never negative: its raw bits already sort like the key
 _INF_BITS = np.uint32(0x7F800000)
 _ABS = np.uint32(0x7FFFFFFF)
@@ -674,7 +672,7 @@ def _sample(c: _Call, seg: list[int], n: int) -> np.ndarray:
     fast = c.crit in (0, 3)
     dts, news, bases, res = c.dtypes, c.new, c.base, c.res
     ns = [news[t] for t in seg]
-    starts, rows = _phases(np.fromiter(map(_SIZE, ns), np.int64, len(ns)), stride)
+    starts, rows = _phases(array_sizes(ns), stride)
     batch: dict[tuple, list[int]] = {}  # (dtype, has base, has residual) -> positions in seg of |delta| tensors
     rest = []  # positions of the others (scores, fp64), each sampled alone
     if fast:
@@ -1151,7 +1149,7 @@ def _select_segments(
 
 def _u32_f32(new: list, dtypes: list) -> bool:
     """Whether every tensor's kept entries are uint32 indices and fp32 values (none fp64, none past 2^32)."""
-    return DT_F64 not in dtypes and max(map(_SIZE, new)) <= U32_INDEX_NUMEL
+    return DT_F64 not in dtypes and int(array_sizes(new).max()) <= U32_INDEX_NUMEL
 
 
 def topk_select(

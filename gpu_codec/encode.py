@@ -301,9 +301,9 @@ def compress(
             req = SelectRequest(new_arrays, base_arrays, res_in, res_out, dtype_codes, ext, ext_dt, crit, segments, ks)
             indices, values, bad = backend.topk_select(req)
         if bad is not None:
-            raise InvalidInputError(
-                _bad_input(names[bad], new_arrays[bad], base_arrays[bad], res_in[bad], crit, dtype_codes[bad])
-            )
+            t = bad
+            why = _bad_input(names[t], new_arrays[t], base_arrays[t], res_in[t], crit, score_name, dtype_codes[t])
+            raise InvalidInputError(why)
         if dense:
             records = [
                 TensorRecord(n, dt, shape, "dense", val.size, {"values": val})
@@ -340,11 +340,12 @@ def compress(
 _DELTA_CRITERIA = (dtypes.Criterion.MAGNITUDE, dtypes.Criterion.LARGEST_CHANGE, dtypes.Criterion.SMALLEST_CHANGE)
 
 
-def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int, dt: int) -> str:
-    """Why the selection refused tensor ``name`` (of dtype code ``dt``): a non-finite value; (fp64) a finite delta,
-    or under a criterion that reads the weights a finite weight, whose fp32 score overflows (top-k compares scores
-    in fp32); or a finite update and base whose delta plus the error-feedback residual is not finite (the residual
-    grew past the range: every later round would fail the same way until it is reset)."""
+def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int, score: str, dt: int) -> str:
+    """Why the selection refused tensor ``name`` (of dtype code ``dt``, scored by ``crit``, named ``score``): a
+    non-finite value; (fp64) a finite delta, or under a criterion that reads the weights a finite weight, whose fp32
+    score overflows (top-k compares scores in fp32); or a finite update and base whose delta plus the
+    error-feedback residual is not finite (the residual grew past the range: every later round would fail the same
+    way until it is reset)."""
     backend = get_backend()
     xp = backend.xp
     # the delta in the dtype it is taken in: fp64 as it is, the others as fp32 (the backend's widening of the
@@ -356,7 +357,6 @@ def _bad_input(name: str, new: Any, base: Any, res: Any, crit: int, dt: int) -> 
     if dt == DT_F64 and crit != dtypes.CRIT_EXTERNAL and all_finite(d, DT_F64, xp):
         top = np.finfo(np.float32).max
         if crit not in _DELTA_CRITERIA and bool(xp.all(xp.abs(d) <= top)):  # (the score reads the weights)
-            score = next(k for k, v in dtypes.CRITERIA.items() if v == crit)
             return (
                 f"tensor {name!r}: a float64 weight past the float32 range (|w| > 3.4e38) has no float32 score "
                 f"{score!r} for top-k to compare; compress with score='magnitude', or fraction=None (dense)"

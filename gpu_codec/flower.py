@@ -477,7 +477,7 @@ def compression_mod(
                 saved = context.state.config_records.get(state_key)
                 ef = ErrorFeedback.from_bytes(saved["state"]) if saved is not None else ErrorFeedback()
                 # (the reply is the whole model: a residual of a float array it no longer has is discarded)
-                floats = {n: a for n, a in arrays.items() if a.dtype.name in _FLOAT_NPY}
+                floats = {n: arrays[n] for n in _split_floats(arrays, None)}
                 changed = adapt.restart_if_changed(ef, floats, whole=True)
                 if changed:
                     what = "its error-feedback residual starts over" if not len(ef) else "their residuals are dropped"
